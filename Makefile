@@ -1,0 +1,62 @@
+# addnorm: `make serve` and `make test` do all set-up on a fresh clone.
+PY        ?= python3
+VENV      ?= .venv
+BIN       := $(VENV)/bin
+ARTIFACT  ?= artifacts/default
+HOST      ?= 127.0.0.1
+PORT      ?= 8000
+# torch is pinned: on these machines pip takes the CPU build from local disk. Elsewhere, point pip at the
+# CPU wheel index so no multi-GB CUDA build is pulled: make TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH     ?= torch==2.13.0
+TORCH_INDEX ?=
+PIP_TORCH_FLAGS := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
+
+.PHONY: serve test export parity lint format bench clean help
+
+help:
+	@echo "make serve   create .venv, export $(ARTIFACT) if missing, check parity, serve on $(HOST):$(PORT)"
+	@echo "make test    create .venv and run the test suite"
+	@echo "make export  (re-)export the default artifact into $(ARTIFACT)"
+	@echo "make parity  re-check $(ARTIFACT) and write a report into $(ARTIFACT)/report"
+	@echo "make bench   run the benchmarks (bench/), write bench/results and docs/benchmarks.md"
+	@echo "make lint    ruff check + format check"
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q $(PIP_TORCH_FLAGS) "$(TORCH)"
+	$(BIN)/pip install -q $(PIP_TORCH_FLAGS) -e ".[export,dev]"
+	@touch $@
+
+$(ARTIFACT)/manifest.json: | $(VENV)/.installed
+	$(BIN)/addnorm-export --out $(ARTIFACT)
+
+serve: $(VENV)/.installed $(ARTIFACT)/manifest.json
+	$(BIN)/addnorm-parity $(ARTIFACT)
+	$(BIN)/addnorm-serve --model-dir $(ARTIFACT) --host $(HOST) --port $(PORT)
+
+export: $(VENV)/.installed
+	$(BIN)/addnorm-export --out $(ARTIFACT)
+
+parity: $(VENV)/.installed $(ARTIFACT)/manifest.json
+	$(BIN)/addnorm-parity $(ARTIFACT) --report $(ARTIFACT)/report
+
+# pytest exits 5 when it collects no test, so an empty run fails here too.
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest
+
+bench: $(VENV)/.installed
+	$(BIN)/addnorm-bench
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(VENV)/.installed
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf $(VENV) artifacts .pytest_cache .ruff_cache

@@ -1,0 +1,128 @@
+"""torch Encoder -> self-contained model.onnx with symbolic batch and sequence dims."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+from torch import Tensor, nn
+
+from model.encoder import Encoder
+
+INPUT_NAMES = ("embeddings", "mask")
+OUTPUT_NAME = "encoded"
+STEP_OUTPUT = "add_norm_{}"  # debug graphs: one output per Add & Norm step
+MIN_OPSET = 17  # LayerNormalization entered the standard in opset 17
+DEFAULT_OPSET = 17
+# Example sizes for tracing. Both must be >= 2: a dim traced at size 1 is specialized to 1 by torch.export.
+EXAMPLE_BATCH, EXAMPLE_SEQ = 2, 5
+
+
+class ExportError(RuntimeError):
+    """The exporter failed, or produced a graph that breaks a rule of the artifact format."""
+
+
+class _GraphModule(nn.Module):
+    """What is traced: (embeddings, mask) -> encoded, plus every Add & Norm result when ``with_steps``."""
+
+    def __init__(self, encoder: Encoder, with_steps: bool) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.with_steps = with_steps
+
+    def forward(self, embeddings: Tensor, mask: Tensor) -> Tensor | tuple[Tensor, ...]:
+        if not self.with_steps:
+            return self.encoder(embeddings, mask)
+        steps: list[Tensor] = []
+        out = self.encoder(embeddings, mask, steps)
+        return (out, *steps)
+
+
+def output_names(encoder: Encoder, with_steps: bool) -> list[str]:
+    names = [OUTPUT_NAME]
+    if with_steps:
+        names += [STEP_OUTPUT.format(i) for i in range(encoder.config.num_norms)]
+    return names
+
+
+def export_onnx(
+    encoder: Encoder,
+    path: str | Path,
+    opset: int = DEFAULT_OPSET,
+    with_steps: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> onnx.ModelProto:
+    """Export ``encoder`` (eval mode) to one self-contained ONNX file and return the loaded model."""
+    if opset < MIN_OPSET:
+        raise ExportError(
+            f"opset {opset} has no LayerNormalization operator; use --opset {MIN_OPSET} or newer"
+        )
+    cfg = encoder.config
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
+    if cfg.batch_first:
+        example = torch.randn(EXAMPLE_BATCH, EXAMPLE_SEQ, cfg.d_model, dtype=dtype)
+        emb_dims = {0: batch, 1: seq}
+    else:
+        example = torch.randn(EXAMPLE_SEQ, EXAMPLE_BATCH, cfg.d_model, dtype=dtype)
+        emb_dims = {0: seq, 1: batch}
+    mask = torch.zeros(EXAMPLE_BATCH, EXAMPLE_SEQ, dtype=torch.bool)
+    module = _GraphModule(encoder.eval(), with_steps)
+    path = Path(path)
+    log = io.StringIO()
+    try:
+        # The exporter prints progress and warns about unrelated operator libraries; keep it for errors only.
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(log),
+            contextlib.redirect_stderr(log),
+            _quiet_loggers(),
+            torch.no_grad(),
+        ):
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                module,
+                (example, mask),
+                dynamo=True,
+                input_names=list(INPUT_NAMES),
+                output_names=output_names(encoder, with_steps),
+                dynamic_shapes=(emb_dims, {0: batch, 1: seq}),
+                opset_version=opset,
+                optimize=True,
+                verbose=False,
+            )
+            program.save(path, external_data=False)
+    except Exception as exc:  # the exporter raises many types; all mean the same thing to the user
+        raise ExportError(
+            f"torch.onnx.export failed: {type(exc).__name__}: {exc}\n{log.getvalue()[-4000:]}"
+        ) from exc
+    model = onnx.load(str(path))
+    actual = opset_of(model)
+    if actual != opset:
+        raise ExportError(
+            f"asked for opset {opset} but the exporter wrote opset {actual} "
+            "(the version converter could not convert the graph); choose another --opset"
+        )
+    return model
+
+
+def opset_of(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+@contextlib.contextmanager
+def _quiet_loggers():
+    names = ("torch.onnx", "torch.export", "torch._dynamo", "torch.fx", "onnxscript")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)

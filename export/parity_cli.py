@@ -1,0 +1,76 @@
+"""addnorm-parity: re-check an existing artifact against torch (from its weights.safetensors)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from export.parity import (
+    GRAPH_OPT_LEVELS,
+    ParityReport,
+    adversarial_cases,
+    default_cases,
+    make_session,
+    run_parity,
+)
+from export.weights import CheckpointError, load_weights
+from model.artifact import WEIGHTS_FILE, ArtifactError, load_verified
+from model.encoder import Encoder
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="addnorm-parity",
+        description="Re-run the parity gate on an artifact: onnxruntime vs torch fp32 (and a float64 oracle) on "
+        "random inputs of many sizes, with and without masks. Exits 1 when a case is beyond tolerance.",
+    )
+    p.add_argument(
+        "artifact", type=Path, help="artifact directory (manifest.json, model.onnx, weights.safetensors)"
+    )
+    p.add_argument("--json", action="store_true", help="print the full report as JSON instead of a table")
+    p.add_argument("--report", type=Path, metavar="OUT", help="write parity.json and parity.md into OUT")
+    p.add_argument("--adversarial", action="store_true", help="add the adversarial input suite")
+    p.add_argument("--graph-optimization", choices=list(GRAPH_OPT_LEVELS), default="all",
+                   help="onnxruntime graph optimization level (default all)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=1234, help="seed of the random inputs (default 1234)")
+    return p
+
+
+def check_artifact(directory: Path, adversarial: bool = False, graph_optimization: str = "all",
+                   seed: int = 1234) -> ParityReport:  # fmt: skip
+    manifest, model_path = load_verified(directory)
+    encoder = load_weights(Encoder(manifest.config), directory / WEIGHTS_FILE)
+    cases = default_cases() + (adversarial_cases() if adversarial else [])
+    session = make_session(model_path, graph_optimization)
+    return run_parity(encoder, session, cases, seed=seed, graph_optimization=graph_optimization)
+
+
+def write_report(report: ParityReport, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "parity.json", out / "parity.md"]
+    paths[0].write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    paths[1].write_text(f"# Parity report\n\n```\n{report.table()}\n```\n")
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        report = check_artifact(args.artifact, args.adversarial, args.graph_optimization, args.seed)
+    except (ArtifactError, CheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report.table())
+    if args.report:
+        for path in write_report(report, args.report):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""The artifact directory on disk: manifest.json, model.onnx and its sha256. One schema, one place.
+
+Layout (what export writes and serve reads)::
+
+    model.onnx            the graph, self-contained (no external data file)
+    weights.safetensors   the exact weights exported, so parity can be re-run later
+    manifest.json         this module's Manifest
+
+No torch import: the service reads manifests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from model.config import ConfigError, EncoderConfig
+
+FORMAT_VERSION = 1
+MODEL_FILE = "model.onnx"
+WEIGHTS_FILE = "weights.safetensors"
+MANIFEST_FILE = "manifest.json"
+VARIANTS = ("fp32", "fp16", "int8", "fused")
+
+
+class ArtifactError(RuntimeError):
+    """An artifact directory is missing, incomplete, or does not match its manifest."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A graph input or output. ``shape`` holds ints for fixed dims and names for symbolic ones."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TensorSpec:
+        return cls(name=data["name"], dtype=data["dtype"], shape=tuple(data["shape"]))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """manifest.json: what the artifact is and how it was checked."""
+
+    name: str
+    config: EncoderConfig
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    opset: int
+    model_sha256: str
+    variant: str = "fp32"
+    versions: dict[str, str] = field(default_factory=dict)
+    parity: dict[str, Any] = field(default_factory=dict)
+    created_at: str = ""
+
+    def input(self, name: str) -> TensorSpec:
+        for spec in self.inputs:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "name": self.name,
+            "variant": self.variant,
+            "config": self.config.to_dict(),
+            "opset": self.opset,
+            "inputs": [s.to_dict() for s in self.inputs],
+            "outputs": [s.to_dict() for s in self.outputs],
+            "files": {"model": MODEL_FILE, "weights": WEIGHTS_FILE},
+            "model_sha256": self.model_sha256,
+            "versions": dict(self.versions),
+            "parity": self.parity,
+            "created_at": self.created_at,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Manifest:
+        try:
+            version = data.get("format_version")
+            if version != FORMAT_VERSION:
+                raise ArtifactError(
+                    f"manifest format_version {version!r} is not supported (expected {FORMAT_VERSION})"
+                )
+            variant = data.get("variant", "fp32")
+            if variant not in VARIANTS:
+                raise ArtifactError(f"manifest variant {variant!r} is not one of {VARIANTS}")
+            return cls(
+                name=str(data["name"]),
+                config=EncoderConfig.from_dict(data["config"]),
+                inputs=tuple(TensorSpec.from_dict(s) for s in data["inputs"]),
+                outputs=tuple(TensorSpec.from_dict(s) for s in data["outputs"]),
+                opset=int(data["opset"]),
+                model_sha256=str(data["model_sha256"]),
+                variant=variant,
+                versions=dict(data.get("versions", {})),
+                parity=dict(data.get("parity", {})),
+                created_at=str(data.get("created_at", "")),
+            )
+        except (KeyError, TypeError, ValueError, ConfigError) as exc:
+            if isinstance(exc, ArtifactError):
+                raise
+            raise ArtifactError(f"manifest is malformed: {type(exc).__name__}: {exc}") from exc
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / MANIFEST_FILE
+        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Manifest:
+        path = Path(directory) / MANIFEST_FILE
+        if not path.is_file():
+            raise ArtifactError(
+                f"no {MANIFEST_FILE} in {directory}: export an artifact there first (addnorm-export --out DIR)"
+            )
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ArtifactError(f"{path} is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ArtifactError(f"{path} must hold a JSON object")
+        return cls.from_dict(data)
+
+
+def sha256_file(path: str | Path, chunk_size: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(chunk_size):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_verified(directory: str | Path) -> tuple[Manifest, Path]:
+    """Read the manifest and check that model.onnx is the file it describes. Returns (manifest, model path)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ArtifactError(f"artifact directory {directory} does not exist")
+    manifest = Manifest.load(directory)
+    model_path = directory / MODEL_FILE
+    if not model_path.is_file():
+        raise ArtifactError(f"{model_path} is missing")
+    actual = sha256_file(model_path)
+    if actual != manifest.model_sha256:
+        raise ArtifactError(
+            f"sha256 of {model_path} is {actual} but the manifest says {manifest.model_sha256}: "
+            "the graph was changed after export; re-export it or restore the original file"
+        )
+    return manifest, model_path

@@ -1,0 +1,100 @@
+"""EncoderConfig: the shape of an encoder stack. No torch import: the service reads it too."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ACTIVATIONS = ("relu", "gelu")
+NORMS = ("layer", "rms")
+
+
+class ConfigError(ValueError):
+    """An EncoderConfig field has a value the model cannot be built with."""
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """Hyper-parameters of an encoder stack.
+
+    Field names follow ``torch.nn.TransformerEncoderLayer`` so a config reads the same as the layer it mirrors;
+    ``num_layers`` is the depth of the stack and ``norm`` picks LayerNorm (default) or RMSNorm.
+    """
+
+    d_model: int = 768
+    nhead: int = 12
+    dim_feedforward: int = 3072
+    dropout: float = 0.1
+    activation: str = "relu"
+    layer_norm_eps: float = 1e-5
+    norm_first: bool = False
+    batch_first: bool = True
+    num_layers: int = 1
+    norm: str = "layer"
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "nhead", "dim_feedforward", "num_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.nhead:
+            raise ConfigError(
+                f"d_model ({self.d_model}) must be divisible by nhead ({self.nhead}) "
+                f"so every head gets d_model / nhead features"
+            )
+        if (
+            not isinstance(self.dropout, (int, float))
+            or isinstance(self.dropout, bool)
+            or not 0 <= self.dropout < 1
+        ):
+            raise ConfigError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.norm not in NORMS:
+            raise ConfigError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        eps = self.layer_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+            raise ConfigError(f"layer_norm_eps must be a number in (0, 1), got {eps!r}")
+        for name in ("norm_first", "batch_first"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.nhead
+
+    @property
+    def num_norms(self) -> int:
+        """Normalization nodes in the graph: two Add & Norm steps per layer, plus a final norm for pre-norm."""
+        return 2 * self.num_layers + (1 if self.norm_first else 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EncoderConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"an encoder config must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config field(s) {unknown}; known fields are {sorted(known)}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> EncoderConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config is not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> EncoderConfig:
+        return cls.from_json(Path(path).read_text())

@@ -1,0 +1,174 @@
+"""The encoder block in PyTorch: Add & Norm, self-attention, feed-forward, block and stack.
+
+Parameter names and shapes are those of ``torch.nn.TransformerEncoderLayer`` (``self_attn.in_proj_weight``,
+``linear1``, ``norm1``, ...) and, for a stack, of ``torch.nn.TransformerEncoder`` (``layers.{i}.``, ``norm``),
+so weights trained with PyTorch's own layers load unchanged.
+
+Shapes: B batch, S sequence, E d_model, H heads, D head dim, F feed-forward width.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.config import EncoderConfig
+
+Sublayer = Callable[[Tensor], Tensor]
+
+
+class _AddNormMixin:
+    """Add & Norm around a sublayer, on top of a normalization module (LayerNorm or RMSNorm).
+
+    post-norm (the original Transformer): ``Norm(x + sublayer(x))``
+    pre-norm (``norm_first``):            ``x + sublayer(Norm(x))``
+    The module *is* the norm, so its parameters are ``weight``/``bias`` exactly like ``nn.LayerNorm``'s.
+    """
+
+    def __init__(
+        self,
+        normalized_shape: int | tuple[int, ...],
+        eps: float = 1e-5,
+        norm_first: bool = False,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(normalized_shape, eps=eps, device=device, dtype=dtype)  # type: ignore[call-arg]
+        self.norm_first = norm_first
+
+    def normalize(self, x: Tensor) -> Tensor:
+        return super().forward(x)  # type: ignore[misc]
+
+    def forward(self, x: Tensor, sublayer: Sublayer) -> Tensor:
+        if self.norm_first:
+            return x + sublayer(self.normalize(x))
+        return self.normalize(x + sublayer(x))
+
+
+class AddNorm(_AddNormMixin, nn.LayerNorm):
+    """Residual add and LayerNorm (exported as ONNX ``LayerNormalization``).
+
+    ``normalized_shape`` may cover the last k dims (the seeds normalize over two); the export then uses axis=-k.
+    """
+
+
+class AddRMSNorm(_AddNormMixin, nn.RMSNorm):
+    """Residual add and RMSNorm (exported as ONNX ``RMSNormalization`` at opset 23)."""
+
+
+def make_norm(config: EncoderConfig, add: bool) -> nn.Module:
+    """An Add & Norm step (``add=True``) or a plain norm of the configured kind."""
+    if add:
+        cls = AddNorm if config.norm == "layer" else AddRMSNorm
+        return cls(config.d_model, eps=config.layer_norm_eps, norm_first=config.norm_first)
+    if config.norm == "layer":
+        return nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+    return nn.RMSNorm(config.d_model, eps=config.layer_norm_eps)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with a key padding mask, laid out like ``nn.MultiheadAttention``."""
+
+    def __init__(self, d_model: int, nhead: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.nhead = nhead
+        self.head_dim = d_model // nhead
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * d_model, d_model))  # q, k, v stacked
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * d_model))
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.dropout = nn.Dropout(dropout)
+        nn.init.xavier_uniform_(self.in_proj_weight)  # as nn.MultiheadAttention does
+        nn.init.zeros_(self.out_proj.bias)
+
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        B, S, E = x.shape
+        H, D = self.nhead, self.head_dim
+        w, b = self.in_proj_weight, self.in_proj_bias
+        # Three projections on slices of the stacked weight: the slices fold into constants at export, and no
+        # Split(num_outputs) is emitted (an opset-18 attribute that breaks conversion down to opset 17).
+        q = F.linear(x, w[:E], b[:E]).reshape(B, S, H, D).transpose(1, 2)  # (B, H, S, D)
+        k = F.linear(x, w[E : 2 * E], b[E : 2 * E]).reshape(B, S, H, D).transpose(1, 2)
+        v = F.linear(x, w[2 * E :], b[2 * E :]).reshape(B, S, H, D).transpose(1, 2)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D))  # (B, H, S, S)
+        if key_padding_mask is not None:
+            # The most negative finite value rather than -inf: a row whose keys are all padding then gets
+            # uniform weights instead of 0/0 = NaN, and any real key still outweighs padding completely.
+            scores = scores.masked_fill(key_padding_mask[:, None, None, :], torch.finfo(scores.dtype).min)
+        weights = self.dropout(scores.softmax(dim=-1))
+        out = (weights @ v).transpose(1, 2).reshape(B, S, E)  # (B, S, E)
+        return self.out_proj(out)
+
+
+class EncoderBlock(nn.Module):
+    """One encoder layer: self-attention then feed-forward, each wrapped in Add & Norm.
+
+    Its state_dict has exactly the keys of ``torch.nn.TransformerEncoderLayer`` (feed-forward weights sit at the
+    top level as ``linear1``/``linear2``, as they do there).
+    """
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.self_attn = SelfAttention(config.d_model, config.nhead, config.dropout)
+        self.linear1 = nn.Linear(config.d_model, config.dim_feedforward)
+        self.dropout = nn.Dropout(config.dropout)
+        self.linear2 = nn.Linear(config.dim_feedforward, config.d_model)
+        self.activation = F.relu if config.activation == "relu" else F.gelu  # exact (erf) GELU, as PyTorch's
+        self.norm1 = make_norm(config, add=True)
+        self.norm2 = make_norm(config, add=True)
+        self.dropout1 = nn.Dropout(config.dropout)
+        self.dropout2 = nn.Dropout(config.dropout)
+
+    def feed_forward(self, x: Tensor) -> Tensor:
+        """(B, S, E) -> (B, S, F) -> (B, S, E)."""
+        return self.linear2(self.dropout(self.activation(self.linear1(x))))
+
+    def forward(
+        self, x: Tensor, key_padding_mask: Tensor | None = None, steps: list[Tensor] | None = None
+    ) -> Tensor:
+        """x (B, S, E) -> (B, S, E). Appends each Add & Norm result to ``steps`` when given."""
+        x = self.norm1(x, lambda h: self.dropout1(self.self_attn(h, key_padding_mask)))
+        if steps is not None:
+            steps.append(x)
+        x = self.norm2(x, lambda h: self.dropout2(self.feed_forward(h)))
+        if steps is not None:
+            steps.append(x)
+        return x
+
+
+class Encoder(nn.Module):
+    """A stack of ``num_layers`` blocks, plus a final norm for pre-norm stacks (as ``nn.TransformerEncoder(norm=)``).
+
+    ``forward(embeddings, mask)``: embeddings (B, S, E), or (S, B, E) when ``batch_first`` is false; mask (B, S)
+    bool, true where a position is padding. Returns the encoded tensor in the input's layout.
+    """
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(EncoderBlock(config) for _ in range(config.num_layers))
+        self.norm = make_norm(config, add=False) if config.norm_first else None
+
+    def forward(
+        self, embeddings: Tensor, mask: Tensor | None = None, steps: list[Tensor] | None = None
+    ) -> Tensor:
+        x = embeddings if self.config.batch_first else embeddings.transpose(0, 1)  # (B, S, E)
+        for layer in self.layers:
+            x = layer(x, mask, steps)
+        if self.norm is not None:
+            x = self.norm(x)
+            if steps is not None:
+                steps.append(x)
+        return x if self.config.batch_first else x.transpose(0, 1)
+
+
+def build_encoder(config: EncoderConfig, seed: int | None = 0) -> Encoder:
+    """A deterministic, seeded encoder in eval mode (the default weights of an export)."""
+    if seed is None:
+        return Encoder(config).eval()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Encoder(config).eval()

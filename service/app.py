@@ -1,0 +1,155 @@
+"""create_app(settings): the FastAPI application. Engine errors map to HTTP codes here, in one place."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service import logs
+from service.engine import Engine
+from service.errors import ApiError
+from service.http import ClientGone
+from service.runner import Runner
+from service.settings import Settings
+from service.state import ServiceState
+
+log = logging.getLogger("addnorm.service")
+access_log = logging.getLogger("addnorm.access")
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the app. The model loads in the background after start-up; /health/ready is 503 until it has."""
+    if settings is None:  # factory mode (uvicorn --factory, several workers): configure from the environment
+        settings = Settings()
+        logs.configure(settings.log_level, settings.log_json)
+    state = ServiceState(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loader = asyncio.create_task(_load(state))
+        try:
+            yield
+        finally:
+            loader.cancel()
+            if state.runner is not None:
+                await state.runner.stop()
+
+    app = FastAPI(
+        title="addnorm",
+        summary="A Transformer encoder block (Add & Norm) on onnxruntime",
+        description="`/v1`: a simple JSON (or binary) API. `/v2`: the Open Inference Protocol with the binary "
+        'tensor extension, for tritonclient and other KServe V2 clients. Errors are always `{"error": "..."}`.',
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.addnorm = state
+    from service.routes import router  # routes import state helpers; keep app construction in one place
+
+    app.include_router(router)
+    _install_error_handlers(app)
+    app.add_middleware(_RequestContext, state=state)
+    return app
+
+
+async def _load(state: ServiceState) -> None:
+    s = state.settings
+    try:
+        engine = await asyncio.to_thread(Engine, s.model_dir, s.providers, s.intra_op_threads)
+    except Exception as exc:  # any failure keeps /health/ready at 503 with the reason
+        state.load_error = str(exc)
+        log.error("model failed to load: %s", exc)
+        state.loaded.set()
+        return
+    runner = Runner(
+        engine,
+        max_batch_size=s.max_batch_size,
+        max_batch_tokens=s.max_batch_tokens,
+        max_queue_delay_ms=s.max_queue_delay_ms,
+        max_queue_size=s.max_queue_size,
+        observer=state.metrics,
+    )
+    runner.start()
+    state.engine, state.runner = engine, runner
+    state.loaded.set()
+    log.info("ready: model %s on %s", engine.name, engine.providers)
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        return error_response(exc.status, exc.message, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        parts = [f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()]
+        return error_response(400, "; ".join(parts) or "invalid request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return error_response(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        return error_response(499, "client closed the request")
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error ({type(exc).__name__}); see the server log")
+
+
+class _RequestContext:
+    """Pure ASGI middleware: request id, access log and metrics, without BaseHTTPMiddleware's overhead."""
+
+    def __init__(self, app: ASGIApp, state: ServiceState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = _header(scope, b"x-request-id") or uuid.uuid4().hex[:16]
+        token = logs.request_id.set(rid)
+        start = time.perf_counter()
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            elapsed = time.perf_counter() - start
+            route = scope.get("route")
+            path = getattr(route, "path", "unmatched")
+            self.state.metrics.observe_request(path, scope["method"], status, elapsed)
+            access_log.info("%s %s %d %.1fms", scope["method"], scope["path"], status, elapsed * 1e3)
+            logs.request_id.reset(token)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            text = value.decode("latin-1")[:64]
+            return text if text.isprintable() else None
+    return None

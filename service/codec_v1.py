@@ -1,0 +1,295 @@
+"""/v1 codec: request bodies -> validated numpy batches, and results -> response bodies.
+
+JSON: ``{"embeddings": [...], "mask": optional}`` where embeddings is [seq, d_model], [batch, seq, d_model], or
+a list of sequences of different lengths (padded and masked here; each comes back at its own length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import orjson
+
+from service.errors import BadRequest, PayloadTooLarge
+
+_FIELDS = {"embeddings", "mask"}
+_LITERALS = (b"true", b"false", b"null")
+
+
+@dataclass
+class EncodeRequest:
+    """A decoded /v1 request: a (B, S, E) batch, its mask, and how to shape the answer."""
+
+    embeddings: np.ndarray  # (B, S, E) float32
+    mask: np.ndarray | None  # (B, S) bool, true = padding
+    lengths: list[int] | None = None  # ragged input: each sequence's own length
+    squeeze: bool = False  # input was one [seq, d_model] sequence
+
+    def split(self, encoded: np.ndarray) -> np.ndarray | list[np.ndarray]:
+        """Undo the request's packing: drop the batch dim, or cut each ragged sequence to its length."""
+        if self.lengths is not None:
+            return [encoded[i, :n] for i, n in enumerate(self.lengths)]
+        return encoded[0] if self.squeeze else encoded
+
+
+def parse_json(body: bytes) -> object:
+    if not body:
+        raise BadRequest("request body is empty; send a JSON object")
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        hint = (
+            " (NaN and Infinity are not valid JSON numbers)" if b"NaN" in body or b"Infinity" in body else ""
+        )
+        raise BadRequest(f"malformed JSON: {exc}{hint}") from None
+
+
+def decode_json(body: bytes, d_model: int, max_elements: int) -> EncodeRequest:
+    doc = parse_json(body)
+    if not isinstance(doc, dict):
+        raise BadRequest(f"request body must be a JSON object with 'embeddings', got {type(doc).__name__}")
+    unknown = sorted(set(doc) - _FIELDS)
+    if unknown:
+        raise BadRequest(f"unknown field(s) {unknown}; expected 'embeddings' and optional 'mask'")
+    if "embeddings" not in doc:
+        raise BadRequest("missing field 'embeddings' ([seq, d_model] or [batch, seq, d_model] numbers)")
+    data, mask_data = doc["embeddings"], doc.get("mask")
+    if not isinstance(data, list) or not data:
+        raise BadRequest(
+            "embeddings must be a non-empty array of [seq, d_model] or [batch, seq, d_model] numbers"
+        )
+    # JSON true/false/null in embeddings would pass through numpy as 1/0/object; only the mask may hold them.
+    mask = _decode_mask(mask_data)
+    allowed = (mask.size if mask is not None else 0) + (1 if "mask" in doc and mask_data is None else 0)
+    if sum(body.count(lit) for lit in _LITERALS) > allowed:
+        raise BadRequest("embeddings must hold only numbers (found true, false or null)")
+
+    depth = _depth(data)
+    if depth == 2:
+        x = _to_array(data, "embeddings")[None]  # (1, S, E)
+        req = EncodeRequest(x, mask[None] if mask is not None and mask.ndim == 1 else mask, squeeze=True)
+    elif depth == 3:
+        req = _decode_batch(data, mask, d_model)
+    else:
+        raise BadRequest(
+            f"embeddings must be [seq, d_model], [batch, seq, d_model] or a list of [seq_i, d_model] "
+            f"sequences; got {depth} level(s) of nesting"
+        )
+    check_batch(req.embeddings, req.mask, d_model, max_elements)
+    return req
+
+
+def _decode_batch(data: list, mask: np.ndarray | None, d_model: int) -> EncodeRequest:
+    try:
+        arr = np.array(data)
+    except ValueError:
+        arr = None  # sequences of different lengths, or ragged rows: tell them apart below
+    if arr is not None and arr.dtype != object:
+        return EncodeRequest(_checked_numeric(arr, "embeddings"), mask)
+    seqs = []
+    for i, seq in enumerate(data):
+        if not isinstance(seq, list) or not seq:
+            raise BadRequest(f"embeddings[{i}] must be a non-empty [seq, d_model] array")
+        s = _to_array(seq, f"embeddings[{i}]")
+        if s.ndim != 2:
+            raise BadRequest(f"embeddings[{i}] must be [seq, d_model], got shape {list(s.shape)}")
+        if s.shape[1] != d_model:
+            raise BadRequest(
+                f"embeddings[{i}] has {s.shape[1]} features but the model's d_model is {d_model}"
+            )
+        seqs.append(s)
+    if mask is not None:
+        raise BadRequest(
+            "mask cannot be given with sequences of different lengths: they are masked automatically"
+        )
+    lengths = [len(s) for s in seqs]
+    x = np.zeros((len(seqs), max(lengths), d_model), dtype=np.float32)
+    pad = np.ones((len(seqs), max(lengths)), dtype=bool)
+    for i, s in enumerate(seqs):
+        x[i, : len(s)] = s
+        pad[i, : len(s)] = False
+    return EncodeRequest(x, pad, lengths=lengths)
+
+
+def _to_array(data: list, what: str) -> np.ndarray:
+    try:
+        arr = np.array(data)
+    except ValueError:
+        raise BadRequest(f"{what} is ragged: its rows have different lengths") from None
+    return _checked_numeric(arr, what)
+
+
+def _checked_numeric(arr: np.ndarray, what: str) -> np.ndarray:
+    if arr.dtype == object:
+        raise BadRequest(f"{what} is ragged or holds non-numbers")
+    if arr.dtype.kind not in "iuf":
+        raise BadRequest(f"{what} must hold only numbers, found {_kind_name(arr.dtype)}")
+    with np.errstate(over="ignore"):
+        out = arr.astype(np.float32)
+    return out
+
+
+def _decode_mask(mask_data: object) -> np.ndarray | None:
+    if mask_data is None:
+        return None
+    if not isinstance(mask_data, list) or not mask_data:
+        raise BadRequest("mask must be a non-empty array of booleans ([seq] or [batch, seq]; true = padding)")
+    try:
+        mask = np.array(mask_data)
+    except ValueError:
+        raise BadRequest("mask is ragged: its rows have different lengths") from None
+    if mask.dtype != bool:
+        raise BadRequest("mask must hold only true/false (true = padding)")
+    if mask.ndim not in (1, 2):
+        raise BadRequest(f"mask must be [seq] or [batch, seq], got shape {list(mask.shape)}")
+    return mask
+
+
+def check_batch(x: np.ndarray, mask: np.ndarray | None, d_model: int, max_elements: int) -> None:
+    """Checks every decoder shares: rank, d_model, size limit, finiteness, mask shape."""
+    if x.ndim != 3:
+        raise BadRequest(f"embeddings must be [batch, seq, d_model], got shape {list(x.shape)}")
+    if x.shape[-1] != d_model:
+        raise BadRequest(f"embeddings last dimension is {x.shape[-1]} but the model's d_model is {d_model}")
+    if x.size == 0:
+        raise BadRequest(f"embeddings is empty (shape {list(x.shape)})")
+    if x.size > max_elements:
+        raise PayloadTooLarge(
+            f"embeddings has {x.size} elements, above this server's limit of {max_elements} "
+            "(ADDNORM_MAX_ELEMENTS); split the batch"
+        )
+    if not np.isfinite(x).all():
+        raise BadRequest("embeddings must be finite: found NaN or Infinity, or a value too large for float32")
+    if mask is not None and mask.shape != x.shape[:2]:
+        raise BadRequest(
+            f"mask shape {list(mask.shape)} does not match embeddings [batch, seq] {list(x.shape[:2])}"
+        )
+
+
+def encode_json(result: np.ndarray | list[np.ndarray], model: str) -> bytes:
+    """The /v1 JSON answer. orjson writes numpy arrays directly: no Python lists are built."""
+    if isinstance(result, list):
+        shape: list = [list(r.shape) for r in result]
+    else:
+        shape = list(result.shape)
+    return orjson.dumps(
+        {"encoded": result, "shape": shape, "model": model}, option=orjson.OPT_SERIALIZE_NUMPY
+    )
+
+
+def _depth(data: object) -> int:
+    depth = 0
+    while isinstance(data, list):
+        depth += 1
+        data = data[0] if data else None
+    return depth
+
+
+def _kind_name(dtype: np.dtype) -> str:
+    return {"b": "booleans", "U": "strings", "S": "bytes"}.get(dtype.kind, f"values of type {dtype}")
+
+
+# --- binary bodies (curl users): raw float32 with the shape in a header, or a .npy file ----------------------
+
+SHAPE_HEADER = "x-shape"  # e.g. "2,128,768"
+LENGTHS_HEADER = "x-lengths"  # optional: each row's valid length; positions past it are padding
+JSON, OCTET, NPY = "application/json", "application/octet-stream", "application/x-npy"
+
+
+def decode(
+    content_type: str, body: bytes, headers: dict[str, str] | None, d_model: int, max_elements: int
+) -> EncodeRequest:
+    """Decode a /v1 body by its media type (JSON when none is given)."""
+    media = (content_type or JSON).split(";")[0].strip().lower()
+    headers = headers or {}
+    # curl -d sends application/x-www-form-urlencoded unless told otherwise: read it as the JSON it is.
+    if media in (JSON, "text/json", "text/plain", "application/x-www-form-urlencoded", ""):
+        return decode_json(body, d_model, max_elements)
+    if media == OCTET:
+        x = _decode_raw(body, headers.get(SHAPE_HEADER))
+    elif media == NPY:
+        x = _decode_npy(body)
+    else:
+        from service.errors import UnsupportedMediaType
+
+        raise UnsupportedMediaType(f"unsupported Content-Type {media!r}; use {JSON}, {OCTET} or {NPY}")
+    squeeze = x.ndim == 2
+    if squeeze:
+        x = x[None]
+    mask = _lengths_mask(headers.get(LENGTHS_HEADER), x.shape) if x.ndim == 3 else None
+    check_batch(x, mask, d_model, max_elements)
+    return EncodeRequest(x, mask, squeeze=squeeze)
+
+
+def _decode_raw(body: bytes, shape_header: str | None) -> np.ndarray:
+    if not shape_header:
+        raise BadRequest(
+            f"{OCTET} bodies need an X-Shape header, e.g. 'X-Shape: 2,128,768' ([batch,] seq, d_model)"
+        )
+    try:
+        shape = tuple(int(d) for d in shape_header.split(","))
+    except ValueError:
+        raise BadRequest(f"X-Shape must be comma-separated integers, got {shape_header!r}") from None
+    if len(shape) not in (2, 3) or min(shape) <= 0:
+        raise BadRequest(
+            f"X-Shape must be 2 or 3 positive integers ([batch,] seq, d_model), got {list(shape)}"
+        )
+    expected = int(np.prod(shape)) * 4
+    if len(body) != expected:
+        raise BadRequest(f"body has {len(body)} bytes but X-Shape {list(shape)} of float32 needs {expected}")
+    return np.frombuffer(body, dtype="<f4").reshape(shape)  # zero-copy view
+
+
+def _decode_npy(body: bytes) -> np.ndarray:
+    import io
+
+    try:
+        arr = np.load(io.BytesIO(body), allow_pickle=False)
+    except Exception as exc:  # numpy raises ValueError/OSError/EOFError for bad .npy data
+        raise BadRequest(f"body is not a valid .npy array: {exc}") from None
+    if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iuf":
+        raise BadRequest(f".npy array must hold numbers, got dtype {getattr(arr, 'dtype', type(arr))}")
+    if arr.ndim not in (2, 3):
+        raise BadRequest(
+            f".npy array must be [seq, d_model] or [batch, seq, d_model], got shape {list(arr.shape)}"
+        )
+    return arr.astype(np.float32, copy=False)
+
+
+def _lengths_mask(header: str | None, shape: tuple[int, ...]) -> np.ndarray | None:
+    if not header:
+        return None
+    try:
+        lengths = np.array([int(n) for n in header.split(",")])
+    except ValueError:
+        raise BadRequest(f"X-Lengths must be comma-separated integers, got {header!r}") from None
+    b, s = shape[0], shape[1]
+    if lengths.shape != (b,) or (lengths < 1).any() or (lengths > s).any():
+        raise BadRequest(f"X-Lengths must give {b} length(s), each in 1..{s}, got {header!r}")
+    return np.arange(s)[None, :] >= lengths[:, None]
+
+
+def negotiate(accept: str | None) -> str:
+    """The response media type for an Accept header (JSON unless a binary type is asked for)."""
+    if not accept:
+        return JSON
+    for part in accept.split(","):
+        media = part.split(";")[0].strip().lower()
+        if media in (JSON, OCTET, NPY):
+            return media
+        if media in ("*/*", "application/*"):
+            return JSON
+    from service.errors import NotAcceptable
+
+    raise NotAcceptable(f"cannot answer with {accept!r}; acceptable: {JSON}, {OCTET}, {NPY}")
+
+
+def encode_binary(result: np.ndarray, media: str) -> bytes:
+    if media == NPY:
+        import io
+
+        buf = io.BytesIO()
+        np.save(buf, result.astype("<f4", copy=False), allow_pickle=False)
+        return buf.getvalue()
+    return result.astype("<f4", copy=False).tobytes()

@@ -1,0 +1,149 @@
+"""The inference engine: one onnxruntime session over a verified artifact, with explicit provider choice."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from model.artifact import ArtifactError, Manifest, load_verified
+from service.errors import BadRequest
+
+log = logging.getLogger("addnorm.engine")
+
+CPU = "CPUExecutionProvider"
+CUDA = "CUDAExecutionProvider"
+
+
+class EngineError(RuntimeError):
+    """The engine cannot start: bad artifact, or the requested provider is not usable."""
+
+
+def resolve_providers(requested: str, available: list[str]) -> list[str]:
+    """Map ``auto|cpu|cuda`` to an onnxruntime provider list. ``cuda`` never falls back silently."""
+    if requested == "cpu":
+        return [CPU]
+    if requested == "cuda":
+        if CUDA not in available:
+            raise EngineError(
+                f"--providers cuda: CUDAExecutionProvider is not available (onnxruntime offers {available}). "
+                "Install the GPU build (pip install 'addnorm[gpu]', then remove the CPU 'onnxruntime' package, "
+                "which shadows it) on a machine with an NVIDIA driver, or use --providers cpu/auto."
+            )
+        return [CUDA, CPU]
+    if requested == "auto":
+        return [CUDA, CPU] if CUDA in available else [CPU]
+    raise EngineError(f"unknown providers setting {requested!r}; use auto, cpu or cuda")
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on (hyper-threads share a core's GEMM units)."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+    cores = set()
+    try:
+        cpu, phys = None, "0"
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "processor":
+                    cpu = int(value)
+                elif key == "physical id":
+                    phys = value
+                elif key == "core id" and cpu in allowed:
+                    cores.add((phys, value))
+    except (OSError, ValueError):
+        cores = set()
+    return max(1, min(len(cores) or len(allowed), len(allowed)))
+
+
+def default_threads(workers: int = 1) -> int:
+    return max(1, physical_cores() // max(1, workers))
+
+
+class Engine:
+    """Runs the artifact's graph: ``run(embeddings (B, S, E), mask (B, S)) -> encoded (B, S, E)``."""
+
+    def __init__(self, model_dir: str | Path, providers: str = "auto", intra_op_threads: int = 0) -> None:
+        try:
+            self.manifest, model_path = load_verified(model_dir)
+        except ArtifactError as exc:
+            raise EngineError(str(exc)) from exc
+        wanted = resolve_providers(providers, ort.get_available_providers())
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = intra_op_threads or default_threads()
+        opts.inter_op_num_threads = 1
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.log_severity_level = 3
+        self.session = ort.InferenceSession(str(model_path), opts, providers=wanted)
+        self.providers = self.session.get_providers()
+        if wanted[0] == CUDA and self.providers[0] != CUDA:
+            # onnxruntime drops CUDA without an error when its libraries fail to load; make that loud.
+            if providers == "cuda":
+                raise EngineError(
+                    "CUDAExecutionProvider is installed but failed to initialize (CUDA/cuDNN libraries missing "
+                    f"or no GPU); session providers are {self.providers}. Refusing to fall back to CPU."
+                )
+            log.warning("CUDA is installed but failed to initialize; serving on %s", self.providers)
+        self.threads = opts.intra_op_num_threads
+        spec = self.manifest.input("embeddings")
+        self.input_dtype = np.dtype(np.float16 if spec.dtype == "float16" else np.float32)
+        self.d_model = self.manifest.config.d_model
+        self.batch_first = self.manifest.config.batch_first
+        self.output_names = [o.name for o in self.session.get_outputs()][:1]
+        log.info(
+            "loaded %s (%s, opset %d) from %s on %s with %d intra-op threads",
+            self.manifest.name, self.manifest.variant, self.manifest.opset, model_dir, self.providers, self.threads,
+        )  # fmt: skip
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+    def check(self, embeddings: np.ndarray, mask: np.ndarray | None) -> None:
+        """Validate a batch against the model; raises BadRequest naming the problem."""
+        if embeddings.ndim != 3:
+            raise BadRequest(
+                f"embeddings must be rank 3 [batch, seq, d_model], got shape {list(embeddings.shape)}"
+            )
+        b, s, e = embeddings.shape
+        if e != self.d_model:
+            raise BadRequest(f"embeddings last dimension is {e} but the model's d_model is {self.d_model}")
+        if b == 0 or s == 0:
+            raise BadRequest(f"embeddings is empty (shape {list(embeddings.shape)})")
+        if mask is not None and mask.shape != (b, s):
+            raise BadRequest(
+                f"mask shape {list(mask.shape)} does not match embeddings [batch, seq] = {[b, s]}"
+            )
+
+    def run(self, embeddings: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+        """embeddings (B, S, E) batch-first -> encoded (B, S, E) float32. Padding positions come back too."""
+        b, s, _ = embeddings.shape
+        if mask is None:
+            mask = np.zeros((b, s), dtype=bool)
+        x = embeddings.astype(self.input_dtype, copy=False)
+        if not self.batch_first:
+            x = x.transpose(1, 0, 2)  # the graph takes (S, B, E)
+        (out,) = self.session.run(self.output_names, {"embeddings": np.ascontiguousarray(x), "mask": mask})
+        if not self.batch_first:
+            out = out.transpose(1, 0, 2)
+        return np.ascontiguousarray(out, dtype=np.float32)
+
+    def describe(self) -> dict:
+        """The manifest plus what is running it (for GET /v1/model)."""
+        return {**self.manifest.to_dict(), "providers": self.providers, "intra_op_threads": self.threads}
+
+
+def check_artifact(model_dir: str | Path) -> Manifest:
+    """Fail fast (before binding a port) on a missing or tampered artifact."""
+    try:
+        manifest, _ = load_verified(model_dir)
+    except ArtifactError as exc:
+        raise EngineError(str(exc)) from exc
+    return manifest

@@ -1,0 +1,74 @@
+"""Request plumbing shared by the API routes: bounded body reads, disconnect-aware inference, timing headers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+from fastapi import Request
+
+from service.errors import ApiError, PayloadTooLarge
+from service.runner import Timings
+from service.state import ServiceState
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, refusing more than ``max_bytes`` before reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise ApiError("Content-Length is not a number") from None
+        if size > max_bytes:
+            raise PayloadTooLarge(
+                f"request body of {size} bytes is above the limit of {max_bytes} (ADDNORM_MAX_BODY_BYTES)"
+            )
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > max_bytes:
+            raise PayloadTooLarge(
+                f"request body is above the limit of {max_bytes} bytes (ADDNORM_MAX_BODY_BYTES)"
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def infer(
+    request: Request, state: ServiceState, x: np.ndarray, mask: np.ndarray | None
+) -> tuple[np.ndarray, Timings]:
+    """Validate against the model, then queue for inference; drop the request if its client goes away."""
+    assert state.engine is not None and state.runner is not None
+    state.engine.check(x, mask)
+    job = asyncio.ensure_future(state.runner.infer(x, mask, state.settings.request_timeout_s))
+    watch = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({job, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if job in done:
+        return job.result()
+    job.cancel()
+    raise ClientGone
+
+
+async def _until_disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def timing_headers(timings: Timings, total_s: float) -> dict[str, str]:
+    """Server-Timing plus plain headers, in milliseconds."""
+    q, i, t = timings.queue_s * 1e3, timings.infer_s * 1e3, total_s * 1e3
+    return {
+        "Server-Timing": f"queue;dur={q:.3f}, infer;dur={i:.3f}, total;dur={t:.3f}",
+        "X-Queue-Time-Ms": f"{q:.3f}",
+        "X-Inference-Time-Ms": f"{i:.3f}",
+        "X-Total-Time-Ms": f"{t:.3f}",
+    }

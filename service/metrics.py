@@ -1,0 +1,54 @@
+"""Prometheus metrics, one registry per app (so several apps in one process never clash)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "addnorm_requests", "HTTP requests", ["route", "method", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "addnorm_request_duration_seconds",
+            "HTTP request latency",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inference = Histogram(
+            "addnorm_inference_duration_seconds", "time of one model run (one batch)", buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.batch_rows = Histogram(
+            "addnorm_batch_size", "rows per model run", buckets=_BATCH_BUCKETS, registry=r
+        )
+        self.batch_requests = Histogram(
+            "addnorm_batch_requests", "requests merged per model run", buckets=_BATCH_BUCKETS, registry=r
+        )
+        self.queue = Gauge("addnorm_queue_depth", "requests waiting for a model run", registry=r)
+
+    # RunnerObserver
+    def batch_done(self, rows: int, requests: int, seconds: float) -> None:
+        self.inference.observe(seconds)
+        self.batch_rows.observe(rows)
+        self.batch_requests.observe(requests)
+
+    def queue_depth(self, depth: int) -> None:
+        self.queue.set(depth)
+
+    def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
+        self.requests.labels(route, method, str(status)).inc()
+        self.latency.labels(route).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,9 @@
+"""HTTP routes, gathered in one place."""
+
+from fastapi import APIRouter
+
+from service.routes import health, v1
+
+router = APIRouter()
+router.include_router(health.router)
+router.include_router(v1.router)

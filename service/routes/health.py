@@ -1,0 +1,34 @@
+"""Liveness, readiness and metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+
+from service.state import State
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/health/live", summary="The process is up")
+async def live() -> dict:
+    return {"status": "live"}
+
+
+@router.get(
+    "/health/ready",
+    summary="The model is loaded and accepting requests (503 until then)",
+    responses={503: {"description": "still loading, or failed to load", "content": {"application/json": {}}}},
+)
+async def ready(state: State) -> Response:
+    if not state.ready:
+        return JSONResponse(
+            {"error": state.not_ready_message()}, status_code=503, headers={"Retry-After": "1"}
+        )
+    assert state.engine is not None
+    return JSONResponse({"status": "ready", "model": state.engine.name, "providers": state.engine.providers})
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+async def metrics(state: State) -> Response:
+    return Response(state.metrics.render(), media_type=state.metrics.content_type)

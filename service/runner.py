@@ -1,0 +1,221 @@
+"""Runs inference off the event loop, merging concurrent requests into one batch (dynamic batching).
+
+One scheduler task takes requests from a bounded queue, merges those that arrive within ``max_queue_delay_ms``
+along the batch dimension (up to ``max_batch_size`` rows and ``max_batch_tokens`` batch x seq positions; shorter
+sequences are padded and masked), runs the batch on one dedicated thread, and hands each request back exactly
+its own rows. ``max_batch_size=1`` turns merging off; everything else (queue, timeouts) stays the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from service.errors import ApiError, Overloaded, Timeout, Unavailable
+
+log = logging.getLogger("addnorm.runner")
+
+
+class Model(Protocol):
+    def run(self, embeddings: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray: ...
+
+
+class RunnerObserver(Protocol):
+    def batch_done(self, rows: int, requests: int, seconds: float) -> None: ...
+    def queue_depth(self, depth: int) -> None: ...
+
+
+@dataclass
+class Timings:
+    queue_s: float = 0.0
+    infer_s: float = 0.0
+
+
+@dataclass
+class _Item:
+    x: np.ndarray  # (b, s, E)
+    mask: np.ndarray | None  # (b, s)
+    future: asyncio.Future
+    enqueued: float = field(default_factory=time.perf_counter)
+    timings: Timings = field(default_factory=Timings)
+
+    @property
+    def rows(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def seq(self) -> int:
+        return self.x.shape[1]
+
+    @property
+    def solo(self) -> bool:
+        """A row that is all padding attends uniformly over its padding, so its (defined, meaningless) output
+        depends on the padded length: such a request runs alone so that batching never changes its answer."""
+        return self.mask is not None and bool(self.mask.all(axis=1).any())
+
+
+class Runner:
+    """``await runner.infer(x, mask)`` -> (encoded, timings). Start with ``start()``, stop with ``stop()``."""
+
+    def __init__(
+        self,
+        model: Model,
+        max_batch_size: int = 32,
+        max_batch_tokens: int = 8192,
+        max_queue_delay_ms: float = 2.0,
+        max_queue_size: int = 256,
+        observer: RunnerObserver | None = None,
+    ) -> None:
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_delay = max_queue_delay_ms / 1000.0
+        self.max_queue_size = max_queue_size
+        self.observer = observer
+        self._queue: collections.deque[_Item] = collections.deque()
+        self._wakeup = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="addnorm-infer")
+        self._task: asyncio.Task | None = None
+        self._closed = False
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._schedule(), name="addnorm-batcher")
+
+    async def stop(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        while self._queue:
+            item = self._queue.popleft()
+            if not item.future.done():
+                item.future.set_exception(Unavailable("server is shutting down"))
+        self._executor.shutdown(wait=True)
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    async def infer(
+        self, x: np.ndarray, mask: np.ndarray | None, timeout: float | None = None
+    ) -> tuple[np.ndarray, Timings]:
+        """Queue one (b, s, E) request and wait for its rows. Raises Overloaded, Timeout or Unavailable."""
+        if self._closed:
+            raise Unavailable("server is shutting down")
+        if len(self._queue) >= self.max_queue_size:
+            raise Overloaded(
+                f"server is at capacity ({self.max_queue_size} requests queued); retry shortly",
+                headers={"Retry-After": "1"},
+            )
+        item = _Item(x, mask, asyncio.get_running_loop().create_future())
+        self._queue.append(item)
+        self._observe_depth()
+        self._wakeup.set()
+        try:
+            result = await asyncio.wait_for(asyncio.shield(item.future), timeout)
+        except asyncio.TimeoutError:
+            item.future.cancel()  # not run yet: the scheduler skips it; running: its rows are dropped
+            raise Timeout(f"request not answered within {timeout:g} s (ADDNORM_REQUEST_TIMEOUT_S)") from None
+        except asyncio.CancelledError:
+            item.future.cancel()  # the client went away: do not run it
+            raise
+        return result, item.timings
+
+    def _observe_depth(self) -> None:
+        if self.observer is not None:
+            self.observer.queue_depth(len(self._queue))
+
+    async def _schedule(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._next_batch()
+            if not batch:
+                continue
+            started = time.perf_counter()
+            for item in batch:
+                item.timings.queue_s = started - item.enqueued
+            x, mask = _merge(batch)
+            try:
+                out = await loop.run_in_executor(self._executor, self.model.run, x, mask)
+            except ApiError as exc:
+                _fail(batch, exc)
+                continue
+            except Exception as exc:  # an engine failure must not kill the scheduler
+                log.exception("inference failed for a batch of %d request(s)", len(batch))
+                _fail(batch, ApiError(f"inference failed: {type(exc).__name__}", status=500))
+                continue
+            elapsed = time.perf_counter() - started
+            row = 0
+            for item in batch:
+                item.timings.infer_s = elapsed
+                if not item.future.done():
+                    item.future.set_result(out[row : row + item.rows, : item.seq])
+                row += item.rows
+            if self.observer is not None:
+                self.observer.batch_done(x.shape[0], len(batch), elapsed)
+
+    async def _next_batch(self) -> list[_Item]:
+        """Wait for a first request, then up to max_delay for more, and take what fits."""
+        while not self._queue:
+            self._wakeup.clear()
+            await self._wakeup.wait()
+        if self.max_batch_size > 1 and self.max_delay > 0:
+            deadline = time.perf_counter() + self.max_delay
+            while sum(i.rows for i in self._queue) < self.max_batch_size:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    break
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), left)
+                except asyncio.TimeoutError:
+                    break
+        batch: list[_Item] = []
+        rows = seq = 0
+        while self._queue:
+            item = self._queue[0]
+            if item.future.done():  # timed out or client gone before it ran
+                self._queue.popleft()
+                continue
+            new_rows, new_seq = rows + item.rows, max(seq, item.seq)
+            full = new_rows > self.max_batch_size or new_rows * new_seq > self.max_batch_tokens
+            if batch and (full or item.solo or batch[0].solo):
+                break
+            batch.append(self._queue.popleft())
+            rows, seq = new_rows, new_seq
+        self._observe_depth()
+        return batch
+
+
+def _merge(batch: list[_Item]) -> tuple[np.ndarray, np.ndarray | None]:
+    """Stack requests along the batch dim, padding shorter sequences and masking the padding."""
+    if len(batch) == 1:
+        return batch[0].x, batch[0].mask
+    seq = max(i.seq for i in batch)
+    rows = sum(i.rows for i in batch)
+    e = batch[0].x.shape[2]
+    if all(i.seq == seq for i in batch) and all(i.mask is None for i in batch):
+        return np.concatenate([i.x for i in batch]), None
+    x = np.zeros((rows, seq, e), dtype=batch[0].x.dtype)
+    mask = np.ones((rows, seq), dtype=bool)
+    r = 0
+    for i in batch:
+        x[r : r + i.rows, : i.seq] = i.x
+        mask[r : r + i.rows, : i.seq] = False if i.mask is None else i.mask
+        r += i.rows
+    return x, mask
+
+
+def _fail(batch: list[_Item], exc: Exception) -> None:
+    for item in batch:
+        if not item.future.done():
+            item.future.set_exception(exc)

@@ -1,0 +1,49 @@
+import json
+
+import pytest
+
+from model.artifact import ArtifactError, Manifest, load_verified, sha256_file
+
+
+def test_manifest_round_trip(tiny_artifact):
+    manifest = Manifest.load(tiny_artifact)
+    assert Manifest.from_dict(manifest.to_dict()) == manifest
+    assert manifest.name == "encoder" and manifest.variant == "fp32" and manifest.opset >= 17
+    assert [s.name for s in manifest.inputs] == ["embeddings", "mask"]
+    assert manifest.model_sha256 == sha256_file(tiny_artifact / "model.onnx")
+
+
+def test_tampered_graph_is_refused(tiny_artifact, tmp_path):
+    copy = tmp_path / "a"
+    copy.mkdir()
+    for name in ("manifest.json", "model.onnx", "weights.safetensors"):
+        (copy / name).write_bytes((tiny_artifact / name).read_bytes())
+    with open(copy / "model.onnx", "ab") as fh:
+        fh.write(b"\0")
+    with pytest.raises(ArtifactError, match="sha256"):
+        load_verified(copy)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [("{", "not valid JSON"), ("[]", "JSON object"), ('{"format_version": 99}', "format_version"),
+     ('{"format_version": 1, "name": "x"}', "malformed")],
+)  # fmt: skip
+def test_bad_manifests_name_the_problem(tmp_path, content, message):
+    (tmp_path / "manifest.json").write_text(content)
+    with pytest.raises(ArtifactError, match=message):
+        Manifest.load(tmp_path)
+
+
+def test_missing_artifact_says_how_to_make_one(tmp_path):
+    with pytest.raises(ArtifactError, match="does not exist"):
+        load_verified(tmp_path / "nope")
+    with pytest.raises(ArtifactError, match="addnorm-export"):
+        load_verified(tmp_path)
+
+
+def test_manifest_is_plain_json(tiny_artifact):
+    doc = json.loads((tiny_artifact / "manifest.json").read_text())
+    assert doc["parity"]["passed"] is True
+    assert doc["parity"]["max_abs_err"] <= 1e-5
+    assert {"torch", "onnx", "onnxruntime"} <= set(doc["versions"])

@@ -1,0 +1,139 @@
+"""The HTTP API in-process: health, /v1, and error mapping (every error is JSON {"error": ...})."""
+
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+from fastapi.testclient import TestClient
+
+from service import create_app
+from service.settings import Settings
+
+
+def wait_ready(client: TestClient, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while client.get("/health/ready").status_code != 200:
+        assert time.monotonic() < deadline, "not ready"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def client(tiny_artifact: Path):
+    app = create_app(Settings(model_dir=tiny_artifact, max_elements=10_000, max_body_bytes=200_000))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        wait_ready(c)
+        yield c
+
+
+def test_ready_is_503_until_loaded_and_names_a_failed_load(tmp_path):
+    app = create_app(Settings(model_dir=tmp_path / "missing"))
+    c = TestClient(app)  # lifespan not started: nothing loaded
+    r = c.get("/health/ready")
+    assert r.status_code == 503 and r.json() == {"error": "model is loading"}
+    assert c.get("/health/live").status_code == 200
+    with TestClient(app) as c:
+        deadline = time.monotonic() + 10
+        while "failed" not in c.get("/health/ready").json()["error"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        r = c.post("/v1/encode", json={"embeddings": [[0.0] * 32]})
+        assert r.status_code == 503 and "does not exist" in r.json()["error"]
+
+
+def test_encode_json(client):
+    x = np.random.default_rng(0).standard_normal((2, 5, 32)).astype(np.float32)
+    r = client.post("/v1/encode", json={"embeddings": x.tolist()})
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["shape"] == [2, 5, 32] and doc["model"] == "encoder"
+    assert np.isfinite(np.array(doc["encoded"])).all()
+    for h in ("server-timing", "x-inference-time-ms", "x-queue-time-ms", "x-request-id"):
+        assert h in r.headers
+
+
+def test_encode_single_sequence_and_ragged(client):
+    r = client.post("/v1/encode", json={"embeddings": [[0.1] * 32, [0.2] * 32]})
+    assert r.json()["shape"] == [2, 32]
+    r = client.post("/v1/encode", json={"embeddings": [[[0.1] * 32], [[0.2] * 32] * 3]})
+    assert r.json()["shape"] == [[1, 32], [3, 32]]
+    assert [len(s) for s in r.json()["encoded"]] == [1, 3]
+
+
+def test_ragged_equals_each_sequence_alone(client):
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((2, 32)).tolist(), rng.standard_normal((4, 32)).tolist()
+    both = client.post("/v1/encode", json={"embeddings": [a, b]}).json()["encoded"]
+    alone = [client.post("/v1/encode", json={"embeddings": s}).json()["encoded"] for s in (a, b)]
+    for got, want in zip(both, alone, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_binary_in_and_out(client):
+    x = np.random.default_rng(2).standard_normal((1, 3, 32)).astype("<f4")
+    r = client.post("/v1/encode", content=x.tobytes(),
+                    headers={"content-type": "application/octet-stream", "x-shape": "1,3,32",
+                             "accept": "application/octet-stream"})  # fmt: skip
+    assert r.status_code == 200 and r.headers["x-shape"] == "1,3,32"
+    binary = np.frombuffer(r.content, dtype="<f4").reshape(1, 3, 32)
+    js = np.array(
+        client.post("/v1/encode", json={"embeddings": x.tolist()}).json()["encoded"], dtype=np.float32
+    )
+    np.testing.assert_array_equal(binary, js)
+
+
+BAD_REQUESTS = [
+    (b'{"embeddings": [[1, 2]]}', 400, "d_model is 32"),
+    (b'{"embeddings": [[[1, 2], [1]]]}', 400, "ragged"),
+    (b'{"embeddings": [["x"]]}', 400, "only numbers"),
+    (b'{"embeddings": [[NaN]]}', 400, "NaN"),
+    (b'{"embeddings": [[Infinity]]}', 400, "NaN"),
+    (b'{"embeddings": []}', 400, "non-empty"),
+    (b'{"embeddings": [[[[1]]]]}', 400, "nesting"),
+    (b'{"embedding": [[1]]}', 400, "unknown field"),
+    (b'{"mask": [true]}', 400, "missing field"),
+    (b"{", 400, "malformed JSON"),
+    (b"", 400, "empty"),
+    (orjson.dumps({"embeddings": [[[0.0] * 32] * 100] * 4}), 413, "limit"),
+    (b"[" * 150_000 + b"]" * 150_000, 413, "body"),
+    (b'{"embeddings": ' + b"[" * 500 + b"]" * 500 + b"}", 400, "nesting"),
+    (b"[" * 5000 + b"]" * 5000, 400, "malformed JSON"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "message"), BAD_REQUESTS)
+def test_bad_requests_get_a_4xx_json_error(client, body, status, message):
+    r = client.post("/v1/encode", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    assert set(r.json()) == {"error"}
+    import re
+
+    assert re.search(message, r.json()["error"]), r.json()
+    assert client.get("/health/ready").status_code == 200  # still up
+
+
+def test_routing_errors_are_json(client):
+    r = client.get("/nope")
+    assert r.status_code == 404 and r.json() == {"error": "Not Found"}
+    r = client.get("/v1/encode")
+    assert r.status_code == 405 and "error" in r.json()
+    r = client.post("/v1/encode", content=b"x", headers={"content-type": "text/csv"})
+    assert r.status_code == 415 and "Content-Type" in r.json()["error"]
+    r = client.post("/v1/encode", json={"embeddings": [[0.0] * 32]}, headers={"accept": "text/html"})
+    assert r.status_code == 406
+
+
+def test_model_and_metrics(client):
+    doc = client.get("/v1/model").json()
+    assert doc["name"] == "encoder" and doc["providers"] == ["CPUExecutionProvider"]
+    assert doc["config"]["d_model"] == 32 and doc["parity"]["passed"]
+    text = client.get("/metrics").text
+    assert 'addnorm_requests_total{method="POST",route="/v1/encode",status="200"}' in text
+    assert "addnorm_batch_size_bucket" in text and "addnorm_queue_depth" in text
+
+
+def test_openapi_describes_the_encode_body(client):
+    spec = client.get("/openapi.json").json()
+    body = spec["paths"]["/v1/encode"]["post"]["requestBody"]["content"]
+    assert {"application/json", "application/octet-stream", "application/x-npy"} <= set(body)

@@ -1,0 +1,57 @@
+"""docker-compose.yml and the Dockerfile: validated with docker-compose's client where it is installed."""
+
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT
+
+COMPOSE = shutil.which("docker-compose")
+
+
+def compose_config(*args: str) -> dict:
+    out = subprocess.run([COMPOSE, *args, "config"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return yaml.safe_load(out.stdout)
+
+
+@pytest.mark.skipif(
+    COMPOSE is None, reason="docker-compose client not installed (apt-get install docker-compose)"
+)
+def test_compose_file_is_valid_and_wires_export_api_and_gpu():
+    cfg = compose_config("--profile", "gpu")
+    services = cfg["services"]
+    assert set(services) == {"export", "api", "api-gpu"}
+    assert services["export"]["build"]["target"] == "export"
+    assert "artifacts" in cfg["volumes"]
+    for name in ("api", "api-gpu"):
+        svc = services[name]
+        assert svc["depends_on"]["export"]["condition"] == "service_completed_successfully"
+        assert "/health/ready" in " ".join(svc["healthcheck"]["test"])
+        assert any(":ro" in str(v) or (isinstance(v, dict) and v.get("read_only")) for v in svc["volumes"])
+    assert services["api"]["environment"]["ADDNORM_PROVIDERS"] == "cpu"
+    gpu = services["api-gpu"]
+    assert gpu["profiles"] == ["gpu"] and gpu["environment"]["ADDNORM_PROVIDERS"] == "cuda"
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+
+
+def test_dockerfile_targets_keep_torch_out_of_the_serving_images():
+    text = (ROOT / "Dockerfile").read_text()
+    stages = {}
+    current = None
+    for line in text.splitlines():
+        if line.startswith("FROM "):
+            current = line.split(" AS ")[-1].strip()
+            stages[current] = []
+        elif current:
+            stages[current].append(line)
+    assert {"base", "export", "api", "api-gpu"} <= set(stages)
+    for serving in ("api", "api-gpu"):
+        body = "\n".join(stages[serving])
+        assert "torch" not in body.replace("find_spec('torch') is None", "")
+        assert "USER addnorm" in body and "HEALTHCHECK" in body
+    assert "onnxruntime-gpu" in "\n".join(stages["api-gpu"])
+    assert "download.pytorch.org/whl/cpu" in "\n".join(stages["export"])  # never the CUDA build of torch
