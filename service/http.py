@@ -40,12 +40,24 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 
 async def infer(
-    request: Request, state: ServiceState, x: np.ndarray, mask: np.ndarray | None
+    request: Request,
+    state: ServiceState,
+    x: np.ndarray,
+    mask: np.ndarray | None,
+    timeout_s: float | None = None,
 ) -> tuple[np.ndarray, Timings]:
-    """Validate against the model, then queue for inference; drop the request if its client goes away."""
+    """Validate against the model, then queue for inference; drop the request if its client goes away.
+
+    ``timeout_s`` (a client's own deadline) can only shorten the server's ADDNORM_REQUEST_TIMEOUT_S.
+    """
     assert state.engine is not None and state.runner is not None
     state.engine.check(x, mask)
-    job = asyncio.ensure_future(state.runner.infer(x, mask, state.settings.request_timeout_s))
+    timeout = (
+        state.settings.request_timeout_s
+        if timeout_s is None
+        else min(timeout_s, state.settings.request_timeout_s)
+    )
+    job = asyncio.ensure_future(state.runner.infer(x, mask, timeout))
     watch = asyncio.ensure_future(_until_disconnect(request))
     try:
         done, _ = await asyncio.wait({job, watch}, return_when=asyncio.FIRST_COMPLETED)

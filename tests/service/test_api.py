@@ -33,6 +33,9 @@ def test_ready_is_503_until_loaded_and_names_a_failed_load(tmp_path):
     r = c.get("/health/ready")
     assert r.status_code == 503 and r.json() == {"error": "model is loading"}
     assert c.get("/health/live").status_code == 200
+    assert c.get("/v2/health/ready").status_code == 503
+    r = c.post("/v2/models/encoder/infer", content=b"{}")
+    assert r.status_code == 503 and r.json() == {"error": "model is loading"}
     with TestClient(app) as c:
         deadline = time.monotonic() + 10
         while "failed" not in c.get("/health/ready").json()["error"]:
@@ -137,3 +140,39 @@ def test_openapi_describes_the_encode_body(client):
     spec = client.get("/openapi.json").json()
     body = spec["paths"]["/v1/encode"]["post"]["requestBody"]["content"]
     assert {"application/json", "application/octet-stream", "application/x-npy"} <= set(body)
+
+
+def test_compressed_body_cannot_expand_past_the_limit(client):
+    import gzip
+
+    bomb = gzip.compress(b"{" + b" " * 1_000_000 + b"}")  # 1 MB of JSON in about 1 KB
+    assert len(bomb) < 200_000
+    r = client.post("/v2/models/encoder/infer", content=bomb, headers={"content-encoding": "gzip"})
+    assert r.status_code == 413 and "decompressed" in r.json()["error"]
+
+
+def test_json_logs_carry_the_request_id(tiny_artifact, capsys):
+    import json
+    import logging
+
+    from service import logs
+
+    logs.configure("info", json_logs=True)
+    try:
+        logging.getLogger("addnorm.access").info("hello")
+        token = logs.request_id.set("rid-1")
+        logging.getLogger("addnorm.access").info("inside")
+        logs.request_id.reset(token)
+    finally:
+        logs.configure("warning", json_logs=False)
+    lines = [json.loads(line) for line in capsys.readouterr().err.strip().splitlines()]
+    assert (
+        lines[-1]["message"] == "inside"
+        and lines[-1]["request_id"] == "rid-1"
+        and lines[-1]["level"] == "info"
+    )
+
+
+def test_client_request_id_is_echoed(client):
+    r = client.get("/health/live", headers={"x-request-id": "my-id-42"})
+    assert r.headers["x-request-id"] == "my-id-42"

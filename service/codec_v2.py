@@ -1,0 +1,270 @@
+"""Open Inference Protocol (KServe V2) codec, with the binary tensor data extension.
+
+Request: a JSON header ``{"id", "parameters", "inputs": [{"name", "shape", "datatype", "data" | parameters
+.binary_data_size}], "outputs": [{"name", "parameters": {"binary_data": bool}}]}``, optionally followed by
+raw tensor bytes; the header's length is then given in ``Inference-Header-Content-Length``. Binary tensors are
+read with ``np.frombuffer`` (no copy, no Python lists) and written with ``tobytes``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import orjson
+
+from model.artifact import Manifest
+from service.codec_v1 import check_batch, parse_json
+from service.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
+
+HEADER_LENGTH = "inference-header-content-length"
+VERSION = "1"  # an artifact is one model version
+PLATFORM = "onnxruntime_onnx"
+EXTENSIONS = ["binary_tensor_data"]
+
+# V2 datatype -> numpy dtype (the ones this model's tensors can take)
+DTYPES = {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2"), "FP64": np.dtype("<f8"), "BOOL": np.dtype("?")}
+_NUMPY_TO_V2 = {"float32": "FP32", "float16": "FP16", "bool": "BOOL"}
+
+
+@dataclass
+class RequestedOutput:
+    name: str
+    binary: bool
+
+
+@dataclass
+class InferRequest:
+    id: str | None
+    embeddings: np.ndarray  # (B, S, E) float32
+    mask: np.ndarray | None  # (B, S) bool
+    outputs: list[RequestedOutput]
+    timeout_s: float | None = None
+    parameters: dict = field(default_factory=dict)
+
+
+def decompress(body: bytes, encoding: str | None, max_bytes: int) -> bytes:
+    """Undo a gzip/deflate Content-Encoding (tritonclient's request_compression_algorithm), bounded."""
+    if not encoding or encoding == "identity":
+        return body
+    if encoding not in ("gzip", "deflate"):
+        raise UnsupportedMediaType(f"unsupported Content-Encoding {encoding!r}; use gzip, deflate or none")
+    wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
+    d = zlib.decompressobj(wbits)
+    try:
+        out = d.decompress(body, max_bytes + 1)
+    except zlib.error as exc:
+        raise BadRequest(f"body is not valid {encoding} data: {exc}") from None
+    if len(out) > max_bytes:
+        raise PayloadTooLarge(
+            f"decompressed body is above the limit of {max_bytes} bytes (ADDNORM_MAX_BODY_BYTES)"
+        )
+    if not d.eof:
+        raise BadRequest(f"body is truncated {encoding} data")
+    return out
+
+
+def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
+    if header_length is None:
+        return body, memoryview(b"")
+    try:
+        n = int(header_length)
+    except ValueError:
+        raise BadRequest(
+            f"Inference-Header-Content-Length must be an integer, got {header_length!r}"
+        ) from None
+    if not 0 < n <= len(body):
+        raise BadRequest(f"Inference-Header-Content-Length {n} does not fit a body of {len(body)} bytes")
+    view = memoryview(body)
+    return bytes(view[:n]), view[n:]
+
+
+def decode_infer(
+    body: bytes, header_length: str | None, manifest: Manifest, max_elements: int
+) -> InferRequest:
+    header, binary = split_body(body, header_length)
+    doc = parse_json(header)
+    if not isinstance(doc, dict):
+        raise BadRequest("inference request must be a JSON object")
+    inputs = doc.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise BadRequest("inference request needs a non-empty 'inputs' array")
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise BadRequest("'parameters' must be an object")
+    known = {s.name: s for s in manifest.inputs}
+    tensors: dict[str, np.ndarray] = {}
+    offset = 0
+    for i, spec in enumerate(inputs):
+        if not isinstance(spec, dict):
+            raise BadRequest(f"inputs[{i}] must be an object")
+        name = spec.get("name")
+        if name not in known:
+            raise BadRequest(f"unknown input {name!r}; this model takes {sorted(known)}")
+        if name in tensors:
+            raise BadRequest(f"input {name!r} is given twice")
+        tensors[name], offset = _decode_tensor(spec, binary, offset, max_elements)
+    if offset != len(binary):
+        raise BadRequest(
+            f"{len(binary) - offset} byte(s) of binary data follow the inputs that no input claims"
+        )
+    if "embeddings" not in tensors:
+        raise BadRequest("missing input 'embeddings' (FP32 [batch, seq, d_model])")
+
+    x = tensors["embeddings"]
+    if x.dtype == np.bool_:
+        raise BadRequest("input 'embeddings' must be FP32 (or FP16/FP64), not BOOL")
+    x = x.astype(np.float32, copy=False)
+    mask = tensors.get("mask")
+    if mask is not None and mask.dtype != np.bool_:
+        raise BadRequest(f"input 'mask' must be BOOL, got {_v2_name(mask.dtype)}")
+    check_batch(x, mask, manifest.config.d_model, max_elements)
+    return InferRequest(
+        id=_request_id(doc.get("id")),
+        embeddings=x,
+        mask=mask,
+        outputs=_requested_outputs(doc.get("outputs"), params, [s.name for s in manifest.outputs]),
+        timeout_s=_timeout(params.get("timeout")),
+        parameters=params,
+    )
+
+
+def _decode_tensor(spec: dict, binary: memoryview, offset: int, max_elements: int) -> tuple[np.ndarray, int]:
+    name = spec["name"]
+    shape = spec.get("shape")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise BadRequest(f"input {name!r}: 'shape' must be a list of non-negative integers, got {shape!r}")
+    datatype = spec.get("datatype")
+    if datatype not in DTYPES:
+        raise BadRequest(
+            f"input {name!r}: datatype {datatype!r} is not supported here; use one of {sorted(DTYPES)}"
+        )
+    dtype = DTYPES[datatype]
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if count > max_elements:
+        raise PayloadTooLarge(f"input {name!r} has {count} elements, above the limit of {max_elements}")
+    params = spec.get("parameters") or {}
+    size = params.get("binary_data_size") if isinstance(params, dict) else None
+    if size is not None:
+        if "data" in spec:
+            raise BadRequest(f"input {name!r} has both 'data' and binary_data_size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise BadRequest(f"input {name!r}: binary_data_size must be a non-negative integer")
+        if size != count * dtype.itemsize:
+            raise BadRequest(
+                f"input {name!r}: binary_data_size {size} does not match shape {shape} of {datatype} "
+                f"({count * dtype.itemsize} bytes)"
+            )
+        if offset + size > len(binary):
+            raise BadRequest(f"input {name!r}: binary_data_size {size} runs past the end of the body")
+        arr = np.frombuffer(binary[offset : offset + size], dtype=dtype).reshape(shape)  # zero-copy
+        return arr, offset + size
+    if "data" not in spec:
+        raise BadRequest(f"input {name!r} has neither 'data' nor parameters.binary_data_size")
+    return _json_tensor(name, spec["data"], shape, datatype, dtype, count), offset
+
+
+def _json_tensor(
+    name: str, data: object, shape: list[int], datatype: str, dtype: np.dtype, count: int
+) -> np.ndarray:
+    if not isinstance(data, list):
+        raise BadRequest(f"input {name!r}: 'data' must be an array (flat or nested, row-major)")
+    try:
+        arr = np.array(data)
+    except ValueError:
+        raise BadRequest(f"input {name!r}: 'data' is ragged") from None
+    if datatype == "BOOL":
+        if arr.size and arr.dtype != np.bool_:
+            raise BadRequest(f"input {name!r}: BOOL data must hold only true/false")
+    elif arr.size and arr.dtype.kind not in "iuf":
+        raise BadRequest(f"input {name!r}: {datatype} data must hold only numbers")
+    if arr.size != count:
+        raise BadRequest(f"input {name!r}: 'data' has {arr.size} element(s) but shape {shape} needs {count}")
+    with np.errstate(over="ignore"):
+        return arr.astype(dtype).reshape(shape)
+
+
+def _requested_outputs(outputs: object, params: dict, names: list[str]) -> list[RequestedOutput]:
+    default_binary = bool(params.get("binary_data_output", False))
+    if outputs is None:
+        return [RequestedOutput(n, default_binary) for n in names]
+    if not isinstance(outputs, list):
+        raise BadRequest("'outputs' must be an array")
+    chosen = []
+    for i, out in enumerate(outputs):
+        if not isinstance(out, dict) or out.get("name") not in names:
+            got = out.get("name") if isinstance(out, dict) else out
+            raise BadRequest(f"outputs[{i}]: unknown output {got!r}; this model has {names}")
+        p = out.get("parameters") or {}
+        binary = p.get("binary_data", default_binary) if isinstance(p, dict) else default_binary
+        chosen.append(RequestedOutput(out["name"], bool(binary)))
+    return chosen
+
+
+def _request_id(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise BadRequest("'id' must be a string")
+    return value
+
+
+def _timeout(value: object) -> float | None:
+    """tritonclient's ``timeout`` parameter is in microseconds."""
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise BadRequest("parameters.timeout must be a positive integer (microseconds)")
+    return value / 1e6
+
+
+def encode_infer(req: InferRequest, model: str, result: np.ndarray) -> tuple[bytes, dict[str, str]]:
+    """The infer response: JSON only, or a JSON header followed by the binary outputs."""
+    outputs, blobs = [], []
+    for out in req.outputs:
+        tensor = np.ascontiguousarray(result, dtype="<f4")
+        entry: dict = {"name": out.name, "datatype": "FP32", "shape": list(tensor.shape)}
+        if out.binary:
+            blob = tensor.tobytes()
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            entry["data"] = tensor.ravel()  # orjson writes the numpy array directly
+        outputs.append(entry)
+    doc: dict = {"model_name": model, "model_version": VERSION, "outputs": outputs}
+    if req.id is not None:
+        doc["id"] = req.id
+    header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not blobs:
+        return header, {"Content-Type": "application/json"}
+    return b"".join([header, *blobs]), {
+        "Content-Type": "application/octet-stream",
+        "Inference-Header-Content-Length": str(len(header)),
+    }
+
+
+def model_metadata(manifest: Manifest) -> dict:
+    def tensor(spec) -> dict:
+        dims = [d if isinstance(d, int) else -1 for d in spec.shape]
+        if spec.name in ("embeddings", "encoded") and not manifest.config.batch_first:
+            dims = [-1, -1, manifest.config.d_model]  # the API always speaks [batch, seq, d_model]
+        return {
+            "name": spec.name,
+            "datatype": _NUMPY_TO_V2.get(spec.dtype, spec.dtype.upper()),
+            "shape": dims,
+        }
+
+    return {
+        "name": manifest.name,
+        "versions": [VERSION],
+        "platform": PLATFORM,
+        "inputs": [tensor(s) for s in manifest.inputs],
+        "outputs": [tensor(s) for s in manifest.outputs],
+    }
+
+
+def _v2_name(dtype: np.dtype) -> str:
+    return _NUMPY_TO_V2.get(str(dtype), str(dtype))
