@@ -24,6 +24,7 @@ _CONFIG_FLAGS = {
     "activation": str,
     "layer_norm_eps": float,
     "dropout": float,
+    "norm": str,
 }
 
 
@@ -39,9 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", type=Path,
                    help="weights: .safetensors, or a torch state_dict (read with weights_only=True). Keys of "
                         "torch.nn.TransformerEncoderLayer / TransformerEncoder load as they are")  # fmt: skip
+    p.add_argument("--from-bert", type=Path, metavar="FILE",
+                   help="weights of Hugging Face BertLayer(s) (a BertLayer, BertEncoder or BertModel state_dict); "
+                        "implies gelu, eps 1e-12, post-norm unless those flags are given")  # fmt: skip
     p.add_argument(
         "--seed", type=int, default=0, help="seed of the deterministic default weights (default 0)"
     )
+    v = p.add_argument_group("variant (each gated by its own parity tolerance)")
+    v.add_argument("--precision", choices=["fp32", "fp16", "int8"], default="fp32",
+                   help="fp16: weights and compute in half precision, LayerNorm statistics in fp32; "
+                        "int8: dynamic quantization of the MatMuls (default fp32)")  # fmt: skip
+    v.add_argument("--optimize", choices=["none", "fused"], default="none",
+                   help="fused: Add + LayerNormalization -> com.microsoft.SkipLayerNormalization (fp32 only)")  # fmt: skip
     p.add_argument(
         "--opset",
         type=int,
@@ -61,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--activation", choices=["relu", "gelu"])
     g.add_argument("--layer-norm-eps", type=float)
     g.add_argument("--dropout", type=float, help="kept in the config; inactive in the exported (eval) graph")
+    g.add_argument("--norm", choices=["layer", "rms"],
+                   help="LayerNorm (default) or RMSNorm (ONNX RMSNormalization, needs --opset 23)")  # fmt: skip
     g.add_argument("--norm-first", action=argparse.BooleanOptionalAction, default=None,
                    help="pre-norm (x + f(LN(x))) instead of post-norm (LN(x + f(x)))")  # fmt: skip
     g.add_argument("--batch-first", action=argparse.BooleanOptionalAction, default=None,
@@ -74,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> EncoderConfig:
     fields = EncoderConfig.load(args.config).to_dict() if args.config else {}
+    if args.from_bert:
+        from export.bert import BERT_DEFAULTS
+
+        fields = {**BERT_DEFAULTS, **fields}
     for name in (*_CONFIG_FLAGS, "norm_first", "batch_first"):
         value = getattr(args, name)
         if value is not None:
@@ -90,9 +106,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.out} already holds a valid artifact; nothing to do (--if-missing)")
         return 0
     try:
+        if args.checkpoint and args.from_bert:
+            raise ConfigError("give either --checkpoint or --from-bert, not both")
+        if args.optimize == "fused" and args.precision != "fp32":
+            raise ConfigError("--optimize fused applies to fp32 graphs; drop --precision or --optimize")
+        variant = "fused" if args.optimize == "fused" else args.precision
         config = config_from_args(args)
-        encoder = prepare_encoder(config, args.checkpoint, seed=args.seed)
-        result = export_artifact(encoder, args.out, name=args.name, opset=args.opset)
+        encoder = prepare_encoder(config, args.checkpoint or args.from_bert, args.seed, bool(args.from_bert))
+        result = export_artifact(encoder, args.out, name=args.name, opset=args.opset, variant=variant)
     except ParityError as exc:
         print(exc.report.table(), file=sys.stderr)
         print(f"error: {exc}", file=sys.stderr)

@@ -18,6 +18,7 @@ INPUT_NAMES = ("embeddings", "mask")
 OUTPUT_NAME = "encoded"
 STEP_OUTPUT = "add_norm_{}"  # debug graphs: one output per Add & Norm step
 MIN_OPSET = 17  # LayerNormalization entered the standard in opset 17
+RMS_MIN_OPSET = 23  # RMSNormalization entered the standard in opset 23
 DEFAULT_OPSET = 17
 # Example sizes for tracing. Both must be >= 2: a dim traced at size 1 is specialized to 1 by torch.export.
 EXAMPLE_BATCH, EXAMPLE_SEQ = 2, 5
@@ -28,19 +29,22 @@ class ExportError(RuntimeError):
 
 
 class _GraphModule(nn.Module):
-    """What is traced: (embeddings, mask) -> encoded, plus every Add & Norm result when ``with_steps``."""
+    """What is traced: (embeddings, mask) -> encoded, plus every Add & Norm result when ``with_steps``.
+
+    Inputs and outputs stay float32 whatever the encoder's dtype: an fp16 graph casts at its edges.
+    """
 
     def __init__(self, encoder: Encoder, with_steps: bool) -> None:
         super().__init__()
         self.encoder = encoder
         self.with_steps = with_steps
+        self.dtype = next(encoder.parameters()).dtype
 
     def forward(self, embeddings: Tensor, mask: Tensor) -> Tensor | tuple[Tensor, ...]:
-        if not self.with_steps:
-            return self.encoder(embeddings, mask)
-        steps: list[Tensor] = []
-        out = self.encoder(embeddings, mask, steps)
-        return (out, *steps)
+        x = embeddings.to(self.dtype)
+        steps: list[Tensor] | None = [] if self.with_steps else None
+        out = self.encoder(x, mask, steps)
+        return tuple(t.float() for t in (out, *(steps or []))) if self.with_steps else out.float()
 
 
 def output_names(encoder: Encoder, with_steps: bool) -> list[str]:
@@ -55,24 +59,56 @@ def export_onnx(
     path: str | Path,
     opset: int = DEFAULT_OPSET,
     with_steps: bool = False,
-    dtype: torch.dtype = torch.float32,
 ) -> onnx.ModelProto:
-    """Export ``encoder`` (eval mode) to one self-contained ONNX file and return the loaded model."""
+    """Export ``encoder`` (eval mode, any float dtype) to one self-contained ONNX file with float32 I/O."""
+    cfg = encoder.config
     if opset < MIN_OPSET:
         raise ExportError(
             f"opset {opset} has no LayerNormalization operator; use --opset {MIN_OPSET} or newer"
         )
-    cfg = encoder.config
+    if cfg.norm == "rms" and opset < RMS_MIN_OPSET:
+        raise ExportError(
+            f"--norm rms exports as ONNX RMSNormalization, which needs opset {RMS_MIN_OPSET}; at opset {opset} the "
+            f"exporter would spell it out op by op. Use --opset {RMS_MIN_OPSET}"
+        )
     batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
     if cfg.batch_first:
-        example = torch.randn(EXAMPLE_BATCH, EXAMPLE_SEQ, cfg.d_model, dtype=dtype)
+        example = torch.randn(EXAMPLE_BATCH, EXAMPLE_SEQ, cfg.d_model)
         emb_dims = {0: batch, 1: seq}
     else:
-        example = torch.randn(EXAMPLE_SEQ, EXAMPLE_BATCH, cfg.d_model, dtype=dtype)
+        example = torch.randn(EXAMPLE_SEQ, EXAMPLE_BATCH, cfg.d_model)
         emb_dims = {0: seq, 1: batch}
     mask = torch.zeros(EXAMPLE_BATCH, EXAMPLE_SEQ, dtype=torch.bool)
     module = _GraphModule(encoder.eval(), with_steps)
-    path = Path(path)
+    _export(module, (example, mask), Path(path), list(INPUT_NAMES), output_names(encoder, with_steps),
+            (emb_dims, {0: batch, 1: seq}), opset)  # fmt: skip
+    return _load_checked(path, opset)
+
+
+def export_add_norm(
+    add_norm: nn.Module, example: Tensor, path: str | Path, opset: int = DEFAULT_OPSET
+) -> onnx.ModelProto:
+    """Export one Add & Norm step around a linear sublayer, with fixed shapes: x -> add_norm(x, linear).
+
+    For norms over the last k dims (the seeds' ``parameter_shape = (1, 3)``), whose sizes the graph fixes.
+    """
+    torch.manual_seed(0)
+    module = _AddNormModule(add_norm, example.shape[-1]).eval()
+    _export(module, (example,), Path(path), ["x"], ["y"], None, opset)
+    return _load_checked(path, opset)
+
+
+class _AddNormModule(nn.Module):
+    def __init__(self, add_norm: nn.Module, features: int) -> None:
+        super().__init__()
+        self.add_norm = add_norm
+        self.sublayer = nn.Linear(features, features)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.add_norm(x, self.sublayer)
+
+
+def _export(module, args, path: Path, input_names, output_names_, dynamic_shapes, opset: int) -> None:  # noqa: ANN001
     log = io.StringIO()
     try:
         # The exporter prints progress and warns about unrelated operator libraries; keep it for errors only.
@@ -86,11 +122,11 @@ def export_onnx(
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
                 module,
-                (example, mask),
+                args,
                 dynamo=True,
-                input_names=list(INPUT_NAMES),
-                output_names=output_names(encoder, with_steps),
-                dynamic_shapes=(emb_dims, {0: batch, 1: seq}),
+                input_names=input_names,
+                output_names=output_names_,
+                dynamic_shapes=dynamic_shapes,
                 opset_version=opset,
                 optimize=True,
                 verbose=False,
@@ -100,6 +136,9 @@ def export_onnx(
         raise ExportError(
             f"torch.onnx.export failed: {type(exc).__name__}: {exc}\n{log.getvalue()[-4000:]}"
         ) from exc
+
+
+def _load_checked(path: str | Path, opset: int) -> onnx.ModelProto:
     model = onnx.load(str(path))
     actual = opset_of(model)
     if actual != opset:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
+from export.onnx_export import ExportError
 from export.parity import (
     GRAPH_OPT_LEVELS,
     ParityReport,
@@ -15,6 +17,8 @@ from export.parity import (
     make_session,
     run_parity,
 )
+from export.report import write_report
+from export.variants import build_graph
 from export.weights import CheckpointError, load_weights
 from model.artifact import WEIGHTS_FILE, ArtifactError, load_verified
 from model.encoder import Encoder
@@ -30,36 +34,46 @@ def build_parser() -> argparse.ArgumentParser:
         "artifact", type=Path, help="artifact directory (manifest.json, model.onnx, weights.safetensors)"
     )
     p.add_argument("--json", action="store_true", help="print the full report as JSON instead of a table")
-    p.add_argument("--report", type=Path, metavar="OUT", help="write parity.json and parity.md into OUT")
+    p.add_argument("--report", type=Path, metavar="OUT",
+                   help="write parity.json, parity.md and PNG plots (errors per Add & Norm step, error vs input "
+                        "conditioning) into OUT")  # fmt: skip
     p.add_argument("--adversarial", action="store_true", help="add the adversarial input suite")
     p.add_argument("--graph-optimization", choices=list(GRAPH_OPT_LEVELS), default="all",
                    help="onnxruntime graph optimization level (default all)")  # fmt: skip
     p.add_argument("--seed", type=int, default=1234, help="seed of the random inputs (default 1234)")
+    p.add_argument("--no-steps", action="store_true",
+                   help="skip the per-Add & Norm comparison (saves re-exporting the debug graph)")  # fmt: skip
     return p
 
 
-def check_artifact(directory: Path, adversarial: bool = False, graph_optimization: str = "all",
-                   seed: int = 1234) -> ParityReport:  # fmt: skip
+def check_artifact(
+    directory: Path,
+    adversarial: bool = False,
+    graph_optimization: str = "all",
+    seed: int = 1234,
+    steps: bool = True,
+) -> ParityReport:
+    """Re-run the gate on an artifact; with ``steps``, rebuild its debug graph to report every Add & Norm step."""
     manifest, model_path = load_verified(directory)
     encoder = load_weights(Encoder(manifest.config), directory / WEIGHTS_FILE)
     cases = default_cases() + (adversarial_cases() if adversarial else [])
     session = make_session(model_path, graph_optimization)
-    return run_parity(encoder, session, cases, seed=seed, graph_optimization=graph_optimization)
-
-
-def write_report(report: ParityReport, out: Path) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "parity.json", out / "parity.md"]
-    paths[0].write_text(json.dumps(report.to_dict(), indent=2) + "\n")
-    paths[1].write_text(f"# Parity report\n\n```\n{report.table()}\n```\n")
-    return paths
+    with tempfile.TemporaryDirectory() as tmp:
+        debug = None
+        if steps:
+            build_graph(encoder, Path(tmp) / "debug.onnx", manifest.variant, manifest.opset, with_steps=True)
+            debug = make_session(Path(tmp) / "debug.onnx", graph_optimization)
+        return run_parity(encoder, session, cases, seed=seed, graph_optimization=graph_optimization,
+                          debug_session=debug, variant=manifest.variant)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        report = check_artifact(args.artifact, args.adversarial, args.graph_optimization, args.seed)
-    except (ArtifactError, CheckpointError) as exc:
+        report = check_artifact(
+            args.artifact, args.adversarial, args.graph_optimization, args.seed, not args.no_steps
+        )
+    except (ArtifactError, CheckpointError, ExportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:

@@ -13,8 +13,9 @@ from importlib import metadata
 from pathlib import Path
 
 from export.checks import check_graph
-from export.onnx_export import DEFAULT_OPSET, INPUT_NAMES, OUTPUT_NAME, export_onnx
-from export.parity import ParityReport, make_session, run_parity
+from export.onnx_export import DEFAULT_OPSET, INPUT_NAMES, OUTPUT_NAME
+from export.parity import Case, ParityReport, make_session, run_parity
+from export.variants import build_graph
 from export.weights import load_weights, save_weights
 from model.artifact import MANIFEST_FILE, MODEL_FILE, WEIGHTS_FILE, Manifest, TensorSpec, sha256_file
 from model.config import EncoderConfig
@@ -64,10 +65,12 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
-def prepare_encoder(config: EncoderConfig, checkpoint: str | Path | None = None, seed: int = 0) -> Encoder:
+def prepare_encoder(
+    config: EncoderConfig, checkpoint: str | Path | None = None, seed: int = 0, from_bert: bool = False
+) -> Encoder:
     encoder = build_encoder(config, seed=seed)
     if checkpoint is not None:
-        load_weights(encoder, checkpoint)
+        load_weights(encoder, checkpoint, from_bert=from_bert)
     return encoder
 
 
@@ -76,6 +79,8 @@ def export_artifact(
     out_dir: str | Path,
     name: str = "encoder",
     opset: int = DEFAULT_OPSET,
+    variant: str = "fp32",
+    cases: list[Case] | None = None,
 ) -> ExportResult:
     """Export, check the graph, run the parity gate, then publish model, weights and manifest into ``out_dir``.
 
@@ -87,12 +92,16 @@ def export_artifact(
     out_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out_dir))
     try:
-        log.info("exporting %s (opset %d) to %s", _describe(config), opset, out_dir)
-        model = export_onnx(encoder, staging / MODEL_FILE, opset=opset)
-        graph = check_graph(model, config)
-        log.info("graph checks passed: %d nodes, %d LayerNormalization", graph["nodes"], graph["norm_nodes"])
+        log.info("exporting %s as %s (opset %d) to %s", _describe(config), variant, opset, out_dir)
+        model = build_graph(encoder, staging / MODEL_FILE, variant, opset)
+        graph = check_graph(model, config, fused=variant == "fused")
+        log.info("graph checks passed: %d nodes, %d norm nodes, %d fused", graph["nodes"], graph["norm_nodes"],
+                 graph["fused_nodes"])  # fmt: skip
         save_weights(encoder, staging / WEIGHTS_FILE)
-        report = run_parity(encoder, make_session(staging / MODEL_FILE))
+        # A debug graph of the same variant also outputs every Add & Norm result, for per-sublayer parity.
+        build_graph(encoder, staging / "debug.onnx", variant, opset, with_steps=True)
+        report = run_parity(encoder, make_session(staging / MODEL_FILE), cases,
+                            debug_session=make_session(staging / "debug.onnx"), variant=variant)  # fmt: skip
         if not report.passed:
             raise ParityError(report)
         inputs, outputs = io_specs(config)
@@ -102,6 +111,7 @@ def export_artifact(
             inputs=inputs,
             outputs=outputs,
             opset=opset,
+            variant=variant,
             model_sha256=sha256_file(staging / MODEL_FILE),
             versions=library_versions(),
             parity=report.summary(),

@@ -45,9 +45,17 @@ def adapt_keys(state: dict[str, torch.Tensor], encoder: Encoder) -> dict[str, to
     return state
 
 
-def load_weights(encoder: Encoder, path: str | Path) -> Encoder:
-    """Load a checkpoint into ``encoder`` strictly: every key must match in name and shape."""
-    state = adapt_keys(read_state_dict(path), encoder)
+def load_weights(encoder: Encoder, path: str | Path, from_bert: bool = False) -> Encoder:
+    """Load a checkpoint into ``encoder`` strictly: every key must match in name and shape.
+
+    ``from_bert``: the file holds Hugging Face BertLayer weights, mapped by export.bert first.
+    """
+    state = read_state_dict(path)
+    if from_bert:
+        from export.bert import bert_to_encoder_state
+
+        state = bert_to_encoder_state(state, encoder.config.num_layers)
+    state = adapt_keys(state, encoder)
     expected = encoder.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))

@@ -176,3 +176,11 @@ def test_json_logs_carry_the_request_id(tiny_artifact, capsys):
 def test_client_request_id_is_echoed(client):
     r = client.get("/health/live", headers={"x-request-id": "my-id-42"})
     assert r.headers["x-request-id"] == "my-id-42"
+
+
+def test_a_row_that_is_all_padding_gets_a_finite_answer(client):
+    x = np.random.default_rng(3).standard_normal((2, 4, 32)).tolist()
+    mask = [[False, False, True, True], [True, True, True, True]]
+    r = client.post("/v1/encode", json={"embeddings": x, "mask": mask})
+    assert r.status_code == 200
+    assert np.isfinite(np.array(r.json()["encoded"])).all()

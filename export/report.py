@@ -1,0 +1,111 @@
+"""The parity report on disk: parity.json (every figure), parity.md (tables) and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from export.parity import ParityReport
+
+
+def write_report(report: ParityReport, out: Path) -> list[Path]:
+    """Write parity.json, parity.md, errors_per_step.png and error_vs_conditioning.png into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [
+        out / "parity.json",
+        out / "parity.md",
+        out / "errors_per_step.png",
+        out / "error_vs_conditioning.png",
+    ]
+    paths[0].write_text(json.dumps(report.to_dict(), indent=2, default=_json_default) + "\n")
+    paths[1].write_text(_markdown(report))
+    _plot_histograms(report, paths[2])
+    _plot_conditioning(report, paths[3])
+    return paths
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def _markdown(report: ParityReport) -> str:
+    s = report.summary()
+    t = report.tolerance
+    lines = [
+        "# Parity report",
+        "",
+        f"- result: **{'PASSED' if report.passed else 'FAILED'}** ({s['cases']} cases, variant {report.variant})",
+        f"- tolerance vs torch fp32: atol {t.atol:g}, rtol {t.rtol:g}"
+        + (f", relative RMS <= {t.rel_rms:g}" if t.rel_rms is not None else "")
+        + (f"; or error vs float64 <= {t.oracle_factor:g} x torch's own" if t.oracle_factor else ""),
+        f"- providers: {', '.join(report.providers)}; graph optimization: {report.graph_optimization}",
+        f"- max abs error {s['max_abs_err']:.3e}; torch fp32 vs float64 {s['max_torch_vs_f64']:.3e}; "
+        f"onnxruntime vs float64 {s['max_onnx_vs_f64']:.3e}",
+        "",
+        "## Per Add & Norm step (max abs error over all cases)",
+        "",
+        "| output | max abs |",
+        "| --- | --- |",
+        *(f"| {name} | {err:.3e} |" for name, err in s["max_abs_err_per_step"].items()),
+        "",
+        "## Every case",
+        "",
+        "| case | output | max abs | max rel | mean | p99 | torch vs f64 | onnx vs f64 | result |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in report.results:
+        for c in r.comparisons:
+            verdict = ("ok" if c.within_tolerance else "ok (oracle)") if c.passed else "FAIL"
+            lines.append(
+                f"| {r.case} | {c.output} | {c.max_abs:.2e} | {c.max_rel:.2e} | {c.mean_abs:.2e} | {c.p99_abs:.2e} "
+                f"| {c.torch_vs_f64:.2e} | {c.onnx_vs_f64:.2e} | {verdict} |"
+            )
+    lines += ["", "Plots: `errors_per_step.png`, `error_vs_conditioning.png`.", ""]
+    return "\n".join(lines)
+
+
+def _plot_histograms(report: ParityReport, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report.samples)
+    fig, axes = plt.subplots(len(names), 1, figsize=(7, 1.6 * len(names) + 1), squeeze=False, sharex=True)
+    for ax, name in zip(axes[:, 0], names, strict=True):
+        errs = np.concatenate(report.samples[name])
+        ax.hist(np.log10(np.maximum(errs, 1e-12)), bins=60, color="tab:blue")
+        ax.set_ylabel(name, rotation=0, ha="right", fontsize=8)
+        ax.axvline(math.log10(report.tolerance.atol), color="tab:red", lw=1, ls="--")
+    axes[-1, 0].set_xlabel("log10 |onnxruntime - torch fp32| (dashed: atol; -12: exactly equal)")
+    fig.suptitle(f"Errors per Add & Norm step ({report.variant}, {len(report.results)} cases)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_conditioning(report: ParityReport, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cond = np.array([min(r.condition, 1e12) for r in report.results])
+    x = np.log10(np.maximum(cond, 1e-3))
+    torch_err = np.array([max(r.final.torch_vs_f64, 1e-12) for r in report.results])
+    onnx_err = np.array([max(r.final.onnx_vs_f64, 1e-12) for r in report.results])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.scatter(x, np.log10(torch_err), label="torch fp32 vs float64", marker="o", alpha=0.7)
+    ax.scatter(x, np.log10(onnx_err), label="onnxruntime vs float64", marker="x", alpha=0.9)
+    ax.set_xlabel("log10 input conditioning (max |mean| / std over positions)")
+    ax.set_ylabel("log10 max abs error vs float64")
+    ax.set_title("Error against the float64 oracle vs input conditioning")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
