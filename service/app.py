@@ -53,9 +53,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.addnorm = state
-    from service.routes import router  # routes import state helpers; keep app construction in one place
+    from service.routes import ROUTERS  # routes import state helpers; keep app construction in one place
 
-    app.include_router(router)
+    for router in ROUTERS:
+        app.include_router(router)
     _install_error_handlers(app)
     app.add_middleware(_RequestContext, state=state)
     return app

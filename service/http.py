@@ -3,13 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
 
 from service.errors import ApiError, PayloadTooLarge
 from service.runner import Timings
 from service.state import ServiceState
+
+T = TypeVar("T")
+
+
+OFFLOAD_BYTES = 256 * 1024  # below this, decoding or encoding is cheaper than a thread hop
+
+
+async def offload(nbytes: int, fn: Callable[..., T], *args: object) -> T:
+    """Run a CPU-bound codec step in a worker thread when it is big enough to stall the event loop."""
+    if nbytes > OFFLOAD_BYTES:
+        return await run_in_threadpool(fn, *args)
+    return fn(*args)
 
 
 class ClientGone(Exception):

@@ -1,9 +1,11 @@
 """Runs inference off the event loop, merging concurrent requests into one batch (dynamic batching).
 
-One scheduler task takes requests from a bounded queue, merges those that arrive within ``max_queue_delay_ms``
-along the batch dimension (up to ``max_batch_size`` rows and ``max_batch_tokens`` batch x seq positions; shorter
-sequences are padded and masked), runs the batch on one dedicated thread, and hands each request back exactly
-its own rows. ``max_batch_size=1`` turns merging off; everything else (queue, timeouts) stays the same.
+One scheduler task takes requests from a bounded queue and merges them along the batch dimension (up to
+``max_batch_size`` rows and ``max_batch_tokens`` batch x seq positions; shorter sequences are padded and masked),
+runs the batch on one dedicated thread, and hands each request back exactly its own rows. With the default
+``max_queue_delay_ms=0`` a batch is whatever queued up while the previous one ran (no request ever waits for
+company while the model is idle); a positive delay waits that long for more. ``max_batch_size=1`` turns merging
+off; everything else (queue, timeouts) stays the same.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class Runner:
         model: Model,
         max_batch_size: int = 32,
         max_batch_tokens: int = 8192,
-        max_queue_delay_ms: float = 2.0,
+        max_queue_delay_ms: float = 0.0,
         max_queue_size: int = 256,
         observer: RunnerObserver | None = None,
     ) -> None:

@@ -36,7 +36,9 @@ class Settings(BaseSettings):
         8192, ge=1, description="dynamic batching: most batch x seq positions per run"
     )
     max_queue_delay_ms: float = Field(
-        2.0, ge=0, description="dynamic batching: longest wait for more requests"
+        0.0,
+        ge=0,
+        description="dynamic batching: extra wait for more requests; 0 = merge what queued while busy",
     )
     max_queue_size: int = Field(
         256, ge=1, description="requests waiting beyond this get 429 with Retry-After"

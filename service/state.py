@@ -34,11 +34,13 @@ class ServiceState:
         return "model is loading"
 
 
-def get_state(request: Request) -> ServiceState:
+# Dependencies are async on purpose: FastAPI runs a plain ``def`` dependency in a worker thread, a hop that
+# cost more than the rest of a small request's handling (bench/).
+async def get_state(request: Request) -> ServiceState:
     return request.app.state.addnorm
 
 
-def get_ready_state(state: Annotated[ServiceState, Depends(get_state)]) -> ServiceState:
+async def get_ready_state(state: Annotated[ServiceState, Depends(get_state)]) -> ServiceState:
     if not state.ready:
         raise Unavailable(state.not_ready_message(), headers={"Retry-After": "1"})
     return state

@@ -1,10 +1,7 @@
-"""HTTP routes, gathered in one place."""
+"""HTTP routes, gathered in one place. Inference routes come first: the router tries routes in order."""
 
 from fastapi import APIRouter
 
 from service.routes import health, v1, v2
 
-router = APIRouter()
-router.include_router(health.router)
-router.include_router(v1.router)
-router.include_router(v2.router)
+ROUTERS: tuple[APIRouter, ...] = (v2.router, v1.router, health.router)

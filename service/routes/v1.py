@@ -6,10 +6,9 @@ import time
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
-from starlette.concurrency import run_in_threadpool
 
 from service import codec_v1
-from service.http import infer, read_body, timing_headers
+from service.http import infer, offload, read_body, timing_headers
 from service.state import ReadyState
 
 router = APIRouter(prefix="/v1", tags=["v1"])
@@ -72,14 +71,15 @@ async def encode(request: Request, state: ReadyState) -> Response:
     settings = state.settings
     media = codec_v1.negotiate(request.headers.get("accept"))
     body = await read_body(request, settings.max_body_bytes)
-    req = await run_in_threadpool(
+    req = await offload(
+        len(body),
         codec_v1.decode, request.headers.get("content-type", ""), body, request.headers,
         state.engine.d_model, settings.max_elements,
     )  # fmt: skip
     out, timings = await infer(request, state, req.embeddings, req.mask)
     result = req.split(out)
     if media == codec_v1.JSON:
-        payload = await run_in_threadpool(codec_v1.encode_json, result, state.engine.name)
+        payload = await offload(out.nbytes * 3, codec_v1.encode_json, result, state.engine.name)
         headers = {}
     else:
         tensor = result if isinstance(result, np.ndarray) else out  # ragged: padded tensor + lengths

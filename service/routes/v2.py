@@ -6,11 +6,10 @@ import time
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from starlette.concurrency import run_in_threadpool
 
 from service import codec_v2
 from service.errors import NotFound, Unavailable
-from service.http import infer, read_body, timing_headers
+from service.http import infer, offload, read_body, timing_headers
 from service.state import ReadyState, ServiceState, State
 
 router = APIRouter(prefix="/v2", tags=["v2 (Open Inference Protocol)"])
@@ -116,9 +115,9 @@ async def model_infer(name: str, request: Request, state: ReadyState, version: s
     assert state.engine is not None
     settings = state.settings
     body = await read_body(request, settings.max_body_bytes)
-    req = await run_in_threadpool(_decode, request, body, state)
+    req = await offload(len(body), _decode, request, body, state)
     out, timings = await infer(request, state, req.embeddings, req.mask, req.timeout_s)
-    payload, headers = await run_in_threadpool(codec_v2.encode_infer, req, state.engine.name, out)
+    payload, headers = await offload(out.nbytes, codec_v2.encode_infer, req, state.engine.name, out)
     headers.update(timing_headers(timings, time.perf_counter() - start))
     return Response(payload, headers=headers, media_type=headers.pop("Content-Type"))
 

@@ -1,0 +1,98 @@
+"""A light HTTP/1.1 keep-alive load generator on asyncio streams: prebuilt request bytes, no parsing of bodies.
+
+Light on purpose: on a 2-core machine the client shares cores with the server, so it does the least work a
+client can (one write, read headers, read Content-Length bytes) and reports the CPU time it used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def build_request(
+    host: str, port: int, path: str, body: bytes, headers: dict[str, str] | None = None
+) -> bytes:
+    lines = [
+        f"POST {path} HTTP/1.1",
+        f"Host: {host}:{port}",
+        f"Content-Length: {len(body)}",
+        "Connection: keep-alive",
+    ]
+    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+@dataclass
+class LoadResult:
+    requests: int
+    seconds: float
+    latencies_ms: np.ndarray
+    client_cpu_s: float
+    errors: int
+
+    @property
+    def throughput(self) -> float:
+        return self.requests / self.seconds
+
+    def pct(self, q: float) -> float:
+        return float(np.percentile(self.latencies_ms, q)) if len(self.latencies_ms) else float("nan")
+
+    def row(self) -> dict:
+        return {"requests": self.requests, "seconds": round(self.seconds, 3), "throughput_rps": self.throughput,
+                "p50_ms": self.pct(50), "p99_ms": self.pct(99), "errors": self.errors,
+                "client_cpu_s_per_request": self.client_cpu_s / max(self.requests, 1)}  # fmt: skip
+
+
+async def _read_response(reader: asyncio.StreamReader) -> int:
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head[9:12])
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line[:15].lower() == b"content-length:":
+            length = int(line[15:])
+    await reader.readexactly(length)
+    return status
+
+
+async def _client(host: str, port: int, request: bytes, deadline: float, max_requests: int, lat: list, errs: list,
+                  counter: list) -> None:  # fmt: skip
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        while time.perf_counter() < deadline and counter[0] < max_requests:
+            counter[0] += 1
+            t = time.perf_counter()
+            writer.write(request)
+            status = await _read_response(reader)
+            lat.append((time.perf_counter() - t) * 1e3)
+            if status != 200:
+                errs.append(status)
+    finally:
+        writer.close()
+
+
+def run_load(host: str, port: int, request: bytes, concurrency: int, seconds: float, max_requests: int = 10**9,
+             warmup: int = 2) -> LoadResult:  # fmt: skip
+    """``concurrency`` closed-loop keep-alive clients for ``seconds`` (or ``max_requests`` in all)."""
+
+    async def main() -> LoadResult:
+        # Warm-up on one connection: first requests pay for allocations and thread start-up.
+        await asyncio.gather(*(_client(host, port, request, time.perf_counter() + 30, warmup, [], [], [0])
+                               for _ in range(min(concurrency, 4))))  # fmt: skip
+        lat: list[float] = []
+        errs: list[int] = []
+        counter = [0]
+        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        start = time.perf_counter()
+        await asyncio.gather(*(_client(host, port, request, start + seconds, max_requests, lat, errs, counter)
+                               for _ in range(concurrency)))  # fmt: skip
+        elapsed = time.perf_counter() - start
+        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+        return LoadResult(len(lat), elapsed, np.array(lat), cpu, len(errs))
+
+    return asyncio.run(main())

@@ -1,0 +1,38 @@
+"""The benchmark's own parts work (no timing is asserted: speed is shown by `make bench`, not by tests)."""
+
+import numpy as np
+
+from bench.cli import block_flops, gemm_roof, update_docs, v1_binary_request, v2_request
+from bench.loadgen import run_load
+
+
+def test_load_generator_gets_real_answers_from_the_server(server):
+    port = int(server.rsplit(":", 1)[1])
+    x = np.zeros((1, 4, 32), np.float32)
+    for req in (v2_request(port, "encoder", x), v1_binary_request(port, x)):
+        result = run_load("127.0.0.1", port, req, concurrency=4, seconds=0.3, max_requests=40, warmup=1)
+        assert result.requests > 0 and result.errors == 0
+        assert result.row()["p99_ms"] >= result.row()["p50_ms"] > 0
+
+
+def test_flop_count_of_one_layer():
+    gemm, attention = block_flops(8, 128, 768, 3072)
+    assert gemm == 2 * 1024 * (768 * 2304 + 768 * 768 + 768 * 3072 + 3072 * 768)
+    assert attention == 2 * 2 * 8 * 128 * 128 * 768
+
+
+def test_gemm_roof_runs(tmp_path):
+    assert gemm_roof(32, 64, 16, threads=1, seconds=0.05) > 0
+
+
+def test_docs_update_replaces_only_the_generated_block(tmp_path, monkeypatch):
+    import bench.cli as cli
+
+    monkeypatch.setattr(cli, "table", lambda res: "TABLE")
+    doc = tmp_path / "b.md"
+    doc.write_text(f"# Benchmarks\n\nhand-written\n\n{cli.MARK_BEGIN}\nold\n{cli.MARK_END}\n\nanalysis\n")
+    res = {"machine": {"date": "d", "cpu": "c", "logical_cpus": 2, "physical_cores_used": 2, "python": "3",
+                       "onnxruntime": "1", "torch": "2"}}  # fmt: skip
+    update_docs(doc, res)
+    text = doc.read_text()
+    assert "hand-written" in text and "analysis" in text and "TABLE" in text and "old" not in text
