@@ -6,6 +6,7 @@ a list of sequences of different lengths (padded and masked here; each comes bac
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -235,7 +236,7 @@ def _decode_raw(body: bytes, shape_header: str | None) -> np.ndarray:
         raise BadRequest(
             f"X-Shape must be 2 or 3 positive integers ([batch,] seq, d_model), got {list(shape)}"
         )
-    expected = int(np.prod(shape)) * 4
+    expected = math.prod(shape) * 4
     if len(body) != expected:
         raise BadRequest(f"body has {len(body)} bytes but X-Shape {list(shape)} of float32 needs {expected}")
     return np.frombuffer(body, dtype="<f4").reshape(shape)  # zero-copy view

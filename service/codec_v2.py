@@ -8,6 +8,7 @@ read with ``np.frombuffer`` (no copy, no Python lists) and written with ``tobyte
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass, field
 
@@ -143,8 +144,8 @@ def _decode_tensor(spec: dict, binary: memoryview, offset: int, max_elements: in
             f"input {name!r}: datatype {datatype!r} is not supported here; use one of {sorted(DTYPES)}"
         )
     dtype = DTYPES[datatype]
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    if count > max_elements:
+    count = math.prod(shape)  # Python ints: a hostile shape cannot overflow into a small count
+    if count > max_elements or any(d > max_elements for d in shape):  # [0, 2**62] has count 0
         raise PayloadTooLarge(f"input {name!r} has {count} elements, above the limit of {max_elements}")
     params = spec.get("parameters") or {}
     size = params.get("binary_data_size") if isinstance(params, dict) else None
@@ -161,6 +162,8 @@ def _decode_tensor(spec: dict, binary: memoryview, offset: int, max_elements: in
         if offset + size > len(binary):
             raise BadRequest(f"input {name!r}: binary_data_size {size} runs past the end of the body")
         arr = np.frombuffer(binary[offset : offset + size], dtype=dtype).reshape(shape)  # zero-copy
+        if datatype == "BOOL":
+            arr = arr.view(np.uint8) != 0  # any non-zero byte is true, as in Triton
         return arr, offset + size
     if "data" not in spec:
         raise BadRequest(f"input {name!r} has neither 'data' nor parameters.binary_data_size")

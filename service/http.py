@@ -9,6 +9,7 @@ from typing import TypeVar
 import numpy as np
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from service.errors import ApiError, PayloadTooLarge
 from service.runner import Timings
@@ -44,13 +45,16 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
                 f"request body of {size} bytes is above the limit of {max_bytes} (ADDNORM_MAX_BODY_BYTES)"
             )
     chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > max_bytes:
-            raise PayloadTooLarge(
-                f"request body is above the limit of {max_bytes} bytes (ADDNORM_MAX_BODY_BYTES)"
-            )
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > max_bytes:
+                raise PayloadTooLarge(
+                    f"request body is above the limit of {max_bytes} bytes (ADDNORM_MAX_BODY_BYTES)"
+                )
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone from None
     return b"".join(chunks)
 
 

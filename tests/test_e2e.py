@@ -99,3 +99,22 @@ def test_serve_help_lists_every_setting():
     ).stdout
     for flag in ("--model-dir", "--providers", "--max-batch-size", "--max-elements", "ADDNORM_PORT"):
         assert flag in out
+
+
+def test_clients_that_hang_up_mid_request_do_not_hurt_the_server(server):
+    import socket
+
+    host, port = "127.0.0.1", int(server.rsplit(":", 1)[1])
+    for body in (b'{"embeddings": [[', b"x" * 10):  # promised 100000 bytes, sent a few, hung up
+        with socket.create_connection((host, port), timeout=5) as s:
+            s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100000\r\n\r\n" + body)  # fmt: skip
+    with socket.create_connection((host, port), timeout=5) as s:  # hang up while the answer is computed
+        payload = b'{"embeddings": ' + str([[0.5] * 32] * 64).encode() + b"}"
+        s.sendall(
+            b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload
+        )
+    with socket.create_connection((host, port), timeout=5) as s:  # not HTTP at all
+        s.sendall(b"\x16\x03\x01 garbage that is not HTTP\r\n\r\n")
+    r = httpx.post(f"{server}/v1/encode", json={"embeddings": [[0.1] * 32]}, timeout=30)
+    assert r.status_code == 200 and httpx.get(f"{server}/health/ready").status_code == 200
