@@ -1,6 +1,13 @@
-"""API errors: one exception type, mapped to ``{"error": "..."}`` with its status code in one place (app.py)."""
+"""API errors: one exception type, mapped to ``{"error": "..."}`` with its status code by ``error_response``."""
 
 from __future__ import annotations
+
+from starlette.responses import JSONResponse
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The one shape of every error the API returns."""
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
 class ApiError(Exception):

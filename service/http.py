@@ -76,22 +76,24 @@ async def infer(
         if timeout_s is None
         else min(timeout_s, state.settings.request_timeout_s)
     )
-    job = asyncio.ensure_future(state.runner.infer(x, mask, timeout))
-    watch = asyncio.ensure_future(_until_disconnect(request))
+    handler = asyncio.current_task()
+    assert handler is not None
+    watch = asyncio.ensure_future(_cancel_on_disconnect(request, handler))
     try:
-        done, _ = await asyncio.wait({job, watch}, return_when=asyncio.FIRST_COMPLETED)
+        return await state.runner.infer(x, mask, timeout)
+    except asyncio.CancelledError:
+        if watch.done() and not watch.cancelled():  # cancelled by the watcher, not by a shutdown
+            raise ClientGone from None
+        raise
     finally:
         watch.cancel()
-    if job in done:
-        return job.result()
-    job.cancel()
-    raise ClientGone
 
 
-async def _until_disconnect(request: Request) -> None:
+async def _cancel_on_disconnect(request: Request, handler: asyncio.Task) -> None:
     # The body has been read, so the next ASGI message can only be the disconnect.
     while (await request.receive())["type"] != "http.disconnect":
         pass
+    handler.cancel()
 
 
 def timing_headers(timings: Timings, total_s: float) -> dict[str, str]:

@@ -118,18 +118,20 @@ class Runner:
                 f"server is at capacity ({self.max_queue_size} requests queued); retry shortly",
                 headers={"Retry-After": "1"},
             )
-        item = _Item(x, mask, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        item = _Item(x, mask, loop.create_future())
         self._queue.append(item)
         self._observe_depth()
         self._wakeup.set()
+        # A timer instead of asyncio.wait_for: no extra task per request. Timing out before the run makes the
+        # scheduler skip the item; during the run, its rows are dropped. If the awaiting task is cancelled (the
+        # client went away), awaiting the future directly cancels it too, so it is skipped the same way.
+        timer = None if timeout is None else loop.call_later(timeout, _expire, item, timeout)
         try:
-            result = await asyncio.wait_for(asyncio.shield(item.future), timeout)
-        except asyncio.TimeoutError:
-            item.future.cancel()  # not run yet: the scheduler skips it; running: its rows are dropped
-            raise Timeout(f"request not answered within {timeout:g} s (ADDNORM_REQUEST_TIMEOUT_S)") from None
-        except asyncio.CancelledError:
-            item.future.cancel()  # the client went away: do not run it
-            raise
+            result = await item.future
+        finally:
+            if timer is not None:
+                timer.cancel()
         return result, item.timings
 
     def _observe_depth(self) -> None:
@@ -215,6 +217,13 @@ def _merge(batch: list[_Item]) -> tuple[np.ndarray, np.ndarray | None]:
         mask[r : r + i.rows, : i.seq] = False if i.mask is None else i.mask
         r += i.rows
     return x, mask
+
+
+def _expire(item: _Item, timeout: float) -> None:
+    if not item.future.done():
+        item.future.set_exception(
+            Timeout(f"request not answered within {timeout:g} s (ADDNORM_REQUEST_TIMEOUT_S)")
+        )
 
 
 def _fail(batch: list[_Item], exc: Exception) -> None:

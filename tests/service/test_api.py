@@ -136,10 +136,26 @@ def test_model_and_metrics(client):
     assert "addnorm_batch_size_bucket" in text and "addnorm_queue_depth" in text
 
 
-def test_openapi_describes_the_encode_body(client):
+def test_openapi_describes_both_apis(client):
     spec = client.get("/openapi.json").json()
     body = spec["paths"]["/v1/encode"]["post"]["requestBody"]["content"]
     assert {"application/json", "application/octet-stream", "application/x-npy"} <= set(body)
+    infer = spec["paths"]["/v2/models/{name}/infer"]["post"]
+    assert {"application/json", "application/octet-stream"} <= set(infer["requestBody"]["content"])
+    assert {"400", "404", "503"} <= set(infer["responses"])
+    for path in ("/v2", "/v2/health/ready", "/v2/models/{name}", "/v2/models/{name}/versions/{version}/infer",
+                 "/health/ready", "/metrics", "/v1/model"):  # fmt: skip
+        assert path in spec["paths"]
+    assert client.get("/docs").status_code == 200
+
+
+def test_inference_routes_take_the_lean_path_and_others_do_not(client):
+    """POST inference routes skip FastAPI's router; a wrong method or path still gets FastAPI's JSON errors."""
+    assert client.post("/v2/models/encoder/infer/extra", content=b"{}").status_code == 404
+    assert client.put("/v1/encode", content=b"{}").status_code == 405
+    r = client.post("/v2/models/encoder/versions/1/infer", json={"inputs": [
+        {"name": "embeddings", "shape": [1, 1, 32], "datatype": "FP32", "data": [0.5] * 32}]})  # fmt: skip
+    assert r.status_code == 200 and r.json()["outputs"][0]["shape"] == [1, 1, 32]
 
 
 def test_compressed_body_cannot_expand_past_the_limit(client):
