@@ -6,13 +6,14 @@ a list of sequences of different lengths (padded and masked here; each comes bac
 
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import orjson
 
-from service.errors import BadRequest, PayloadTooLarge
+from service.errors import BadRequest, NotAcceptable, PayloadTooLarge, UnsupportedMediaType
 
 _FIELDS = {"embeddings", "mask"}
 _LITERALS = (b"true", b"false", b"null")
@@ -47,6 +48,12 @@ def parse_json(body: bytes) -> object:
 
 
 def decode_json(body: bytes, d_model: int, max_elements: int) -> EncodeRequest:
+    # Refuse oversized arrays before building millions of Python floats: a dense array of N values has N - 1
+    # commas, and a mask at most as many again.
+    if body.count(b",") > 2 * max_elements:
+        raise PayloadTooLarge(
+            f"request holds more than {max_elements} values (ADDNORM_MAX_ELEMENTS); split it"
+        )
     doc = parse_json(body)
     if not isinstance(doc, dict):
         raise BadRequest(f"request body must be a JSON object with 'embeddings', got {type(doc).__name__}")
@@ -212,8 +219,6 @@ def decode(
     elif media == NPY:
         x = _decode_npy(body)
     else:
-        from service.errors import UnsupportedMediaType
-
         raise UnsupportedMediaType(f"unsupported Content-Type {media!r}; use {JSON}, {OCTET} or {NPY}")
     squeeze = x.ndim == 2
     if squeeze:
@@ -243,8 +248,6 @@ def _decode_raw(body: bytes, shape_header: str | None) -> np.ndarray:
 
 
 def _decode_npy(body: bytes) -> np.ndarray:
-    import io
-
     try:
         arr = np.load(io.BytesIO(body), allow_pickle=False)
     except Exception as exc:  # numpy raises ValueError/OSError/EOFError for bad .npy data
@@ -281,15 +284,11 @@ def negotiate(accept: str | None) -> str:
             return media
         if media in ("*/*", "application/*"):
             return JSON
-    from service.errors import NotAcceptable
-
     raise NotAcceptable(f"cannot answer with {accept!r}; acceptable: {JSON}, {OCTET}, {NPY}")
 
 
 def encode_binary(result: np.ndarray, media: str) -> bytes:
     if media == NPY:
-        import io
-
         buf = io.BytesIO()
         np.save(buf, result.astype("<f4", copy=False), allow_pickle=False)
         return buf.getvalue()

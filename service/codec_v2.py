@@ -85,6 +85,10 @@ def decode_infer(
     body: bytes, header_length: str | None, manifest: Manifest, max_elements: int
 ) -> InferRequest:
     header, binary = split_body(body, header_length)
+    if header.count(b",") > 2 * max_elements:  # JSON data beyond any acceptable tensor: refuse before parsing
+        raise PayloadTooLarge(
+            f"request holds more than {max_elements} values (ADDNORM_MAX_ELEMENTS); split it"
+        )
     doc = parse_json(header)
     if not isinstance(doc, dict):
         raise BadRequest("inference request must be a JSON object")

@@ -133,3 +133,9 @@ def test_json_response_has_no_python_lists_and_round_trips():
     doc = orjson.loads(codec_v1.encode_json(out, "encoder"))
     assert doc["shape"] == [2, 3] and doc["model"] == "encoder"
     np.testing.assert_array_equal(np.array(doc["encoded"], dtype=np.float32), out)
+
+
+def test_oversized_json_is_refused_before_parsing():
+    body = b'{"embeddings": [[' + b"0," * 5000 + b"0]]}"
+    with pytest.raises(PayloadTooLarge, match="more than 1000 values"):
+        codec_v1.decode("application/json", body, None, D, MAX)
