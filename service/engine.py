@@ -10,7 +10,6 @@ import numpy as np
 import onnxruntime as ort
 
 from model.artifact import ArtifactError, Manifest, load_verified
-from service.errors import BadRequest
 
 log = logging.getLogger("addnorm.engine")
 
@@ -108,22 +107,6 @@ class Engine:
     @property
     def name(self) -> str:
         return self.manifest.name
-
-    def check(self, embeddings: np.ndarray, mask: np.ndarray | None) -> None:
-        """Validate a batch against the model; raises BadRequest naming the problem."""
-        if embeddings.ndim != 3:
-            raise BadRequest(
-                f"embeddings must be rank 3 [batch, seq, d_model], got shape {list(embeddings.shape)}"
-            )
-        b, s, e = embeddings.shape
-        if e != self.d_model:
-            raise BadRequest(f"embeddings last dimension is {e} but the model's d_model is {self.d_model}")
-        if b == 0 or s == 0:
-            raise BadRequest(f"embeddings is empty (shape {list(embeddings.shape)})")
-        if mask is not None and mask.shape != (b, s):
-            raise BadRequest(
-                f"mask shape {list(mask.shape)} does not match embeddings [batch, seq] = {[b, s]}"
-            )
 
     def run(self, embeddings: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
         """embeddings (B, S, E) batch-first -> encoded (B, S, E) float32. Padding positions come back too."""

@@ -65,12 +65,11 @@ async def infer(
     mask: np.ndarray | None,
     timeout_s: float | None = None,
 ) -> tuple[np.ndarray, Timings]:
-    """Validate against the model, then queue for inference; drop the request if its client goes away.
+    """Queue a decoded batch (the codecs validated it against the model); drop it if its client goes away.
 
     ``timeout_s`` (a client's own deadline) can only shorten the server's ADDNORM_REQUEST_TIMEOUT_S.
     """
-    assert state.engine is not None and state.runner is not None
-    state.engine.check(x, mask)
+    assert state.runner is not None
     timeout = (
         state.settings.request_timeout_s
         if timeout_s is None
