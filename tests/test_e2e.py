@@ -118,3 +118,31 @@ def test_clients_that_hang_up_mid_request_do_not_hurt_the_server(server):
         s.sendall(b"\x16\x03\x01 garbage that is not HTTP\r\n\r\n")
     r = httpx.post(f"{server}/v1/encode", json={"embeddings": [[0.1] * 32]}, timeout=30)
     assert r.status_code == 200 and httpx.get(f"{server}/health/ready").status_code == 200
+
+
+def test_backpressure_and_timeouts_over_http(tiny_artifact):
+    """A full queue answers 429 with Retry-After, a missed deadline 504; never a 5xx otherwise, server stays up."""
+    proc, base = start_server(tiny_artifact, "--max-queue-size", "1", "--max-batch-size", "1")
+    try:
+        wait_ready(base, proc)
+        x = np.zeros((8, 512, 32), np.float32).tolist()
+        with httpx.Client(base_url=base, timeout=60) as c:
+
+            def call(_):
+                return c.post("/v1/encode", json={"embeddings": x})
+
+            with ThreadPoolExecutor(16) as pool:
+                responses = list(pool.map(call, range(48)))
+            statuses = {r.status_code for r in responses}
+            assert statuses <= {200, 429}, statuses
+            assert 200 in statuses
+            for r in responses:
+                if r.status_code == 429:
+                    assert r.headers["retry-after"] == "1" and "capacity" in r.json()["error"]
+            doc = {"inputs": [{"name": "embeddings", "shape": [1, 1, 32], "datatype": "FP32", "data": [0.0] * 32}],
+                   "parameters": {"timeout": 1}}  # one microsecond: always missed  # fmt: skip
+            r = c.post("/v2/models/encoder/infer", json=doc)
+            assert r.status_code == 504 and "not answered within" in r.json()["error"]
+            assert c.get("/health/ready").status_code == 200
+    finally:
+        stop_server(proc)
