@@ -2,9 +2,11 @@
 # Three targets, one file:
 #   export   torch (CPU build) + onnx: runs addnorm-export into the artifacts volume
 #   api      slim serving image: onnxruntime + FastAPI, no torch
-#   api-gpu  the same on CUDA: onnxruntime-gpu on an NVIDIA CUDA/cuDNN runtime image
+#   api-gpu  the same on CUDA: onnxruntime-gpu on an NVIDIA CUDA 13 / cuDNN 9 runtime image
 ARG PYTHON_IMAGE=python:3.11-slim
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+# onnxruntime-gpu from PyPI is built for CUDA 13 with cuDNN 9 since 1.30 (1.31.1: nvidia-*-cu13 extras):
+# the base image must match, and the host needs an NVIDIA driver that supports CUDA 13 (R580 or newer).
+ARG CUDA_IMAGE=nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
 
 FROM ${PYTHON_IMAGE} AS base
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -47,7 +49,7 @@ COPY service ./service
 COPY bench ./bench
 # onnxruntime and onnxruntime-gpu install the same module: drop the CPU one, then lay the GPU one down whole.
 RUN pip install ".[gpu]" && pip uninstall -y onnxruntime \
- && pip install --force-reinstall --no-deps "onnxruntime-gpu>=1.20"
+ && pip install --force-reinstall --no-deps "onnxruntime-gpu>=1.30"
 USER addnorm
 ENV ADDNORM_MODEL_DIR=/artifacts/default ADDNORM_HOST=0.0.0.0 ADDNORM_PORT=8000 ADDNORM_PROVIDERS=cuda
 EXPOSE 8000
