@@ -4,8 +4,8 @@
 #   api      slim serving image: onnxruntime + FastAPI, no torch
 #   api-gpu  the same on CUDA: onnxruntime-gpu on an NVIDIA CUDA 13 / cuDNN 9 runtime image
 ARG PYTHON_IMAGE=python:3.11-slim
-# onnxruntime-gpu from PyPI is built for CUDA 13 with cuDNN 9 since 1.30 (1.31.1: nvidia-*-cu13 extras):
-# the base image must match, and the host needs an NVIDIA driver that supports CUDA 13 (R580 or newer).
+# Recent onnxruntime-gpu wheels on PyPI are built for CUDA 13 with cuDNN 9 (1.31.1 declares nvidia-*-cu13 extras;
+# 1.30 is reported to run on this base): the base image must match, and the host needs a driver for CUDA 13.
 ARG CUDA_IMAGE=nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
 
 FROM ${PYTHON_IMAGE} AS base
