@@ -72,7 +72,6 @@ async def _load(state: ServiceState) -> None:
     except Exception as exc:  # any failure keeps /health/ready at 503 with the reason
         state.load_error = str(exc)
         log.error("model failed to load: %s", exc)
-        state.loaded.set()
         return
     runner = Runner(
         engine,
@@ -84,7 +83,6 @@ async def _load(state: ServiceState) -> None:
     )
     runner.start()
     state.engine, state.runner = engine, runner
-    state.loaded.set()
     log.info("ready: model %s on %s", engine.name, engine.providers)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -22,7 +21,6 @@ class ServiceState:
     engine: Engine | None = None
     runner: Runner | None = None
     load_error: str | None = None
-    loaded: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def ready(self) -> bool:
