@@ -21,6 +21,7 @@ from service.engine import Engine
 from service.errors import ApiError, error_response
 from service.fastpath import InferenceRoutes
 from service.http import ClientGone
+from service.routes import ROUTERS
 from service.runner import Runner
 from service.settings import Settings
 from service.state import ServiceState
@@ -55,8 +56,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.addnorm = state
-    from service.routes import ROUTERS  # routes import state helpers; keep app construction in one place
-
     for router in ROUTERS:
         app.include_router(router)
     _install_error_handlers(app)
