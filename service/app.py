@@ -18,9 +18,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import logs
 from service.engine import Engine
-from service.errors import ApiError, error_response
+from service.errors import ApiError, error_response, unexpected_error
 from service.fastpath import InferenceRoutes
-from service.http import ClientGone
 from service.routes import ROUTERS
 from service.runner import Runner
 from service.settings import Settings
@@ -99,14 +98,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         return error_response(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
 
-    @app.exception_handler(ClientGone)
-    async def client_gone(request: Request, exc: ClientGone) -> Response:
-        return error_response(499, "client closed the request")
-
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, f"internal error ({type(exc).__name__}); see the server log")
+        return unexpected_error(exc, request.method, request.url.path)
 
 
 class _RequestContext:

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import logging
+
 from starlette.responses import JSONResponse
+
+log = logging.getLogger("addnorm.service")
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     """The one shape of every error the API returns."""
     return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def unexpected_error(exc: Exception, method: str, path: str) -> JSONResponse:
+    """A bug, not the client's fault: log it with its traceback, answer a JSON 500."""
+    log.error("unhandled error on %s %s", method, path, exc_info=exc)
+    return error_response(500, f"internal error ({type(exc).__name__}); see the server log")
 
 
 class ApiError(Exception):
@@ -55,3 +65,12 @@ class Unavailable(ApiError):
 
 class Timeout(ApiError):
     status = 504
+
+
+class ClientGone(ApiError):
+    """The client disconnected before its answer was ready (nginx's 499; nobody reads it)."""
+
+    status = 499
+
+    def __init__(self) -> None:
+        super().__init__("client closed the request")

@@ -8,19 +8,15 @@ FastAPI for the OpenAPI docs, and maps errors exactly as the app's handlers do.
 
 from __future__ import annotations
 
-import logging
 import re
 from types import SimpleNamespace
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.errors import ApiError, error_response
-from service.http import ClientGone
+from service.errors import ApiError, error_response, unexpected_error
 from service.routes import v1, v2
 from service.state import ServiceState, get_ready_state
-
-log = logging.getLogger("addnorm.service")
 
 _V2_INFER = re.compile(r"^/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?/infer$")
 _V2_ROUTE = SimpleNamespace(path="/v2/models/{name}/infer")  # the metrics label, as FastAPI would set it
@@ -53,11 +49,8 @@ class InferenceRoutes:
         request = Request(scope, receive)
         try:
             response = await call(request, await get_ready_state(self.state))
-        except ApiError as exc:
+        except ApiError as exc:  # ClientGone included
             response = error_response(exc.status, exc.message, exc.headers)
-        except ClientGone:
-            response = error_response(499, "client closed the request")
-        except Exception as exc:  # same contract as the app's handler: log it, answer JSON 500
-            log.exception("unhandled error on POST %s", path)
-            response = error_response(500, f"internal error ({type(exc).__name__}); see the server log")
+        except Exception as exc:  # same contract as the app's handler
+            response = unexpected_error(exc, "POST", path)
         await response(scope, receive, send)

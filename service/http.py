@@ -11,7 +11,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from service.errors import ApiError, PayloadTooLarge
+from service.errors import ApiError, ClientGone, PayloadTooLarge
 from service.runner import Timings
 from service.state import ServiceState
 
@@ -26,10 +26,6 @@ async def offload(nbytes: int, fn: Callable[..., T], *args: object) -> T:
     if nbytes > OFFLOAD_BYTES:
         return await run_in_threadpool(fn, *args)
     return fn(*args)
-
-
-class ClientGone(Exception):
-    """The client disconnected before its answer was ready."""
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
