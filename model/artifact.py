@@ -18,32 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from model.config import ConfigError, EncoderConfig
+from model.contract import TensorSpec
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "weights.safetensors"
 MANIFEST_FILE = "manifest.json"
-VARIANTS = ("fp32", "fp16", "int8", "fused")
 
 
 class ArtifactError(RuntimeError):
     """An artifact directory is missing, incomplete, or does not match its manifest."""
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """A graph input or output. ``shape`` holds ints for fixed dims and names for symbolic ones."""
-
-    name: str
-    dtype: str
-    shape: tuple[int | str, ...]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TensorSpec:
-        return cls(name=data["name"], dtype=data["dtype"], shape=tuple(data["shape"]))
 
 
 @dataclass(frozen=True)
@@ -92,8 +76,8 @@ class Manifest:
                     f"manifest format_version {version!r} is not supported (expected {FORMAT_VERSION})"
                 )
             variant = data.get("variant", "fp32")
-            if variant not in VARIANTS:
-                raise ArtifactError(f"manifest variant {variant!r} is not one of {VARIANTS}")
+            if not isinstance(variant, str) or not variant:  # the names live in export's registry
+                raise ArtifactError(f"manifest variant must be a non-empty string, got {variant!r}")
             return cls(
                 name=str(data["name"]),
                 config=EncoderConfig.from_dict(data["config"]),

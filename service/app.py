@@ -1,4 +1,7 @@
-"""create_app(settings): the FastAPI application. Engine errors map to HTTP codes here, in one place."""
+"""create_app(settings): the FastAPI application, its middleware and its error handlers.
+
+Middleware, outermost first: request context (id, access log, metrics) -> guard -> fast path -> FastAPI's router.
+"""
 
 from __future__ import annotations
 
@@ -16,14 +19,15 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import logs
+from service import logs, protocols
+from service.batcher import Batcher
 from service.engine import Engine
-from service.errors import ApiError, error_response, unexpected_error
-from service.fastpath import InferenceRoutes
-from service.routes import ROUTERS
-from service.runner import Runner
+from service.errors import ServiceError
+from service.fastpath import FastPath
+from service.guard import Guard
+from service.responses import error_response, from_error, unexpected_error
 from service.settings import Settings
-from service.state import ServiceState
+from service.state import LoadedState, Models, ServiceState, ServingModel
 
 log = logging.getLogger("addnorm.service")
 access_log = logging.getLogger("addnorm.access")
@@ -43,8 +47,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             loader.cancel()
-            if state.runner is not None:
-                await state.runner.stop()
+            if state.loaded is not None:
+                for model in state.loaded.models:
+                    await model.batcher.stop()
 
     app = FastAPI(
         title="addnorm",
@@ -55,10 +60,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.addnorm = state
-    for router in ROUTERS:
+    for router in protocols.ROUTERS:
         app.include_router(router)
     _install_error_handlers(app)
-    app.add_middleware(InferenceRoutes, state=state)  # inner: runs after _RequestContext
+    # add_middleware puts each one outside the ones added before it.
+    app.add_middleware(FastPath, routes=protocols.FAST_ROUTES)
+    app.add_middleware(
+        Guard, state=state, public_paths=protocols.PUBLIC_PATHS, model_prefixes=protocols.MODEL_PREFIXES
+    )
     app.add_middleware(_RequestContext, state=state)
     return app
 
@@ -71,7 +80,7 @@ async def _load(state: ServiceState) -> None:
         state.load_error = str(exc)
         log.error("model failed to load: %s", exc)
         return
-    runner = Runner(
+    batcher = Batcher(
         engine,
         max_batch_size=s.max_batch_size,
         max_batch_tokens=s.max_batch_tokens,
@@ -79,15 +88,15 @@ async def _load(state: ServiceState) -> None:
         max_queue_size=s.max_queue_size,
         observer=state.metrics,
     )
-    runner.start()
-    state.engine, state.runner = engine, runner
+    batcher.start()
+    state.loaded = LoadedState(s, Models([ServingModel(engine, batcher)]))
     log.info("ready: model %s on %s", engine.name, engine.providers)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> Response:
-        return error_response(exc.status, exc.message, exc.headers)
+    @app.exception_handler(ServiceError)
+    async def service_error(request: Request, exc: ServiceError) -> Response:
+        return from_error(exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:

@@ -73,13 +73,27 @@ def main(argv: list[str] | None = None) -> int:
         # Workers are separate processes: pass the settings down through the environment.
         for name, value in settings.model_dump().items():
             os.environ[f"ADDNORM_{name.upper()}"] = str(value)
-        uvicorn.run("service.app:create_app", factory=True, host=settings.host, port=settings.port,
-                    workers=settings.workers, log_config=None, log_level=uv_log, access_log=False)  # fmt: skip
+        uvicorn.run(
+            "service.app:create_app",
+            factory=True,
+            host=settings.host,
+            port=settings.port,
+            workers=settings.workers,
+            log_config=None,
+            log_level=uv_log,
+            access_log=False,
+        )
     else:
         from service.app import create_app
 
-        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None,
-                    log_level=uv_log, access_log=False)  # fmt: skip
+        uvicorn.run(
+            create_app(settings),
+            host=settings.host,
+            port=settings.port,
+            log_config=None,
+            log_level=uv_log,
+            access_log=False,
+        )
     return 0
 
 

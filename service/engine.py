@@ -10,6 +10,7 @@ import numpy as np
 import onnxruntime as ort
 
 from model.artifact import ArtifactError, Manifest, load_verified
+from model.contract import EMBEDDINGS, MASK
 
 log = logging.getLogger("addnorm.engine")
 
@@ -38,27 +39,33 @@ def resolve_providers(requested: str, available: list[str]) -> list[str]:
     raise EngineError(f"unknown providers setting {requested!r}; use auto, cpu or cuda")
 
 
-def physical_cores() -> int:
-    """Physical cores this process may run on (hyper-threads share a core's GEMM units)."""
-    try:
-        allowed = os.sched_getaffinity(0)
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+def physical_cores(cpuinfo: str | None = None, allowed: set[int] | None = None) -> int:
+    """Physical cores this process may run on (hyper-threads share a core's GEMM units).
+
+    ``cpuinfo`` (the text of /proc/cpuinfo) and ``allowed`` (the CPU affinity) default to this machine's.
+    """
+    if allowed is None:
+        try:
+            allowed = os.sched_getaffinity(0)
+        except AttributeError:  # not Linux
+            return os.cpu_count() or 1
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as fh:
+                cpuinfo = fh.read()
+        except OSError:
+            cpuinfo = ""
     cores = set()
-    try:
-        cpu, phys = None, "0"
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                key, value = key.strip(), value.strip()
-                if key == "processor":
-                    cpu = int(value)
-                elif key == "physical id":
-                    phys = value
-                elif key == "core id" and cpu in allowed:
-                    cores.add((phys, value))
-    except (OSError, ValueError):
-        cores = set()
+    cpu, phys = None, "0"
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key, value = key.strip(), value.strip()
+        if key == "processor":
+            cpu = int(value) if value.isdigit() else None
+        elif key == "physical id":
+            phys = value
+        elif key == "core id" and cpu in allowed:
+            cores.add((phys, value))
     return max(1, min(len(cores) or len(allowed), len(allowed)))
 
 
@@ -67,7 +74,7 @@ def default_threads(workers: int = 1) -> int:
 
 
 class Engine:
-    """Runs the artifact's graph: ``run(embeddings (B, S, E), mask (B, S)) -> encoded (B, S, E)``."""
+    """Runs the artifact's graph: ``run(embeddings (B, S, E), mask (B, S)) -> {output name: (B, S, ...)}``."""
 
     def __init__(self, model_dir: str | Path, providers: str = "auto", intra_op_threads: int = 0) -> None:
         try:
@@ -94,32 +101,40 @@ class Engine:
                 )
             log.warning("CUDA is installed but failed to initialize; serving on %s", self.providers)
         self.threads = opts.intra_op_num_threads
-        spec = self.manifest.input("embeddings")
+        spec = self.manifest.input(EMBEDDINGS)
         self.input_dtype = np.dtype(np.float16 if spec.dtype == "float16" else np.float32)
         self.d_model = self.manifest.config.d_model
         self.batch_first = self.manifest.config.batch_first
-        self.output_names = [o.name for o in self.session.get_outputs()][:1]
+        self.output_names = [o.name for o in self.manifest.outputs]
         log.info(
             "loaded %s (%s, opset %d) from %s on %s with %d intra-op threads",
-            self.manifest.name, self.manifest.variant, self.manifest.opset, model_dir, self.providers, self.threads,
-        )  # fmt: skip
+            self.manifest.name,
+            self.manifest.variant,
+            self.manifest.opset,
+            model_dir,
+            self.providers,
+            self.threads,
+        )
 
     @property
     def name(self) -> str:
         return self.manifest.name
 
-    def run(self, embeddings: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
-        """embeddings (B, S, E) batch-first -> encoded (B, S, E) float32. Padding positions come back too."""
+    def run(self, embeddings: np.ndarray, mask: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """embeddings (B, S, E) batch-first -> every output by name, batch-first float32 (padding included)."""
         b, s, _ = embeddings.shape
         if mask is None:
             mask = np.zeros((b, s), dtype=bool)
         x = embeddings.astype(self.input_dtype, copy=False)
         if not self.batch_first:
             x = x.transpose(1, 0, 2)  # the graph takes (S, B, E)
-        (out,) = self.session.run(self.output_names, {"embeddings": np.ascontiguousarray(x), "mask": mask})
+        outs = self.session.run(self.output_names, {EMBEDDINGS: np.ascontiguousarray(x), MASK: mask})
         if not self.batch_first:
-            out = out.transpose(1, 0, 2)
-        return np.ascontiguousarray(out, dtype=np.float32)
+            outs = [out.transpose(1, 0, 2) for out in outs]
+        return {
+            name: np.ascontiguousarray(out, dtype=np.float32)
+            for name, out in zip(self.output_names, outs, strict=True)
+        }
 
     def describe(self) -> dict:
         """The manifest plus what is running it (for GET /v1/model)."""

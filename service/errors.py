@@ -1,76 +1,93 @@
-"""API errors: one exception type, mapped to ``{"error": "..."}`` with its status code by ``error_response``."""
+"""Domain errors: what went wrong with a request, in words a protocol front end can map to its own codes.
+
+Nothing here knows HTTP. The batcher, the engine, the guard and the codecs raise these; ``HTTP_STATUS`` is the one
+table that turns them into status codes (a gRPC front end adds its column beside it).
+"""
 
 from __future__ import annotations
 
-import logging
 
-from starlette.responses import JSONResponse
+class ServiceError(Exception):
+    """A request the service refused or could not answer. ``retry_after``: seconds a client should wait."""
 
-log = logging.getLogger("addnorm.service")
+    retry_after: int | None = None
 
-
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    """The one shape of every error the API returns."""
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
-
-
-def unexpected_error(exc: Exception, method: str, path: str) -> JSONResponse:
-    """A bug, not the client's fault: log it with its traceback, answer a JSON 500."""
-    log.error("unhandled error on %s %s", method, path, exc_info=exc)
-    return error_response(500, f"internal error ({type(exc).__name__}); see the server log")
-
-
-class ApiError(Exception):
-    """An error the client should see, with its HTTP status."""
-
-    status: int = 400
-
-    def __init__(
-        self, message: str, status: int | None = None, headers: dict[str, str] | None = None
-    ) -> None:
+    def __init__(self, message: str, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.message = message
-        if status is not None:
-            self.status = status
-        self.headers = headers or {}
+        if retry_after is not None:
+            self.retry_after = retry_after
 
 
-class BadRequest(ApiError):
-    status = 400
+class BadInput(ServiceError):
+    """The request is malformed or does not fit the model."""
 
 
-class NotFound(ApiError):
-    status = 404
+class NotFound(ServiceError):
+    """No such model, version or output."""
 
 
-class PayloadTooLarge(ApiError):
-    status = 413
+class TooLarge(ServiceError):
+    """The request is above a size limit."""
 
 
-class UnsupportedMediaType(ApiError):
-    status = 415
+class UnsupportedMediaType(ServiceError):
+    """The body's media type or encoding is not one the protocol reads."""
 
 
-class NotAcceptable(ApiError):
-    status = 406
+class NotAcceptable(ServiceError):
+    """The client accepts no media type the protocol writes."""
 
 
-class Overloaded(ApiError):
-    status = 429
+class Overloaded(ServiceError):
+    """The queue is full."""
+
+    retry_after = 1
 
 
-class Unavailable(ApiError):
-    status = 503
+class NotReady(ServiceError):
+    """The model is still loading, or failed to load."""
+
+    retry_after = 1
 
 
-class Timeout(ApiError):
-    status = 504
+class ShuttingDown(ServiceError):
+    """The server is stopping and takes no more work."""
 
 
-class ClientGone(ApiError):
-    """The client disconnected before its answer was ready (nginx's 499; nobody reads it)."""
+class TimedOut(ServiceError):
+    """The request was not answered within its deadline."""
 
-    status = 499
+
+class InferenceFailed(ServiceError):
+    """The model run failed; not the client's fault."""
+
+
+class ClientGone(ServiceError):
+    """The client disconnected before its answer was ready (nobody reads the answer)."""
 
     def __init__(self) -> None:
         super().__init__("client closed the request")
+
+
+HTTP_STATUS: dict[type[ServiceError], int] = {
+    BadInput: 400,
+    NotFound: 404,
+    NotAcceptable: 406,
+    TooLarge: 413,
+    UnsupportedMediaType: 415,
+    Overloaded: 429,
+    ClientGone: 499,  # nginx's code for it
+    InferenceFailed: 500,
+    NotReady: 503,
+    ShuttingDown: 503,
+    TimedOut: 504,
+}
+
+
+def http_status(exc: ServiceError) -> int:
+    """The HTTP status of a domain error (its nearest class in the table)."""
+    for cls in type(exc).__mro__:
+        if cls in HTTP_STATUS:
+            return HTTP_STATUS[cls]
+    return 500

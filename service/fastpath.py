@@ -1,56 +1,64 @@
-"""A lean dispatcher for the two inference routes, in front of FastAPI's router, middleware and dependencies.
+"""A lean dispatcher for the inference routes, in front of FastAPI's router, middleware and dependencies.
 
 On a 2-core machine every request's Python work competes with onnxruntime for the same cores, and FastAPI's
 generic machinery (route matching, dependency solving, exception middleware) was about half of it (bench/).
-This calls the very same route functions (``v1.encode``, ``v2.model_infer``), which stay registered with
-FastAPI for the OpenAPI docs, and maps errors exactly as the app's handlers do.
+Each protocol lists its hot routes as ``FastRoute``s; their handlers are the very functions its FastAPI routes
+call (those stay registered for the OpenAPI docs). It sits inside the guard, so nothing here skips it.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.errors import ApiError, error_response, unexpected_error
-from service.routes import v1, v2
-from service.state import ServiceState, get_ready_state
+from service.errors import ServiceError
+from service.guard import loaded_state
+from service.responses import from_error, unexpected_error
+from service.state import LoadedState
 
-_V2_INFER = re.compile(r"^/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?/infer$")
-_V2_ROUTE = SimpleNamespace(path="/v2/models/{name}/infer")  # the metrics label, as FastAPI would set it
-_V1_ROUTE = SimpleNamespace(path="/v1/encode")
+Handler = Callable[[Request, LoadedState, dict[str, str]], Awaitable[Response]]
 
 
-class InferenceRoutes:
-    """Pure ASGI: ``POST /v1/encode`` and ``POST /v2/models/{name}[/versions/{v}]/infer`` go straight to their
-    route functions; everything else goes on to FastAPI."""
+@dataclass(frozen=True)
+class FastRoute:
+    """``method`` + a full-path regex whose named groups become the handler's params; ``path`` is the route's
+    template as FastAPI knows it (the metrics label)."""
 
-    def __init__(self, app: ASGIApp, state: ServiceState) -> None:
+    method: str
+    pattern: re.Pattern[str]
+    path: str
+    handler: Handler
+
+
+class FastPath:
+    """Pure ASGI: requests matching a FastRoute go straight to its handler; everything else on to FastAPI."""
+
+    def __init__(self, app: ASGIApp, routes: tuple[FastRoute, ...]) -> None:
         self.app = app
-        self.state = state
+        self.routes = [(r, SimpleNamespace(path=r.path)) for r in routes]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST":
-            await self.app(scope, receive, send)
-            return
-        path = scope["path"]
-        if path == "/v1/encode":
-            scope["route"] = _V1_ROUTE
-            call = lambda req, st: v1.encode(req, st)  # noqa: E731
-        elif (m := _V2_INFER.match(path)) is not None:
-            scope["route"] = _V2_ROUTE
-            name, version = m["name"], m["version"]
-            call = lambda req, st: v2.model_infer(name, req, st, version)  # noqa: E731
-        else:
-            await self.app(scope, receive, send)
-            return
+        if scope["type"] == "http":
+            for route, label in self.routes:
+                if scope["method"] == route.method and (m := route.pattern.match(scope["path"])):
+                    scope["route"] = label  # what the request context reads for its metrics
+                    await self._dispatch(route, m.groupdict(), scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    async def _dispatch(route: FastRoute, params: dict, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive)
         try:
-            response = await call(request, await get_ready_state(self.state))
-        except ApiError as exc:  # ClientGone included
-            response = error_response(exc.status, exc.message, exc.headers)
+            response = await route.handler(request, await loaded_state(request), params)
+        except ServiceError as exc:  # ClientGone included
+            response = from_error(exc)
         except Exception as exc:  # same contract as the app's handler
-            response = unexpected_error(exc, "POST", path)
+            response = unexpected_error(exc, scope["method"], scope["path"])
         await response(scope, receive, send)

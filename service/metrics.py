@@ -26,9 +26,11 @@ class Metrics:
             registry=r,
         )
         self.inference = Histogram(
-            "addnorm_inference_duration_seconds", "time of one model run (one batch)", buckets=_LATENCY_BUCKETS,
+            "addnorm_inference_duration_seconds",
+            "time of one model run (one batch)",
+            buckets=_LATENCY_BUCKETS,
             registry=r,
-        )  # fmt: skip
+        )
         self.batch_rows = Histogram(
             "addnorm_batch_size", "rows per model run", buckets=_BATCH_BUCKETS, registry=r
         )

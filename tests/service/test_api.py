@@ -75,9 +75,15 @@ def test_ragged_equals_each_sequence_alone(client):
 
 def test_binary_in_and_out(client):
     x = np.random.default_rng(2).standard_normal((1, 3, 32)).astype("<f4")
-    r = client.post("/v1/encode", content=x.tobytes(),
-                    headers={"content-type": "application/octet-stream", "x-shape": "1,3,32",
-                             "accept": "application/octet-stream"})  # fmt: skip
+    r = client.post(
+        "/v1/encode",
+        content=x.tobytes(),
+        headers={
+            "content-type": "application/octet-stream",
+            "x-shape": "1,3,32",
+            "accept": "application/octet-stream",
+        },
+    )
     assert r.status_code == 200 and r.headers["x-shape"] == "1,3,32"
     binary = np.frombuffer(r.content, dtype="<f4").reshape(1, 3, 32)
     js = np.array(
@@ -143,8 +149,15 @@ def test_openapi_describes_both_apis(client):
     infer = spec["paths"]["/v2/models/{name}/infer"]["post"]
     assert {"application/json", "application/octet-stream"} <= set(infer["requestBody"]["content"])
     assert {"400", "404", "503"} <= set(infer["responses"])
-    for path in ("/v2", "/v2/health/ready", "/v2/models/{name}", "/v2/models/{name}/versions/{version}/infer",
-                 "/health/ready", "/metrics", "/v1/model"):  # fmt: skip
+    for path in (
+        "/v2",
+        "/v2/health/ready",
+        "/v2/models/{name}",
+        "/v2/models/{name}/versions/{version}/infer",
+        "/health/ready",
+        "/metrics",
+        "/v1/model",
+    ):
         assert path in spec["paths"]
     assert client.get("/docs").status_code == 200
 
@@ -153,8 +166,12 @@ def test_inference_routes_take_the_lean_path_and_others_do_not(client):
     """POST inference routes skip FastAPI's router; a wrong method or path still gets FastAPI's JSON errors."""
     assert client.post("/v2/models/encoder/infer/extra", content=b"{}").status_code == 404
     assert client.put("/v1/encode", content=b"{}").status_code == 405
-    r = client.post("/v2/models/encoder/versions/1/infer", json={"inputs": [
-        {"name": "embeddings", "shape": [1, 1, 32], "datatype": "FP32", "data": [0.5] * 32}]})  # fmt: skip
+    r = client.post(
+        "/v2/models/encoder/versions/1/infer",
+        json={
+            "inputs": [{"name": "embeddings", "shape": [1, 1, 32], "datatype": "FP32", "data": [0.5] * 32}]
+        },
+    )
     assert r.status_code == 200 and r.json()["outputs"][0]["shape"] == [1, 1, 32]
 
 
@@ -200,3 +217,18 @@ def test_a_row_that_is_all_padding_gets_a_finite_answer(client):
     r = client.post("/v1/encode", json={"embeddings": x, "mask": mask})
     assert r.status_code == 200
     assert np.isfinite(np.array(r.json()["encoded"])).all()
+
+
+def test_v2_output_the_model_does_not_have_is_a_400_that_names_it(client):
+    doc = {
+        "inputs": [{"name": "embeddings", "shape": [1, 1, 32], "datatype": "FP32", "data": [0.5] * 32}],
+        "outputs": [{"name": "encoded"}, {"name": "add_norm_0"}],
+    }
+    r = client.post("/v2/models/encoder/infer", json=doc)
+    assert r.status_code == 400 and "unknown output 'add_norm_0'" in r.json()["error"]
+    doc["outputs"] = [{"name": "encoded"}, {"name": "encoded"}]
+    r = client.post("/v2/models/encoder/infer", json=doc)
+    assert r.status_code == 400 and "'encoded' is requested twice" in r.json()["error"]
+    doc["outputs"] = [{"name": "encoded", "parameters": {"binary_data": False}}]
+    r = client.post("/v2/models/encoder/infer", json=doc)
+    assert [o["name"] for o in r.json()["outputs"]] == ["encoded"]

@@ -1,4 +1,4 @@
-"""/v1 decoding: every bad input is a 4xx ApiError naming the problem."""
+"""/v1 decoding: every bad input is a 4xx ServiceError naming the problem."""
 
 import io
 
@@ -6,8 +6,8 @@ import numpy as np
 import orjson
 import pytest
 
-from service import codec_v1
-from service.errors import ApiError, NotAcceptable, PayloadTooLarge, UnsupportedMediaType
+from service.errors import NotAcceptable, ServiceError, TooLarge, UnsupportedMediaType, http_status
+from service.protocols.v1 import codec as codec_v1
 
 D = 4
 MAX = 1000
@@ -72,41 +72,55 @@ def test_integers_are_numbers():
     ],
 )
 def test_bad_json_inputs(doc, message):
-    with pytest.raises(ApiError, match=message) as info:
+    with pytest.raises(ServiceError, match=message) as info:
         decode(doc)
-    assert 400 <= info.value.status < 500
+    assert 400 <= http_status(info.value) < 500
 
 
 @pytest.mark.parametrize(
     ("raw", "message"),
-    [(b"", "empty"), (b"{", "malformed JSON"), (b'{"embeddings": [[NaN, 0, 0, 0]]}', "NaN and Infinity"),
-     (b'{"embeddings": [[Infinity, 0, 0, 0]]}', "NaN and Infinity"), (b"\xff\xfe", "malformed JSON")],
-)  # fmt: skip
+    [
+        (b"", "empty"),
+        (b"{", "malformed JSON"),
+        (b'{"embeddings": [[NaN, 0, 0, 0]]}', "NaN and Infinity"),
+        (b'{"embeddings": [[Infinity, 0, 0, 0]]}', "NaN and Infinity"),
+        (b"\xff\xfe", "malformed JSON"),
+    ],
+)
 def test_malformed_bodies(raw, message):
-    with pytest.raises(ApiError, match=message):
+    with pytest.raises(ServiceError, match=message):
         decode(None, raw=raw)
 
 
 def test_too_many_elements_is_413():
-    with pytest.raises(PayloadTooLarge, match="limit of 1000"):
+    with pytest.raises(TooLarge, match="limit of 1000"):
         decode({"embeddings": [[row()] * 300]})
 
 
 def test_binary_raw_float32_with_shape_header():
     x = np.arange(2 * 3 * D, dtype="<f4").reshape(2, 3, D)
-    req = decode(None, raw=x.tobytes(), content_type="application/octet-stream",
-                 headers={"x-shape": "2,3,4", "x-lengths": "3,1"})  # fmt: skip
+    req = decode(
+        None,
+        raw=x.tobytes(),
+        content_type="application/octet-stream",
+        headers={"x-shape": "2,3,4", "x-lengths": "3,1"},
+    )
     np.testing.assert_array_equal(req.embeddings, x)
     assert req.mask.tolist() == [[False, False, False], [False, True, True]]
 
 
 @pytest.mark.parametrize(
     ("headers", "nbytes", "message"),
-    [({}, 48, "X-Shape header"), ({"x-shape": "a,b"}, 48, "integers"), ({"x-shape": "1,3,4"}, 40, "needs 48"),
-     ({"x-shape": "0,3,4"}, 0, "positive"), ({"x-shape": "1,3,4", "x-lengths": "5"}, 48, "X-Lengths")],
-)  # fmt: skip
+    [
+        ({}, 48, "X-Shape header"),
+        ({"x-shape": "a,b"}, 48, "integers"),
+        ({"x-shape": "1,3,4"}, 40, "needs 48"),
+        ({"x-shape": "0,3,4"}, 0, "positive"),
+        ({"x-shape": "1,3,4", "x-lengths": "5"}, 48, "X-Lengths"),
+    ],
+)
 def test_bad_binary_inputs(headers, nbytes, message):
-    with pytest.raises(ApiError, match=message):
+    with pytest.raises(ServiceError, match=message):
         decode(None, raw=b"\0" * nbytes, content_type="application/octet-stream", headers=headers)
 
 
@@ -115,7 +129,7 @@ def test_npy_body():
     np.save(buf, np.ones((3, D), dtype=np.float64))
     req = decode(None, raw=buf.getvalue(), content_type="application/x-npy")
     assert req.embeddings.shape == (1, 3, D) and req.embeddings.dtype == np.float32
-    with pytest.raises(ApiError, match="npy"):
+    with pytest.raises(ServiceError, match="npy"):
         decode(None, raw=b"garbage", content_type="application/x-npy")
 
 
@@ -130,12 +144,12 @@ def test_media_types():
 
 def test_json_response_has_no_python_lists_and_round_trips():
     out = np.arange(6, dtype=np.float32).reshape(2, 3) / 7
-    doc = orjson.loads(codec_v1.encode_json(out, "encoder"))
+    doc = orjson.loads(codec_v1.encode_json({"encoded": out}, "encoder"))
     assert doc["shape"] == [2, 3] and doc["model"] == "encoder"
     np.testing.assert_array_equal(np.array(doc["encoded"], dtype=np.float32), out)
 
 
 def test_oversized_json_is_refused_before_parsing():
     body = b'{"embeddings": [[' + b"0," * 5000 + b"0]]}"
-    with pytest.raises(PayloadTooLarge, match="more than 1000 values"):
+    with pytest.raises(TooLarge, match="more than 1000 values"):
         codec_v1.decode("application/json", body, None, D, MAX)

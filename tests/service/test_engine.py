@@ -9,9 +9,13 @@ from service.engine import CPU, CUDA, Engine, EngineError, physical_cores, resol
 
 @pytest.mark.parametrize(
     ("requested", "available", "expected"),
-    [("cpu", [CUDA, CPU], [CPU]), ("auto", [CUDA, CPU], [CUDA, CPU]), ("auto", [CPU], [CPU]),
-     ("cuda", [CUDA, CPU], [CUDA, CPU])],
-)  # fmt: skip
+    [
+        ("cpu", [CUDA, CPU], [CPU]),
+        ("auto", [CUDA, CPU], [CUDA, CPU]),
+        ("auto", [CPU], [CPU]),
+        ("cuda", [CUDA, CPU], [CUDA, CPU]),
+    ],
+)
 def test_provider_resolution(requested, available, expected):
     assert resolve_providers(requested, available) == expected
 
@@ -37,13 +41,26 @@ def test_cuda_that_fails_to_initialize_is_refused(tiny_artifact, monkeypatch):
     assert Engine(tiny_artifact, "auto").providers == [CPU]  # auto: warns and serves on CPU
 
 
-def test_engine_runs(tiny_artifact):
+def test_engine_runs_the_graph_and_answers_by_output_name(tiny_artifact):
+    """The engine's outputs, by name, equal PyTorch on the artifact's own weights; padding changes nothing else."""
+    import torch
+
+    from export.weights import load_weights
+    from model.encoder import Encoder
+
     eng = Engine(tiny_artifact, "cpu", intra_op_threads=1)
     assert eng.providers == [CPU] and eng.d_model == 32 and eng.threads == 1
-    out = eng.run(np.zeros((2, 3, 32), np.float32))
-    assert out.shape == (2, 3, 32) and out.dtype == np.float32
-    masked = eng.run(np.ones((1, 3, 32), np.float32), np.array([[False, False, True]]))
-    assert np.isfinite(masked).all()
+    torch_model = load_weights(Encoder(eng.manifest.config), tiny_artifact / "weights.safetensors")
+    x = np.random.default_rng(0).standard_normal((2, 5, 32)).astype(np.float32)
+    mask = np.zeros((2, 5), bool)
+    mask[1, 3:] = True
+    out = eng.run(x, mask)
+    assert list(out) == ["encoded"] and out["encoded"].dtype == np.float32
+    with torch.no_grad():
+        want = torch_model(torch.from_numpy(x), torch.from_numpy(mask)).numpy()
+    np.testing.assert_allclose(out["encoded"], want, atol=1e-5, rtol=1e-4)
+    short = eng.run(x[1:, :3])["encoded"]  # the padded row's real tokens, unpadded
+    np.testing.assert_allclose(out["encoded"][1, :3], short[0], atol=1e-5, rtol=1e-4)
 
 
 def test_engine_refuses_a_tampered_graph(tiny_artifact, tmp_path):
@@ -54,5 +71,14 @@ def test_engine_refuses_a_tampered_graph(tiny_artifact, tmp_path):
         Engine(tmp_path)
 
 
-def test_physical_cores_is_positive():
+CPUINFO_2_CORES_4_THREADS = "".join(
+    f"processor\t: {cpu}\nphysical id\t: 0\ncore id\t\t: {cpu % 2}\n\n" for cpu in range(4)
+)
+
+
+def test_physical_cores_counts_cores_not_hyperthreads():
+    assert physical_cores(CPUINFO_2_CORES_4_THREADS, {0, 1, 2, 3}) == 2
+    assert physical_cores(CPUINFO_2_CORES_4_THREADS, {0, 2}) == 1  # two threads of one core
+    assert physical_cores(CPUINFO_2_CORES_4_THREADS, {0, 1}) == 2
+    assert physical_cores("", {0, 1, 2}) == 3  # no topology (containers, other arches): affinity decides
     assert physical_cores() >= 1

@@ -1,4 +1,4 @@
-"""Hostile input, generated: the codecs raise only ApiError (a 4xx), and the live server never answers 5xx."""
+"""Hostile input, generated: the codecs raise only ServiceError (a 4xx), and the live server never answers 5xx."""
 
 import json
 import random
@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from model.artifact import Manifest
-from service import codec_v1, codec_v2
-from service.errors import ApiError
+from service.errors import ServiceError, http_status
+from service.protocols.v1 import codec as codec_v1
+from service.protocols.v2 import codec as codec_v2
 
 CASES = 1500
 
@@ -34,14 +35,34 @@ def random_value(rng: random.Random, depth: int = 0):
     if kind == 7:  # a plausible tensor, sometimes slightly wrong
         shape = [rng.randrange(0, 3) for _ in range(rng.randrange(1, 4))] + [rng.choice([32, 31, 0])]
         return np.zeros(shape).tolist()
-    return {rng.choice(["embeddings", "mask", "inputs", "outputs", "name", "shape", "datatype", "data", "id",
-                        "parameters", "binary_data_size", "x"]): random_value(rng, depth + 1) for _ in range(n)}  # fmt: skip
+    return {
+        rng.choice(
+            [
+                "embeddings",
+                "mask",
+                "inputs",
+                "outputs",
+                "name",
+                "shape",
+                "datatype",
+                "data",
+                "id",
+                "parameters",
+                "binary_data_size",
+                "x",
+            ]
+        ): random_value(rng, depth + 1)
+        for _ in range(n)
+    }
 
 
 def v2_doc(rng: random.Random) -> dict:
-    spec = {"name": rng.choice(["embeddings", "mask", "x"]), "shape": random_value(rng, 3),
-            "datatype": rng.choice(["FP32", "FP16", "BOOL", "INT8", 5]),
-            rng.choice(["data", "parameters"]): random_value(rng, 2)}  # fmt: skip
+    spec = {
+        "name": rng.choice(["embeddings", "mask", "x"]),
+        "shape": random_value(rng, 3),
+        "datatype": rng.choice(["FP32", "FP16", "BOOL", "INT8", 5]),
+        rng.choice(["data", "parameters"]): random_value(rng, 2),
+    }
     if rng.random() < 0.5:
         spec["shape"] = [rng.randrange(0, 3), rng.randrange(0, 3), rng.choice([32, 3, 2**62])]
         spec["data"] = np.zeros(rng.randrange(0, 200)).tolist()
@@ -64,8 +85,8 @@ def test_v1_codec_only_raises_api_errors():
         body = json.dumps(random_value(rng)).encode()
         try:
             req = codec_v1.decode("application/json", body, None, 32, 10_000)
-        except ApiError as exc:
-            assert 400 <= exc.status < 500 and exc.message
+        except ServiceError as exc:
+            assert 400 <= http_status(exc) < 500 and exc.message
         else:
             assert req.embeddings.ndim == 3 and req.embeddings.shape[-1] == 32
 
@@ -78,8 +99,8 @@ def test_v2_codec_only_raises_api_errors(manifest):
         header = str(len(body)) if binary else None
         try:
             req = codec_v2.decode_infer(body + binary, header, manifest, 10_000)
-        except ApiError as exc:
-            assert 400 <= exc.status < 500 and exc.message
+        except ServiceError as exc:
+            assert 400 <= http_status(exc) < 500 and exc.message
         else:
             assert req.embeddings.dtype == np.float32 and req.embeddings.shape[-1] == 32
 
@@ -94,8 +115,11 @@ def test_live_server_never_answers_5xx(server):
                 url, body = "/v1/encode", json.dumps(random_value(rng)).encode()
             if i % 7 == 0:
                 body = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))  # binary garbage
-            headers = {"content-type": rng.choice(["application/json", "application/octet-stream",
-                                                   "application/x-npy", "text/plain", ""])}  # fmt: skip
+            headers = {
+                "content-type": rng.choice(
+                    ["application/json", "application/octet-stream", "application/x-npy", "text/plain", ""]
+                )
+            }
             if i % 5 == 0:
                 headers["x-shape"] = rng.choice(["1,2,32", "a", "-1", "1,1,1,1,32"])
             if i % 11 == 0:

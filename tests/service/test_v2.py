@@ -13,8 +13,8 @@ import tritonclient.http.aio as triton_aio
 from tritonclient.utils import InferenceServerException
 
 from model.artifact import Manifest
-from service import codec_v2
-from service.errors import ApiError
+from service.errors import ServiceError, http_status
+from service.protocols.v2 import codec as codec_v2
 
 D = 32
 MODEL = "encoder"
@@ -51,8 +51,10 @@ def test_health_and_metadata(client):
     assert "binary_tensor_data" in client.get_server_metadata()["extensions"]
     meta = client.get_model_metadata(MODEL)
     assert meta["platform"] == "onnxruntime_onnx" and meta["versions"] == ["1"]
-    assert meta["inputs"] == [{"name": "embeddings", "datatype": "FP32", "shape": [-1, -1, D]},
-                              {"name": "mask", "datatype": "BOOL", "shape": [-1, -1]}]  # fmt: skip
+    assert meta["inputs"] == [
+        {"name": "embeddings", "datatype": "FP32", "shape": [-1, -1, D]},
+        {"name": "mask", "datatype": "BOOL", "shape": [-1, -1]},
+    ]
     assert meta["outputs"] == [{"name": "encoded", "datatype": "FP32", "shape": [-1, -1, D]}]
 
 
@@ -69,8 +71,13 @@ def test_infer_equals_onnxruntime_in_every_binary_json_combination(client, data,
 
 def test_versioned_infer_gzip_and_timeout(client, data):
     x, mask, want = data
-    r = client.infer(MODEL, inputs(x, mask, True), model_version="1", request_compression_algorithm="gzip",
-                     timeout=10_000_000)  # fmt: skip
+    r = client.infer(
+        MODEL,
+        inputs(x, mask, True),
+        model_version="1",
+        request_compression_algorithm="gzip",
+        timeout=10_000_000,
+    )
     np.testing.assert_allclose(r.as_numpy("encoded"), want, atol=1e-6, rtol=0)
 
 
@@ -114,12 +121,15 @@ def test_raw_http_errors_are_json(server):
     for body, headers, message in [
         (b"{", {}, "malformed JSON"),
         (b'{"inputs": []}', {}, "non-empty 'inputs'"),
-        (b'{"inputs": [{"name": "embeddings", "shape": [1, 1, 32], "datatype": "FP32", "parameters": {"binary_data_size": 128}}]}',
-         {}, "runs past the end"),
+        (
+            b'{"inputs": [{"name": "embeddings", "shape": [1, 1, 32], "datatype": "FP32", "parameters": {"binary_data_size": 128}}]}',
+            {},
+            "runs past the end",
+        ),
         (b"x" * 10, {"inference-header-content-length": "99"}, "does not fit"),
         (b"x" * 10, {"content-encoding": "br"}, "Content-Encoding"),
         (gzip.compress(b"{")[:5], {"content-encoding": "gzip"}, "gzip"),
-    ]:  # fmt: skip
+    ]:
         r = httpx.post(url, content=body, headers=headers, timeout=10)
         assert 400 <= r.status_code < 500, (body, r.text)
         assert message in r.json()["error"]
@@ -169,33 +179,41 @@ EMB = {"name": "embeddings", "shape": [1, 2, D], "datatype": "FP32", "data": [0.
     ],
 )
 def test_codec_rejects_bad_requests(tiny_artifact, doc, message):
-    with pytest.raises(ApiError, match=message) as info:
+    with pytest.raises(ServiceError, match=message) as info:
         codec_v2.decode_infer(doc, None, _manifest(tiny_artifact), 10_000)
-    assert 400 <= info.value.status < 500
+    assert 400 <= http_status(info.value) < 500
 
 
 def test_binary_inputs_are_zero_copy_views_and_extra_bytes_are_refused(tiny_artifact):
     x = np.arange(2 * D, dtype="<f4")
-    header = _request([{"name": "embeddings", "shape": [1, 2, D], "datatype": "FP32",
-                        "parameters": {"binary_data_size": x.nbytes}}])  # fmt: skip
+    header = _request(
+        [
+            {
+                "name": "embeddings",
+                "shape": [1, 2, D],
+                "datatype": "FP32",
+                "parameters": {"binary_data_size": x.nbytes},
+            }
+        ]
+    )
     body = header + x.tobytes()
     req = codec_v2.decode_infer(body, str(len(header)), _manifest(tiny_artifact), 10_000)
     np.testing.assert_array_equal(req.embeddings.ravel(), x)
     assert not req.embeddings.flags.owndata  # a view on the request body
-    with pytest.raises(ApiError, match="no input claims"):
+    with pytest.raises(ServiceError, match="no input claims"):
         codec_v2.decode_infer(body + b"\0\0\0\0", str(len(header)), _manifest(tiny_artifact), 10_000)
 
 
 def test_response_encoding_binary_and_json(tiny_artifact):
     out = np.arange(6, dtype=np.float32).reshape(1, 2, 3)
     req = codec_v2.InferRequest("7", out, None, [codec_v2.RequestedOutput("encoded", True)])
-    body, headers = codec_v2.encode_infer(req, MODEL, out)
+    body, headers = codec_v2.encode_infer(req, MODEL, {"encoded": out})
     n = int(headers["Inference-Header-Content-Length"])
     head = json.loads(body[:n])
     assert head["id"] == "7" and head["outputs"][0]["parameters"]["binary_data_size"] == 24
     np.testing.assert_array_equal(np.frombuffer(body[n:], "<f4"), out.ravel())
     req.outputs = [codec_v2.RequestedOutput("encoded", False)]
-    body, headers = codec_v2.encode_infer(req, MODEL, out)
+    body, headers = codec_v2.encode_infer(req, MODEL, {"encoded": out})
     assert (
         json.loads(body)["outputs"][0]["data"] == list(range(6))
         and headers["Content-Type"] == "application/json"

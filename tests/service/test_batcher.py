@@ -6,9 +6,9 @@ import threading
 import numpy as np
 import pytest
 
+from service.batcher import Batcher
 from service.engine import Engine
-from service.errors import Overloaded, Timeout
-from service.runner import Runner
+from service.errors import Overloaded, TimedOut, http_status
 
 FP32_ATOL, FP32_RTOL = 1e-5, 1e-4
 
@@ -45,13 +45,13 @@ def test_concurrent_requests_are_merged_and_each_gets_its_own_rows(engine):
     model = Recorder(engine, gate)
 
     async def main():
-        runner = Runner(model, max_batch_size=64, max_batch_tokens=10_000, max_queue_delay_ms=50)
-        runner.start()
-        tasks = [asyncio.ensure_future(runner.infer(x, m)) for x, m in reqs]
+        batcher = Batcher(model, max_batch_size=64, max_batch_tokens=10_000, max_queue_delay_ms=50)
+        batcher.start()
+        tasks = [asyncio.ensure_future(batcher.infer(x, m)) for x, m in reqs]
         await asyncio.sleep(0.2)
         gate.set()
         results = await asyncio.gather(*tasks)
-        await runner.stop()
+        await batcher.stop()
         return results
 
     results = run(main())
@@ -59,8 +59,8 @@ def test_concurrent_requests_are_merged_and_each_gets_its_own_rows(engine):
     assert max(s[0] for s in model.shapes) > 2
     for (x, m), (out, timings) in zip(reqs, results, strict=True):
         alone = engine.run(x, m)
-        assert out.shape == x.shape
-        np.testing.assert_allclose(out, alone, atol=FP32_ATOL, rtol=FP32_RTOL)
+        assert out.keys() == alone.keys() and out["encoded"].shape == x.shape
+        np.testing.assert_allclose(out["encoded"], alone["encoded"], atol=FP32_ATOL, rtol=FP32_RTOL)
         assert timings.infer_s > 0
 
 
@@ -68,11 +68,11 @@ def test_batch_size_one_turns_merging_off(engine):
     model = Recorder(engine)
 
     async def main():
-        runner = Runner(model, max_batch_size=1, max_queue_delay_ms=50)
-        runner.start()
+        batcher = Batcher(model, max_batch_size=1, max_queue_delay_ms=50)
+        batcher.start()
         xs = [np.zeros((1, 2, 32), np.float32) for _ in range(5)]
-        await asyncio.gather(*(runner.infer(x, None) for x in xs))
-        await runner.stop()
+        await asyncio.gather(*(batcher.infer(x, None) for x in xs))
+        await batcher.stop()
 
     run(main())
     assert model.shapes == [(1, 2, 32)] * 5
@@ -82,39 +82,42 @@ def test_token_budget_splits_batches(engine):
     model = Recorder(engine, threading.Event())
 
     async def main():
-        runner = Runner(model, max_batch_size=64, max_batch_tokens=16, max_queue_delay_ms=50)
-        runner.start()
+        batcher = Batcher(model, max_batch_size=64, max_batch_tokens=16, max_queue_delay_ms=50)
+        batcher.start()
         tasks = [
-            asyncio.ensure_future(runner.infer(np.zeros((1, 8, 32), np.float32), None)) for _ in range(4)
+            asyncio.ensure_future(batcher.infer(np.zeros((1, 8, 32), np.float32), None)) for _ in range(4)
         ]
         await asyncio.sleep(0.1)
         model.gate.set()
         await asyncio.gather(*tasks)
-        await runner.stop()
+        await batcher.stop()
 
     run(main())
     assert all(b * s <= 16 for b, s, _ in model.shapes) and sum(b for b, _, _ in model.shapes) == 4
 
 
 def test_all_padding_rows_run_alone(engine):
+    """A request with an all-padding row runs in a batch of its own; its neighbours still merge."""
     model = Recorder(engine, threading.Event())
-    x = np.ones((1, 4, 32), np.float32)
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal((1, 4, 32)).astype(np.float32) for _ in range(5)]
+    masks = [None, None, np.ones((1, 4), bool), None, None]  # the third is all padding
 
     async def main():
-        runner = Runner(model, max_batch_size=64, max_queue_delay_ms=50)
-        runner.start()
-        tasks = [asyncio.ensure_future(runner.infer(x, None)),
-                 asyncio.ensure_future(runner.infer(x, np.ones((1, 4), bool))),
-                 asyncio.ensure_future(runner.infer(x, None))]  # fmt: skip
+        batcher = Batcher(model, max_batch_size=64, max_queue_delay_ms=50)
+        batcher.start()
+        tasks = [asyncio.ensure_future(batcher.infer(x, m)) for x, m in zip(xs, masks, strict=True)]
         await asyncio.sleep(0.1)
         model.gate.set()
         out = await asyncio.gather(*tasks)
-        await runner.stop()
+        await batcher.stop()
         return out
 
     results = run(main())
-    assert np.isfinite(results[1][0]).all()
-    assert (1, 4, 32) in model.shapes
+    assert model.shapes == [(2, 4, 32), (1, 4, 32), (2, 4, 32)]
+    alone = engine.run(xs[2], masks[2])["encoded"]
+    assert np.isfinite(results[2][0]["encoded"]).all()
+    np.testing.assert_array_equal(results[2][0]["encoded"], alone)
 
 
 def test_full_queue_answers_429_with_retry_after(engine):
@@ -122,22 +125,22 @@ def test_full_queue_answers_429_with_retry_after(engine):
     model = Recorder(engine, gate)
 
     async def main():
-        runner = Runner(model, max_batch_size=1, max_queue_size=2, max_queue_delay_ms=0)
-        runner.start()
+        batcher = Batcher(model, max_batch_size=1, max_queue_size=2, max_queue_delay_ms=0)
+        batcher.start()
         x = np.zeros((1, 2, 32), np.float32)
-        first = asyncio.ensure_future(runner.infer(x, None))
+        first = asyncio.ensure_future(batcher.infer(x, None))
         await asyncio.sleep(0.05)  # the first is running (blocked on the gate); two more fill the queue
-        queued = [asyncio.ensure_future(runner.infer(x, None)) for _ in range(2)]
+        queued = [asyncio.ensure_future(batcher.infer(x, None)) for _ in range(2)]
         await asyncio.sleep(0.05)
         with pytest.raises(Overloaded) as info:
-            await runner.infer(x, None)
+            await batcher.infer(x, None)
         gate.set()
         await asyncio.gather(first, *queued)
-        await runner.stop()
+        await batcher.stop()
         return info.value
 
     err = run(main())
-    assert err.status == 429 and err.headers["Retry-After"] == "1"
+    assert http_status(err) == 429 and err.retry_after == 1
 
 
 def test_timeout_gives_504_and_the_request_is_dropped_before_it_runs(engine):
@@ -145,16 +148,16 @@ def test_timeout_gives_504_and_the_request_is_dropped_before_it_runs(engine):
     model = Recorder(engine, gate)
 
     async def main():
-        runner = Runner(model, max_batch_size=1, max_queue_delay_ms=0)
-        runner.start()
-        blocker = asyncio.ensure_future(runner.infer(np.zeros((1, 2, 32), np.float32), None))
+        batcher = Batcher(model, max_batch_size=1, max_queue_delay_ms=0)
+        batcher.start()
+        blocker = asyncio.ensure_future(batcher.infer(np.zeros((1, 2, 32), np.float32), None))
         await asyncio.sleep(0.05)
-        with pytest.raises(Timeout):
-            await runner.infer(np.zeros((1, 9, 32), np.float32), None, timeout=0.05)
+        with pytest.raises(TimedOut):
+            await batcher.infer(np.zeros((1, 9, 32), np.float32), None, timeout=0.05)
         gate.set()
         await blocker
         await asyncio.sleep(0.05)
-        await runner.stop()
+        await batcher.stop()
 
     run(main())
     assert (1, 9, 32) not in model.shapes  # timed out while queued: never ran
@@ -165,23 +168,23 @@ def test_cancelled_request_is_not_run(engine):
     model = Recorder(engine, gate)
 
     async def main():
-        runner = Runner(model, max_batch_size=1, max_queue_delay_ms=0)
-        runner.start()
-        blocker = asyncio.ensure_future(runner.infer(np.zeros((1, 2, 32), np.float32), None))
+        batcher = Batcher(model, max_batch_size=1, max_queue_delay_ms=0)
+        batcher.start()
+        blocker = asyncio.ensure_future(batcher.infer(np.zeros((1, 2, 32), np.float32), None))
         await asyncio.sleep(0.05)
-        gone = asyncio.ensure_future(runner.infer(np.zeros((1, 7, 32), np.float32), None))
+        gone = asyncio.ensure_future(batcher.infer(np.zeros((1, 7, 32), np.float32), None))
         await asyncio.sleep(0.01)
         gone.cancel()  # what the HTTP layer does when the client disconnects
         gate.set()
         await blocker
         await asyncio.sleep(0.05)
-        await runner.stop()
+        await batcher.stop()
 
     run(main())
     assert (1, 7, 32) not in model.shapes
 
 
-def test_engine_failure_fails_the_batch_not_the_runner():
+def test_engine_failure_fails_the_batch_not_the_batcher():
     class Flaky:
         calls = 0
 
@@ -189,16 +192,16 @@ def test_engine_failure_fails_the_batch_not_the_runner():
             self.calls += 1
             if self.calls == 1:
                 raise RuntimeError("boom")
-            return x
+            return {"encoded": x}
 
     async def main():
-        runner = Runner(Flaky(), max_batch_size=1, max_queue_delay_ms=0)
-        runner.start()
+        batcher = Batcher(Flaky(), max_batch_size=1, max_queue_delay_ms=0)
+        batcher.start()
         x = np.zeros((1, 2, 4), np.float32)
         with pytest.raises(Exception, match="inference failed"):
-            await runner.infer(x, None)
-        out, _ = await runner.infer(x, None)  # the scheduler survived
-        await runner.stop()
+            await batcher.infer(x, None)
+        out, _ = await batcher.infer(x, None)  # the scheduler survived
+        await batcher.stop()
         return out
 
-    assert run(main()).shape == (1, 2, 4)
+    assert run(main())["encoded"].shape == (1, 2, 4)

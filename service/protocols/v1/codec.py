@@ -13,9 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
-from service.errors import BadRequest, NotAcceptable, PayloadTooLarge, UnsupportedMediaType
+from model.contract import EMBEDDINGS, ENCODED, MASK
+from service.batcher import Outputs
+from service.errors import BadInput, NotAcceptable, UnsupportedMediaType
+from service.tensors import check_batch, parse_json
 
-_FIELDS = {"embeddings", "mask"}
+_FIELDS = {EMBEDDINGS, MASK}
 _LITERALS = (b"true", b"false", b"null")
 
 
@@ -35,52 +38,34 @@ class EncodeRequest:
         return encoded[0] if self.squeeze else encoded
 
 
-def parse_json(body: bytes) -> object:
-    if not body:
-        raise BadRequest("request body is empty; send a JSON object")
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        hint = (
-            " (NaN and Infinity are not valid JSON numbers)" if b"NaN" in body or b"Infinity" in body else ""
-        )
-        raise BadRequest(f"malformed JSON: {exc}{hint}") from None
-
-
 def decode_json(body: bytes, d_model: int, max_elements: int) -> EncodeRequest:
-    # Refuse oversized arrays before building millions of Python floats: a dense array of N values has N - 1
-    # commas, and a mask at most as many again.
-    if body.count(b",") > 2 * max_elements:
-        raise PayloadTooLarge(
-            f"request holds more than {max_elements} values (ADDNORM_MAX_ELEMENTS); split it"
-        )
-    doc = parse_json(body)
+    doc = parse_json(body, max_elements)
     if not isinstance(doc, dict):
-        raise BadRequest(f"request body must be a JSON object with 'embeddings', got {type(doc).__name__}")
+        raise BadInput(f"request body must be a JSON object with {EMBEDDINGS!r}, got {type(doc).__name__}")
     unknown = sorted(set(doc) - _FIELDS)
     if unknown:
-        raise BadRequest(f"unknown field(s) {unknown}; expected 'embeddings' and optional 'mask'")
-    if "embeddings" not in doc:
-        raise BadRequest("missing field 'embeddings' ([seq, d_model] or [batch, seq, d_model] numbers)")
-    data, mask_data = doc["embeddings"], doc.get("mask")
+        raise BadInput(f"unknown field(s) {unknown}; expected {EMBEDDINGS!r} and optional {MASK!r}")
+    if EMBEDDINGS not in doc:
+        raise BadInput(f"missing field {EMBEDDINGS!r} ([seq, d_model] or [batch, seq, d_model] numbers)")
+    data, mask_data = doc[EMBEDDINGS], doc.get(MASK)
     if not isinstance(data, list) or not data:
-        raise BadRequest(
+        raise BadInput(
             "embeddings must be a non-empty array of [seq, d_model] or [batch, seq, d_model] numbers"
         )
     # JSON true/false/null in embeddings would pass through numpy as 1/0/object; only the mask may hold them.
     mask = _decode_mask(mask_data)
-    allowed = (mask.size if mask is not None else 0) + (1 if "mask" in doc and mask_data is None else 0)
+    allowed = (mask.size if mask is not None else 0) + (1 if MASK in doc and mask_data is None else 0)
     if sum(body.count(lit) for lit in _LITERALS) > allowed:
-        raise BadRequest("embeddings must hold only numbers (found true, false or null)")
+        raise BadInput("embeddings must hold only numbers (found true, false or null)")
 
     depth = _depth(data)
     if depth == 2:
-        x = _to_array(data, "embeddings")[None]  # (1, S, E)
+        x = _to_array(data, EMBEDDINGS)[None]  # (1, S, E)
         req = EncodeRequest(x, mask[None] if mask is not None and mask.ndim == 1 else mask, squeeze=True)
     elif depth == 3:
         req = _decode_batch(data, mask, d_model)
     else:
-        raise BadRequest(
+        raise BadInput(
             f"embeddings must be [seq, d_model], [batch, seq, d_model] or a list of [seq_i, d_model] "
             f"sequences; got {depth} level(s) of nesting"
         )
@@ -94,21 +79,19 @@ def _decode_batch(data: list, mask: np.ndarray | None, d_model: int) -> EncodeRe
     except ValueError:
         arr = None  # sequences of different lengths, or ragged rows: tell them apart below
     if arr is not None and arr.dtype != object:
-        return EncodeRequest(_checked_numeric(arr, "embeddings"), mask)
+        return EncodeRequest(_checked_numeric(arr, EMBEDDINGS), mask)
     seqs = []
     for i, seq in enumerate(data):
         if not isinstance(seq, list) or not seq:
-            raise BadRequest(f"embeddings[{i}] must be a non-empty [seq, d_model] array")
+            raise BadInput(f"embeddings[{i}] must be a non-empty [seq, d_model] array")
         s = _to_array(seq, f"embeddings[{i}]")
         if s.ndim != 2:
-            raise BadRequest(f"embeddings[{i}] must be [seq, d_model], got shape {list(s.shape)}")
+            raise BadInput(f"embeddings[{i}] must be [seq, d_model], got shape {list(s.shape)}")
         if s.shape[1] != d_model:
-            raise BadRequest(
-                f"embeddings[{i}] has {s.shape[1]} features but the model's d_model is {d_model}"
-            )
+            raise BadInput(f"embeddings[{i}] has {s.shape[1]} features but the model's d_model is {d_model}")
         seqs.append(s)
     if mask is not None:
-        raise BadRequest(
+        raise BadInput(
             "mask cannot be given with sequences of different lengths: they are masked automatically"
         )
     lengths = [len(s) for s in seqs]
@@ -124,15 +107,15 @@ def _to_array(data: list, what: str) -> np.ndarray:
     try:
         arr = np.array(data)
     except ValueError:
-        raise BadRequest(f"{what} is ragged: its rows have different lengths") from None
+        raise BadInput(f"{what} is ragged: its rows have different lengths") from None
     return _checked_numeric(arr, what)
 
 
 def _checked_numeric(arr: np.ndarray, what: str) -> np.ndarray:
     if arr.dtype == object:
-        raise BadRequest(f"{what} is ragged or holds non-numbers")
+        raise BadInput(f"{what} is ragged or holds non-numbers")
     if arr.dtype.kind not in "iuf":
-        raise BadRequest(f"{what} must hold only numbers, found {_kind_name(arr.dtype)}")
+        raise BadInput(f"{what} must hold only numbers, found {_kind_name(arr.dtype)}")
     with np.errstate(over="ignore"):
         out = arr.astype(np.float32)
     return out
@@ -142,48 +125,31 @@ def _decode_mask(mask_data: object) -> np.ndarray | None:
     if mask_data is None:
         return None
     if not isinstance(mask_data, list) or not mask_data:
-        raise BadRequest("mask must be a non-empty array of booleans ([seq] or [batch, seq]; true = padding)")
+        raise BadInput("mask must be a non-empty array of booleans ([seq] or [batch, seq]; true = padding)")
     try:
         mask = np.array(mask_data)
     except ValueError:
-        raise BadRequest("mask is ragged: its rows have different lengths") from None
+        raise BadInput("mask is ragged: its rows have different lengths") from None
     if mask.dtype != bool:
-        raise BadRequest("mask must hold only true/false (true = padding)")
+        raise BadInput("mask must hold only true/false (true = padding)")
     if mask.ndim not in (1, 2):
-        raise BadRequest(f"mask must be [seq] or [batch, seq], got shape {list(mask.shape)}")
+        raise BadInput(f"mask must be [seq] or [batch, seq], got shape {list(mask.shape)}")
     return mask
 
 
-def check_batch(x: np.ndarray, mask: np.ndarray | None, d_model: int, max_elements: int) -> None:
-    """Checks every decoder shares: rank, d_model, size limit, finiteness, mask shape."""
-    if x.ndim != 3:
-        raise BadRequest(f"embeddings must be [batch, seq, d_model], got shape {list(x.shape)}")
-    if x.shape[-1] != d_model:
-        raise BadRequest(f"embeddings last dimension is {x.shape[-1]} but the model's d_model is {d_model}")
-    if x.size == 0:
-        raise BadRequest(f"embeddings is empty (shape {list(x.shape)})")
-    if x.size > max_elements:
-        raise PayloadTooLarge(
-            f"embeddings has {x.size} elements, above this server's limit of {max_elements} "
-            "(ADDNORM_MAX_ELEMENTS); split the batch"
-        )
-    if not np.isfinite(x).all():
-        raise BadRequest("embeddings must be finite: found NaN or Infinity, or a value too large for float32")
-    if mask is not None and mask.shape != x.shape[:2]:
-        raise BadRequest(
-            f"mask shape {list(mask.shape)} does not match embeddings [batch, seq] {list(x.shape[:2])}"
-        )
+Result = (
+    np.ndarray | list[np.ndarray]
+)  # one request's rows of an output: a tensor, or one per ragged sequence
 
 
-def encode_json(result: np.ndarray | list[np.ndarray], model: str) -> bytes:
-    """The /v1 JSON answer. orjson writes numpy arrays directly: no Python lists are built."""
-    if isinstance(result, list):
-        shape: list = [list(r.shape) for r in result]
-    else:
-        shape = list(result.shape)
-    return orjson.dumps(
-        {"encoded": result, "shape": shape, "model": model}, option=orjson.OPT_SERIALIZE_NUMPY
-    )
+def encode_json(results: dict[str, Result], model: str) -> bytes:
+    """The /v1 JSON answer: every output by name, and the shape of the encoded one (one per ragged sequence).
+
+    orjson writes numpy arrays directly: no Python lists are built.
+    """
+    encoded = results[ENCODED]
+    shape = [list(r.shape) for r in encoded] if isinstance(encoded, list) else list(encoded.shape)
+    return orjson.dumps({**results, "shape": shape, "model": model}, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def _depth(data: object) -> int:
@@ -230,20 +196,18 @@ def decode(
 
 def _decode_raw(body: bytes, shape_header: str | None) -> np.ndarray:
     if not shape_header:
-        raise BadRequest(
+        raise BadInput(
             f"{OCTET} bodies need an X-Shape header, e.g. 'X-Shape: 2,128,768' ([batch,] seq, d_model)"
         )
     try:
         shape = tuple(int(d) for d in shape_header.split(","))
     except ValueError:
-        raise BadRequest(f"X-Shape must be comma-separated integers, got {shape_header!r}") from None
+        raise BadInput(f"X-Shape must be comma-separated integers, got {shape_header!r}") from None
     if len(shape) not in (2, 3) or min(shape) <= 0:
-        raise BadRequest(
-            f"X-Shape must be 2 or 3 positive integers ([batch,] seq, d_model), got {list(shape)}"
-        )
+        raise BadInput(f"X-Shape must be 2 or 3 positive integers ([batch,] seq, d_model), got {list(shape)}")
     expected = math.prod(shape) * 4
     if len(body) != expected:
-        raise BadRequest(f"body has {len(body)} bytes but X-Shape {list(shape)} of float32 needs {expected}")
+        raise BadInput(f"body has {len(body)} bytes but X-Shape {list(shape)} of float32 needs {expected}")
     return np.frombuffer(body, dtype="<f4").reshape(shape)  # zero-copy view
 
 
@@ -251,11 +215,11 @@ def _decode_npy(body: bytes) -> np.ndarray:
     try:
         arr = np.load(io.BytesIO(body), allow_pickle=False)
     except Exception as exc:  # numpy raises ValueError/OSError/EOFError for bad .npy data
-        raise BadRequest(f"body is not a valid .npy array: {exc}") from None
+        raise BadInput(f"body is not a valid .npy array: {exc}") from None
     if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iuf":
-        raise BadRequest(f".npy array must hold numbers, got dtype {getattr(arr, 'dtype', type(arr))}")
+        raise BadInput(f".npy array must hold numbers, got dtype {getattr(arr, 'dtype', type(arr))}")
     if arr.ndim not in (2, 3):
-        raise BadRequest(
+        raise BadInput(
             f".npy array must be [seq, d_model] or [batch, seq, d_model], got shape {list(arr.shape)}"
         )
     return arr.astype(np.float32, copy=False)
@@ -267,10 +231,10 @@ def _lengths_mask(header: str | None, shape: tuple[int, ...]) -> np.ndarray | No
     try:
         lengths = np.array([int(n) for n in header.split(",")])
     except ValueError:
-        raise BadRequest(f"X-Lengths must be comma-separated integers, got {header!r}") from None
+        raise BadInput(f"X-Lengths must be comma-separated integers, got {header!r}") from None
     b, s = shape[0], shape[1]
     if lengths.shape != (b,) or (lengths < 1).any() or (lengths > s).any():
-        raise BadRequest(f"X-Lengths must give {b} length(s), each in 1..{s}, got {header!r}")
+        raise BadInput(f"X-Lengths must give {b} length(s), each in 1..{s}, got {header!r}")
     return np.arange(s)[None, :] >= lengths[:, None]
 
 
@@ -285,6 +249,19 @@ def negotiate(accept: str | None) -> str:
         if media in ("*/*", "application/*"):
             return JSON
     raise NotAcceptable(f"cannot answer with {accept!r}; acceptable: {JSON}, {OCTET}, {NPY}")
+
+
+def encode(req: EncodeRequest, outputs: Outputs, media: str, model: str) -> tuple[bytes, dict[str, str]]:
+    """The answer in the negotiated media type, and its headers. Binary answers carry the encoded tensor."""
+    if media == JSON:
+        return encode_json({name: req.split(out) for name, out in outputs.items()}, model), {}
+    encoded = outputs[ENCODED]
+    result = req.split(encoded)
+    tensor = result if isinstance(result, np.ndarray) else encoded  # ragged: padded tensor + lengths
+    headers = {"X-Shape": ",".join(map(str, tensor.shape))}
+    if req.lengths is not None:
+        headers["X-Lengths"] = ",".join(map(str, req.lengths))
+    return encode_binary(tensor, media), headers
 
 
 def encode_binary(result: np.ndarray, media: str) -> bytes:

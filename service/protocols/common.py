@@ -1,4 +1,4 @@
-"""Request plumbing shared by the API routes: bounded body reads, disconnect-aware inference, timing headers."""
+"""Request plumbing the HTTP protocols share: bounded body reads, disconnect-aware inference, timing headers."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from service.errors import ApiError, ClientGone, PayloadTooLarge
-from service.runner import Timings
-from service.state import ServiceState
+from service.batcher import Outputs, Timings
+from service.errors import BadInput, ClientGone, TooLarge
+from service.state import LoadedState, ServingModel
 
 T = TypeVar("T")
 
@@ -35,9 +35,9 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
         try:
             size = int(declared)
         except ValueError:
-            raise ApiError("Content-Length is not a number") from None
+            raise BadInput("Content-Length is not a number") from None
         if size > max_bytes:
-            raise PayloadTooLarge(
+            raise TooLarge(
                 f"request body of {size} bytes is above the limit of {max_bytes} (ADDNORM_MAX_BODY_BYTES)"
             )
     chunks, total = [], 0
@@ -45,7 +45,7 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
         async for chunk in request.stream():
             total += len(chunk)
             if total > max_bytes:
-                raise PayloadTooLarge(
+                raise TooLarge(
                     f"request body is above the limit of {max_bytes} bytes (ADDNORM_MAX_BODY_BYTES)"
                 )
             chunks.append(chunk)
@@ -56,26 +56,24 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 async def infer(
     request: Request,
-    state: ServiceState,
+    loaded: LoadedState,
+    model: ServingModel,
     x: np.ndarray,
     mask: np.ndarray | None,
     timeout_s: float | None = None,
-) -> tuple[np.ndarray, Timings]:
+) -> tuple[Outputs, Timings]:
     """Queue a decoded batch (the codecs validated it against the model); drop it if its client goes away.
 
     ``timeout_s`` (a client's own deadline) can only shorten the server's ADDNORM_REQUEST_TIMEOUT_S.
     """
-    assert state.runner is not None
-    timeout = (
-        state.settings.request_timeout_s
-        if timeout_s is None
-        else min(timeout_s, state.settings.request_timeout_s)
-    )
+    limit = loaded.settings.request_timeout_s
+    timeout = limit if timeout_s is None else min(timeout_s, limit)
     handler = asyncio.current_task()
-    assert handler is not None
+    if handler is None:  # not reachable from a request; keeps the type checker honest
+        raise RuntimeError("infer() must run inside a request's task")
     watch = asyncio.ensure_future(_cancel_on_disconnect(request, handler))
     try:
-        return await state.runner.infer(x, mask, timeout)
+        return await model.batcher.infer(x, mask, timeout)
     except asyncio.CancelledError:
         if watch.done() and not watch.cancelled():  # cancelled by the watcher, not by a shutdown
             raise ClientGone from None

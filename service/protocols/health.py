@@ -21,14 +21,18 @@ async def live() -> dict:
     responses={503: {"description": "still loading, or failed to load", "content": {"application/json": {}}}},
 )
 async def ready(state: State) -> Response:
-    if not state.ready:
-        return JSONResponse(
-            {"error": state.not_ready_message()}, status_code=503, headers={"Retry-After": "1"}
-        )
-    assert state.engine is not None
-    return JSONResponse({"status": "ready", "model": state.engine.name, "providers": state.engine.providers})
+    if state.loaded is None:
+        reason = state.not_ready_reason() or "model is loading"
+        return JSONResponse({"error": reason}, status_code=503, headers={"Retry-After": "1"})
+    model = state.loaded.models.default.engine
+    return JSONResponse({"status": "ready", "model": model.name, "providers": model.providers})
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
 async def metrics(state: State) -> Response:
     return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+
+FAST_ROUTES = ()
+MODEL_PREFIXES: tuple[str, ...] = ()
+PUBLIC_PATHS = ("/health/live", "/health/ready")

@@ -16,8 +16,10 @@ import numpy as np
 import orjson
 
 from model.artifact import Manifest
-from service.codec_v1 import check_batch, parse_json
-from service.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
+from model.contract import EMBEDDINGS, MASK, api_specs
+from service.batcher import Outputs
+from service.errors import BadInput, TooLarge, UnsupportedMediaType
+from service.tensors import check_batch, parse_json
 
 HEADER_LENGTH = "inference-header-content-length"
 VERSION = "1"  # an artifact is one model version
@@ -56,13 +58,11 @@ def decompress(body: bytes, encoding: str | None, max_bytes: int) -> bytes:
     try:
         out = d.decompress(body, max_bytes + 1)
     except zlib.error as exc:
-        raise BadRequest(f"body is not valid {encoding} data: {exc}") from None
+        raise BadInput(f"body is not valid {encoding} data: {exc}") from None
     if len(out) > max_bytes:
-        raise PayloadTooLarge(
-            f"decompressed body is above the limit of {max_bytes} bytes (ADDNORM_MAX_BODY_BYTES)"
-        )
+        raise TooLarge(f"decompressed body is above the limit of {max_bytes} bytes (ADDNORM_MAX_BODY_BYTES)")
     if not d.eof:
-        raise BadRequest(f"body is truncated {encoding} data")
+        raise BadInput(f"body is truncated {encoding} data")
     return out
 
 
@@ -72,11 +72,9 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
     try:
         n = int(header_length)
     except ValueError:
-        raise BadRequest(
-            f"Inference-Header-Content-Length must be an integer, got {header_length!r}"
-        ) from None
+        raise BadInput(f"Inference-Header-Content-Length must be an integer, got {header_length!r}") from None
     if not 0 < n <= len(body):
-        raise BadRequest(f"Inference-Header-Content-Length {n} does not fit a body of {len(body)} bytes")
+        raise BadInput(f"Inference-Header-Content-Length {n} does not fit a body of {len(body)} bytes")
     view = memoryview(body)
     return bytes(view[:n]), view[n:]
 
@@ -85,45 +83,41 @@ def decode_infer(
     body: bytes, header_length: str | None, manifest: Manifest, max_elements: int
 ) -> InferRequest:
     header, binary = split_body(body, header_length)
-    if header.count(b",") > 2 * max_elements:  # JSON data beyond any acceptable tensor: refuse before parsing
-        raise PayloadTooLarge(
-            f"request holds more than {max_elements} values (ADDNORM_MAX_ELEMENTS); split it"
-        )
-    doc = parse_json(header)
+    doc = parse_json(header, max_elements)
     if not isinstance(doc, dict):
-        raise BadRequest("inference request must be a JSON object")
+        raise BadInput("inference request must be a JSON object")
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:
-        raise BadRequest("inference request needs a non-empty 'inputs' array")
+        raise BadInput("inference request needs a non-empty 'inputs' array")
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
-        raise BadRequest("'parameters' must be an object")
+        raise BadInput("'parameters' must be an object")
     known = {s.name: s for s in manifest.inputs}
     tensors: dict[str, np.ndarray] = {}
     offset = 0
     for i, spec in enumerate(inputs):
         if not isinstance(spec, dict):
-            raise BadRequest(f"inputs[{i}] must be an object")
+            raise BadInput(f"inputs[{i}] must be an object")
         name = spec.get("name")
         if name not in known:
-            raise BadRequest(f"unknown input {name!r}; this model takes {sorted(known)}")
+            raise BadInput(f"unknown input {name!r}; this model takes {sorted(known)}")
         if name in tensors:
-            raise BadRequest(f"input {name!r} is given twice")
+            raise BadInput(f"input {name!r} is given twice")
         tensors[name], offset = _decode_tensor(spec, binary, offset, max_elements)
     if offset != len(binary):
-        raise BadRequest(
+        raise BadInput(
             f"{len(binary) - offset} byte(s) of binary data follow the inputs that no input claims"
         )
-    if "embeddings" not in tensors:
-        raise BadRequest("missing input 'embeddings' (FP32 [batch, seq, d_model])")
+    if EMBEDDINGS not in tensors:
+        raise BadInput(f"missing input {EMBEDDINGS!r} (FP32 [batch, seq, d_model])")
 
-    x = tensors["embeddings"]
+    x = tensors[EMBEDDINGS]
     if x.dtype == np.bool_:
-        raise BadRequest("input 'embeddings' must be FP32 (or FP16/FP64), not BOOL")
+        raise BadInput(f"input {EMBEDDINGS!r} must be FP32 (or FP16/FP64), not BOOL")
     x = x.astype(np.float32, copy=False)
-    mask = tensors.get("mask")
+    mask = tensors.get(MASK)
     if mask is not None and mask.dtype != np.bool_:
-        raise BadRequest(f"input 'mask' must be BOOL, got {_v2_name(mask.dtype)}")
+        raise BadInput(f"input {MASK!r} must be BOOL, got {_v2_name(mask.dtype)}")
     check_batch(x, mask, manifest.config.d_model, max_elements)
     return InferRequest(
         id=_request_id(doc.get("id")),
@@ -141,36 +135,36 @@ def _decode_tensor(spec: dict, binary: memoryview, offset: int, max_elements: in
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
-        raise BadRequest(f"input {name!r}: 'shape' must be a list of non-negative integers, got {shape!r}")
+        raise BadInput(f"input {name!r}: 'shape' must be a list of non-negative integers, got {shape!r}")
     datatype = spec.get("datatype")
     if datatype not in DTYPES:
-        raise BadRequest(
+        raise BadInput(
             f"input {name!r}: datatype {datatype!r} is not supported here; use one of {sorted(DTYPES)}"
         )
     dtype = DTYPES[datatype]
     count = math.prod(shape)  # Python ints: a hostile shape cannot overflow into a small count
     if count > max_elements or any(d > max_elements for d in shape):  # [0, 2**62] has count 0
-        raise PayloadTooLarge(f"input {name!r} has {count} elements, above the limit of {max_elements}")
+        raise TooLarge(f"input {name!r} has {count} elements, above the limit of {max_elements}")
     params = spec.get("parameters") or {}
     size = params.get("binary_data_size") if isinstance(params, dict) else None
     if size is not None:
         if "data" in spec:
-            raise BadRequest(f"input {name!r} has both 'data' and binary_data_size")
+            raise BadInput(f"input {name!r} has both 'data' and binary_data_size")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise BadRequest(f"input {name!r}: binary_data_size must be a non-negative integer")
+            raise BadInput(f"input {name!r}: binary_data_size must be a non-negative integer")
         if size != count * dtype.itemsize:
-            raise BadRequest(
+            raise BadInput(
                 f"input {name!r}: binary_data_size {size} does not match shape {shape} of {datatype} "
                 f"({count * dtype.itemsize} bytes)"
             )
         if offset + size > len(binary):
-            raise BadRequest(f"input {name!r}: binary_data_size {size} runs past the end of the body")
+            raise BadInput(f"input {name!r}: binary_data_size {size} runs past the end of the body")
         arr = np.frombuffer(binary[offset : offset + size], dtype=dtype).reshape(shape)  # zero-copy
         if datatype == "BOOL":
             arr = arr.view(np.uint8) != 0  # any non-zero byte is true, as in Triton
         return arr, offset + size
     if "data" not in spec:
-        raise BadRequest(f"input {name!r} has neither 'data' nor parameters.binary_data_size")
+        raise BadInput(f"input {name!r} has neither 'data' nor parameters.binary_data_size")
     return _json_tensor(name, spec["data"], shape, datatype, dtype, count), offset
 
 
@@ -178,18 +172,18 @@ def _json_tensor(
     name: str, data: object, shape: list[int], datatype: str, dtype: np.dtype, count: int
 ) -> np.ndarray:
     if not isinstance(data, list):
-        raise BadRequest(f"input {name!r}: 'data' must be an array (flat or nested, row-major)")
+        raise BadInput(f"input {name!r}: 'data' must be an array (flat or nested, row-major)")
     try:
         arr = np.array(data)
     except ValueError:
-        raise BadRequest(f"input {name!r}: 'data' is ragged") from None
+        raise BadInput(f"input {name!r}: 'data' is ragged") from None
     if datatype == "BOOL":
         if arr.size and arr.dtype != np.bool_:
-            raise BadRequest(f"input {name!r}: BOOL data must hold only true/false")
+            raise BadInput(f"input {name!r}: BOOL data must hold only true/false")
     elif arr.size and arr.dtype.kind not in "iuf":
-        raise BadRequest(f"input {name!r}: {datatype} data must hold only numbers")
+        raise BadInput(f"input {name!r}: {datatype} data must hold only numbers")
     if arr.size != count:
-        raise BadRequest(f"input {name!r}: 'data' has {arr.size} element(s) but shape {shape} needs {count}")
+        raise BadInput(f"input {name!r}: 'data' has {arr.size} element(s) but shape {shape} needs {count}")
     with np.errstate(over="ignore"):
         return arr.astype(dtype).reshape(shape)
 
@@ -199,12 +193,14 @@ def _requested_outputs(outputs: object, params: dict, names: list[str]) -> list[
     if outputs is None:
         return [RequestedOutput(n, default_binary) for n in names]
     if not isinstance(outputs, list):
-        raise BadRequest("'outputs' must be an array")
-    chosen = []
+        raise BadInput("'outputs' must be an array")
+    chosen: list[RequestedOutput] = []
     for i, out in enumerate(outputs):
         if not isinstance(out, dict) or out.get("name") not in names:
             got = out.get("name") if isinstance(out, dict) else out
-            raise BadRequest(f"outputs[{i}]: unknown output {got!r}; this model has {names}")
+            raise BadInput(f"outputs[{i}]: unknown output {got!r}; this model has {names}")
+        if any(c.name == out["name"] for c in chosen):
+            raise BadInput(f"outputs[{i}]: output {out['name']!r} is requested twice")
         p = out.get("parameters") or {}
         binary = p.get("binary_data", default_binary) if isinstance(p, dict) else default_binary
         chosen.append(RequestedOutput(out["name"], bool(binary)))
@@ -215,7 +211,7 @@ def _request_id(value: object) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise BadRequest("'id' must be a string")
+        raise BadInput("'id' must be a string")
     return value
 
 
@@ -224,15 +220,15 @@ def _timeout(value: object) -> float | None:
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise BadRequest("parameters.timeout must be a positive integer (microseconds)")
+        raise BadInput("parameters.timeout must be a positive integer (microseconds)")
     return value / 1e6
 
 
-def encode_infer(req: InferRequest, model: str, result: np.ndarray) -> tuple[bytes, dict[str, str]]:
-    """The infer response: JSON only, or a JSON header followed by the binary outputs."""
+def encode_infer(req: InferRequest, model: str, results: Outputs) -> tuple[bytes, dict[str, str]]:
+    """The infer response, each requested output by name: JSON only, or a JSON header then binary outputs."""
     outputs, blobs = [], []
     for out in req.outputs:
-        tensor = np.ascontiguousarray(result, dtype="<f4")
+        tensor = np.ascontiguousarray(results[out.name], dtype="<f4")
         entry: dict = {"name": out.name, "datatype": "FP32", "shape": list(tensor.shape)}
         if out.binary:
             blob = tensor.tobytes()
@@ -254,22 +250,22 @@ def encode_infer(req: InferRequest, model: str, result: np.ndarray) -> tuple[byt
 
 
 def model_metadata(manifest: Manifest) -> dict:
-    def tensor(spec) -> dict:
-        dims = [d if isinstance(d, int) else -1 for d in spec.shape]
-        if spec.name in ("embeddings", "encoded") and not manifest.config.batch_first:
-            dims = [-1, -1, manifest.config.d_model]  # the API always speaks [batch, seq, d_model]
+    """Inputs and outputs as the API speaks them (batch-first, whatever the graph's layout); -1 = variable."""
+
+    def tensor(spec) -> dict:  # noqa: ANN001
         return {
             "name": spec.name,
             "datatype": _NUMPY_TO_V2.get(spec.dtype, spec.dtype.upper()),
-            "shape": dims,
+            "shape": [d if isinstance(d, int) else -1 for d in spec.shape],
         }
 
+    inputs, outputs = api_specs(manifest.config)
     return {
         "name": manifest.name,
         "versions": [VERSION],
         "platform": PLATFORM,
-        "inputs": [tensor(s) for s in manifest.inputs],
-        "outputs": [tensor(s) for s in manifest.outputs],
+        "inputs": [tensor(s) for s in inputs],
+        "outputs": [tensor(s) for s in outputs],
     }
 
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import re
 import time
 
-import numpy as np
 from fastapi import APIRouter, Request, Response
 
-from service import codec_v1
-from service.http import infer, offload, read_body, timing_headers
-from service.state import ReadyState
+from model.contract import EMBEDDINGS, ENCODED, MASK
+from service.fastpath import FastRoute
+from service.guard import Loaded
+from service.protocols.common import infer, offload, read_body, timing_headers
+from service.protocols.v1 import codec
+from service.state import LoadedState
 
 router = APIRouter(prefix="/v1", tags=["v1"])
 
@@ -20,22 +23,22 @@ _ENCODE_DOC = {
             "application/json": {
                 "schema": {
                     "type": "object",
-                    "required": ["embeddings"],
+                    "required": [EMBEDDINGS],
                     "properties": {
-                        "embeddings": {
+                        EMBEDDINGS: {
                             "description": "[seq, d_model], [batch, seq, d_model], or a list of [seq_i, d_model] "
                             "sequences of different lengths (padded and masked by the server)",
                             "type": "array",
                             "items": {"type": "array"},
                         },
-                        "mask": {
+                        MASK: {
                             "description": "optional [seq] or [batch, seq] booleans, true = padding",
                             "type": "array",
                             "items": {},
                         },
                     },
                 },
-                "example": {"embeddings": [[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]]},
+                "example": {EMBEDDINGS: [[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]]},
             },
             "application/octet-stream": {
                 "schema": {"type": "string", "format": "binary"},
@@ -49,7 +52,7 @@ _ENCODE_DOC = {
             "description": "encoded tensor as JSON {encoded, shape, model}, or binary per the Accept header",
             "content": {
                 "application/json": {
-                    "example": {"encoded": [[0.1, 0.2, 0.3]], "shape": [1, 3], "model": "encoder"}
+                    "example": {ENCODED: [[0.1, 0.2, 0.3]], "shape": [1, 3], "model": "encoder"}
                 },
                 "application/octet-stream": {},
                 "application/x-npy": {},
@@ -64,34 +67,39 @@ _ENCODE_DOC = {
 }
 
 
-@router.post("/encode", summary="Encode embeddings with the served encoder block", openapi_extra=_ENCODE_DOC)
-async def encode(request: Request, state: ReadyState) -> Response:
+async def handle_encode(request: Request, loaded: LoadedState, params: dict[str, str]) -> Response:
+    """POST /v1/encode: decode by Content-Type, run, answer in the type Accept asks for."""
     start = time.perf_counter()
-    assert state.engine is not None
-    settings = state.settings
-    media = codec_v1.negotiate(request.headers.get("accept"))
+    model, settings = loaded.models.default, loaded.settings
+    media = codec.negotiate(request.headers.get("accept"))
     body = await read_body(request, settings.max_body_bytes)
     req = await offload(
         len(body),
-        codec_v1.decode, request.headers.get("content-type", ""), body, request.headers,
-        state.engine.d_model, settings.max_elements,
-    )  # fmt: skip
-    out, timings = await infer(request, state, req.embeddings, req.mask)
-    result = req.split(out)
-    if media == codec_v1.JSON:
-        payload = await offload(out.nbytes * 3, codec_v1.encode_json, result, state.engine.name)
-        headers = {}
-    else:
-        tensor = result if isinstance(result, np.ndarray) else out  # ragged: padded tensor + lengths
-        payload = codec_v1.encode_binary(tensor, media)
-        headers = {"X-Shape": ",".join(map(str, tensor.shape))}
-        if req.lengths is not None:
-            headers["X-Lengths"] = ",".join(map(str, req.lengths))
+        codec.decode,
+        request.headers.get("content-type", ""),
+        body,
+        request.headers,
+        model.engine.d_model,
+        settings.max_elements,
+    )
+    outputs, timings = await infer(request, loaded, model, req.embeddings, req.mask)
+    nbytes = sum(out.nbytes for out in outputs.values())
+    payload, headers = await offload(nbytes * 3, codec.encode, req, outputs, media, model.name)
     headers.update(timing_headers(timings, time.perf_counter() - start))
     return Response(payload, media_type=media, headers=headers)
 
 
+@router.post("/encode", summary="Encode embeddings with the served encoder block", openapi_extra=_ENCODE_DOC)
+async def encode(request: Request, loaded: Loaded) -> Response:
+    return await handle_encode(request, loaded, {})
+
+
 @router.get("/model", summary="The served model: manifest, providers in use")
-async def model(state: ReadyState) -> dict:
-    assert state.engine is not None
-    return state.engine.describe()
+async def model(loaded: Loaded) -> dict:
+    return loaded.models.default.engine.describe()
+
+
+# Hot routes for the lean dispatcher (service.fastpath); the guard checks everything under these prefixes.
+FAST_ROUTES = (FastRoute("POST", re.compile(r"^/v1/encode$"), "/v1/encode", handle_encode),)
+MODEL_PREFIXES = ("/v1/",)
+PUBLIC_PATHS: tuple[str, ...] = ()

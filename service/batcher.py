@@ -5,7 +5,8 @@ One scheduler task takes requests from a bounded queue and merges them along the
 runs the batch on one dedicated thread, and hands each request back exactly its own rows. With the default
 ``max_queue_delay_ms=0`` a batch is whatever queued up while the previous one ran (no request ever waits for
 company while the model is idle); a positive delay waits that long for more. ``max_batch_size=1`` turns merging
-off; everything else (queue, timeouts) stays the same.
+off; everything else (queue, timeouts) stays the same. Every output of the model is batch-major with the sequence
+second (model.contract), so each request's rows of each output are cut the same way.
 """
 
 from __future__ import annotations
@@ -21,16 +22,18 @@ from typing import Protocol
 
 import numpy as np
 
-from service.errors import ApiError, Overloaded, Timeout, Unavailable
+from service.errors import InferenceFailed, Overloaded, ServiceError, ShuttingDown, TimedOut
 
-log = logging.getLogger("addnorm.runner")
+log = logging.getLogger("addnorm.batcher")
+
+Outputs = dict[str, np.ndarray]  # output name -> (B, S, ...) array
 
 
 class Model(Protocol):
-    def run(self, embeddings: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray: ...
+    def run(self, embeddings: np.ndarray, mask: np.ndarray | None = None) -> Outputs: ...
 
 
-class RunnerObserver(Protocol):
+class BatchObserver(Protocol):
     def batch_done(self, rows: int, requests: int, seconds: float) -> None: ...
     def queue_depth(self, depth: int) -> None: ...
 
@@ -64,8 +67,8 @@ class _Item:
         return self.mask is not None and bool(self.mask.all(axis=1).any())
 
 
-class Runner:
-    """``await runner.infer(x, mask)`` -> (encoded, timings). Start with ``start()``, stop with ``stop()``."""
+class Batcher:
+    """``await batcher.infer(x, mask)`` -> ({output name: its rows}, timings). Start with ``start()``, stop with ``stop()``."""
 
     def __init__(
         self,
@@ -74,7 +77,7 @@ class Runner:
         max_batch_tokens: int = 8192,
         max_queue_delay_ms: float = 0.0,
         max_queue_size: int = 256,
-        observer: RunnerObserver | None = None,
+        observer: BatchObserver | None = None,
     ) -> None:
         self.model = model
         self.max_batch_size = max_batch_size
@@ -100,7 +103,7 @@ class Runner:
         while self._queue:
             item = self._queue.popleft()
             if not item.future.done():
-                item.future.set_exception(Unavailable("server is shutting down"))
+                item.future.set_exception(ShuttingDown("server is shutting down"))
         self._executor.shutdown(wait=True)
 
     @property
@@ -109,15 +112,15 @@ class Runner:
 
     async def infer(
         self, x: np.ndarray, mask: np.ndarray | None, timeout: float | None = None
-    ) -> tuple[np.ndarray, Timings]:
-        """Queue one (b, s, E) request and wait for its rows. Raises Overloaded, Timeout or Unavailable."""
+    ) -> tuple[Outputs, Timings]:
+        """Queue one (b, s, E) request and wait for its rows of every output.
+
+        Raises Overloaded, TimedOut, ShuttingDown or InferenceFailed.
+        """
         if self._closed:
-            raise Unavailable("server is shutting down")
+            raise ShuttingDown("server is shutting down")
         if len(self._queue) >= self.max_queue_size:
-            raise Overloaded(
-                f"server is at capacity ({self.max_queue_size} requests queued); retry shortly",
-                headers={"Retry-After": "1"},
-            )
+            raise Overloaded(f"server is at capacity ({self.max_queue_size} requests queued); retry shortly")
         loop = asyncio.get_running_loop()
         item = _Item(x, mask, loop.create_future())
         self._queue.append(item)
@@ -150,19 +153,19 @@ class Runner:
             x, mask = _merge(batch)
             try:
                 out = await loop.run_in_executor(self._executor, self.model.run, x, mask)
-            except ApiError as exc:
+            except ServiceError as exc:
                 _fail(batch, exc)
                 continue
             except Exception as exc:  # an engine failure must not kill the scheduler
                 log.exception("inference failed for a batch of %d request(s)", len(batch))
-                _fail(batch, ApiError(f"inference failed: {type(exc).__name__}", status=500))
+                _fail(batch, InferenceFailed(f"inference failed: {type(exc).__name__}"))
                 continue
             elapsed = time.perf_counter() - started
             row = 0
             for item in batch:
                 item.timings.infer_s = elapsed
                 if not item.future.done():
-                    item.future.set_result(out[row : row + item.rows, : item.seq])
+                    item.future.set_result({k: v[row : row + item.rows, : item.seq] for k, v in out.items()})
                 row += item.rows
             if self.observer is not None:
                 self.observer.batch_done(x.shape[0], len(batch), elapsed)
@@ -222,7 +225,7 @@ def _merge(batch: list[_Item]) -> tuple[np.ndarray, np.ndarray | None]:
 def _expire(item: _Item, timeout: float) -> None:
     if not item.future.done():
         item.future.set_exception(
-            Timeout(f"request not answered within {timeout:g} s (ADDNORM_REQUEST_TIMEOUT_S)")
+            TimedOut(f"request not answered within {timeout:g} s (ADDNORM_REQUEST_TIMEOUT_S)")
         )
 
 

@@ -1,0 +1,54 @@
+"""The graph's contract: input and output names, dtypes and symbolic dims. No torch: the service reads it.
+
+Export writes graphs with exactly these inputs and outputs, the manifest records them, and the service and its
+protocols speak them. The names are public API (V2 clients send ``embeddings`` and read ``encoded``); this is
+the one place they are spelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from model.config import EncoderConfig
+
+EMBEDDINGS = "embeddings"  # float32 (batch, seq, d_model); (seq, batch, d_model) in a --no-batch-first graph
+MASK = "mask"  # bool (batch, seq), true = padding
+ENCODED = "encoded"  # float32, the embeddings' shape
+INPUT_NAMES = (EMBEDDINGS, MASK)
+OUTPUT_NAMES = (ENCODED,)
+STEP_OUTPUT = "add_norm_{}"  # debug graphs only: one extra output per Add & Norm step, never served
+BATCH, SEQ = "batch", "seq"  # the symbolic dims
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A graph input or output. ``shape`` holds ints for fixed dims and names for symbolic ones."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TensorSpec:
+        return cls(name=data["name"], dtype=data["dtype"], shape=tuple(data["shape"]))
+
+
+def io_specs(config: EncoderConfig) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """(inputs, outputs) of the graph exported for ``config``, in graph order."""
+    if config.batch_first:
+        emb_shape: tuple[int | str, ...] = (BATCH, SEQ, config.d_model)
+    else:
+        emb_shape = (SEQ, BATCH, config.d_model)
+    inputs = (TensorSpec(EMBEDDINGS, "float32", emb_shape), TensorSpec(MASK, "bool", (BATCH, SEQ)))
+    return inputs, (TensorSpec(ENCODED, "float32", emb_shape),)
+
+
+def api_specs(config: EncoderConfig) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """What the APIs speak: always batch-first, whatever the graph's layout (the engine transposes)."""
+    if config.batch_first:
+        return io_specs(config)
+    return io_specs(EncoderConfig.from_dict({**config.to_dict(), "batch_first": True}))

@@ -1,0 +1,71 @@
+"""The one request guard. Every HTTP request passes it before any route, the fast path's or FastAPI's.
+
+It lets the health probes through untouched, and for every other path runs the checks in ``check`` (readiness
+for model routes today; authentication joins it here). A route that needs the models gets them from the guard
+(``Loaded``), so a model route the guard did not cover fails loudly instead of serving unguarded; the test
+``tests/service/test_guard.py`` tries every route the app serves.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from service.errors import NotReady, ServiceError
+from service.responses import from_error
+from service.state import LoadedState, ServiceState
+
+SCOPE_KEY = "addnorm.loaded"  # where the guard leaves the LoadedState for the routes past it
+
+
+class Guard:
+    """Pure ASGI middleware. ``public_paths``: served without checks (health probes); ``model_prefixes``: paths
+    whose routes use the models, refused with 503 until every model has loaded."""
+
+    def __init__(
+        self, app: ASGIApp, state: ServiceState, public_paths: frozenset[str], model_prefixes: tuple[str, ...]
+    ) -> None:
+        self.app = app
+        self.state = state
+        self.public_paths = public_paths
+        self.model_prefixes = model_prefixes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            try:
+                loaded = self.check(scope)
+            except ServiceError as exc:
+                await from_error(exc)(scope, receive, send)
+                return
+            if loaded is not None:
+                scope[SCOPE_KEY] = loaded
+        await self.app(scope, receive, send)
+
+    def check(self, scope: Scope) -> LoadedState | None:
+        """Raise a ServiceError to refuse the request; return the loaded state for model routes."""
+        path = scope["path"]
+        if path in self.public_paths:
+            return None
+        if not path.startswith(self.model_prefixes):
+            return None
+        if self.state.loaded is None:
+            raise NotReady(self.state.not_ready_reason() or "model is loading")
+        return self.state.loaded
+
+
+# Async on purpose: FastAPI runs a plain ``def`` dependency in a worker thread, a hop that costs more than the
+# rest of a small request's handling (bench/).
+async def loaded_state(request: Request) -> LoadedState:
+    """The models the guard let this request reach (FastAPI dependency; the fast path reads the same key)."""
+    try:
+        return request.scope[SCOPE_KEY]
+    except KeyError:
+        raise RuntimeError(
+            f"{request.url.path} uses the models but the guard did not check it: add its prefix to its "
+            "protocol's MODEL_PREFIXES"
+        ) from None
+
+
+Loaded = Annotated[LoadedState, Depends(loaded_state)]

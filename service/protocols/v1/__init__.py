@@ -1,0 +1,1 @@
+"""/v1: the simple JSON (or binary) API for curl users."""

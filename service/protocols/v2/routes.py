@@ -1,0 +1,139 @@
+"""The Open Inference Protocol (V2) over HTTP, with the binary tensor data extension (tritonclient works as is)."""
+
+from __future__ import annotations
+
+import re
+import time
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from model.contract import EMBEDDINGS, ENCODED
+from service.errors import NotFound
+from service.fastpath import FastRoute
+from service.guard import Loaded
+from service.protocols.common import infer, offload, read_body, timing_headers
+from service.protocols.v2 import codec
+from service.state import LoadedState, ServingModel, State
+
+router = APIRouter(prefix="/v2", tags=["v2 (Open Inference Protocol)"])
+
+_ERRORS = {
+    400: {"description": 'bad request: {"error": "..."}'},
+    404: {"description": "unknown model or version"},
+    503: {"description": "model not loaded yet"},
+}
+_INFER_DOC = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {"type": "object", "required": ["inputs"]},
+                "example": {
+                    "id": "42",
+                    "inputs": [
+                        {
+                            "name": EMBEDDINGS,
+                            "shape": [1, 2, 3],
+                            "datatype": "FP32",
+                            "data": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6],
+                        }
+                    ],
+                    "outputs": [{"name": ENCODED, "parameters": {"binary_data": False}}],
+                },
+            },
+            "application/octet-stream": {
+                "schema": {"type": "string", "format": "binary"},
+                "description": "binary tensor extension: JSON header of Inference-Header-Content-Length bytes, "
+                "then the raw tensors of the inputs that set parameters.binary_data_size, in order",
+            },
+        },
+    },
+    "responses": {
+        "200": {
+            "description": "V2 inference response; with binary outputs, a JSON header of "
+            "Inference-Header-Content-Length bytes followed by the raw output tensors",
+            "content": {"application/json": {}, "application/octet-stream": {}},
+        },
+        **{str(k): v for k, v in _ERRORS.items()},
+        "413": {"description": "request above the size limits"},
+        "429": {"description": "queue full"},
+        "504": {"description": "not answered in time"},
+    },
+}
+
+
+def _model(loaded: LoadedState, name: str, version: str | None) -> ServingModel:
+    """The model a path names: 404 for an unknown model or version."""
+    model = loaded.models.get(name)
+    if version not in (None, "", codec.VERSION):
+        raise NotFound(f"unknown version {version!r} of model {name!r}; available: [{codec.VERSION!r}]")
+    return model
+
+
+@router.get("", summary="Server metadata")
+async def server_metadata() -> dict:
+    return {"name": "addnorm", "version": "0.1.0", "extensions": codec.EXTENSIONS}
+
+
+@router.get("/health/live", summary="Server liveness")
+async def live() -> dict:
+    return {"live": True}
+
+
+@router.get("/health/ready", summary="Server readiness (503 until the model is loaded)", responses=_ERRORS)
+async def ready(state: State) -> Response:
+    reason = state.not_ready_reason()
+    if reason is not None:
+        return JSONResponse({"error": reason}, status_code=503)
+    return JSONResponse({"ready": True})
+
+
+@router.get("/models/{name}", summary="Model metadata", responses=_ERRORS)
+@router.get("/models/{name}/versions/{version}", summary="Model metadata (one version)", responses=_ERRORS)
+async def model_metadata(name: str, loaded: Loaded, version: str | None = None) -> dict:
+    return codec.model_metadata(_model(loaded, name, version).engine.manifest)
+
+
+@router.get("/models/{name}/ready", summary="Model readiness", responses=_ERRORS)
+@router.get(
+    "/models/{name}/versions/{version}/ready", summary="Model readiness (one version)", responses=_ERRORS
+)
+async def model_ready(name: str, loaded: Loaded, version: str | None = None) -> dict:
+    _model(loaded, name, version)
+    return {"name": name, "ready": True}
+
+
+async def handle_infer(request: Request, loaded: LoadedState, params: dict[str, str]) -> Response:
+    """POST /v2/models/{name}[/versions/{version}]/infer."""
+    start = time.perf_counter()
+    model = _model(loaded, params["name"], params.get("version"))
+    body = await read_body(request, loaded.settings.max_body_bytes)
+    req = await offload(len(body), _decode, request, body, loaded, model)
+    outputs, timings = await infer(request, loaded, model, req.embeddings, req.mask, req.timeout_s)
+    nbytes = sum(out.nbytes for out in outputs.values())
+    payload, headers = await offload(nbytes, codec.encode_infer, req, model.name, outputs)
+    headers.update(timing_headers(timings, time.perf_counter() - start))
+    return Response(payload, headers=headers, media_type=headers.pop("Content-Type"))
+
+
+@router.post("/models/{name}/infer", summary="Inference", openapi_extra=_INFER_DOC)
+@router.post(
+    "/models/{name}/versions/{version}/infer", summary="Inference (one version)", openapi_extra=_INFER_DOC
+)
+async def model_infer(name: str, request: Request, loaded: Loaded, version: str | None = None) -> Response:
+    return await handle_infer(request, loaded, {"name": name, "version": version})
+
+
+def _decode(request: Request, body: bytes, loaded: LoadedState, model: ServingModel) -> codec.InferRequest:
+    max_bytes, max_elements = loaded.settings.max_body_bytes, loaded.settings.max_elements
+    body = codec.decompress(body, request.headers.get("content-encoding"), max_bytes)
+    header_length = request.headers.get(codec.HEADER_LENGTH)
+    return codec.decode_infer(body, header_length, model.engine.manifest, max_elements)
+
+
+# Hot routes for the lean dispatcher (service.fastpath); the guard checks everything under these prefixes.
+_INFER_PATH = re.compile(r"^/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?/infer$")
+FAST_ROUTES = (FastRoute("POST", _INFER_PATH, "/v2/models/{name}/infer", handle_infer),)
+MODEL_PREFIXES = ("/v2/models/",)
+PUBLIC_PATHS = ("/v2/health/live", "/v2/health/ready")
