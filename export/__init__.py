@@ -1,1 +1,5 @@
-"""The only bridge torch -> ONNX: export, graph checks, parity against torch and a float64 oracle."""
+"""The only bridge torch -> ONNX: export, graph checks, parity gate, variants. Needs the 'export' extra."""
+
+from model.extras import require
+
+require("export", "addnorm-export / addnorm-parity", "torch", "onnx", "onnxscript", "safetensors")

@@ -6,8 +6,10 @@ from collections import Counter
 
 import onnx
 
-from export.onnx_export import INPUT_NAMES, MIN_OPSET, OUTPUT_NAME, opset_of
+from export.onnx_export import MIN_OPSET, opset_of
+from export.variants import get_variant, norm_op
 from model.config import EncoderConfig
+from model.contract import EMBEDDINGS, INPUT_NAMES, MASK, OUTPUT_NAMES
 
 # ONNX elem types the artifact allows for embeddings/encoded (fp16 artifacts take fp16 or fp32).
 _FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16}
@@ -22,12 +24,9 @@ def op_counts(model: onnx.ModelProto) -> Counter[str]:
     return Counter(node.op_type for node in model.graph.node)
 
 
-def norm_op(config: EncoderConfig) -> str:
-    return "LayerNormalization" if config.norm == "layer" else "RMSNormalization"
-
-
-def check_graph(model: onnx.ModelProto, config: EncoderConfig, fused: bool = False) -> dict[str, int]:
-    """Validate the graph; return the op counts that matter (norm nodes, fused nodes)."""
+def check_graph(model: onnx.ModelProto, config: EncoderConfig, variant: str = "fp32") -> dict[str, int]:
+    """Validate the graph against the artifact rules and the variant's expected operators; return the op
+    counts that matter (norm nodes, fused nodes, all nodes)."""
     try:
         onnx.checker.check_model(model, full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
@@ -37,32 +36,30 @@ def check_graph(model: onnx.ModelProto, config: EncoderConfig, fused: bool = Fal
         raise GraphCheckError(
             f"graph opset is {opset}; the artifact needs >= {MIN_OPSET} for LayerNormalization"
         )
-
     counts = op_counts(model)
     norm = norm_op(config)
-    expected = config.num_norms
-    if fused:
-        # Each post-/pre-norm Add & Norm step becomes one SkipLayerNormalization; any plain norm left stays.
-        found = counts["SkipLayerNormalization"] + counts[norm]
-        fused_count = counts["SkipLayerNormalization"]
-        if fused_count == 0:
-            raise GraphCheckError("fused variant: no com.microsoft.SkipLayerNormalization node in the graph")
-    else:
-        found = counts[norm]
-        fused_count = 0
-    if found != expected:
-        raise GraphCheckError(
-            f"expected {expected} {norm} node(s) ({config.num_layers} layer(s) x 2 Add & Norm steps"
-            f"{' + 1 final norm' if config.norm_first else ''}), found {found}; op counts: {dict(counts)}"
-        )
     decomposed = {op: counts[op] for op in _DECOMPOSED_NORM_OPS if counts[op]}
     if decomposed:
         raise GraphCheckError(
             f"graph holds a decomposed normalization ({decomposed}); expected native {norm} only"
         )
-
+    for op, expected in get_variant(variant).expected_ops(config).items():
+        if counts[op] != expected:
+            why = (
+                f" ({config.num_layers} layer(s) x 2 Add & Norm steps{' + 1 final norm' if config.norm_first else ''})"
+                if op == norm
+                else ""
+            )
+            raise GraphCheckError(
+                f"{variant} variant: expected {expected} {op} node(s){why}, found {counts[op]}; "
+                f"op counts: {dict(counts)}"
+            )
     _check_io(model)
-    return {"norm_nodes": counts[norm], "fused_nodes": fused_count, "nodes": sum(counts.values())}
+    return {
+        "norm_nodes": counts[norm],
+        "fused_nodes": counts["SkipLayerNormalization"],
+        "nodes": sum(counts.values()),
+    }
 
 
 def _check_io(model: onnx.ModelProto) -> None:
@@ -70,22 +67,21 @@ def _check_io(model: onnx.ModelProto) -> None:
     missing = [n for n in INPUT_NAMES if n not in inputs]
     if missing:
         raise GraphCheckError(f"graph inputs {sorted(inputs)} lack {missing}")
-    emb = inputs["embeddings"].type.tensor_type
+    emb = inputs[EMBEDDINGS].type.tensor_type
     if emb.elem_type not in _FLOAT_TYPES:
         raise GraphCheckError(
-            f"input 'embeddings' has elem type {emb.elem_type}, expected float32 or float16"
+            f"input {EMBEDDINGS!r} has elem type {emb.elem_type}, expected float32 or float16"
         )
-    if inputs["mask"].type.tensor_type.elem_type != onnx.TensorProto.BOOL:
-        raise GraphCheckError("input 'mask' must be bool")
+    if inputs[MASK].type.tensor_type.elem_type != onnx.TensorProto.BOOL:
+        raise GraphCheckError(f"input {MASK!r} must be bool")
     dims = emb.shape.dim
     if len(dims) != 3:
-        raise GraphCheckError(f"input 'embeddings' must be rank 3, is rank {len(dims)}")
+        raise GraphCheckError(f"input {EMBEDDINGS!r} must be rank 3, is rank {len(dims)}")
     fixed = [i for i in (0, 1) if dims[i].HasField("dim_value")]
     if fixed:
         raise GraphCheckError(
             f"embeddings dim(s) {fixed} were specialized to fixed sizes; batch and sequence must be symbolic"
         )
-    if model.graph.output[0].name != OUTPUT_NAME:
-        raise GraphCheckError(
-            f"first graph output is {model.graph.output[0].name!r}, expected {OUTPUT_NAME!r}"
-        )
+    outputs = [o.name for o in model.graph.output][: len(OUTPUT_NAMES)]
+    if outputs != list(OUTPUT_NAMES):
+        raise GraphCheckError(f"graph outputs begin with {outputs}, expected {list(OUTPUT_NAMES)}")

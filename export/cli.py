@@ -8,9 +8,13 @@ import logging
 import sys
 from pathlib import Path
 
+from export.bert import BERT_DEFAULTS
 from export.checks import GraphCheckError
+from export.gate import ParityError
 from export.onnx_export import DEFAULT_OPSET, MIN_OPSET, ExportError
-from export.pipeline import ParityError, export_artifact, prepare_encoder
+from export.pipeline import export_artifact, prepare_encoder
+from export.report import format_table
+from export.variants import VARIANTS
 from export.weights import CheckpointError
 from model.artifact import ArtifactError, load_verified
 from model.config import ConfigError, EncoderConfig
@@ -37,21 +41,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", required=True, type=Path, help="artifact directory to write (created if missing)")
     p.add_argument("--config", type=Path, help="EncoderConfig JSON file; the flags below override its fields")
-    p.add_argument("--checkpoint", type=Path,
-                   help="weights: .safetensors, or a torch state_dict (read with weights_only=True). Keys of "
-                        "torch.nn.TransformerEncoderLayer / TransformerEncoder load as they are")  # fmt: skip
-    p.add_argument("--from-bert", type=Path, metavar="FILE",
-                   help="weights of Hugging Face BertLayer(s) (a BertLayer, BertEncoder or BertModel state_dict); "
-                        "implies gelu, eps 1e-12, post-norm unless those flags are given")  # fmt: skip
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="weights: .safetensors, or a torch state_dict (read with weights_only=True). Keys of "
+        "torch.nn.TransformerEncoderLayer / TransformerEncoder load as they are",
+    )
+    p.add_argument(
+        "--from-bert",
+        type=Path,
+        metavar="FILE",
+        help="weights of Hugging Face BertLayer(s) (a BertLayer, BertEncoder or BertModel state_dict); "
+        "implies gelu, eps 1e-12, post-norm unless those flags are given",
+    )
     p.add_argument(
         "--seed", type=int, default=0, help="seed of the deterministic default weights (default 0)"
     )
-    v = p.add_argument_group("variant (each gated by its own parity tolerance)")
-    v.add_argument("--precision", choices=["fp32", "fp16", "int8"], default="fp32",
-                   help="fp16: weights and compute in half precision, LayerNorm statistics in fp32; "
-                        "int8: dynamic quantization of the MatMuls (default fp32)")  # fmt: skip
-    v.add_argument("--optimize", choices=["none", "fused"], default="none",
-                   help="fused: Add + LayerNormalization -> com.microsoft.SkipLayerNormalization (fp32 only)")  # fmt: skip
+    v = p.add_argument_group(
+        "variant (each gated by its own parity tolerance)",
+        "; ".join(f"{name}: {var.summary}" for name, var in VARIANTS.items()),
+    )
+    v.add_argument("--variant", choices=list(VARIANTS), help="the graph variant (default fp32)")
+    v.add_argument(
+        "--precision",
+        choices=[n for n, var in VARIANTS.items() if n == var.precision],
+        help="shorthand for --variant fp32|fp16|int8",
+    )
+    v.add_argument("--optimize", choices=["none", "fused"], help="--optimize fused = --variant fused")
     p.add_argument(
         "--opset",
         type=int,
@@ -71,14 +87,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--activation", choices=["relu", "gelu"])
     g.add_argument("--layer-norm-eps", type=float)
     g.add_argument("--dropout", type=float, help="kept in the config; inactive in the exported (eval) graph")
-    g.add_argument("--norm", choices=["layer", "rms"],
-                   help="LayerNorm (default) or RMSNorm (ONNX RMSNormalization, needs --opset 23)")  # fmt: skip
-    g.add_argument("--norm-first", action=argparse.BooleanOptionalAction, default=None,
-                   help="pre-norm (x + f(LN(x))) instead of post-norm (LN(x + f(x)))")  # fmt: skip
-    g.add_argument("--batch-first", action=argparse.BooleanOptionalAction, default=None,
-                   help="embeddings as [batch, seq, d_model] (default) or [seq, batch, d_model] with --no-batch-first")  # fmt: skip
-    p.add_argument("--if-missing", action="store_true",
-                   help="do nothing when --out already holds a valid artifact (manifest and matching model.onnx)")  # fmt: skip
+    g.add_argument(
+        "--norm",
+        choices=["layer", "rms"],
+        help="LayerNorm (default) or RMSNorm (ONNX RMSNormalization, needs --opset 23)",
+    )
+    g.add_argument(
+        "--norm-first",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pre-norm (x + f(LN(x))) instead of post-norm (LN(x + f(x)))",
+    )
+    g.add_argument(
+        "--batch-first",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="embeddings as [batch, seq, d_model] (default) or [seq, batch, d_model] with --no-batch-first",
+    )
+    p.add_argument(
+        "--if-missing",
+        action="store_true",
+        help="do nothing when --out already holds a valid artifact (manifest and matching model.onnx)",
+    )
     p.add_argument("--json", action="store_true", help="print the parity summary as JSON instead of a table")
     p.add_argument("-q", "--quiet", action="store_true", help="only errors")
     return p
@@ -87,14 +117,25 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> EncoderConfig:
     fields = EncoderConfig.load(args.config).to_dict() if args.config else {}
     if args.from_bert:
-        from export.bert import BERT_DEFAULTS
-
         fields = {**BERT_DEFAULTS, **fields}
     for name in (*_CONFIG_FLAGS, "norm_first", "batch_first"):
         value = getattr(args, name)
         if value is not None:
             fields[name] = value
     return EncoderConfig.from_dict(fields)
+
+
+def variant_from_args(args: argparse.Namespace) -> str:
+    """--variant, or its shorthands --precision and --optimize; contradicting flags are an error."""
+    fused = args.optimize == "fused"
+    precision = None if fused and args.precision == "fp32" else args.precision  # fused is an fp32 graph
+    chosen = {args.variant, precision, "fused" if fused else None} - {None}
+    if len(chosen) > 1:
+        raise ConfigError(
+            f"--variant, --precision and --optimize name different variants {sorted(chosen)}; "
+            "give one (--optimize fused applies to fp32 graphs)"
+        )
+    return chosen.pop() if chosen else "fp32"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,14 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.checkpoint and args.from_bert:
             raise ConfigError("give either --checkpoint or --from-bert, not both")
-        if args.optimize == "fused" and args.precision != "fp32":
-            raise ConfigError("--optimize fused applies to fp32 graphs; drop --precision or --optimize")
-        variant = "fused" if args.optimize == "fused" else args.precision
+        variant = variant_from_args(args)
         config = config_from_args(args)
         encoder = prepare_encoder(config, args.checkpoint or args.from_bert, args.seed, bool(args.from_bert))
         result = export_artifact(encoder, args.out, name=args.name, opset=args.opset, variant=variant)
     except ParityError as exc:
-        print(exc.report.table(), file=sys.stderr)
+        print(format_table(exc.report), file=sys.stderr)
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except (ConfigError, CheckpointError, ExportError, GraphCheckError, OSError) as exc:
@@ -124,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result.report.summary(), indent=2))
     elif not args.quiet:
-        print(result.report.table())
+        print(format_table(result.report))
         print(f"wrote {result.out_dir}/ (model.onnx sha256 {result.manifest.model_sha256[:12]}...)")
     return 0
 

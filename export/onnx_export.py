@@ -12,11 +12,9 @@ import onnx
 import torch
 from torch import Tensor, nn
 
+from model.contract import BATCH, INPUT_NAMES, OUTPUT_NAMES, SEQ, STEP_OUTPUT
 from model.encoder import Encoder
 
-INPUT_NAMES = ("embeddings", "mask")
-OUTPUT_NAME = "encoded"
-STEP_OUTPUT = "add_norm_{}"  # debug graphs: one output per Add & Norm step
 MIN_OPSET = 17  # LayerNormalization entered the standard in opset 17
 RMS_MIN_OPSET = 23  # RMSNormalization entered the standard in opset 23
 DEFAULT_OPSET = 17
@@ -48,7 +46,7 @@ class _GraphModule(nn.Module):
 
 
 def output_names(encoder: Encoder, with_steps: bool) -> list[str]:
-    names = [OUTPUT_NAME]
+    names = list(OUTPUT_NAMES)
     if with_steps:
         names += [STEP_OUTPUT.format(i) for i in range(encoder.config.num_norms)]
     return names
@@ -71,7 +69,7 @@ def export_onnx(
             f"--norm rms exports as ONNX RMSNormalization, which needs opset {RMS_MIN_OPSET}; at opset {opset} the "
             f"exporter would spell it out op by op. Use --opset {RMS_MIN_OPSET}"
         )
-    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
+    batch, seq = torch.export.Dim(BATCH), torch.export.Dim(SEQ)
     if cfg.batch_first:
         example = torch.randn(EXAMPLE_BATCH, EXAMPLE_SEQ, cfg.d_model)
         emb_dims = {0: batch, 1: seq}
@@ -80,35 +78,20 @@ def export_onnx(
         emb_dims = {0: seq, 1: batch}
     mask = torch.zeros(EXAMPLE_BATCH, EXAMPLE_SEQ, dtype=torch.bool)
     module = _GraphModule(encoder.eval(), with_steps)
-    _export(module, (example, mask), Path(path), list(INPUT_NAMES), output_names(encoder, with_steps),
-            (emb_dims, {0: batch, 1: seq}), opset)  # fmt: skip
-    return _load_checked(path, opset)
+    names = (list(INPUT_NAMES), output_names(encoder, with_steps))
+    export_module(module, (example, mask), Path(path), names, (emb_dims, {0: batch, 1: seq}), opset)
+    return load_checked(path, opset)
 
 
-def export_add_norm(
-    add_norm: nn.Module, example: Tensor, path: str | Path, opset: int = DEFAULT_OPSET
-) -> onnx.ModelProto:
-    """Export one Add & Norm step around a linear sublayer, with fixed shapes: x -> add_norm(x, linear).
-
-    For norms over the last k dims (the seeds' ``parameter_shape = (1, 3)``), whose sizes the graph fixes.
-    """
-    torch.manual_seed(0)
-    module = _AddNormModule(add_norm, example.shape[-1]).eval()
-    _export(module, (example,), Path(path), ["x"], ["y"], None, opset)
-    return _load_checked(path, opset)
-
-
-class _AddNormModule(nn.Module):
-    def __init__(self, add_norm: nn.Module, features: int) -> None:
-        super().__init__()
-        self.add_norm = add_norm
-        self.sublayer = nn.Linear(features, features)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.add_norm(x, self.sublayer)
-
-
-def _export(module, args, path: Path, input_names, output_names_, dynamic_shapes, opset: int) -> None:  # noqa: ANN001
+def export_module(
+    module: nn.Module,
+    args: tuple[Tensor, ...],
+    path: Path,
+    names: tuple[list[str], list[str]],
+    dynamic_shapes: object,
+    opset: int,
+) -> None:
+    """torch.onnx.export (dynamo) of ``module`` into one self-contained file; ``names``: (inputs, outputs)."""
     log = io.StringIO()
     try:
         # The exporter prints progress and warns about unrelated operator libraries; keep it for errors only.
@@ -124,8 +107,8 @@ def _export(module, args, path: Path, input_names, output_names_, dynamic_shapes
                 module,
                 args,
                 dynamo=True,
-                input_names=input_names,
-                output_names=output_names_,
+                input_names=names[0],
+                output_names=names[1],
                 dynamic_shapes=dynamic_shapes,
                 opset_version=opset,
                 optimize=True,
@@ -138,7 +121,7 @@ def _export(module, args, path: Path, input_names, output_names_, dynamic_shapes
         ) from exc
 
 
-def _load_checked(path: str | Path, opset: int) -> onnx.ModelProto:
+def load_checked(path: str | Path, opset: int) -> onnx.ModelProto:
     model = onnx.load(str(path))
     actual = opset_of(model)
     if actual != opset:

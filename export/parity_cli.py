@@ -5,20 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
+from export.cases import adversarial_cases, default_cases
+from export.gate import gate
 from export.onnx_export import ExportError
-from export.parity import (
-    GRAPH_OPT_LEVELS,
-    ParityReport,
-    adversarial_cases,
-    default_cases,
-    make_session,
-    run_parity,
-)
-from export.report import write_report
-from export.variants import build_graph
+from export.parity import GRAPH_OPT_LEVELS, ParityReport
+from export.report import format_table, write_report
 from export.weights import CheckpointError, load_weights
 from model.artifact import WEIGHTS_FILE, ArtifactError, load_verified
 from model.encoder import Encoder
@@ -34,15 +27,26 @@ def build_parser() -> argparse.ArgumentParser:
         "artifact", type=Path, help="artifact directory (manifest.json, model.onnx, weights.safetensors)"
     )
     p.add_argument("--json", action="store_true", help="print the full report as JSON instead of a table")
-    p.add_argument("--report", type=Path, metavar="OUT",
-                   help="write parity.json, parity.md and PNG plots (errors per Add & Norm step, error vs input "
-                        "conditioning) into OUT")  # fmt: skip
+    p.add_argument(
+        "--report",
+        type=Path,
+        metavar="OUT",
+        help="write parity.json, parity.md and PNG plots (errors per Add & Norm step, error vs input "
+        "conditioning) into OUT",
+    )
     p.add_argument("--adversarial", action="store_true", help="add the adversarial input suite")
-    p.add_argument("--graph-optimization", choices=list(GRAPH_OPT_LEVELS), default="all",
-                   help="onnxruntime graph optimization level (default all)")  # fmt: skip
+    p.add_argument(
+        "--graph-optimization",
+        choices=list(GRAPH_OPT_LEVELS),
+        default="all",
+        help="onnxruntime graph optimization level (default all)",
+    )
     p.add_argument("--seed", type=int, default=1234, help="seed of the random inputs (default 1234)")
-    p.add_argument("--no-steps", action="store_true",
-                   help="skip the per-Add & Norm comparison (saves re-exporting the debug graph)")  # fmt: skip
+    p.add_argument(
+        "--no-steps",
+        action="store_true",
+        help="skip the per-Add & Norm comparison (saves re-exporting the debug graph)",
+    )
     return p
 
 
@@ -53,18 +57,20 @@ def check_artifact(
     seed: int = 1234,
     steps: bool = True,
 ) -> ParityReport:
-    """Re-run the gate on an artifact; with ``steps``, rebuild its debug graph to report every Add & Norm step."""
+    """Re-run the gate on an artifact from its saved weights; with ``steps``, every Add & Norm step too."""
     manifest, model_path = load_verified(directory)
     encoder = load_weights(Encoder(manifest.config), directory / WEIGHTS_FILE)
     cases = default_cases() + (adversarial_cases() if adversarial else [])
-    session = make_session(model_path, graph_optimization)
-    with tempfile.TemporaryDirectory() as tmp:
-        debug = None
-        if steps:
-            build_graph(encoder, Path(tmp) / "debug.onnx", manifest.variant, manifest.opset, with_steps=True)
-            debug = make_session(Path(tmp) / "debug.onnx", graph_optimization)
-        return run_parity(encoder, session, cases, seed=seed, graph_optimization=graph_optimization,
-                          debug_session=debug, variant=manifest.variant)  # fmt: skip
+    return gate(
+        encoder,
+        model_path,
+        manifest.variant,
+        manifest.opset,
+        cases,
+        steps=steps,
+        graph_optimization=graph_optimization,
+        seed=seed,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
-        print(report.table())
+        print(format_table(report))
     if args.report:
         for path in write_report(report, args.report):
             print(f"wrote {path}", file=sys.stderr)

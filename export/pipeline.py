@@ -12,30 +12,20 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from export.bert import bert_to_encoder_state
+from export.cases import Case
 from export.checks import check_graph
-from export.onnx_export import DEFAULT_OPSET, INPUT_NAMES, OUTPUT_NAME
-from export.parity import Case, ParityReport, make_session, run_parity
+from export.gate import ParityError, gate
+from export.onnx_export import DEFAULT_OPSET
+from export.parity import ParityReport
 from export.variants import build_graph
-from export.weights import load_weights, save_weights
-from model.artifact import MANIFEST_FILE, MODEL_FILE, WEIGHTS_FILE, Manifest, TensorSpec, sha256_file
+from export.weights import load_state, read_state_dict, save_weights
+from model.artifact import MANIFEST_FILE, MODEL_FILE, WEIGHTS_FILE, Manifest, sha256_file
 from model.config import EncoderConfig
+from model.contract import io_specs
 from model.encoder import Encoder, build_encoder
 
 log = logging.getLogger("addnorm.export")
-
-
-class ParityError(RuntimeError):
-    """The exported graph does not match torch within tolerance; no manifest was written."""
-
-    def __init__(self, report: ParityReport) -> None:
-        s = report.summary()
-        w = s["worst"]
-        super().__init__(
-            f"parity failed: max abs err {s['max_abs_err']:.3e} (atol {report.tolerance.atol:g}, "
-            f"rtol {report.tolerance.rtol:g}); worst element: case '{w['case']}', output {w['output']}, "
-            f"index {w['index']}, onnx {w['onnx']!r} vs torch {w['torch']!r}"
-        )
-        self.report = report
 
 
 @dataclass
@@ -44,15 +34,6 @@ class ExportResult:
     manifest: Manifest
     report: ParityReport
     graph: dict[str, int]
-
-
-def io_specs(config: EncoderConfig) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-    emb_shape = ("batch", "seq", config.d_model) if config.batch_first else ("seq", "batch", config.d_model)
-    inputs = (
-        TensorSpec(INPUT_NAMES[0], "float32", emb_shape),
-        TensorSpec(INPUT_NAMES[1], "bool", ("batch", "seq")),
-    )
-    return inputs, (TensorSpec(OUTPUT_NAME, "float32", emb_shape),)
 
 
 def library_versions() -> dict[str, str]:
@@ -68,10 +49,14 @@ def library_versions() -> dict[str, str]:
 def prepare_encoder(
     config: EncoderConfig, checkpoint: str | Path | None = None, seed: int = 0, from_bert: bool = False
 ) -> Encoder:
+    """The encoder to export: seeded default weights, or a checkpoint's (Hugging Face BERT's with ``from_bert``)."""
     encoder = build_encoder(config, seed=seed)
-    if checkpoint is not None:
-        load_weights(encoder, checkpoint, from_bert=from_bert)
-    return encoder
+    if checkpoint is None:
+        return encoder
+    state = read_state_dict(checkpoint)
+    if from_bert:
+        state = bert_to_encoder_state(state, config.num_layers)
+    return load_state(encoder, state, checkpoint)
 
 
 def export_artifact(
@@ -94,14 +79,15 @@ def export_artifact(
     try:
         log.info("exporting %s as %s (opset %d) to %s", _describe(config), variant, opset, out_dir)
         model = build_graph(encoder, staging / MODEL_FILE, variant, opset)
-        graph = check_graph(model, config, fused=variant == "fused")
-        log.info("graph checks passed: %d nodes, %d norm nodes, %d fused", graph["nodes"], graph["norm_nodes"],
-                 graph["fused_nodes"])  # fmt: skip
+        graph = check_graph(model, config, variant)
+        log.info(
+            "graph checks passed: %d nodes, %d norm nodes, %d fused",
+            graph["nodes"],
+            graph["norm_nodes"],
+            graph["fused_nodes"],
+        )
         save_weights(encoder, staging / WEIGHTS_FILE)
-        # A debug graph of the same variant also outputs every Add & Norm result, for per-sublayer parity.
-        build_graph(encoder, staging / "debug.onnx", variant, opset, with_steps=True)
-        report = run_parity(encoder, make_session(staging / MODEL_FILE), cases,
-                            debug_session=make_session(staging / "debug.onnx"), variant=variant)  # fmt: skip
+        report = gate(encoder, staging / MODEL_FILE, variant, opset, cases)
         if not report.passed:
             raise ParityError(report)
         inputs, outputs = io_specs(config)

@@ -1,4 +1,5 @@
-"""The parity report on disk: parity.json (every figure), parity.md (tables) and PNG plots."""
+"""How a parity report reads: the terminal table, the failure message, and on disk parity.json (every figure),
+parity.md (tables) and PNG plots. All formatting of parity results lives here."""
 
 from __future__ import annotations
 
@@ -8,7 +9,53 @@ from pathlib import Path
 
 import numpy as np
 
-from export.parity import ParityReport
+from export.parity import Comparison, ParityReport
+
+
+def worst_message(report: ParityReport) -> str:
+    """One line naming the worst element: its case, output, index, and both values."""
+    w = report.summary()["worst"]
+    return (
+        f"worst element: case '{w['case']}', output {w['output']}, index {w['index']}: "
+        f"onnx {w['onnx']!r} vs torch {w['torch']!r} (abs err {w['abs_err']:.3e})"
+    )
+
+
+def failure_message(report: ParityReport) -> str:
+    """Why a gate failed, in one line (addnorm-export's error)."""
+    s, t = report.summary(), report.tolerance
+    return (
+        f"parity failed: max abs err {s['max_abs_err']:.3e} (atol {t.atol:g}, rtol {t.rtol:g}); "
+        + worst_message(report)
+    )
+
+
+def format_table(report: ParityReport) -> str:
+    """A terminal table: one line per case and output, a verdict line, and the worst element on failure."""
+    head = (
+        f"{'case':<34} {'output':<10} {'max abs':>9} {'max rel':>9} {'torch-f64':>9} {'onnx-f64':>9}  result"
+    )
+    lines = [head, "-" * len(head)]
+    for r in report.results:
+        for c in r.comparisons:
+            lines.append(
+                f"{r.case[:34]:<34} {c.output[:10]:<10} {c.max_abs:9.2e} {c.max_rel:9.2e} "
+                f"{c.torch_vs_f64:9.2e} {c.onnx_vs_f64:9.2e}  {_verdict(c)}"
+            )
+    s, t = report.summary(), report.tolerance
+    lines.append(
+        f"{'PASSED' if report.passed else 'FAILED'}: {s['cases']} cases, max abs err {s['max_abs_err']:.3e}, "
+        f"max rel err {s['max_rel_err']:.3e} (atol {t.atol:g}, rtol {t.rtol:g})"
+    )
+    if not report.passed:
+        lines.append(worst_message(report))
+    return "\n".join(lines)
+
+
+def _verdict(c: Comparison) -> str:
+    if not c.passed:
+        return "FAIL"
+    return "ok" if c.within_tolerance else "ok (oracle)"
 
 
 def write_report(report: ParityReport, out: Path) -> list[Path]:
@@ -60,7 +107,7 @@ def _markdown(report: ParityReport) -> str:
     ]
     for r in report.results:
         for c in r.comparisons:
-            verdict = ("ok" if c.within_tolerance else "ok (oracle)") if c.passed else "FAIL"
+            verdict = _verdict(c)
             lines.append(
                 f"| {r.case} | {c.output} | {c.max_abs:.2e} | {c.max_rel:.2e} | {c.mean_abs:.2e} | {c.p99_abs:.2e} "
                 f"| {c.torch_vs_f64:.2e} | {c.onnx_vs_f64:.2e} | {verdict} |"

@@ -45,16 +45,13 @@ def adapt_keys(state: dict[str, torch.Tensor], encoder: Encoder) -> dict[str, to
     return state
 
 
-def load_weights(encoder: Encoder, path: str | Path, from_bert: bool = False) -> Encoder:
-    """Load a checkpoint into ``encoder`` strictly: every key must match in name and shape.
+def load_weights(encoder: Encoder, path: str | Path) -> Encoder:
+    """Load a checkpoint file into ``encoder`` strictly: every key must match in name and shape."""
+    return load_state(encoder, read_state_dict(path), path)
 
-    ``from_bert``: the file holds Hugging Face BertLayer weights, mapped by export.bert first.
-    """
-    state = read_state_dict(path)
-    if from_bert:
-        from export.bert import bert_to_encoder_state
 
-        state = bert_to_encoder_state(state, encoder.config.num_layers)
+def load_state(encoder: Encoder, state: dict[str, torch.Tensor], source: str | Path) -> Encoder:
+    """Load a state_dict (read from ``source``) into ``encoder`` strictly, naming every key that does not fit."""
     state = adapt_keys(state, encoder)
     expected = encoder.state_dict()
     missing = sorted(set(expected) - set(state))
@@ -73,7 +70,7 @@ def load_weights(encoder: Encoder, path: str | Path, from_bert: bool = False) ->
         problems.append("shape mismatches " + _short(shapes))
     if problems:
         raise CheckpointError(
-            f"checkpoint {path} does not fit the encoder config ({encoder.config.to_dict()}): "
+            f"checkpoint {source} does not fit the encoder config ({encoder.config.to_dict()}): "
             + "; ".join(problems)
             + ". Pass the config the weights were trained with (--config or --d-model/--nhead/...)."
         )

@@ -10,10 +10,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from export import cli
+from export.cases import Case, default_cases
 from export.checks import GraphCheckError, check_graph, op_counts
+from export.gate import ParityError
 from export.onnx_export import ExportError, export_onnx
-from export.parity import Case, Tolerance, default_cases, make_session, run_parity
-from export.pipeline import ParityError, export_artifact
+from export.parity import Tolerance, make_session, run_parity
+from export.pipeline import export_artifact
+from export.report import format_table
 from export.weights import CheckpointError, load_weights
 from model.config import EncoderConfig
 from model.encoder import Encoder, build_encoder
@@ -82,16 +85,16 @@ def test_parity_fails_and_names_the_worst_element_for_other_weights(tiny_artifac
     other = build_encoder(TINY, seed=99)  # not the weights the graph was exported from
     report = run_parity(other, make_session(tiny_artifact / "model.onnx"), [Case("b2 s3", 2, 3)])
     assert not report.passed
-    assert "worst element" in report.table() and "index" in report.table()
+    assert "worst element" in format_table(report) and "index" in format_table(report)
 
 
 def test_failed_parity_writes_no_manifest(tmp_path, monkeypatch):
-    from export import pipeline
+    from export import gate
 
     def broken_parity(encoder, session, *a, **kw):  # the torch side drifts: a graph that no longer matches
         return run_parity(build_encoder(encoder.config, seed=42), session, [Case("b1 s4", 1, 4)])
 
-    monkeypatch.setattr(pipeline, "run_parity", broken_parity)
+    monkeypatch.setattr(gate, "run_parity", broken_parity)
     with pytest.raises(ParityError, match="worst element"):
         export_artifact(build_encoder(TINY), tmp_path / "out")
     assert not (tmp_path / "out" / "manifest.json").exists()
@@ -113,8 +116,23 @@ def test_oracle_rescues_only_when_onnx_is_as_close_to_float64_as_torch():
 
 
 def test_cli_exports_with_flags_and_prints_json(tmp_path, capsys):
-    rc = cli.main(["--out", str(tmp_path / "a"), "--d-model", "32", "--nhead", "4", "--dim-feedforward", "64",
-                   "--norm-first", "--activation", "gelu", "--json", "-q"])  # fmt: skip
+    rc = cli.main(
+        [
+            "--out",
+            str(tmp_path / "a"),
+            "--d-model",
+            "32",
+            "--nhead",
+            "4",
+            "--dim-feedforward",
+            "64",
+            "--norm-first",
+            "--activation",
+            "gelu",
+            "--json",
+            "-q",
+        ]
+    )
     assert rc == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["passed"] and summary["cases"] >= 20 and summary["max_abs_err"] <= 1e-5

@@ -9,17 +9,14 @@ import torch
 from safetensors.torch import save_file
 
 from export import cli, parity_cli
+from export.add_norm import AddNormModule, export_add_norm
+from export.cases import Case, adversarial_cases
 from export.checks import op_counts
-from export.onnx_export import ExportError, export_add_norm
-from export.parity import (
-    VARIANT_TOLERANCES,
-    Case,
-    adversarial_cases,
-    compare,
-    make_session,
-    run_parity,
-)
+from export.onnx_export import ExportError
+from export.parity import compare, make_session, run_parity
 from export.pipeline import export_artifact
+from export.report import format_table
+from export.variants import VARIANTS
 from model.config import EncoderConfig
 from model.encoder import AddNorm, build_encoder
 from tests.model.test_layernorm_seeds import SEED_INPUT, SEED_OUTPUT
@@ -62,7 +59,9 @@ def test_fp32_variants_export_and_pass(tmp_path, flags, norm_nodes):
         enc = build_encoder(EncoderConfig.from_dict(manifest["config"]))
         with torch.no_grad():
             want = enc(torch.from_numpy(x).transpose(0, 1)).transpose(0, 1).numpy()
-        np.testing.assert_allclose(Engine(tmp_path / "a", "cpu").run(x), want, atol=1e-5, rtol=1e-4)
+        np.testing.assert_allclose(
+            Engine(tmp_path / "a", "cpu").run(x)["encoded"], want, atol=1e-5, rtol=1e-4
+        )
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
@@ -74,7 +73,7 @@ def test_fused_variant_has_skip_layer_norms(tmp_path, norm_first):
     assert counts["SkipLayerNormalization"] + counts["LayerNormalization"] == (3 if norm_first else 2)
     from service.engine import Engine  # the service runs com.microsoft ops as is
 
-    assert Engine(tmp_path / "a", "cpu").run(np.ones((1, 3, 64), np.float32)).shape == (1, 3, 64)
+    assert Engine(tmp_path / "a", "cpu").run(np.ones((1, 3, 64), np.float32))["encoded"].shape == (1, 3, 64)
 
 
 def test_fp16_variant(tmp_path):
@@ -82,7 +81,7 @@ def test_fp16_variant(tmp_path):
     parity = manifest["parity"]
     assert manifest["variant"] == "fp16" and parity["passed"]
     assert (
-        1e-5 < parity["max_abs_err"] <= VARIANT_TOLERANCES["fp16"].atol
+        1e-5 < parity["max_abs_err"] <= VARIANTS["fp16"].tolerance.atol
     )  # really half precision, within gate
     model = onnx.load(str(tmp_path / "a" / "model.onnx"))
     stash = [
@@ -102,7 +101,11 @@ def test_int8_variant_and_its_gate_catches_wrong_weights(tmp_path):
     assert op_counts(onnx.load(str(tmp_path / "a" / "model.onnx")))["MatMulInteger"] == 6
     other = build_encoder(EncoderConfig(d_model=64, nhead=4, dim_feedforward=128), seed=5)
     report = run_parity(
-        other, make_session(tmp_path / "a" / "model.onnx"), [Case("b2 s8", 2, 8)], variant="int8"
+        other,
+        make_session(tmp_path / "a" / "model.onnx"),
+        [Case("b2 s8", 2, 8)],
+        tol=VARIANTS["int8"].tolerance,
+        variant="int8",
     )
     assert not report.passed
 
@@ -118,12 +121,11 @@ def test_rms_norm_at_opset_23_and_a_clear_error_below(tmp_path, capsys):
 def test_graph_optimization_levels_agree(tiny_artifact):
     for level in ("disabled", "basic", "extended", "all"):
         report = parity_cli.check_artifact(tiny_artifact, graph_optimization=level, steps=False)
-        assert report.passed, (level, report.table())
+        assert report.passed, (level, format_table(report))
 
 
 def test_multi_axis_add_norm_exports_with_axis_minus_two(tmp_path):
     """The seeds normalize [S, B, E] over (B, E) = (1, 3): AddNorm((1, 3)) exports with axis -2, passes parity."""
-    from export.onnx_export import _AddNormModule
 
     x = torch.tensor(SEED_INPUT).reshape(2, 1, 3)  # [S, B, E]
     model = export_add_norm(AddNorm((1, 3)).eval(), x, tmp_path / "m.onnx")
@@ -131,7 +133,7 @@ def test_multi_axis_add_norm_exports_with_axis_minus_two(tmp_path):
     axis = next(a.i for a in ln.attribute if a.name == "axis")
     assert axis in (-2, 1)  # -2, or its positive equivalent for rank 3
     torch.manual_seed(0)  # export_add_norm seeds its linear sublayer the same way
-    ref = _AddNormModule(AddNorm((1, 3)), 3).eval()
+    ref = AddNormModule(AddNorm((1, 3)), 3).eval()
     sess = make_session(tmp_path / "m.onnx")
     rng = np.random.default_rng(0)
     for _ in range(5):
@@ -146,9 +148,15 @@ def test_multi_axis_add_norm_exports_with_axis_minus_two(tmp_path):
 
 def test_from_bert_matches_hugging_face(tmp_path):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=2,
-                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                                  attn_implementation="eager")  # fmt: skip
+    cfg = transformers.BertConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     bert = transformers.BertModel(cfg).eval()  # random init: no hub download
     save_file({k: v.contiguous() for k, v in bert.state_dict().items()}, str(tmp_path / "bert.safetensors"))
@@ -174,8 +182,10 @@ def test_from_bert_with_the_wrong_depth_names_it(tmp_path, capsys):
     cfg = transformers.BertConfig(
         hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=2
     )
-    save_file({k: v.contiguous() for k, v in transformers.BertModel(cfg).state_dict().items()},
-              str(tmp_path / "bert.safetensors"))  # fmt: skip
+    save_file(
+        {k: v.contiguous() for k, v in transformers.BertModel(cfg).state_dict().items()},
+        str(tmp_path / "bert.safetensors"),
+    )
     assert (
         cli.main(
             [
@@ -218,7 +228,7 @@ def test_ill_conditioned_layer_norm_blames_the_right_side():
         torch_err > 1e-2
     )  # float32 itself is far off here: a fixed atol vs torch would blame the wrong side
     assert onnx_err <= ORACLE_FACTOR * torch_err
-    assert compare("y", onnx_out, torch_out, oracle, VARIANT_TOLERANCES["fp32"]).passed
+    assert compare("y", onnx_out, torch_out, oracle, VARIANTS["fp32"].tolerance).passed
 
 
 def test_parity_report_files(tiny_artifact, tmp_path):

@@ -1,0 +1,55 @@
+"""The parity gate, one function for both ``addnorm-export`` and ``addnorm-parity``."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from export.cases import Case
+from export.parity import ParityReport, make_session, run_parity
+from export.report import failure_message
+from export.variants import build_graph, get_variant
+from model.encoder import Encoder
+
+
+class ParityError(RuntimeError):
+    """The exported graph does not match torch within tolerance; no manifest was written."""
+
+    def __init__(self, report: ParityReport) -> None:
+        super().__init__(failure_message(report))
+        self.report = report
+
+
+def gate(
+    encoder: Encoder,
+    model_path: str | Path,
+    variant: str,
+    opset: int,
+    cases: list[Case] | None = None,
+    *,
+    steps: bool = True,
+    graph_optimization: str = "all",
+    seed: int = 1234,
+) -> ParityReport:
+    """Run the graph at ``model_path`` against ``encoder`` under the variant's tolerance.
+
+    With ``steps``, a debug graph of the same variant (every Add & Norm result as an extra output) is built in a
+    temporary directory, so each step is compared too and a drift names its sublayer.
+    """
+    session = make_session(model_path, graph_optimization)
+    with tempfile.TemporaryDirectory() as tmp:
+        debug = None
+        if steps:
+            debug_path = Path(tmp) / "debug.onnx"
+            build_graph(encoder, debug_path, variant, opset, with_steps=True)
+            debug = make_session(debug_path, graph_optimization)
+        return run_parity(
+            encoder,
+            session,
+            cases,
+            tol=get_variant(variant).tolerance,
+            seed=seed,
+            graph_optimization=graph_optimization,
+            debug_session=debug,
+            variant=variant,
+        )

@@ -1,0 +1,67 @@
+"""The two gate commands, run as commands: exit 1 on a parity failure, naming the worst element."""
+
+import re
+import shutil
+import subprocess
+import sys
+
+from export.weights import save_weights
+from model.encoder import build_encoder
+from tests.conftest import ROOT, TINY
+
+# addnorm-export with a fault injected: the fp32 builder scales the first LayerNorm's gamma by 1.05 (a graph that
+# no longer computes what torch does). Everything else is the real command.
+SKEWED_EXPORT = """
+import dataclasses, sys
+import onnx
+from onnx import numpy_helper
+import export.variants as v
+
+real = v.VARIANTS["fp32"].build
+
+def skewed(encoder, path, opset, with_steps):
+    model = real(encoder, path, opset, with_steps)
+    ln = next(n for n in model.graph.node if n.op_type == "LayerNormalization")
+    gamma = next(i for i in model.graph.initializer if i.name == ln.input[1])
+    model.graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(gamma) * 1.05, "skewed"))
+    ln.input[1] = "skewed"
+    onnx.save(model, str(path))
+    return model
+
+v.VARIANTS["fp32"] = dataclasses.replace(v.VARIANTS["fp32"], build=skewed)
+from export.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+TINY_FLAGS = ["--d-model", "32", "--nhead", "4", "--dim-feedforward", "64", "--dropout", "0"]
+
+
+def test_addnorm_export_exits_1_on_a_parity_failure_and_writes_no_manifest(tmp_path):
+    cmd = [sys.executable, "-c", SKEWED_EXPORT, "--out", str(tmp_path / "a"), *TINY_FLAGS]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert "FAILED" in r.stderr and "error: parity failed" in r.stderr and "worst element" in r.stderr
+    assert re.search(r"add_norm_0 .*FAIL", r.stderr)  # the per-step table names the skewed sublayer
+    assert not (tmp_path / "a" / "manifest.json").exists()
+
+
+def test_addnorm_parity_exits_1_when_the_weights_do_not_match_the_graph(tiny_artifact, tmp_path):
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifact, art)
+    save_weights(build_encoder(TINY, seed=7), art / "weights.safetensors")  # not the graph's weights
+    r = subprocess.run(
+        [sys.executable, "-m", "export.parity_cli", str(art), "--no-steps"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "FAILED" in r.stdout and "worst element" in r.stdout
+    ok = subprocess.run(
+        [sys.executable, "-m", "export.parity_cli", str(tiny_artifact), "--no-steps"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ok.returncode == 0 and "PASSED" in ok.stdout
