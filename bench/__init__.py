@@ -1,1 +1,5 @@
-"""Benchmarks that print ratios measured side by side in one run (addnorm-bench, make bench)."""
+"""addnorm-bench: ratios measured side by side in one run. Needs the 'export' extra (torch, for torch eager)."""
+
+from model.extras import require
+
+require("export", "addnorm-bench", "torch", "onnx", "safetensors")

@@ -43,9 +43,15 @@ class LoadResult:
         return float(np.percentile(self.latencies_ms, q)) if len(self.latencies_ms) else float("nan")
 
     def row(self) -> dict:
-        return {"requests": self.requests, "seconds": round(self.seconds, 3), "throughput_rps": self.throughput,
-                "p50_ms": self.pct(50), "p99_ms": self.pct(99), "errors": self.errors,
-                "client_cpu_s_per_request": self.client_cpu_s / max(self.requests, 1)}  # fmt: skip
+        return {
+            "requests": self.requests,
+            "seconds": round(self.seconds, 3),
+            "throughput_rps": self.throughput,
+            "p50_ms": self.pct(50),
+            "p99_ms": self.pct(99),
+            "errors": self.errors,
+            "client_cpu_s_per_request": self.client_cpu_s / max(self.requests, 1),
+        }
 
 
 async def _read_response(reader: asyncio.StreamReader) -> int:
@@ -59,8 +65,16 @@ async def _read_response(reader: asyncio.StreamReader) -> int:
     return status
 
 
-async def _client(host: str, port: int, request: bytes, deadline: float, max_requests: int, lat: list, errs: list,
-                  counter: list) -> None:  # fmt: skip
+async def _client(
+    host: str,
+    port: int,
+    request: bytes,
+    deadline: float,
+    max_requests: int,
+    lat: list,
+    errs: list,
+    counter: list,
+) -> None:
     reader, writer = await asyncio.open_connection(host, port)
     try:
         while time.perf_counter() < deadline and counter[0] < max_requests:
@@ -75,21 +89,36 @@ async def _client(host: str, port: int, request: bytes, deadline: float, max_req
         writer.close()
 
 
-def run_load(host: str, port: int, request: bytes, concurrency: int, seconds: float, max_requests: int = 10**9,
-             warmup: int = 2) -> LoadResult:  # fmt: skip
+def run_load(
+    host: str,
+    port: int,
+    request: bytes,
+    concurrency: int,
+    seconds: float,
+    max_requests: int = 10**9,
+    warmup: int = 2,
+) -> LoadResult:
     """``concurrency`` closed-loop keep-alive clients for ``seconds`` (or ``max_requests`` in all)."""
 
     async def main() -> LoadResult:
         # Warm-up on one connection: first requests pay for allocations and thread start-up.
-        await asyncio.gather(*(_client(host, port, request, time.perf_counter() + 30, warmup, [], [], [0])
-                               for _ in range(min(concurrency, 4))))  # fmt: skip
+        await asyncio.gather(
+            *(
+                _client(host, port, request, time.perf_counter() + 30, warmup, [], [], [0])
+                for _ in range(min(concurrency, 4))
+            )
+        )
         lat: list[float] = []
         errs: list[int] = []
         counter = [0]
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
-        await asyncio.gather(*(_client(host, port, request, start + seconds, max_requests, lat, errs, counter)
-                               for _ in range(concurrency)))  # fmt: skip
+        await asyncio.gather(
+            *(
+                _client(host, port, request, start + seconds, max_requests, lat, errs, counter)
+                for _ in range(concurrency)
+            )
+        )
         elapsed = time.perf_counter() - start
         cpu1 = resource.getrusage(resource.RUSAGE_SELF)
         cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)

@@ -1,9 +1,12 @@
 """The benchmark's own parts work (no timing is asserted: speed is shown by `make bench`, not by tests)."""
 
 import numpy as np
+import pytest
 
-from bench.cli import block_flops, gemm_roof, update_docs, v1_binary_request, v2_request
+from bench import measure
 from bench.loadgen import run_load
+from bench.measure import block_flops, gemm_graph, gemm_roof, v1_binary_request, v2_request
+from bench.report import update_docs
 
 
 def test_load_generator_gets_real_answers_from_the_server(server):
@@ -21,18 +24,42 @@ def test_flop_count_of_one_layer():
     assert attention == 2 * 2 * 8 * 128 * 128 * 768
 
 
-def test_gemm_roof_runs(tmp_path):
-    assert gemm_roof(32, 64, 16, threads=1, seconds=0.05) > 0
+def test_gemm_roof_times_the_block_gemms(monkeypatch):
+    """The roof graph computes the block's four weight GEMMs, and its figure is their flops over the median time."""
+    import onnxruntime as ort
+
+    model, feed, w = gemm_graph(32, 64, 16)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    qkv, o, h, y = sess.run(["qkv", "o", "h", "y"], feed)
+    for got, want in (
+        (qkv, feed["x"] @ w["w_qkv"]),
+        (o, feed["x"] @ w["w_out"]),
+        (h, feed["x"] @ w["w_1"]),
+        (y, feed["hin"] @ w["w_2"]),
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+    monkeypatch.setattr(measure, "timed", lambda fn, seconds: (fn(), np.array([1.0, 2.0, 9.0]))[1])
+    gemm, _ = block_flops(1, 16, 32, 64)
+    assert gemm_roof(32, 64, 16, threads=1, seconds=0.05) == pytest.approx(gemm / 2e-3 / 1e9)
 
 
 def test_docs_update_replaces_only_the_generated_block(tmp_path, monkeypatch):
-    import bench.cli as cli
+    import bench.report as cli
 
     monkeypatch.setattr(cli, "table", lambda res: "TABLE")
     doc = tmp_path / "b.md"
     doc.write_text(f"# Benchmarks\n\nhand-written\n\n{cli.MARK_BEGIN}\nold\n{cli.MARK_END}\n\nanalysis\n")
-    res = {"machine": {"date": "d", "cpu": "c", "logical_cpus": 2, "physical_cores_used": 2, "python": "3",
-                       "onnxruntime": "1", "torch": "2"}}  # fmt: skip
+    res = {
+        "machine": {
+            "date": "d",
+            "cpu": "c",
+            "logical_cpus": 2,
+            "physical_cores_used": 2,
+            "python": "3",
+            "onnxruntime": "1",
+            "torch": "2",
+        }
+    }
     update_docs(doc, res)
     text = doc.read_text()
     assert "hand-written" in text and "analysis" in text and "TABLE" in text and "old" not in text

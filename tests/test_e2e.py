@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from tests.conftest import ROOT, start_server, stop_server, wait_ready
+from tests.conftest import ROOT, start_server
 
 E2E_ATOL = 1e-5
 
@@ -24,15 +24,27 @@ def torch_layer_server(tmp_path_factory):
     torch.manual_seed(11)
     layer = nn.TransformerEncoderLayer(64, 4, 128, activation="gelu", batch_first=True).eval()
     save_file({k: v.contiguous() for k, v in layer.state_dict().items()}, str(tmp / "layer.safetensors"))
-    cmd = [sys.executable, "-m", "export", "--out", str(tmp / "art"), "--checkpoint", str(tmp / "layer.safetensors"),
-           "--d-model", "64", "--nhead", "4", "--dim-feedforward", "128", "--activation", "gelu", "-q"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "export",
+        "--out",
+        str(tmp / "art"),
+        "--checkpoint",
+        str(tmp / "layer.safetensors"),
+        "--d-model",
+        "64",
+        "--nhead",
+        "4",
+        "--dim-feedforward",
+        "128",
+        "--activation",
+        "gelu",
+        "-q",
+    ]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
-    proc, base = start_server(tmp / "art")
-    try:
-        wait_ready(base, proc)
-        yield layer, base
-    finally:
-        stop_server(proc)
+    with start_server(tmp / "art") as srv:
+        yield layer, srv.base
 
 
 def test_http_response_equals_pytorch_own_layer(torch_layer_server):
@@ -81,15 +93,25 @@ def test_server_refuses_to_start_on_a_tampered_artifact(tiny_artifact, tmp_path)
     for name in ("manifest.json", "model.onnx", "weights.safetensors"):
         (tmp_path / name).write_bytes((tiny_artifact / name).read_bytes())
     (tmp_path / "model.onnx").write_bytes((tmp_path / "model.onnx").read_bytes()[:-1] + b"\x01")
-    r = subprocess.run([sys.executable, "-m", "service", "--model-dir", str(tmp_path), "--port", "0"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "service", "--model-dir", str(tmp_path), "--port", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1 and "sha256" in r.stderr
 
 
 @pytest.mark.skipif("CUDAExecutionProvider" in ort.get_available_providers(), reason="this machine has CUDA")
 def test_server_refuses_cuda_where_there_is_none(tiny_artifact):
-    r = subprocess.run([sys.executable, "-m", "service", "--model-dir", str(tiny_artifact), "--providers", "cuda"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "service", "--model-dir", str(tiny_artifact), "--providers", "cuda"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1 and "CUDAExecutionProvider is not available" in r.stderr
 
 
@@ -107,8 +129,10 @@ def test_clients_that_hang_up_mid_request_do_not_hurt_the_server(server):
     host, port = "127.0.0.1", int(server.rsplit(":", 1)[1])
     for body in (b'{"embeddings": [[', b"x" * 10):  # promised 100000 bytes, sent a few, hung up
         with socket.create_connection((host, port), timeout=5) as s:
-            s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: 100000\r\n\r\n" + body)  # fmt: skip
+            s.sendall(
+                b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100000\r\n\r\n" + body
+            )
     with socket.create_connection((host, port), timeout=5) as s:  # hang up while the answer is computed
         payload = b'{"embeddings": ' + str([[0.5] * 32] * 64).encode() + b"}"
         s.sendall(
@@ -122,9 +146,8 @@ def test_clients_that_hang_up_mid_request_do_not_hurt_the_server(server):
 
 def test_backpressure_and_timeouts_over_http(tiny_artifact):
     """A full queue answers 429 with Retry-After, a missed deadline 504; never a 5xx otherwise, server stays up."""
-    proc, base = start_server(tiny_artifact, "--max-queue-size", "1", "--max-batch-size", "1")
-    try:
-        wait_ready(base, proc)
+    with start_server(tiny_artifact, "--max-queue-size", "1", "--max-batch-size", "1") as srv:
+        base = srv.base
         x = np.zeros((8, 512, 32), np.float32).tolist()
         with httpx.Client(base_url=base, timeout=60) as c:
 
@@ -139,10 +162,12 @@ def test_backpressure_and_timeouts_over_http(tiny_artifact):
             for r in responses:
                 if r.status_code == 429:
                     assert r.headers["retry-after"] == "1" and "capacity" in r.json()["error"]
-            doc = {"inputs": [{"name": "embeddings", "shape": [1, 1, 32], "datatype": "FP32", "data": [0.0] * 32}],
-                   "parameters": {"timeout": 1}}  # one microsecond: always missed  # fmt: skip
+            doc = {
+                "inputs": [
+                    {"name": "embeddings", "shape": [1, 1, 32], "datatype": "FP32", "data": [0.0] * 32}
+                ],
+                "parameters": {"timeout": 1},
+            }  # one microsecond: always missed
             r = c.post("/v2/models/encoder/infer", json=doc)
             assert r.status_code == 504 and "not answered within" in r.json()["error"]
             assert c.get("/health/ready").status_code == 200
-    finally:
-        stop_server(proc)

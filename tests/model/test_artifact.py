@@ -26,9 +26,13 @@ def test_tampered_graph_is_refused(tiny_artifact, tmp_path):
 
 @pytest.mark.parametrize(
     ("content", "message"),
-    [("{", "not valid JSON"), ("[]", "JSON object"), ('{"format_version": 99}', "format_version"),
-     ('{"format_version": 1, "name": "x"}', "malformed")],
-)  # fmt: skip
+    [
+        ("{", "not valid JSON"),
+        ("[]", "JSON object"),
+        ('{"format_version": 99}', "format_version"),
+        ('{"format_version": 1, "name": "x"}', "malformed"),
+    ],
+)
 def test_bad_manifests_name_the_problem(tmp_path, content, message):
     (tmp_path / "manifest.json").write_text(content)
     with pytest.raises(ArtifactError, match=message):

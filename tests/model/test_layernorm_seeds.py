@@ -37,12 +37,15 @@ def onnx_layer_norm(x: np.ndarray, axis: int = -1, eps: float = 1e-5) -> np.ndar
     norm_shape = x.shape[axis:]
     node = helper.make_node("LayerNormalization", ["x", "g", "b"], ["y"], axis=axis, epsilon=eps)
     graph = helper.make_graph(
-        [node], "ln",
+        [node],
+        "ln",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(x.shape))],
-        initializer=[helper.make_tensor("g", TensorProto.FLOAT, norm_shape, np.ones(norm_shape).ravel()),
-                     helper.make_tensor("b", TensorProto.FLOAT, norm_shape, np.zeros(norm_shape).ravel())],
-    )  # fmt: skip
+        initializer=[
+            helper.make_tensor("g", TensorProto.FLOAT, norm_shape, np.ones(norm_shape).ravel()),
+            helper.make_tensor("b", TensorProto.FLOAT, norm_shape, np.zeros(norm_shape).ravel()),
+        ],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     onnx.checker.check_model(model)
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])

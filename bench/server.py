@@ -1,0 +1,87 @@
+"""A server subprocess on a free loopback port, for benchmarks and tests alike."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python ARGS --port P`` in the repo root, on a free port; ``wait()`` until ``ready_path`` answers 200.
+
+    A context manager: ``with ServerProcess([...]) as srv: ...`` starts, waits, and stops it.
+    """
+
+    def __init__(
+        self,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        ready_path: str = "/health/ready",
+        capture: bool = True,
+    ) -> None:
+        self.port = free_port()
+        self.base = f"http://{HOST}:{self.port}"
+        self.ready_path = ready_path
+        out = subprocess.PIPE if capture else subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            [sys.executable, *args, "--port", str(self.port)],
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+            stdout=out,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def wait(self, timeout: float = 120.0) -> ServerProcess:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read() if self.proc.stderr else ""
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {err}")
+            try:
+                with urllib.request.urlopen(self.base + self.ready_path, timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.base} not ready after {timeout} s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> ServerProcess:
+        try:
+            return self.wait()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(artifact: Path, *flags: str) -> ServerProcess:
+    """addnorm-serve on ``artifact`` (quiet), not yet waited for."""
+    return ServerProcess(
+        ["-m", "service", "--model-dir", str(artifact), "--log-level", "warning", *flags], capture=False
+    )
