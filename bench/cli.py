@@ -89,11 +89,41 @@ def build_parser() -> argparse.ArgumentParser:
         default=ROOT / "docs" / "benchmarks.md",
         help="doc whose generated part is rewritten",
     )
+    r = p.add_argument_group("reliability (instead of the ratios)")
+    r.add_argument(
+        "--soak",
+        type=float,
+        metavar="SECONDS",
+        help="64 keep-alive clients mixing valid, invalid, oversized and hang-up requests for SECONDS; "
+        "prints status counts, latency, memory and file descriptors",
+    )
+    r.add_argument(
+        "--burst",
+        type=int,
+        metavar="N",
+        help="resident memory before, at the peak of and after N concurrent [1, 4096, d_model] requests",
+    )
+    r.add_argument("--clients", type=int, default=64, help="clients for --soak (default 64)")
     return p
+
+
+def reliability(args: argparse.Namespace) -> int:
+    """--soak / --burst: print the figures as JSON; exit 1 when the soak saw a 5xx or a wrong answer."""
+    from bench import reliability as rel
+
+    artifact = setup(args).artifact
+    if args.burst:
+        print(json.dumps(rel.burst(artifact, args.burst), indent=2))
+        return 0
+    summary = rel.soak(artifact, args.soak, args.clients).summary()
+    print(json.dumps(summary, indent=2))
+    return 1 if summary["unexpected_5xx"] or summary["wrong_answers"] or summary["unexpected"] else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.soak or args.burst:
+        return reliability(args)
     start = time.perf_counter()
     res = run(args)
     res["bench_seconds"] = time.perf_counter() - start

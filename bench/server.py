@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -36,22 +37,27 @@ class ServerProcess:
         self.port = free_port()
         self.base = f"http://{HOST}:{self.port}"
         self.ready_path = ready_path
-        out = subprocess.PIPE if capture else subprocess.DEVNULL
+        # The server's output goes to a file, never to a pipe nobody reads: a full pipe would block its logging.
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(
             [sys.executable, *args, "--port", str(self.port)],
             cwd=ROOT,
             env={**os.environ, **(env or {})},
-            stdout=out,
-            stderr=subprocess.PIPE,
+            stdout=self.log if capture else subprocess.DEVNULL,
+            stderr=self.log,
             text=True,
         )
+
+    def output(self) -> str:
+        """What the server has printed so far."""
+        self.log.seek(0)
+        return self.log.read()
 
     def wait(self, timeout: float = 120.0) -> ServerProcess:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
-                err = self.proc.stderr.read() if self.proc.stderr else ""
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {err}")
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.output()[-4000:]}")
             try:
                 with urllib.request.urlopen(self.base + self.ready_path, timeout=1) as r:
                     if r.status == 200:
@@ -68,6 +74,7 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.log.close()
 
     def __enter__(self) -> ServerProcess:
         try:

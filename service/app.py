@@ -25,6 +25,7 @@ from service.engine import Engine
 from service.errors import ServiceError
 from service.fastpath import FastPath
 from service.guard import Guard
+from service.protocols import health
 from service.responses import error_response, from_error, unexpected_error
 from service.settings import Settings
 from service.state import LoadedState, Models, ServiceState, ServingModel
@@ -65,8 +66,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     _install_error_handlers(app)
     # add_middleware puts each one outside the ones added before it.
     app.add_middleware(FastPath, routes=protocols.FAST_ROUTES)
+    public = protocols.PUBLIC_PATHS | ({health.METRICS_PATH} if settings.metrics_public else set())
     app.add_middleware(
-        Guard, state=state, public_paths=protocols.PUBLIC_PATHS, model_prefixes=protocols.MODEL_PREFIXES
+        Guard,
+        state=state,
+        public_paths=public,
+        model_prefixes=protocols.MODEL_PREFIXES,
+        api_keys=settings.api_keys(),
     )
     app.add_middleware(_RequestContext, state=state)
     return app
@@ -87,6 +93,9 @@ async def _load(state: ServiceState) -> None:
         max_queue_delay_ms=s.max_queue_delay_ms,
         max_queue_size=s.max_queue_size,
         observer=state.metrics,
+        max_batch_attention=s.max_batch_attention,
+        heads=engine.manifest.config.nhead,
+        max_queue_bytes=s.max_queue_bytes,
     )
     batcher.start()
     state.loaded = LoadedState(s, Models([ServingModel(engine, batcher)]))

@@ -1,7 +1,9 @@
 """Runs inference off the event loop, merging concurrent requests into one batch (dynamic batching).
 
 One scheduler task takes requests from a bounded queue and merges them along the batch dimension (up to
-``max_batch_size`` rows and ``max_batch_tokens`` batch x seq positions; shorter sequences are padded and masked),
+``max_batch_size`` rows, ``max_batch_tokens`` batch x seq positions and ``max_batch_attention`` elements of one
+attention score tensor, batch x heads x seq^2, the part of a run's memory that grows fastest; shorter sequences are
+padded and masked),
 runs the batch on one dedicated thread, and hands each request back exactly its own rows. With the default
 ``max_queue_delay_ms=0`` a batch is whatever queued up while the previous one ran (no request ever waits for
 company while the model is idle); a positive delay waits that long for more. ``max_batch_size=1`` turns merging
@@ -22,7 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
-from service.errors import InferenceFailed, Overloaded, ServiceError, ShuttingDown, TimedOut
+from service.errors import InferenceFailed, Overloaded, ServiceError, ShuttingDown, TimedOut, TooLarge
 
 log = logging.getLogger("addnorm.batcher")
 
@@ -78,14 +80,23 @@ class Batcher:
         max_queue_delay_ms: float = 0.0,
         max_queue_size: int = 256,
         observer: BatchObserver | None = None,
+        max_batch_attention: int | None = None,
+        heads: int = 1,
+        max_queue_bytes: int | None = None,
     ) -> None:
         self.model = model
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
+        self.max_batch_attention = (
+            max_batch_attention  # elements of one (batch, heads, seq, seq) score tensor
+        )
+        self.heads = heads
         self.max_delay = max_queue_delay_ms / 1000.0
         self.max_queue_size = max_queue_size
+        self.max_queue_bytes = max_queue_bytes
         self.observer = observer
         self._queue: collections.deque[_Item] = collections.deque()
+        self._queued_bytes = 0
         self._wakeup = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="addnorm-infer")
         self._task: asyncio.Task | None = None
@@ -101,10 +112,19 @@ class Batcher:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         while self._queue:
-            item = self._queue.popleft()
+            item = self._pop()
             if not item.future.done():
                 item.future.set_exception(ShuttingDown("server is shutting down"))
         self._executor.shutdown(wait=True)
+
+    def _pop(self) -> _Item:
+        item = self._queue.popleft()
+        self._queued_bytes -= item.x.nbytes
+        return item
+
+    def attention_cost(self, rows: int, seq: int) -> int:
+        """Elements of one attention score tensor for a run of ``rows`` x ``seq``: it grows with seq squared."""
+        return rows * self.heads * seq * seq
 
     @property
     def depth(self) -> int:
@@ -119,11 +139,24 @@ class Batcher:
         """
         if self._closed:
             raise ShuttingDown("server is shutting down")
+        cost = self.attention_cost(x.shape[0], x.shape[1])
+        if self.max_batch_attention is not None and cost > self.max_batch_attention:
+            raise TooLarge(
+                f"a [{x.shape[0]}, {x.shape[1]}] request needs an attention working set of {cost} elements "
+                f"(batch x heads x seq^2), above this server's limit of {self.max_batch_attention} "
+                "(ADDNORM_MAX_BATCH_ATTENTION); send fewer or shorter sequences"
+            )
         if len(self._queue) >= self.max_queue_size:
             raise Overloaded(f"server is at capacity ({self.max_queue_size} requests queued); retry shortly")
+        if self.max_queue_bytes is not None and self._queued_bytes + x.nbytes > self.max_queue_bytes:
+            raise Overloaded(
+                f"server is at capacity ({self._queued_bytes} bytes of requests queued, limit "
+                f"{self.max_queue_bytes}: ADDNORM_MAX_QUEUE_BYTES); retry shortly"
+            )
         loop = asyncio.get_running_loop()
         item = _Item(x, mask, loop.create_future())
         self._queue.append(item)
+        self._queued_bytes += x.nbytes
         self._observe_depth()
         self._wakeup.set()
         # A timer instead of asyncio.wait_for: no extra task per request. Timing out before the run makes the
@@ -165,7 +198,12 @@ class Batcher:
             for item in batch:
                 item.timings.infer_s = elapsed
                 if not item.future.done():
-                    item.future.set_result({k: v[row : row + item.rows, : item.seq] for k, v in out.items()})
+                    # Its own rows, contiguous: a shorter request's slice of the padded batch is a strided view
+                    # that codecs writing raw buffers cannot take (and that would keep the whole batch alive).
+                    rows = {
+                        k: np.ascontiguousarray(v[row : row + item.rows, : item.seq]) for k, v in out.items()
+                    }
+                    item.future.set_result(rows)
                 row += item.rows
             if self.observer is not None:
                 self.observer.batch_done(x.shape[0], len(batch), elapsed)
@@ -191,13 +229,20 @@ class Batcher:
         while self._queue:
             item = self._queue[0]
             if item.future.done():  # timed out or client gone before it ran
-                self._queue.popleft()
+                self._pop()
                 continue
             new_rows, new_seq = rows + item.rows, max(seq, item.seq)
-            full = new_rows > self.max_batch_size or new_rows * new_seq > self.max_batch_tokens
+            full = (
+                new_rows > self.max_batch_size
+                or new_rows * new_seq > self.max_batch_tokens
+                or (
+                    self.max_batch_attention is not None
+                    and self.attention_cost(new_rows, new_seq) > self.max_batch_attention
+                )
+            )
             if batch and (full or item.solo or batch[0].solo):
                 break
-            batch.append(self._queue.popleft())
+            batch.append(self._pop())
             rows, seq = new_rows, new_seq
         self._observe_depth()
         return batch

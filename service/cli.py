@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
+import signal
 import sys
 
 from service import logs
@@ -42,6 +44,21 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
     return Settings(**overrides)
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: assume it is reachable from elsewhere
+        return False
+
+
+def _drained(signum: int, frame: object) -> None:
+    """SIGTERM outside uvicorn's own handler: before serving began, or after it drained. Exit 0 either way."""
+    logging.getLogger("addnorm.serve").info("stopped by SIGTERM")
+    raise SystemExit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from_args(argv)
@@ -50,6 +67,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logs.configure(settings.log_level, settings.log_json)
     log = logging.getLogger("addnorm.serve")
+    try:
+        keys = settings.api_keys()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not keys and not is_loopback(settings.host):
+        log.warning(
+            "SERVING ON %s WITHOUT AN API KEY: anyone who can reach this port can run the model and read "
+            "/metrics. Set ADDNORM_API_KEY or ADDNORM_API_KEY_FILE (--api-key / --api-key-file).",
+            settings.host,
+        )
     try:
         # Fail before binding a port: a missing or tampered artifact, or cuda asked for but absent.
         import onnxruntime as ort
@@ -68,32 +96,35 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
+    # uvicorn drains the requests in flight on SIGTERM, then raises the signal again once it has restored the
+    # handler it found: with this one in place, a drained server exits 0 instead of dying of the signal (-15).
+    signal.signal(signal.SIGTERM, _drained)
     uv_log = "warning" if settings.log_level == "info" else settings.log_level
+    # Connection limit, read deadlines and JSON refusals: service.transport.
+    common = dict(
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        log_level=uv_log,
+        access_log=False,
+        timeout_keep_alive=settings.keep_alive_s,
+    )
     if settings.workers > 1:
         # Workers are separate processes: pass the settings down through the environment.
-        for name, value in settings.model_dump().items():
-            os.environ[f"ADDNORM_{name.upper()}"] = str(value)
+        os.environ.update(settings.to_env())
         uvicorn.run(
             "service.app:create_app",
             factory=True,
-            host=settings.host,
-            port=settings.port,
             workers=settings.workers,
-            log_config=None,
-            log_level=uv_log,
-            access_log=False,
+            http="service.transport:Protocol",
+            **common,
         )
     else:
         from service.app import create_app
+        from service.transport import Protocol
 
-        uvicorn.run(
-            create_app(settings),
-            host=settings.host,
-            port=settings.port,
-            log_config=None,
-            log_level=uv_log,
-            access_log=False,
-        )
+        Protocol.configure(settings)
+        uvicorn.run(create_app(settings), http=Protocol, **common)
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -69,8 +70,34 @@ def physical_cores(cpuinfo: str | None = None, allowed: set[int] | None = None) 
     return max(1, min(len(cores) or len(allowed), len(allowed)))
 
 
-def default_threads(workers: int = 1) -> int:
-    return max(1, physical_cores() // max(1, workers))
+def cpu_quota(cgroup_root: str | Path = "/sys/fs/cgroup") -> float | None:
+    """CPUs this container may use by its cgroup CPU quota (cgroup v2 cpu.max, or v1 cfs_quota_us); None = none."""
+    root = Path(cgroup_root)
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]  # v2: "max 100000" or "200000 100000"
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    for v1 in ("cpu", "cpu,cpuacct"):
+        try:
+            quota_us = int((root / v1 / "cpu.cfs_quota_us").read_text())
+            period_us = int((root / v1 / "cpu.cfs_period_us").read_text())
+        except (OSError, ValueError):
+            continue
+        return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
+    return None
+
+
+def default_threads(workers: int = 1, cores: int | None = None, quota: float | None = -1.0) -> int:
+    """Intra-op threads per worker: physical cores, capped by the container's CPU quota, split among workers.
+
+    A container limited to 2 CPUs on a 64-core host must not start 64 threads: they would be throttled.
+    """
+    cores = physical_cores() if cores is None else cores
+    quota = cpu_quota() if quota == -1.0 else quota
+    if quota is not None:
+        cores = min(cores, max(1, math.ceil(quota)))
+    return max(1, cores // max(1, workers))
 
 
 class Engine:

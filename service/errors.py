@@ -23,6 +23,10 @@ class BadInput(ServiceError):
     """The request is malformed or does not fit the model."""
 
 
+class Unauthenticated(ServiceError):
+    """No valid API key."""
+
+
 class NotFound(ServiceError):
     """No such model, version or output."""
 
@@ -72,6 +76,7 @@ class ClientGone(ServiceError):
 
 HTTP_STATUS: dict[type[ServiceError], int] = {
     BadInput: 400,
+    Unauthenticated: 401,
     NotFound: 404,
     NotAcceptable: 406,
     TooLarge: 413,

@@ -1,19 +1,20 @@
 """The one request guard. Every HTTP request passes it before any route, the fast path's or FastAPI's.
 
-It lets the health probes through untouched, and for every other path runs the checks in ``check`` (readiness
-for model routes today; authentication joins it here). A route that needs the models gets them from the guard
+It lets the health probes through untouched; every other path needs a valid API key when keys are set
+(``Authorization: Bearer <key>``, compared in constant time), and model routes need every model loaded. A route that needs the models gets them from the guard
 (``Loaded``), so a model route the guard did not cover fails loudly instead of serving unguarded; the test
 ``tests/service/test_guard.py`` tries every route the app serves.
 """
 
 from __future__ import annotations
 
+import hmac
 from typing import Annotated
 
 from fastapi import Depends, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.errors import NotReady, ServiceError
+from service.errors import NotReady, ServiceError, Unauthenticated
 from service.responses import from_error
 from service.state import LoadedState, ServiceState
 
@@ -22,15 +23,21 @@ SCOPE_KEY = "addnorm.loaded"  # where the guard leaves the LoadedState for the r
 
 class Guard:
     """Pure ASGI middleware. ``public_paths``: served without checks (health probes); ``model_prefixes``: paths
-    whose routes use the models, refused with 503 until every model has loaded."""
+    whose routes use the models, refused with 503 until every model has loaded; ``api_keys``: none = open."""
 
     def __init__(
-        self, app: ASGIApp, state: ServiceState, public_paths: frozenset[str], model_prefixes: tuple[str, ...]
+        self,
+        app: ASGIApp,
+        state: ServiceState,
+        public_paths: frozenset[str],
+        model_prefixes: tuple[str, ...],
+        api_keys: tuple[str, ...] = (),
     ) -> None:
         self.app = app
         self.state = state
         self.public_paths = public_paths
         self.model_prefixes = model_prefixes
+        self.api_keys = tuple(key.encode() for key in api_keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -48,11 +55,28 @@ class Guard:
         path = scope["path"]
         if path in self.public_paths:
             return None
+        if self.api_keys:
+            self._authenticate(scope)
         if not path.startswith(self.model_prefixes):
             return None
         if self.state.loaded is None:
             raise NotReady(self.state.not_ready_reason() or "model is loading")
         return self.state.loaded
+
+    def _authenticate(self, scope: Scope) -> None:
+        """``Authorization: Bearer <key>`` with one of the keys; never says which part was wrong, never logs it."""
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        if header is None:
+            raise Unauthenticated("this server needs an API key: send 'Authorization: Bearer <key>'")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not token.strip():
+            raise Unauthenticated("the Authorization header must be 'Bearer <key>'")
+        token = token.strip()
+        matched = False
+        for key in self.api_keys:  # every key compared, each in constant time
+            matched |= hmac.compare_digest(token, key)
+        if not matched:
+            raise Unauthenticated("invalid API key")
 
 
 # Async on purpose: FastAPI runs a plain ``def`` dependency in a worker thread, a hop that costs more than the

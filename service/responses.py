@@ -18,8 +18,17 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
 
 def from_error(exc: ServiceError) -> JSONResponse:
     """A domain error as HTTP, through the one table (service.errors.HTTP_STATUS)."""
-    headers = None if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
-    return error_response(http_status(exc), exc.message, headers)
+    status = http_status(exc)
+    headers = {}
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(exc.retry_after)
+    if status == 401:  # RFC 9110: a 401 says how to authenticate
+        headers["WWW-Authenticate"] = 'Bearer realm="addnorm"'
+    if (
+        status == 413
+    ):  # the refused body may still be on its way: don't read it, close the connection after this
+        headers["Connection"] = "close"
+    return error_response(status, exc.message, headers or None)
 
 
 def unexpected_error(exc: Exception, method: str, path: str) -> JSONResponse:

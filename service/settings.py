@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -35,6 +35,12 @@ class Settings(BaseSettings):
     max_batch_tokens: int = Field(
         8192, ge=1, description="dynamic batching: most batch x seq positions per run"
     )
+    max_batch_attention: int = Field(
+        12 * 4096 * 4096,
+        ge=1,
+        description="most elements of one attention score tensor (batch x heads x seq^2) per run; a request "
+        "needing more gets 413 (default: one 4096-long sequence at 12 heads)",
+    )
     max_queue_delay_ms: float = Field(
         0.0,
         ge=0,
@@ -43,6 +49,54 @@ class Settings(BaseSettings):
     max_queue_size: int = Field(
         256, ge=1, description="requests waiting beyond this get 429 with Retry-After"
     )
+    max_queue_bytes: int = Field(
+        512 * 1024 * 1024, ge=1, description="bytes of queued request tensors beyond which requests get 429"
+    )
+    max_connections: int = Field(
+        1000, ge=1, description="open connections beyond this are answered 503 at once (per worker)"
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="a request's headers must arrive within this time, else 408"
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="a request's body must arrive within this time after its headers, else closed"
+    )
+    keep_alive_s: float = Field(5.0, gt=0, description="idle keep-alive connections close after this time")
     request_timeout_s: float = Field(30.0, gt=0, description="a request not answered in this time gets 504")
+    api_key: SecretStr | None = Field(
+        None,
+        description="API key(s), comma-separated: every route but the health probes then needs "
+        "'Authorization: Bearer <key>'",
+    )
+    api_key_file: Path | None = Field(
+        None, description="file with one API key a line (Docker/Kubernetes secrets); adds to --api-key"
+    )
+    metrics_public: bool = Field(False, description="serve /metrics without an API key")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     log_json: bool = Field(False, description="one JSON object per log line")
+
+    def api_keys(self) -> tuple[str, ...]:
+        """Every configured key: --api-key's comma-separated list, then the key file's lines (blank lines and
+        '#' comments skipped). Raises ValueError when the file cannot be read or holds no key."""
+        keys = [k.strip() for k in (self.api_key.get_secret_value() if self.api_key else "").split(",")]
+        if self.api_key_file is not None:
+            try:
+                lines = self.api_key_file.read_text().splitlines()
+            except OSError as exc:
+                raise ValueError(f"api_key_file {self.api_key_file} cannot be read: {exc.strerror}") from None
+            from_file = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+            if not from_file:
+                raise ValueError(f"api_key_file {self.api_key_file} holds no key")
+            keys += from_file
+        return tuple(k for k in keys if k)
+
+    def to_env(self) -> dict[str, str]:
+        """Every setting as its ADDNORM_* variable, secrets revealed (for worker processes only)."""
+        env = {}
+        for name, value in self.model_dump().items():
+            if value is None:
+                continue
+            if isinstance(value, SecretStr):
+                value = value.get_secret_value()
+            env[f"ADDNORM_{name.upper()}"] = str(value)
+        return env

@@ -32,6 +32,12 @@ def test_compose_file_is_valid_and_wires_export_api_and_gpu():
         assert "/health/ready" in " ".join(svc["healthcheck"]["test"])
         assert any(":ro" in str(v) or (isinstance(v, dict) and v.get("read_only")) for v in svc["volumes"])
     assert services["api"]["environment"]["ADDNORM_PROVIDERS"] == "cpu"
+    for name in ("api", "api-gpu"):  # the key comes from a secret file, never from the compose file itself
+        svc = services[name]
+        assert svc["environment"]["ADDNORM_API_KEY_FILE"] == "/run/secrets/addnorm_api_key"
+        assert [s["source"] if isinstance(s, dict) else s for s in svc["secrets"]] == ["addnorm_api_key"]
+        assert "ADDNORM_API_KEY" not in svc["environment"]
+    assert cfg["secrets"]["addnorm_api_key"]["file"].endswith("secrets/api_key")
     gpu = services["api-gpu"]
     assert gpu["profiles"] == ["gpu"] and gpu["environment"]["ADDNORM_PROVIDERS"] == "cuda"
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]

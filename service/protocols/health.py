@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse
 from service.state import State
 
 router = APIRouter(tags=["health"])
+METRICS_PATH = "/metrics"  # public too with ADDNORM_METRICS_PUBLIC
 
 
 @router.get("/health/live", summary="The process is up")
@@ -28,7 +29,7 @@ async def ready(state: State) -> Response:
     return JSONResponse({"status": "ready", "model": model.name, "providers": model.providers})
 
 
-@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+@router.get(METRICS_PATH, summary="Prometheus metrics", response_class=Response)
 async def metrics(state: State) -> Response:
     return Response(state.metrics.render(), media_type=state.metrics.content_type)
 

@@ -8,7 +8,7 @@ import pytest
 
 from service.batcher import Batcher
 from service.engine import Engine
-from service.errors import Overloaded, TimedOut, http_status
+from service.errors import Overloaded, TimedOut, TooLarge, http_status
 
 FP32_ATOL, FP32_RTOL = 1e-5, 1e-4
 
@@ -61,6 +61,7 @@ def test_concurrent_requests_are_merged_and_each_gets_its_own_rows(engine):
         alone = engine.run(x, m)
         assert out.keys() == alone.keys() and out["encoded"].shape == x.shape
         np.testing.assert_allclose(out["encoded"], alone["encoded"], atol=FP32_ATOL, rtol=FP32_RTOL)
+        assert out["encoded"].flags.c_contiguous  # regression: a strided view made orjson fail (a 500 in /v1)
         assert timings.infer_s > 0
 
 
@@ -205,3 +206,48 @@ def test_engine_failure_fails_the_batch_not_the_batcher():
         return out
 
     assert run(main())["encoded"].shape == (1, 2, 4)
+
+
+def test_attention_budget_keeps_long_sequences_apart(engine):
+    """Two long sequences are not merged into a run whose attention needs twice the memory of one."""
+    model = Recorder(engine, threading.Event())
+    heads = 4  # the tiny model's
+    long, short = np.zeros((1, 64, 32), np.float32), np.zeros((1, 8, 32), np.float32)
+
+    async def main():
+        batcher = Batcher(model, max_batch_size=64, max_batch_tokens=10_000, max_queue_delay_ms=50,
+                          max_batch_attention=heads * 64 * 64, heads=heads)  # fmt: skip
+        batcher.start()
+        tasks = [asyncio.ensure_future(batcher.infer(x, None)) for x in (long, long, short, short)]
+        await asyncio.sleep(0.1)
+        model.gate.set()
+        await asyncio.gather(*tasks)
+        with pytest.raises(TooLarge, match="ADDNORM_MAX_BATCH_ATTENTION"):
+            await batcher.infer(np.zeros((2, 64, 32), np.float32), None)  # alone it is over the budget
+        await batcher.stop()
+
+    run(main())
+    assert model.shapes == [(1, 64, 32), (1, 64, 32), (2, 8, 32)]
+
+
+def test_queue_is_bounded_by_bytes(engine):
+    gate = threading.Event()
+    model = Recorder(engine, gate)
+    x = np.zeros((1, 16, 32), np.float32)  # 2 KiB
+
+    async def main():
+        batcher = Batcher(model, max_batch_size=1, max_queue_bytes=2 * x.nbytes)
+        batcher.start()
+        first = asyncio.ensure_future(batcher.infer(x, None))
+        await asyncio.sleep(0.05)  # running (blocked on the gate): no longer queued
+        queued = [asyncio.ensure_future(batcher.infer(x, None)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(Overloaded, match="bytes of requests queued") as info:
+            await batcher.infer(x, None)
+        gate.set()
+        await asyncio.gather(first, *queued)
+        await batcher.infer(x, None)  # the bytes were given back as the queue drained
+        await batcher.stop()
+        return info.value
+
+    assert http_status(run(main())) == 429

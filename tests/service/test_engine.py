@@ -82,3 +82,24 @@ def test_physical_cores_counts_cores_not_hyperthreads():
     assert physical_cores(CPUINFO_2_CORES_4_THREADS, {0, 1}) == 2
     assert physical_cores("", {0, 1, 2}) == 3  # no topology (containers, other arches): affinity decides
     assert physical_cores() >= 1
+
+
+def test_default_threads_respect_the_container_cpu_quota(tmp_path):
+    from service.engine import cpu_quota, default_threads
+
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("200000 100000\n")  # 2 CPUs
+    assert cpu_quota(v2) == 2.0
+    assert default_threads(1, cores=64, quota=cpu_quota(v2)) == 2
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota(v2) is None and default_threads(2, cores=64, quota=None) == 32
+    v1 = tmp_path / "v1" / "cpu,cpuacct"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("150000\n")  # 1.5 CPUs: round up, never below one
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu_quota(tmp_path / "v1") == 1.5 and default_threads(1, cores=64, quota=1.5) == 2
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cpu_quota(tmp_path / "v1") is None
+    assert cpu_quota(tmp_path / "nothing") is None
+    assert default_threads(4, cores=2, quota=None) == 1

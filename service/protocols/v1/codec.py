@@ -16,7 +16,7 @@ import orjson
 from model.contract import EMBEDDINGS, ENCODED, MASK
 from service.batcher import Outputs
 from service.errors import BadInput, NotAcceptable, UnsupportedMediaType
-from service.tensors import check_batch, parse_json
+from service.tensors import check_batch, parse_json, show
 
 _FIELDS = {EMBEDDINGS, MASK}
 _LITERALS = (b"true", b"false", b"null")
@@ -185,7 +185,7 @@ def decode(
     elif media == NPY:
         x = _decode_npy(body)
     else:
-        raise UnsupportedMediaType(f"unsupported Content-Type {media!r}; use {JSON}, {OCTET} or {NPY}")
+        raise UnsupportedMediaType(f"unsupported Content-Type {show(media)}; use {JSON}, {OCTET} or {NPY}")
     squeeze = x.ndim == 2
     if squeeze:
         x = x[None]
@@ -202,7 +202,7 @@ def _decode_raw(body: bytes, shape_header: str | None) -> np.ndarray:
     try:
         shape = tuple(int(d) for d in shape_header.split(","))
     except ValueError:
-        raise BadInput(f"X-Shape must be comma-separated integers, got {shape_header!r}") from None
+        raise BadInput(f"X-Shape must be comma-separated integers, got {show(shape_header)}") from None
     if len(shape) not in (2, 3) or min(shape) <= 0:
         raise BadInput(f"X-Shape must be 2 or 3 positive integers ([batch,] seq, d_model), got {list(shape)}")
     expected = math.prod(shape) * 4
@@ -231,10 +231,10 @@ def _lengths_mask(header: str | None, shape: tuple[int, ...]) -> np.ndarray | No
     try:
         lengths = np.array([int(n) for n in header.split(",")])
     except ValueError:
-        raise BadInput(f"X-Lengths must be comma-separated integers, got {header!r}") from None
+        raise BadInput(f"X-Lengths must be comma-separated integers, got {show(header)}") from None
     b, s = shape[0], shape[1]
     if lengths.shape != (b,) or (lengths < 1).any() or (lengths > s).any():
-        raise BadInput(f"X-Lengths must give {b} length(s), each in 1..{s}, got {header!r}")
+        raise BadInput(f"X-Lengths must give {b} length(s), each in 1..{s}, got {show(header)}")
     return np.arange(s)[None, :] >= lengths[:, None]
 
 
@@ -248,7 +248,7 @@ def negotiate(accept: str | None) -> str:
             return media
         if media in ("*/*", "application/*"):
             return JSON
-    raise NotAcceptable(f"cannot answer with {accept!r}; acceptable: {JSON}, {OCTET}, {NPY}")
+    raise NotAcceptable(f"cannot answer with Accept {show(accept)}; acceptable: {JSON}, {OCTET}, {NPY}")
 
 
 def encode(req: EncodeRequest, outputs: Outputs, media: str, model: str) -> tuple[bytes, dict[str, str]]:

@@ -20,6 +20,7 @@ from model.contract import EMBEDDINGS, MASK, api_specs
 from service.batcher import Outputs
 from service.errors import BadInput, TooLarge, UnsupportedMediaType
 from service.tensors import check_batch, parse_json
+from service.tensors import show as _show
 
 HEADER_LENGTH = "inference-header-content-length"
 VERSION = "1"  # an artifact is one model version
@@ -52,7 +53,9 @@ def decompress(body: bytes, encoding: str | None, max_bytes: int) -> bytes:
     if not encoding or encoding == "identity":
         return body
     if encoding not in ("gzip", "deflate"):
-        raise UnsupportedMediaType(f"unsupported Content-Encoding {encoding!r}; use gzip, deflate or none")
+        raise UnsupportedMediaType(
+            f"unsupported Content-Encoding {_show(encoding)}; use gzip, deflate or none"
+        )
     wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
     d = zlib.decompressobj(wbits)
     try:
@@ -88,19 +91,19 @@ def decode_infer(
         raise BadInput("inference request must be a JSON object")
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:
-        raise BadInput("inference request needs a non-empty 'inputs' array")
-    params = doc.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise BadInput("'parameters' must be an object")
-    known = {s.name: s for s in manifest.inputs}
+        raise BadInput(f"inference request needs a non-empty 'inputs' array, got {_show(inputs)}")
+    params = _object(doc, "parameters", "request")
+    known = [s.name for s in manifest.inputs]
     tensors: dict[str, np.ndarray] = {}
     offset = 0
     for i, spec in enumerate(inputs):
         if not isinstance(spec, dict):
-            raise BadInput(f"inputs[{i}] must be an object")
+            raise BadInput(f"inputs[{i}] must be an object, got {_show(spec)}")
         name = spec.get("name")
+        if not isinstance(name, str):
+            raise BadInput(f"inputs[{i}].name must be a string, got {_show(name)}")
         if name not in known:
-            raise BadInput(f"unknown input {name!r}; this model takes {sorted(known)}")
+            raise BadInput(f"inputs[{i}].name: unknown input {_show(name)}; this model takes {sorted(known)}")
         if name in tensors:
             raise BadInput(f"input {name!r} is given twice")
         tensors[name], offset = _decode_tensor(spec, binary, offset, max_elements)
@@ -120,7 +123,7 @@ def decode_infer(
         raise BadInput(f"input {MASK!r} must be BOOL, got {_v2_name(mask.dtype)}")
     check_batch(x, mask, manifest.config.d_model, max_elements)
     return InferRequest(
-        id=_request_id(doc.get("id")),
+        id=_request_id(doc.get("id")),  # validated before the outputs, which may name the request
         embeddings=x,
         mask=mask,
         outputs=_requested_outputs(doc.get("outputs"), params, [s.name for s in manifest.outputs]),
@@ -135,18 +138,17 @@ def _decode_tensor(spec: dict, binary: memoryview, offset: int, max_elements: in
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
-        raise BadInput(f"input {name!r}: 'shape' must be a list of non-negative integers, got {shape!r}")
+        raise BadInput(f"input {name!r}: 'shape' must be a list of non-negative integers, got {_show(shape)}")
     datatype = spec.get("datatype")
-    if datatype not in DTYPES:
+    if not isinstance(datatype, str) or datatype not in DTYPES:
         raise BadInput(
-            f"input {name!r}: datatype {datatype!r} is not supported here; use one of {sorted(DTYPES)}"
+            f"input {name!r}: datatype {_show(datatype)} is not supported here; use one of {sorted(DTYPES)}"
         )
     dtype = DTYPES[datatype]
     count = math.prod(shape)  # Python ints: a hostile shape cannot overflow into a small count
     if count > max_elements or any(d > max_elements for d in shape):  # [0, 2**62] has count 0
         raise TooLarge(f"input {name!r} has {count} elements, above the limit of {max_elements}")
-    params = spec.get("parameters") or {}
-    size = params.get("binary_data_size") if isinstance(params, dict) else None
+    size = _object(spec, "parameters", f"input {name!r}").get("binary_data_size")
     if size is not None:
         if "data" in spec:
             raise BadInput(f"input {name!r} has both 'data' and binary_data_size")
@@ -189,29 +191,52 @@ def _json_tensor(
 
 
 def _requested_outputs(outputs: object, params: dict, names: list[str]) -> list[RequestedOutput]:
-    default_binary = bool(params.get("binary_data_output", False))
+    default_binary = _bool(params, "binary_data_output", "parameters", False)
     if outputs is None:
         return [RequestedOutput(n, default_binary) for n in names]
     if not isinstance(outputs, list):
-        raise BadInput("'outputs' must be an array")
+        raise BadInput(f"'outputs' must be an array, got {_show(outputs)}")
     chosen: list[RequestedOutput] = []
     for i, out in enumerate(outputs):
-        if not isinstance(out, dict) or out.get("name") not in names:
-            got = out.get("name") if isinstance(out, dict) else out
-            raise BadInput(f"outputs[{i}]: unknown output {got!r}; this model has {names}")
-        if any(c.name == out["name"] for c in chosen):
-            raise BadInput(f"outputs[{i}]: output {out['name']!r} is requested twice")
-        p = out.get("parameters") or {}
-        binary = p.get("binary_data", default_binary) if isinstance(p, dict) else default_binary
-        chosen.append(RequestedOutput(out["name"], bool(binary)))
+        if not isinstance(out, dict):
+            raise BadInput(f"outputs[{i}] must be an object, got {_show(out)}")
+        name = out.get("name")
+        if not isinstance(name, str):
+            raise BadInput(f"outputs[{i}].name must be a string, got {_show(name)}")
+        if name not in names:
+            raise BadInput(f"outputs[{i}].name: unknown output {_show(name)}; this model has {names}")
+        if any(c.name == name for c in chosen):
+            raise BadInput(f"outputs[{i}]: output {name!r} is requested twice")
+        p = _object(out, "parameters", f"outputs[{i}]")
+        chosen.append(
+            RequestedOutput(name, _bool(p, "binary_data", f"outputs[{i}].parameters", default_binary))
+        )
     return chosen
+
+
+def _object(doc: dict, key: str, where: str) -> dict:
+    """``doc[key]`` as an object; absent or null is an empty one."""
+    value = doc.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadInput(f"{where}.{key} must be an object, got {_show(value)}")
+    return value
+
+
+def _bool(params: dict, key: str, where: str, default: bool) -> bool:
+    """A JSON boolean: the string "false" is not false."""
+    value = params.get(key, default)
+    if not isinstance(value, bool):
+        raise BadInput(f"{where}.{key} must be true or false, got {_show(value)}")
+    return value
 
 
 def _request_id(value: object) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise BadInput("'id' must be a string")
+        raise BadInput(f"'id' must be a string, got {_show(value)}")
     return value
 
 
@@ -220,7 +245,7 @@ def _timeout(value: object) -> float | None:
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise BadInput("parameters.timeout must be a positive integer (microseconds)")
+        raise BadInput(f"parameters.timeout must be a positive integer (microseconds), got {_show(value)}")
     return value / 1e6
 
 

@@ -8,7 +8,7 @@ import time
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from model.contract import EMBEDDINGS, ENCODED
+from model.contract import EMBEDDINGS, ENCODED, INPUT_NAMES
 from service.errors import NotFound
 from service.fastpath import FastRoute
 from service.guard import Loaded
@@ -23,12 +23,78 @@ _ERRORS = {
     404: {"description": "unknown model or version"},
     503: {"description": "model not loaded yet"},
 }
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+_TENSOR_PARAMS = {"type": "object", "properties": {"binary_data_size": {"type": "integer", "minimum": 0}}}
+# The Open Inference Protocol's REST request and response, as this server reads and writes them.
+_INFER_REQUEST = {
+    "type": "object",
+    "required": ["inputs"],
+    "properties": {
+        "id": {"type": "string"},
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "timeout": {"type": "integer", "minimum": 1, "description": "microseconds"},
+                "binary_data_output": {"type": "boolean"},
+            },
+        },
+        "inputs": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["name", "shape", "datatype"],
+                "properties": {
+                    "name": {"type": "string", "enum": list(INPUT_NAMES)},
+                    "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                    "datatype": {"type": "string", "enum": sorted(codec.DTYPES)},
+                    "parameters": _TENSOR_PARAMS,
+                    "data": {"type": "array", "description": "row-major, flat or nested"},
+                },
+            },
+        },
+        "outputs": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "parameters": {"type": "object", "properties": {"binary_data": {"type": "boolean"}}},
+                },
+            },
+        },
+    },
+}
+_INFER_RESPONSE = {
+    "type": "object",
+    "required": ["model_name", "outputs"],
+    "properties": {
+        "model_name": {"type": "string"},
+        "model_version": {"type": "string"},
+        "id": {"type": "string"},
+        "outputs": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name", "datatype", "shape"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "datatype": {"type": "string"},
+                    "shape": {"type": "array", "items": {"type": "integer"}},
+                    "data": {"type": "array", "items": {"type": "number"}},
+                    "parameters": _TENSOR_PARAMS,
+                },
+            },
+        },
+    },
+}
 _INFER_DOC = {
     "requestBody": {
         "required": True,
         "content": {
             "application/json": {
-                "schema": {"type": "object", "required": ["inputs"]},
+                "schema": _INFER_REQUEST,
                 "example": {
                     "id": "42",
                     "inputs": [
@@ -53,12 +119,20 @@ _INFER_DOC = {
         "200": {
             "description": "V2 inference response; with binary outputs, a JSON header of "
             "Inference-Header-Content-Length bytes followed by the raw output tensors",
-            "content": {"application/json": {}, "application/octet-stream": {}},
+            "content": {"application/json": {"schema": _INFER_RESPONSE}, "application/octet-stream": {}},
         },
-        **{str(k): v for k, v in _ERRORS.items()},
-        "413": {"description": "request above the size limits"},
-        "429": {"description": "queue full"},
-        "504": {"description": "not answered in time"},
+        **{
+            str(k): {"description": v, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+            for k, v in {
+                400: 'bad request: {"error": "..."}',
+                401: "missing or invalid API key",
+                404: "unknown model or version",
+                413: "request above the size limits",
+                429: "queue full",
+                503: "model not loaded yet",
+                504: "not answered in time",
+            }.items()
+        },
     },
 }
 

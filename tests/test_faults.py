@@ -1,0 +1,67 @@
+"""Faults: a model run that fails, SIGTERM with requests in flight. Each request is answered or refused, never lost."""
+
+import signal
+import threading
+import time
+
+import httpx
+import numpy as np
+from fastapi.testclient import TestClient
+
+from service import create_app
+from service.settings import Settings
+from tests.conftest import start_server
+
+
+class FailOnce:
+    """Wraps an onnxruntime session: the next run raises, later ones run."""
+
+    def __init__(self, session):
+        self.session, self.failed = session, False
+
+    def run(self, names, feed):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("injected: the accelerator fell over")
+        return self.session.run(names, feed)
+
+
+def test_an_engine_failure_answers_a_json_500_and_the_next_request_succeeds(tiny_artifact):
+    app = create_app(Settings(model_dir=tiny_artifact))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        while client.get("/health/ready").status_code != 200:
+            pass
+        engine = app.state.addnorm.loaded.models.default.engine
+        engine.session = FailOnce(engine.session)
+        body = {"embeddings": [[0.5] * 32]}
+        r = client.post("/v1/encode", json=body)
+        assert r.status_code == 500 and r.json() == {"error": "inference failed: RuntimeError"}
+        r = client.post("/v1/encode", json=body)
+        assert r.status_code == 200 and len(r.json()["encoded"]) == 1
+        assert client.get("/health/ready").status_code == 200
+
+
+def test_sigterm_drains_requests_in_flight_then_exits_0(tiny_artifact):
+    srv = start_server(tiny_artifact, "--max-batch-size", "1")
+    with srv:
+        x = np.random.default_rng(0).standard_normal((4, 2048, 32)).astype("<f4")  # a few hundred ms each
+        headers = {"content-type": "application/octet-stream", "x-shape": "4,2048,32",
+                   "accept": "application/octet-stream"}  # fmt: skip
+        results: list = []
+
+        def call() -> None:
+            try:
+                results.append(httpx.post(f"{srv.base}/v1/encode", content=x.tobytes(), headers=headers,
+                                          timeout=120).status_code)  # fmt: skip
+            except httpx.HTTPError as exc:
+                results.append(type(exc).__name__)
+
+        threads = [threading.Thread(target=call) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # all four sent; the first is running, the rest queued
+        srv.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(120)
+        assert srv.proc.wait(60) == 0
+    assert results == [200] * 4, results
