@@ -192,6 +192,7 @@ class SoakResult:
     latencies_ms: list[float] = field(default_factory=list)
     rss_mb: dict[str, float] = field(default_factory=dict)
     fds: dict[str, int] = field(default_factory=dict)
+    rss_series: list[float] = field(default_factory=list)  # MB, every 5 s
 
     @property
     def server_errors(self) -> int:
@@ -212,6 +213,7 @@ class SoakResult:
             "p99_ms": float(np.percentile(lat, 99)),
             "rss_mb": self.rss_mb,
             "rss_growth_after_warmup": self.rss_mb["end"] / self.rss_mb["warm"] - 1,
+            "rss_every_5s_mb": self.rss_series,
             "fds": self.fds,
         }
 
@@ -269,10 +271,15 @@ def soak(
         res = SoakResult(seconds)
         res.rss_mb["start"], res.fds["start"] = proc_rss_mb(pid), proc_fds(pid)
 
+        async def sample(end: float, into: SoakResult) -> None:
+            while time.perf_counter() < end:
+                into.rss_series.append(round(proc_rss_mb(pid), 1))
+                await asyncio.sleep(5.0)
+
         async def run(duration: float, into: SoakResult) -> None:
             end = time.perf_counter() + duration
             rngs = [random.Random(seed * 1000 + i) for i in range(clients)]
-            await asyncio.gather(*(_client(srv.port, probes, r, end, into) for r in rngs))
+            await asyncio.gather(sample(end, into), *(_client(srv.port, probes, r, end, into) for r in rngs))
 
         asyncio.run(run(warmup_s, SoakResult(warmup_s)))  # allocations settle before the baseline
         res.rss_mb["warm"] = proc_rss_mb(pid)

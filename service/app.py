@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import logs, protocols
+from service import logs, memory, protocols
 from service.batcher import Batcher
 from service.engine import Engine
 from service.errors import ServiceError
@@ -39,6 +39,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if settings is None:  # factory mode (uvicorn --factory, several workers): configure from the environment
         settings = Settings()
         logs.configure(settings.log_level, settings.log_json)
+    memory.limit_arenas()  # before the inference and offload threads start (service/memory.py)
     state = ServiceState(settings)
 
     @contextlib.asynccontextmanager

@@ -158,7 +158,7 @@ def test_backpressure_and_timeouts_over_http(tiny_artifact):
                 responses = list(pool.map(call, range(48)))
             statuses = {r.status_code for r in responses}
             assert statuses <= {200, 429}, statuses
-            assert 200 in statuses
+            assert 200 in statuses and 429 in statuses, statuses  # the queue really filled up
             for r in responses:
                 if r.status_code == 429:
                     assert r.headers["retry-after"] == "1" and "capacity" in r.json()["error"]

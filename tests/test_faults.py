@@ -19,11 +19,11 @@ class FailOnce:
     def __init__(self, session):
         self.session, self.failed = session, False
 
-    def run(self, names, feed):
+    def run(self, names, feed, options=None):
         if not self.failed:
             self.failed = True
             raise RuntimeError("injected: the accelerator fell over")
-        return self.session.run(names, feed)
+        return self.session.run(names, feed, options)
 
 
 def test_an_engine_failure_answers_a_json_500_and_the_next_request_succeeds(tiny_artifact):

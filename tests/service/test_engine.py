@@ -103,3 +103,18 @@ def test_default_threads_respect_the_container_cpu_quota(tmp_path):
     assert cpu_quota(tmp_path / "v1") is None
     assert cpu_quota(tmp_path / "nothing") is None
     assert default_threads(4, cores=2, quota=None) == 1
+
+
+def test_long_runs_give_their_memory_back(tiny_artifact, monkeypatch):
+    """Runs above SHRINK_ABOVE_ATTENTION shrink the arena and trim the heap; ordinary runs keep the arena warm."""
+    from service import memory
+    from service.engine import SHRINK_ABOVE_ATTENTION
+
+    eng = Engine(tiny_artifact, "cpu", intra_op_threads=1)
+    trims = []
+    monkeypatch.setattr(memory, "trim", lambda: trims.append(1))
+    eng.run(np.zeros((2, 100, 32), np.float32))
+    assert trims == []
+    seq = int((SHRINK_ABOVE_ATTENTION / eng.heads) ** 0.5) + 1  # just above the threshold
+    out = eng.run(np.zeros((1, seq, 32), np.float32))["encoded"]
+    assert trims == [1] and out.shape == (1, seq, 32) and np.isfinite(out).all()
