@@ -19,7 +19,7 @@ import onnxruntime as ort
 import torch
 
 from export.cases import Case, default_cases
-from model.contract import EMBEDDINGS, ENCODED, MASK
+from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES
 from model.encoder import Encoder
 
 FP32_ATOL = 1e-5
@@ -225,7 +225,8 @@ def run_parity(
     encoder = encoder.eval().float()
     oracle = copy.deepcopy(encoder).double()
     with_steps = debug_session is not None
-    step_names = [o.name for o in debug_session.get_outputs()][1:] if with_steps else []
+    # The debug graph's extra outputs, after the served ones (model.contract.OUTPUT_NAMES).
+    step_names = [o.name for o in debug_session.get_outputs()][len(OUTPUT_NAMES) :] if with_steps else []
     rng = np.random.default_rng(seed)  # the inputs
     sample_rng = np.random.default_rng(seed + 1)  # error samples for plots: never shifts the inputs
     report = ParityReport(
