@@ -218,3 +218,19 @@ def test_response_encoding_binary_and_json(tiny_artifact):
         json.loads(body)["outputs"][0]["data"] == list(range(6))
         and headers["Content-Type"] == "application/json"
     )
+
+
+def test_tritonclient_passes_the_api_key_with_headers(tiny_artifact, data):
+    from tests.conftest import start_server
+
+    x, mask, want = data
+    with start_server(tiny_artifact, "--api-key", "triton-key-1") as srv:
+        c = triton.InferenceServerClient(srv.base.removeprefix("http://"))
+        auth = {"Authorization": "Bearer triton-key-1"}
+        result = c.infer(MODEL, inputs(x, mask, True), headers=auth)
+        np.testing.assert_allclose(result.as_numpy("encoded"), want, atol=1e-6, rtol=0)
+        with pytest.raises(InferenceServerException, match="API key") as info:
+            c.infer(MODEL, inputs(x, mask, True))
+        assert info.value.status() == "401"
+        assert c.is_server_live() and c.is_server_ready()  # the health probes need no key
+        c.close()
