@@ -49,7 +49,7 @@ class Case:
 
 
 def default_cases() -> list[Case]:
-    """20+ random cases whose sizes differ from the export example (2, 5): seq 1, a long one, with and without masks."""
+    """20 random cases whose sizes differ from the export example (2, 5): seq 1, a long one, masked and not."""
     sizes = [
         (1, 1),
         (3, 1),

@@ -45,11 +45,8 @@ def check_graph(model: onnx.ModelProto, config: EncoderConfig, variant: str = "f
         )
     for op, expected in get_variant(variant).expected_ops(config).items():
         if counts[op] != expected:
-            why = (
-                f" ({config.num_layers} layer(s) x 2 Add & Norm steps{' + 1 final norm' if config.norm_first else ''})"
-                if op == norm
-                else ""
-            )
+            final = " + 1 final norm" if config.norm_first else ""
+            why = f" ({config.num_layers} layer(s) x 2 Add & Norm steps{final})" if op == norm else ""
             raise GraphCheckError(
                 f"{variant} variant: expected {expected} {op} node(s){why}, found {counts[op]}; "
                 f"op counts: {dict(counts)}"

@@ -3,13 +3,12 @@
 For every case the same weights run three ways: torch float32 (the reference users compare against),
 onnxruntime (the graph under test) and torch float64 (the oracle). A case passes when onnxruntime meets the
 fp32 tolerance against torch, or, for inputs on which float32 itself is inexact, when its error against the
-oracle is no worse than torch's own error against the oracle times ORACLE_FACTOR.
+oracle is no worse than the larger of torch's own error and a float32 floor, times ORACLE_FACTOR (model.verdict).
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,10 +20,7 @@ import torch
 from export.cases import Case, default_cases
 from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES
 from model.encoder import Encoder
-
-FP32_ATOL = 1e-5
-FP32_RTOL = 1e-4
-ORACLE_FACTOR = 4.0  # ONNX may be this many times further from float64 than torch fp32 is (and still pass)
+from model.verdict import Comparison, Tolerance, compare
 
 GRAPH_OPT_LEVELS = {
     "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -32,40 +28,6 @@ GRAPH_OPT_LEVELS = {
     "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """Element-wise ``|onnx - torch| <= atol + rtol * |torch|``; ``rel_rms`` also bounds the relative RMS error
-    ``||onnx - torch|| / ||torch||`` of each output.
-
-    ``oracle_factor`` 0 turns the float64 rescue off (lossy variants are judged against torch fp32 only).
-    """
-
-    atol: float = FP32_ATOL
-    rtol: float = FP32_RTOL
-    oracle_factor: float = ORACLE_FACTOR
-    rel_rms: float | None = None
-
-
-@dataclass
-class Comparison:
-    """How one output of one case compares: ONNX vs torch fp32, and both vs the float64 oracle."""
-
-    output: str
-    max_abs: float
-    max_rel: float
-    mean_abs: float
-    p99_abs: float
-    rel_rms: float
-    torch_vs_f64: float
-    onnx_vs_f64: float
-    within_tolerance: bool
-    passed: bool
-    worst_index: list[int]
-    worst_onnx: float
-    worst_torch: float
-    finite: bool
 
 
 @dataclass
@@ -152,48 +114,6 @@ class ParityReport:
         }
 
 
-def compare(
-    output: str, onnx_out: np.ndarray, ref: np.ndarray, oracle: np.ndarray, tol: Tolerance
-) -> Comparison:
-    """Compare one output array of ONNX against torch fp32 and both against the float64 oracle."""
-    onnx_out = onnx_out.astype(np.float64)
-    ref = ref.astype(np.float64)
-    finite = bool(np.isfinite(onnx_out).all() and np.isfinite(ref).all())
-    diff = np.abs(onnx_out - ref)
-    diff = np.where(np.isnan(diff), np.inf, diff)  # NaN on one side only is the worst possible error
-    excess = diff - (tol.atol + tol.rtol * np.abs(ref))
-    worst = np.unravel_index(int(np.argmax(excess)), excess.shape)
-    within = finite and bool((excess <= 0).all())
-    ref_norm = float(np.sqrt(np.mean(ref**2)))
-    rel_rms = float(np.sqrt(np.mean(diff**2)) / ref_norm) if ref_norm > 0 else float(diff.max())
-    if tol.rel_rms is not None:
-        within = within and rel_rms <= tol.rel_rms
-    torch_f64 = _max_err(ref, oracle)
-    onnx_f64 = _max_err(onnx_out, oracle)
-    passed = within or (finite and onnx_f64 <= tol.oracle_factor * torch_f64)
-    return Comparison(
-        output=output,
-        max_abs=float(diff.max()),
-        max_rel=float((diff / np.maximum(np.abs(ref), tol.atol)).max()),
-        mean_abs=float(diff.mean()),
-        p99_abs=float(np.percentile(diff, 99, method="higher")),
-        rel_rms=rel_rms,
-        torch_vs_f64=torch_f64,
-        onnx_vs_f64=onnx_f64,
-        within_tolerance=within,
-        passed=passed,
-        worst_index=[int(i) for i in worst],
-        worst_onnx=float(onnx_out[worst]),
-        worst_torch=float(ref[worst]),
-        finite=finite,
-    )
-
-
-def _max_err(a: np.ndarray, b: np.ndarray) -> float:
-    d = np.abs(a - b)
-    return math.inf if np.isnan(d).any() else float(d.max())
-
-
 def make_session(
     model_path: str | Path, graph_optimization: str = "all", providers: list[str] | None = None
 ) -> ort.InferenceSession:
@@ -238,14 +158,17 @@ def run_parity(
         if not cfg.batch_first:
             x = np.ascontiguousarray(x.transpose(1, 0, 2))  # (S, B, E)
         feed = {EMBEDDINGS: x, MASK: mask}
-        torch_outs = _torch_outputs(encoder, x, mask, with_steps)
-        oracle_outs = _torch_outputs(oracle, x.astype(np.float64), mask, with_steps)
+        torch_outs = torch_outputs(encoder, x, mask, with_steps)
+        oracle_outs = torch_outputs(oracle, x.astype(np.float64), mask, with_steps)
         onnx_outs = session.run([ENCODED], feed)
         if debug_session is not None:
             onnx_outs += debug_session.run(step_names, feed)
-        comparisons = []
-        for i, (name, out) in enumerate(zip([ENCODED, *step_names], onnx_outs, strict=True)):
-            comparisons.append(compare(name, np.asarray(out), torch_outs[i], oracle_outs[i], tol))
+        names = [ENCODED, *step_names]
+        comparisons = [
+            compare(name, np.asarray(out), torch_outs[i], oracle_outs[i], tol)
+            for i, (name, out) in enumerate(zip(names, onnx_outs, strict=True))
+        ]
+        for i, (name, out) in enumerate(zip(names, onnx_outs, strict=True)):
             report.samples.setdefault(name, []).append(_sample(np.asarray(out), torch_outs[i], sample_rng))
         report.results.append(CaseResult(case.name, list(x.shape), int(mask.sum()), comparisons, condition))
     return report
@@ -256,7 +179,7 @@ def _sample(out: np.ndarray, ref: np.ndarray, rng: np.random.Generator, n: int =
     return diff if diff.size <= n else rng.choice(diff, n, replace=False)
 
 
-def _torch_outputs(encoder: Encoder, x: np.ndarray, mask: np.ndarray, with_steps: bool) -> list[np.ndarray]:
+def torch_outputs(encoder: Encoder, x: np.ndarray, mask: np.ndarray, with_steps: bool) -> list[np.ndarray]:
     steps: list[torch.Tensor] | None = [] if with_steps else None
     with torch.no_grad():
         out = encoder(torch.from_numpy(x), torch.from_numpy(mask), steps)

@@ -16,11 +16,12 @@ from export.bert import bert_to_encoder_state
 from export.cases import Case
 from export.checks import check_graph
 from export.gate import ParityError, gate
+from export.golden import write_golden
 from export.onnx_export import DEFAULT_OPSET
 from export.parity import ParityReport
 from export.variants import build_graph
 from export.weights import load_state, read_state_dict, save_weights
-from model.artifact import MANIFEST_FILE, MODEL_FILE, WEIGHTS_FILE, Manifest, sha256_file
+from model.artifact import GOLDEN_FILE, MANIFEST_FILE, MODEL_FILE, WEIGHTS_FILE, Manifest, sha256_file
 from model.config import EncoderConfig
 from model.contract import io_specs
 from model.encoder import Encoder, build_encoder
@@ -90,6 +91,7 @@ def export_artifact(
         report = gate(encoder, staging / MODEL_FILE, variant, opset, cases)
         if not report.passed:
             raise ParityError(report)
+        write_golden(encoder, staging / GOLDEN_FILE)  # checked again by every server that loads this artifact
         inputs, outputs = io_specs(config)
         manifest = Manifest(
             name=name,
@@ -102,10 +104,13 @@ def export_artifact(
             versions=library_versions(),
             parity=report.summary(),
             created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            golden_sha256=sha256_file(staging / GOLDEN_FILE),
         )
         manifest.save(staging)
         (out_dir / MANIFEST_FILE).unlink(missing_ok=True)  # never leave an old manifest beside a new graph
-        for fname in (MODEL_FILE, WEIGHTS_FILE, MANIFEST_FILE):
+        for fname in (MODEL_FILE, WEIGHTS_FILE, GOLDEN_FILE, MANIFEST_FILE):
+            # Readable by the serving user (the api image runs as a non-root user; safetensors writes 0600).
+            os.chmod(staging / fname, 0o644)
             os.replace(staging / fname, out_dir / fname)
         return ExportResult(out_dir, manifest, report, graph)
     finally:

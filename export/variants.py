@@ -17,9 +17,9 @@ from pathlib import Path
 import onnx
 
 from export.onnx_export import DEFAULT_OPSET, ExportError, export_onnx
-from export.parity import Tolerance
 from model.config import EncoderConfig
 from model.encoder import Encoder
+from model.verdict import Tolerance
 
 Builder = Callable[[Encoder, Path, int, bool], onnx.ModelProto]  # (encoder, path, opset, with_steps)
 

@@ -23,6 +23,7 @@ from model.contract import TensorSpec
 FORMAT_VERSION = 1
 MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "weights.safetensors"
+GOLDEN_FILE = "golden.safetensors"  # model.golden: inputs with their oracle outputs, checked at load
 MANIFEST_FILE = "manifest.json"
 
 
@@ -44,6 +45,7 @@ class Manifest:
     versions: dict[str, str] = field(default_factory=dict)
     parity: dict[str, Any] = field(default_factory=dict)
     created_at: str = ""
+    golden_sha256: str = ""  # sha256 of golden.safetensors; "" for artifacts exported before golden data
 
     def input(self, name: str) -> TensorSpec:
         for spec in self.inputs:
@@ -60,8 +62,13 @@ class Manifest:
             "opset": self.opset,
             "inputs": [s.to_dict() for s in self.inputs],
             "outputs": [s.to_dict() for s in self.outputs],
-            "files": {"model": MODEL_FILE, "weights": WEIGHTS_FILE},
+            "files": {
+                "model": MODEL_FILE,
+                "weights": WEIGHTS_FILE,
+                **({"golden": GOLDEN_FILE} if self.golden_sha256 else {}),
+            },
             "model_sha256": self.model_sha256,
+            **({"golden_sha256": self.golden_sha256} if self.golden_sha256 else {}),
             "versions": dict(self.versions),
             "parity": self.parity,
             "created_at": self.created_at,
@@ -89,6 +96,7 @@ class Manifest:
                 versions=dict(data.get("versions", {})),
                 parity=dict(data.get("parity", {})),
                 created_at=str(data.get("created_at", "")),
+                golden_sha256=str(data.get("golden_sha256", "")),
             )
         except (KeyError, TypeError, ValueError, ConfigError) as exc:
             if isinstance(exc, ArtifactError):
@@ -139,4 +147,13 @@ def load_verified(directory: str | Path) -> tuple[Manifest, Path]:
             f"sha256 of {model_path} is {actual} but the manifest says {manifest.model_sha256}: "
             "the graph was changed after export; re-export it or restore the original file"
         )
+    if manifest.golden_sha256:
+        golden = directory / GOLDEN_FILE
+        if not golden.is_file():
+            raise ArtifactError(f"{golden} is missing (the manifest records its sha256)")
+        if (actual := sha256_file(golden)) != manifest.golden_sha256:
+            raise ArtifactError(
+                f"sha256 of {golden} is {actual} but the manifest says {manifest.golden_sha256}: "
+                "the golden data was changed after export; re-export or restore it"
+            )
     return manifest, model_path

@@ -29,6 +29,7 @@ from service.protocols import health
 from service.responses import error_response, from_error, unexpected_error
 from service.settings import Settings
 from service.state import LoadedState, Models, ServiceState, ServingModel
+from service.verification import Verification, verify_engine
 
 log = logging.getLogger("addnorm.service")
 access_log = logging.getLogger("addnorm.access")
@@ -87,6 +88,16 @@ async def _load(state: ServiceState) -> None:
         state.load_error = str(exc)
         log.error("model failed to load: %s", exc)
         return
+    try:
+        verification = await asyncio.to_thread(verify_engine, engine, s.model_dir, s.verify_on_load)
+    except Exception as exc:  # unreadable golden data: not ready, with the reason
+        state.load_error = f"golden check could not run: {type(exc).__name__}: {exc}"
+        log.error("%s", state.load_error)
+        return
+    state.metrics.verification(engine.name, verification)
+    if not _accept(verification, s.verify_on_load, engine.name):
+        state.load_error = f"golden check failed on {verification.provider}: {verification.message}"
+        return
     batcher = Batcher(
         engine,
         max_batch_size=s.max_batch_size,
@@ -99,8 +110,31 @@ async def _load(state: ServiceState) -> None:
         max_queue_bytes=s.max_queue_bytes,
     )
     batcher.start()
-    state.loaded = LoadedState(s, Models([ServingModel(engine, batcher)]))
+    state.loaded = LoadedState(s, Models([ServingModel(engine, batcher, verification)]))
     log.info("ready: model %s on %s", engine.name, engine.providers)
+
+
+def _accept(v: Verification, mode: str, name: str) -> bool:
+    """Log the load-time check in one line; False when it failed under strict (the model is not served)."""
+    if v.status == "passed":
+        log.info(
+            "golden check passed for %s on %s: max abs err %.3e (%d cases, %.2f s)",
+            name,
+            v.provider,
+            v.max_abs_err,
+            v.cases,
+            v.seconds,
+        )
+        return True
+    if v.status == "failed" and mode == "strict":
+        log.error(
+            "golden check FAILED for %s, refusing to serve (ADDNORM_VERIFY_ON_LOAD=strict): %s",
+            name,
+            v.message,
+        )
+        return False
+    log.warning("golden check %s for %s: %s", v.status.upper(), name, v.message)
+    return True
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -70,7 +70,10 @@ class _Item:
 
 
 class Batcher:
-    """``await batcher.infer(x, mask)`` -> ({output name: its rows}, timings). Start with ``start()``, stop with ``stop()``."""
+    """``await batcher.infer(x, mask)`` -> ({output name: its rows}, timings).
+
+    Start with ``start()``, stop with ``stop()``.
+    """
 
     def __init__(
         self,

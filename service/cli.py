@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import typing
 
 from service import logs
 from service.engine import EngineError, check_artifact, default_threads, resolve_providers
@@ -32,8 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
         }
         if info.annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
-        elif name in ("providers", "log_level"):
-            kwargs["choices"] = list(info.annotation.__args__)  # Literal[...] values
+        elif typing.get_origin(info.annotation) is typing.Literal:
+            kwargs["choices"] = list(typing.get_args(info.annotation))
         p.add_argument(flag, **kwargs)
     return p
 

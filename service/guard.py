@@ -1,9 +1,9 @@
 """The one request guard. Every HTTP request passes it before any route, the fast path's or FastAPI's.
 
 It lets the health probes through untouched; every other path needs a valid API key when keys are set
-(``Authorization: Bearer <key>``, compared in constant time), and model routes need every model loaded. A route that needs the models gets them from the guard
-(``Loaded``), so a model route the guard did not cover fails loudly instead of serving unguarded; the test
-``tests/service/test_guard.py`` tries every route the app serves.
+(``Authorization: Bearer <key>``, compared in constant time), and model routes need every model loaded. A route
+that needs the models gets them from the guard (``Loaded``), so a model route the guard did not cover fails
+loudly instead of serving unguarded; ``tests/service/test_guard.py`` tries every route the app serves.
 """
 
 from __future__ import annotations

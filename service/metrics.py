@@ -38,6 +38,18 @@ class Metrics:
             "addnorm_batch_requests", "requests merged per model run", buckets=_BATCH_BUCKETS, registry=r
         )
         self.queue = Gauge("addnorm_queue_depth", "requests waiting for a model run", registry=r)
+        self.golden = Gauge(
+            "addnorm_golden_verified",
+            "load-time golden check: 1 passed, 0 failed, -1 not run",
+            ["model"],
+            registry=r,
+        )
+        self.golden_err = Gauge(
+            "addnorm_golden_max_abs_error",
+            "load-time golden check: max abs error vs torch",
+            ["model"],
+            registry=r,
+        )
 
     # RunnerObserver
     def batch_done(self, rows: int, requests: int, seconds: float) -> None:
@@ -47,6 +59,11 @@ class Metrics:
 
     def queue_depth(self, depth: int) -> None:
         self.queue.set(depth)
+
+    def verification(self, model: str, v) -> None:  # noqa: ANN001 (model.golden.Verification)
+        self.golden.labels(model).set({"passed": 1, "failed": 0}.get(v.status, -1))
+        if v.max_abs_err is not None:
+            self.golden_err.labels(model).set(v.max_abs_err)
 
     def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
         self.requests.labels(route, method, str(status)).inc()

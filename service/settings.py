@@ -63,6 +63,11 @@ class Settings(BaseSettings):
     )
     keep_alive_s: float = Field(5.0, gt=0, description="idle keep-alive connections close after this time")
     request_timeout_s: float = Field(30.0, gt=0, description="a request not answered in this time gets 504")
+    verify_on_load: Literal["strict", "warn", "off"] = Field(
+        "strict",
+        description="run the artifact's golden inputs at load on this server's provider: strict refuses to become "
+        "ready when they fail, warn serves and reports, off skips",
+    )
     api_key: SecretStr | None = Field(
         None,
         description="API key(s), comma-separated: every route but the health probes then needs "

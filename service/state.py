@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from model.golden import Verification
 from service.batcher import Batcher
 from service.engine import Engine
 from service.errors import NotFound
@@ -20,6 +21,11 @@ class ServingModel:
 
     engine: Engine
     batcher: Batcher
+    verification: Verification  # the load-time golden check (service.verification)
+
+    def describe(self) -> dict:
+        """The manifest, what runs it, and how it verified (GET /v1/model)."""
+        return {**self.engine.describe(), "verification": self.verification.to_dict()}
 
     @property
     def name(self) -> str:

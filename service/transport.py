@@ -60,8 +60,10 @@ class Protocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if self.max_connections is not None and len(self.connections) > self.max_connections:
-            msg = f"server is at its connection limit ({self.max_connections}: ADDNORM_MAX_CONNECTIONS); retry shortly"
-            self._refuse(503, msg, retry_after=1)
+            limit = self.max_connections
+            self._refuse(
+                503, f"server is at its connection limit ({limit}: ADDNORM_MAX_CONNECTIONS)", retry_after=1
+            )
             return
         self._arm(self.header_timeout_s, headers=True)
 

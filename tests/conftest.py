@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,3 +41,11 @@ def server(tiny_artifact: Path) -> Iterator[str]:
     """A real uvicorn process serving the tiny artifact; yields its base URL."""
     with start_server(tiny_artifact, "--max-queue-delay-ms", "1") as srv:
         yield srv.base
+
+
+@pytest.fixture(autouse=True)
+def _addnorm_logs_reach_caplog(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """service.logs.configure stops "addnorm" records at its own handler, and the export CLI raises its level;
+    tests read them with caplog."""
+    monkeypatch.setattr(logging.getLogger("addnorm"), "propagate", True)
+    caplog.set_level(logging.INFO, logger="addnorm")

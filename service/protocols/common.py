@@ -98,3 +98,12 @@ def timing_headers(timings: Timings, total_s: float) -> dict[str, str]:
         "X-Inference-Time-Ms": f"{i:.3f}",
         "X-Total-Time-Ms": f"{t:.3f}",
     }
+
+
+ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+
+
+def error_docs(descriptions: dict[int, str]) -> dict[str, dict]:
+    """OpenAPI ``responses`` entries for errors, each a JSON ``{"error": ...}`` body."""
+    content = {"application/json": {"schema": ERROR_SCHEMA}}
+    return {str(code): {"description": text, "content": content} for code, text in descriptions.items()}

@@ -228,7 +228,7 @@ def test_v2_output_the_model_does_not_have_is_a_400_that_names_it(client):
     assert r.status_code == 400 and "unknown output 'add_norm_0'" in r.json()["error"]
     doc["outputs"] = [{"name": "encoded"}, {"name": "encoded"}]
     r = client.post("/v2/models/encoder/infer", json=doc)
-    assert r.status_code == 400 and "'encoded' is requested twice" in r.json()["error"]
+    assert r.status_code == 400 and "'encoded' is given twice" in r.json()["error"]
     doc["outputs"] = [{"name": "encoded", "parameters": {"binary_data": False}}]
     r = client.post("/v2/models/encoder/infer", json=doc)
     assert [o["name"] for o in r.json()["outputs"]] == ["encoded"]

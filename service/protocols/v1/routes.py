@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request, Response
 from model.contract import EMBEDDINGS, ENCODED, MASK
 from service.fastpath import FastRoute
 from service.guard import Loaded
-from service.protocols.common import infer, offload, read_body, timing_headers
+from service.protocols.common import error_docs, infer, offload, read_body, timing_headers
 from service.protocols.v1 import codec
 from service.state import LoadedState
 
@@ -34,7 +34,12 @@ _ENCODE_DOC = {
                         MASK: {
                             "description": "optional [seq] or [batch, seq] booleans, true = padding",
                             "type": "array",
-                            "items": {},
+                            "items": {
+                                "anyOf": [
+                                    {"type": "boolean"},
+                                    {"type": "array", "items": {"type": "boolean"}},
+                                ]
+                            },
                         },
                     },
                 },
@@ -52,17 +57,39 @@ _ENCODE_DOC = {
             "description": "encoded tensor as JSON {encoded, shape, model}, or binary per the Accept header",
             "content": {
                 "application/json": {
-                    "example": {ENCODED: [[0.1, 0.2, 0.3]], "shape": [1, 3], "model": "encoder"}
+                    "schema": {
+                        "type": "object",
+                        "required": [ENCODED, "shape", "model"],
+                        "properties": {
+                            ENCODED: {
+                                "type": "array",
+                                "description": "like embeddings; one per ragged sequence",
+                            },
+                            "shape": {
+                                "type": "array",
+                                "description": "the encoded shape, or one per sequence",
+                            },
+                            "model": {"type": "string"},
+                        },
+                    },
+                    "example": {ENCODED: [[0.1, 0.2, 0.3]], "shape": [1, 3], "model": "encoder"},
                 },
                 "application/octet-stream": {},
                 "application/x-npy": {},
             },
         },
-        "400": {"description": 'bad input: {"error": "..."}'},
-        "413": {"description": "request above the size limits"},
-        "429": {"description": "queue full; retry after Retry-After seconds"},
-        "503": {"description": "model not loaded yet"},
-        "504": {"description": "not answered within the request timeout"},
+        **error_docs(
+            {
+                400: "bad input",
+                401: "missing or invalid API key",
+                406: "no acceptable response media type",
+                413: "request above the size limits",
+                415: "unsupported Content-Type",
+                429: "queue full; retry after Retry-After seconds",
+                503: "model not loaded yet",
+                504: "not answered within the request timeout",
+            }
+        ),
     },
 }
 
@@ -96,7 +123,7 @@ async def encode(request: Request, loaded: Loaded) -> Response:
 
 @router.get("/model", summary="The served model: manifest, providers in use")
 async def model(loaded: Loaded) -> dict:
-    return loaded.models.default.engine.describe()
+    return loaded.models.default.describe()
 
 
 # Hot routes for the lean dispatcher (service.fastpath); the guard checks everything under these prefixes.

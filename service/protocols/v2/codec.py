@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -96,16 +97,8 @@ def decode_infer(
     known = [s.name for s in manifest.inputs]
     tensors: dict[str, np.ndarray] = {}
     offset = 0
-    for i, spec in enumerate(inputs):
-        if not isinstance(spec, dict):
-            raise BadInput(f"inputs[{i}] must be an object, got {_show(spec)}")
-        name = spec.get("name")
-        if not isinstance(name, str):
-            raise BadInput(f"inputs[{i}].name must be a string, got {_show(name)}")
-        if name not in known:
-            raise BadInput(f"inputs[{i}].name: unknown input {_show(name)}; this model takes {sorted(known)}")
-        if name in tensors:
-            raise BadInput(f"input {name!r} is given twice")
+    for i, entry in enumerate(inputs):
+        spec, name = _named(entry, f"inputs[{i}]", "input", known, tensors)
         tensors[name], offset = _decode_tensor(spec, binary, offset, max_elements)
     if offset != len(binary):
         raise BadInput(
@@ -197,21 +190,27 @@ def _requested_outputs(outputs: object, params: dict, names: list[str]) -> list[
     if not isinstance(outputs, list):
         raise BadInput(f"'outputs' must be an array, got {_show(outputs)}")
     chosen: list[RequestedOutput] = []
-    for i, out in enumerate(outputs):
-        if not isinstance(out, dict):
-            raise BadInput(f"outputs[{i}] must be an object, got {_show(out)}")
-        name = out.get("name")
-        if not isinstance(name, str):
-            raise BadInput(f"outputs[{i}].name must be a string, got {_show(name)}")
-        if name not in names:
-            raise BadInput(f"outputs[{i}].name: unknown output {_show(name)}; this model has {names}")
-        if any(c.name == name for c in chosen):
-            raise BadInput(f"outputs[{i}]: output {name!r} is requested twice")
+    for i, entry in enumerate(outputs):
+        out, name = _named(entry, f"outputs[{i}]", "output", names, [c.name for c in chosen])
         p = _object(out, "parameters", f"outputs[{i}]")
         chosen.append(
             RequestedOutput(name, _bool(p, "binary_data", f"outputs[{i}].parameters", default_binary))
         )
     return chosen
+
+
+def _named(entry: object, where: str, kind: str, known: list[str], seen: Collection[str]) -> tuple[dict, str]:
+    """An ``inputs``/``outputs`` entry: an object whose string ``name`` is one of ``known`` and not in ``seen``."""
+    if not isinstance(entry, dict):
+        raise BadInput(f"{where} must be an object, got {_show(entry)}")
+    name = entry.get("name")
+    if not isinstance(name, str):
+        raise BadInput(f"{where}.name must be a string, got {_show(name)}")
+    if name not in known:
+        raise BadInput(f"{where}.name: unknown {kind} {_show(name)}; this model has {sorted(known)}")
+    if name in seen:
+        raise BadInput(f"{where}: {kind} {name!r} is given twice")
+    return entry, name
 
 
 def _object(doc: dict, key: str, where: str) -> dict:

@@ -12,18 +12,15 @@ from model.contract import EMBEDDINGS, ENCODED, INPUT_NAMES
 from service.errors import NotFound
 from service.fastpath import FastRoute
 from service.guard import Loaded
-from service.protocols.common import infer, offload, read_body, timing_headers
+from service.protocols.common import error_docs, infer, offload, read_body, timing_headers
 from service.protocols.v2 import codec
 from service.state import LoadedState, ServingModel, State
 
 router = APIRouter(prefix="/v2", tags=["v2 (Open Inference Protocol)"])
 
-_ERRORS = {
-    400: {"description": 'bad request: {"error": "..."}'},
-    404: {"description": "unknown model or version"},
-    503: {"description": "model not loaded yet"},
-}
-_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+_ERRORS = error_docs(
+    {401: "missing or invalid API key", 404: "unknown model or version", 503: "model not loaded yet"}
+)
 _TENSOR_PARAMS = {"type": "object", "properties": {"binary_data_size": {"type": "integer", "minimum": 0}}}
 # The Open Inference Protocol's REST request and response, as this server reads and writes them.
 _INFER_REQUEST = {
@@ -121,18 +118,18 @@ _INFER_DOC = {
             "Inference-Header-Content-Length bytes followed by the raw output tensors",
             "content": {"application/json": {"schema": _INFER_RESPONSE}, "application/octet-stream": {}},
         },
-        **{
-            str(k): {"description": v, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
-            for k, v in {
-                400: 'bad request: {"error": "..."}',
+        **error_docs(
+            {
+                400: "bad request",
                 401: "missing or invalid API key",
                 404: "unknown model or version",
                 413: "request above the size limits",
+                415: "unsupported Content-Encoding",
                 429: "queue full",
                 503: "model not loaded yet",
                 504: "not answered in time",
-            }.items()
-        },
+            }
+        ),
     },
 }
 
@@ -155,7 +152,11 @@ async def live() -> dict:
     return {"live": True}
 
 
-@router.get("/health/ready", summary="Server readiness (503 until the model is loaded)", responses=_ERRORS)
+@router.get(
+    "/health/ready",
+    summary="Server readiness (503 until the model is loaded)",
+    responses=error_docs({503: "model not loaded yet"}),
+)
 async def ready(state: State) -> Response:
     reason = state.not_ready_reason()
     if reason is not None:
@@ -166,7 +167,11 @@ async def ready(state: State) -> Response:
 @router.get("/models/{name}", summary="Model metadata", responses=_ERRORS)
 @router.get("/models/{name}/versions/{version}", summary="Model metadata (one version)", responses=_ERRORS)
 async def model_metadata(name: str, loaded: Loaded, version: str | None = None) -> dict:
-    return codec.model_metadata(_model(loaded, name, version).engine.manifest)
+    model = _model(loaded, name, version)
+    return {
+        **codec.model_metadata(model.engine.manifest),
+        "parameters": {"verification": model.verification.to_dict()},
+    }
 
 
 @router.get("/models/{name}/ready", summary="Model readiness", responses=_ERRORS)

@@ -1,0 +1,102 @@
+"""Golden data: fixed inputs with their float64-oracle and torch fp32 outputs, stored in the artifact
+(``golden.safetensors``, no pickle), and the check a server runs on them at load, on its own session and provider.
+Torch-free: the service reads and checks it; export writes it (export.golden).
+
+Layout: for each case ``C``, the arrays ``C/embeddings`` (B, S, E) float32, ``C/mask`` (B, S) bool,
+``C/oracle`` (B, S, E) float64 and ``C/torch`` (B, S, E) float32. Everything is batch-first, as the service speaks.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from model.contract import EMBEDDINGS, ENCODED, MASK
+from model.verdict import Tolerance, compare
+
+FIELDS = (EMBEDDINGS, MASK, "oracle", "torch")
+
+
+def save_golden(path: str | Path, cases: dict[str, dict[str, np.ndarray]]) -> None:
+    save_file(
+        {f"{case}/{k}": np.ascontiguousarray(v) for case, arrays in cases.items() for k, v in arrays.items()},
+        str(path),
+    )
+
+
+def load_golden(path: str | Path) -> dict[str, dict[str, np.ndarray]]:
+    cases: dict[str, dict[str, np.ndarray]] = {}
+    for key, value in load_file(str(path)).items():
+        case, _, field = key.rpartition("/")
+        cases.setdefault(case, {})[field] = value
+    for case, arrays in cases.items():
+        missing = [f for f in FIELDS if f not in arrays]
+        if missing:
+            raise ValueError(f"golden case {case!r} lacks {missing}")
+    return cases
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What the load-time check found: ``status`` passed | failed | skipped (off) | unverifiable (no golden data)."""
+
+    status: str
+    provider: str
+    message: str
+    max_abs_err: float | None = None  # against torch fp32, over every golden case
+    max_onnx_vs_f64: float | None = None
+    tolerance: dict | None = None
+    worst_case: str | None = None
+    cases: int = 0
+    seconds: float = 0.0
+    at: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def verify(
+    run: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    golden: dict[str, dict[str, np.ndarray]],
+    tol: Tolerance,
+    provider: str,
+) -> Verification:
+    """Run every golden case through ``run`` (embeddings, mask -> encoded) and judge it as the export gate does."""
+    start = time.perf_counter()
+    worst_case, worst_abs, worst_f64, failed = "", 0.0, 0.0, []
+    for name, c in golden.items():
+        out = run(c[EMBEDDINGS], c[MASK])
+        result = compare(ENCODED, out, c["torch"], c["oracle"], tol)
+        if result.max_abs >= worst_abs:
+            worst_case, worst_abs = name, result.max_abs
+        worst_f64 = max(worst_f64, result.onnx_vs_f64)
+        if not result.passed:
+            failed.append(
+                f"case {name!r}: max abs err {result.max_abs:.3e} vs torch at {result.worst_index} "
+                f"(atol {tol.atol:g}, rtol {tol.rtol:g}), {result.onnx_vs_f64:.3e} vs float64 "
+                f"(allowed {tol.oracle_factor:g} x max(torch {result.torch_vs_f64:.3e}, floor {result.float32_floor:.3e}))"
+            )
+    status = "failed" if failed else "passed"
+    message = "; ".join(failed) if failed else f"{len(golden)} golden cases within tolerance on {provider}"
+    return Verification(
+        status=status,
+        provider=provider,
+        message=message,
+        max_abs_err=worst_abs,
+        max_onnx_vs_f64=worst_f64,
+        tolerance=asdict(tol),
+        worst_case=worst_case,
+        cases=len(golden),
+        seconds=round(time.perf_counter() - start, 4),
+        at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    )

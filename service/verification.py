@@ -1,0 +1,32 @@
+"""Parity where it is served: at load, the artifact's golden inputs run through this server's own session, on the
+provider it serves with, judged by the export gate's rule (model.verdict) under the variant's tolerance.
+
+The sha256 proves the file is the one exported; this proves the runtime here computes what was checked there
+(another onnxruntime build, another CPU, the CUDA provider's kernels).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from model.artifact import GOLDEN_FILE
+from model.contract import ENCODED
+from model.golden import Verification, load_golden, verify
+from model.verdict import Tolerance
+from service.engine import Engine
+
+
+def verify_engine(engine: Engine, model_dir: str | Path, mode: str) -> Verification:
+    """``mode`` strict or warn: run the check (the caller decides what a failure means); off: skip it."""
+    provider = engine.providers[0]
+    if mode == "off":
+        return Verification("skipped", provider, "verification at load is off (ADDNORM_VERIFY_ON_LOAD=off)")
+    if not engine.manifest.golden_sha256:
+        return Verification(
+            "unverifiable",
+            provider,
+            "the artifact has no golden data (exported before addnorm stored it); re-export it to verify at load",
+        )
+    golden = load_golden(Path(model_dir) / GOLDEN_FILE)  # its sha256 was checked when the engine loaded
+    tol = Tolerance(**engine.manifest.parity["tolerance"])
+    return verify(lambda x, mask: engine.run(x, mask)[ENCODED], golden, tol, provider)
