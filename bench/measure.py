@@ -70,6 +70,35 @@ def block_flops(b: int, s: int, e: int, f: int) -> tuple[float, float]:
     return gemm, attention
 
 
+def process_cpu_s(pid: int, tid: int | None = None) -> float:
+    """CPU time (user + system) the OS has charged to a process, or to one of its threads, in seconds."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()  # after the command name: field 3 is index 0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def load_with_cpu(srv, request: bytes, clients: int, seconds: float) -> dict:  # noqa: ANN001
+    """run_load, plus the server's CPU per request: the whole process and its event-loop (main) thread."""
+    pid = srv.proc.pid
+    total0, loop0 = process_cpu_s(pid), process_cpu_s(pid, pid)
+    row = run_load(HOST, srv.port, request, clients, seconds).row()
+    total1, loop1 = process_cpu_s(pid), process_cpu_s(pid, pid)
+    n = max(row["requests"], 1)
+    row["server_cpu_ms_per_request"] = (total1 - total0) * 1e3 / n
+    row["loop_cpu_ms_per_request"] = (loop1 - loop0) * 1e3 / n
+    return row
+
+
+def cpu_ms_per_item(fn, seconds: float, items: int) -> float:  # noqa: ANN001
+    """In-process CPU (all threads) per item of ``fn``'s work, over about ``seconds`` of calls."""
+    fn()
+    cpu0, calls, end = time.process_time(), 0, time.perf_counter() + seconds
+    while time.perf_counter() < end or calls < 3:
+        fn()
+        calls += 1
+    return (time.process_time() - cpu0) * 1e3 / (calls * items)
+
+
 def gemm_graph(e: int, f: int, tokens: int):  # noqa: ANN201
     """The block's four weight GEMMs alone, as an ONNX graph: (model, feed, weights by name)."""
     import onnx
@@ -181,9 +210,10 @@ def measure_inproc(s: Setup) -> dict:
         "gemm_roof_gflops": gemm_roof(cfg.d_model, cfg.dim_feedforward, tokens, s.threads, s.seconds),
         "latency_vs_batch_seq128": lat_batch,
         "perfect_batching": stats(timed(lambda: engine.run(x32), s.seconds), CLIENTS),
-        "unbatched_inproc": stats(
-            timed(lambda: engine.run(s.x_small), s.seconds)
-        ),  # no batching: its ceiling
+        # no batching: its ceiling
+        "unbatched_inproc": stats(timed(lambda: engine.run(s.x_small), s.seconds)),
+        # Inference alone, CPU per request, to subtract from the server's: what the request path itself costs.
+        "inference_cpu_ms": {"big": cpu_ms_per_item(lambda: engine.run(s.x_big), s.seconds / 2, 1)},
     }
 
 
@@ -210,7 +240,7 @@ def measure_http(s: Setup) -> dict:
             ("v1_binary", v1_binary_request(srv.port, s.x_big)),
             ("v1_json", json_request(srv.port, "/v1/encode", s.x_big)),
         ):
-            out[name] = run_load(HOST, srv.port, req, 1, s.seconds).row()
+            out[name] = load_with_cpu(srv, req, 1, s.seconds)
     return out
 
 
@@ -224,17 +254,26 @@ def measure_naive(s: Setup) -> dict:
 
 
 def measure_concurrency(s: Setup) -> dict:
-    """Keep-alive clients x the small shape, batching on and off, with rows per model run from /metrics."""
+    """Keep-alive clients x the small shape, batching on and off, with rows per model run from /metrics, and the
+    CPU per request that inference alone takes in-process at the batch size the server actually ran."""
+    from service.engine import Engine
+
+    engine = Engine(s.artifact, "cpu")
     conc: dict[str, dict] = {"on": {}, "off": {}}
     for mode, flags in (("on", ["--max-batch-size", str(CLIENTS)]), ("off", ["--max-batch-size", "1"])):
         with serve(s.artifact, *flags) as srv:
             req = v2_request(srv.port, s.name, s.x_small)
             for c in s.concurrency:
                 before = _batch_histogram(srv.port)
-                conc[mode][c] = run_load(HOST, srv.port, req, c, s.seconds).row()
+                conc[mode][c] = load_with_cpu(srv, req, c, s.seconds)
                 after = _batch_histogram(srv.port)
                 runs = after["count"] - before["count"]
-                conc[mode][c]["mean_rows_per_run"] = (after["sum"] - before["sum"]) / runs if runs else 0.0
+                rows = (after["sum"] - before["sum"]) / runs if runs else 0.0
+                conc[mode][c]["mean_rows_per_run"] = rows
+                xb = np.repeat(s.x_small, max(1, round(rows)), axis=0)
+                conc[mode][c]["inference_cpu_ms"] = cpu_ms_per_item(
+                    lambda xb=xb: engine.run(xb), 1.0, len(xb)
+                )
     return conc
 
 

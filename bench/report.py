@@ -56,6 +56,7 @@ def table(res: dict) -> str:
         lines.append(f"| {name} | {r[key]:.2f}x | >= {target}x | {'yes' if r[key] >= target else 'NO'} |")
     for key in ("v1_binary_vs_inproc", "v1_json_vs_inproc", "fused_vs_fp32", "perfect_vs_unbatched_inproc"):
         lines.append(f"| {key.replace('_', ' ')} | {r[key]:.2f}x | | |")
+    lines += cpu_table(res)
     big_cpu = res["http_single_client"]["v2_binary"]["client_cpu_s_per_request"] * 1e3
     c_max = max(res["concurrency"]["on"], key=int)
     small_cpu = res["concurrency"]["on"][c_max]["client_cpu_s_per_request"] * 1e3
@@ -65,6 +66,34 @@ def table(res: dict) -> str:
         f"{small_cpu:.2f} ms per [{small}] request, on the same 2 cores as the server."
     )
     return "\n".join(lines)
+
+
+def cpu_table(res: dict) -> list[str]:
+    """The server's CPU per request from the OS: the whole process, its event-loop thread (where the request path
+    runs), and inference alone in-process at the same batch size for comparison. total - inference is not a
+    reliable request-path figure (it came out negative with batching on: in-process and in-server inference cost
+    differ); the event-loop thread's CPU is the direct one."""
+    inf = res["inference_cpu_ms"]
+    big, small = ("x".join(map(str, res["shapes"][k])) for k in ("big", "small"))
+    lines = [
+        "",
+        "| CPU per request (server process, from the OS) | total ms | event-loop thread ms "
+        "| inference alone, in-process, same batch ms |",
+        "| --- | --- | --- | --- |",
+    ]
+
+    def add(name: str, row: dict, inference: float) -> None:
+        lines.append(
+            f"| {name} | {row['server_cpu_ms_per_request']:.2f} | {row['loop_cpu_ms_per_request']:.2f} "
+            f"| {inference:.2f} |"
+        )
+
+    for name, row in res["http_single_client"].items():
+        add(f"{name.replace('_', ' ')} [{big}], 1 client", row, inf["big"])
+    for mode in ("on", "off"):  # inference alone at the batch size the server ran (rows per model run)
+        for c, row in res["concurrency"][mode].items():
+            add(f"V2 binary, {c} clients x [{small}], batching {mode}", row, row["inference_cpu_ms"])
+    return lines
 
 
 def plots(res: dict, out: Path) -> list[Path]:
