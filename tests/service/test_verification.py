@@ -1,5 +1,6 @@
 """Parity where it is served: the golden inputs run at load on this server's session, judged by the gate's rule."""
 
+import contextlib
 import json
 import shutil
 import time
@@ -16,15 +17,16 @@ from service import create_app
 from service.settings import Settings
 
 
+@contextlib.contextmanager
 def start(model_dir, mode="strict"):
-    client = TestClient(create_app(Settings(model_dir=model_dir, verify_on_load=mode)))
-    client.__enter__()
-    deadline = time.monotonic() + 30
-    while (r := client.get("/health/ready")).status_code != 200:
-        if "failed" in r.json()["error"] or time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
-    return client
+    """A started app: ready, or settled on why it is not."""
+    with TestClient(create_app(Settings(model_dir=model_dir, verify_on_load=mode))) as client:
+        deadline = time.monotonic() + 30
+        while (r := client.get("/health/ready")).status_code != 200:
+            if "failed" in r.json()["error"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        yield client
 
 
 def _copy(src, dst):
@@ -42,15 +44,12 @@ def _rewrite_manifest(art, **changes):
 
 def test_a_fresh_artifact_verifies_on_its_provider(tiny_artifact):
     assert (tiny_artifact / GOLDEN_FILE).is_file()
-    client = start(tiny_artifact)
-    try:
+    with start(tiny_artifact) as client:
         v = client.get("/v1/model").json()["verification"]
         assert v["status"] == "passed" and v["provider"] == "CPUExecutionProvider" and v["cases"] == 3
         assert v["max_abs_err"] <= 1e-5 and v["tolerance"]["atol"] == 1e-5 and v["at"]
         assert client.get("/v2/models/encoder").json()["parameters"]["verification"]["status"] == "passed"
         assert 'addnorm_golden_verified{model="encoder"} 1.0' in client.get("/metrics").text
-    finally:
-        client.__exit__(None, None, None)
 
 
 @pytest.fixture
@@ -68,26 +67,20 @@ def skewed(tiny_artifact, tmp_path):
 
 
 def test_an_altered_graph_is_refused_under_strict(skewed):
-    client = start(skewed, "strict")
-    try:
+    with start(skewed, "strict") as client:
         r = client.get("/health/ready")
         assert r.status_code == 503 and "golden check failed on CPUExecutionProvider" in r.json()["error"]
         assert "case 'short'" in r.json()["error"]  # which case, by how much
         assert client.post("/v1/encode", json={"embeddings": [[0.1] * 32]}).status_code == 503
         assert 'addnorm_golden_verified{model="encoder"} 0.0' in client.get("/metrics").text
-    finally:
-        client.__exit__(None, None, None)
 
 
 def test_an_altered_graph_is_served_with_a_report_under_warn(skewed, caplog):
-    client = start(skewed, "warn")
-    try:
+    with start(skewed, "warn") as client:
         assert client.get("/health/ready").status_code == 200
         v = client.get("/v1/model").json()["verification"]
         assert v["status"] == "failed" and v["max_abs_err"] > 1e-3
         assert "golden check FAILED" in caplog.text
-    finally:
-        client.__exit__(None, None, None)
 
 
 def test_altered_golden_data_fails_its_own_sha256(tiny_artifact, tmp_path):
@@ -95,35 +88,26 @@ def test_altered_golden_data_fails_its_own_sha256(tiny_artifact, tmp_path):
     golden = load_golden(art / GOLDEN_FILE)
     golden["short"]["oracle"] = golden["short"]["oracle"] + 1.0  # a "golden" that would excuse anything
     save_golden(art / GOLDEN_FILE, golden)
-    client = start(art)
-    try:
+    with start(art) as client:
         r = client.get("/health/ready")
         assert r.status_code == 503 and "sha256" in r.json()["error"] and "golden" in r.json()["error"]
-    finally:
-        client.__exit__(None, None, None)
 
 
 def test_an_old_artifact_without_golden_data_serves_with_a_warning(tiny_artifact, tmp_path, caplog):
     art = _copy(tiny_artifact, tmp_path / "old")
     (art / GOLDEN_FILE).unlink()
     _rewrite_manifest(art, golden_sha256=None)
-    client = start(art)
-    try:
+    with start(art) as client:
         assert client.get("/health/ready").status_code == 200
         v = client.get("/v1/model").json()["verification"]
         assert v["status"] == "unverifiable" and "re-export" in v["message"]
         assert "golden check UNVERIFIABLE" in caplog.text
         r = client.post("/v1/encode", json={"embeddings": [[0.1] * 32]})
         assert r.status_code == 200 and np.isfinite(r.json()["encoded"]).all()
-    finally:
-        client.__exit__(None, None, None)
 
 
 def test_off_skips_and_says_so(skewed, caplog):
-    client = start(skewed, "off")
-    try:
+    with start(skewed, "off") as client:
         assert client.get("/health/ready").status_code == 200
         assert client.get("/v1/model").json()["verification"]["status"] == "skipped"
         assert "golden check SKIPPED" in caplog.text
-    finally:
-        client.__exit__(None, None, None)
