@@ -3,6 +3,7 @@
 #   export   torch (CPU build) + onnx: runs addnorm-export into the artifacts volume
 #   api      slim serving image: onnxruntime + FastAPI, no torch
 #   api-gpu  the same on CUDA: onnxruntime-gpu on an NVIDIA CUDA 13 / cuDNN 9 runtime image
+#   ray      the serving side with Ray Serve (service/ray_serve.py): compose profile `ray`, deploy/ray/rayservice.yaml
 ARG PYTHON_IMAGE=python:3.11-slim
 # Recent onnxruntime-gpu wheels on PyPI are built for CUDA 13 with cuDNN 9 (1.31.1 declares nvidia-*-cu13 extras;
 # 1.30 is reported to run on this base): the base image must match, and the host needs a driver for CUDA 13.
@@ -34,6 +35,17 @@ EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
   CMD python -c "import sys, urllib.request as u; sys.exit(u.urlopen('http://127.0.0.1:8000/health/ready').status != 200)"
 ENTRYPOINT ["addnorm-serve"]
+
+FROM base AS ray
+COPY deploy ./deploy
+RUN pip install ".[ray]" && python -c "import importlib.util as u; assert u.find_spec('torch') is None"
+USER addnorm
+# Ray's proxy binds all interfaces inside the container; the compose file publishes it on loopback only.
+ENV ADDNORM_MODEL_DIR=/artifacts/default RAY_SERVE_DEFAULT_HTTP_HOST=0.0.0.0
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
+  CMD python -c "import sys, urllib.request as u; sys.exit(u.urlopen('http://127.0.0.1:8000/health/ready').status != 200)"
+CMD ["serve", "run", "service.ray_serve:build", "model_dir=/artifacts/default", "replicas=2"]
 
 FROM ${CUDA_IMAGE} AS api-gpu
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \

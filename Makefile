@@ -27,7 +27,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q $(PIP_TORCH_FLAGS) "$(TORCH)"
-	$(BIN)/pip install -q $(PIP_TORCH_FLAGS) -e ".[export,dev]"
+	$(BIN)/pip install -q $(PIP_TORCH_FLAGS) -e ".[export,dev,ray]"
 	@touch $@
 
 $(ARTIFACT)/manifest.json: | $(VENV)/.installed

@@ -35,8 +35,11 @@ log = logging.getLogger("addnorm.service")
 access_log = logging.getLogger("addnorm.access")
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """Build the app. The model loads in the background after start-up; /health/ready is 503 until it has."""
+def create_app(settings: Settings | None = None, *, load_before_serving: bool = False) -> FastAPI:
+    """Build the app. By default the model loads in the background after start-up and /health/ready is 503
+    until it has. ``load_before_serving`` makes start-up itself wait for the model and fail when it cannot load:
+    for hosts that count an instance as serving once its start-up ends (Ray Serve replicas, service/ray_serve.py).
+    """
     if settings is None:  # factory mode (uvicorn --factory, several workers): configure from the environment
         settings = Settings()
         logs.configure(settings.log_level, settings.log_json)
@@ -45,11 +48,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loader = asyncio.create_task(_load(state))
+        if load_before_serving:
+            await _load(state)
+            if state.loaded is None:
+                raise RuntimeError(state.not_ready_reason())
+        loader = None if load_before_serving else asyncio.create_task(_load(state))
         try:
             yield
         finally:
-            loader.cancel()
+            if loader is not None:
+                loader.cancel()
             if state.loaded is not None:
                 for model in state.loaded.models:
                     await model.batcher.stop()

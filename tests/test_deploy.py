@@ -20,19 +20,23 @@ def compose_config(*args: str) -> dict:
 @pytest.mark.skipif(
     COMPOSE is None, reason="docker-compose client not installed (apt-get install docker-compose)"
 )
-def test_compose_file_is_valid_and_wires_export_api_and_gpu():
-    cfg = compose_config("--profile", "gpu")
+def test_compose_file_is_valid_and_wires_export_api_gpu_and_ray():
+    cfg = compose_config("--profile", "gpu", "--profile", "ray")
     services = cfg["services"]
-    assert set(services) == {"export", "api", "api-gpu"}
+    assert set(services) == {"export", "api", "api-gpu", "ray"}
     assert services["export"]["build"]["target"] == "export"
     assert "artifacts" in cfg["volumes"]
-    for name in ("api", "api-gpu"):
+    for name in ("api", "api-gpu", "ray"):
         svc = services[name]
         assert svc["depends_on"]["export"]["condition"] == "service_completed_successfully"
         assert "/health/ready" in " ".join(svc["healthcheck"]["test"])
         assert any(":ro" in str(v) or (isinstance(v, dict) and v.get("read_only")) for v in svc["volumes"])
     assert services["api"]["environment"]["ADDNORM_PROVIDERS"] == "cpu"
-    for name in ("api", "api-gpu"):  # the key comes from a secret file, never from the compose file itself
+    for name in (
+        "api",
+        "api-gpu",
+        "ray",
+    ):  # the key comes from a secret file, never from the compose file itself
         svc = services[name]
         assert svc["environment"]["ADDNORM_API_KEY_FILE"] == "/run/secrets/addnorm_api_key"
         assert [s["source"] if isinstance(s, dict) else s for s in svc["secrets"]] == ["addnorm_api_key"]
@@ -42,6 +46,11 @@ def test_compose_file_is_valid_and_wires_export_api_and_gpu():
     assert gpu["profiles"] == ["gpu"] and gpu["environment"]["ADDNORM_PROVIDERS"] == "cuda"
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    ray = services["ray"]
+    assert ray["profiles"] == ["ray"] and ray["build"]["target"] == "ray"
+    assert ray["command"][:3] == ["serve", "run", "service.ray_serve:build"]
+    assert "model_dir=" + ray["environment"]["ADDNORM_MODEL_DIR"] in ray["command"]
+    assert [str(p).removesuffix("/tcp") for p in ray["ports"]] == ["127.0.0.1:8002:8000"]  # loopback only
 
 
 def test_dockerfile_targets_keep_torch_out_of_the_serving_images():
@@ -54,8 +63,8 @@ def test_dockerfile_targets_keep_torch_out_of_the_serving_images():
             stages[current] = []
         elif current:
             stages[current].append(line)
-    assert {"base", "export", "api", "api-gpu"} <= set(stages)
-    for serving in ("api", "api-gpu"):
+    assert {"base", "export", "api", "api-gpu", "ray"} <= set(stages)
+    for serving in ("api", "api-gpu", "ray"):
         body = "\n".join(stages[serving])
         assert "torch" not in body.replace("find_spec('torch') is None", "")
         assert "USER addnorm" in body and "HEALTHCHECK" in body

@@ -1,0 +1,141 @@
+"""Ray Serve: the same FastAPI app as addnorm-serve, in N replicas that each own one onnxruntime session.
+
+    serve run service.ray_serve:build model_dir=artifacts/default replicas=2
+    serve run deploy/ray/serve.yaml
+
+Needs the ``ray`` extra (``pip install 'addnorm[ray]'``). Each replica builds the app with ``create_app`` and
+loads its model (sha256 check, golden check, batcher) before its start-up ends, so Ray routes no request to a
+replica whose model is not loaded, and a replica that cannot read the artifact fails to start, saying why. Ray's
+health check asks the app's readiness. Settings reach replicas as the usual ``ADDNORM_*`` variables (the Serve
+config's ``runtime_env``) and as the builder's arguments, which win.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve import Application
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from model.artifact import MANIFEST_FILE
+from service import logs
+from service.app import create_app
+from service.settings import Settings
+
+log = logging.getLogger("addnorm.ray")
+
+DEPLOYMENT = "addnorm"
+# Requests one replica takes at once: enough to fill a batch (Ray's default of 5 would starve the batcher).
+MAX_ONGOING_REQUESTS = 64
+BUILD_ARGS = {
+    "replicas": "replica count, or 'auto' to autoscale (1..4 replicas, 16 ongoing requests each)",
+    "num_cpus": "CPUs each replica reserves; its onnxruntime threads follow it (default 1)",
+    "max_ongoing_requests": f"requests one replica takes at once (default {MAX_ONGOING_REQUESTS})",
+}
+
+
+class ArtifactUnreadable(RuntimeError):
+    """This replica's node cannot read the artifact directory."""
+
+
+def check_readable(model_dir: Path) -> None:
+    """Refuse to start a replica that cannot read the artifact, naming the node and the two usual fixes."""
+    manifest = Path(model_dir) / MANIFEST_FILE
+    try:
+        with manifest.open("rb"):
+            pass
+    except OSError as exc:
+        raise ArtifactUnreadable(
+            f"addnorm replica on node {socket.gethostname()} cannot read the artifact {manifest}: "
+            f"{exc.strerror or exc}. Every node that runs a replica needs the artifact at the same path: bake it "
+            "into the image, or mount a shared volume there (README 'Scaling out')."
+        ) from None
+
+
+def replica_settings(overrides: dict[str, Any], cpus: float | None) -> Settings:
+    """The replica's settings: ADDNORM_* from its environment, then the builder's arguments. onnxruntime's
+    intra-op threads follow the CPUs Ray gave the replica, unless set explicitly."""
+    settings = Settings(**overrides)
+    if settings.intra_op_threads == 0 and cpus:
+        settings = settings.model_copy(update={"intra_op_threads": max(1, int(cpus))})
+    return settings
+
+
+class _ProxyRequestId:
+    """Ray's proxy gives each request an ``x-request-id`` (the app logs it) and adds it to the response itself:
+    drop the app's copy so clients see it once."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_once(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [(k, v) for k, v in message.get("headers", ()) if k != b"x-request-id"]
+            await send(message)
+
+        await self.app(scope, receive, send_once if scope["type"] == "http" else send)
+
+
+@serve.deployment(
+    name=DEPLOYMENT,
+    ray_actor_options={"num_cpus": 1},
+    max_ongoing_requests=MAX_ONGOING_REQUESTS,
+    health_check_period_s=10,
+    health_check_timeout_s=30,
+)
+@serve.ingress()
+class AddNormReplica:
+    """One replica: the addnorm FastAPI app (built in ``__serve_build_asgi_app__``) over its own session."""
+
+    def __init__(self, overrides: dict[str, Any] | None = None) -> None:
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
+        self.settings = replica_settings(overrides or {}, cpus)
+        logs.configure(self.settings.log_level, self.settings.log_json)
+        check_readable(self.settings.model_dir)
+        self.fastapi_app = create_app(self.settings, load_before_serving=True)
+        self.fastapi_app.add_middleware(_ProxyRequestId)
+        log.info("replica starting: %s, %s onnxruntime threads", self.settings.model_dir, cpus)
+
+    def __serve_build_asgi_app__(self):  # noqa: ANN204 (Ray's hook: the app this replica serves)
+        return self.fastapi_app
+
+    def check_health(self) -> None:
+        """Ray's health check: the app's own readiness."""
+        reason = self.fastapi_app.state.addnorm.not_ready_reason()
+        if reason is not None:
+            raise RuntimeError(reason)
+
+
+def build(args: dict[str, Any]) -> Application:
+    """Application builder for ``serve run service.ray_serve:build key=value ...`` and Serve config files.
+
+    Keys: ``replicas``, ``num_cpus``, ``max_ongoing_requests``, and any addnorm setting by its field name
+    (``model_dir``, ``providers``, ``max_batch_size``, ...). A relative ``model_dir`` is made absolute here.
+    """
+    args = dict(args)
+    replicas = str(args.pop("replicas", 1))
+    num_cpus = float(args.pop("num_cpus", 1))
+    max_ongoing = int(args.pop("max_ongoing_requests", MAX_ONGOING_REQUESTS))
+    unknown = sorted(set(args) - set(Settings.model_fields))
+    if unknown:
+        known = ", ".join([*BUILD_ARGS, "and the settings " + ", ".join(Settings.model_fields)])
+        raise ValueError(f"unknown argument(s) {unknown} for service.ray_serve:build; it takes {known}")
+    if "model_dir" in args:
+        args["model_dir"] = str(Path(args["model_dir"]).expanduser().resolve())
+    Settings(**args)  # a bad value fails here, on the driver, not in every replica
+    options: dict[str, Any] = {
+        "ray_actor_options": {"num_cpus": num_cpus},
+        "max_ongoing_requests": max_ongoing,
+    }
+    if replicas == "auto":
+        options["num_replicas"] = "auto"
+        options["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 16}
+    else:
+        options["num_replicas"] = int(replicas)
+    return AddNormReplica.options(**options).bind(args)

@@ -1,0 +1,206 @@
+"""Ray Serve (service/ray_serve.py) on a real local Ray instance that these tests start on loopback and stop.
+
+Two replicas behind Ray's HTTP proxy: results equal in-process onnxruntime, both replicas answer, and a replica
+killed under load is replaced while every request not in flight on it gets the right answer.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import numpy as np
+import onnxruntime as ort
+import pytest
+import ray
+import tritonclient.http as triton
+from fastapi.testclient import TestClient
+from ray import serve
+
+from service.app import create_app
+from service.ray_serve import DEPLOYMENT, ArtifactUnreadable, build, check_readable, replica_settings
+from service.settings import Settings
+
+APP = "addnorm"
+D = 32  # the tiny artifact's width
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_url(tiny_artifact: Path):
+    """A local Ray instance (loopback only, no dashboard), Serve's proxy on a free loopback port, 2 replicas."""
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build({"model_dir": str(tiny_artifact), "replicas": "2"}), name=APP, route_prefix="/")
+        yield f"127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def data(tiny_artifact: Path):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 6, D)).astype(np.float32)
+    mask = np.zeros((2, 6), bool)
+    mask[1, 4:] = True
+    sess = ort.InferenceSession(str(tiny_artifact / "model.onnx"), providers=["CPUExecutionProvider"])
+    return x, mask, sess.run(None, {"embeddings": x, "mask": mask})[0]
+
+
+def _replicas() -> list[str]:
+    """Names of this app's replica actors, as Ray's controller registers them."""
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    return sorted(a["name"] for a in actors if a["name"].startswith(f"SERVE_REPLICA::{APP}#{DEPLOYMENT}#"))
+
+
+def _running_replicas() -> int:
+    status = serve.status().applications[APP].deployments[DEPLOYMENT]
+    return status.replica_states.get("RUNNING", 0)
+
+
+def _replaced(killed: str) -> bool:
+    """Two replicas running again, the killed one not among them (the controller may report it a while)."""
+    names = _replicas()
+    return len(names) == 2 and killed not in names and _running_replicas() == 2
+
+
+def _v1(x: np.ndarray, mask: np.ndarray) -> dict:
+    return {"embeddings": x.tolist(), "mask": mask.tolist()}
+
+
+def test_results_through_rays_proxy_equal_onnxruntime(ray_url, data):
+    x, mask, want = data
+    client = triton.InferenceServerClient(ray_url)
+    try:
+        assert client.is_server_ready() and client.is_model_ready("encoder")
+        a = triton.InferInput("embeddings", list(x.shape), "FP32")
+        a.set_data_from_numpy(x, binary_data=True)
+        b = triton.InferInput("mask", list(mask.shape), "BOOL")
+        b.set_data_from_numpy(mask, binary_data=True)
+        got = client.infer("encoder", [a, b]).as_numpy("encoded")
+    finally:
+        client.close()
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    r = httpx.post(f"http://{ray_url}/v1/encode", json=_v1(x, mask), timeout=30)
+    assert r.status_code == 200
+    np.testing.assert_allclose(np.array(r.json()["encoded"], np.float32), want, atol=1e-5, rtol=0)
+    assert "," not in r.headers["x-request-id"]  # Ray's proxy sets it; the app does not add a second copy
+
+
+def test_both_replicas_answer(ray_url, data):
+    x, mask, _ = data
+    before = _requests_per_replica()
+    with httpx.Client(base_url=f"http://{ray_url}", timeout=30) as c:
+        for _ in range(40):
+            assert c.post("/v1/encode", json=_v1(x, mask)).status_code == 200
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # Ray writes its access lines as the replicas log them
+        served = _requests_per_replica() - before
+        if len([n for n in served.values() if n > 0]) == 2 and sum(served.values()) == 40:
+            break
+        time.sleep(0.2)
+    assert sum(served.values()) == 40 and len([n for n in served.values() if n > 0]) == 2, served
+
+
+def _requests_per_replica() -> Counter:
+    """POST /v1/encode lines in each replica's access log (Ray's own, one file per replica)."""
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
+    counts: Counter = Counter()
+    for path in logs.glob(f"replica_{APP}_{DEPLOYMENT}_*.log"):
+        counts[path.stem] = path.read_text().count("POST /v1/encode 200")
+    return counts
+
+
+def test_a_killed_replica_is_replaced_and_only_its_in_flight_requests_fail(ray_url, data):
+    x, mask, want = data
+    body = _v1(x, mask)
+    clients, per_client = 4, 2000  # bounded: the loop also stops once the replacement has served
+    old = _replicas()
+    assert len(old) == 2
+    statuses: list[int] = []
+    wrong: list[int] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        with httpx.Client(base_url=f"http://{ray_url}", timeout=30) as c:
+            for _ in range(per_client):
+                if stop.is_set():
+                    return
+                r = c.post("/v1/encode", json=body)
+                statuses.append(r.status_code)
+                if r.status_code == 200 and not np.allclose(r.json()["encoded"], want, atol=1e-5, rtol=0):
+                    wrong.append(1)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    served_before_kill = len(statuses)
+    ray.kill(ray.get_actor(old[0], namespace="serve"), no_restart=True)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not _replaced(old[0]):
+        time.sleep(0.25)
+    replaced = time.monotonic() < deadline
+    time.sleep(1.5)  # let the load run on the replacement too
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert replaced, f"no replacement within 90 s: {serve.status().applications[APP]}"
+    new = _replicas()
+    assert len(new) == 2 and old[0] not in new and old[1] in new
+    failed = Counter(s for s in statuses if s != 200)
+    # Only requests in flight on the killed replica may fail (at most one per client), and Ray's proxy answers
+    # them 500; nothing is answered 503 "model is loading" by a replacement that routes before it loads.
+    assert sum(failed.values()) <= clients and set(failed) <= {500}, failed
+    assert not wrong
+    assert served_before_kill > 0 and len(statuses) - served_before_kill > 20 * clients
+    with httpx.Client(base_url=f"http://{ray_url}", timeout=30) as c:
+        assert all(c.post("/v1/encode", json=body).status_code == 200 for _ in range(20))
+
+
+def test_build_validates_its_arguments_on_the_driver(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) \['replica'\].*replicas"):
+        build({"replica": "2"})
+    with pytest.raises(ValueError, match="max_batch_size"):
+        build({"max_batch_size": "0"})
+    app = build({"model_dir": "artifacts/x", "replicas": "auto", "num_cpus": "2"})
+    deployment = app._bound_deployment  # what `serve run` deploys
+    assert deployment.ray_actor_options["num_cpus"] == 2
+    assert deployment._deployment_config.autoscaling_config.max_replicas == 4
+    assert deployment.init_args[0]["model_dir"] == str(Path("artifacts/x").resolve())
+
+
+def test_replica_threads_follow_its_cpus_unless_set(monkeypatch):
+    monkeypatch.delenv("ADDNORM_INTRA_OP_THREADS", raising=False)
+    assert replica_settings({}, 3.0).intra_op_threads == 3
+    assert replica_settings({"intra_op_threads": 1}, 3.0).intra_op_threads == 1
+    monkeypatch.setenv("ADDNORM_MAX_BATCH_SIZE", "7")  # the Serve config's runtime_env reaches replicas
+    assert replica_settings({}, None).max_batch_size == 7
+
+
+def test_a_replica_that_cannot_read_the_artifact_refuses_loudly(tmp_path):
+    with pytest.raises(ArtifactUnreadable, match=r"cannot read the artifact .*manifest.json.*shared volume"):
+        check_readable(tmp_path / "missing")
+
+
+def test_load_before_serving_holds_start_up_until_the_model_is_ready(tiny_artifact, tmp_path):
+    """What Ray relies on: start-up ends with the model loaded, or fails, so no replica serves 503 'loading'."""
+    app = create_app(Settings(model_dir=tiny_artifact), load_before_serving=True)
+    with TestClient(app) as c:
+        assert app.state.addnorm.loaded is not None
+        assert c.get("/health/ready").status_code == 200
+    broken = create_app(Settings(model_dir=tmp_path), load_before_serving=True)
+    with pytest.raises(RuntimeError, match="model failed to load"), TestClient(broken):
+        pass
