@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="resident memory before, at the peak of and after N concurrent [1, 4096, d_model] requests",
     )
     r.add_argument("--clients", type=int, default=64, help="clients for --soak (default 64)")
+    p.add_argument(
+        "--ray",
+        action="store_true",
+        help="instead of the ratios: Ray Serve (1 replica) against plain addnorm-serve, phases interleaved, "
+        "with CPU per request by process (needs the 'ray' extra); writes bench/results/ray.json",
+    )
     return p
 
 
@@ -120,10 +126,23 @@ def reliability(args: argparse.Namespace) -> int:
     return 1 if summary["unexpected_5xx"] or summary["wrong_answers"] or summary["unexpected"] else 0
 
 
+def scale_out(args: argparse.Namespace) -> int:
+    """--ray: print the Ray Serve table and keep its figures beside the others."""
+    from bench.scaleout import measure_ray, ray_table
+
+    res = measure_ray(setup(args))
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "ray.json").write_text(json.dumps(res, indent=2) + "\n")
+    print(ray_table(res))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.soak or args.burst:
         return reliability(args)
+    if args.ray:
+        return scale_out(args)
     start = time.perf_counter()
     res = run(args)
     res["bench_seconds"] = time.perf_counter() - start

@@ -264,9 +264,9 @@ def measure_concurrency(s: Setup) -> dict:
         with serve(s.artifact, *flags) as srv:
             req = v2_request(srv.port, s.name, s.x_small)
             for c in s.concurrency:
-                before = _batch_histogram(srv.port)
+                before = batch_histogram(srv.port)
                 conc[mode][c] = load_with_cpu(srv, req, c, s.seconds)
-                after = _batch_histogram(srv.port)
+                after = batch_histogram(srv.port)
                 runs = after["count"] - before["count"]
                 rows = (after["sum"] - before["sum"]) / runs if runs else 0.0
                 conc[mode][c]["mean_rows_per_run"] = rows
@@ -319,7 +319,7 @@ def ratios(res: dict) -> dict[str, float]:
     }
 
 
-def _batch_histogram(port: int) -> dict[str, float]:
+def batch_histogram(port: int) -> dict[str, float]:
     """Rows per model run, from the server's own Prometheus histogram."""
     import urllib.request
 
