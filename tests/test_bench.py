@@ -63,3 +63,36 @@ def test_docs_update_replaces_only_the_generated_block(tmp_path, monkeypatch):
     update_docs(doc, res)
     text = doc.read_text()
     assert "hand-written" in text and "analysis" in text and "TABLE" in text and "old" not in text
+
+
+def test_scaleout_finds_the_process_tree_and_prints_its_table():
+    """addnorm-bench --ray charges CPU to every process under the Ray driver, by role."""
+    import os
+    import subprocess
+    import sys
+
+    from bench.scaleout import _role, process_tree, ray_table
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        tree = process_tree(os.getpid())
+        assert os.getpid() in tree and child.pid in tree and tree[child.pid] == sys.executable
+    finally:
+        child.kill()
+        child.wait()
+    assert [_role(t) for t in ("ray::ProxyActor", "ray::ServeReplica:addnorm:addnorm", "raylet")] == [
+        "proxy",
+        "replica",
+        "other",
+    ]
+    phase = {"throughput_rps": 10.0, "cpu_ms_per_request": {"proxy": 1, "replica": 2, "other": 3}}
+    res = {
+        k: {
+            "plain": [{**phase, "mean_rows_per_run": 8.0}],
+            "ray": [{**phase, "mean_rows_per_run": 4.0}],
+            "ray_vs_plain": 0.5,
+        }
+        for k in ("big", "small")
+    }
+    text = ray_table(res)
+    assert text.count("\n") == 3 and "| 0.50 | 6.00 | 1.00 | 2.00 | 3.00 | 8.0 | 4.0 |" in text
