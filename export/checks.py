@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 
 import onnx
 
+from export import attention as attn
 from export.onnx_export import MIN_OPSET, opset_of
 from export.variants import get_variant, norm_op
 from model.config import EncoderConfig
@@ -21,12 +23,23 @@ class GraphCheckError(AssertionError):
 
 
 def op_counts(model: onnx.ModelProto) -> Counter[str]:
-    return Counter(node.op_type for node in model.graph.node)
+    """Nodes by op type, those inside If branches (and other subgraphs) included."""
+
+    def walk(graph: onnx.GraphProto) -> Iterator[str]:
+        for node in graph.node:
+            yield node.op_type
+            for a in node.attribute:
+                for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                    yield from walk(sub)
+
+    return Counter(walk(model.graph))
 
 
-def check_graph(model: onnx.ModelProto, config: EncoderConfig, variant: str = "fp32") -> dict[str, int]:
-    """Validate the graph against the artifact rules and the variant's expected operators; return the op
-    counts that matter (norm nodes, fused nodes, all nodes)."""
+def check_graph(
+    model: onnx.ModelProto, config: EncoderConfig, variant: str = "fp32", attention: str = "decomposed"
+) -> dict[str, int]:
+    """Validate the graph against the artifact rules, the variant's expected operators and the attention form's
+    (export/attention.py); return the op counts that matter (norm nodes, fused nodes, attention nodes, all)."""
     try:
         onnx.checker.check_model(model, full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
@@ -43,18 +56,21 @@ def check_graph(model: onnx.ModelProto, config: EncoderConfig, variant: str = "f
         raise GraphCheckError(
             f"graph holds a decomposed normalization ({decomposed}); expected native {norm} only"
         )
-    for op, expected in get_variant(variant).expected_ops(config).items():
+    expected_ops = {**get_variant(variant).expected_ops(config), **attn.expected_ops(attention, config)}
+    for op, expected in expected_ops.items():
         if counts[op] != expected:
             final = " + 1 final norm" if config.norm_first else ""
             why = f" ({config.num_layers} layer(s) x 2 Add & Norm steps{final})" if op == norm else ""
             raise GraphCheckError(
-                f"{variant} variant: expected {expected} {op} node(s){why}, found {counts[op]}; "
+                f"{variant} variant, {attention} attention: expected {expected} {op} node(s){why}, found "
+                f"{counts[op]}; "
                 f"op counts: {dict(counts)}"
             )
     _check_io(model)
     return {
         "norm_nodes": counts[norm],
         "fused_nodes": counts["SkipLayerNormalization"],
+        "attention_nodes": counts["MultiHeadAttention"] + counts["Attention"] + counts["Softmax"],
         "nodes": sum(counts.values()),
     }
 

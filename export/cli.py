@@ -8,6 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
+from export import attention
 from export.bert import BERT_DEFAULTS
 from export.checks import GraphCheckError
 from export.gate import ParityError
@@ -68,6 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="shorthand for --variant fp32|fp16|int8",
     )
     v.add_argument("--optimize", choices=["none", "fused"], help="--optimize fused = --variant fused")
+    v.add_argument(
+        "--attention",
+        choices=list(attention.CHOICES),
+        default="auto",
+        help=f"how attention is spelled: mha (onnxruntime's com.microsoft.MultiHeadAttention, one node per layer; "
+        f"flash attention on CPU when nothing is padded), onnx (ONNX's Attention operator, opset >= "
+        f"{attention.ONNX_ATTENTION_MIN_OPSET}), decomposed (MatMul/Softmax op by op: runs on any runtime); "
+        f"default auto = {attention.AUTO}",
+    )
     p.add_argument(
         "--opset",
         type=int,
@@ -152,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         variant = variant_from_args(args)
         config = config_from_args(args)
         encoder = prepare_encoder(config, args.checkpoint or args.from_bert, args.seed, bool(args.from_bert))
-        result = export_artifact(encoder, args.out, name=args.name, opset=args.opset, variant=variant)
+        result = export_artifact(
+            encoder, args.out, name=args.name, opset=args.opset, variant=variant, attention=args.attention
+        )
     except ParityError as exc:
         print(format_table(exc.report), file=sys.stderr)
         print(f"error: {exc}", file=sys.stderr)

@@ -30,19 +30,21 @@ def gate(
     steps: bool = True,
     graph_optimization: str = "all",
     seed: int = 1234,
+    attention: str = "decomposed",
+    providers: list[str] | None = None,
 ) -> ParityReport:
     """Run the graph at ``model_path`` against ``encoder`` under the variant's tolerance.
 
-    With ``steps``, a debug graph of the same variant (every Add & Norm result as an extra output) is built in a
+    With ``steps``, a debug graph of the same variant and attention form (every Add & Norm result as an extra output) is built in a
     temporary directory, so each step is compared too and a drift names its sublayer.
     """
-    session = make_session(model_path, graph_optimization)
+    session = make_session(model_path, graph_optimization, providers)
     with tempfile.TemporaryDirectory() as tmp:
         debug = None
         if steps:
             debug_path = Path(tmp) / "debug.onnx"
-            build_graph(encoder, debug_path, variant, opset, with_steps=True)
-            debug = make_session(debug_path, graph_optimization)
+            build_graph(encoder, debug_path, variant, opset, with_steps=True, attention=attention)
+            debug = make_session(debug_path, graph_optimization, providers)
         return run_parity(
             encoder,
             session,

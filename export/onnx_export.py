@@ -12,6 +12,7 @@ import onnx
 import torch
 from torch import Tensor, nn
 
+from export import attention as attn
 from model.contract import BATCH, INPUT_NAMES, OUTPUT_NAMES, SEQ, STEP_OUTPUT
 from model.encoder import Encoder
 
@@ -57,9 +58,15 @@ def export_onnx(
     path: str | Path,
     opset: int = DEFAULT_OPSET,
     with_steps: bool = False,
+    attention: str = "decomposed",
 ) -> onnx.ModelProto:
-    """Export ``encoder`` (eval mode, any float dtype) to one self-contained ONNX file with float32 I/O."""
+    """Export ``encoder`` (eval mode, any float dtype) to one self-contained ONNX file with float32 I/O, its
+    attention spelled as ``attention`` (``auto``, ``mha``, ``onnx`` or ``decomposed``: export/attention.py)."""
     cfg = encoder.config
+    try:
+        form = attn.resolve(attention, opset)
+    except attn.AttentionError as exc:
+        raise ExportError(str(exc)) from None
     if opset < MIN_OPSET:
         raise ExportError(
             f"opset {opset} has no LayerNormalization operator; use --opset {MIN_OPSET} or newer"
@@ -79,7 +86,16 @@ def export_onnx(
     mask = torch.zeros(EXAMPLE_BATCH, EXAMPLE_SEQ, dtype=torch.bool)
     module = _GraphModule(encoder.eval(), with_steps)
     names = (list(INPUT_NAMES), output_names(encoder, with_steps))
-    export_module(module, (example, mask), Path(path), names, (emb_dims, {0: batch, 1: seq}), opset)
+    with attn.spelled(encoder, form):
+        export_module(
+            module,
+            (example, mask),
+            Path(path),
+            names,
+            (emb_dims, {0: batch, 1: seq}),
+            opset,
+            attn.TRANSLATIONS,
+        )
     return load_checked(path, opset)
 
 
@@ -90,6 +106,7 @@ def export_module(
     names: tuple[list[str], list[str]],
     dynamic_shapes: object,
     opset: int,
+    translations: dict | None = None,
 ) -> None:
     """torch.onnx.export (dynamo) of ``module`` into one self-contained file; ``names``: (inputs, outputs)."""
     log = io.StringIO()
@@ -111,6 +128,7 @@ def export_module(
                 output_names=names[1],
                 dynamic_shapes=dynamic_shapes,
                 opset_version=opset,
+                custom_translation_table=translations,
                 optimize=True,
                 verbose=False,
             )

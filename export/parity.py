@@ -20,6 +20,7 @@ import torch
 from export.cases import Case, default_cases
 from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES
 from model.encoder import Encoder
+from model.runtime import CPU, CUDA, with_options
 from model.verdict import Comparison, Tolerance, compare
 
 GRAPH_OPT_LEVELS = {
@@ -117,10 +118,18 @@ class ParityReport:
 def make_session(
     model_path: str | Path, graph_optimization: str = "all", providers: list[str] | None = None
 ) -> ort.InferenceSession:
+    """A session on ``providers`` (CPU by default). Asking for CUDA and not getting it is an error, never a
+    silent run on CPU."""
     opts = ort.SessionOptions()
     opts.graph_optimization_level = GRAPH_OPT_LEVELS[graph_optimization]
     opts.log_severity_level = 3
-    return ort.InferenceSession(str(model_path), opts, providers=providers or ["CPUExecutionProvider"])
+    wanted = providers or [CPU]
+    if CUDA in wanted and hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()  # CUDA and cuDNN from their pip packages, when installed that way
+    session = ort.InferenceSession(str(model_path), opts, providers=with_options(wanted))
+    if session.get_providers()[0] != wanted[0]:
+        raise RuntimeError(f"{wanted[0]} is not usable here: the session runs on {session.get_providers()}")
+    return session
 
 
 def run_parity(

@@ -16,6 +16,8 @@ from export.weights import CheckpointError, load_weights
 from model.artifact import WEIGHTS_FILE, ArtifactError, load_verified
 from model.encoder import Encoder
 
+PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -43,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=1234, help="seed of the random inputs (default 1234)")
     p.add_argument(
+        "--providers",
+        choices=list(PROVIDERS),
+        default="cpu",
+        help="where onnxruntime runs the graph: cpu (default) or cuda (onnxruntime-gpu; an error if unusable)",
+    )
+    p.add_argument(
         "--no-steps",
         action="store_true",
         help="skip the per-Add & Norm comparison (saves re-exporting the debug graph)",
@@ -56,6 +64,7 @@ def check_artifact(
     graph_optimization: str = "all",
     seed: int = 1234,
     steps: bool = True,
+    providers: str = "cpu",
 ) -> ParityReport:
     """Re-run the gate on an artifact from its saved weights; with ``steps``, every Add & Norm step too."""
     manifest, model_path = load_verified(directory)
@@ -70,6 +79,8 @@ def check_artifact(
         steps=steps,
         graph_optimization=graph_optimization,
         seed=seed,
+        attention=manifest.attention,
+        providers=PROVIDERS[providers],
     )
 
 
@@ -77,9 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         report = check_artifact(
-            args.artifact, args.adversarial, args.graph_optimization, args.seed, not args.no_steps
+            args.artifact,
+            args.adversarial,
+            args.graph_optimization,
+            args.seed,
+            not args.no_steps,
+            args.providers,
         )
-    except (ArtifactError, CheckpointError, ExportError) as exc:
+    except (ArtifactError, CheckpointError, ExportError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:

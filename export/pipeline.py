@@ -12,12 +12,14 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from export.attention import AttentionError
+from export.attention import resolve as resolve_attention
 from export.bert import bert_to_encoder_state
 from export.cases import Case
 from export.checks import check_graph
 from export.gate import ParityError, gate
 from export.golden import write_golden
-from export.onnx_export import DEFAULT_OPSET
+from export.onnx_export import DEFAULT_OPSET, ExportError
 from export.parity import ParityReport
 from export.variants import build_graph
 from export.weights import load_state, read_state_dict, save_weights
@@ -67,6 +69,7 @@ def export_artifact(
     opset: int = DEFAULT_OPSET,
     variant: str = "fp32",
     cases: list[Case] | None = None,
+    attention: str = "auto",
 ) -> ExportResult:
     """Export, check the graph, run the parity gate, then publish model, weights and manifest into ``out_dir``.
 
@@ -74,21 +77,33 @@ def export_artifact(
     the manifest is moved in last, so a reader never sees a manifest that describes a different graph.
     """
     config = encoder.config
+    try:
+        form = resolve_attention(attention, opset)
+    except AttentionError as exc:
+        raise ExportError(str(exc)) from None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out_dir))
     try:
-        log.info("exporting %s as %s (opset %d) to %s", _describe(config), variant, opset, out_dir)
-        model = build_graph(encoder, staging / MODEL_FILE, variant, opset)
-        graph = check_graph(model, config, variant)
         log.info(
-            "graph checks passed: %d nodes, %d norm nodes, %d fused",
+            "exporting %s as %s with %s attention (opset %d) to %s",
+            _describe(config),
+            variant,
+            form,
+            opset,
+            out_dir,
+        )
+        model = build_graph(encoder, staging / MODEL_FILE, variant, opset, attention=form)
+        graph = check_graph(model, config, variant, form)
+        log.info(
+            "graph checks passed: %d nodes, %d norm nodes, %d fused, %d attention",
             graph["nodes"],
             graph["norm_nodes"],
             graph["fused_nodes"],
+            graph["attention_nodes"],
         )
         save_weights(encoder, staging / WEIGHTS_FILE)
-        report = gate(encoder, staging / MODEL_FILE, variant, opset, cases)
+        report = gate(encoder, staging / MODEL_FILE, variant, opset, cases, attention=form)
         if not report.passed:
             raise ParityError(report)
         write_golden(encoder, staging / GOLDEN_FILE)  # checked again by every server that loads this artifact
@@ -100,6 +115,7 @@ def export_artifact(
             outputs=outputs,
             opset=opset,
             variant=variant,
+            attention=form,
             model_sha256=sha256_file(staging / MODEL_FILE),
             versions=library_versions(),
             parity=report.summary(),

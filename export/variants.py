@@ -21,7 +21,8 @@ from model.config import EncoderConfig
 from model.encoder import Encoder
 from model.verdict import Tolerance
 
-Builder = Callable[[Encoder, Path, int, bool], onnx.ModelProto]  # (encoder, path, opset, with_steps)
+# (encoder, path, opset, with_steps, attention form: export/attention.py)
+Builder = Callable[[Encoder, Path, int, bool, str], onnx.ModelProto]
 
 
 @dataclass(frozen=True)
@@ -45,15 +46,21 @@ def _norms(config: EncoderConfig) -> dict[str, int]:
     return {norm_op(config): config.num_norms}
 
 
-def _export_fp32(encoder: Encoder, path: Path, opset: int, with_steps: bool) -> onnx.ModelProto:
-    return export_onnx(encoder, path, opset, with_steps)
+def _export_fp32(
+    encoder: Encoder, path: Path, opset: int, with_steps: bool, attention: str
+) -> onnx.ModelProto:
+    return export_onnx(encoder, path, opset, with_steps, attention)
 
 
-def _export_fp16(encoder: Encoder, path: Path, opset: int, with_steps: bool) -> onnx.ModelProto:
-    return export_onnx(copy.deepcopy(encoder).half(), path, opset, with_steps)
+def _export_fp16(
+    encoder: Encoder, path: Path, opset: int, with_steps: bool, attention: str
+) -> onnx.ModelProto:
+    return export_onnx(copy.deepcopy(encoder).half(), path, opset, with_steps, attention)
 
 
-def _export_int8(encoder: Encoder, path: Path, opset: int, with_steps: bool) -> onnx.ModelProto:
+def _export_int8(
+    encoder: Encoder, path: Path, opset: int, with_steps: bool, attention: str
+) -> onnx.ModelProto:
     """Dynamic int8 quantization of the weight MatMuls (weights int8, activations quantized per run).
 
     The pre-processing step folds the q/k/v weight slices into constants, so those projections quantize too;
@@ -62,17 +69,53 @@ def _export_int8(encoder: Encoder, path: Path, opset: int, with_steps: bool) -> 
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    export_onnx(encoder, path, opset, with_steps)
+    export_onnx(encoder, path, opset, with_steps, attention)
     pre, out = path.with_suffix(".pre.onnx"), path.with_suffix(".int8.onnx")
     with _quiet():
         quant_pre_process(str(path), str(pre))
         quantize_dynamic(pre, out, weight_type=QuantType.QInt8, extra_options={"MatMulConstBOnly": True})
     pre.unlink()
-    out.replace(path)
-    return onnx.load(str(path))
+    model = onnx.load(str(out))
+    out.unlink()
+    _toposort(model.graph)
+    onnx.save(model, str(path))
+    return model
 
 
-def _export_fused(encoder: Encoder, path: Path, opset: int, with_steps: bool) -> onnx.ModelProto:
+def _toposort(graph: onnx.GraphProto) -> None:
+    """Order nodes so each follows the producers of every value it reads, those its If branches read from the
+    enclosing graph included (the quantizer's own sort ignores those and places an If before its values)."""
+
+    def reads(node: onnx.NodeProto) -> set[str]:
+        names = set(node.input)
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                for inner in sub.node:
+                    names |= reads(inner)
+        return names
+
+    producer = {out: i for i, node in enumerate(graph.node) for out in node.output}
+    nodes = list(graph.node)
+    deps = [{producer[n] for n in reads(node) if n in producer} - {i} for i, node in enumerate(nodes)]
+    ordered: list[int] = []
+    placed: set[int] = set()
+    for root in range(len(nodes)):  # depth-first, iteratively: a deep stack of layers is a long chain
+        stack = [(root, False)]
+        while stack:
+            i, expanded = stack.pop()
+            if expanded:
+                ordered.append(i)
+            elif i not in placed:
+                placed.add(i)
+                stack.append((i, True))
+                stack.extend((d, False) for d in sorted(deps[i], reverse=True) if d not in placed)
+    del graph.node[:]
+    graph.node.extend(nodes[i] for i in ordered)
+
+
+def _export_fused(
+    encoder: Encoder, path: Path, opset: int, with_steps: bool, attention: str
+) -> onnx.ModelProto:
     """onnxruntime's transformer optimizer: Add + LayerNormalization -> com.microsoft.SkipLayerNormalization."""
     from onnxruntime.transformers.optimizer import optimize_model
 
@@ -81,7 +124,7 @@ def _export_fused(encoder: Encoder, path: Path, opset: int, with_steps: bool) ->
         raise ExportError(
             "--optimize fused needs LayerNorm: onnxruntime has no SkipRMSNorm fusion for this graph"
         )
-    export_onnx(encoder, path, opset, with_steps)
+    export_onnx(encoder, path, opset, with_steps, attention)
     with _quiet():
         # opt_level 0: only the graph fusions, no onnxruntime session-level rewrites baked into the file.
         optimized = optimize_model(
@@ -145,9 +188,10 @@ def build_graph(
     variant: str = "fp32",
     opset: int = DEFAULT_OPSET,
     with_steps: bool = False,
+    attention: str = "decomposed",
 ) -> onnx.ModelProto:
-    """Export ``encoder`` as ``variant`` into ``path`` and return the model written there."""
-    return get_variant(variant).build(encoder, Path(path), opset, with_steps)
+    """Export ``encoder`` as ``variant`` with ``attention`` (a form of export/attention.py) into ``path``."""
+    return get_variant(variant).build(encoder, Path(path), opset, with_steps, attention)
 
 
 @contextlib.contextmanager

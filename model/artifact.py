@@ -46,6 +46,7 @@ class Manifest:
     parity: dict[str, Any] = field(default_factory=dict)
     created_at: str = ""
     golden_sha256: str = ""  # sha256 of golden.safetensors; "" for artifacts exported before golden data
+    attention: str = "decomposed"  # how attention is spelled: mha, onnx or decomposed (export/attention.py)
 
     def input(self, name: str) -> TensorSpec:
         for spec in self.inputs:
@@ -58,6 +59,7 @@ class Manifest:
             "format_version": FORMAT_VERSION,
             "name": self.name,
             "variant": self.variant,
+            "attention": self.attention,
             "config": self.config.to_dict(),
             "opset": self.opset,
             "inputs": [s.to_dict() for s in self.inputs],
@@ -97,6 +99,7 @@ class Manifest:
                 parity=dict(data.get("parity", {})),
                 created_at=str(data.get("created_at", "")),
                 golden_sha256=str(data.get("golden_sha256", "")),
+                attention=str(data.get("attention", "decomposed")),  # older artifacts spelled it out
             )
         except (KeyError, TypeError, ValueError, ConfigError) as exc:
             if isinstance(exc, ArtifactError):

@@ -70,37 +70,50 @@ def make_norm(config: EncoderConfig, add: bool) -> nn.Module:
     return nn.RMSNorm(config.d_model, eps=config.layer_norm_eps)
 
 
-class SelfAttention(nn.Module):
-    """Multi-head self-attention with a key padding mask, laid out like ``nn.MultiheadAttention``."""
+def attend(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, nhead: int) -> Tensor:
+    """Scaled dot-product attention of (B, S, E) projections split into ``nhead`` heads -> (B, S, E).
 
-    def __init__(self, d_model: int, nhead: int, dropout: float = 0.0) -> None:
+    ``key_padding_mask`` (B, S) bool, true = padding. The reference math: export traces it op by op, or swaps in
+    one fused operator with the same results (export/attention.py).
+    """
+    B, S, E = q.shape
+    D = E // nhead
+    q, k, v = (t.reshape(B, S, nhead, D).transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D))  # (B, H, S, S)
+    if key_padding_mask is not None:
+        # The most negative finite value rather than -inf: a row whose keys are all padding then gets
+        # uniform weights instead of 0/0 = NaN, and any real key still outweighs padding completely.
+        scores = scores.masked_fill(key_padding_mask[:, None, None, :], torch.finfo(scores.dtype).min)
+    return (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(B, S, E)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with a key padding mask, laid out like ``nn.MultiheadAttention``.
+
+    ``self.attend`` computes attention from the projections; it is ``attend`` above unless export swaps in a
+    fused kernel (export/attention.py). Dropout on the attention weights is not modelled (inference only).
+    """
+
+    def __init__(self, d_model: int, nhead: int) -> None:
         super().__init__()
         self.nhead = nhead
         self.head_dim = d_model // nhead
         self.in_proj_weight = nn.Parameter(torch.empty(3 * d_model, d_model))  # q, k, v stacked
         self.in_proj_bias = nn.Parameter(torch.zeros(3 * d_model))
         self.out_proj = nn.Linear(d_model, d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.attend = attend
         nn.init.xavier_uniform_(self.in_proj_weight)  # as nn.MultiheadAttention does
         nn.init.zeros_(self.out_proj.bias)
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
-        B, S, E = x.shape
-        H, D = self.nhead, self.head_dim
+        E = x.shape[-1]
         w, b = self.in_proj_weight, self.in_proj_bias
         # Three projections on slices of the stacked weight: the slices fold into constants at export, and no
         # Split(num_outputs) is emitted (an opset-18 attribute that breaks conversion down to opset 17).
-        q = F.linear(x, w[:E], b[:E]).reshape(B, S, H, D).transpose(1, 2)  # (B, H, S, D)
-        k = F.linear(x, w[E : 2 * E], b[E : 2 * E]).reshape(B, S, H, D).transpose(1, 2)
-        v = F.linear(x, w[2 * E :], b[2 * E :]).reshape(B, S, H, D).transpose(1, 2)
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D))  # (B, H, S, S)
-        if key_padding_mask is not None:
-            # The most negative finite value rather than -inf: a row whose keys are all padding then gets
-            # uniform weights instead of 0/0 = NaN, and any real key still outweighs padding completely.
-            scores = scores.masked_fill(key_padding_mask[:, None, None, :], torch.finfo(scores.dtype).min)
-        weights = self.dropout(scores.softmax(dim=-1))
-        out = (weights @ v).transpose(1, 2).reshape(B, S, E)  # (B, S, E)
-        return self.out_proj(out)
+        q = F.linear(x, w[:E], b[:E])
+        k = F.linear(x, w[E : 2 * E], b[E : 2 * E])
+        v = F.linear(x, w[2 * E :], b[2 * E :])
+        return self.out_proj(self.attend(q, k, v, key_padding_mask, self.nhead))
 
 
 class EncoderBlock(nn.Module):
@@ -112,7 +125,7 @@ class EncoderBlock(nn.Module):
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
-        self.self_attn = SelfAttention(config.d_model, config.nhead, config.dropout)
+        self.self_attn = SelfAttention(config.d_model, config.nhead)
         self.linear1 = nn.Linear(config.d_model, config.dim_feedforward)
         self.dropout = nn.Dropout(config.dropout)
         self.linear2 = nn.Linear(config.dim_feedforward, config.d_model)

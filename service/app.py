@@ -115,6 +115,7 @@ async def _load(state: ServiceState) -> None:
         observer=state.metrics,
         max_batch_attention=s.max_batch_attention,
         heads=engine.manifest.config.nhead,
+        attention=engine.attention,
         max_queue_bytes=s.max_queue_bytes,
     )
     batcher.start()

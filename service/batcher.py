@@ -1,9 +1,9 @@
 """Runs inference off the event loop, merging concurrent requests into one batch (dynamic batching).
 
 One scheduler task takes requests from a bounded queue and merges them along the batch dimension (up to
-``max_batch_size`` rows, ``max_batch_tokens`` batch x seq positions and ``max_batch_attention`` elements of one
-attention score tensor, batch x heads x seq^2, the part of a run's memory that grows fastest; shorter sequences are
-padded and masked),
+``max_batch_size`` rows, ``max_batch_tokens`` batch x seq positions and ``max_batch_attention`` elements of the
+seq x seq tensors the artifact's attention form holds, the part of a run's memory that grows fastest:
+``model.attention.score_elements``; shorter sequences are padded and masked),
 runs the batch on one dedicated thread, and hands each request back exactly its own rows. With the default
 ``max_queue_delay_ms=0`` a batch is whatever queued up while the previous one ran (no request ever waits for
 company while the model is idle); a positive delay waits that long for more. ``max_batch_size=1`` turns merging
@@ -24,6 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
+from model.attention import score_elements
 from service.errors import InferenceFailed, Overloaded, ServiceError, ShuttingDown, TimedOut, TooLarge
 
 log = logging.getLogger("addnorm.batcher")
@@ -51,6 +52,7 @@ class _Item:
     x: np.ndarray  # (b, s, E)
     mask: np.ndarray | None  # (b, s)
     future: asyncio.Future
+    padded: bool = False  # its mask marks some padding
     enqueued: float = field(default_factory=time.perf_counter)
     timings: Timings = field(default_factory=Timings)
 
@@ -86,14 +88,14 @@ class Batcher:
         max_batch_attention: int | None = None,
         heads: int = 1,
         max_queue_bytes: int | None = None,
+        attention: str = "decomposed",
     ) -> None:
         self.model = model
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
-        self.max_batch_attention = (
-            max_batch_attention  # elements of one (batch, heads, seq, seq) score tensor
-        )
+        self.max_batch_attention = max_batch_attention  # elements of seq x seq tensors held at once
         self.heads = heads
+        self.attention = attention  # the artifact's attention form (model.attention)
         self.max_delay = max_queue_delay_ms / 1000.0
         self.max_queue_size = max_queue_size
         self.max_queue_bytes = max_queue_bytes
@@ -125,9 +127,9 @@ class Batcher:
         self._queued_bytes -= item.x.nbytes
         return item
 
-    def attention_cost(self, rows: int, seq: int) -> int:
-        """Elements of one attention score tensor for a run of ``rows`` x ``seq``: it grows with seq squared."""
-        return rows * self.heads * seq * seq
+    def attention_cost(self, rows: int, seq: int, padded: bool) -> int:
+        """Elements of seq x seq tensors a run of ``rows`` x ``seq`` holds: it grows with seq squared."""
+        return score_elements(self.attention, rows, self.heads, seq, padded)
 
     @property
     def depth(self) -> int:
@@ -142,11 +144,13 @@ class Batcher:
         """
         if self._closed:
             raise ShuttingDown("server is shutting down")
-        cost = self.attention_cost(x.shape[0], x.shape[1])
+        padded = mask is not None and bool(mask.any())
+        cost = self.attention_cost(x.shape[0], x.shape[1], padded)
         if self.max_batch_attention is not None and cost > self.max_batch_attention:
             raise TooLarge(
                 f"a [{x.shape[0]}, {x.shape[1]}] request needs an attention working set of {cost} elements "
-                f"(batch x heads x seq^2), above this server's limit of {self.max_batch_attention} "
+                f"(batch x heads x seq^2 x {self.attention} attention's copies), above this server's limit of "
+                f"{self.max_batch_attention} "
                 "(ADDNORM_MAX_BATCH_ATTENTION); send fewer or shorter sequences"
             )
         if len(self._queue) >= self.max_queue_size:
@@ -157,7 +161,7 @@ class Batcher:
                 f"{self.max_queue_bytes}: ADDNORM_MAX_QUEUE_BYTES); retry shortly"
             )
         loop = asyncio.get_running_loop()
-        item = _Item(x, mask, loop.create_future())
+        item = _Item(x, mask, loop.create_future(), padded=padded)
         self._queue.append(item)
         self._queued_bytes += x.nbytes
         self._observe_depth()
@@ -229,24 +233,27 @@ class Batcher:
                     break
         batch: list[_Item] = []
         rows = seq = 0
+        padded = False
         while self._queue:
             item = self._queue[0]
             if item.future.done():  # timed out or client gone before it ran
                 self._pop()
                 continue
             new_rows, new_seq = rows + item.rows, max(seq, item.seq)
+            # Merging sequences of different lengths pads the shorter ones.
+            new_padded = padded or item.padded or bool(batch and item.seq != seq)
             full = (
                 new_rows > self.max_batch_size
                 or new_rows * new_seq > self.max_batch_tokens
                 or (
                     self.max_batch_attention is not None
-                    and self.attention_cost(new_rows, new_seq) > self.max_batch_attention
+                    and self.attention_cost(new_rows, new_seq, new_padded) > self.max_batch_attention
                 )
             )
             if batch and (full or item.solo or batch[0].solo):
                 break
             batch.append(self._pop())
-            rows, seq = new_rows, new_seq
+            rows, seq, padded = new_rows, new_seq, new_padded
         self._observe_depth()
         return batch
 

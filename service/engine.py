@@ -11,16 +11,16 @@ import numpy as np
 import onnxruntime as ort
 
 from model.artifact import ArtifactError, Manifest, load_verified
+from model.attention import score_elements
 from model.contract import EMBEDDINGS, MASK
+from model.runtime import CPU, CUDA, with_options
 from service import memory
 
 log = logging.getLogger("addnorm.engine")
 
-CPU = "CPUExecutionProvider"
-CUDA = "CUDAExecutionProvider"
-# A run whose attention scores (batch x heads x seq^2) exceed this many elements gives its arena memory back when
-# it ends: one [1, 4096, 768] run otherwise leaves ~2.5 GB held for good. Smaller runs keep the arena warm, since
-# shrinking after each costs them ~16% at [8, 128, 768] (measured: docs/reliability.md).
+# A run whose seq x seq tensors (model.attention.score_elements) exceed this many elements gives its arena memory
+# back when it ends: one [1, 4096, 768] decomposed run otherwise leaves ~2.5 GB held for good. Smaller runs keep
+# the arena warm, since shrinking after each costs them ~16% at [8, 128, 768] (measured: docs/reliability.md).
 SHRINK_ABOVE_ATTENTION = 32 * 1024 * 1024
 
 
@@ -114,6 +114,8 @@ class Engine:
         except ArtifactError as exc:
             raise EngineError(str(exc)) from exc
         wanted = resolve_providers(providers, ort.get_available_providers())
+        if wanted[0] == CUDA and hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()  # CUDA and cuDNN from their pip packages (nvidia-*), when installed that way
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = intra_op_threads or default_threads()
         opts.inter_op_num_threads = 1
@@ -122,7 +124,7 @@ class Engine:
         # Idle pool threads must not spin: the event loop shares these cores, and a spinning onnxruntime worker
         # takes them from it (measured at 32 concurrent clients: +6% batched, +18% unbatched; docs/benchmarks.md).
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(str(model_path), opts, providers=wanted)
+        self.session = ort.InferenceSession(str(model_path), opts, providers=with_options(wanted))
         self.providers = self.session.get_providers()
         if wanted[0] == CUDA and self.providers[0] != CUDA:
             # onnxruntime drops CUDA without an error when its libraries fail to load; make that loud.
@@ -139,13 +141,15 @@ class Engine:
         self.batch_first = self.manifest.config.batch_first
         self.output_names = [o.name for o in self.manifest.outputs]
         self.heads = self.manifest.config.nhead
+        self.attention = self.manifest.attention
         self._shrink = ort.RunOptions()
         arenas = ["cpu:0", *(["gpu:0"] if self.providers[0] == CUDA else [])]
         self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", ";".join(arenas))
         log.info(
-            "loaded %s (%s, opset %d) from %s on %s with %d intra-op threads",
+            "loaded %s (%s, %s attention, opset %d) from %s on %s with %d intra-op threads",
             self.manifest.name,
             self.manifest.variant,
+            self.attention,
             self.manifest.opset,
             model_dir,
             self.providers,
@@ -161,10 +165,10 @@ class Engine:
         b, s, _ = embeddings.shape
         if mask is None:
             mask = np.zeros((b, s), dtype=bool)
+        big = score_elements(self.attention, b, self.heads, s, bool(mask.any())) > SHRINK_ABOVE_ATTENTION
         x = embeddings.astype(self.input_dtype, copy=False)
         if not self.batch_first:
             x = x.transpose(1, 0, 2)  # the graph takes (S, B, E)
-        big = b * self.heads * s * s > SHRINK_ABOVE_ATTENTION
         feed = {EMBEDDINGS: np.ascontiguousarray(x), MASK: mask}
         outs = self.session.run(self.output_names, feed, self._shrink if big else None)
         if big:

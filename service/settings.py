@@ -36,10 +36,11 @@ class Settings(BaseSettings):
         8192, ge=1, description="dynamic batching: most batch x seq positions per run"
     )
     max_batch_attention: int = Field(
-        12 * 4096 * 4096,
+        3 * 12 * 4096 * 4096,
         ge=1,
-        description="most elements of one attention score tensor (batch x heads x seq^2) per run; a request "
-        "needing more gets 413 (default: one 4096-long sequence at 12 heads)",
+        description="most elements of seq x seq tensors one run may hold (batch x heads x seq^2 x the copies the "
+        "artifact's attention form holds: 3 decomposed, 1 onnx, 1 mha with padding, 0 mha without); a request "
+        "needing more gets 413 (default: one 4096-long sequence of a decomposed graph at 12 heads)",
     )
     max_queue_delay_ms: float = Field(
         0.0,

@@ -19,8 +19,8 @@ import export.variants as v
 
 real = v.VARIANTS["fp32"].build
 
-def skewed(encoder, path, opset, with_steps):
-    model = real(encoder, path, opset, with_steps)
+def skewed(encoder, path, opset, with_steps, attention):
+    model = real(encoder, path, opset, with_steps, attention)
     ln = next(n for n in model.graph.node if n.op_type == "LayerNormalization")
     gamma = next(i for i in model.graph.initializer if i.name == ln.input[1])
     model.graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(gamma) * 1.05, "skewed"))

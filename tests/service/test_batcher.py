@@ -216,7 +216,7 @@ def test_attention_budget_keeps_long_sequences_apart(engine):
 
     async def main():
         batcher = Batcher(model, max_batch_size=64, max_batch_tokens=10_000, max_queue_delay_ms=50,
-                          max_batch_attention=heads * 64 * 64, heads=heads)  # fmt: skip
+                          max_batch_attention=3 * heads * 64 * 64, heads=heads)  # fmt: skip
         batcher.start()
         tasks = [asyncio.ensure_future(batcher.infer(x, None)) for x in (long, long, short, short)]
         await asyncio.sleep(0.1)
@@ -228,6 +228,35 @@ def test_attention_budget_keeps_long_sequences_apart(engine):
 
     run(main())
     assert model.shapes == [(1, 64, 32), (1, 64, 32), (2, 8, 32)]
+
+
+def test_attention_budget_follows_the_attention_forms_working_set(engine):
+    """mha holds no seq x seq tensor without padding (flash attention), one with it; decomposed holds three."""
+    model = Recorder(engine, threading.Event())
+    heads = 4
+    long = np.zeros((1, 64, 32), np.float32)
+    padded = np.ones((1, 64), bool)
+    padded[0, :10] = False
+
+    async def main():
+        batcher = Batcher(model, max_batch_size=64, max_batch_tokens=10_000, max_queue_delay_ms=50,
+                          max_batch_attention=heads * 64 * 64, heads=heads, attention="mha")  # fmt: skip
+        batcher.start()
+        tasks = [asyncio.ensure_future(batcher.infer(long, None)) for _ in range(3)]
+        tasks += [asyncio.ensure_future(batcher.infer(long, padded)) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        model.gate.set()
+        await asyncio.gather(*tasks)
+        await batcher.infer(np.zeros((8, 64, 32), np.float32), None)  # unpadded: no seq x seq tensor at all
+        with pytest.raises(TooLarge, match="mha attention"):
+            await batcher.infer(np.zeros((2, 64, 32), np.float32), np.tile(padded, (2, 1)))
+        await batcher.stop()
+        decomposed = Batcher(model, max_batch_attention=heads * 64 * 64, heads=heads)
+        assert decomposed.attention_cost(1, 64, False) == 3 * heads * 64 * 64
+
+    run(main())
+    # three unpadded runs merge into one; each padded one runs alone (one score tensor fills the budget)
+    assert model.shapes[:3] == [(3, 64, 32), (1, 64, 32), (1, 64, 32)]
 
 
 def test_queue_is_bounded_by_bytes(engine):

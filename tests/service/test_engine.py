@@ -106,15 +106,23 @@ def test_default_threads_respect_the_container_cpu_quota(tmp_path):
 
 
 def test_long_runs_give_their_memory_back(tiny_artifact, monkeypatch):
-    """Runs above SHRINK_ABOVE_ATTENTION shrink the arena and trim the heap; ordinary runs keep the arena warm."""
+    """Runs holding more than SHRINK_ABOVE_ATTENTION elements of seq x seq tensors shrink the arena and trim the
+    heap; ordinary runs keep the arena warm. The tiny artifact's mha attention holds such tensors only when
+    something is padded (flash attention otherwise), so the same long run without padding keeps its arena."""
     from service import memory
     from service.engine import SHRINK_ABOVE_ATTENTION
 
     eng = Engine(tiny_artifact, "cpu", intra_op_threads=1)
+    assert eng.attention == "mha"
     trims = []
     monkeypatch.setattr(memory, "trim", lambda: trims.append(1))
     eng.run(np.zeros((2, 100, 32), np.float32))
     assert trims == []
-    seq = int((SHRINK_ABOVE_ATTENTION / eng.heads) ** 0.5) + 1  # just above the threshold
-    out = eng.run(np.zeros((1, seq, 32), np.float32))["encoded"]
+    seq = int((SHRINK_ABOVE_ATTENTION / eng.heads) ** 0.5) + 1  # just above the threshold with one copy
+    x = np.zeros((1, seq, 32), np.float32)
+    eng.run(x)
+    assert trims == []
+    mask = np.zeros((1, seq), bool)
+    mask[0, -1] = True
+    out = eng.run(x, mask)["encoded"]
     assert trims == [1] and out.shape == (1, seq, 32) and np.isfinite(out).all()

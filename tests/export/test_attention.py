@@ -1,0 +1,114 @@
+"""Attention as one operator (export/attention.py): each form's graph check and parity, all-padding rows included."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from export import cli, parity_cli
+from export.attention import AUTO, resolve, spelled
+from export.checks import GraphCheckError, check_graph, op_counts
+from export.onnx_export import ExportError, export_onnx
+from model.attention import score_elements
+from model.config import EncoderConfig
+from model.encoder import build_encoder
+
+SMALL = ["--d-model", "64", "--nhead", "4", "--dim-feedforward", "128"]
+CFG = EncoderConfig(d_model=64, nhead=4, dim_feedforward=128, num_layers=2, dropout=0.0)
+
+
+def export(out, *flags) -> dict:
+    assert cli.main(["--out", str(out), *SMALL, *flags, "-q"]) == 0
+    return json.loads((out / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("flags", "form", "ops"),
+    [
+        ([], "mha", {"If": 1, "MultiHeadAttention": 2, "Softmax": 0}),  # the default
+        (["--attention", "mha", "--opset", "23"], "mha", {"If": 1, "MultiHeadAttention": 2}),
+        (["--attention", "onnx", "--opset", "23"], "onnx", {"Attention": 1, "Softmax": 0}),
+        (["--attention", "decomposed"], "decomposed", {"Softmax": 1, "MultiHeadAttention": 0}),
+        (["--attention", "mha", "--norm-first", "--activation", "gelu"], "mha", {"MultiHeadAttention": 2}),
+        (["--attention", "mha", "--variant", "fp16"], "mha", {"MultiHeadAttention": 2}),
+        (["--attention", "mha", "--variant", "int8"], "mha", {"MultiHeadAttention": 2, "MatMulInteger": 6}),
+        (
+            ["--attention", "mha", "--variant", "fused"],
+            "mha",
+            {"MultiHeadAttention": 2, "SkipLayerNormalization": 2},
+        ),
+    ],
+)
+def test_each_form_exports_counts_its_nodes_and_passes_the_adversarial_gate(tmp_path, flags, form, ops):
+    manifest = export(tmp_path / "a", *flags)
+    assert manifest["attention"] == form and manifest["parity"]["passed"]
+    counts = op_counts(onnx.load(str(tmp_path / "a" / "model.onnx")))
+    assert {op: counts[op] for op in ops} == ops
+    # addnorm-parity rebuilds the debug graph in the manifest's form; the adversarial suite holds a row whose
+    # keys are all padding, heavy padding, and extreme offsets
+    report = parity_cli.check_artifact(tmp_path / "a", adversarial=True)
+    assert report.passed, report.summary()
+
+
+@pytest.mark.parametrize("form", ["mha", "onnx", "decomposed"])
+def test_rows_whose_keys_are_all_padding_are_finite_and_equal_the_reference(tmp_path, form):
+    """The reference gives such rows uniform weights over the keys (never -inf -> NaN); every form matches."""
+    encoder = build_encoder(CFG)
+    opset = 23 if form == "onnx" else 17
+    export_onnx(encoder, tmp_path / "m.onnx", opset, attention=form)
+    x = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(3, 7, dtype=torch.bool)
+    mask[0] = True  # every key of row 0 is padding
+    mask[1, 4:] = True
+    sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {"embeddings": x.numpy(), "mask": mask.numpy()})[0]
+    with torch.no_grad():
+        want = encoder(x, mask).numpy()
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    # and without any padding (mha's flash branch)
+    got = sess.run(None, {"embeddings": x.numpy(), "mask": np.zeros((3, 7), bool)})[0]
+    with torch.no_grad():
+        np.testing.assert_allclose(got, encoder(x).numpy(), atol=1e-5, rtol=0)
+
+
+def test_spelled_swaps_the_kernel_only_inside_the_block_and_keeps_eager_results():
+    encoder = build_encoder(CFG)
+    x = torch.randn(2, 5, 64)
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[1, 3:] = True
+    with torch.no_grad():
+        want = encoder(x, mask)
+        with spelled(encoder, "mha"):
+            assert encoder.layers[0].self_attn.attend.__name__ == "_attend_mha"
+            torch.testing.assert_close(encoder(x, mask), want, rtol=0, atol=1e-6)
+    assert encoder.layers[0].self_attn.attend.__name__ == "attend"
+
+
+def test_choices_resolve_and_refuse_what_cannot_be_exported(tmp_path):
+    assert resolve("auto", 17) == AUTO == "mha"
+    assert resolve("decomposed", 17) == "decomposed"
+    with pytest.raises(ExportError, match="needs opset 23"):
+        export_onnx(build_encoder(CFG), tmp_path / "m.onnx", 17, attention="onnx")
+    with pytest.raises(ValueError, match="unknown attention 'flash'"):
+        resolve("flash", 17)
+    assert cli.main(["--out", str(tmp_path / "x"), *SMALL, "--attention", "onnx", "-q"]) == 2
+
+
+def test_graph_check_names_a_graph_that_lacks_its_attention_nodes(tmp_path):
+    model = export_onnx(build_encoder(CFG), tmp_path / "m.onnx", 17, attention="decomposed")
+    with pytest.raises(GraphCheckError, match=r"mha attention: expected 2 If node\(s\), found 0"):
+        check_graph(model, CFG, "fp32", "mha")
+    assert check_graph(model, CFG, "fp32", "decomposed")["attention_nodes"] == 2
+
+
+def test_working_set_by_form():
+    assert score_elements("mha", 2, 12, 100, padded=False) == 0  # flash attention: no seq x seq tensor
+    assert score_elements("mha", 2, 12, 100, padded=True) == 2 * 12 * 100 * 100
+    assert score_elements("onnx", 1, 12, 100, padded=False) == 12 * 100 * 100
+    assert score_elements("decomposed", 1, 12, 100, padded=False) == 3 * 12 * 100 * 100
