@@ -18,7 +18,7 @@ help:
 	@echo "make test    create .venv and run the test suite"
 	@echo "make export  (re-)export the default artifact into $(ARTIFACT)"
 	@echo "make parity  re-check $(ARTIFACT) and write a report into $(ARTIFACT)/report"
-	@echo "make bench   run the benchmarks (bench/), write bench/results and docs/benchmarks.md"
+	@echo "make bench   run the benchmarks (bench/) and the cost curve, write bench/results and docs/benchmarks.md"
 	@echo "make lint    ruff check + format check"
 
 $(BIN)/python:
@@ -50,6 +50,7 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(BIN)/addnorm-bench
+	$(BIN)/addnorm-bench --cost-curve
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

@@ -105,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--clients", type=int, default=64, help="clients for --soak (default 64)")
     p.add_argument(
+        "--cost-curve",
+        action="store_true",
+        help="instead of the ratios: time and peak memory of [1,S,E] (S 16..8192) and [B,128,E] runs for the mha "
+        "and decomposed attention forms and torch eager, each point in its own process; writes "
+        "bench/results/cost_curve.json and cost_curve.png",
+    )
+    p.add_argument(
         "--ray",
         action="store_true",
         help="instead of the ratios: Ray Serve (1 replica) against plain addnorm-serve, phases interleaved, "
@@ -126,6 +133,22 @@ def reliability(args: argparse.Namespace) -> int:
     return 1 if summary["unexpected_5xx"] or summary["wrong_answers"] or summary["unexpected"] else 0
 
 
+def cost_curve(args: argparse.Namespace) -> int:
+    """--cost-curve: print the curve's tables, keep its figures and plot beside the others."""
+    from bench import cost
+
+    s = setup(args)
+    args.results.mkdir(parents=True, exist_ok=True)
+    artifacts = cost.curve_artifacts(s.artifact, args.results / "cost_artifacts")
+    res = {"machine": measure.machine_info(s.threads)}
+    res["curve"] = cost.curve(artifacts, s.threads)
+    res["headline"] = cost.headline(artifacts, s.threads)
+    (args.results / "cost_curve.json").write_text(json.dumps(res, indent=2) + "\n")
+    cost.plot_curve(res, args.results)
+    print(cost.curve_table(res))
+    return 0
+
+
 def scale_out(args: argparse.Namespace) -> int:
     """--ray: print the Ray Serve table and keep its figures beside the others."""
     from bench.scaleout import measure_ray, ray_table
@@ -143,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         return reliability(args)
     if args.ray:
         return scale_out(args)
+    if args.cost_curve:
+        return cost_curve(args)
     start = time.perf_counter()
     res = run(args)
     res["bench_seconds"] = time.perf_counter() - start

@@ -96,3 +96,18 @@ def test_scaleout_finds_the_process_tree_and_prints_its_table():
     }
     text = ray_table(res)
     assert text.count("\n") == 3 and "| 0.50 | 6.00 | 1.00 | 2.00 | 3.00 | 8.0 | 4.0 |" in text
+
+
+def test_cost_point_runs_in_its_own_process_and_the_curve_reads(tiny_artifact):
+    """bench.cost: one real point in a subprocess, its own peak memory, and the fitted exponent."""
+    from bench import cost
+
+    point = cost.measure(f"ort:{tiny_artifact}", 2, 8, threads=1, repeats=2)
+    assert point is not None and point["batch"] == 2 and point["seq"] == 8
+    assert point["seconds"] > 0 and 10 < point["peak_rss_mb"] < 2000
+    quadratic = [{"seq": s, "seconds": 1e-6 * s**2} for s in (1024, 2048, 4096)]
+    assert abs(cost.exponent(quadratic) - 2.0) < 1e-9
+    assert cost.predicted_peak_gb("decomposed", 1, 8192, 12, 768) > cost.predicted_peak_gb(
+        "mha", 1, 8192, 12, 768
+    )
+    assert cost.measure(f"ort:{tiny_artifact}/missing", 1, 8, threads=1) is None
