@@ -85,7 +85,7 @@ def run_point(impl: str, batch: int, seq: int, threads: int, repeats: int, devic
     peak allocation, for torch on cuda)."""
     from model.artifact import Manifest
 
-    artifact = Path(impl.split(":", 1)[1]) if impl.startswith("ort:") else Path(impl.split(":", 1)[-1])
+    artifact = Path(impl.split(":", 1)[1])  # ort:DIR or torch:DIR
     e = Manifest.load(artifact).config.d_model
     x = np.random.default_rng(0).standard_normal((batch, seq, e)).astype(np.float32)
     run = _torch if impl.startswith("torch") else _ort
