@@ -30,8 +30,8 @@ CMD ["--out", "/artifacts/default", "--if-missing"]
 FROM base AS api
 RUN pip install . && python -c "import importlib.util as u; assert u.find_spec('torch') is None"
 USER addnorm
-ENV ADDNORM_MODEL_DIR=/artifacts/default ADDNORM_HOST=0.0.0.0 ADDNORM_PORT=8000
-EXPOSE 8000
+ENV ADDNORM_MODEL_DIR=/artifacts/default ADDNORM_HOST=0.0.0.0 ADDNORM_PORT=8000 ADDNORM_GRPC_PORT=8001
+EXPOSE 8000 8001
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
   CMD python -c "import sys, urllib.request as u; sys.exit(u.urlopen('http://127.0.0.1:8000/health/ready').status != 200)"
 ENTRYPOINT ["addnorm-serve"]
@@ -63,8 +63,9 @@ COPY bench ./bench
 RUN pip install ".[gpu]" && pip uninstall -y onnxruntime \
  && pip install --force-reinstall --no-deps "onnxruntime-gpu>=1.30"
 USER addnorm
-ENV ADDNORM_MODEL_DIR=/artifacts/default ADDNORM_HOST=0.0.0.0 ADDNORM_PORT=8000 ADDNORM_PROVIDERS=cuda
-EXPOSE 8000
+ENV ADDNORM_MODEL_DIR=/artifacts/default ADDNORM_HOST=0.0.0.0 ADDNORM_PORT=8000 ADDNORM_GRPC_PORT=8001 \
+    ADDNORM_PROVIDERS=cuda
+EXPOSE 8000 8001
 HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
   CMD python -c "import sys, urllib.request as u; sys.exit(u.urlopen('http://127.0.0.1:8000/health/ready').status != 200)"
 ENTRYPOINT ["addnorm-serve"]

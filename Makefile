@@ -5,21 +5,23 @@ BIN       := $(VENV)/bin
 ARTIFACT  ?= artifacts/default
 HOST      ?= 127.0.0.1
 PORT      ?= 8000
+GRPC_PORT ?= 8001
 # torch is pinned: on these machines pip takes the CPU build from local disk. Elsewhere, point pip at the
 # CPU wheel index so no multi-GB CUDA build is pulled: make TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH     ?= torch==2.13.0
 TORCH_INDEX ?=
 PIP_TORCH_FLAGS := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: serve test export parity lint format bench clean help
+.PHONY: serve test export parity lint format bench proto clean help
 
 help:
-	@echo "make serve   create .venv, export $(ARTIFACT) if missing, check parity, serve on $(HOST):$(PORT)"
+	@echo "make serve   create .venv, export $(ARTIFACT) if missing, check parity, serve on $(HOST):$(PORT) (gRPC $(GRPC_PORT))"
 	@echo "make test    create .venv and run the test suite"
 	@echo "make export  (re-)export the default artifact into $(ARTIFACT)"
 	@echo "make parity  re-check $(ARTIFACT) and write a report into $(ARTIFACT)/report"
 	@echo "make bench   run the benchmarks (bench/) and the cost curve, write bench/results and docs/benchmarks.md"
 	@echo "make lint    ruff check + format check"
+	@echo "make proto   regenerate service/protocols/v2/inference_pb2.py from inference.proto (grpcio-tools)"
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -36,7 +38,7 @@ $(ARTIFACT)/manifest.json: | $(VENV)/.installed
 # The export already compared every Add & Norm step; before serving, the final output's gate is enough.
 serve: $(VENV)/.installed $(ARTIFACT)/manifest.json
 	$(BIN)/addnorm-parity $(ARTIFACT) --no-steps
-	$(BIN)/addnorm-serve --model-dir $(ARTIFACT) --host $(HOST) --port $(PORT)
+	$(BIN)/addnorm-serve --model-dir $(ARTIFACT) --host $(HOST) --port $(PORT) --grpc-port $(GRPC_PORT)
 
 export: $(VENV)/.installed
 	$(BIN)/addnorm-export --out $(ARTIFACT)
@@ -51,6 +53,11 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(BIN)/addnorm-bench
 	$(BIN)/addnorm-bench --cost-curve
+
+# grpcio-tools < 1.77 writes protobuf 6.31 code, which the dependency floor (protobuf >= 6.31.1) runs.
+proto: $(VENV)/.installed
+	$(BIN)/pip install -q "grpcio-tools<1.77"
+	cd service/protocols/v2 && ../../../$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. inference.proto
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

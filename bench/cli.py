@@ -2,7 +2,8 @@
 
 Sections: in-process onnxruntime (and its GEMMs alone, the practical roof), torch eager on the same weights,
 the service over HTTP (V2 binary, /v1 binary, /v1 JSON), a naive FastAPI + pydantic + torch app, 32 concurrent
-clients with dynamic batching on and off against the perfect-batching limit, and fp32 vs int8 vs fused.
+clients with dynamic batching on and off against the perfect-batching limit, fp32 vs int8 vs fused, and V2 over
+gRPC against V2 binary over HTTP.
 Results go to bench/results/latest.json, two PNG plots, and the generated part of docs/benchmarks.md.
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import measure
+from bench.grpc_load import grpc_table, measure_grpc
 from bench.measure import CLIENTS, Setup
 from bench.report import plots, table, update_docs
 from bench.server import ROOT
@@ -60,6 +62,7 @@ def run(args: argparse.Namespace) -> dict:
         ("naive FastAPI + pydantic + torch", lambda: res.update(naive_json=measure.measure_naive(s))),
         ("concurrency, batching on/off", lambda: res.update(concurrency=measure.measure_concurrency(s))),
         ("variants (exporting int8 and fused)", lambda: res.update(variants=measure.measure_variants(s))),
+        ("gRPC vs HTTP binary", lambda: res.update(grpc=measure_grpc(s, CLIENTS))),
     )
     for name, section in sections:
         print(f"{name} ...", file=sys.stderr, flush=True)
@@ -117,7 +120,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of the ratios: Ray Serve (1 replica) against plain addnorm-serve, phases interleaved, "
         "with CPU per request by process (needs the 'ray' extra); writes bench/results/ray.json",
     )
+    p.add_argument(
+        "--grpc",
+        action="store_true",
+        help="instead of the ratios: only V2 over gRPC against V2 binary over HTTP (also part of the full run)",
+    )
     return p
+
+
+def grpc_only(args: argparse.Namespace) -> int:
+    """--grpc: the transport comparison alone, printed."""
+    s = setup(args)
+    res = measure_grpc(s, CLIENTS)
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "grpc.json").write_text(json.dumps(res, indent=2) + "\n")
+    big, small = ("x".join(map(str, x.shape)) for x in (s.x_big, s.x_small))
+    print("\n".join(grpc_table(res, big, small, CLIENTS)))
+    return 0
 
 
 def reliability(args: argparse.Namespace) -> int:
@@ -168,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         return scale_out(args)
     if args.cost_curve:
         return cost_curve(args)
+    if args.grpc:
+        return grpc_only(args)
     start = time.perf_counter()
     res = run(args)
     res["bench_seconds"] = time.perf_counter() - start

@@ -320,15 +320,15 @@ def ratios(res: dict) -> dict[str, float]:
 
 
 def batch_histogram(port: int) -> dict[str, float]:
-    """Rows per model run, from the server's own Prometheus histogram."""
+    """Rows per model run, from the server's own Prometheus histogram (every model's series added)."""
     import urllib.request
 
     text = urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=5).read().decode()
     out = {"sum": 0.0, "count": 0.0}
     for line in text.splitlines():
         if line.startswith(("addnorm_batch_size_sum", "addnorm_batch_size_count")):
-            name, value = line.split()
-            out[name.removeprefix("addnorm_batch_size_")] = float(value)
+            name, value = line.rsplit(" ", 1)
+            out[name.split("{")[0].removeprefix("addnorm_batch_size_")] += float(value)
     return out
 
 

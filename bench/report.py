@@ -57,6 +57,10 @@ def table(res: dict) -> str:
     for key in ("v1_binary_vs_inproc", "v1_json_vs_inproc", "fused_vs_fp32", "perfect_vs_unbatched_inproc"):
         lines.append(f"| {key.replace('_', ' ')} | {r[key]:.2f}x | | |")
     lines += cpu_table(res)
+    if "grpc" in res:
+        from bench.grpc_load import grpc_table
+
+        lines += grpc_table(res["grpc"], big, small, res["shapes"]["clients"])
     big_cpu = res["http_single_client"]["v2_binary"]["client_cpu_s_per_request"] * 1e3
     c_max = max(res["concurrency"]["on"], key=int)
     small_cpu = res["concurrency"]["on"][c_max]["client_cpu_s_per_request"] * 1e3

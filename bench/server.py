@@ -23,6 +23,7 @@ def free_port() -> int:
 
 class ServerProcess:
     """``python ARGS --port P`` in the repo root, on a free port; ``wait()`` until ``ready_path`` answers 200.
+    ``grpc=True`` gives it a free gRPC port too (``grpc_port``); otherwise its gRPC service is off.
 
     A context manager: ``with ServerProcess([...]) as srv: ...`` starts, waits, and stops it.
     """
@@ -33,16 +34,19 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         ready_path: str = "/health/ready",
         capture: bool = True,
+        grpc: bool = False,
     ) -> None:
         self.port = free_port()
         self.base = f"http://{HOST}:{self.port}"
+        self.grpc_port = free_port() if grpc else 0
+        env = {"ADDNORM_GRPC_PORT": str(self.grpc_port), **(env or {})}
         self.ready_path = ready_path
         # The server's output goes to a file, never to a pipe nobody reads: a full pipe would block its logging.
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(
             [sys.executable, *args, "--port", str(self.port)],
             cwd=ROOT,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **env},
             stdout=self.log if capture else subprocess.DEVNULL,
             stderr=self.log,
             text=True,
@@ -87,8 +91,10 @@ class ServerProcess:
         self.stop()
 
 
-def serve(artifact: Path, *flags: str) -> ServerProcess:
-    """addnorm-serve on ``artifact`` (quiet), not yet waited for."""
+def serve(artifact: Path, *flags: str, grpc: bool = False) -> ServerProcess:
+    """addnorm-serve on ``artifact`` (quiet), not yet waited for; ``grpc``: with gRPC on a free port too."""
     return ServerProcess(
-        ["-m", "service", "--model-dir", str(artifact), "--log-level", "warning", *flags], capture=False
+        ["-m", "service", "--model-dir", str(artifact), "--log-level", "warning", *flags],
+        capture=False,
+        grpc=grpc,
     )

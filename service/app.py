@@ -12,6 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,16 +20,20 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from model.artifact import ArtifactError, Manifest
 from service import logs, memory, protocols
-from service.batcher import Batcher
+from service.batcher import Batcher, Observers
 from service.engine import Engine
 from service.errors import ServiceError
 from service.fastpath import FastPath
 from service.guard import Guard
 from service.protocols import health
+from service.protocols.v2 import grpc_server
+from service.protocols.v2.codec import VERSION
 from service.responses import error_response, from_error, unexpected_error
 from service.settings import Settings
-from service.state import LoadedState, Models, ServiceState, ServingModel
+from service.state import READY, UNAVAILABLE, LoadedState, Models, ServiceState, ServingModel, Slot
+from service.statistics import ModelStatistics
 from service.verification import Verification, verify_engine
 
 log = logging.getLogger("addnorm.service")
@@ -36,9 +41,10 @@ access_log = logging.getLogger("addnorm.access")
 
 
 def create_app(settings: Settings | None = None, *, load_before_serving: bool = False) -> FastAPI:
-    """Build the app. By default the model loads in the background after start-up and /health/ready is 503
-    until it has. ``load_before_serving`` makes start-up itself wait for the model and fail when it cannot load:
-    for hosts that count an instance as serving once its start-up ends (Ray Serve replicas, service/ray_serve.py).
+    """Build the app. By default the models load in parallel in the background after start-up and /health/ready
+    is 503 until all have. ``load_before_serving`` makes start-up itself wait for them and fail when one cannot
+    load: for hosts that count an instance as serving once its start-up ends (Ray Serve replicas,
+    service/ray_serve.py). With ``grpc_port`` set, the gRPC service starts with the app, on its event loop.
     """
     if settings is None:  # factory mode (uvicorn --factory, several workers): configure from the environment
         settings = Settings()
@@ -48,9 +54,10 @@ def create_app(settings: Settings | None = None, *, load_before_serving: bool = 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        grpc = await grpc_server.start(state) if settings.grpc_port else None
         if load_before_serving:
             await _load(state)
-            if state.loaded is None:
+            if state.not_ready_reason() is not None:
                 raise RuntimeError(state.not_ready_reason())
         loader = None if load_before_serving else asyncio.create_task(_load(state))
         try:
@@ -58,6 +65,8 @@ def create_app(settings: Settings | None = None, *, load_before_serving: bool = 
         finally:
             if loader is not None:
                 loader.cancel()
+            if grpc is not None:
+                await grpc.stop(settings.request_timeout_s)  # in-flight calls finish, new ones are refused
             if state.loaded is not None:
                 for model in state.loaded.models:
                     await model.batcher.stop()
@@ -88,39 +97,81 @@ def create_app(settings: Settings | None = None, *, load_before_serving: bool = 
     return app
 
 
+def read_manifests(settings: Settings) -> list[Slot]:
+    """Every model to serve, named by its manifest, in order. Raises ValueError (with every directory involved)
+    for an unreadable manifest, a missing repository or two models of one name."""
+    slots: list[Slot] = []
+    for directory in settings.model_dirs():
+        try:
+            name = Manifest.load(directory).name
+        except (ArtifactError, OSError) as exc:
+            raise ValueError(str(exc) if str(directory) in str(exc) else f"{directory}: {exc}") from None
+        same = [s.directory for s in slots if s.name == name]
+        if same:
+            raise ValueError(
+                f"two models are named {name!r}: {same[0]} and {directory}; give one another name "
+                "(addnorm-export --name) or serve them from different servers"
+            )
+        slots.append(Slot(name, Path(directory)))
+    return slots
+
+
 async def _load(state: ServiceState) -> None:
+    """Read every manifest (names known: model routes answer 404/503 by name from here on), then load the
+    models in parallel; each becomes READY or UNAVAILABLE with its reason."""
+    try:
+        slots = read_manifests(state.settings)
+    except ValueError as exc:
+        state.load_error = str(exc)
+        log.error("cannot serve: %s", exc)
+        return
+    state.loaded = LoadedState(state.settings, Models(slots))
+    await asyncio.gather(*(_load_one(state, slot) for slot in slots))
+    if state.not_ready_reason() is None:
+        log.info("ready: %s", ", ".join(f"{s.name} on {s.serving.engine.providers}" for s in slots))
+
+
+async def _load_one(state: ServiceState, slot: Slot) -> None:
+    try:
+        slot.serving = await _serving_model(state, slot.directory)
+        slot.state = READY
+    except _LoadFailed as exc:
+        slot.state, slot.reason = UNAVAILABLE, str(exc)
+        log.error("model %s failed to load: %s", slot.name, exc)
+
+
+class _LoadFailed(Exception):
+    pass
+
+
+async def _serving_model(state: ServiceState, directory: Path) -> ServingModel:
     s = state.settings
     try:
-        engine = await asyncio.to_thread(Engine, s.model_dir, s.providers, s.intra_op_threads)
-    except Exception as exc:  # any failure keeps /health/ready at 503 with the reason
-        state.load_error = str(exc)
-        log.error("model failed to load: %s", exc)
-        return
+        engine = await asyncio.to_thread(Engine, directory, s.providers, s.intra_op_threads)
+    except Exception as exc:  # any failure keeps the model (and /health/ready) unavailable, with the reason
+        raise _LoadFailed(str(exc)) from None
     try:
-        verification = await asyncio.to_thread(verify_engine, engine, s.model_dir, s.verify_on_load)
+        verification = await asyncio.to_thread(verify_engine, engine, directory, s.verify_on_load)
     except Exception as exc:  # unreadable golden data: not ready, with the reason
-        state.load_error = f"golden check could not run: {type(exc).__name__}: {exc}"
-        log.error("%s", state.load_error)
-        return
+        raise _LoadFailed(f"golden check could not run: {type(exc).__name__}: {exc}") from None
     state.metrics.verification(engine.name, verification)
     if not _accept(verification, s.verify_on_load, engine.name):
-        state.load_error = f"golden check failed on {verification.provider}: {verification.message}"
-        return
+        raise _LoadFailed(f"golden check failed on {verification.provider}: {verification.message}")
+    statistics = ModelStatistics(engine.name, VERSION)
     batcher = Batcher(
         engine,
         max_batch_size=s.max_batch_size,
         max_batch_tokens=s.max_batch_tokens,
         max_queue_delay_ms=s.max_queue_delay_ms,
         max_queue_size=s.max_queue_size,
-        observer=state.metrics,
+        observer=Observers(state.metrics.model(engine.name), statistics),
         max_batch_attention=s.max_batch_attention,
         heads=engine.manifest.config.nhead,
         attention=engine.attention,
         max_queue_bytes=s.max_queue_bytes,
     )
     batcher.start()
-    state.loaded = LoadedState(s, Models([ServingModel(engine, batcher, verification)]))
-    log.info("ready: model %s on %s", engine.name, engine.providers)
+    return ServingModel(engine, batcher, verification, statistics)
 
 
 def _accept(v: Verification, mode: str, name: str) -> bool:

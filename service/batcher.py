@@ -37,8 +37,28 @@ class Model(Protocol):
 
 
 class BatchObserver(Protocol):
-    def batch_done(self, rows: int, requests: int, seconds: float) -> None: ...
+    """Told of each model run (its rows, requests, and the seconds spent merging, running and cutting it) and
+    of the queue's depth; called on the event loop."""
+
+    def batch_done(
+        self, rows: int, requests: int, seconds: float, merge_s: float, split_s: float
+    ) -> None: ...
     def queue_depth(self, depth: int) -> None: ...
+
+
+class Observers:
+    """Several observers as one (a model's metrics and its statistics)."""
+
+    def __init__(self, *observers: BatchObserver) -> None:
+        self.observers = observers
+
+    def batch_done(self, rows: int, requests: int, seconds: float, merge_s: float, split_s: float) -> None:
+        for o in self.observers:
+            o.batch_done(rows, requests, seconds, merge_s, split_s)
+
+    def queue_depth(self, depth: int) -> None:
+        for o in self.observers:
+            o.queue_depth(depth)
 
 
 @dataclass
@@ -191,6 +211,7 @@ class Batcher:
             for item in batch:
                 item.timings.queue_s = started - item.enqueued
             x, mask = _merge(batch)
+            merged = time.perf_counter()
             try:
                 out = await loop.run_in_executor(self._executor, self.model.run, x, mask)
             except ServiceError as exc:
@@ -200,7 +221,8 @@ class Batcher:
                 log.exception("inference failed for a batch of %d request(s)", len(batch))
                 _fail(batch, InferenceFailed(f"inference failed: {type(exc).__name__}"))
                 continue
-            elapsed = time.perf_counter() - started
+            ran = time.perf_counter()
+            elapsed = ran - merged
             row = 0
             for item in batch:
                 item.timings.infer_s = elapsed
@@ -213,7 +235,9 @@ class Batcher:
                     item.future.set_result(rows)
                 row += item.rows
             if self.observer is not None:
-                self.observer.batch_done(x.shape[0], len(batch), elapsed)
+                self.observer.batch_done(
+                    x.shape[0], len(batch), elapsed, merged - started, time.perf_counter() - ran
+                )
 
     async def _next_batch(self) -> list[_Item]:
         """Wait for a first request, then up to max_delay for more, and take what fits."""

@@ -31,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
             "default": None,
             "help": f"{info.description} [{env}, default {info.default}]",
         }
-        if info.annotation is bool:
+        if name == "model_dir":
+            kwargs["action"] = "append"  # --model-dir A --model-dir B: two models
+        elif info.annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(info.annotation) is typing.Literal:
             kwargs["choices"] = list(typing.get_args(info.annotation))
@@ -80,20 +82,26 @@ def main(argv: list[str] | None = None) -> int:
             settings.host,
         )
     try:
-        # Fail before binding a port: a missing or tampered artifact, or cuda asked for but absent.
+        # Fail before binding a port: a missing or tampered artifact, two models of one name, or cuda asked for
+        # but absent.
         import onnxruntime as ort
 
-        manifest = check_artifact(settings.model_dir)
+        from service.app import read_manifests
+
+        slots = read_manifests(settings)
+        for slot in slots:
+            check_artifact(slot.directory)
         resolve_providers(settings.providers, ort.get_available_providers())
-    except EngineError as exc:
+    except (EngineError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if settings.workers > 1 and settings.intra_op_threads == 0:
         # Several processes each with all-core thread pools oversubscribe the CPU: split the cores.
         settings = settings.model_copy(update={"intra_op_threads": default_threads(settings.workers)})
-    log.info(
-        "serving %s from %s on http://%s:%d", manifest.name, settings.model_dir, settings.host, settings.port
-    )
+    for slot in slots:
+        log.info("model %s from %s", slot.name, slot.directory)
+    grpc = f", gRPC on {settings.host}:{settings.grpc_port}" if settings.grpc_port else ""
+    log.info("serving on http://%s:%d%s", settings.host, settings.port, grpc)
 
     import uvicorn
 

@@ -1,7 +1,7 @@
 """Domain errors: what went wrong with a request, in words a protocol front end can map to its own codes.
 
-Nothing here knows HTTP. The batcher, the engine, the guard and the codecs raise these; ``HTTP_STATUS`` is the one
-table that turns them into status codes (a gRPC front end adds its column beside it).
+Nothing here knows HTTP or gRPC. The batcher, the engine, the guard and the codecs raise these; ``CODES`` is the one
+table that turns them into each transport's status: an HTTP status and a gRPC status code name.
 """
 
 from __future__ import annotations
@@ -74,25 +74,36 @@ class ClientGone(ServiceError):
         super().__init__("client closed the request")
 
 
-HTTP_STATUS: dict[type[ServiceError], int] = {
-    BadInput: 400,
-    Unauthenticated: 401,
-    NotFound: 404,
-    NotAcceptable: 406,
-    TooLarge: 413,
-    UnsupportedMediaType: 415,
-    Overloaded: 429,
-    ClientGone: 499,  # nginx's code for it
-    InferenceFailed: 500,
-    NotReady: 503,
-    ShuttingDown: 503,
-    TimedOut: 504,
+# error class -> (HTTP status, gRPC status code name)
+CODES: dict[type[ServiceError], tuple[int, str]] = {
+    BadInput: (400, "INVALID_ARGUMENT"),
+    Unauthenticated: (401, "UNAUTHENTICATED"),
+    NotFound: (404, "NOT_FOUND"),
+    NotAcceptable: (406, "INVALID_ARGUMENT"),
+    TooLarge: (413, "RESOURCE_EXHAUSTED"),  # what gRPC itself answers for a message above its limit
+    UnsupportedMediaType: (415, "INVALID_ARGUMENT"),
+    Overloaded: (429, "RESOURCE_EXHAUSTED"),
+    ClientGone: (499, "CANCELLED"),  # 499: nginx's code for it
+    InferenceFailed: (500, "INTERNAL"),
+    NotReady: (503, "UNAVAILABLE"),
+    ShuttingDown: (503, "UNAVAILABLE"),
+    TimedOut: (504, "DEADLINE_EXCEEDED"),
 }
+HTTP_STATUS = {cls: http for cls, (http, _) in CODES.items()}
+
+
+def _codes(exc: ServiceError) -> tuple[int, str]:
+    for cls in type(exc).__mro__:
+        if cls in CODES:
+            return CODES[cls]
+    return 500, "INTERNAL"
 
 
 def http_status(exc: ServiceError) -> int:
     """The HTTP status of a domain error (its nearest class in the table)."""
-    for cls in type(exc).__mro__:
-        if cls in HTTP_STATUS:
-            return HTTP_STATUS[cls]
-    return 500
+    return _codes(exc)[0]
+
+
+def grpc_code(exc: ServiceError) -> str:
+    """The gRPC status code name (``grpc.StatusCode[name]``) of a domain error."""
+    return _codes(exc)[1]

@@ -1,7 +1,8 @@
 """The one request guard. Every HTTP request passes it before any route, the fast path's or FastAPI's.
 
 It lets the health probes through untouched; every other path needs a valid API key when keys are set
-(``Authorization: Bearer <key>``, compared in constant time), and model routes need every model loaded. A route
+(``Authorization: Bearer <key>``, compared in constant time), and model routes need the models' manifests read
+(each route then answers 503 for a model still loading, 404 for a name no manifest has). A route
 that needs the models gets them from the guard (``Loaded``), so a model route the guard did not cover fails
 loudly instead of serving unguarded; ``tests/service/test_guard.py`` tries every route the app serves.
 """
@@ -23,7 +24,7 @@ SCOPE_KEY = "addnorm.loaded"  # where the guard leaves the LoadedState for the r
 
 class Guard:
     """Pure ASGI middleware. ``public_paths``: served without checks (health probes); ``model_prefixes``: paths
-    whose routes use the models, refused with 503 until every model has loaded; ``api_keys``: none = open."""
+    whose routes use the models, refused with 503 until the manifests are read; ``api_keys``: none = open."""
 
     def __init__(
         self,
@@ -64,19 +65,23 @@ class Guard:
         return self.state.loaded
 
     def _authenticate(self, scope: Scope) -> None:
-        """``Authorization: Bearer <key>`` with one of the keys; never says which part was wrong, never logs it."""
-        header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-        if header is None:
-            raise Unauthenticated("this server needs an API key: send 'Authorization: Bearer <key>'")
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer" or not token.strip():
-            raise Unauthenticated("the Authorization header must be 'Bearer <key>'")
-        token = token.strip()
-        matched = False
-        for key in self.api_keys:  # every key compared, each in constant time
-            matched |= hmac.compare_digest(token, key)
-        if not matched:
-            raise Unauthenticated("invalid API key")
+        check_key(next((v for k, v in scope["headers"] if k == b"authorization"), None), self.api_keys)
+
+
+def check_key(header: bytes | None, api_keys: tuple[bytes, ...]) -> None:
+    """``Authorization: Bearer <key>`` (an HTTP header or gRPC metadata) with one of the keys; raises
+    Unauthenticated. Never says which part was wrong, never logs the key."""
+    if header is None:
+        raise Unauthenticated("this server needs an API key: send 'Authorization: Bearer <key>'")
+    scheme, _, token = header.partition(b" ")
+    if scheme.lower() != b"bearer" or not token.strip():
+        raise Unauthenticated("the Authorization header must be 'Bearer <key>'")
+    token = token.strip()
+    matched = False
+    for key in api_keys:  # every key compared, each in constant time
+        matched |= hmac.compare_digest(token, key)
+    if not matched:
+        raise Unauthenticated("invalid API key")
 
 
 # Async on purpose: FastAPI runs a plain ``def`` dependency in a worker thread, a hop that costs more than the

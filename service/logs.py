@@ -42,6 +42,19 @@ class _QueueHandler(logging.handlers.QueueHandler):
         return record
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when the record is written (it may be replaced after configure: a
+    test's capture, a redirect), never to a stream closed since."""
+
+    @property
+    def stream(self):  # noqa: ANN201
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+
 _listener: logging.handlers.QueueListener | None = None
 
 
@@ -60,7 +73,7 @@ def configure(level: str = "info", json_logs: bool = False) -> None:
     """Log lines, plain or JSON, written by one listener thread; callers only enqueue (with their request id)."""
     global _listener
     _stop_listener()
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Stderr()
     if json_logs:
         handler.setFormatter(JsonFormatter())
     else:

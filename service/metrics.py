@@ -28,16 +28,21 @@ class Metrics:
         self.inference = Histogram(
             "addnorm_inference_duration_seconds",
             "time of one model run (one batch)",
+            ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.batch_rows = Histogram(
-            "addnorm_batch_size", "rows per model run", buckets=_BATCH_BUCKETS, registry=r
+            "addnorm_batch_size", "rows per model run", ["model"], buckets=_BATCH_BUCKETS, registry=r
         )
         self.batch_requests = Histogram(
-            "addnorm_batch_requests", "requests merged per model run", buckets=_BATCH_BUCKETS, registry=r
+            "addnorm_batch_requests",
+            "requests merged per model run",
+            ["model"],
+            buckets=_BATCH_BUCKETS,
+            registry=r,
         )
-        self.queue = Gauge("addnorm_queue_depth", "requests waiting for a model run", registry=r)
+        self.queue = Gauge("addnorm_queue_depth", "requests waiting for a model run", ["model"], registry=r)
         self.golden = Gauge(
             "addnorm_golden_verified",
             "load-time golden check: 1 passed, 0 failed, -1 not run",
@@ -51,14 +56,9 @@ class Metrics:
             registry=r,
         )
 
-    # RunnerObserver
-    def batch_done(self, rows: int, requests: int, seconds: float) -> None:
-        self.inference.observe(seconds)
-        self.batch_rows.observe(rows)
-        self.batch_requests.observe(requests)
-
-    def queue_depth(self, depth: int) -> None:
-        self.queue.set(depth)
+    def model(self, name: str) -> ModelMetrics:
+        """The batch observer that records one model's runs, under its ``model`` label."""
+        return ModelMetrics(self, name)
 
     def verification(self, model: str, v) -> None:  # noqa: ANN001 (model.golden.Verification)
         self.golden.labels(model).set({"passed": 1, "failed": 0}.get(v.status, -1))
@@ -71,3 +71,21 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ModelMetrics:
+    """One model's series (a BatchObserver): the labelled children are looked up once, not per run."""
+
+    def __init__(self, metrics: Metrics, name: str) -> None:
+        self.inference = metrics.inference.labels(name)
+        self.batch_rows = metrics.batch_rows.labels(name)
+        self.batch_requests = metrics.batch_requests.labels(name)
+        self.queue = metrics.queue.labels(name)
+
+    def batch_done(self, rows: int, requests: int, seconds: float, merge_s: float, split_s: float) -> None:
+        self.inference.observe(seconds)
+        self.batch_rows.observe(rows)
+        self.batch_requests.observe(requests)
+
+    def queue_depth(self, depth: int) -> None:
+        self.queue.set(depth)

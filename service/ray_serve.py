@@ -59,8 +59,9 @@ def check_readable(model_dir: Path) -> None:
 
 def replica_settings(overrides: dict[str, Any], cpus: float | None) -> Settings:
     """The replica's settings: ADDNORM_* from its environment, then the builder's arguments. onnxruntime's
-    intra-op threads follow the CPUs Ray gave the replica, unless set explicitly."""
-    settings = Settings(**overrides)
+    intra-op threads follow the CPUs Ray gave the replica, unless set explicitly. No gRPC port: replicas share
+    nodes, and Ray's proxy is the one front door (HTTP)."""
+    settings = Settings(**{**overrides, "grpc_port": 0})
     if settings.intra_op_threads == 0 and cpus:
         settings = settings.model_copy(update={"intra_op_threads": max(1, int(cpus))})
     return settings
@@ -97,10 +98,15 @@ class AddNormReplica:
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
         self.settings = replica_settings(overrides or {}, cpus)
         logs.configure(self.settings.log_level, self.settings.log_json)
-        check_readable(self.settings.model_dir)
+        for directory in self.settings.model_dirs():
+            check_readable(directory)
         self.fastapi_app = create_app(self.settings, load_before_serving=True)
         self.fastapi_app.add_middleware(_ProxyRequestId)
-        log.info("replica starting: %s, %s onnxruntime threads", self.settings.model_dir, cpus)
+        log.info(
+            "replica starting: %s, %s onnxruntime threads",
+            ", ".join(map(str, self.settings.model_dirs())),
+            cpus,
+        )
 
     def __serve_build_asgi_app__(self):  # noqa: ANN204 (Ray's hook: the app this replica serves)
         return self.fastapi_app
@@ -116,7 +122,8 @@ def build(args: dict[str, Any]) -> Application:
     """Application builder for ``serve run service.ray_serve:build key=value ...`` and Serve config files.
 
     Keys: ``replicas``, ``num_cpus``, ``max_ongoing_requests``, and any addnorm setting by its field name
-    (``model_dir``, ``providers``, ``max_batch_size``, ...). A relative ``model_dir`` is made absolute here.
+    (``model_dir`` (comma-separated for several), ``providers``, ``max_batch_size``, ...). Relative artifact paths
+    are made absolute here.
     """
     args = dict(args)
     replicas = str(args.pop("replicas", 1))
@@ -126,8 +133,10 @@ def build(args: dict[str, Any]) -> Application:
     if unknown:
         known = ", ".join([*BUILD_ARGS, "and the settings " + ", ".join(Settings.model_fields)])
         raise ValueError(f"unknown argument(s) {unknown} for service.ray_serve:build; it takes {known}")
-    if "model_dir" in args:
-        args["model_dir"] = str(Path(args["model_dir"]).expanduser().resolve())
+    for key in ("model_dir", "model_repository"):
+        if key in args:
+            paths = str(args[key]).split(",") if key == "model_dir" else [str(args[key])]
+            args[key] = ",".join(str(Path(p.strip()).expanduser().resolve()) for p in paths if p.strip())
     Settings(**args)  # a bad value fails here, on the driver, not in every replica
     options: dict[str, Any] = {
         "ray_actor_options": {"num_cpus": num_cpus},

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from model.artifact import MANIFEST_FILE
+
+DEFAULT_MODEL_DIR = Path("artifacts/default")
 
 
 class Settings(BaseSettings):
@@ -14,11 +18,24 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="ADDNORM_", extra="ignore", protected_namespaces=())
 
-    model_dir: Path = Field(
-        Path("artifacts/default"), description="artifact directory (manifest.json, model.onnx)"
+    model_dir: Annotated[tuple[Path, ...], NoDecode] = Field(
+        (),
+        description="artifact directory (manifest.json, model.onnx); give it more than once (the variable: "
+        f"comma-separated) to serve several models, the first being the default [{DEFAULT_MODEL_DIR} when "
+        "neither this nor --model-repository is given]",
+    )
+    model_repository: Path | None = Field(
+        None, description="serve every artifact directory in this directory (after any --model-dir)"
     )
     host: str = Field("127.0.0.1", description="interface to bind")
-    port: int = Field(8000, ge=0, le=65535, description="TCP port")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port")
+    grpc_port: int = Field(
+        8001,
+        ge=0,
+        le=65535,
+        description="gRPC port (the Open Inference Protocol's GRPCInferenceService, for tritonclient.grpc); "
+        "0 = no gRPC",
+    )
     providers: Literal["auto", "cpu", "cuda"] = Field(
         "auto",
         description="execution provider: auto (CUDA when available, else CPU), cpu, or cuda (fail if absent)",
@@ -81,6 +98,35 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     log_json: bool = Field(False, description="one JSON object per log line")
 
+    @field_validator("model_dir", mode="before")
+    @classmethod
+    def _paths(cls, value: object) -> object:
+        """One path, a comma-separated string (the environment variable), or a list of either."""
+        if isinstance(value, (str, Path)):
+            value = [value]
+        if isinstance(value, (list, tuple)):
+            return tuple(Path(p.strip()) for v in value for p in str(v).split(",") if p.strip())
+        return value
+
+    def model_dirs(self) -> tuple[Path, ...]:
+        """Every artifact directory to serve, in order: --model-dir's, then the repository's (each of its
+        directories holding a manifest, by name; hidden ones skipped; one already given is not repeated). Raises ValueError for a repository that is not a directory."""
+        dirs = list(self.model_dir)
+        if self.model_repository is not None:
+            repo = self.model_repository
+            if not repo.is_dir():
+                raise ValueError(f"model repository {repo} is not a directory")
+            found = sorted(
+                d for d in repo.iterdir() if not d.name.startswith(".") and (d / MANIFEST_FILE).is_file()
+            )
+            if not found:
+                raise ValueError(
+                    f"model repository {repo} holds no artifact directory (none has {MANIFEST_FILE})"
+                )
+            given = {d.resolve() for d in dirs}
+            dirs += [d for d in found if d.resolve() not in given]  # one directory named both ways: once
+        return tuple(dirs) or (DEFAULT_MODEL_DIR,)
+
     def api_keys(self) -> tuple[str, ...]:
         """Every configured key: --api-key's comma-separated list, then the key file's lines (blank lines and
         '#' comments skipped). Raises ValueError when the file cannot be read or holds no key."""
@@ -104,5 +150,7 @@ class Settings(BaseSettings):
                 continue
             if isinstance(value, SecretStr):
                 value = value.get_secret_value()
+            elif isinstance(value, tuple):
+                value = ",".join(str(v) for v in value)
             env[f"ADDNORM_{name.upper()}"] = str(value)
         return env

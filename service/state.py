@@ -1,8 +1,10 @@
-"""What a running server holds: its settings, metrics, and the models it serves once they are loaded."""
+"""What a running server holds: its settings, metrics, and the models it serves, each with its loading state."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -10,18 +12,20 @@ from fastapi import Depends, Request
 from model.golden import Verification
 from service.batcher import Batcher
 from service.engine import Engine
-from service.errors import NotFound
+from service.errors import NotFound, NotReady
 from service.metrics import Metrics
 from service.settings import Settings
+from service.statistics import ModelStatistics
 
 
 @dataclass(frozen=True)
 class ServingModel:
-    """One served model: its engine and the batcher in front of it."""
+    """One loaded model: its engine, the batcher in front of it, its load-time check and its statistics."""
 
     engine: Engine
     batcher: Batcher
     verification: Verification  # the load-time golden check (service.verification)
+    statistics: ModelStatistics
 
     def describe(self) -> dict:
         """The manifest, what runs it, and how it verified (GET /v1/model)."""
@@ -32,28 +36,67 @@ class ServingModel:
         return self.engine.name
 
 
+LOADING, READY, UNAVAILABLE = "LOADING", "READY", "UNAVAILABLE"  # the repository index's states
+
+
+@dataclass
+class Slot:
+    """One model the server was told to serve, from the moment its manifest is read: its state, and the
+    ServingModel once it is READY. ``reason`` says why it is UNAVAILABLE."""
+
+    name: str
+    directory: Path
+    state: str = LOADING
+    reason: str = ""
+    serving: ServingModel | None = None
+
+
 class Models:
-    """The loaded models by name; the first is the default. What the guard hands to every route past it."""
+    """The configured models by name, in the order given; the first is the default. What the guard hands to every
+    route past it: ``get`` answers 404 for a name it does not know and 503 for a model not (yet) loaded."""
 
-    def __init__(self, models: list[ServingModel]) -> None:
-        if not models:
+    def __init__(self, slots: list[Slot]) -> None:
+        if not slots:
             raise ValueError("a server needs at least one model")
-        self._by_name = {m.name: m for m in models}
-        self.default = models[0]
+        self.slots = {s.name: s for s in slots}
+        self._first = slots[0]
 
-    def get(self, name: str) -> ServingModel:
+    def slot(self, name: str) -> Slot:
         try:
-            return self._by_name[name]
+            return self.slots[name]
         except KeyError:
-            raise NotFound(f"unknown model {name!r}; this server serves {sorted(self._by_name)}") from None
+            raise NotFound(f"unknown model {name!r}; this server serves {sorted(self.slots)}") from None
 
-    def __iter__(self):  # noqa: ANN204
-        return iter(self._by_name.values())
+    def get(self, name: str | None = None) -> ServingModel:
+        """The named model (the default for None), loaded; NotFound or NotReady otherwise."""
+        slot = self._first if name is None else self.slot(name)
+        if slot.serving is None:
+            raise NotReady(_why(slot))
+        return slot.serving
+
+    @property
+    def default(self) -> ServingModel:
+        return self.get()
+
+    def __iter__(self) -> Iterator[ServingModel]:
+        """The loaded models."""
+        return (s.serving for s in self.slots.values() if s.serving is not None)
+
+    def not_ready_reason(self) -> str | None:
+        """None when every model is READY; otherwise each other model's state."""
+        waiting = [_why(s) for s in self.slots.values() if s.state != READY]
+        return "; ".join(waiting) or None
+
+
+def _why(slot: Slot) -> str:
+    if slot.state == UNAVAILABLE:
+        return f"model {slot.name!r} failed to load: {slot.reason}"
+    return f"model {slot.name!r} is loading"
 
 
 @dataclass(frozen=True)
 class LoadedState:
-    """What routes past the guard get: nothing in it is optional."""
+    """What routes past the guard get once every manifest is read: the settings and the models by name."""
 
     settings: Settings
     models: Models
@@ -63,16 +106,16 @@ class LoadedState:
 class ServiceState:
     settings: Settings
     metrics: Metrics = field(default_factory=Metrics)
-    loaded: LoadedState | None = None  # set once every model has loaded
-    load_error: str | None = None
+    loaded: LoadedState | None = None  # set once every model's manifest is read (names known)
+    load_error: str | None = None  # the manifests could not be read: nothing is served
 
     def not_ready_reason(self) -> str | None:
         """None when every model is loaded; otherwise why not."""
-        if self.loaded is not None:
-            return None
         if self.load_error:
             return f"model failed to load: {self.load_error}"
-        return "model is loading"
+        if self.loaded is None:
+            return "model is loading"
+        return self.loaded.models.not_ready_reason()
 
 
 async def get_state(request: Request) -> ServiceState:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,8 @@ from bench.server import ROOT, ServerProcess
 from model.config import EncoderConfig
 
 __all__ = ["ROOT", "SMALL", "TINY", "export_to", "start_server"]
+# Apps the tests build in-process serve no gRPC unless a test asks for a port (the default, 8001, could be taken).
+os.environ["ADDNORM_GRPC_PORT"] = "0"
 TINY = EncoderConfig(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0)
 SMALL = EncoderConfig(d_model=64, nhead=4, dim_feedforward=128, dropout=0.0)
 
@@ -31,9 +34,34 @@ def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return export_to(tmp_path_factory.mktemp("tiny") / "artifact", TINY)
 
 
-def start_server(model_dir: Path, *extra: str) -> ServerProcess:
-    """addnorm-serve on ``model_dir`` in its own process (not yet waited for; ``with`` waits and stops it)."""
-    return ServerProcess(["-m", "service", "--model-dir", str(model_dir), *extra])
+@pytest.fixture(scope="session")
+def model_repository(tiny_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A repository of two models, as --model-repository reads it: the tiny fp32 artifact ("encoder") and the
+    same block in int8 under another name ("encoder-int8"), different seeds so their answers differ."""
+    import shutil
+
+    repo = tmp_path_factory.mktemp("repository")
+    shutil.copytree(tiny_artifact, repo / "a-fp32")
+    export_to(repo / "b-int8", TINY, name="encoder-int8", variant="int8", seed=1)
+    return repo
+
+
+REPO_KEY = "repo-secret"
+
+
+@pytest.fixture(scope="session")
+def repo_server(model_repository: Path) -> Iterator[ServerProcess]:
+    """addnorm-serve --model-repository on the two models: HTTP and gRPC (``.grpc_port``), API key REPO_KEY,
+    a 200 kB body limit."""
+    args = ["-m", "service", "--model-repository", str(model_repository), "--api-key", REPO_KEY]
+    with ServerProcess([*args, "--max-body-bytes", "200000"], grpc=True) as srv:
+        yield srv
+
+
+def start_server(model_dir: Path, *extra: str, grpc: bool = False) -> ServerProcess:
+    """addnorm-serve on ``model_dir`` in its own process (not yet waited for; ``with`` waits and stops it);
+    ``grpc``: with its gRPC service on a free port (``.grpc_port``)."""
+    return ServerProcess(["-m", "service", "--model-dir", str(model_dir), *extra], grpc=grpc)
 
 
 @pytest.fixture(scope="session")

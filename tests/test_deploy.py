@@ -23,15 +23,28 @@ def compose_config(*args: str) -> dict:
 def test_compose_file_is_valid_and_wires_export_api_gpu_and_ray():
     cfg = compose_config("--profile", "gpu", "--profile", "ray")
     services = cfg["services"]
-    assert set(services) == {"export", "api", "api-gpu", "ray"}
+    assert set(services) == {"export", "export-int8", "api", "api-gpu", "ray"}
     assert services["export"]["build"]["target"] == "export"
     assert "artifacts" in cfg["volumes"]
     for name in ("api", "api-gpu", "ray"):
         svc = services[name]
-        assert svc["depends_on"]["export"]["condition"] == "service_completed_successfully"
+        for export in ("export", "export-int8"):
+            assert svc["depends_on"][export]["condition"] == "service_completed_successfully"
         assert "/health/ready" in " ".join(svc["healthcheck"]["test"])
         assert any(":ro" in str(v) or (isinstance(v, dict) and v.get("read_only")) for v in svc["volumes"])
     assert services["api"]["environment"]["ADDNORM_PROVIDERS"] == "cpu"
+    # Two models from one volume (fp32 and int8, under their own names), HTTP and gRPC, both on loopback only
+    assert (
+        "--variant" in services["export-int8"]["command"]
+        and "encoder-int8" in services["export-int8"]["command"]
+    )
+    for name, ports in (
+        ("api", ["127.0.0.1:8000:8000", "127.0.0.1:8001:8001"]),
+        ("api-gpu", ["127.0.0.1:8010:8000", "127.0.0.1:8011:8001"]),
+    ):
+        env = services[name]["environment"]
+        assert env["ADDNORM_MODEL_REPOSITORY"] == "/artifacts" and env["ADDNORM_GRPC_PORT"] == "8001"
+        assert [str(p).removesuffix("/tcp") for p in services[name]["ports"]] == ports
     for name in (
         "api",
         "api-gpu",

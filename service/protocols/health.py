@@ -18,15 +18,24 @@ async def live() -> dict:
 
 @router.get(
     "/health/ready",
-    summary="The model is loaded and accepting requests (503 until then)",
+    summary="Every model is loaded and accepting requests (503 until then)",
     responses={503: {"description": "still loading, or failed to load", "content": {"application/json": {}}}},
 )
 async def ready(state: State) -> Response:
-    if state.loaded is None:
-        reason = state.not_ready_reason() or "model is loading"
+    reason = state.not_ready_reason()
+    if reason is not None or state.loaded is None:
+        reason = reason or "model is loading"
         return JSONResponse({"error": reason}, status_code=503, headers={"Retry-After": "1"})
-    model = state.loaded.models.default.engine
-    return JSONResponse({"status": "ready", "model": model.name, "providers": model.providers})
+    models = list(state.loaded.models)
+    default = models[0].engine
+    return JSONResponse(
+        {
+            "status": "ready",
+            "model": default.name,
+            "providers": default.providers,
+            "models": {m.name: m.engine.providers for m in models},
+        }
+    )
 
 
 @router.get(METRICS_PATH, summary="Prometheus metrics", response_class=Response)

@@ -42,7 +42,7 @@ def test_ready_is_503_until_loaded_and_names_a_failed_load(tmp_path):
             assert time.monotonic() < deadline
             time.sleep(0.02)
         r = c.post("/v1/encode", json={"embeddings": [[0.0] * 32]})
-        assert r.status_code == 503 and "does not exist" in r.json()["error"]
+        assert r.status_code == 503 and "no manifest.json" in r.json()["error"]
 
 
 def test_encode_json(client):

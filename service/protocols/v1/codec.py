@@ -1,13 +1,16 @@
 """/v1 codec: request bodies -> validated numpy batches, and results -> response bodies.
 
-JSON: ``{"embeddings": [...], "mask": optional}`` where embeddings is [seq, d_model], [batch, seq, d_model], or
-a list of sequences of different lengths (padded and masked here; each comes back at its own length).
+JSON: ``{"embeddings": [...], "mask": optional, "model": optional}`` where embeddings is [seq, d_model],
+[batch, seq, d_model], or a list of sequences of different lengths (padded and masked here; each comes back at its
+own length). The model is the JSON's ``"model"`` or the ``?model=`` query (any body), else the server's default;
+``d_model`` may be a function of that name (the chosen model's width).
 """
 
 from __future__ import annotations
 
 import io
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +21,9 @@ from service.batcher import Outputs
 from service.errors import BadInput, NotAcceptable, UnsupportedMediaType
 from service.tensors import check_batch, parse_json, show
 
-_FIELDS = {EMBEDDINGS, MASK}
+MODEL = "model"
+_FIELDS = {EMBEDDINGS, MASK, MODEL}
+DModel = int | Callable[[str | None], int]  # the model's width, or the width of the model a request names
 _LITERALS = (b"true", b"false", b"null")
 
 
@@ -30,6 +35,7 @@ class EncodeRequest:
     mask: np.ndarray | None  # (B, S) bool, true = padding
     lengths: list[int] | None = None  # ragged input: each sequence's own length
     squeeze: bool = False  # input was one [seq, d_model] sequence
+    model: str | None = None  # the model it names (None: the default)
 
     def split(self, encoded: np.ndarray) -> np.ndarray | list[np.ndarray]:
         """Undo the request's packing: drop the batch dim, or cut each ragged sequence to its length."""
@@ -38,13 +44,23 @@ class EncodeRequest:
         return encoded[0] if self.squeeze else encoded
 
 
-def decode_json(body: bytes, d_model: int, max_elements: int) -> EncodeRequest:
+def decode_json(body: bytes, d_model: DModel, max_elements: int, model: str | None = None) -> EncodeRequest:
     doc = parse_json(body, max_elements)
     if not isinstance(doc, dict):
         raise BadInput(f"request body must be a JSON object with {EMBEDDINGS!r}, got {type(doc).__name__}")
     unknown = sorted(set(doc) - _FIELDS)
     if unknown:
-        raise BadInput(f"unknown field(s) {unknown}; expected {EMBEDDINGS!r} and optional {MASK!r}")
+        raise BadInput(
+            f"unknown field(s) {unknown}; expected {EMBEDDINGS!r} and optional {MASK!r} and {MODEL!r}"
+        )
+    named = doc.get(MODEL)
+    if named is not None:
+        if not isinstance(named, str):
+            raise BadInput(f"{MODEL!r} must be a model's name (a string), got {show(named)}")
+        if model is not None and model != named:
+            raise BadInput(f"the body names model {named!r} but the query names {model!r}")
+        model = named
+    width = _width(d_model, model)
     if EMBEDDINGS not in doc:
         raise BadInput(f"missing field {EMBEDDINGS!r} ([seq, d_model] or [batch, seq, d_model] numbers)")
     data, mask_data = doc[EMBEDDINGS], doc.get(MASK)
@@ -63,14 +79,19 @@ def decode_json(body: bytes, d_model: int, max_elements: int) -> EncodeRequest:
         x = _to_array(data, EMBEDDINGS)[None]  # (1, S, E)
         req = EncodeRequest(x, mask[None] if mask is not None and mask.ndim == 1 else mask, squeeze=True)
     elif depth == 3:
-        req = _decode_batch(data, mask, d_model)
+        req = _decode_batch(data, mask, width)
     else:
         raise BadInput(
             f"embeddings must be [seq, d_model], [batch, seq, d_model] or a list of [seq_i, d_model] "
             f"sequences; got {depth} level(s) of nesting"
         )
-    check_batch(req.embeddings, req.mask, d_model, max_elements)
+    check_batch(req.embeddings, req.mask, width, max_elements)
+    req.model = model
     return req
+
+
+def _width(d_model: DModel, model: str | None) -> int:
+    return d_model(model) if callable(d_model) else d_model
 
 
 def _decode_batch(data: list, mask: np.ndarray | None, d_model: int) -> EncodeRequest:
@@ -172,14 +193,19 @@ JSON, OCTET, NPY = "application/json", "application/octet-stream", "application/
 
 
 def decode(
-    content_type: str, body: bytes, headers: dict[str, str] | None, d_model: int, max_elements: int
+    content_type: str,
+    body: bytes,
+    headers: dict[str, str] | None,
+    d_model: DModel,
+    max_elements: int,
+    model: str | None = None,
 ) -> EncodeRequest:
-    """Decode a /v1 body by its media type (JSON when none is given)."""
+    """Decode a /v1 body by its media type (JSON when none is given); ``model``: the name the query gave."""
     media = (content_type or JSON).split(";")[0].strip().lower()
     headers = headers or {}
     # curl -d sends application/x-www-form-urlencoded unless told otherwise: read it as the JSON it is.
     if media in (JSON, "text/json", "text/plain", "application/x-www-form-urlencoded", ""):
-        return decode_json(body, d_model, max_elements)
+        return decode_json(body, d_model, max_elements, model)
     if media == OCTET:
         x = _decode_raw(body, headers.get(SHAPE_HEADER))
     elif media == NPY:
@@ -190,8 +216,8 @@ def decode(
     if squeeze:
         x = x[None]
     mask = _lengths_mask(headers.get(LENGTHS_HEADER), x.shape) if x.ndim == 3 else None
-    check_batch(x, mask, d_model, max_elements)
-    return EncodeRequest(x, mask, squeeze=squeeze)
+    check_batch(x, mask, _width(d_model, model), max_elements)
+    return EncodeRequest(x, mask, squeeze=squeeze, model=model)
 
 
 def _decode_raw(body: bytes, shape_header: str | None) -> np.ndarray:

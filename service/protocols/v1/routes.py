@@ -17,6 +17,15 @@ from service.state import LoadedState
 router = APIRouter(prefix="/v1", tags=["v1"])
 
 _ENCODE_DOC = {
+    "parameters": [
+        {
+            "name": "model",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "string"},
+            "description": "the model to run, for any body (default: the server's first model)",
+        }
+    ],
     "requestBody": {
         "required": True,
         "content": {
@@ -30,6 +39,10 @@ _ENCODE_DOC = {
                             "sequences of different lengths (padded and masked by the server)",
                             "type": "array",
                             "items": {"type": "array"},
+                        },
+                        "model": {
+                            "type": "string",
+                            "description": "the model to run (default: the server's first); or ?model=NAME",
                         },
                         MASK: {
                             "description": "optional [seq] or [batch, seq] booleans, true = padding",
@@ -82,6 +95,7 @@ _ENCODE_DOC = {
             {
                 400: "bad input",
                 401: "missing or invalid API key",
+                404: "unknown model",
                 406: "no acceptable response media type",
                 413: "request above the size limits",
                 415: "unsupported Content-Type",
@@ -97,8 +111,9 @@ _ENCODE_DOC = {
 async def handle_encode(request: Request, loaded: LoadedState, params: dict[str, str]) -> Response:
     """POST /v1/encode: decode by Content-Type, run, answer in the type Accept asks for."""
     start = time.perf_counter()
-    model, settings = loaded.models.default, loaded.settings
+    models, settings = loaded.models, loaded.settings
     media = codec.negotiate(request.headers.get("accept"))
+    named = request.query_params.get(codec.MODEL)
     body = await read_body(request, settings.max_body_bytes)
     req = await offload(
         len(body),
@@ -106,12 +121,18 @@ async def handle_encode(request: Request, loaded: LoadedState, params: dict[str,
         request.headers.get("content-type", ""),
         body,
         request.headers,
-        model.engine.d_model,
+        lambda name: models.get(name).engine.d_model,
         settings.max_elements,
+        named,
     )
-    outputs, timings = await infer(request, loaded, model, req.embeddings, req.mask)
-    nbytes = sum(out.nbytes for out in outputs.values())
-    payload, headers = await offload(nbytes * 3, codec.encode, req, outputs, media, model.name)
+    model = models.get(req.model)
+    with model.statistics.request() as timer:
+        timer.start = start  # reading and decoding the body counts as this request's input stage
+        timer.decoded()
+        outputs, timings = await infer(request, loaded, model, req.embeddings, req.mask)
+        timer.inferred(timings, req.embeddings.shape[0])
+        nbytes = sum(out.nbytes for out in outputs.values())
+        payload, headers = await offload(nbytes * 3, codec.encode, req, outputs, media, model.name)
     headers.update(timing_headers(timings, time.perf_counter() - start))
     return Response(payload, media_type=media, headers=headers)
 
@@ -121,9 +142,9 @@ async def encode(request: Request, loaded: Loaded) -> Response:
     return await handle_encode(request, loaded, {})
 
 
-@router.get("/model", summary="The served model: manifest, providers in use")
-async def model(loaded: Loaded) -> dict:
-    return loaded.models.default.describe()
+@router.get("/model", summary="A served model (the default, or ?model=NAME): manifest, providers in use")
+async def model(loaded: Loaded, model: str | None = None) -> dict:
+    return loaded.models.get(model).describe()
 
 
 # Hot routes for the lean dispatcher (service.fastpath); the guard checks everything under these prefixes.

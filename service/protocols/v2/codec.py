@@ -19,14 +19,15 @@ import orjson
 from model.artifact import Manifest
 from model.contract import EMBEDDINGS, MASK, api_specs
 from service.batcher import Outputs
-from service.errors import BadInput, TooLarge, UnsupportedMediaType
+from service.errors import BadInput, NotFound, TooLarge, UnsupportedMediaType
+from service.state import READY, Models
 from service.tensors import check_batch, parse_json
 from service.tensors import show as _show
 
 HEADER_LENGTH = "inference-header-content-length"
 VERSION = "1"  # an artifact is one model version
 PLATFORM = "onnxruntime_onnx"
-EXTENSIONS = ["binary_tensor_data"]
+EXTENSIONS = ["binary_tensor_data", "statistics"]
 
 # V2 datatype -> numpy dtype (the ones this model's tensors can take)
 DTYPES = {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2"), "FP64": np.dtype("<f8"), "BOOL": np.dtype("?")}
@@ -104,17 +105,7 @@ def decode_infer(
         raise BadInput(
             f"{len(binary) - offset} byte(s) of binary data follow the inputs that no input claims"
         )
-    if EMBEDDINGS not in tensors:
-        raise BadInput(f"missing input {EMBEDDINGS!r} (FP32 [batch, seq, d_model])")
-
-    x = tensors[EMBEDDINGS]
-    if x.dtype == np.bool_:
-        raise BadInput(f"input {EMBEDDINGS!r} must be FP32 (or FP16/FP64), not BOOL")
-    x = x.astype(np.float32, copy=False)
-    mask = tensors.get(MASK)
-    if mask is not None and mask.dtype != np.bool_:
-        raise BadInput(f"input {MASK!r} must be BOOL, got {_v2_name(mask.dtype)}")
-    check_batch(x, mask, manifest.config.d_model, max_elements)
+    x, mask = to_batch(tensors, manifest, max_elements)
     return InferRequest(
         id=_request_id(doc.get("id")),  # validated before the outputs, which may name the request
         embeddings=x,
@@ -125,22 +116,57 @@ def decode_infer(
     )
 
 
-def _decode_tensor(spec: dict, binary: memoryview, offset: int, max_elements: int) -> tuple[np.ndarray, int]:
-    name = spec["name"]
-    shape = spec.get("shape")
+def to_batch(
+    tensors: dict[str, np.ndarray], manifest: Manifest, max_elements: int
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The decoded inputs (by name) as the model's (B, S, E) float32 batch and optional (B, S) mask; every
+    transport of the protocol ends here."""
+    if EMBEDDINGS not in tensors:
+        raise BadInput(f"missing input {EMBEDDINGS!r} (FP32 [batch, seq, d_model])")
+    x = tensors[EMBEDDINGS]
+    if x.dtype == np.bool_:
+        raise BadInput(f"input {EMBEDDINGS!r} must be FP32 (or FP16/FP64), not BOOL")
+    x = x.astype(np.float32, copy=False)
+    mask = tensors.get(MASK)
+    if mask is not None and mask.dtype != np.bool_:
+        raise BadInput(f"input {MASK!r} must be BOOL, got {_v2_name(mask.dtype)}")
+    check_batch(x, mask, manifest.config.d_model, max_elements)
+    return x, mask
+
+
+def tensor_type(name: str, shape: object, datatype: object, max_elements: int) -> tuple[np.dtype, int]:
+    """An input's numpy dtype and element count, once its shape and datatype are checked."""
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
         raise BadInput(f"input {name!r}: 'shape' must be a list of non-negative integers, got {_show(shape)}")
-    datatype = spec.get("datatype")
     if not isinstance(datatype, str) or datatype not in DTYPES:
         raise BadInput(
             f"input {name!r}: datatype {_show(datatype)} is not supported here; use one of {sorted(DTYPES)}"
         )
-    dtype = DTYPES[datatype]
     count = math.prod(shape)  # Python ints: a hostile shape cannot overflow into a small count
     if count > max_elements or any(d > max_elements for d in shape):  # [0, 2**62] has count 0
         raise TooLarge(f"input {name!r} has {count} elements, above the limit of {max_elements}")
+    return DTYPES[datatype], count
+
+
+def from_bytes(
+    name: str, raw: memoryview | bytes, shape: list[int], dtype: np.dtype, count: int
+) -> np.ndarray:
+    """A tensor from its raw little-endian bytes, without a copy; BOOL: any non-zero byte is true (Triton)."""
+    if len(raw) != count * dtype.itemsize:
+        raise BadInput(
+            f"input {name!r}: {len(raw)} bytes of data do not match shape {shape} of {_v2_name(dtype)} "
+            f"({count * dtype.itemsize} bytes)"
+        )
+    arr = np.frombuffer(raw, dtype=dtype).reshape(shape)
+    return arr.view(np.uint8) != 0 if dtype == np.bool_ else arr
+
+
+def _decode_tensor(spec: dict, binary: memoryview, offset: int, max_elements: int) -> tuple[np.ndarray, int]:
+    name = spec["name"]
+    shape, datatype = spec.get("shape"), spec.get("datatype")
+    dtype, count = tensor_type(name, shape, datatype, max_elements)
     size = _object(spec, "parameters", f"input {name!r}").get("binary_data_size")
     if size is not None:
         if "data" in spec:
@@ -154,10 +180,7 @@ def _decode_tensor(spec: dict, binary: memoryview, offset: int, max_elements: in
             )
         if offset + size > len(binary):
             raise BadInput(f"input {name!r}: binary_data_size {size} runs past the end of the body")
-        arr = np.frombuffer(binary[offset : offset + size], dtype=dtype).reshape(shape)  # zero-copy
-        if datatype == "BOOL":
-            arr = arr.view(np.uint8) != 0  # any non-zero byte is true, as in Triton
-        return arr, offset + size
+        return from_bytes(name, binary[offset : offset + size], shape, dtype, count), offset + size
     if "data" not in spec:
         raise BadInput(f"input {name!r} has neither 'data' nor parameters.binary_data_size")
     return _json_tensor(name, spec["data"], shape, datatype, dtype, count), offset
@@ -295,3 +318,28 @@ def model_metadata(manifest: Manifest) -> dict:
 
 def _v2_name(dtype: np.dtype) -> str:
     return _NUMPY_TO_V2.get(str(dtype), str(dtype))
+
+
+def check_version(name: str, version: str | None) -> None:
+    """404 for any version but this server's one (empty or absent means it)."""
+    if version not in (None, "", VERSION):
+        raise NotFound(f"unknown version {version!r} of model {name!r}; available: [{VERSION!r}]")
+
+
+def repository_index(models: Models, ready_only: bool = False) -> list[dict]:
+    """Every configured model with its state (READY, LOADING, UNAVAILABLE) and, when not ready, why."""
+    return [
+        {"name": s.name, "version": VERSION, "state": s.state, "reason": s.reason}
+        for s in models.slots.values()
+        if s.state == READY or not ready_only
+    ]
+
+
+def statistics(models: Models, name: str | None, version: str | None) -> dict:
+    """The statistics extension's answer: one model's (404 unknown, 503 not loaded), or every loaded model's."""
+    if name:
+        check_version(name, version)
+        chosen = [models.get(name)]
+    else:
+        chosen = list(models)
+    return {"model_stats": [m.statistics.to_dict() for m in chosen]}

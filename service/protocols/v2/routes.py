@@ -9,12 +9,13 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from model.contract import EMBEDDINGS, ENCODED, INPUT_NAMES
-from service.errors import NotFound
+from service.errors import BadInput
 from service.fastpath import FastRoute
 from service.guard import Loaded
 from service.protocols.common import error_docs, infer, offload, read_body, timing_headers
 from service.protocols.v2 import codec
 from service.state import LoadedState, ServingModel, State
+from service.tensors import parse_json
 
 router = APIRouter(prefix="/v2", tags=["v2 (Open Inference Protocol)"])
 
@@ -135,10 +136,9 @@ _INFER_DOC = {
 
 
 def _model(loaded: LoadedState, name: str, version: str | None) -> ServingModel:
-    """The model a path names: 404 for an unknown model or version."""
+    """The model a path names: 404 for an unknown model or version, 503 while it loads or when it failed to."""
     model = loaded.models.get(name)
-    if version not in (None, "", codec.VERSION):
-        raise NotFound(f"unknown version {version!r} of model {name!r}; available: [{codec.VERSION!r}]")
+    codec.check_version(name, version)
     return model
 
 
@@ -164,6 +164,17 @@ async def ready(state: State) -> Response:
     return JSONResponse({"ready": True})
 
 
+@router.get(
+    "/models/stats", summary="Statistics of every loaded model (statistics extension)", responses=_ERRORS
+)
+@router.get("/models/{name}/stats", summary="Statistics of one model", responses=_ERRORS)
+@router.get(
+    "/models/{name}/versions/{version}/stats", summary="Statistics of one model version", responses=_ERRORS
+)
+async def model_statistics(loaded: Loaded, name: str | None = None, version: str | None = None) -> dict:
+    return codec.statistics(loaded.models, name, version)
+
+
 @router.get("/models/{name}", summary="Model metadata", responses=_ERRORS)
 @router.get("/models/{name}/versions/{version}", summary="Model metadata (one version)", responses=_ERRORS)
 async def model_metadata(name: str, loaded: Loaded, version: str | None = None) -> dict:
@@ -183,15 +194,34 @@ async def model_ready(name: str, loaded: Loaded, version: str | None = None) -> 
     return {"name": name, "ready": True}
 
 
+@router.post(
+    "/repository/index",
+    summary="Every model this server was given, with its state (READY, LOADING, UNAVAILABLE)",
+    responses=_ERRORS,
+)
+async def repository_index(request: Request, loaded: Loaded) -> Response:
+    body = await read_body(request, 4096)
+    ready_only = False
+    if body.strip():
+        doc = parse_json(body, 16)
+        ready_only = doc.get("ready", False) if isinstance(doc, dict) else None
+        if not isinstance(ready_only, bool):
+            raise BadInput('the body must be empty or {"ready": true|false}')
+    return JSONResponse(codec.repository_index(loaded.models, ready_only))
+
+
 async def handle_infer(request: Request, loaded: LoadedState, params: dict[str, str]) -> Response:
     """POST /v2/models/{name}[/versions/{version}]/infer."""
     start = time.perf_counter()
     model = _model(loaded, params["name"], params.get("version"))
-    body = await read_body(request, loaded.settings.max_body_bytes)
-    req = await offload(len(body), _decode, request, body, loaded, model)
-    outputs, timings = await infer(request, loaded, model, req.embeddings, req.mask, req.timeout_s)
-    nbytes = sum(out.nbytes for out in outputs.values())
-    payload, headers = await offload(nbytes, codec.encode_infer, req, model.name, outputs)
+    with model.statistics.request() as timer:
+        body = await read_body(request, loaded.settings.max_body_bytes)
+        req = await offload(len(body), _decode, request, body, loaded, model)
+        timer.decoded()
+        outputs, timings = await infer(request, loaded, model, req.embeddings, req.mask, req.timeout_s)
+        timer.inferred(timings, req.embeddings.shape[0])
+        nbytes = sum(out.nbytes for out in outputs.values())
+        payload, headers = await offload(nbytes, codec.encode_infer, req, model.name, outputs)
     headers.update(timing_headers(timings, time.perf_counter() - start))
     return Response(payload, headers=headers, media_type=headers.pop("Content-Type"))
 
@@ -214,5 +244,5 @@ def _decode(request: Request, body: bytes, loaded: LoadedState, model: ServingMo
 # Hot routes for the lean dispatcher (service.fastpath); the guard checks everything under these prefixes.
 _INFER_PATH = re.compile(r"^/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?/infer$")
 FAST_ROUTES = (FastRoute("POST", _INFER_PATH, "/v2/models/{name}/infer", handle_infer),)
-MODEL_PREFIXES = ("/v2/models/",)
+MODEL_PREFIXES = ("/v2/models/", "/v2/repository/")
 PUBLIC_PATHS = ("/v2/health/live", "/v2/health/ready")

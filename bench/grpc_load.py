@@ -1,0 +1,127 @@
+"""gRPC against HTTP binary: the same model, the same server, phases alternating (addnorm-bench, and --grpc alone).
+
+The gRPC client is as light as bench/loadgen.py's HTTP one: a prebuilt serialized ModelInferRequest, sent on one
+channel per client with grpc.aio, the response taken as bytes and not parsed. Each phase reads the server's CPU
+per request from the OS, so the two transports' costs on the server can be compared beside their throughput.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import statistics
+import time
+
+import numpy as np
+
+from bench.loadgen import LoadResult, run_load
+from bench.server import HOST, serve
+from model.contract import EMBEDDINGS
+from service.protocols.v2 import inference_pb2 as pb
+from service.protocols.v2.grpc_server import SERVICE
+
+INFER = f"/{SERVICE}/ModelInfer"
+REPEATS = 3
+
+
+def grpc_request(model: str, x: np.ndarray) -> bytes:
+    """A serialized ModelInferRequest with the tensor as raw bytes, as tritonclient.grpc sends it."""
+    req = pb.ModelInferRequest(model_name=model)
+    req.inputs.add(name=EMBEDDINGS, datatype="FP32", shape=x.shape)
+    req.raw_input_contents.append(np.ascontiguousarray(x, "<f4").tobytes())
+    return req.SerializeToString()
+
+
+def run_grpc_load(port: int, request: bytes, concurrency: int, seconds: float, warmup: int = 2) -> LoadResult:
+    """``concurrency`` closed-loop clients, each on its own channel, for ``seconds``."""
+    import grpc
+
+    options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+
+    async def client(deadline: float, limit: int, lat: list, errs: list) -> None:
+        async with grpc.aio.insecure_channel(f"{HOST}:{port}", options=options) as channel:
+            call = channel.unary_unary(INFER)  # no serializers: bytes in, bytes out
+            n = 0
+            while time.perf_counter() < deadline and n < limit:
+                n += 1
+                t = time.perf_counter()
+                try:
+                    await call(request)
+                except grpc.aio.AioRpcError as exc:
+                    errs.append(exc.code())
+                lat.append((time.perf_counter() - t) * 1e3)
+
+    async def main() -> LoadResult:
+        await asyncio.gather(
+            *(client(time.perf_counter() + 30, warmup, [], []) for _ in range(min(concurrency, 4)))
+        )
+        lat: list[float] = []
+        errs: list = []
+        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        start = time.perf_counter()
+        await asyncio.gather(*(client(start + seconds, 10**9, lat, errs) for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+        return LoadResult(len(lat), elapsed, np.array(lat), cpu, len(errs))
+
+    return asyncio.run(main())
+
+
+def measure_grpc(s, clients: int) -> dict:  # noqa: ANN001 (bench.measure.Setup)
+    """V2 binary over HTTP and over gRPC on one server: the big shape with 1 client and ``clients`` x the small
+    shape, each pair back to back, REPEATS times; per transport the median row, and the median of the ratios."""
+    from bench.measure import process_cpu_s, v2_request
+
+    phases = {"big": (s.x_big, 1), "small": (s.x_small, clients)}
+    rows: dict = {k: {"http": [], "grpc": []} for k in phases}
+    with serve(s.artifact, "--max-batch-size", str(clients), grpc=True) as srv:
+        pid = srv.proc.pid
+        for _ in range(REPEATS):
+            for key, (x, c) in phases.items():
+                http_req, grpc_req = v2_request(srv.port, s.name, x), grpc_request(s.name, x)
+                for transport, load in (
+                    ("http", lambda req=http_req, c=c: run_load(HOST, srv.port, req, c, s.seconds)),
+                    ("grpc", lambda req=grpc_req, c=c: run_grpc_load(srv.grpc_port, req, c, s.seconds)),
+                ):
+                    total0, loop0 = process_cpu_s(pid), process_cpu_s(pid, pid)
+                    row = load().row()
+                    n = max(row["requests"], 1)
+                    row["server_cpu_ms_per_request"] = (process_cpu_s(pid) - total0) * 1e3 / n
+                    row["loop_cpu_ms_per_request"] = (process_cpu_s(pid, pid) - loop0) * 1e3 / n
+                    rows[key][transport].append(row)
+    out: dict = {}
+    for key, by in rows.items():
+        ratios = [
+            g["throughput_rps"] / h["throughput_rps"] for h, g in zip(by["http"], by["grpc"], strict=True)
+        ]
+        out[key] = {
+            "grpc_vs_http": statistics.median(ratios),
+            "ratios": ratios,
+            **{
+                t: min(runs, key=lambda r: abs(r["throughput_rps"] - _median(runs))) for t, runs in by.items()
+            },
+        }
+    return out
+
+
+def _median(runs: list[dict]) -> float:
+    return statistics.median(r["throughput_rps"] for r in runs)
+
+
+def grpc_table(res: dict, big: str, small: str, clients: int) -> list[str]:
+    lines = [
+        "",
+        f"| gRPC vs HTTP binary (V2, one server, alternating, median of {REPEATS}) | HTTP req/s | gRPC req/s "
+        "| gRPC / HTTP | server CPU ms/request HTTP | gRPC |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for key, name in (("big", f"[{big}], 1 client"), ("small", f"{clients} clients x [{small}]")):
+        r = res[key]
+        h, g = r["http"], r["grpc"]
+        lines.append(
+            f"| {name} | {h['throughput_rps']:.1f} | {g['throughput_rps']:.1f} | {r['grpc_vs_http']:.2f}x "
+            f"({', '.join(f'{v:.2f}' for v in r['ratios'])}) | {h['server_cpu_ms_per_request']:.2f} "
+            f"| {g['server_cpu_ms_per_request']:.2f} |"
+        )
+    return lines

@@ -1,0 +1,104 @@
+"""The Open Inference Protocol's gRPC messages to and from what the service works with.
+
+Inputs arrive as ``raw_input_contents`` (one little-endian buffer per input, what tritonclient.grpc sends) or as
+typed ``contents``; both end in the HTTP codec's checks (``codec.tensor_type``, ``codec.from_bytes``,
+``codec.to_batch``), so a tensor is refused the same way whichever transport carried it. Outputs go back as
+``raw_output_contents``, as Triton answers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from model.artifact import Manifest
+from service.batcher import Outputs
+from service.errors import BadInput
+from service.protocols.v2 import codec
+from service.protocols.v2 import inference_pb2 as pb
+from service.tensors import show
+
+# datatype -> the typed contents field that carries it (FP16 has none: it travels raw)
+_TYPED = {"FP32": "fp32_contents", "FP64": "fp64_contents", "BOOL": "bool_contents"}
+
+
+def decode_infer(req: pb.ModelInferRequest, manifest: Manifest, max_elements: int) -> codec.InferRequest:
+    if not req.inputs:
+        raise BadInput("inference request needs at least one input")
+    raw = req.raw_input_contents
+    if raw and len(raw) != len(req.inputs):
+        raise BadInput(
+            f"raw_input_contents has {len(raw)} entries for {len(req.inputs)} inputs; send one per input"
+        )
+    known = [s.name for s in manifest.inputs]
+    tensors: dict[str, np.ndarray] = {}
+    for i, tensor in enumerate(req.inputs):
+        name = _named(tensor.name, "input", known, tensors)
+        shape = list(tensor.shape)
+        dtype, count = codec.tensor_type(name, shape, tensor.datatype, max_elements)
+        if raw:
+            if tensor.HasField("contents"):
+                raise BadInput(f"input {name!r} has both contents and raw_input_contents")
+            tensors[name] = codec.from_bytes(name, raw[i], shape, dtype, count)
+        else:
+            tensors[name] = _typed(name, tensor, shape, dtype, count)
+    x, mask = codec.to_batch(tensors, manifest, max_elements)
+    names = [s.name for s in manifest.outputs]
+    chosen: list[str] = []
+    for out in req.outputs:
+        chosen.append(_named(out.name, "output", names, chosen))
+    return codec.InferRequest(
+        id=req.id or None,
+        embeddings=x,
+        mask=mask,
+        outputs=[codec.RequestedOutput(n, True) for n in chosen or names],
+        timeout_s=_timeout(req),
+    )
+
+
+def _named(name: str, kind: str, known: list[str], seen) -> str:  # noqa: ANN001 (a container of names)
+    if name not in known:
+        raise BadInput(f"unknown {kind} {show(name)}; this model has {sorted(known)}")
+    if name in seen:
+        raise BadInput(f"{kind} {name!r} is given twice")
+    return name
+
+
+def _typed(name: str, tensor: pb.ModelInferRequest.InferInputTensor, shape: list[int], dtype, count: int):  # noqa: ANN001
+    field = _TYPED.get(tensor.datatype)
+    if field is None:
+        raise BadInput(
+            f"input {name!r}: {tensor.datatype} has no typed contents; send it in raw_input_contents"
+        )
+    values = getattr(tensor.contents, field)
+    if len(values) != count:
+        raise BadInput(
+            f"input {name!r}: contents has {len(values)} element(s) but shape {shape} needs {count}"
+        )
+    return np.fromiter(values, dtype=dtype, count=count).reshape(shape)
+
+
+def _timeout(req: pb.ModelInferRequest) -> float | None:
+    """tritonclient's ``timeout`` parameter, in microseconds (the call's own gRPC deadline also applies)."""
+    if "timeout" not in req.parameters:
+        return None
+    param = req.parameters["timeout"]
+    value = getattr(param, param.WhichOneof("parameter_choice") or "int64_param")
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise BadInput(f"parameters.timeout must be a positive integer (microseconds), got {show(value)}")
+    return value / 1e6
+
+
+def encode_infer(req: codec.InferRequest, model: str, results: Outputs) -> pb.ModelInferResponse:
+    response = pb.ModelInferResponse(model_name=model, model_version=codec.VERSION, id=req.id or "")
+    for out in req.outputs:
+        tensor = np.ascontiguousarray(results[out.name], dtype="<f4")
+        response.outputs.add(name=out.name, datatype="FP32", shape=tensor.shape)
+        response.raw_output_contents.append(tensor.tobytes())
+    return response
+
+
+def from_dict(doc: dict, message: type[Message]) -> Message:
+    """A JSON-shaped answer the HTTP routes also give (metadata, statistics, index) as its gRPC message."""
+    return json_format.ParseDict(doc, message(), ignore_unknown_fields=True)

@@ -1,0 +1,167 @@
+"""The Open Inference Protocol over gRPC: ``inference.GRPCInferenceService``, as tritonclient.grpc calls it.
+
+It runs on the app's own event loop (``start`` is called from the app's lifespan) and reaches the models the HTTP
+routes reach: the same ``Models``, the same batchers, statistics and metrics. The same rules hold: ServerLive and
+ServerReady are open like the health probes; every other call needs an API key when keys are set (the
+``authorization`` metadata, ``Bearer <key>``); domain errors become status codes through ``errors.CODES``; the
+body-size limit is the receive limit. Methods not listed in ``_METHODS`` answer UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from service.errors import NotReady, ServiceError, grpc_code
+from service.guard import check_key
+from service.protocols.v2 import codec, grpc_codec
+from service.protocols.v2 import inference_pb2 as pb
+from service.state import READY, LoadedState, ServiceState
+
+SERVICE = "inference.GRPCInferenceService"
+log = logging.getLogger("addnorm.grpc")
+access_log = logging.getLogger("addnorm.access")
+
+
+class InferenceService:
+    """One method per RPC; each gets the decoded request and the call's context."""
+
+    def __init__(self, state: ServiceState, api_keys: tuple[str, ...]) -> None:
+        self.state = state
+        self.api_keys = tuple(k.encode() for k in api_keys)
+
+    def _loaded(self, context: grpc.aio.ServicerContext) -> LoadedState:
+        """The guard's checks for a model call: the API key, then the models' manifests read."""
+        if self.api_keys:
+            header = dict(context.invocation_metadata() or ()).get("authorization")
+            check_key(None if header is None else header.encode("latin-1"), self.api_keys)
+        if self.state.loaded is None:
+            raise NotReady(self.state.not_ready_reason() or "model is loading")
+        return self.state.loaded
+
+    async def ServerLive(self, request: pb.ServerLiveRequest, context) -> pb.ServerLiveResponse:  # noqa: ANN001, N802
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, context) -> pb.ServerReadyResponse:  # noqa: ANN001, N802
+        return pb.ServerReadyResponse(ready=self.state.not_ready_reason() is None)
+
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context) -> pb.ServerMetadataResponse:  # noqa: ANN001, N802
+        self._loaded(context)
+        return pb.ServerMetadataResponse(name="addnorm", version="0.1.0", extensions=codec.EXTENSIONS)
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:  # noqa: ANN001, N802
+        slot = self._loaded(context).models.slot(request.name)
+        codec.check_version(request.name, request.version)
+        return pb.ModelReadyResponse(ready=slot.state == READY)
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context) -> pb.ModelMetadataResponse:  # noqa: ANN001, N802
+        model = self._loaded(context).models.get(request.name)
+        codec.check_version(request.name, request.version)
+        return grpc_codec.from_dict(codec.model_metadata(model.engine.manifest), pb.ModelMetadataResponse)
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:  # noqa: ANN001, N802
+        loaded = self._loaded(context)
+        model = loaded.models.get(request.model_name)
+        codec.check_version(request.model_name, request.model_version)
+        settings = loaded.settings
+        with model.statistics.request() as timer:
+            req = grpc_codec.decode_infer(request, model.engine.manifest, settings.max_elements)
+            timer.decoded()
+            deadlines = [settings.request_timeout_s, req.timeout_s, context.time_remaining()]
+            outputs, timings = await model.batcher.infer(
+                req.embeddings, req.mask, min(d for d in deadlines if d is not None)
+            )
+            timer.inferred(timings, req.embeddings.shape[0])
+            return grpc_codec.encode_infer(req, model.name, outputs)
+
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context
+    ) -> pb.ModelStatisticsResponse:  # noqa: ANN001, N802
+        models = self._loaded(context).models
+        doc = codec.statistics(models, request.name, request.version)
+        return grpc_codec.from_dict(doc, pb.ModelStatisticsResponse)
+
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest, context
+    ) -> pb.RepositoryIndexResponse:  # noqa: ANN001, N802
+        models = self._loaded(context).models
+        return grpc_codec.from_dict(
+            {"models": codec.repository_index(models, request.ready)}, pb.RepositoryIndexResponse
+        )
+
+
+_METHODS = {
+    "ServerLive": pb.ServerLiveRequest,
+    "ServerReady": pb.ServerReadyRequest,
+    "ServerMetadata": pb.ServerMetadataRequest,
+    "ModelReady": pb.ModelReadyRequest,
+    "ModelMetadata": pb.ModelMetadataRequest,
+    "ModelInfer": pb.ModelInferRequest,
+    "ModelStatistics": pb.ModelStatisticsRequest,
+    "RepositoryIndex": pb.RepositoryIndexRequest,
+}
+
+
+def _handler(name: str, method: Callable[..., Awaitable], state: ServiceState) -> Callable[..., Awaitable]:
+    """The RPC with the request context the HTTP side has: domain errors as status codes, unexpected ones as
+    INTERNAL (logged, never shown), an access line and the request metrics per call."""
+    route = f"/{SERVICE}/{name}"
+
+    async def call(request, context: grpc.aio.ServicerContext):  # noqa: ANN001, ANN202
+        start = time.perf_counter()
+        code, message = grpc.StatusCode.OK, ""
+        try:
+            return await method(request, context)
+        except ServiceError as exc:
+            code, message = grpc.StatusCode[grpc_code(exc)], exc.message
+        except asyncio.CancelledError:  # the client went away or its deadline passed: grpc answers for us
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception:
+            log.exception("unexpected error in %s", name)
+            code, message = grpc.StatusCode.INTERNAL, "internal error; the server log has the details"
+        finally:
+            elapsed = time.perf_counter() - start
+            state.metrics.observe_request(route, "GRPC", code.name, elapsed)
+            access_log.info("GRPC %s %s %.1fms", name, code.name, elapsed * 1e3)
+        await context.abort(code, message)
+
+    return call
+
+
+async def start(state: ServiceState) -> grpc.aio.Server:
+    """Start the gRPC service on ``settings.grpc_port`` on the running event loop; raises OSError when the port
+    cannot be bound."""
+    s = state.settings
+    options = [
+        ("grpc.max_receive_message_length", s.max_body_bytes),
+        ("grpc.max_send_message_length", -1),
+        # Several uvicorn workers each start one and share the port; one worker must own it alone.
+        ("grpc.so_reuseport", 1 if s.workers > 1 else 0),
+    ]
+    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=s.max_connections)
+    service = InferenceService(state, s.api_keys())
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            _handler(name, getattr(service, name), state),
+            request_deserializer=request_type.FromString,
+            response_serializer=lambda message: message.SerializeToString(),
+        )
+        for name, request_type in _METHODS.items()
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    host = f"[{s.host}]" if ":" in s.host else s.host
+    try:
+        server.add_insecure_port(f"{host}:{s.grpc_port}")
+    except RuntimeError as exc:
+        raise OSError(
+            f"cannot serve gRPC on {s.host}:{s.grpc_port} ({exc}): is the port in use? Set --grpc-port "
+            "(ADDNORM_GRPC_PORT) to another port, or 0 to turn gRPC off"
+        ) from None
+    await server.start()
+    log.info("gRPC (Open Inference Protocol) on %s:%d", s.host, s.grpc_port)
+    return server
