@@ -32,18 +32,19 @@ def grpc_request(model: str, x: np.ndarray) -> bytes:
     return req.SerializeToString()
 
 
-def run_grpc_load(port: int, request: bytes, concurrency: int, seconds: float, warmup: int = 2) -> LoadResult:
-    """``concurrency`` closed-loop clients, each on its own channel, for ``seconds``."""
+def run_grpc_load(
+    port: int, request: bytes, concurrency: int, seconds: float, max_requests: int = 10**9, warmup: int = 2
+) -> LoadResult:
+    """``concurrency`` closed-loop clients, each on its own channel, for ``seconds`` (or ``max_requests`` in all)."""
     import grpc
 
     options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 
-    async def client(deadline: float, limit: int, lat: list, errs: list) -> None:
+    async def client(deadline: float, limit: int, lat: list, errs: list, counter: list) -> None:
         async with grpc.aio.insecure_channel(f"{HOST}:{port}", options=options) as channel:
             call = channel.unary_unary(INFER)  # no serializers: bytes in, bytes out
-            n = 0
-            while time.perf_counter() < deadline and n < limit:
-                n += 1
+            while time.perf_counter() < deadline and counter[0] < limit:
+                counter[0] += 1
                 t = time.perf_counter()
                 try:
                     await call(request)
@@ -53,13 +54,16 @@ def run_grpc_load(port: int, request: bytes, concurrency: int, seconds: float, w
 
     async def main() -> LoadResult:
         await asyncio.gather(
-            *(client(time.perf_counter() + 30, warmup, [], []) for _ in range(min(concurrency, 4)))
+            *(client(time.perf_counter() + 30, warmup, [], [], [0]) for _ in range(min(concurrency, 4)))
         )
         lat: list[float] = []
         errs: list = []
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
-        await asyncio.gather(*(client(start + seconds, 10**9, lat, errs) for _ in range(concurrency)))
+        counter = [0]
+        await asyncio.gather(
+            *(client(start + seconds, max_requests, lat, errs, counter) for _ in range(concurrency))
+        )
         elapsed = time.perf_counter() - start
         cpu1 = resource.getrusage(resource.RUSAGE_SELF)
         cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)

@@ -111,3 +111,19 @@ def test_cost_point_runs_in_its_own_process_and_the_curve_reads(tiny_artifact):
         "mha", 1, 8192, 12, 768
     )
     assert cost.measure(f"ort:{tiny_artifact}/missing", 1, 8, threads=1) is None
+
+
+def test_grpc_load_generator_gets_real_answers_and_the_table_reads(tiny_artifact):
+    from bench.grpc_load import grpc_request, grpc_table, run_grpc_load
+    from tests.conftest import start_server
+
+    x = np.ones((1, 3, 32), np.float32)
+    with start_server(tiny_artifact, grpc=True) as srv:
+        res = run_grpc_load(srv.grpc_port, grpc_request("encoder", x), 4, 30.0, max_requests=40)
+        bad = run_grpc_load(srv.grpc_port, grpc_request("nope", x), 1, 30.0, max_requests=3)
+    assert res.requests == 40 and res.errors == 0
+    assert bad.requests == 3 and bad.errors == 3  # errors are counted, not hidden
+    row = {"throughput_rps": 10.0, "server_cpu_ms_per_request": 1.0}
+    pair = {"http": row, "grpc": row, "grpc_vs_http": 1.0, "ratios": [1.0, 0.9, 1.1]}
+    lines = grpc_table({"big": pair, "small": pair}, "8x128x32", "1x16x32", 32)
+    assert "| 32 clients x [1x16x32] | 10.0 | 10.0 | 1.00x (1.00, 0.90, 1.10)" in "\n".join(lines)
