@@ -7,6 +7,7 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
 import sys
 import typing
 
@@ -56,6 +57,18 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def port_taken(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound now (the OS's words), or None when it can."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
 def _drained(signum: int, frame: object) -> None:
     """SIGTERM outside uvicorn's own handler: before serving began, or after it drained. Exit 0 either way."""
     logging.getLogger("addnorm.serve").info("stopped by SIGTERM")
@@ -94,6 +107,17 @@ def main(argv: list[str] | None = None) -> int:
         resolve_providers(settings.providers, ort.get_available_providers())
     except (EngineError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if (
+        settings.grpc_port
+        and settings.workers == 1
+        and (why := port_taken(settings.host, settings.grpc_port))
+    ):
+        print(
+            f"error: cannot serve gRPC on {settings.host}:{settings.grpc_port}: {why}. Set --grpc-port "
+            "(ADDNORM_GRPC_PORT) to another port, or 0 to turn gRPC off",
+            file=sys.stderr,
+        )
         return 1
     if settings.workers > 1 and settings.intra_op_threads == 0:
         # Several processes each with all-core thread pools oversubscribe the CPU: split the cores.

@@ -180,3 +180,15 @@ def test_statistics_with_tritonclient_http(repo_server):
         client.get_inference_statistics("encoder", "2", headers=dict(AUTH))
     with pytest.raises(Exception, match="API key"):
         client.get_inference_statistics("encoder")
+
+
+def test_a_taken_grpc_port_refuses_to_start_before_loading(tiny_artifact, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["--model-dir", str(tiny_artifact), "--port", "0", "--grpc-port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot serve gRPC on 127.0.0.1:{port}" in err and "0 to turn gRPC off" in err
