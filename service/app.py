@@ -1,6 +1,6 @@
 """create_app(settings): the FastAPI application, its middleware and its error handlers.
 
-Middleware, outermost first: request context (id, access log, metrics) -> guard -> fast path -> FastAPI's router.
+Outermost first: request context (id, access log, metrics) -> guard -> fast path -> FastAPI's own stack and router.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -71,7 +71,7 @@ def create_app(settings: Settings | None = None, *, load_before_serving: bool = 
                 for model in state.loaded.models:
                     await model.batcher.stop()
 
-    app = FastAPI(
+    app = _App(
         title="addnorm",
         summary="A Transformer encoder block (Add & Norm) on onnxruntime",
         description="`/v1`: a simple JSON (or binary) API. `/v2`: the Open Inference Protocol with the binary "
@@ -83,18 +83,42 @@ def create_app(settings: Settings | None = None, *, load_before_serving: bool = 
     for router in protocols.ROUTERS:
         app.include_router(router)
     _install_error_handlers(app)
-    # add_middleware puts each one outside the ones added before it.
-    app.add_middleware(FastPath, routes=protocols.FAST_ROUTES)
     public = protocols.PUBLIC_PATHS | ({health.METRICS_PATH} if settings.metrics_public else set())
-    app.add_middleware(
-        Guard,
+    app.front = _RequestContext(
+        Guard(
+            FastPath(app.fastapi_call, routes=protocols.FAST_ROUTES),
+            state=state,
+            public_paths=public,
+            model_prefixes=protocols.MODEL_PREFIXES,
+            api_keys=settings.api_keys(),
+        ),
         state=state,
-        public_paths=public,
-        model_prefixes=protocols.MODEL_PREFIXES,
-        api_keys=settings.api_keys(),
+        access_log=settings.access_log,
     )
-    app.add_middleware(_RequestContext, state=state)
     return app
+
+
+class _App(FastAPI):
+    """FastAPI, with addnorm's own front outermost for HTTP: request context -> guard -> fast path, and only then
+    FastAPI's stack (its error, telemetry and body-limit middlewares, router, dependencies). The inference routes
+    never enter FastAPI's stack: on a 2-core machine its per-request work competes with onnxruntime (bench/,
+    docs/benchmarks.md). Lifespan and anything not HTTP go to FastAPI as they are."""
+
+    front: ASGIApp
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope["app"] = self
+            await self.front(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+    def add_outer_middleware(self, middleware: Callable[[ASGIApp], ASGIApp]) -> None:
+        """Wrap the whole front (``add_middleware`` adds inside FastAPI's stack, which fast routes never enter)."""
+        self.front = middleware(self.front)
+
+    async def fastapi_call(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await super().__call__(scope, receive, send)
 
 
 def read_manifests(settings: Settings) -> list[Slot]:
@@ -219,9 +243,10 @@ def _install_error_handlers(app: FastAPI) -> None:
 class _RequestContext:
     """Pure ASGI middleware: request id, access log and metrics, without BaseHTTPMiddleware's overhead."""
 
-    def __init__(self, app: ASGIApp, state: ServiceState) -> None:
+    def __init__(self, app: ASGIApp, state: ServiceState, access_log: bool = True) -> None:
         self.app = app
         self.state = state
+        self.access_log = access_log
         # Request ids: a random per-process prefix and a counter (uuid4 per request was measurable here).
         self.prefix = uuid.uuid4().hex[:8]
         self.counter = itertools.count(1)
@@ -250,7 +275,8 @@ class _RequestContext:
             route = scope.get("route")
             path = getattr(route, "path", "unmatched")
             self.state.metrics.observe_request(path, scope["method"], status, elapsed)
-            access_log.info("%s %s %d %.1fms", scope["method"], scope["path"], status, elapsed * 1e3)
+            if self.access_log:
+                access_log.info("%s %s %d %.1fms", scope["method"], scope["path"], status, elapsed * 1e3)
             logs.request_id.reset(token)
 
 

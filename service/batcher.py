@@ -84,11 +84,13 @@ class _Item:
     def seq(self) -> int:
         return self.x.shape[1]
 
-    @property
-    def solo(self) -> bool:
-        """A row that is all padding attends uniformly over its padding, so its (defined, meaningless) output
-        depends on the padded length: such a request runs alone so that batching never changes its answer."""
-        return self.mask is not None and bool(self.mask.all(axis=1).any())
+    solo: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        # A row that is all padding attends uniformly over its padding, so its (defined, meaningless) output
+        # depends on the padded length: such a request runs alone so that batching never changes its answer.
+        # Computed once: the scheduler asks for every item it considers, and for the batch's first each time.
+        self.solo = self.padded and bool(self.mask.all(axis=1).any())
 
 
 class Batcher:

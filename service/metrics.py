@@ -13,6 +13,7 @@ class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:
+        self._series: dict[tuple, tuple] = {}
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -65,9 +66,16 @@ class Metrics:
         if v.max_abs_err is not None:
             self.golden_err.labels(model).set(v.max_abs_err)
 
-    def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
-        self.requests.labels(route, method, str(status)).inc()
-        self.latency.labels(route).observe(seconds)
+    def observe_request(self, route: str, method: str, status: int | str, seconds: float) -> None:
+        key = (route, method, status)
+        series = self._series.get(key)
+        if series is None:  # labels() hashes and validates on every call: look each series up once
+            series = self._series[key] = (
+                self.requests.labels(route, method, str(status)),
+                self.latency.labels(route),
+            )
+        series[0].inc()
+        series[1].observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

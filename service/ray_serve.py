@@ -101,7 +101,7 @@ class AddNormReplica:
         for directory in self.settings.model_dirs():
             check_readable(directory)
         self.fastapi_app = create_app(self.settings, load_before_serving=True)
-        self.fastapi_app.add_middleware(_ProxyRequestId)
+        self.fastapi_app.add_outer_middleware(_ProxyRequestId)
         log.info(
             "replica starting: %s, %s onnxruntime threads",
             ", ".join(map(str, self.settings.model_dirs())),

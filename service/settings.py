@@ -97,6 +97,9 @@ class Settings(BaseSettings):
     metrics_public: bool = Field(False, description="serve /metrics without an API key")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     log_json: bool = Field(False, description="one JSON object per log line")
+    access_log: bool = Field(
+        True, description="one log line per HTTP request and gRPC call (written off the event loop)"
+    )
 
     @field_validator("model_dir", mode="before")
     @classmethod

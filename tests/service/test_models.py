@@ -21,11 +21,13 @@ AUTH = {"Authorization": f"Bearer {REPO_KEY}"}
 
 
 def started(settings: Settings) -> TestClient:
-    """A started app, ready or settled on why not (exit it with ``__exit__``)."""
+    """A started app whose every model has settled, READY or UNAVAILABLE (exit it with ``__exit__``)."""
     client = TestClient(create_app(settings))
     client.__enter__()
     deadline = time.monotonic() + 30
-    while (r := client.get("/health/ready")).status_code != 200 and "failed" not in r.json()["error"]:
+    while (r := client.post("/v2/repository/index")).status_code != 200 or any(
+        m["state"] == "LOADING" for m in r.json()
+    ):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     return client

@@ -127,7 +127,8 @@ def _handler(name: str, method: Callable[..., Awaitable], state: ServiceState) -
         finally:
             elapsed = time.perf_counter() - start
             state.metrics.observe_request(route, "GRPC", code.name, elapsed)
-            access_log.info("GRPC %s %s %.1fms", name, code.name, elapsed * 1e3)
+            if state.settings.access_log:
+                access_log.info("GRPC %s %s %.1fms", name, code.name, elapsed * 1e3)
         await context.abort(code, message)
 
     return call
