@@ -127,3 +127,19 @@ def test_grpc_load_generator_gets_real_answers_and_the_table_reads(tiny_artifact
     pair = {"http": row, "grpc": row, "grpc_vs_http": 1.0, "ratios": [1.0, 0.9, 1.1]}
     lines = grpc_table({"big": pair, "small": pair}, "8x128x32", "1x16x32", 32)
     assert "| 32 clients x [1x16x32] | 10.0 | 10.0 | 1.00x (1.00, 0.90, 1.10)" in "\n".join(lines)
+
+
+def test_ab_compares_two_checkouts_phase_by_phase(tiny_artifact, capsys):
+    """bench.ab against two copies of this checkout (the same code): every phase printed, both sides answered."""
+    from bench import ab
+    from tests.conftest import ROOT
+
+    assert (
+        ab.main([str(ROOT), str(ROOT), "--artifact", str(tiny_artifact), "--seconds", "0.2", "--rounds", "1"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    for phase in ("V2 binary [8,128,32]", "/v1 binary", "/v1 JSON", "V2 binary 32 clients x [1,16,32]"):
+        assert phase in out
+    rows = [line for line in out.splitlines() if line.startswith("| V2 binary")]
+    assert all(" 0.0 |" not in row for row in rows)  # both sides served requests

@@ -232,3 +232,29 @@ def test_v2_output_the_model_does_not_have_is_a_400_that_names_it(client):
     doc["outputs"] = [{"name": "encoded", "parameters": {"binary_data": False}}]
     r = client.post("/v2/models/encoder/infer", json=doc)
     assert [o["name"] for o in r.json()["outputs"]] == ["encoded"]
+
+
+def test_the_access_log_can_be_turned_off(tiny_artifact):
+    import logging
+
+    class Lines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.INFO)
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    logger = logging.getLogger("addnorm.access")
+    handler, level = Lines(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        for access_log in (True, False):
+            with TestClient(create_app(Settings(model_dir=tiny_artifact, access_log=access_log))) as c:
+                c.get("/health/live")
+        assert handler.lines == [line for line in handler.lines if "GET /health/live 200" in line]
+        assert len(handler.lines) == 1  # the first app logged its request, the second did not
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

@@ -1,0 +1,111 @@
+"""Two checkouts of addnorm side by side: the server's CPU per request for every protocol and payload.
+
+    python -m bench.ab BEFORE_DIR AFTER_DIR [--artifact DIR] [--seconds S] [--rounds N] [--env KEY=VALUE ...]
+
+Each directory is a checkout (``git worktree add /tmp/before <commit>``); each serves the same artifact from its
+own code (``PYTHONPATH`` = the checkout), both run at once, and every phase (V2 binary, /v1 binary, /v1 JSON on
+[8,128,E] with 1 client; V2 binary on 32 x [1,16,E]) alternates between them, ``--rounds`` times. Printed per
+phase and side: the median throughput, the server process's CPU per request and its event-loop thread's, from
+the OS, and the after/before ratios. ``--env`` settings apply to the after side only (say ADDNORM_ACCESS_LOG=false).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from bench.loadgen import run_load
+from bench.measure import CLIENTS, json_request, process_cpu_s, v1_binary_request, v2_request
+from bench.server import HOST, ROOT, free_port
+from model.artifact import Manifest
+
+
+def start(tree: Path, artifact: Path, env: dict[str, str]) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "service", "--model-dir", str(artifact), "--port", str(port)]
+    full = {
+        **os.environ,
+        "PYTHONPATH": str(tree),
+        "ADDNORM_GRPC_PORT": "0",
+        "ADDNORM_MAX_BATCH_SIZE": str(CLIENTS),
+    }
+    proc = subprocess.Popen(
+        cmd, cwd=tree, env={**full, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    for _ in range(600):
+        try:
+            if urllib.request.urlopen(f"http://{HOST}:{port}/health/ready", timeout=1).status == 200:
+                return proc, port
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"the server from {tree} did not become ready")
+
+
+def phase(proc: subprocess.Popen, port: int, request: bytes, clients: int, seconds: float) -> dict:
+    pid = proc.pid
+    total0, loop0 = process_cpu_s(pid), process_cpu_s(pid, pid)
+    row = run_load(HOST, port, request, clients, seconds).row()
+    n = max(row["requests"], 1)
+    row["cpu_ms"] = (process_cpu_s(pid) - total0) * 1e3 / n
+    row["loop_ms"] = (process_cpu_s(pid, pid) - loop0) * 1e3 / n
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__.split("\n\n")[0])
+    p.add_argument("before", type=Path)
+    p.add_argument("after", type=Path)
+    p.add_argument("--artifact", type=Path, default=ROOT / "artifacts" / "default")
+    p.add_argument("--seconds", type=float, default=6.0)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+    name, e = (m := Manifest.load(args.artifact)).name, m.config.d_model
+    rng = np.random.default_rng(0)
+    big, small = (rng.standard_normal(s).astype(np.float32) for s in ((8, 128, e), (1, 16, e)))
+    phases = {
+        f"V2 binary [8,128,{e}], 1 client": (lambda port: v2_request(port, name, big), 1),
+        f"/v1 binary [8,128,{e}], 1 client": (lambda port: v1_binary_request(port, big), 1),
+        f"/v1 JSON [8,128,{e}], 1 client": (lambda port: json_request(port, "/v1/encode", big), 1),
+        f"V2 binary {CLIENTS} clients x [1,16,{e}]": (lambda port: v2_request(port, name, small), CLIENTS),
+    }
+    after_env = dict(kv.split("=", 1) for kv in args.env)
+    servers = {
+        "before": start(args.before, args.artifact, {}),
+        "after": start(args.after, args.artifact, after_env),
+    }
+    rows: dict = {ph: {side: [] for side in servers} for ph in phases}
+    try:
+        for _ in range(args.rounds):
+            for ph, (build, clients) in phases.items():
+                for side, (proc, port) in servers.items():
+                    rows[ph][side].append(phase(proc, port, build(port), clients, args.seconds))
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+    med = lambda runs, key: statistics.median(r[key] for r in runs)  # noqa: E731
+    print(
+        f"| phase (median of {args.rounds}, alternating) | req/s before | after | CPU ms/request before | after "
+        "| event-loop ms/request before | after |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for ph, by in rows.items():
+        b, a = by["before"], by["after"]
+        print(
+            f"| {ph} | {med(b, 'throughput_rps'):.1f} | {med(a, 'throughput_rps'):.1f} | {med(b, 'cpu_ms'):.2f} "
+            f"| {med(a, 'cpu_ms'):.2f} | {med(b, 'loop_ms'):.3f} | {med(a, 'loop_ms'):.3f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
