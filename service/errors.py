@@ -89,7 +89,6 @@ CODES: dict[type[ServiceError], tuple[int, str]] = {
     ShuttingDown: (503, "UNAVAILABLE"),
     TimedOut: (504, "DEADLINE_EXCEEDED"),
 }
-HTTP_STATUS = {cls: http for cls, (http, _) in CODES.items()}
 
 
 def _codes(exc: ServiceError) -> tuple[int, str]:

@@ -17,7 +17,7 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
 
 
 def from_error(exc: ServiceError) -> JSONResponse:
-    """A domain error as HTTP, through the one table (service.errors.HTTP_STATUS)."""
+    """A domain error as HTTP, through the one table (service.errors.CODES)."""
     status = http_status(exc)
     headers = {}
     if exc.retry_after is not None:
