@@ -54,11 +54,12 @@ def create_app(settings: Settings | None = None, *, load_before_serving: bool = 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        grpc = await grpc_server.start(state) if settings.grpc_port else None
         if load_before_serving:
             await _load(state)
             if state.not_ready_reason() is not None:
                 raise RuntimeError(state.not_ready_reason())
+        # Before the models load (unless they already have): ServerReady answers false until they are.
+        grpc = await grpc_server.start(state) if settings.grpc_port else None
         loader = None if load_before_serving else asyncio.create_task(_load(state))
         try:
             yield
