@@ -164,6 +164,7 @@ async def ready(state: State) -> Response:
     return JSONResponse({"ready": True})
 
 
+# Before /models/{name}: the router tries routes in order, and "stats" would otherwise read as a model's name.
 @router.get(
     "/models/stats", summary="Statistics of every loaded model (statistics extension)", responses=_ERRORS
 )
