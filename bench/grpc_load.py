@@ -7,14 +7,13 @@ per request from the OS, so the two transports' costs on the server can be compa
 
 from __future__ import annotations
 
-import asyncio
-import resource
+import contextlib
 import statistics
-import time
+from collections.abc import AsyncIterator
 
 import numpy as np
 
-from bench.loadgen import LoadResult, run_load
+from bench.loadgen import LoadResult, Send, run_clients, run_load
 from bench.server import HOST, serve
 from model.contract import EMBEDDINGS
 from service.protocols.v2 import inference_pb2 as pb
@@ -40,36 +39,21 @@ def run_grpc_load(
 
     options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 
-    async def client(deadline: float, limit: int, lat: list, errs: list, counter: list) -> None:
+    @contextlib.asynccontextmanager
+    async def connect() -> AsyncIterator[Send]:
         async with grpc.aio.insecure_channel(f"{HOST}:{port}", options=options) as channel:
             call = channel.unary_unary(INFER)  # no serializers: bytes in, bytes out
-            while time.perf_counter() < deadline and counter[0] < limit:
-                counter[0] += 1
-                t = time.perf_counter()
+
+            async def send() -> bool:
                 try:
                     await call(request)
-                except grpc.aio.AioRpcError as exc:
-                    errs.append(exc.code())
-                lat.append((time.perf_counter() - t) * 1e3)
+                except grpc.aio.AioRpcError:
+                    return False
+                return True
 
-    async def main() -> LoadResult:
-        await asyncio.gather(
-            *(client(time.perf_counter() + 30, warmup, [], [], [0]) for _ in range(min(concurrency, 4)))
-        )
-        lat: list[float] = []
-        errs: list = []
-        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
-        start = time.perf_counter()
-        counter = [0]
-        await asyncio.gather(
-            *(client(start + seconds, max_requests, lat, errs, counter) for _ in range(concurrency))
-        )
-        elapsed = time.perf_counter() - start
-        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-        cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
-        return LoadResult(len(lat), elapsed, np.array(lat), cpu, len(errs))
+            yield send
 
-    return asyncio.run(main())
+    return run_clients(connect, concurrency, seconds, max_requests, warmup)
 
 
 def measure_grpc(s, clients: int) -> dict:  # noqa: ANN001 (bench.measure.Setup)

@@ -7,8 +7,11 @@ client can (one write, read headers, read Content-Length bytes) and reports the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import resource
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,28 +68,8 @@ async def _read_response(reader: asyncio.StreamReader) -> int:
     return status
 
 
-async def _client(
-    host: str,
-    port: int,
-    request: bytes,
-    deadline: float,
-    max_requests: int,
-    lat: list,
-    errs: list,
-    counter: list,
-) -> None:
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        while time.perf_counter() < deadline and counter[0] < max_requests:
-            counter[0] += 1
-            t = time.perf_counter()
-            writer.write(request)
-            status = await _read_response(reader)
-            lat.append((time.perf_counter() - t) * 1e3)
-            if status != 200:
-                errs.append(status)
-    finally:
-        writer.close()
+Send = Callable[[], Awaitable[bool]]  # one request; True when it was answered with success
+Connect = Callable[[], AbstractAsyncContextManager[Send]]  # one client's connection, yielding its send()
 
 
 def run_load(
@@ -98,15 +81,44 @@ def run_load(
     max_requests: int = 10**9,
     warmup: int = 2,
 ) -> LoadResult:
-    """``concurrency`` closed-loop keep-alive clients for ``seconds`` (or ``max_requests`` in all)."""
+    """``concurrency`` closed-loop keep-alive HTTP clients for ``seconds`` (or ``max_requests`` in all)."""
+
+    @contextlib.asynccontextmanager
+    async def connect() -> AsyncIterator[Send]:
+        reader, writer = await asyncio.open_connection(host, port)
+
+        async def send() -> bool:
+            writer.write(request)
+            return await _read_response(reader) == 200
+
+        try:
+            yield send
+        finally:
+            writer.close()
+
+    return run_clients(connect, concurrency, seconds, max_requests, warmup)
+
+
+def run_clients(
+    connect: Connect, concurrency: int, seconds: float, max_requests: int = 10**9, warmup: int = 2
+) -> LoadResult:
+    """``concurrency`` closed-loop clients, each on its own connection from ``connect``, for ``seconds`` (or
+    ``max_requests`` in all), after a warm-up of ``warmup`` requests on up to 4 connections (first requests pay
+    for allocations and thread start-up); the protocol lives in ``connect`` (HTTP above, gRPC in grpc_load)."""
+
+    async def client(deadline: float, limit: int, lat: list, errs: list, counter: list) -> None:
+        async with connect() as send:
+            while time.perf_counter() < deadline and counter[0] < limit:
+                counter[0] += 1
+                t = time.perf_counter()
+                ok = await send()
+                lat.append((time.perf_counter() - t) * 1e3)
+                if not ok:
+                    errs.append(1)
 
     async def main() -> LoadResult:
-        # Warm-up on one connection: first requests pay for allocations and thread start-up.
         await asyncio.gather(
-            *(
-                _client(host, port, request, time.perf_counter() + 30, warmup, [], [], [0])
-                for _ in range(min(concurrency, 4))
-            )
+            *(client(time.perf_counter() + 30, warmup, [], [], [0]) for _ in range(min(concurrency, 4)))
         )
         lat: list[float] = []
         errs: list[int] = []
@@ -114,10 +126,7 @@ def run_load(
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
         await asyncio.gather(
-            *(
-                _client(host, port, request, start + seconds, max_requests, lat, errs, counter)
-                for _ in range(concurrency)
-            )
+            *(client(start + seconds, max_requests, lat, errs, counter) for _ in range(concurrency))
         )
         elapsed = time.perf_counter() - start
         cpu1 = resource.getrusage(resource.RUSAGE_SELF)
