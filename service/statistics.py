@@ -52,10 +52,11 @@ class ModelStatistics:
         self.stages = {stage: Duration() for stage in self.STAGES}
         self.batches: dict[int, _Batch] = {}
 
-    def request(self) -> RequestTimer:
+    def request(self, started: float | None = None) -> RequestTimer:
         """``with stats.request() as t:`` around a request once its model is known: it counts as a failure if
-        the block raises (anything: a bad input, a timeout, a client gone)."""
-        return RequestTimer(self)
+        the block raises (anything: a bad input, a timeout, a client gone). ``started``: a ``perf_counter`` time
+        the request began before the block (when the model was known only once its body was read)."""
+        return RequestTimer(self, started)
 
     # BatchObserver
     def batch_done(self, rows: int, requests: int, seconds: float, merge_s: float, split_s: float) -> None:
@@ -99,15 +100,18 @@ class ModelStatistics:
 class RequestTimer:
     """Times one request's stages; see ModelStatistics.request."""
 
-    __slots__ = ("stats", "start", "decoded_at", "inferred_at", "timings", "rows")
+    __slots__ = ("stats", "started", "start", "decoded_at", "inferred_at", "timings", "rows")
 
-    def __init__(self, stats: ModelStatistics) -> None:
+    def __init__(self, stats: ModelStatistics, started: float | None = None) -> None:
         self.stats = stats
+        self.started = started
         self.timings: Timings | None = None
         self.rows = 0
 
     def __enter__(self) -> RequestTimer:
         self.start = self.decoded_at = self.inferred_at = time.perf_counter()
+        if self.started is not None:
+            self.start = self.started
         return self
 
     def decoded(self) -> None:

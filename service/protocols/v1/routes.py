@@ -126,8 +126,7 @@ async def handle_encode(request: Request, loaded: LoadedState, params: dict[str,
         named,
     )
     model = models.get(req.model)
-    with model.statistics.request() as timer:
-        timer.start = start  # reading and decoding the body counts as this request's input stage
+    with model.statistics.request(started=start) as timer:  # reading and decoding count as its input stage
         timer.decoded()
         outputs, timings = await infer(request, loaded, model, req.embeddings, req.mask)
         timer.inferred(timings, req.embeddings.shape[0])
