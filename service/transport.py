@@ -5,6 +5,10 @@ keep-alive timer only runs between requests, and any byte cancels it), and answe
 Here every connection must deliver its headers within ``header_timeout_s`` and its body within ``body_timeout_s``
 (else 408 and the connection is closed), connections beyond ``max_connections`` get a JSON 503 at once, and a
 request uvicorn cannot parse gets a JSON 400. Idle keep-alive connections close after ``keep_alive_s``.
+A connection closed while its request body is still arriving (a 413 answered before the body was read) closes
+lingering: the answer is sent, the write side is shut, and what still arrives is discarded for up to
+``LINGER_S`` before the socket closes; closed at once, the unread data makes the kernel reset the connection, and
+a client still writing loses the 413 it was sent.
 
 ``addnorm-serve`` passes ``Protocol`` to uvicorn (``http=``); worker processes read the same ADDNORM_* settings.
 """
@@ -19,6 +23,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from service.settings import Settings
 
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 503: b"Service Unavailable"}
+LINGER_S = 2.0
 
 
 def raw_error(status: int, message: str, retry_after: int | None = None) -> bytes:
@@ -56,9 +61,12 @@ class Protocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
         self._in_headers = True
+        self.in_body = False  # between a request's headers and the end of its body
+        self.discarding = False  # lingering: input is read and dropped until the socket closes
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.transport = _LingeringClose(transport, self)  # what uvicorn's request cycles close
         if self.max_connections is not None and len(self.connections) > self.max_connections:
             limit = self.max_connections
             self._refuse(
@@ -69,7 +77,16 @@ class Protocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self.in_body = False
         super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.discarding:
+            super().data_received(data)
+
+    def eof_received(self) -> None:
+        if self.discarding:  # the client finished sending: nothing left to drop
+            self.transport.close()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -77,10 +94,12 @@ class Protocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
+        self.in_body = True
         self._arm(self.body_timeout_s, headers=False)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
+        self.in_body = False
         self._disarm()
 
     def send_400_response(self, msg: str) -> None:
@@ -112,3 +131,33 @@ class Protocol(HttpToolsProtocol):
         self._disarm()
         self.transport.write(raw_error(status, message, retry_after))
         self.transport.close()
+
+
+class _LingeringClose:
+    """The connection's transport as uvicorn sees it: ``close()`` lingers while a request body is still arriving
+    (see the module's docstring); everything else is the transport's own."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: Protocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+        self._lingering = False
+
+    def close(self) -> None:
+        t, p = self._transport, self._protocol
+        if self._lingering or t.is_closing():
+            t.close()
+            return
+        if not p.in_body or not t.can_write_eof():
+            t.close()
+            return
+        self._lingering = p.discarding = True
+        p._disarm()
+        t.write_eof()  # after the response already written: the client reads it, then end of stream
+        t.resume_reading()  # flow control may have paused reading while the body was not consumed
+        p.loop.call_later(LINGER_S, t.close)
+
+    def is_closing(self) -> bool:
+        return self._lingering or self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._transport, name)

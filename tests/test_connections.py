@@ -102,3 +102,19 @@ def test_garbage_is_a_json_400(strict_server):
     s.sendall(b"\x16\x03\x01 not http at all\r\n\r\n")
     status, doc = _status_and_json(_read_all(s))
     assert status == 400 and "malformed HTTP request" in doc["error"]
+
+
+def test_a_client_still_sending_a_refused_body_gets_its_413(tiny_artifact):
+    """A body above the limit is answered 413 before it is read; a client that writes all of it before reading
+    must still get that answer (closed at once, the unread data made the kernel reset the connection: half of
+    these were lost before the lingering close in service/transport.py)."""
+    body = b"0" * 2_000_000
+    head = (
+        b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    )
+    with start_server(tiny_artifact, "--max-body-bytes", "100000") as srv:
+        for _ in range(10):
+            with _connect(srv) as sock:
+                sock.sendall(head % len(body) + body)  # everything first, as a simple client does
+                status, doc = _status_and_json(_read_all(sock))
+                assert status == 413 and "limit" in doc["error"]
