@@ -1,10 +1,12 @@
 """Runs inference off the event loop, merging concurrent requests into one batch (dynamic batching).
 
-One scheduler task takes requests from a bounded queue and merges them along the batch dimension (up to
+One dedicated inference thread takes requests from a bounded queue and merges them along the batch dimension (up to
 ``max_batch_size`` rows, ``max_batch_tokens`` batch x seq positions and ``max_batch_attention`` elements of the
 seq x seq tensors the artifact's attention form holds, the part of a run's memory that grows fastest:
 ``model.attention.score_elements``; shorter sequences are padded and masked),
-runs the batch on one dedicated thread, and hands each request back exactly its own rows. With the default
+runs the batch, cuts each request's own rows out of it and hands them to the event loop. The thread takes its next
+batch the moment a run ends, without waiting for the event loop (which, busy with other requests, used to leave the
+model idle about 11% of the time at 32 clients: docs/benchmarks.md). With the default
 ``max_queue_delay_ms=0`` a batch is whatever queued up while the previous one ran (no request ever waits for
 company while the model is idle); a positive delay waits that long for more. ``max_batch_size=1`` turns merging
 off; everything else (queue, timeouts) stays the same. Every output of the model is batch-major with the sequence
@@ -15,10 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -124,25 +126,29 @@ class Batcher:
         self.observer = observer
         self._queue: collections.deque[_Item] = collections.deque()
         self._queued_bytes = 0
-        self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="addnorm-infer")
-        self._task: asyncio.Task | None = None
+        # The queue is shared by the event loop (adding) and the inference thread (taking): both under this lock.
+        self._ready = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._schedule(), name="addnorm-batcher")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._work, name="addnorm-infer", daemon=True)
+        self._thread.start()
 
     async def stop(self) -> None:
-        self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        while self._queue:
-            item = self._pop()
+        """Refuse new requests, let a run in progress finish and answer, fail what is still queued."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        with self._ready:
+            left = [self._pop() for _ in range(len(self._queue))]
+        for item in left:
             if not item.future.done():
                 item.future.set_exception(ShuttingDown("server is shutting down"))
-        self._executor.shutdown(wait=True)
 
     def _pop(self) -> _Item:
         item = self._queue.popleft()
@@ -175,22 +181,25 @@ class Batcher:
                 f"{self.max_batch_attention} "
                 "(ADDNORM_MAX_BATCH_ATTENTION); send fewer or shorter sequences"
             )
-        if len(self._queue) >= self.max_queue_size:
-            raise Overloaded(f"server is at capacity ({self.max_queue_size} requests queued); retry shortly")
-        if self.max_queue_bytes is not None and self._queued_bytes + x.nbytes > self.max_queue_bytes:
-            raise Overloaded(
-                f"server is at capacity ({self._queued_bytes} bytes of requests queued, limit "
-                f"{self.max_queue_bytes}: ADDNORM_MAX_QUEUE_BYTES); retry shortly"
-            )
         loop = asyncio.get_running_loop()
         item = _Item(x, mask, loop.create_future(), padded=padded)
-        self._queue.append(item)
-        self._queued_bytes += x.nbytes
+        with self._ready:
+            if len(self._queue) >= self.max_queue_size:
+                raise Overloaded(
+                    f"server is at capacity ({self.max_queue_size} requests queued); retry shortly"
+                )
+            if self.max_queue_bytes is not None and self._queued_bytes + x.nbytes > self.max_queue_bytes:
+                raise Overloaded(
+                    f"server is at capacity ({self._queued_bytes} bytes of requests queued, limit "
+                    f"{self.max_queue_bytes}: ADDNORM_MAX_QUEUE_BYTES); retry shortly"
+                )
+            self._queue.append(item)
+            self._queued_bytes += x.nbytes
+            self._ready.notify()
         self._observe_depth()
-        self._wakeup.set()
         # A timer instead of asyncio.wait_for: no extra task per request. Timing out before the run makes the
-        # scheduler skip the item; during the run, its rows are dropped. If the awaiting task is cancelled (the
-        # client went away), awaiting the future directly cancels it too, so it is skipped the same way.
+        # inference thread skip the item; during the run, its rows are dropped. If the awaiting task is cancelled
+        # (the client went away), awaiting the future directly cancels it too, so it is skipped the same way.
         timer = None if timeout is None else loop.call_later(timeout, _expire, item, timeout)
         try:
             result = await item.future
@@ -200,88 +209,119 @@ class Batcher:
         return result, item.timings
 
     def _observe_depth(self) -> None:
+        """On the event loop (observers are not thread-safe)."""
         if self.observer is not None:
             self.observer.queue_depth(len(self._queue))
 
-    async def _schedule(self) -> None:
-        loop = asyncio.get_running_loop()
+    # --- the inference thread ---
+
+    def _work(self) -> None:
+        """The inference thread: take a batch, run it, hand each request its rows; until stop().
+
+        A finished batch is handed to the event loop only once the next one is taken and merged, right before it
+        runs: handing it over wakes the loop into writing that batch's responses, and the loop then holds the GIL
+        this thread would otherwise wait for between runs (that wait left the model idle ~11% at 32 clients).
+        With a queue delay, the next batch may wait for company, so a finished one is handed over at once.
+        """
+        done: tuple | None = None  # a finished batch not yet handed to the loop
         while True:
-            batch = await self._next_batch()
+            batch = self._take(wait=done is None)
+            if batch:
+                started = time.perf_counter()
+                for item in batch:
+                    item.timings.queue_s = started - item.enqueued
+                x, mask = _merge(batch)
+                merged = time.perf_counter()
+            if done is not None:
+                self._post(self._deliver, *done)
+                done = None
+            if batch is None:
+                return
             if not batch:
                 continue
-            started = time.perf_counter()
-            for item in batch:
-                item.timings.queue_s = started - item.enqueued
-            x, mask = _merge(batch)
-            merged = time.perf_counter()
             try:
-                out = await loop.run_in_executor(self._executor, self.model.run, x, mask)
+                out = self.model.run(x, mask)
             except ServiceError as exc:
-                _fail(batch, exc)
+                self._post(_fail, batch, exc)
                 continue
-            except Exception as exc:  # an engine failure must not kill the scheduler
+            except Exception as exc:  # an engine failure fails its batch, never the thread
                 log.exception("inference failed for a batch of %d request(s)", len(batch))
-                _fail(batch, InferenceFailed(f"inference failed: {type(exc).__name__}"))
+                self._post(_fail, batch, InferenceFailed(f"inference failed: {type(exc).__name__}"))
                 continue
             ran = time.perf_counter()
-            elapsed = ran - merged
-            row = 0
+            rows, row = [], 0
             for item in batch:
-                item.timings.infer_s = elapsed
-                if not item.future.done():
-                    # Its own rows, contiguous: a shorter request's slice of the padded batch is a strided view
-                    # that codecs writing raw buffers cannot take (and that would keep the whole batch alive).
-                    rows = {
-                        k: np.ascontiguousarray(v[row : row + item.rows, : item.seq]) for k, v in out.items()
-                    }
-                    item.future.set_result(rows)
+                item.timings.infer_s = ran - merged
+                # Its own rows, contiguous: a shorter request's slice of the padded batch is a strided view that
+                # codecs writing raw buffers cannot take (and that would keep the whole batch alive).
+                rows.append(
+                    {k: np.ascontiguousarray(v[row : row + item.rows, : item.seq]) for k, v in out.items()}
+                )
                 row += item.rows
-            if self.observer is not None:
-                self.observer.batch_done(
-                    x.shape[0], len(batch), elapsed, merged - started, time.perf_counter() - ran
-                )
+            times = (ran - merged, merged - started, time.perf_counter() - ran)
+            done = (batch, rows, x.shape[0], times)
+            if self.max_delay > 0:
+                self._post(self._deliver, *done)
+                done = None
 
-    async def _next_batch(self) -> list[_Item]:
-        """Wait for a first request, then up to max_delay for more, and take what fits."""
-        while not self._queue:
-            self._wakeup.clear()
-            await self._wakeup.wait()
-        if self.max_batch_size > 1 and self.max_delay > 0:
-            deadline = time.perf_counter() + self.max_delay
-            while sum(i.rows for i in self._queue) < self.max_batch_size:
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    break
-                self._wakeup.clear()
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), left)
-                except asyncio.TimeoutError:
-                    break
-        batch: list[_Item] = []
-        rows = seq = 0
-        padded = False
-        while self._queue:
-            item = self._queue[0]
-            if item.future.done():  # timed out or client gone before it ran
-                self._pop()
-                continue
-            new_rows, new_seq = rows + item.rows, max(seq, item.seq)
-            # Merging sequences of different lengths pads the shorter ones.
-            new_padded = padded or item.padded or bool(batch and item.seq != seq)
-            full = (
-                new_rows > self.max_batch_size
-                or new_rows * new_seq > self.max_batch_tokens
-                or (
-                    self.max_batch_attention is not None
-                    and self.attention_cost(new_rows, new_seq, new_padded) > self.max_batch_attention
-                )
-            )
-            if batch and (full or item.solo or batch[0].solo):
-                break
-            batch.append(self._pop())
-            rows, seq, padded = new_rows, new_seq, new_padded
+    def _post(self, fn: Callable[..., None], *args: object) -> None:
+        """Run ``fn(*args)`` on the event loop; dropped if the loop is already closed (the process is ending)."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            log.warning("event loop closed: a finished batch of inference was not delivered")
+
+    def _deliver(self, batch: list[_Item], rows: list[Outputs], total_rows: int, times: tuple) -> None:
+        """On the event loop: each request's rows to its future (unless it timed out or its client left)."""
+        for item, result in zip(batch, rows, strict=True):
+            if not item.future.done():
+                item.future.set_result(result)
         self._observe_depth()
-        return batch
+        if self.observer is not None:
+            elapsed, merge_s, split_s = times
+            self.observer.batch_done(total_rows, len(batch), elapsed, merge_s, split_s)
+
+    def _take(self, wait: bool = True) -> list[_Item] | None:
+        """Wait for a first request (``wait``; else return [] when none is queued), then up to max_delay for more,
+        and take what fits; None once stopped."""
+        with self._ready:
+            while wait and not self._queue and not self._closed:
+                self._ready.wait()
+            if self._closed:
+                return None
+            if not self._queue:
+                return []
+            if self.max_batch_size > 1 and self.max_delay > 0:
+                deadline = time.perf_counter() + self.max_delay
+                while sum(i.rows for i in self._queue) < self.max_batch_size and not self._closed:
+                    left = deadline - time.perf_counter()
+                    if left <= 0:
+                        break
+                    self._ready.wait(left)
+            batch: list[_Item] = []
+            rows = seq = 0
+            padded = False
+            while self._queue:
+                item = self._queue[0]
+                if item.future.done():  # timed out or client gone before it ran (a read, safe from here)
+                    self._pop()
+                    continue
+                new_rows, new_seq = rows + item.rows, max(seq, item.seq)
+                # Merging sequences of different lengths pads the shorter ones.
+                new_padded = padded or item.padded or bool(batch and item.seq != seq)
+                full = (
+                    new_rows > self.max_batch_size
+                    or new_rows * new_seq > self.max_batch_tokens
+                    or (
+                        self.max_batch_attention is not None
+                        and self.attention_cost(new_rows, new_seq, new_padded) > self.max_batch_attention
+                    )
+                )
+                if batch and (full or item.solo or batch[0].solo):
+                    break
+                batch.append(self._pop())
+                rows, seq, padded = new_rows, new_seq, new_padded
+            return batch
 
 
 def _merge(batch: list[_Item]) -> tuple[np.ndarray, np.ndarray | None]:

@@ -8,7 +8,7 @@ import pytest
 
 from service.batcher import Batcher
 from service.engine import Engine
-from service.errors import Overloaded, TimedOut, TooLarge, http_status
+from service.errors import Overloaded, ShuttingDown, TimedOut, TooLarge, http_status
 
 FP32_ATOL, FP32_RTOL = 1e-5, 1e-4
 
@@ -280,3 +280,62 @@ def test_queue_is_bounded_by_bytes(engine):
         return info.value
 
     assert http_status(run(main())) == 429
+
+
+def test_the_next_batch_starts_while_the_event_loop_is_busy(engine):
+    """The inference thread takes its next batch itself: a busy event loop (here: blocked outright) does not
+    leave the model idle between runs, as a scheduler living on the loop did."""
+    import time
+
+    gate = threading.Event()
+    starts: list[float] = []
+
+    class Timed(Recorder):
+        def run(self, x, mask=None):
+            starts.append(time.perf_counter())
+            return super().run(x, mask)
+
+    model = Timed(engine, gate)
+
+    async def main():
+        batcher = Batcher(model, max_batch_size=1)
+        batcher.start()
+        x = np.zeros((1, 2, 32), np.float32)
+        first = asyncio.ensure_future(batcher.infer(x, None))
+        second = asyncio.ensure_future(batcher.infer(x, None))
+        while not starts:  # the first run is waiting at the gate; the second is queued
+            await asyncio.sleep(0.01)
+        gate.set()
+        time.sleep(0.5)  # the event loop is busy (blocked) while the first run ends
+        busy_until = time.perf_counter()
+        await asyncio.gather(first, second)
+        await batcher.stop()
+        return busy_until
+
+    busy_until = run(main())
+    assert len(starts) == 2 and starts[1] < busy_until
+
+
+def test_stop_answers_the_running_batch_and_fails_what_is_queued(engine):
+    gate = threading.Event()
+    model = Recorder(engine, gate)
+
+    async def main():
+        batcher = Batcher(model, max_batch_size=1)
+        batcher.start()
+        running = asyncio.ensure_future(batcher.infer(np.zeros((1, 2, 32), np.float32), None))
+        queued = asyncio.ensure_future(batcher.infer(np.zeros((1, 3, 32), np.float32), None))
+        await asyncio.sleep(0.1)
+        stopping = asyncio.ensure_future(batcher.stop())
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.wait_for(stopping, 10)
+        with pytest.raises(ShuttingDown):
+            await batcher.infer(np.zeros((1, 2, 32), np.float32), None)
+        # bounded: a request whose run was under way when stop() came must still be answered, never left hanging
+        return await asyncio.wait_for(asyncio.gather(running, queued, return_exceptions=True), 10)
+
+    running, queued = run(main())
+    assert running[0]["encoded"].shape == (1, 2, 32)
+    assert isinstance(queued, ShuttingDown)
+    assert model.shapes == [(1, 2, 32)]
