@@ -20,6 +20,7 @@ import numpy as np
 
 from bench import measure
 from bench.grpc_load import grpc_table, measure_grpc
+from bench.limits import DEFAULT, limits_table, measure_limits
 from bench.measure import CLIENTS, Setup
 from bench.report import plots, table, update_docs
 from bench.server import ROOT
@@ -63,6 +64,10 @@ def run(args: argparse.Namespace) -> dict:
         ("concurrency, batching on/off", lambda: res.update(concurrency=measure.measure_concurrency(s))),
         ("variants (exporting int8 and fused)", lambda: res.update(variants=measure.measure_variants(s))),
         ("gRPC vs HTTP binary", lambda: res.update(grpc=measure_grpc(s, CLIENTS))),
+        (
+            "the two limits, alternating",
+            lambda: res.update(limits=measure_limits(s, {DEFAULT: {}}, args.rounds)),
+        ),
     )
     for name, section in sections:
         print(f"{name} ...", file=sys.stderr, flush=True)
@@ -121,11 +126,39 @@ def build_parser() -> argparse.ArgumentParser:
         "with CPU per request by process (needs the 'ray' extra); writes bench/results/ray.json",
     )
     p.add_argument(
+        "--limits",
+        action="store_true",
+        help="instead of the ratios: only the two limits (V2 binary [8,128,E] vs in-process, 32 clients' batching "
+        "vs the perfect-batching limit), alternating with in-process, median of --rounds (also part of the full run)",
+    )
+    p.add_argument(
+        "--against",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --limits: also measure a server with these ADDNORM_* settings, alternating with the default one",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the alternating sections (default 3)")
+    p.add_argument(
         "--grpc",
         action="store_true",
         help="instead of the ratios: only V2 over gRPC against V2 binary over HTTP (also part of the full run)",
     )
     return p
+
+
+def limits_only(args: argparse.Namespace) -> int:
+    """--limits: the two limits alone (and --against settings beside the defaults), printed."""
+    s = setup(args)
+    configs = {DEFAULT: {}}
+    if args.against:
+        configs["against"] = dict(kv.split("=", 1) for kv in args.against)
+    res = measure_limits(s, configs, args.rounds)
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "limits.json").write_text(json.dumps(res, indent=2) + "\n")
+    big, small = ("x".join(map(str, x.shape)) for x in (s.x_big, s.x_small))
+    print("\n".join(limits_table(res, big, small)))
+    return 0
 
 
 def grpc_only(args: argparse.Namespace) -> int:
@@ -189,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         return cost_curve(args)
     if args.grpc:
         return grpc_only(args)
+    if args.limits:
+        return limits_only(args)
     start = time.perf_counter()
     res = run(args)
     res["bench_seconds"] = time.perf_counter() - start

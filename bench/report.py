@@ -56,6 +56,17 @@ def table(res: dict) -> str:
         lines.append(f"| {name} | {r[key]:.2f}x | >= {target}x | {'yes' if r[key] >= target else 'NO'} |")
     for key in ("v1_binary_vs_inproc", "v1_json_vs_inproc", "fused_vs_fp32", "perfect_vs_unbatched_inproc"):
         lines.append(f"| {key.replace('_', ' ')} | {r[key]:.2f}x | | |")
+    if "limits" in res:
+        from bench.limits import limits_table
+
+        n = len(res["limits"]["rounds"])
+        lines += [
+            "",
+            f"The first and third targets are the median of {n} rounds in which in-process and the server alternate "
+            "(bench/limits.py); the other figures above are one pass each.",
+            "",
+            *limits_table(res["limits"], big, small),
+        ]
     lines += cpu_table(res)
     if "grpc" in res:
         from bench.grpc_load import grpc_table

@@ -143,3 +143,33 @@ def test_ab_compares_two_checkouts_phase_by_phase(tiny_artifact, capsys):
         assert phase in out
     rows = [line for line in out.splitlines() if line.startswith("| V2 binary")]
     assert all(" 0.0 |" not in row for row in rows)  # both sides served requests
+
+
+def test_limits_alternate_in_process_with_each_server(tiny_artifact):
+    """bench.limits with the defaults and a server without batching: every round has both limits and both
+    servers, the server without batching ran one row per run, and the table names both."""
+    from bench.limits import limits_table, measure_limits
+    from bench.measure import Setup
+    from model.artifact import Manifest
+
+    rng = np.random.default_rng(0)
+    s = Setup(
+        tiny_artifact,
+        Manifest.load(tiny_artifact),
+        rng.standard_normal((8, 128, 32)).astype(np.float32),
+        rng.standard_normal((1, 16, 32)).astype(np.float32),
+        seconds=0.4,
+        threads=1,
+        concurrency=[32],
+    )
+    res = measure_limits(s, {"defaults": {}, "unbatched": {"ADDNORM_MAX_BATCH_SIZE": "1"}}, rounds=2)
+    assert len(res["rounds"]) == 2
+    for r in res["rounds"]:
+        assert r["inproc_big"] > 0 and r["perfect"] > 0
+        for label in ("defaults", "unbatched"):
+            assert r[f"{label}/big"]["requests"] > 0 and r[f"{label}/small"]["requests"] > 0
+    assert res["servers"]["unbatched"]["median"]["rows_per_run"] == 1.0
+    assert res["servers"]["defaults"]["median"]["rows_per_run"] >= 1.0
+    assert len(res["servers"]["defaults"]["batching_vs_perfect"]) == 2
+    text = "\n".join(limits_table(res, "8x128x32", "1x16x32"))
+    assert "| defaults |" in text and "| ADDNORM_MAX_BATCH_SIZE=1 |" in text

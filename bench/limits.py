@@ -1,0 +1,126 @@
+"""The service against its two limits, side by side: phases alternating, median of the rounds.
+
+1. V2 binary [8,128,E], one keep-alive client, against in-process onnxruntime on the same array (the limit for
+   one request at a time);
+2. 32 keep-alive clients x V2 binary [1,16,E] with batching on, against the perfect-batching limit (in-process
+   batches of 32 such requests, per request).
+
+Each round alternates the in-process limit with every server (one per configuration: the defaults, and any
+``--against`` settings) in ``SLICES`` short slices, so that the machine's drift (10-20% here, over seconds) hits
+both sides of a ratio alike; the ratio is taken per round and the median over rounds is the one reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+
+import numpy as np
+
+from bench.measure import CLIENTS, Setup, batch_histogram, load_with_cpu, stats, timed, v2_request
+from bench.server import ServerProcess
+
+DEFAULT = "defaults"
+SLICES = 4  # alternations per round
+
+
+def combine(rows: list[dict]) -> dict:
+    """Slices of one load phase as one: throughput and CPU per request over all of them."""
+    n = sum(r["requests"] for r in rows)
+    seconds = sum(r["seconds"] for r in rows)
+    per = lambda key: sum(r[key] * r["requests"] for r in rows) / max(n, 1)  # noqa: E731
+    return {
+        "requests": n,
+        "seconds": seconds,
+        "throughput_rps": n / seconds,
+        "server_cpu_ms_per_request": per("server_cpu_ms_per_request"),
+        "loop_cpu_ms_per_request": per("loop_cpu_ms_per_request"),
+    }
+
+
+def server(s: Setup, env: dict[str, str]) -> ServerProcess:
+    args = ["-m", "service", "--model-dir", str(s.artifact), "--log-level", "warning"]
+    return ServerProcess(args, env={"ADDNORM_MAX_BATCH_SIZE": str(CLIENTS), **env}, capture=False)
+
+
+def measure_limits(s: Setup, configs: dict[str, dict[str, str]], rounds: int = 3) -> dict:
+    """``configs``: label -> ADDNORM_* settings of one server. Returns per-round rows and per-server medians."""
+    from service.engine import Engine
+
+    engine = Engine(s.artifact, "cpu")
+    rng = np.random.default_rng(1)
+    x32 = rng.standard_normal((CLIENTS, *s.x_small.shape[1:])).astype(np.float32)
+    out: dict = {"rounds": [], "servers": {}}
+    with contextlib.ExitStack() as stack:
+        servers = {label: stack.enter_context(server(s, env)) for label, env in configs.items()}
+        requests = {
+            label: (v2_request(srv.port, s.name, s.x_big), v2_request(srv.port, s.name, s.x_small))
+            for label, srv in servers.items()
+        }
+        for _ in range(rounds):
+            big_ms, perfect_ms = [], []
+            slices: dict = {label: {"big": [], "small": [], "runs": 0.0, "rows": 0.0} for label in servers}
+            for _ in range(SLICES):
+                big_ms.append(timed(lambda: engine.run(s.x_big), s.seconds / SLICES, min_runs=2))
+                for label, srv in servers.items():
+                    slices[label]["big"].append(load_with_cpu(srv, requests[label][0], 1, s.seconds / SLICES))
+                perfect_ms.append(timed(lambda: engine.run(x32), s.seconds / SLICES, min_runs=2))
+                for label, srv in servers.items():
+                    before = batch_histogram(srv.port)
+                    slices[label]["small"].append(
+                        load_with_cpu(srv, requests[label][1], CLIENTS, s.seconds / SLICES)
+                    )
+                    after = batch_histogram(srv.port)
+                    slices[label]["runs"] += after["count"] - before["count"]
+                    slices[label]["rows"] += after["sum"] - before["sum"]
+            r: dict = {
+                "inproc_big": stats(np.concatenate(big_ms))["throughput_rps"],
+                "perfect": stats(np.concatenate(perfect_ms), CLIENTS)["throughput_rps"],
+            }
+            for label, sl in slices.items():
+                r[f"{label}/big"] = combine(sl["big"])
+                r[f"{label}/small"] = combine(sl["small"])
+                r[f"{label}/small"]["mean_rows_per_run"] = sl["rows"] / sl["runs"] if sl["runs"] else 0.0
+            out["rounds"].append(r)
+    for label in configs:
+        big = [r[f"{label}/big"]["throughput_rps"] / r["inproc_big"] for r in out["rounds"]]
+        small = [r[f"{label}/small"]["throughput_rps"] / r["perfect"] for r in out["rounds"]]
+        out["servers"][label] = {
+            "settings": configs[label],
+            "v2_binary_vs_inproc": big,
+            "batching_vs_perfect": small,
+            "median": {
+                "v2_binary_vs_inproc": statistics.median(big),
+                "batching_vs_perfect": statistics.median(small),
+                "rows_per_run": statistics.median(
+                    r[f"{label}/small"]["mean_rows_per_run"] for r in out["rounds"]
+                ),
+                "loop_cpu_ms_small": statistics.median(
+                    r[f"{label}/small"]["loop_cpu_ms_per_request"] for r in out["rounds"]
+                ),
+                "server_cpu_ms_small": statistics.median(
+                    r[f"{label}/small"]["server_cpu_ms_per_request"] for r in out["rounds"]
+                ),
+            },
+        }
+    return out
+
+
+def limits_table(res: dict, big: str, small: str) -> list[str]:
+    n = len(res["rounds"])
+    lines = [
+        f"| server (alternating with in-process, median of {n}) | V2 binary [{big}] / in-process (each round) "
+        f"| {CLIENTS} x [{small}] batching / perfect limit (each round) | rows per run | server CPU ms/request "
+        "| event-loop ms/request |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for label, r in res["servers"].items():
+        m = r["median"]
+        name = label if not r["settings"] else " ".join(f"{k}={v}" for k, v in r["settings"].items())
+        each = lambda key, r=r: ", ".join(f"{v:.2f}" for v in r[key])  # noqa: E731
+        lines.append(
+            f"| {name} | {m['v2_binary_vs_inproc']:.2f}x ({each('v2_binary_vs_inproc')}) "
+            f"| {m['batching_vs_perfect']:.2f}x ({each('batching_vs_perfect')}) | {m['rows_per_run']:.1f} "
+            f"| {m['server_cpu_ms_small']:.2f} | {m['loop_cpu_ms_small']:.3f} |"
+        )
+    return lines
