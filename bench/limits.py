@@ -1,27 +1,30 @@
 """The service against its two limits, side by side: phases alternating, median of the rounds.
 
 1. V2 binary [8,128,E], one keep-alive client, against in-process onnxruntime on the same array (the limit for
-   one request at a time);
+   one request at a time): in-process call and server request alternate one by one;
 2. 32 keep-alive clients x V2 binary [1,16,E] with batching on, against the perfect-batching limit (in-process
    batches of 32 such requests, per request).
 
 Each round alternates the in-process limit with every server (one per configuration: the defaults, and any
-``--against`` settings) in ``SLICES`` short slices, so that the machine's drift (10-20% here, over seconds) hits
-both sides of a ratio alike; the ratio is taken per round and the median over rounds is the one reported.
+``--against`` settings): call by call for the single client, in ``SLICES`` slices for the 32 clients, so that the
+machine's drift (10-20% here, over seconds) hits both sides of a ratio alike; the ratio is taken per round and
+the median over rounds is the one reported.
 """
 
 from __future__ import annotations
 
 import contextlib
+import socket
 import statistics
+import time
 
 import numpy as np
 
-from bench.measure import CLIENTS, Setup, batch_histogram, load_with_cpu, stats, timed, v2_request
-from bench.server import ServerProcess
+from bench.measure import CLIENTS, Setup, batch_histogram, load_with_cpu, process_cpu_s, timed, v2_request
+from bench.server import HOST, ServerProcess
 
 DEFAULT = "defaults"
-SLICES = 4  # alternations per round
+SLICES = 2  # alternations per round (each slice of a load phase starts with a ramp of a batch or two)
 
 
 def combine(rows: list[dict]) -> dict:
@@ -36,6 +39,81 @@ def combine(rows: list[dict]) -> dict:
         "server_cpu_ms_per_request": per("server_cpu_ms_per_request"),
         "loop_cpu_ms_per_request": per("loop_cpu_ms_per_request"),
     }
+
+
+def per_second(ms: list[np.ndarray], items: int) -> float:
+    """Items per second of in-process calls: all calls over all their time, as a server's throughput is counted
+    (a median per call would leave out the slow calls that the server's figure includes)."""
+    calls = np.concatenate(ms)
+    return items * len(calls) / (calls.sum() / 1e3)
+
+
+class OneClient:
+    """One keep-alive connection sending a prebuilt request and reading the whole answer, timed."""
+
+    def __init__(self, port: int, request: bytes) -> None:
+        self.sock = socket.create_connection((HOST, port))
+        self.request = request
+
+    def __call__(self) -> None:
+        self.sock.sendall(self.request)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += self._recv()
+        head, body = data.split(b"\r\n\r\n", 1)
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(f"the server answered {head[:40]!r}")
+        length = next(
+            int(v)
+            for k, _, v in (h.partition(b":") for h in head.split(b"\r\n"))
+            if k.lower() == b"content-length"
+        )
+        while len(body) < length:
+            body += self._recv()
+
+    def _recv(self) -> bytes:
+        chunk = self.sock.recv(1 << 20)
+        if not chunk:
+            raise RuntimeError("the server closed the connection")
+        return chunk
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def alternate_one_by_one(engine, x: np.ndarray, servers: dict, requests: dict, seconds: float) -> dict:  # noqa: ANN001
+    """In-process call, then one request to each server, over and over for about ``seconds``: each side's
+    throughput over its own time, and each server's CPU per request from the OS."""
+    clients = {label: OneClient(srv.port, requests[label]) for label, srv in servers.items()}
+    try:
+        for fn in (lambda: engine.run(x), *clients.values()):  # warm-up
+            fn()
+        times: dict = {"inproc": [], **{label: [] for label in servers}}
+        cpu0 = {
+            label: (process_cpu_s(srv.proc.pid), process_cpu_s(srv.proc.pid, srv.proc.pid))
+            for label, srv in servers.items()
+        }
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end or len(times["inproc"]) < 3:
+            for label, fn in (("inproc", lambda: engine.run(x)), *clients.items()):
+                t = time.perf_counter()
+                fn()
+                times[label].append(time.perf_counter() - t)
+    finally:
+        for c in clients.values():
+            c.close()
+    out = {"inproc": len(times["inproc"]) / sum(times["inproc"])}
+    for label, srv in servers.items():
+        n = len(times[label])
+        total, loop = process_cpu_s(srv.proc.pid), process_cpu_s(srv.proc.pid, srv.proc.pid)
+        out[label] = {
+            "requests": n,
+            "seconds": sum(times[label]),
+            "throughput_rps": n / sum(times[label]),
+            "server_cpu_ms_per_request": (total - cpu0[label][0]) * 1e3 / n,
+            "loop_cpu_ms_per_request": (loop - cpu0[label][1]) * 1e3 / n,
+        }
+    return out
 
 
 def server(s: Setup, env: dict[str, str]) -> ServerProcess:
@@ -58,12 +136,12 @@ def measure_limits(s: Setup, configs: dict[str, dict[str, str]], rounds: int = 3
             for label, srv in servers.items()
         }
         for _ in range(rounds):
-            big_ms, perfect_ms = [], []
-            slices: dict = {label: {"big": [], "small": [], "runs": 0.0, "rows": 0.0} for label in servers}
+            big = alternate_one_by_one(
+                engine, s.x_big, servers, {k: v[0] for k, v in requests.items()}, s.seconds * len(servers)
+            )
+            perfect_ms = []
+            slices: dict = {label: {"small": [], "runs": 0.0, "rows": 0.0} for label in servers}
             for _ in range(SLICES):
-                big_ms.append(timed(lambda: engine.run(s.x_big), s.seconds / SLICES, min_runs=2))
-                for label, srv in servers.items():
-                    slices[label]["big"].append(load_with_cpu(srv, requests[label][0], 1, s.seconds / SLICES))
                 perfect_ms.append(timed(lambda: engine.run(x32), s.seconds / SLICES, min_runs=2))
                 for label, srv in servers.items():
                     before = batch_histogram(srv.port)
@@ -73,12 +151,9 @@ def measure_limits(s: Setup, configs: dict[str, dict[str, str]], rounds: int = 3
                     after = batch_histogram(srv.port)
                     slices[label]["runs"] += after["count"] - before["count"]
                     slices[label]["rows"] += after["sum"] - before["sum"]
-            r: dict = {
-                "inproc_big": stats(np.concatenate(big_ms))["throughput_rps"],
-                "perfect": stats(np.concatenate(perfect_ms), CLIENTS)["throughput_rps"],
-            }
+            r: dict = {"inproc_big": big["inproc"], "perfect": per_second(perfect_ms, CLIENTS)}
             for label, sl in slices.items():
-                r[f"{label}/big"] = combine(sl["big"])
+                r[f"{label}/big"] = big[label]
                 r[f"{label}/small"] = combine(sl["small"])
                 r[f"{label}/small"]["mean_rows_per_run"] = sl["rows"] / sl["runs"] if sl["runs"] else 0.0
             out["rounds"].append(r)
