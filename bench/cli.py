@@ -20,8 +20,8 @@ import numpy as np
 
 from bench import measure
 from bench.grpc_load import grpc_table, measure_grpc
-from bench.limits import DEFAULT, limits_table, measure_limits
-from bench.measure import CLIENTS, Setup
+from bench.limits import limits_table, measure_limits
+from bench.measure import CLIENTS, DEFAULT, Setup
 from bench.report import plots, table, update_docs
 from bench.server import ROOT
 from model.artifact import MANIFEST_FILE, Manifest

@@ -20,10 +20,17 @@ import time
 
 import numpy as np
 
-from bench.measure import CLIENTS, Setup, batch_histogram, load_with_cpu, process_cpu_s, timed, v2_request
+from bench.measure import (
+    CLIENTS,
+    Setup,
+    batch_histogram,
+    load_with_cpu,
+    process_cpu_s,
+    timed,
+    v2_request,
+)
 from bench.server import HOST, ServerProcess
 
-DEFAULT = "defaults"
 SLICES = 2  # alternations per round (each slice of a load phase starts with a ramp of a batch or two)
 
 
@@ -49,7 +56,7 @@ def per_second(ms: list[np.ndarray], items: int) -> float:
 
 
 class OneClient:
-    """One keep-alive connection sending a prebuilt request and reading the whole answer, timed."""
+    """One keep-alive connection: each call sends the prebuilt request and reads the whole answer (200 or raises)."""
 
     def __init__(self, port: int, request: bytes) -> None:
         self.sock = socket.create_connection((HOST, port))

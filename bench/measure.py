@@ -21,6 +21,7 @@ from model.artifact import WEIGHTS_FILE, Manifest
 from model.contract import EMBEDDINGS, ENCODED, MASK
 
 CLIENTS = 32
+DEFAULT = "defaults"  # bench.limits' label for the server with default settings
 
 
 @dataclass
@@ -305,7 +306,7 @@ def ratios(res: dict) -> dict[str, float]:
     c_max = max(conc["on"], key=int)
     rps = lambda row: row["throughput_rps"]  # noqa: E731
     # The two limits the service is held to come from bench.limits (alternating, median of rounds) when it ran.
-    limits = res.get("limits", {}).get("servers", {}).get("defaults", {}).get("median", {})
+    limits = res.get("limits", {}).get("servers", {}).get(DEFAULT, {}).get("median", {})
     return {
         "v2_binary_vs_inproc": limits.get("v2_binary_vs_inproc", rps(http["v2_binary"]) / inproc),
         "v1_binary_vs_inproc": rps(http["v1_binary"]) / inproc,

@@ -2,6 +2,7 @@
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -285,8 +286,6 @@ def test_queue_is_bounded_by_bytes(engine):
 def test_the_next_batch_starts_while_the_event_loop_is_busy(engine):
     """The inference thread takes its next batch itself: a busy event loop (here: blocked outright) does not
     leave the model idle between runs, as a scheduler living on the loop did."""
-    import time
-
     gate = threading.Event()
     starts: list[float] = []
 
