@@ -9,6 +9,8 @@ A connection closed while its request body is still arriving (a 413 answered bef
 lingering: the answer is sent, the write side is shut, and what still arrives is discarded for up to
 ``LINGER_S`` before the socket closes; closed at once, the unread data makes the kernel reset the connection, and
 a client still writing loses the 413 it was sent.
+Each request's scope carries a ``Disconnect`` (key ``DISCONNECT``) that the connection fires when its client goes
+away, so a handler waiting for a model run is cancelled without a task of its own watching ``receive()``.
 
 ``addnorm-serve`` passes ``Protocol`` to uvicorn (``http=``); worker processes read the same ADDNORM_* settings.
 """
@@ -16,6 +18,8 @@ a client still writing loses the 413 it was sent.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
+from collections.abc import Callable
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -24,6 +28,27 @@ from service.settings import Settings
 
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 503: b"Service Unavailable"}
 LINGER_S = 2.0
+DISCONNECT = "addnorm.disconnect"  # the scope key of a request's Disconnect
+
+
+class Disconnect:
+    """Whether a request's client has gone away, and who to tell when it does (one callback at a time)."""
+
+    __slots__ = ("gone", "_callback")
+
+    def __init__(self) -> None:
+        self.gone = False
+        self._callback: Callable[[], object] | None = None
+
+    def notify(self, callback: Callable[[], object] | None) -> None:
+        """Call ``callback`` when the client goes away (None: no longer)."""
+        self._callback = callback
+
+    def fire(self) -> None:
+        self.gone = True
+        callback, self._callback = self._callback, None
+        if callback is not None:
+            callback()
 
 
 def raw_error(status: int, message: str, retry_after: int | None = None) -> bytes:
@@ -63,10 +88,11 @@ class Protocol(HttpToolsProtocol):
         self._in_headers = True
         self.in_body = False  # between a request's headers and the end of its body
         self.discarding = False  # lingering: input is read and dropped until the socket closes
+        self._unanswered: deque[Disconnect] = deque()  # requests read and not yet answered, oldest first
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.transport = _LingeringClose(transport, self)  # what uvicorn's request cycles close
+        self.transport = _Transport(transport, self)  # what uvicorn's request cycles write to and close
         if self.max_connections is not None and len(self.connections) > self.max_connections:
             limit = self.max_connections
             self._refuse(
@@ -79,6 +105,8 @@ class Protocol(HttpToolsProtocol):
         self._disarm()
         self.in_body = False
         super().connection_lost(exc)
+        while self._unanswered:  # the running request and any pipelined behind it
+            self._unanswered.popleft().fire()
 
     def data_received(self, data: bytes) -> None:
         if not self.discarding:
@@ -93,7 +121,10 @@ class Protocol(HttpToolsProtocol):
         self._arm(self.header_timeout_s, headers=True)
 
     def on_headers_complete(self) -> None:
+        self.scope[DISCONNECT] = disconnect = Disconnect()  # the scope the request's cycle is built on, next
         super().on_headers_complete()
+        if self.cycle is not None and self.cycle.scope is self.scope:  # a request to answer (not an upgrade)
+            self._unanswered.append(disconnect)
         self.in_body = True
         self._arm(self.body_timeout_s, headers=False)
 
@@ -101,6 +132,12 @@ class Protocol(HttpToolsProtocol):
         super().on_message_complete()
         self.in_body = False
         self._disarm()
+
+    def on_response_complete(self) -> None:
+        self.transport.flush()  # a response without a body wrote only its head
+        if self._unanswered:  # requests are answered in the order they came (pipelining included)
+            self._unanswered.popleft()
+        super().on_response_complete()
 
     def send_400_response(self, msg: str) -> None:
         self._refuse(400, f"malformed HTTP request: {msg}")
@@ -133,16 +170,39 @@ class Protocol(HttpToolsProtocol):
         self.transport.close()
 
 
-class _LingeringClose:
-    """The connection's transport as uvicorn sees it: ``close()`` lingers while a request body is still arriving
-    (see the module's docstring); everything else is the transport's own."""
+class _Transport:
+    """The connection's transport as uvicorn sees it. A response's head is held until its body's first write and
+    both go out in one system call (uvicorn writes them apart: two sends, two segments for the client to read);
+    ``close()`` lingers while a request body is still arriving (see the module's docstring). Everything else is
+    the transport's own."""
 
     def __init__(self, transport: asyncio.Transport, protocol: Protocol) -> None:
         self._transport = transport
         self._protocol = protocol
         self._lingering = False
+        self._head: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        if self._head is not None:  # one writev, no copy of the body
+            head, self._head = self._head, None
+            self._transport.writelines((head, data))
+        elif data[:9] == b"HTTP/1.1 " and data[9:10] != b"1":  # a final response's head (not 100 Continue)
+            self._head = data
+        else:
+            self._transport.write(data)
+
+    def flush(self) -> None:
+        """Write a held head (a response without a body: HEAD, 204, 304)."""
+        if self._head is not None:
+            head, self._head = self._head, None
+            self._transport.write(head)
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
 
     def close(self) -> None:
+        self.flush()
         t, p = self._transport, self._protocol
         if self._lingering or t.is_closing():
             t.close()

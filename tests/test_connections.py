@@ -118,3 +118,35 @@ def test_a_client_still_sending_a_refused_body_gets_its_413(tiny_artifact):
                 sock.sendall(head % len(body) + body)  # everything first, as a simple client does
                 status, doc = _status_and_json(_read_all(sock))
                 assert status == 413 and "limit" in doc["error"]
+
+
+def _v2_infer(rows: int) -> bytes:
+    body = json.dumps(
+        {"inputs": [{"name": "embeddings", "shape": [rows, 2, 32], "datatype": "FP32", "data": [0.5] * rows * 64}]}
+    ).encode()
+    head = b"POST /v2/models/encoder/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    return head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+
+
+def _stats(base: str) -> tuple[int, int]:
+    s = httpx.get(f"{base}/v2/models/encoder/stats").json()["model_stats"][0]
+    return s["execution_count"], s["inference_stats"]["fail"]["count"]
+
+
+def test_a_queued_request_whose_client_hangs_up_is_never_run(tiny_artifact):
+    """The connection tells the waiting handler its client is gone: the request leaves the queue unrun (499)."""
+    with start_server(tiny_artifact, "--max-queue-delay-ms", "1500", "--max-batch-size", "8") as srv:
+        with _connect(srv) as s:  # two pipelined requests on one keep-alive connection, both answered
+            s.sendall(_v2_infer(1) + _v2_infer(2))
+            raw = b""
+            while raw.count(b'"outputs"') < 2:
+                raw += s.recv(65536)
+            assert raw.count(b"HTTP/1.1 200") == 2
+            assert _stats(srv.base) == (2, 0)  # one after the other: pipelined requests are served in order
+            s.sendall(_v2_infer(3))  # a third, on the same connection: queued for up to 1.5 s ...
+            time.sleep(0.4)
+        time.sleep(1.6)  # ... its client hung up after 0.4 s; still queued, it would have run by now
+        assert _stats(srv.base) == (2, 1)
+        assert 'status="499"' in httpx.get(f"{srv.base}/metrics").text
+        r = httpx.post(f"{srv.base}/v1/encode", json={"embeddings": [[0.1] * 32]}, timeout=30)
+        assert r.status_code == 200 and _stats(srv.base) == (3, 1)

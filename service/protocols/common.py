@@ -14,6 +14,7 @@ from starlette.requests import ClientDisconnect
 from service.batcher import Outputs, Timings
 from service.errors import BadInput, ClientGone, TooLarge
 from service.state import LoadedState, ServingModel
+from service.transport import DISCONNECT, Disconnect
 
 T = TypeVar("T")
 
@@ -71,22 +72,32 @@ async def infer(
     handler = asyncio.current_task()
     if handler is None:  # not reachable from a request; keeps the type checker honest
         raise RuntimeError("infer() must run inside a request's task")
-    watch = asyncio.ensure_future(_cancel_on_disconnect(request, handler))
+    disconnect = request.scope.get(DISCONNECT)
+    if disconnect is None:  # another ASGI server (Ray Serve's, a test client): watch receive() instead
+        disconnect = Disconnect()
+        watch = asyncio.ensure_future(_watch_receive(request, disconnect))
+    else:
+        watch = None
+    if disconnect.gone:
+        raise ClientGone
+    disconnect.notify(handler.cancel)
     try:
         return await model.batcher.infer(x, mask, timeout)
     except asyncio.CancelledError:
-        if watch.done() and not watch.cancelled():  # cancelled by the watcher, not by a shutdown
+        if disconnect.gone:  # cancelled because the client went away, not by a shutdown
             raise ClientGone from None
         raise
     finally:
-        watch.cancel()
+        disconnect.notify(None)
+        if watch is not None:
+            watch.cancel()
 
 
-async def _cancel_on_disconnect(request: Request, handler: asyncio.Task) -> None:
+async def _watch_receive(request: Request, disconnect: Disconnect) -> None:
     # The body has been read, so the next ASGI message can only be the disconnect.
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    handler.cancel()
+    disconnect.fire()
 
 
 def timing_headers(timings: Timings, total_s: float) -> dict[str, str]:
