@@ -183,13 +183,16 @@ async def _serving_model(state: ServiceState, directory: Path) -> ServingModel:
     if not _accept(verification, s.verify_on_load, engine.name):
         raise _LoadFailed(f"golden check failed on {verification.provider}: {verification.message}")
     statistics = ModelStatistics(engine.name, VERSION)
+    metrics = state.metrics.model(
+        engine.name, queue_depth=lambda: batcher.depth
+    )  # read at scrapes, from below
     batcher = Batcher(
         engine,
         max_batch_size=s.max_batch_size,
         max_batch_tokens=s.max_batch_tokens,
         max_queue_delay_ms=s.max_queue_delay_ms,
         max_queue_size=s.max_queue_size,
-        observer=Observers(state.metrics.model(engine.name), statistics),
+        observer=Observers(metrics, statistics),
         max_batch_attention=s.max_batch_attention,
         heads=engine.manifest.config.nhead,
         attention=engine.attention,

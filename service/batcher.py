@@ -39,13 +39,12 @@ class Model(Protocol):
 
 
 class BatchObserver(Protocol):
-    """Told of each model run (its rows, requests, and the seconds spent merging, running and cutting it) and
-    of the queue's depth; called on the event loop."""
+    """Told of each model run (its rows, requests, and the seconds spent merging, running and cutting it); called
+    on the event loop. (The queue's depth is read when asked for: ``Batcher.depth``.)"""
 
     def batch_done(
         self, rows: int, requests: int, seconds: float, merge_s: float, split_s: float
     ) -> None: ...
-    def queue_depth(self, depth: int) -> None: ...
 
 
 class Observers:
@@ -57,10 +56,6 @@ class Observers:
     def batch_done(self, rows: int, requests: int, seconds: float, merge_s: float, split_s: float) -> None:
         for o in self.observers:
             o.batch_done(rows, requests, seconds, merge_s, split_s)
-
-    def queue_depth(self, depth: int) -> None:
-        for o in self.observers:
-            o.queue_depth(depth)
 
 
 @dataclass
@@ -196,7 +191,6 @@ class Batcher:
             self._queue.append(item)
             self._queued_bytes += x.nbytes
             self._ready.notify()
-        self._observe_depth()
         # A timer instead of asyncio.wait_for: no extra task per request. Timing out before the run makes the
         # inference thread skip the item; during the run, its rows are dropped. If the awaiting task is cancelled
         # (the client went away), awaiting the future directly cancels it too, so it is skipped the same way.
@@ -207,11 +201,6 @@ class Batcher:
             if timer is not None:
                 timer.cancel()
         return result, item.timings
-
-    def _observe_depth(self) -> None:
-        """On the event loop (observers are not thread-safe)."""
-        if self.observer is not None:
-            self.observer.queue_depth(len(self._queue))
 
     # --- the inference thread ---
 
@@ -276,7 +265,6 @@ class Batcher:
         for item, result in zip(batch, rows, strict=True):
             if not item.future.done():
                 item.future.set_result(result)
-        self._observe_depth()
         if self.observer is not None:
             elapsed, merge_s, split_s = times
             self.observer.batch_done(total_rows, len(batch), elapsed, merge_s, split_s)

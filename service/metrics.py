@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -57,8 +59,10 @@ class Metrics:
             registry=r,
         )
 
-    def model(self, name: str) -> ModelMetrics:
-        """The batch observer that records one model's runs, under its ``model`` label."""
+    def model(self, name: str, queue_depth: Callable[[], int]) -> ModelMetrics:
+        """The batch observer that records one model's runs, under its ``model`` label; ``queue_depth`` is read
+        at each scrape (kept current per request, it cost the event loop a locked update on every enqueue)."""
+        self.queue.labels(name).set_function(queue_depth)
         return ModelMetrics(self, name)
 
     def verification(self, model: str, v) -> None:  # noqa: ANN001 (model.golden.Verification)
@@ -88,12 +92,8 @@ class ModelMetrics:
         self.inference = metrics.inference.labels(name)
         self.batch_rows = metrics.batch_rows.labels(name)
         self.batch_requests = metrics.batch_requests.labels(name)
-        self.queue = metrics.queue.labels(name)
 
     def batch_done(self, rows: int, requests: int, seconds: float, merge_s: float, split_s: float) -> None:
         self.inference.observe(seconds)
         self.batch_rows.observe(rows)
         self.batch_requests.observe(requests)
-
-    def queue_depth(self, depth: int) -> None:
-        self.queue.set(depth)

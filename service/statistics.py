@@ -69,9 +69,6 @@ class ModelStatistics:
         batch.compute_infer.add(seconds)
         batch.compute_output.add(split_s)
 
-    def queue_depth(self, depth: int) -> None:
-        pass
-
     def to_dict(self) -> dict:
         """One ``model_stats`` entry, as Triton's HTTP statistics endpoint writes it."""
         return {

@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service import create_app
+from service.metrics import Metrics
 from service.settings import Settings
 
 
@@ -134,12 +135,21 @@ def test_routing_errors_are_json(client):
 
 
 def test_model_and_metrics(client):
+    assert client.post("/v1/encode", json={"embeddings": [[0.0] * 32]}).status_code == 200
     doc = client.get("/v1/model").json()
     assert doc["name"] == "encoder" and doc["providers"] == ["CPUExecutionProvider"]
     assert doc["config"]["d_model"] == 32 and doc["parity"]["passed"]
     text = client.get("/metrics").text
     assert 'addnorm_requests_total{method="POST",route="/v1/encode",status="200"}' in text
-    assert "addnorm_batch_size_bucket" in text and "addnorm_queue_depth" in text
+    assert "addnorm_batch_size_bucket" in text and 'addnorm_queue_depth{model="encoder"} 0.0' in text
+
+
+def test_queue_depth_is_read_at_each_scrape():
+    depth = [0]
+    metrics = Metrics()
+    metrics.model("m", queue_depth=lambda: depth[0])
+    depth[0] = 5
+    assert b'addnorm_queue_depth{model="m"} 5.0' in metrics.render()
 
 
 def test_openapi_describes_both_apis(client):
