@@ -1,12 +1,15 @@
 """Two checkouts of addnorm side by side: the server's CPU per request for every protocol and payload.
 
     python -m bench.ab BEFORE_DIR AFTER_DIR [--artifact DIR] [--seconds S] [--rounds N] [--env KEY=VALUE ...]
+                       [--only TEXT]
 
 Each directory is a checkout (``git worktree add /tmp/before <commit>``); each serves the same artifact from its
 own code (``PYTHONPATH`` = the checkout), both run at once, and every phase (V2 binary, /v1 binary, /v1 JSON on
 [8,128,E] with 1 client; V2 binary on 32 x [1,16,E]) alternates between them, ``--rounds`` times. Printed per
 phase and side: the median throughput, the server process's CPU per request and its event-loop thread's, from
-the OS, and the after/before ratios. ``--env`` settings apply to the after side only (say ADDNORM_ACCESS_LOG=false).
+the OS; then each after/before ratio taken per round, median (the sides swap order every round). ``--env``
+settings apply to the after side only (say ADDNORM_ACCESS_LOG=false); ``--only`` keeps the phases whose name
+contains the text (``--only clients``: the 32-client phase alone, for more rounds in the same time).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=6.0)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--only", default="", metavar="TEXT", help="run only the phases whose name contains TEXT")
     args = p.parse_args(argv)
     name, e = (m := Manifest.load(args.artifact)).name, m.config.d_model
     rng = np.random.default_rng(0)
@@ -78,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         f"/v1 JSON [8,128,{e}], 1 client": (lambda port: json_request(port, "/v1/encode", big), 1),
         f"V2 binary {CLIENTS} clients x [1,16,{e}]": (lambda port: v2_request(port, name, small), CLIENTS),
     }
+    phases = {name: ph for name, ph in phases.items() if args.only in name}
+    if not phases:
+        p.error(f"--only {args.only!r} matches no phase")
     after_env = dict(kv.split("=", 1) for kv in args.env)
     servers = {
         "before": start(args.before, args.artifact, {}),
@@ -85,9 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     rows: dict = {ph: {side: [] for side in servers} for ph in phases}
     try:
-        for _ in range(args.rounds):
+        for i in range(args.rounds):
             for ph, (build, clients) in phases.items():
-                for side, (proc, port) in servers.items():
+                for side in ("before", "after") if i % 2 == 0 else ("after", "before"):
+                    proc, port = servers[side]
                     rows[ph][side].append(phase(proc, port, build(port), clients, args.seconds))
     finally:
         for proc, _ in servers.values():
@@ -104,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
             f"| {ph} | {med(b, 'throughput_rps'):.1f} | {med(a, 'throughput_rps'):.1f} | {med(b, 'cpu_ms'):.2f} "
             f"| {med(a, 'cpu_ms'):.2f} | {med(b, 'loop_ms'):.3f} | {med(a, 'loop_ms'):.3f} |"
         )
+    print("\n| phase | after / before, per round, median: req/s | CPU per request | event loop per request |")
+    print("| --- | --- | --- | --- |")
+    for ph, by in rows.items():
+        ratio = lambda key, by=by: statistics.median(  # noqa: E731
+            a[key] / b[key] for b, a in zip(by["before"], by["after"], strict=True)
+        )
+        print(f"| {ph} | {ratio('throughput_rps'):.3f} | {ratio('cpu_ms'):.3f} | {ratio('loop_ms'):.3f} |")
     return 0
 
 

@@ -143,6 +143,11 @@ def test_ab_compares_two_checkouts_phase_by_phase(tiny_artifact, capsys):
         assert phase in out
     rows = [line for line in out.splitlines() if line.startswith("| V2 binary")]
     assert all(" 0.0 |" not in row for row in rows)  # both sides served requests
+    assert "after / before, per round, median" in out
+    args = [str(ROOT), str(ROOT), "--artifact", str(tiny_artifact), "--seconds", "0.2", "--rounds", "2"]
+    assert ab.main([*args, "--only", "clients"]) == 0
+    out = capsys.readouterr().out
+    assert "32 clients" in out and "/v1 JSON" not in out
 
 
 def test_limits_alternate_in_process_with_each_server(tiny_artifact):
@@ -165,7 +170,7 @@ def test_limits_alternate_in_process_with_each_server(tiny_artifact):
     res = measure_limits(s, {"defaults": {}, "unbatched": {"ADDNORM_MAX_BATCH_SIZE": "1"}}, rounds=2)
     assert len(res["rounds"]) == 2
     for r in res["rounds"]:
-        assert r["inproc_big"] > 0 and r["perfect"] > 0
+        assert r["inproc_big"] > 0 and r["perfect"] > 0 and r["perfect_cpu_ms_per_request"] > 0
         for label in ("defaults", "unbatched"):
             assert r[f"{label}/big"]["requests"] > 0 and r[f"{label}/small"]["requests"] > 0
     assert res["servers"]["unbatched"]["median"]["rows_per_run"] == 1.0
