@@ -122,7 +122,11 @@ def test_a_client_still_sending_a_refused_body_gets_its_413(tiny_artifact):
 
 def _v2_infer(rows: int) -> bytes:
     body = json.dumps(
-        {"inputs": [{"name": "embeddings", "shape": [rows, 2, 32], "datatype": "FP32", "data": [0.5] * rows * 64}]}
+        {
+            "inputs": [
+                {"name": "embeddings", "shape": [rows, 2, 32], "datatype": "FP32", "data": [0.5] * rows * 64}
+            ]
+        }
     ).encode()
     head = b"POST /v2/models/encoder/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     return head + b"Content-Length: %d\r\n\r\n" % len(body) + body
