@@ -69,6 +69,13 @@ def _stop_listener() -> None:
 atexit.register(_stop_listener)
 
 
+def flush() -> None:
+    """Write out every line queued so far, now (the listener thread writes them on its own time otherwise)."""
+    if _listener is not None:
+        _listener.stop()
+        _listener.start()
+
+
 def configure(level: str = "info", json_logs: bool = False) -> None:
     """Log lines, plain or JSON, written by one listener thread; callers only enqueue (with their request id)."""
     global _listener

@@ -5,7 +5,7 @@ import logging
 import pytest
 from fastapi.testclient import TestClient
 
-from service import cli, create_app
+from service import cli, create_app, logs
 from service.settings import Settings
 from tests.service.test_guard import served_routes
 
@@ -76,10 +76,13 @@ def test_start_up_warns_loudly_without_a_key_off_loopback(tiny_artifact, monkeyp
     import uvicorn
 
     monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)  # stop short of binding
-    assert cli.main(["--model-dir", str(tiny_artifact), "--host", "0.0.0.0", "--log-level", "warning"]) == 0
-    assert "WITHOUT AN API KEY" in capsys.readouterr().err
-    assert cli.main(["--model-dir", str(tiny_artifact), "--host", "127.0.0.1", "--log-level", "warning"]) == 0
-    assert "WITHOUT AN API KEY" not in capsys.readouterr().err
-    assert cli.main(["--model-dir", str(tiny_artifact), "--host", "0.0.0.0", "--api-key", "k"]) == 0
-    assert "WITHOUT AN API KEY" not in capsys.readouterr().err
+
+    def stderr_of(*args: str) -> str:
+        assert cli.main(["--model-dir", str(tiny_artifact), *args]) == 0
+        logs.flush()  # the listener thread writes log lines on its own time
+        return capsys.readouterr().err
+
+    assert "WITHOUT AN API KEY" in stderr_of("--host", "0.0.0.0", "--log-level", "warning")
+    assert "WITHOUT AN API KEY" not in stderr_of("--host", "127.0.0.1", "--log-level", "warning")
+    assert "WITHOUT AN API KEY" not in stderr_of("--host", "0.0.0.0", "--api-key", "k")
     assert cli.is_loopback("::1") and cli.is_loopback("localhost") and not cli.is_loopback("example.org")
