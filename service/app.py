@@ -183,9 +183,8 @@ async def _serving_model(state: ServiceState, directory: Path) -> ServingModel:
     if not _accept(verification, s.verify_on_load, engine.name):
         raise _LoadFailed(f"golden check failed on {verification.provider}: {verification.message}")
     statistics = ModelStatistics(engine.name, VERSION)
-    metrics = state.metrics.model(
-        engine.name, queue_depth=lambda: batcher.depth
-    )  # read at scrapes, from below
+    # The queue-depth gauge reads the batcher (made just below) at each scrape.
+    metrics = state.metrics.model(engine.name, queue_depth=lambda: batcher.depth)
     batcher = Batcher(
         engine,
         max_batch_size=s.max_batch_size,
