@@ -204,10 +204,7 @@ class _Transport:
     def close(self) -> None:
         self.flush()
         t, p = self._transport, self._protocol
-        if self._lingering or t.is_closing():
-            t.close()
-            return
-        if not p.in_body or not t.can_write_eof():
+        if self._lingering or t.is_closing() or not p.in_body or not t.can_write_eof():
             t.close()
             return
         self._lingering = p.discarding = True
