@@ -19,6 +19,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -40,9 +41,9 @@ def start(tree: Path, artifact: Path, env: dict[str, str]) -> tuple[subprocess.P
         "ADDNORM_GRPC_PORT": "0",
         "ADDNORM_MAX_BATCH_SIZE": str(CLIENTS),
     }
-    proc = subprocess.Popen(
-        cmd, cwd=tree, env={**full, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (the server's log, access lines included, as a user would keep it)
+    proc = subprocess.Popen(cmd, cwd=tree, env={**full, **env}, stdout=subprocess.DEVNULL, stderr=log)
+    log.close()  # the server holds its own descriptor
     for _ in range(600):
         try:
             if urllib.request.urlopen(f"http://{HOST}:{port}/health/ready", timeout=1).status == 200:

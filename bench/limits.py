@@ -124,7 +124,7 @@ def alternate_one_by_one(engine, x: np.ndarray, servers: dict, requests: dict, s
 
 
 def server(s: Setup, env: dict[str, str]) -> ServerProcess:
-    args = ["-m", "service", "--model-dir", str(s.artifact), "--log-level", "warning"]
+    args = ["-m", "service", "--model-dir", str(s.artifact)]  # default logging, access lines included
     return ServerProcess(args, env={"ADDNORM_MAX_BATCH_SIZE": str(CLIENTS), **env}, capture=False)
 
 

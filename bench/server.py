@@ -92,9 +92,10 @@ class ServerProcess:
 
 
 def serve(artifact: Path, *flags: str, grpc: bool = False) -> ServerProcess:
-    """addnorm-serve on ``artifact`` (quiet), not yet waited for; ``grpc``: with gRPC on a free port too."""
+    """addnorm-serve on ``artifact`` as a user runs it (log level info, an access line per request: the log goes to
+    a temporary file), not yet waited for; ``grpc``: with gRPC on a free port too."""
     return ServerProcess(
-        ["-m", "service", "--model-dir", str(artifact), "--log-level", "warning", *flags],
+        ["-m", "service", "--model-dir", str(artifact), *flags],
         capture=False,
         grpc=grpc,
     )

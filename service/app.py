@@ -37,7 +37,6 @@ from service.statistics import ModelStatistics
 from service.verification import Verification, verify_engine
 
 log = logging.getLogger("addnorm.service")
-access_log = logging.getLogger("addnorm.access")
 
 
 def create_app(settings: Settings | None = None, *, load_before_serving: bool = False) -> FastAPI:
@@ -279,7 +278,7 @@ class _RequestContext:
             path = getattr(route, "path", "unmatched")
             self.state.metrics.observe_request(path, scope["method"], status, elapsed)
             if self.access_log:
-                access_log.info("%s %s %d %.1fms", scope["method"], scope["path"], status, elapsed * 1e3)
+                logs.access("%s %s %d %.1fms", scope["method"], scope["path"], status, elapsed * 1e3)
             logs.request_id.reset(token)
 
 

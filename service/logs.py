@@ -1,4 +1,5 @@
-"""Logging: plain or one JSON object per line, with the request id of the request being served."""
+"""Logging: plain or one JSON object per line, with the request id of the request being served, written by one
+thread of its own (callers only enqueue)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import logging
 import logging.handlers
 import queue
 import sys
+import threading
+import time
 
 import orjson
 
@@ -35,62 +38,138 @@ class JsonFormatter(logging.Formatter):
 
 
 class _QueueHandler(logging.handlers.QueueHandler):
-    """Hands records to a listener thread as they are: formatting and the write to stderr happen there, not on
-    the event loop (the access line per request cost ~13% of the loop's time when written in place)."""
+    """Hands records to the writer thread as they are: formatting and the write to stderr happen there."""
 
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
         return record
 
 
-class _Stderr(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is when the record is written (it may be replaced after configure: a
-    test's capture, a redirect), never to a stream closed since."""
+class _Writer:
+    """The thread that formats and writes every log line. It takes whatever is queued at once and writes it in one
+    call, then waits ``INTERVAL_S`` before the next take: under load a line waits up to that long and a few
+    dozen go out together, instead of one write (and one wake-up of this thread, contending for the GIL with the
+    event loop) per request. Items are LogRecords, access tuples (``access``) or a ``threading.Event`` to set
+    once everything queued before it is written (``flush``)."""
 
-    @property
-    def stream(self):  # noqa: ANN201
-        return sys.stderr
+    INTERVAL_S = 0.05
 
-    @stream.setter
-    def stream(self, value: object) -> None:
+    def __init__(self, formatter: logging.Formatter) -> None:
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.formatter = formatter
+        self._thread = threading.Thread(target=self._run, name="addnorm-log", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            items = [self.queue.get()]
+            while True:
+                try:
+                    items.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            lines, done, stop = [], [], False
+            for item in items:
+                if item is None:
+                    stop = True
+                elif isinstance(item, threading.Event):
+                    done.append(item)
+                else:
+                    lines.append(self._line(item))
+            if lines:
+                _write("".join(lines))
+            for event in done:
+                event.set()
+            if stop:
+                return
+            time.sleep(self.INTERVAL_S)
+
+    def _line(self, item: logging.LogRecord | tuple) -> str:
+        if isinstance(item, tuple):  # an access line: the record is built here, not on the event loop
+            created, rid, msg, args = item
+            item = logging.makeLogRecord(
+                {
+                    "name": _access.name,
+                    "levelno": logging.INFO,
+                    "levelname": "INFO",
+                    "msg": msg,
+                    "args": args,
+                    "created": created,
+                    "msecs": (created - int(created)) * 1000,
+                    "request_id": rid,
+                }
+            )
+        try:
+            return self.formatter.format(item) + "\n"
+        except Exception:  # a record whose message cannot be formatted: say so, keep the thread
+            return (
+                f"unformattable log record from {getattr(item, 'name', '?')}: {getattr(item, 'msg', '')!r}\n"
+            )
+
+    def flush(self, timeout: float = 5.0) -> None:
+        event = threading.Event()
+        self.queue.put(event)
+        event.wait(timeout)
+
+    def stop(self) -> None:
+        self.queue.put(None)
+        self._thread.join(5.0)
+
+
+def _write(text: str) -> None:
+    """To whatever ``sys.stderr`` is now (a test's capture, a redirect), never to a stream closed since."""
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except (OSError, ValueError):  # stderr closed or gone: the lines are lost, the server goes on
         pass
 
 
-_listener: logging.handlers.QueueListener | None = None
+_writer: _Writer | None = None
+_access = logging.getLogger("addnorm.access")
+_addnorm = logging.getLogger("addnorm")
 
 
-def _stop_listener() -> None:
-    """Write out what is queued and stop the listener thread (at exit, and before reconfiguring)."""
-    global _listener
-    if _listener is not None:
-        _listener.stop()
-        _listener = None
+def _stop_writer() -> None:
+    """Write out what is queued and stop the writer thread (at exit, and before reconfiguring)."""
+    global _writer
+    if _writer is not None:
+        _writer.stop()
+        _writer = None
 
 
-atexit.register(_stop_listener)
+atexit.register(_stop_writer)
 
 
 def flush() -> None:
-    """Write out every line queued so far, now (the listener thread writes them on its own time otherwise)."""
-    if _listener is not None:
-        _listener.stop()
-        _listener.start()
+    """Write out every line queued so far, now (the writer thread writes them on its own time otherwise)."""
+    if _writer is not None:
+        _writer.flush()
+
+
+def access(msg: str, *args: object) -> None:
+    """One access line (INFO, logger ``addnorm.access``), with the caller's request id. Where logging is configured
+    here and nothing else listens to that logger, this only puts a tuple on the writer's queue (~0.2 us against
+    ~6 us for ``Logger.info`` on this machine); otherwise it is ``Logger.info``."""
+    if not _access.isEnabledFor(logging.INFO):
+        return
+    writer = _writer
+    if writer is not None and not _access.handlers and not _addnorm.propagate:
+        writer.queue.put((time.time(), request_id.get(), msg, args))
+    else:
+        _access.info(msg, *args)
 
 
 def configure(level: str = "info", json_logs: bool = False) -> None:
     """Log lines, plain or JSON, written by one listener thread; callers only enqueue (with their request id)."""
-    global _listener
-    _stop_listener()
-    handler = _Stderr()
+    global _writer
+    _stop_writer()
     if json_logs:
-        handler.setFormatter(JsonFormatter())
+        formatter: logging.Formatter = JsonFormatter()
     else:
-        handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s")
-        )
-    enqueue = _QueueHandler(queue.SimpleQueue())
+        formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s")
+    _writer = _Writer(formatter)
+    enqueue = _QueueHandler(_writer.queue)
     enqueue.addFilter(_RequestIdFilter())  # in the caller's context, where the request id is set
-    _listener = logging.handlers.QueueListener(enqueue.queue, handler)
-    _listener.start()
     for name in ("addnorm", "uvicorn", "uvicorn.error"):
         lg = logging.getLogger(name)
         lg.handlers[:] = [enqueue]

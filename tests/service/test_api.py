@@ -216,6 +216,37 @@ def test_json_logs_carry_the_request_id(tiny_artifact, capsys):
     )
 
 
+@pytest.mark.parametrize("json_logs", [False, True])
+def test_access_lines_are_written_off_the_event_loop_with_their_request_id(
+    tiny_artifact, capsys, monkeypatch, json_logs
+):
+    import json
+    import logging
+
+    from service import logs
+
+    logs.configure("info", json_logs=json_logs)
+    monkeypatch.setattr(logging.getLogger("addnorm"), "propagate", False)  # as served: only the log's own writer
+    try:
+        with TestClient(create_app(Settings(model_dir=tiny_artifact))) as c:
+            c.get("/health/live", headers={"x-request-id": "rid-7"})
+            c.post("/v2/models/nope/infer", content=b"{}", headers={"x-request-id": "rid-8"})
+        logs.flush()
+        err = capsys.readouterr().err
+    finally:
+        logs.configure("warning", json_logs=False)
+    lines = [line for line in err.splitlines() if "addnorm.access" in line]
+    assert len(lines) == 2, err
+    if json_logs:
+        docs = [json.loads(line) for line in lines]
+        assert [(d["level"], d["request_id"]) for d in docs] == [("info", "rid-7"), ("info", "rid-8")]
+        assert docs[0]["message"].startswith("GET /health/live 200 ")
+        assert docs[1]["message"].startswith("POST /v2/models/nope/infer 404 ")
+    else:
+        assert " INFO addnorm.access [rid-7] GET /health/live 200 " in lines[0]
+        assert " INFO addnorm.access [rid-8] POST /v2/models/nope/infer 404 " in lines[1]
+
+
 def test_client_request_id_is_echoed(client):
     r = client.get("/health/live", headers={"x-request-id": "my-id-42"})
     assert r.headers["x-request-id"] == "my-id-42"

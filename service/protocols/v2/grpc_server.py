@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from service import logs
 from service.errors import NotReady, ServiceError, grpc_code
 from service.guard import check_key
 from service.protocols.v2 import codec, grpc_codec
@@ -24,7 +25,6 @@ from service.state import READY, LoadedState, ServiceState
 
 SERVICE = "inference.GRPCInferenceService"
 log = logging.getLogger("addnorm.grpc")
-access_log = logging.getLogger("addnorm.access")
 
 
 class InferenceService:
@@ -128,7 +128,7 @@ def _handler(name: str, method: Callable[..., Awaitable], state: ServiceState) -
             elapsed = time.perf_counter() - start
             state.metrics.observe_request(route, "GRPC", code.name, elapsed)
             if state.settings.access_log:
-                access_log.info("GRPC %s %s %.1fms", name, code.name, elapsed * 1e3)
+                logs.access("GRPC %s %s %.1fms", name, code.name, elapsed * 1e3)
         await context.abort(code, message)
 
     return call
