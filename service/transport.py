@@ -84,7 +84,11 @@ class Protocol(HttpToolsProtocol):
         if not Protocol._configured:  # a worker process: the CLI passed its settings through the environment
             Protocol.configure(Settings())
         super().__init__(*args, **kwargs)
-        self._deadline: asyncio.TimerHandle | None = None
+        # The connection's one deadline (headers, or body) and whether it is the headers'. The timer for it is made
+        # only when a read ends with the deadline still pending: a request read whole in one segment (headers,
+        # body, end: the usual case) arms and disarms it without a timer, instead of two per request.
+        self._deadline_at: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._in_headers = True
         self.in_body = False  # between a request's headers and the end of its body
         self.discarding = False  # lingering: input is read and dropped until the socket closes
@@ -100,6 +104,7 @@ class Protocol(HttpToolsProtocol):
             )
             return
         self._arm(self.header_timeout_s, headers=True)
+        self._start_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -110,7 +115,8 @@ class Protocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if not self.discarding:
-            super().data_received(data)
+            super().data_received(data)  # the parser's callbacks below arm and disarm the deadline
+            self._start_timer()
 
     def eof_received(self) -> None:
         if self.discarding:  # the client finished sending: nothing left to drop
@@ -145,15 +151,21 @@ class Protocol(HttpToolsProtocol):
     def _arm(self, seconds: float, headers: bool) -> None:
         self._disarm()
         self._in_headers = headers
-        self._deadline = self.loop.call_later(seconds, self._expired)
+        self._deadline_at = self.loop.time() + seconds
 
     def _disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+        self._deadline_at = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _start_timer(self) -> None:
+        """A timer for a deadline still pending once the data at hand is read (see ``__init__``)."""
+        if self._deadline_at is not None and self._timer is None:
+            self._timer = self.loop.call_at(self._deadline_at, self._expired)
 
     def _expired(self) -> None:
-        self._deadline = None
+        self._deadline_at = self._timer = None
         if self.transport.is_closing():
             return
         if self._in_headers:

@@ -73,6 +73,25 @@ def test_trickled_headers_get_408_and_the_connection_is_closed(strict_server):
     assert status == 408 and "headers" in doc["error"]
 
 
+def test_a_connection_that_sends_nothing_gets_408_and_is_closed(strict_server):
+    s = _connect(strict_server)
+    start = time.monotonic()
+    status, doc = _status_and_json(_read_all(s))
+    assert status == 408 and "headers" in doc["error"] and time.monotonic() - start < 3
+
+
+def test_headers_cut_between_two_reads_still_meet_their_deadline(strict_server):
+    """The deadline's timer is made only when a read leaves a request unfinished: here the first read ends inside
+    the headers, the second inside the body, and nothing more comes."""
+    s = _connect(strict_server)
+    s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\n")
+    time.sleep(0.2)
+    s.sendall(b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+    start = time.monotonic()
+    raw = _read_all(s)  # closed at the body deadline (0.5 s), not the keep-alive's or never
+    assert time.monotonic() - start < 3 and b" 200 " not in raw
+
+
 def test_a_body_that_never_arrives_is_cut_off(strict_server):
     s = _connect(strict_server)
     s.sendall(
