@@ -226,7 +226,8 @@ def test_access_lines_are_written_off_the_event_loop_with_their_request_id(
     from service import logs
 
     logs.configure("info", json_logs=json_logs)
-    monkeypatch.setattr(logging.getLogger("addnorm"), "propagate", False)  # as served: only the log's own writer
+    # As served: "addnorm" records go only to the log's own writer.
+    monkeypatch.setattr(logging.getLogger("addnorm"), "propagate", False)
     try:
         with TestClient(create_app(Settings(model_dir=tiny_artifact))) as c:
             c.get("/health/live", headers={"x-request-id": "rid-7"})
