@@ -120,7 +120,7 @@ def _write(text: str) -> None:
     try:
         sys.stderr.write(text)
         sys.stderr.flush()
-    except (OSError, ValueError):  # stderr closed or gone: the lines are lost, the server goes on
+    except (AttributeError, OSError, ValueError):  # stderr closed or None: lines lost, the server goes on
         pass
 
 
@@ -160,7 +160,7 @@ def access(msg: str, *args: object) -> None:
 
 
 def configure(level: str = "info", json_logs: bool = False) -> None:
-    """Log lines, plain or JSON, written by one listener thread; callers only enqueue (with their request id)."""
+    """Log lines, plain or JSON, written by one writer thread; callers only enqueue (with their request id)."""
     global _writer
     _stop_writer()
     if json_logs:
