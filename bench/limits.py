@@ -29,7 +29,7 @@ from bench.measure import (
     timed,
     v2_request,
 )
-from bench.server import HOST, ServerProcess
+from bench.server import HOST, serve
 
 SLICES = 2  # alternations per round (each slice of a load phase starts with a ramp of a batch or two)
 
@@ -123,11 +123,6 @@ def alternate_one_by_one(engine, x: np.ndarray, servers: dict, requests: dict, s
     return out
 
 
-def server(s: Setup, env: dict[str, str]) -> ServerProcess:
-    args = ["-m", "service", "--model-dir", str(s.artifact)]  # default logging, access lines included
-    return ServerProcess(args, env={"ADDNORM_MAX_BATCH_SIZE": str(CLIENTS), **env}, capture=False)
-
-
 def measure_limits(s: Setup, configs: dict[str, dict[str, str]], rounds: int = 3) -> dict:
     """``configs``: label -> ADDNORM_* settings of one server. Returns per-round rows and per-server medians."""
     from service.engine import Engine
@@ -137,7 +132,10 @@ def measure_limits(s: Setup, configs: dict[str, dict[str, str]], rounds: int = 3
     x32 = rng.standard_normal((CLIENTS, *s.x_small.shape[1:])).astype(np.float32)
     out: dict = {"rounds": [], "servers": {}}
     with contextlib.ExitStack() as stack:
-        servers = {label: stack.enter_context(server(s, env)) for label, env in configs.items()}
+        servers = {
+            label: stack.enter_context(serve(s.artifact, env={"ADDNORM_MAX_BATCH_SIZE": str(CLIENTS), **env}))
+            for label, env in configs.items()
+        }
         requests = {
             label: (v2_request(srv.port, s.name, s.x_big), v2_request(srv.port, s.name, s.x_small))
             for label, srv in servers.items()

@@ -91,11 +91,14 @@ class ServerProcess:
         self.stop()
 
 
-def serve(artifact: Path, *flags: str, grpc: bool = False) -> ServerProcess:
+def serve(
+    artifact: Path, *flags: str, grpc: bool = False, env: dict[str, str] | None = None
+) -> ServerProcess:
     """addnorm-serve on ``artifact`` as a user runs it (log level info, an access line per request: the log goes to
-    a temporary file), not yet waited for; ``grpc``: with gRPC on a free port too."""
+    a temporary file), not yet waited for; ``grpc``: with gRPC on a free port too; ``env``: ADDNORM_* settings."""
     return ServerProcess(
         ["-m", "service", "--model-dir", str(artifact), *flags],
+        env=env,
         capture=False,
         grpc=grpc,
     )
