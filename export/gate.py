@@ -50,6 +50,7 @@ def gate(
             session,
             cases,
             tol=get_variant(variant).tolerance,
+            scheme=get_variant(variant).scheme,
             seed=seed,
             graph_optimization=graph_optimization,
             debug_session=debug,

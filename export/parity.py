@@ -9,6 +9,7 @@ oracle is no worse than the larger of torch's own error and a float32 floor, tim
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,7 @@ class ParityReport:
             "max_rel_err": max(c.max_rel for c in finals),
             "max_torch_vs_f64": max(c.torch_vs_f64 for c in finals),
             "max_onnx_vs_f64": max(c.onnx_vs_f64 for c in finals),
+            "max_row_rel_rms": max(c.row_rel_rms for c in finals),
             "worst": {
                 "case": case.case,
                 "output": worst.output,
@@ -141,12 +143,14 @@ def run_parity(
     graph_optimization: str = "all",
     debug_session: ort.InferenceSession | None = None,
     variant: str = "fp32",
+    scheme: Callable[[Encoder, np.ndarray, np.ndarray, bool], list[np.ndarray]] | None = None,
 ) -> ParityReport:
     """Run every case through torch fp32, onnxruntime and torch float64, and compare under ``tol`` (the
     variant's, from export.variants; fp32's by default). The gate (export.gate) is what callers normally use.
 
     ``debug_session`` runs a debug graph of the same variant that also outputs every Add & Norm result; each
-    step is then compared with torch's, so a drift names its sublayer.
+    step is then compared with torch's, so a drift names its sublayer. ``scheme`` (a lossy variant's, from
+    export.variants) computes that variant's own arithmetic in torch; its distance to float64 joins the verdict.
     """
     tol = tol or Tolerance()
     cases = cases if cases is not None else default_cases()
@@ -169,12 +173,15 @@ def run_parity(
         feed = {EMBEDDINGS: x, MASK: mask}
         torch_outs = torch_outputs(encoder, x, mask, with_steps)
         oracle_outs = torch_outputs(oracle, x.astype(np.float64), mask, with_steps)
+        scheme_outs: list[np.ndarray | None] = [None] * (1 + len(step_names))
+        if scheme is not None:
+            scheme_outs = scheme(encoder, x, mask, with_steps)
         onnx_outs = session.run([ENCODED], feed)
         if debug_session is not None:
             onnx_outs += debug_session.run(step_names, feed)
         names = [ENCODED, *step_names]
         comparisons = [
-            compare(name, np.asarray(out), torch_outs[i], oracle_outs[i], tol)
+            compare(name, np.asarray(out), torch_outs[i], oracle_outs[i], tol, scheme_outs[i])
             for i, (name, out) in enumerate(zip(names, onnx_outs, strict=True))
         ]
         for i, (name, out) in enumerate(zip(names, onnx_outs, strict=True)):

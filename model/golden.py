@@ -82,9 +82,9 @@ def verify(
         worst_f64 = max(worst_f64, result.onnx_vs_f64)
         if not result.passed:
             failed.append(
-                f"case {name!r}: max abs err {result.max_abs:.3e} vs torch at {result.worst_index} "
-                f"(atol {tol.atol:g}, rtol {tol.rtol:g}), {result.onnx_vs_f64:.3e} vs float64 "
-                f"(allowed {tol.oracle_factor:g} x max(torch {result.torch_vs_f64:.3e}, floor {result.float32_floor:.3e}))"
+                f"case {name!r}: max abs err {result.max_abs:.3e} vs torch at {result.worst_index}, worst row "
+                f"relative RMS {result.row_rel_rms:.3e}, {result.onnx_vs_f64:.3e} vs float64 (torch "
+                f"{result.torch_vs_f64:.3e}, floor {result.float32_floor:.3e}); rule {tol.describe()}"
             )
     status = "failed" if failed else "passed"
     message = "; ".join(failed) if failed else f"{len(golden)} golden cases within tolerance on {provider}"

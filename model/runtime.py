@@ -16,3 +16,20 @@ CUDA_OPTIONS = {"use_tf32": "0"}
 def with_options(providers: list[str]) -> list[str | tuple[str, dict[str, str]]]:
     """``providers`` as onnxruntime takes them, CUDA with CUDA_OPTIONS."""
     return [(p, dict(CUDA_OPTIONS)) if p == CUDA else p for p in providers]
+
+
+# CPU kinds, as /proc/cpuinfo names their features: what a verdict or a figure is reported against.
+SIMD_FLAGS = frozenset({"avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8"})
+VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni"})  # int8 dot products without int16 intermediate sums
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """This CPU's SIMD_FLAGS (empty where /proc/cpuinfo cannot be read: not Linux, or not x86)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split()) & SIMD_FLAGS
+    except OSError:
+        pass
+    return frozenset()

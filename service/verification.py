@@ -7,11 +7,13 @@ The sha256 proves the file is the one exported; this proves the runtime here com
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from model.artifact import GOLDEN_FILE
 from model.contract import ENCODED
 from model.golden import Verification, load_golden, verify
+from model.runtime import CPU, VNNI_FLAGS, cpu_flags
 from model.verdict import Tolerance
 from service.engine import Engine
 
@@ -29,4 +31,18 @@ def verify_engine(engine: Engine, model_dir: str | Path, mode: str) -> Verificat
         )
     golden = load_golden(Path(model_dir) / GOLDEN_FILE)  # its sha256 was checked when the engine loaded
     tol = Tolerance(**engine.manifest.parity["tolerance"])
-    return verify(lambda x, mask: engine.run(x, mask)[ENCODED], golden, tol, provider)
+    result = verify(lambda x, mask: engine.run(x, mask)[ENCODED], golden, tol, provider)
+    if result.status == "failed" and engine.manifest.variant == "int8" and provider == CPU:
+        result = dataclasses.replace(result, message=result.message + int8_cpu_hint(cpu_flags()))
+    return result
+
+
+def int8_cpu_hint(flags: frozenset[str]) -> str:
+    """Why an int8 graph can fail on this CPU kind ("" where it has VNNI): appended to a failed check's message."""
+    if flags & VNNI_FLAGS:
+        return ""
+    return (
+        f"; this CPU has no VNNI ({', '.join(sorted(flags)) or 'no AVX2'}), where onnxruntime's u8 x s8 "
+        "kernels add pairs of products in int16 and saturate on 8-bit weights: re-export it with this "
+        "addnorm (addnorm-export --variant int8 writes 7-bit weights, exact on every CPU kind)"
+    )

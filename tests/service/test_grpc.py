@@ -178,8 +178,7 @@ def test_aio_client_concurrent_calls(repo_server, model_repository):
             return [r.as_numpy("encoded") for r in await asyncio.gather(*calls)]
 
     for x, got in zip(xs, asyncio.run(main()), strict=True):
-        # fp32: merged into batches or not, each answer is its own (int8's dynamic quantization scale is per run,
-        # so its answers move with the batch: docs/parity.md)
+        # merged into batches or not, each answer is its own (every variant: tests/export/test_matrix.py)
         np.testing.assert_allclose(got, reference(model_repository / "a-fp32", x), rtol=0, atol=1e-5)
 
 
