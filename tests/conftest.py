@@ -77,3 +77,10 @@ def _addnorm_logs_reach_caplog(monkeypatch: pytest.MonkeyPatch, caplog: pytest.L
     tests read them with caplog."""
     monkeypatch.setattr(logging.getLogger("addnorm"), "propagate", True)
     caplog.set_level(logging.INFO, logger="addnorm")
+
+
+def pytest_report_header() -> str:
+    """The CPU kind every numerical verdict of this run holds on (docs/parity.md names runs by it)."""
+    from model.runtime import cpu_flags
+
+    return f"CPU flags: {' '.join(sorted(cpu_flags())) or 'unknown'}"

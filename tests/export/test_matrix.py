@@ -1,0 +1,273 @@
+"""The combination matrix: variant x attention x depth x placement x norm, each exported, graph-checked, gated on
+the adversarial suite, verified at load by a real server on its golden data, and served over V2 equal to
+in-process onnxruntime.
+
+``make test`` runs SUBSET (every variant, every attention form, a stack, pre-norm, rms); ``make matrix``
+(ADDNORM_MATRIX=full) runs every combination. Combinations that cannot exist are in SKIPS, with the reason.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.server import ServerProcess
+from export import parity_cli
+from export.checks import op_counts
+from export.parity import make_session
+from model.config import EncoderConfig
+from tests.cpu_kinds import CAN_EMULATE, golden_check
+
+VARIANTS = ("fp32", "fp16", "int8", "fused")
+ATTENTION = ("mha", "onnx", "decomposed")
+DEPTHS = (1, 3)
+PLACEMENTS = ("post", "pre")
+NORMS = ("layer", "rms")
+RMS_OR_ONNX_OPSET = 23  # RMSNormalization and the ONNX Attention operator entered the standard in opset 23
+
+
+@dataclass(frozen=True)
+class Combo:
+    variant: str
+    attention: str
+    depth: int
+    placement: str
+    norm: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.variant}-{self.attention}-L{self.depth}-{self.placement}-{self.norm}"
+
+    @property
+    def opset(self) -> int:
+        return RMS_OR_ONNX_OPSET if self.norm == "rms" or self.attention == "onnx" else 17
+
+    @property
+    def config(self) -> EncoderConfig:
+        return EncoderConfig(
+            d_model=64,
+            nhead=4,
+            dim_feedforward=128,
+            dropout=0.0,
+            num_layers=self.depth,
+            norm_first=self.placement == "pre",
+            norm=self.norm,
+        )
+
+
+# (predicate, reason): the combinations that cannot exist.
+SKIPS = (
+    (
+        lambda c: c.variant == "fused" and c.norm == "rms",
+        "onnxruntime's transformer optimizer fuses Add + LayerNormalization only (no SkipRMSNorm for this graph)",
+    ),
+)
+ALL = [Combo(*values) for values in itertools.product(VARIANTS, ATTENTION, DEPTHS, PLACEMENTS, NORMS)]
+SUBSET = {
+    "fp32-mha-L1-post-layer",
+    "fp16-onnx-L1-pre-layer",
+    "int8-decomposed-L3-post-layer",
+    "int8-mha-L1-pre-rms",
+    "fused-mha-L3-post-layer",
+    "fp32-onnx-L3-pre-rms",
+    "fused-decomposed-L1-pre-layer",
+    "fp16-mha-L3-post-rms",
+}
+FULL = os.environ.get("ADDNORM_MATRIX") == "full"
+
+
+def skip_reason(combo: Combo) -> str | None:
+    return next((why for cannot, why in SKIPS if cannot(combo)), None)
+
+
+def selected() -> list[Combo]:
+    chosen = [c for c in ALL if FULL or c.id in SUBSET]
+    assert FULL or {c.id for c in chosen} == SUBSET, "SUBSET names a combination the matrix does not hold"
+    return chosen
+
+
+@dataclass
+class Exported:
+    directory: Path | None
+    error: str | None = None
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory: pytest.TempPathFactory):
+    """Export every selected combination that can exist into one repository (a failure is kept, per
+    combination), then serve the repository from one real server; yields (exports, server)."""
+    from tests.conftest import export_to
+
+    repo = tmp_path_factory.mktemp("matrix")
+    exports: dict[str, Exported] = {}
+    for combo in selected():
+        if skip_reason(combo):
+            continue
+        out = repo / combo.id
+        try:
+            export_to(
+                out,
+                combo.config,
+                name=combo.id,
+                variant=combo.variant,
+                attention=combo.attention,
+                opset=combo.opset,
+            )
+            exports[combo.id] = Exported(out)
+        except Exception as exc:  # reported by that combination's test, not by every test of the module
+            shutil.rmtree(out, ignore_errors=True)
+            exports[combo.id] = Exported(None, f"{type(exc).__name__}: {exc}")
+    # live, not ready: a model that fails its golden check stays UNAVAILABLE and the server is never "ready"
+    server = ServerProcess(
+        ["-m", "service", "--model-repository", str(repo), "--max-queue-delay-ms", "20"],
+        ready_path="/health/live",
+    )
+    with server:
+        _wait_loaded(server.base, timeout=120)
+        yield exports, server
+
+
+def _wait_loaded(base: str, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        states = [m["state"] for m in _post(base + "/v2/repository/index", {})]
+        if "LOADING" not in states:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"models still loading after {timeout} s")
+
+
+def _post(url: str, body: dict) -> object:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.parametrize("combo", selected(), ids=lambda c: c.id)
+def test_combination(matrix, combo: Combo, tmp_path):
+    reason = skip_reason(combo)
+    if reason:
+        pytest.skip(f"cannot exist: {reason}")
+    exports, server = matrix
+    exported = exports[combo.id]
+    assert exported.error is None, f"{combo.id} did not export: {exported.error}"
+    directory = exported.directory
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert manifest["parity"]["passed"] and manifest["variant"] == combo.variant
+    assert manifest["attention"] == combo.attention and manifest["opset"] == combo.opset
+
+    # the graph: one native norm per Add & Norm step (fused: SkipLayerNormalization), whatever the variant
+    import onnx
+
+    counts = op_counts(onnx.load(str(directory / "model.onnx")))
+    cfg = combo.config
+    norm = "LayerNormalization" if combo.norm == "layer" else "RMSNormalization"
+    if combo.variant == "fused":
+        assert counts["SkipLayerNormalization"] == 2 * cfg.num_layers
+        assert counts[norm] == int(cfg.norm_first)
+    else:
+        assert counts[norm] == cfg.num_norms
+    if combo.variant == "int8":
+        assert counts["MatMulInteger"] == 6 * cfg.num_layers and counts["DynamicQuantizeLinear"] == 0
+
+    # the adversarial suite, on the artifact's own saved weights
+    report = parity_cli.check_artifact(directory, adversarial=True)
+    assert report.passed, report.summary()
+
+    # the golden check at load, by the server, on its provider
+    meta = _get(f"{server.base}/v2/models/{combo.id}")
+    verification = meta["parameters"]["verification"]
+    index = {m["name"]: m for m in _post(server.base + "/v2/repository/index", {})}
+    assert index[combo.id]["state"] == "READY", index[combo.id]["reason"]
+    assert verification["status"] == "passed", verification["message"]
+    # and on an emulated AVX2-only CPU (every combination in the full matrix; int8's in the subset)
+    if CAN_EMULATE and (FULL or combo.variant == "int8"):
+        avx2 = golden_check(directory, tmp_path / "avx2.npz", emulate=True)
+        assert avx2["status"] == "passed", avx2
+
+    # one request over V2, equal to in-process onnxruntime on the same graph
+    x = np.random.default_rng(7).standard_normal((2, 5, cfg.d_model)).astype(np.float32)
+    mask = np.zeros((2, 5), bool)
+    mask[1, 3:] = True
+    body = {
+        "inputs": [
+            {"name": "embeddings", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()},
+            {"name": "mask", "shape": list(mask.shape), "datatype": "BOOL", "data": mask.ravel().tolist()},
+        ]
+    }
+    answer = _post(f"{server.base}/v2/models/{combo.id}/infer", body)
+    served = np.array(answer["outputs"][0]["data"], np.float32).reshape(x.shape)
+    local = make_session(directory / "model.onnx").run(None, {"embeddings": x, "mask": mask})[0]
+    np.testing.assert_array_equal(served, local)
+
+
+def test_the_table_holds_every_combination_once_and_each_skip_says_why():
+    assert len({c.id for c in ALL}) == len(ALL) == 4 * 3 * 2 * 2 * 2
+    skipped = [c for c in ALL if skip_reason(c)]
+    assert skipped and all(c.variant == "fused" and c.norm == "rms" for c in skipped)
+    assert {c.variant for c in selected()} == set(VARIANTS) and {c.attention for c in selected()} == set(
+        ATTENTION
+    )
+
+
+def _infer(base: str, name: str, x: np.ndarray) -> np.ndarray:
+    body = {
+        "inputs": [
+            {"name": "embeddings", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}
+        ]
+    }
+    answer = _post(f"{base}/v2/models/{name}/infer", body)
+    return np.array(answer["outputs"][0]["data"], np.float32).reshape(x.shape)
+
+
+def _executions(base: str, name: str) -> int:
+    return _get(f"{base}/v2/models/{name}/stats")["model_stats"][0]["execution_count"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_an_answer_does_not_depend_on_what_it_was_batched_with(matrix, variant):
+    """The same request alone, then among 16 concurrent requests of other scales: bitwise equal when they all
+    have its length, within the float32 floor of the verdict when they are longer (it is padded)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from model.verdict import float32_floor
+
+    exports, server = matrix
+    name = next(
+        c.id for c in selected() if c.variant == variant and exports.get(c.id, Exported(None)).directory
+    )
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((1, 8, 64)).astype(np.float32)
+    alone = _infer(server.base, name, x)
+    for length in (8, 24):  # equal lengths, then longer ones
+        others = [
+            (10.0 ** rng.uniform(-2, 3) * rng.standard_normal((1, length, 64))).astype(np.float32)
+            for _ in range(16)
+        ]
+        before = _executions(server.base, name)
+        with ThreadPoolExecutor(17) as pool:
+            futures = [pool.submit(_infer, server.base, name, o) for o in others[:8]]
+            mine = pool.submit(_infer, server.base, name, x)
+            futures += [pool.submit(_infer, server.base, name, o) for o in others[8:]]
+            batched = mine.result()
+            for f in futures:
+                f.result()
+        assert _executions(server.base, name) - before < 17, "no request was merged: nothing was tested"
+        if length == 8:
+            np.testing.assert_array_equal(batched, alone)
+        else:
+            np.testing.assert_allclose(batched, alone, rtol=0, atol=float32_floor(alone.astype(np.float64)))
