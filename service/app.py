@@ -26,7 +26,7 @@ from service.batcher import Batcher, Observers
 from service.engine import Engine
 from service.errors import ServiceError
 from service.fastpath import FastPath
-from service.guard import Guard
+from service.guard import Guard, GuardMiddleware
 from service.protocols import health
 from service.protocols.v2 import grpc_server
 from service.protocols.v2.codec import VERSION
@@ -84,14 +84,9 @@ def create_app(settings: Settings | None = None, *, load_before_serving: bool = 
         app.include_router(router)
     _install_error_handlers(app)
     public = protocols.PUBLIC_PATHS | ({health.METRICS_PATH} if settings.metrics_public else set())
+    state.guard = Guard(state, public_paths=public, model_prefixes=protocols.MODEL_PREFIXES)
     app.front = _RequestContext(
-        Guard(
-            FastPath(app.fastapi_call, routes=protocols.FAST_ROUTES),
-            state=state,
-            public_paths=public,
-            model_prefixes=protocols.MODEL_PREFIXES,
-            api_keys=settings.api_keys(),
-        ),
+        GuardMiddleware(FastPath(app.fastapi_call, routes=protocols.FAST_ROUTES), state.guard),
         state=state,
         access_log=settings.access_log,
     )

@@ -1,15 +1,18 @@
-"""The one request guard. Every HTTP request passes it before any route, the fast path's or FastAPI's.
+"""The one request guard, for every transport. Every HTTP request passes it before any route, the fast path's
+or FastAPI's, and every gRPC call before its method (an interceptor).
 
 It lets the health probes through untouched; every other path needs a valid API key when keys are set
-(``Authorization: Bearer <key>``, compared in constant time), and model routes need the models' manifests read
-(each route then answers 503 for a model still loading, 404 for a name no manifest has). A route
-that needs the models gets them from the guard (``Loaded``), so a model route the guard did not cover fails
-loudly instead of serving unguarded; ``tests/service/test_guard.py`` tries every route the app serves.
+(``Authorization: Bearer <key>``, one of them, compared in constant time), and model paths need the models'
+manifests read (each handler then answers 503 for a model still loading, 404 for a name no manifest has). An
+HTTP route that needs the models gets them from the guard (``Loaded``), so a model route the guard did not
+cover fails loudly instead of serving unguarded; ``tests/service/test_guard.py`` tries every route the app
+serves and every gRPC method.
 """
 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Sequence
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -23,27 +26,46 @@ SCOPE_KEY = "addnorm.loaded"  # where the guard leaves the LoadedState for the r
 
 
 class Guard:
-    """Pure ASGI middleware. ``public_paths``: served without checks (health probes); ``model_prefixes``: paths
-    whose routes use the models, refused with 503 until the manifests are read; ``api_keys``: none = open."""
+    """Decides whether a request may reach its handler, from its path (an HTTP path, or a gRPC method's full
+    name such as ``/inference.GRPCInferenceService/ModelInfer``) and the credentials it carries (every value of
+    its ``authorization`` header or metadata). The ASGI front (``GuardMiddleware``) and the gRPC server's
+    interceptor (``grpc_server.GuardInterceptor``) both ask it, so a new check here holds for every transport.
 
-    def __init__(
-        self,
-        app: ASGIApp,
-        state: ServiceState,
-        public_paths: frozenset[str],
-        model_prefixes: tuple[str, ...],
-        api_keys: tuple[str, ...] = (),
-    ) -> None:
-        self.app = app
+    ``public_paths``: served without checks (health probes); ``model_prefixes``: paths whose handlers use the
+    models, refused with 503 until the manifests are read; the API keys are the state's (none = open).
+    """
+
+    def __init__(self, state: ServiceState, public_paths: frozenset[str], model_prefixes: tuple[str, ...]) -> None:
         self.state = state
         self.public_paths = public_paths
         self.model_prefixes = model_prefixes
-        self.api_keys = tuple(key.encode() for key in api_keys)
+
+    def check(self, path: str, credentials: Sequence[bytes]) -> LoadedState | None:
+        """Raise a ServiceError to refuse the request; return the loaded state for model paths."""
+        if path in self.public_paths:
+            return None
+        if self.state.api_keys:
+            check_key(credentials, self.state.api_keys)
+        if not path.startswith(self.model_prefixes):
+            return None
+        if self.state.loaded is None:
+            raise NotReady(self.state.not_ready_reason() or "model is loading")
+        return self.state.loaded
+
+
+class GuardMiddleware:
+    """The guard in front of every HTTP request (pure ASGI): a refusal is answered here, JSON, with its status;
+    a model route finds the LoadedState the guard returned in its scope (``Loaded``)."""
+
+    def __init__(self, app: ASGIApp, guard: Guard) -> None:
+        self.app = app
+        self.guard = guard
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             try:
-                loaded = self.check(scope)
+                credentials = [v for k, v in scope["headers"] if k == b"authorization"]
+                loaded = self.guard.check(scope["path"], credentials)
             except ServiceError as exc:
                 await from_error(exc)(scope, receive, send)
                 return
@@ -51,29 +73,16 @@ class Guard:
                 scope[SCOPE_KEY] = loaded
         await self.app(scope, receive, send)
 
-    def check(self, scope: Scope) -> LoadedState | None:
-        """Raise a ServiceError to refuse the request; return the loaded state for model routes."""
-        path = scope["path"]
-        if path in self.public_paths:
-            return None
-        if self.api_keys:
-            self._authenticate(scope)
-        if not path.startswith(self.model_prefixes):
-            return None
-        if self.state.loaded is None:
-            raise NotReady(self.state.not_ready_reason() or "model is loading")
-        return self.state.loaded
 
-    def _authenticate(self, scope: Scope) -> None:
-        check_key(next((v for k, v in scope["headers"] if k == b"authorization"), None), self.api_keys)
-
-
-def check_key(header: bytes | None, api_keys: tuple[bytes, ...]) -> None:
-    """``Authorization: Bearer <key>`` (an HTTP header or gRPC metadata) with one of the keys; raises
-    Unauthenticated. Never says which part was wrong, never logs the key."""
-    if header is None:
+def check_key(credentials: Sequence[bytes], api_keys: tuple[bytes, ...]) -> None:
+    """Exactly one ``Authorization: Bearer <key>`` (an HTTP header or gRPC metadata) with one of the keys; raises
+    Unauthenticated. Two credentials are refused whatever they hold, so no transport picks one of them. Never
+    says which key part was wrong, never logs the key."""
+    if not credentials:
         raise Unauthenticated("this server needs an API key: send 'Authorization: Bearer <key>'")
-    scheme, _, token = header.partition(b" ")
+    if len(credentials) > 1:
+        raise Unauthenticated(f"send one Authorization header, not {len(credentials)}")
+    scheme, _, token = credentials[0].partition(b" ")
     if scheme.lower() != b"bearer" or not token.strip():
         raise Unauthenticated("the Authorization header must be 'Bearer <key>'")
     token = token.strip()

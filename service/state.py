@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
@@ -16,6 +16,9 @@ from service.errors import NotFound, NotReady
 from service.metrics import Metrics
 from service.settings import Settings
 from service.statistics import ModelStatistics
+
+if TYPE_CHECKING:
+    from service.guard import Guard
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,11 @@ class ServiceState:
     metrics: Metrics = field(default_factory=Metrics)
     loaded: LoadedState | None = None  # set once every model's manifest is read (names known)
     load_error: str | None = None  # the manifests could not be read: nothing is served
+    api_keys: tuple[bytes, ...] = field(init=False)  # parsed once, for the guard of every transport
+    guard: Guard | None = None  # set by create_app; the gRPC server's interceptor asks the same one
+
+    def __post_init__(self) -> None:
+        self.api_keys = tuple(key.encode() for key in self.settings.api_keys())
 
     def not_ready_reason(self) -> str | None:
         """None when every model is loaded; otherwise why not."""

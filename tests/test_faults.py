@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from service import create_app
 from service.settings import Settings
 from tests.conftest import start_server
+from tests.helpers import wait_until_ready
 
 
 class FailOnce:
@@ -29,8 +30,7 @@ class FailOnce:
 def test_an_engine_failure_answers_a_json_500_and_the_next_request_succeeds(tiny_artifact):
     app = create_app(Settings(model_dir=tiny_artifact))
     with TestClient(app, raise_server_exceptions=False) as client:
-        while client.get("/health/ready").status_code != 200:
-            pass
+        wait_until_ready(client)
         engine = app.state.addnorm.loaded.models.default.engine
         engine.session = FailOnce(engine.session)
         body = {"embeddings": [[0.5] * 32]}

@@ -1,16 +1,18 @@
-"""The protocols the server speaks, gathered in one place. Each is a module (or package) with a FastAPI
-``router``, its hot ``FAST_ROUTES`` for the lean dispatcher, the ``MODEL_PREFIXES`` the guard must check for
-readiness, and the ``PUBLIC_PATHS`` (health probes) it lets through. Adding a protocol is one line here.
-Inference routes come first: the router tries routes in order.
+"""The protocols the server speaks, gathered in one place. Each HTTP protocol is a module (or package) with a
+FastAPI ``router`` and its hot ``FAST_ROUTES`` for the lean dispatcher; every way in (gRPC too) names the
+``MODEL_PREFIXES`` the guard must check for readiness and the ``PUBLIC_PATHS`` (health probes) it lets through.
+Adding a protocol is one line here. Inference routes come first: the router tries routes in order.
 """
 
 from service.protocols import health
 from service.protocols.v1 import routes as v1
+from service.protocols.v2 import grpc_server
 from service.protocols.v2 import routes as v2
 
-PROTOCOLS = (v2, v1, health)
+PROTOCOLS = (v2, v1, health)  # over HTTP
+TRANSPORTS = (*PROTOCOLS, grpc_server)  # every way in, for the one guard
 
 ROUTERS = tuple(p.router for p in PROTOCOLS)
 FAST_ROUTES = tuple(r for p in PROTOCOLS for r in p.FAST_ROUTES)
-MODEL_PREFIXES = tuple(prefix for p in PROTOCOLS for prefix in p.MODEL_PREFIXES)
-PUBLIC_PATHS = frozenset(path for p in PROTOCOLS for path in p.PUBLIC_PATHS)
+MODEL_PREFIXES = tuple(prefix for p in TRANSPORTS for prefix in p.MODEL_PREFIXES)
+PUBLIC_PATHS = frozenset(path for p in TRANSPORTS for path in p.PUBLIC_PATHS)

@@ -11,20 +11,14 @@ from fastapi.testclient import TestClient
 from service import create_app
 from service.metrics import Metrics
 from service.settings import Settings
-
-
-def wait_ready(client: TestClient, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while client.get("/health/ready").status_code != 200:
-        assert time.monotonic() < deadline, "not ready"
-        time.sleep(0.02)
+from tests.helpers import wait_until_ready
 
 
 @pytest.fixture(scope="module")
 def client(tiny_artifact: Path):
     app = create_app(Settings(model_dir=tiny_artifact, max_elements=10_000, max_body_bytes=200_000))
     with TestClient(app, raise_server_exceptions=False) as c:
-        wait_ready(c)
+        wait_until_ready(c)
         yield c
 
 

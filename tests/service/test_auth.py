@@ -7,6 +7,7 @@ from fastapi.testclient import TestClient
 
 from service import cli, create_app, logs
 from service.settings import Settings
+from tests.helpers import wait_until_ready
 from tests.service.test_guard import served_routes
 
 PROBES = {"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"}
@@ -20,8 +21,7 @@ def secured(tiny_artifact, tmp_path_factory):
     settings = Settings(model_dir=tiny_artifact, api_key=f"{KEYS[0]}, {KEYS[1]}", api_key_file=key_file)
     app = create_app(settings)
     with TestClient(app, raise_server_exceptions=False) as client:
-        while client.get("/health/ready").status_code != 200:
-            pass
+        wait_until_ready(client)
         yield app, client
 
 

@@ -16,6 +16,8 @@ from tritonclient.grpc import service_pb2_grpc as triton_grpc
 from tritonclient.utils import InferenceServerException
 
 from bench.server import free_port
+from service.guard import Guard
+from service.protocols import MODEL_PREFIXES, PUBLIC_PATHS
 from service.protocols.v2 import grpc_server
 from service.protocols.v2 import inference_pb2 as pb
 from service.settings import Settings
@@ -210,6 +212,7 @@ def test_unavailable_while_loading_and_port_in_use():
 
     async def main() -> None:
         state = ServiceState(Settings(model_dir="nowhere", grpc_port=free_port()))
+        state.guard = Guard(state, PUBLIC_PATHS, MODEL_PREFIXES)  # what create_app gives it
         server = await grpc_server.start(state)
         try:
             async with tga.InferenceServerClient(f"127.0.0.1:{state.settings.grpc_port}") as c:

@@ -2,6 +2,7 @@
 
 import re
 
+import grpc
 import pytest
 from fastapi.testclient import TestClient
 
@@ -9,7 +10,9 @@ from service import create_app
 from service.errors import ServiceError
 from service.guard import Guard
 from service.protocols import PUBLIC_PATHS
+from service.protocols.v2 import grpc_server
 from service.settings import Settings
+from tests.helpers import wait_until_ready
 
 PARAMS = {"name": "encoder", "version": "1"}
 
@@ -38,8 +41,7 @@ class Refused(ServiceError):
 def loaded_app(tiny_artifact):
     app = create_app(Settings(model_dir=tiny_artifact))
     with TestClient(app, raise_server_exceptions=False) as client:
-        while client.get("/health/ready").status_code != 200:
-            pass
+        wait_until_ready(client)
         yield app, client
 
 
@@ -61,8 +63,8 @@ def test_every_route_is_enumerated(loaded_app):
 def test_a_failing_guard_stops_every_route(loaded_app, monkeypatch):
     app, client = loaded_app
 
-    def refuse(self, scope):
-        raise Refused(f"refused by the guard: {scope['path']}")
+    def refuse(self, path, credentials):
+        raise Refused(f"refused by the guard: {path}")
 
     monkeypatch.setattr(Guard, "check", refuse)
     for method, path in served_routes(app):
@@ -85,4 +87,78 @@ def test_before_the_model_loads_model_routes_get_503_and_nothing_500s(tmp_path):
     assert seen[("GET", "/v1/model")] == seen[("GET", "/v2/models/encoder")] == 503
     assert seen[("GET", "/health/live")] == seen[("GET", "/v2/health/live")] == 200
     assert {path for (_, path), status in seen.items() if status == 200} >= {"/metrics", "/docs", "/v2"}
-    assert {"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"} == PUBLIC_PATHS
+    assert {"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"} | set(
+        grpc_server.PUBLIC_PATHS
+    ) == PUBLIC_PATHS
+
+
+@pytest.fixture(scope="module")
+def grpc_app(tiny_artifact):
+    """The app with its gRPC service on a free port, in this process (so the guard can be swapped)."""
+    from bench.server import free_port
+
+    port = free_port()
+    app = create_app(Settings(model_dir=tiny_artifact, grpc_port=port, api_key="k1,k2"))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        wait_until_ready(client)
+        yield client, f"127.0.0.1:{port}"
+
+
+def _call(target: str, method: str, metadata=()) -> grpc.RpcError | bytes:
+    """One raw call (an empty message: every request type parses from zero bytes)."""
+    with grpc.insecure_channel(target) as channel:
+        rpc = channel.unary_unary(f"/{grpc_server.SERVICE}/{method}")
+        try:
+            return rpc(b"", metadata=metadata, timeout=10)
+        except grpc.RpcError as exc:
+            return exc
+
+
+def test_a_failing_guard_stops_every_grpc_method(grpc_app, monkeypatch):
+    """The gRPC twin of the route walk: every method the service has, and one it has not, meets the guard first."""
+    _, target = grpc_app
+
+    def refuse(self, path, credentials):
+        raise Refused(f"refused by the guard: {path}")
+
+    monkeypatch.setattr(Guard, "check", refuse)
+    for method in [*grpc_server._METHODS, "RepositoryModelLoad"]:
+        got = _call(target, method, metadata=[("authorization", "Bearer k1")])
+        assert isinstance(got, grpc.RpcError), method
+        assert (
+            got.code() == grpc.StatusCode.INTERNAL
+            and got.details() == f"refused by the guard: /{grpc_server.SERVICE}/{method}"
+        )
+    monkeypatch.undo()
+    assert isinstance(_call(target, "ServerMetadata", metadata=[("authorization", "Bearer k1")]), bytes)
+
+
+def test_keys_and_duplicate_credentials_are_decided_alike_on_both_transports(grpc_app):
+    client, target = grpc_app
+    cases = {
+        "none": ([], 401, grpc.StatusCode.UNAUTHENTICATED),
+        "right": ([("authorization", "Bearer k2")], 200, None),
+        "wrong": ([("authorization", "Bearer nope")], 401, grpc.StatusCode.UNAUTHENTICATED),
+        "two, one right": (
+            [("authorization", "Bearer nope"), ("authorization", "Bearer k1")],
+            401,
+            grpc.StatusCode.UNAUTHENTICATED,
+        ),
+        "the right one twice": (
+            [("authorization", "Bearer k1"), ("authorization", "Bearer k1")],
+            401,
+            grpc.StatusCode.UNAUTHENTICATED,
+        ),
+    }
+    for name, (headers, status, code) in cases.items():
+        r = client.get("/v2", headers=headers)
+        assert r.status_code == status, (name, r.text)
+        got = _call(target, "ServerMetadata", metadata=headers)
+        if code is None:
+            assert isinstance(got, bytes), name
+        else:
+            assert got.code() == code, name
+            assert got.details() == r.json()["error"], name  # the same words on both
+    # the probes stay open on both
+    assert client.get("/v2/health/live").status_code == 200
+    assert isinstance(_call(target, "ServerLive"), bytes)

@@ -16,6 +16,7 @@ from service.errors import ServiceError, http_status
 from service.protocols.v1 import codec as codec_v1
 from service.protocols.v2 import codec as codec_v2
 from service.settings import Settings
+from tests.helpers import wait_until_ready
 
 D = 32
 HOSTILE = ([1], {"a": 1}, None, 3, True, "x" * 100_000)  # list, object, null, number, bool, a long string
@@ -177,8 +178,7 @@ def test_v1_codec_property_only_4xx(doc):
 @pytest.fixture(scope="module")
 def client(tiny_artifact):
     with TestClient(create_app(Settings(model_dir=tiny_artifact)), raise_server_exceptions=False) as c:
-        while c.get("/health/ready").status_code != 200:
-            pass
+        wait_until_ready(c)
         yield c
 
 

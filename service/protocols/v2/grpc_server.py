@@ -1,10 +1,11 @@
 """The Open Inference Protocol over gRPC: ``inference.GRPCInferenceService``, as tritonclient.grpc calls it.
 
 It runs on the app's own event loop (``start`` is called from the app's lifespan) and reaches the models the HTTP
-routes reach: the same ``Models``, the same batchers, statistics and metrics. The same rules hold: ServerLive and
-ServerReady are open like the health probes; every other call needs an API key when keys are set (the
-``authorization`` metadata, ``Bearer <key>``); domain errors become status codes through ``errors.CODES``; the
-body-size limit is the receive limit. Methods not listed in ``_METHODS`` answer UNIMPLEMENTED.
+routes reach: the same ``Models``, the same batchers, statistics and metrics. The same guard decides every call
+(``GuardInterceptor``, before the method): ServerLive and ServerReady are open like the health probes; every other
+call needs an API key when keys are set (the ``authorization`` metadata, ``Bearer <key>``) and the models'
+manifests read. Domain errors become status codes through ``errors.CODES``; the body-size limit is the receive
+limit. Methods not listed in ``_METHODS`` answer UNIMPLEMENTED (after the guard, as an unknown HTTP path would).
 """
 
 from __future__ import annotations
@@ -17,30 +18,29 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from service import logs
-from service.errors import NotReady, ServiceError, grpc_code
-from service.guard import check_key
+from service.errors import ServiceError, grpc_code
+from service.guard import Guard
 from service.protocols.v2 import codec, grpc_codec
 from service.protocols.v2 import inference_pb2 as pb
 from service.state import READY, LoadedState, ServiceState
 
 SERVICE = "inference.GRPCInferenceService"
+# What the guard reads for this transport (service/protocols/__init__.py gathers them): methods are paths.
+PUBLIC_PATHS = (f"/{SERVICE}/ServerLive", f"/{SERVICE}/ServerReady")
+MODEL_PREFIXES = (f"/{SERVICE}/",)
 log = logging.getLogger("addnorm.grpc")
 
 
 class InferenceService:
-    """One method per RPC; each gets the decoded request and the call's context."""
+    """One method per RPC; each gets the decoded request and the call's context, past the guard."""
 
-    def __init__(self, state: ServiceState, api_keys: tuple[str, ...]) -> None:
+    def __init__(self, state: ServiceState) -> None:
         self.state = state
-        self.api_keys = tuple(k.encode() for k in api_keys)
 
     def _loaded(self, context: grpc.aio.ServicerContext) -> LoadedState:
-        """The guard's checks for a model call: the API key, then the models' manifests read."""
-        if self.api_keys:
-            header = dict(context.invocation_metadata() or ()).get("authorization")
-            check_key(None if header is None else header.encode("latin-1"), self.api_keys)
-        if self.state.loaded is None:
-            raise NotReady(self.state.not_ready_reason() or "model is loading")
+        """The models, which the guard made sure of before the method ran."""
+        if self.state.loaded is None:  # the guard refuses model calls until then; a method it missed fails loudly
+            raise RuntimeError("a gRPC method ran before the models' manifests were read: the guard missed it")
         return self.state.loaded
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context) -> pb.ServerLiveResponse:  # noqa: ANN001, N802
@@ -134,6 +134,36 @@ def _handler(name: str, method: Callable[..., Awaitable], state: ServiceState) -
     return call
 
 
+class GuardInterceptor(grpc.aio.ServerInterceptor):
+    """The app's guard before every call, known method or not; a refused call is answered with its code, an
+    access line and the request metric, as an HTTP refusal is."""
+
+    def __init__(self, guard: Guard, state: ServiceState) -> None:
+        self.guard = guard
+        self.state = state
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):  # noqa: ANN001, ANN201
+        credentials = [
+            value.encode("latin-1") if isinstance(value, str) else value
+            for key, value in (details.invocation_metadata or ())
+            if key == "authorization"
+        ]
+        try:
+            self.guard.check(details.method, credentials)
+        except ServiceError as exc:
+            refusal, name = exc, details.method.rpartition("/")[2]
+            request_type = _METHODS.get(name)
+
+            async def refuse(request, context):  # noqa: ANN001, ANN202
+                raise refusal
+
+            return grpc.unary_unary_rpc_method_handler(
+                _handler(name, refuse, self.state),
+                request_deserializer=request_type.FromString if request_type else None,
+            )
+        return await continuation(details)
+
+
 async def start(state: ServiceState) -> grpc.aio.Server:
     """Start the gRPC service on ``settings.grpc_port`` on the running event loop; raises OSError when the port
     cannot be bound."""
@@ -144,8 +174,14 @@ async def start(state: ServiceState) -> grpc.aio.Server:
         # Several uvicorn workers each start one and share the port; one worker must own it alone.
         ("grpc.so_reuseport", 1 if s.workers > 1 else 0),
     ]
-    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=s.max_connections)
-    service = InferenceService(state, s.api_keys())
+    if state.guard is None:
+        raise RuntimeError("the gRPC server starts with the app's guard (create_app makes it)")
+    server = grpc.aio.server(
+        interceptors=[GuardInterceptor(state.guard, state)],
+        options=options,
+        maximum_concurrent_rpcs=s.max_connections,
+    )
+    service = InferenceService(state)
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(
             _handler(name, getattr(service, name), state),
