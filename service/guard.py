@@ -35,7 +35,9 @@ class Guard:
     models, refused with 503 until the manifests are read; the API keys are the state's (none = open).
     """
 
-    def __init__(self, state: ServiceState, public_paths: frozenset[str], model_prefixes: tuple[str, ...]) -> None:
+    def __init__(
+        self, state: ServiceState, public_paths: frozenset[str], model_prefixes: tuple[str, ...]
+    ) -> None:
         self.state = state
         self.public_paths = public_paths
         self.model_prefixes = model_prefixes

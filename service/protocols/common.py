@@ -1,32 +1,19 @@
-"""Request plumbing the HTTP protocols share: bounded body reads, disconnect-aware inference, timing headers."""
+"""Request plumbing the HTTP protocols share: bounded body reads, the request core's Call for an HTTP request,
+timing headers."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import TypeVar
+import contextlib
+from collections.abc import AsyncIterator
 
-import numpy as np
 from fastapi import Request
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from service.batcher import Outputs, Timings
+from service.batcher import Timings
 from service.errors import BadInput, ClientGone, TooLarge
-from service.state import LoadedState, ServingModel
+from service.inference import Call
 from service.transport import DISCONNECT, Disconnect
-
-T = TypeVar("T")
-
-
-OFFLOAD_BYTES = 256 * 1024  # below this, decoding or encoding is cheaper than a thread hop
-
-
-async def offload(nbytes: int, fn: Callable[..., T], *args: object) -> T:
-    """Run a CPU-bound codec step in a worker thread when it is big enough to stall the event loop."""
-    if nbytes > OFFLOAD_BYTES:
-        return await run_in_threadpool(fn, *args)
-    return fn(*args)
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -55,40 +42,21 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-async def infer(
-    request: Request,
-    loaded: LoadedState,
-    model: ServingModel,
-    x: np.ndarray,
-    mask: np.ndarray | None,
-    timeout_s: float | None = None,
-) -> tuple[Outputs, Timings]:
-    """Queue a decoded batch (the codecs validated it against the model); drop it if its client goes away.
-
-    ``timeout_s`` (a client's own deadline) can only shorten the server's ADDNORM_REQUEST_TIMEOUT_S.
-    """
-    limit = loaded.settings.request_timeout_s
-    timeout = limit if timeout_s is None else min(timeout_s, limit)
-    handler = asyncio.current_task()
-    if handler is None:  # not reachable from a request; keeps the type checker honest
-        raise RuntimeError("infer() must run inside a request's task")
-    disconnect = request.scope.get(DISCONNECT)
-    if disconnect is None:  # another ASGI server (Ray Serve's, a test client): watch receive() instead
-        disconnect = Disconnect()
-        watch = asyncio.ensure_future(_watch_receive(request, disconnect))
-    else:
-        watch = None
-    if disconnect.gone:
-        raise ClientGone
-    disconnect.notify(handler.cancel)
+@contextlib.asynccontextmanager
+async def http_call(
+    request: Request, protocol: str, started: float, named: str | None = None
+) -> AsyncIterator[Call]:
+    """The request core's view of an HTTP request whose body has been read: its client going away is the
+    transport's Disconnect (service/transport.py), or, under another ASGI server (Ray Serve's, a test client), a
+    watch on receive()."""
+    gone = request.scope.get(DISCONNECT)
+    watch = None
+    if gone is None:
+        gone = Disconnect()
+        watch = asyncio.ensure_future(_watch_receive(request, gone))
     try:
-        return await model.batcher.infer(x, mask, timeout)
-    except asyncio.CancelledError:
-        if disconnect.gone:  # cancelled because the client went away, not by a shutdown
-            raise ClientGone from None
-        raise
+        yield Call(protocol, named=named, started=started, gone=gone)
     finally:
-        disconnect.notify(None)
         if watch is not None:
             watch.cancel()
 

@@ -36,6 +36,7 @@ class EncodeRequest:
     lengths: list[int] | None = None  # ragged input: each sequence's own length
     squeeze: bool = False  # input was one [seq, d_model] sequence
     model: str | None = None  # the model it names (None: the default)
+    timeout_s: float | None = None  # /v1 has no timeout parameter: ADDNORM_REQUEST_TIMEOUT_S alone
 
     def split(self, encoded: np.ndarray) -> np.ndarray | list[np.ndarray]:
         """Undo the request's packing: drop the batch dim, or cut each ragged sequence to its length."""

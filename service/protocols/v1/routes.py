@@ -8,11 +8,13 @@ import time
 from fastapi import APIRouter, Request, Response
 
 from model.contract import EMBEDDINGS, ENCODED, MASK
+from service import inference
+from service.batcher import Outputs
 from service.fastpath import FastRoute
 from service.guard import Loaded
-from service.protocols.common import error_docs, infer, offload, read_body, timing_headers
+from service.protocols.common import error_docs, http_call, read_body, timing_headers
 from service.protocols.v1 import codec
-from service.state import LoadedState
+from service.state import LoadedState, Models, ServingModel
 
 router = APIRouter(prefix="/v1", tags=["v1"])
 
@@ -111,27 +113,24 @@ _ENCODE_DOC = {
 async def handle_encode(request: Request, loaded: LoadedState, params: dict[str, str]) -> Response:
     """POST /v1/encode: decode by Content-Type, run, answer in the type Accept asks for."""
     start = time.perf_counter()
-    models, settings = loaded.models, loaded.settings
+    settings = loaded.settings
     media = codec.negotiate(request.headers.get("accept"))
     named = request.query_params.get(codec.MODEL)
     body = await read_body(request, settings.max_body_bytes)
-    req = await offload(
-        len(body),
-        codec.decode,
-        request.headers.get("content-type", ""),
-        body,
-        request.headers,
-        lambda name: models.get(name).engine.d_model,
-        settings.max_elements,
-        named,
-    )
-    model = models.get(req.model)
-    with model.statistics.request(started=start) as timer:  # reading and decoding count as its input stage
-        timer.decoded()
-        outputs, timings = await infer(request, loaded, model, req.embeddings, req.mask)
-        timer.inferred(timings, req.embeddings.shape[0])
-        nbytes = sum(out.nbytes for out in outputs.values())
-        payload, headers = await offload(nbytes * 3, codec.encode, req, outputs, media, model.name)
+
+    def decode(models: Models) -> codec.EncodeRequest:
+        content_type = request.headers.get("content-type", "")
+        d_model = lambda name: models.get(name).engine.d_model  # noqa: E731
+        return codec.decode(content_type, body, request.headers, d_model, settings.max_elements, named)
+
+    def encode(req: codec.EncodeRequest, model: ServingModel, outputs: Outputs) -> tuple[bytes, dict]:
+        return codec.encode(req, outputs, media, model.name)
+
+    # The model is named in the payload (or ?model=), so reading and decoding count as its input stage.
+    async with http_call(request, "v1", start) as call:
+        (payload, headers), timings = await inference.run(
+            loaded, call, decode, encode, len(body), encode_cost=3
+        )
     headers.update(timing_headers(timings, time.perf_counter() - start))
     return Response(payload, media_type=media, headers=headers)
 

@@ -17,12 +17,13 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from service import logs
+from service import inference, logs
+from service.batcher import Outputs
 from service.errors import ServiceError, grpc_code
 from service.guard import Guard
 from service.protocols.v2 import codec, grpc_codec
 from service.protocols.v2 import inference_pb2 as pb
-from service.state import READY, LoadedState, ServiceState
+from service.state import READY, LoadedState, Models, ServiceState, ServingModel
 
 SERVICE = "inference.GRPCInferenceService"
 # What the guard reads for this transport (service/protocols/__init__.py gathers them): methods are paths.
@@ -39,8 +40,12 @@ class InferenceService:
 
     def _loaded(self, context: grpc.aio.ServicerContext) -> LoadedState:
         """The models, which the guard made sure of before the method ran."""
-        if self.state.loaded is None:  # the guard refuses model calls until then; a method it missed fails loudly
-            raise RuntimeError("a gRPC method ran before the models' manifests were read: the guard missed it")
+        if (
+            self.state.loaded is None
+        ):  # the guard refuses model calls until then; a method it missed fails loudly
+            raise RuntimeError(
+                "a gRPC method ran before the models' manifests were read: the guard missed it"
+            )
         return self.state.loaded
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context) -> pb.ServerLiveResponse:  # noqa: ANN001, N802
@@ -65,18 +70,22 @@ class InferenceService:
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:  # noqa: ANN001, N802
         loaded = self._loaded(context)
-        model = loaded.models.get(request.model_name)
-        codec.check_version(request.model_name, request.model_version)
-        settings = loaded.settings
-        with model.statistics.request() as timer:
-            req = grpc_codec.decode_infer(request, model.engine.manifest, settings.max_elements)
-            timer.decoded()
-            deadlines = [settings.request_timeout_s, req.timeout_s, context.time_remaining()]
-            outputs, timings = await model.batcher.infer(
-                req.embeddings, req.mask, min(d for d in deadlines if d is not None)
-            )
-            timer.inferred(timings, req.embeddings.shape[0])
+        name = request.model_name
+        loaded.models.get(name)  # 404 or 503 before the version (as over HTTP)
+        codec.check_version(name, request.model_version)
+        max_elements = loaded.settings.max_elements
+
+        def decode(models: Models) -> codec.InferRequest:
+            return grpc_codec.decode_infer(request, models.get(name).engine.manifest, max_elements)
+
+        def encode(req: codec.InferRequest, model: ServingModel, outputs: Outputs) -> pb.ModelInferResponse:
             return grpc_codec.encode_infer(req, model.name, outputs)
+
+        # A call its client cancels needs no Disconnect: grpc.aio cancels this task, which drops the queued
+        # work as a gone HTTP client's does (tests/service/test_inference.py).
+        call = inference.Call("grpc", named=name, deadline_s=context.time_remaining())
+        answer, _ = await inference.run(loaded, call, decode, encode, request.ByteSize())
+        return answer
 
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context

@@ -9,12 +9,14 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from model.contract import EMBEDDINGS, ENCODED, INPUT_NAMES
+from service import inference
+from service.batcher import Outputs
 from service.errors import BadInput
 from service.fastpath import FastRoute
 from service.guard import Loaded
-from service.protocols.common import error_docs, infer, offload, read_body, timing_headers
+from service.protocols.common import error_docs, http_call, read_body, timing_headers
 from service.protocols.v2 import codec
-from service.state import LoadedState, ServingModel, State
+from service.state import LoadedState, Models, ServingModel, State
 from service.tensors import parse_json
 
 router = APIRouter(prefix="/v2", tags=["v2 (Open Inference Protocol)"])
@@ -214,15 +216,21 @@ async def repository_index(request: Request, loaded: Loaded) -> Response:
 async def handle_infer(request: Request, loaded: LoadedState, params: dict[str, str]) -> Response:
     """POST /v2/models/{name}[/versions/{version}]/infer."""
     start = time.perf_counter()
-    model = _model(loaded, params["name"], params.get("version"))
-    with model.statistics.request() as timer:
-        body = await read_body(request, loaded.settings.max_body_bytes)
-        req = await offload(len(body), _decode, request, body, loaded, model)
-        timer.decoded()
-        outputs, timings = await infer(request, loaded, model, req.embeddings, req.mask, req.timeout_s)
-        timer.inferred(timings, req.embeddings.shape[0])
-        nbytes = sum(out.nbytes for out in outputs.values())
-        payload, headers = await offload(nbytes, codec.encode_infer, req, model.name, outputs)
+    name, version = params["name"], params.get("version")
+    _model(loaded, name, version)  # 404 or 503 before the body is read
+    settings = loaded.settings
+    body = await read_body(request, settings.max_body_bytes)
+
+    def decode(models: Models) -> codec.InferRequest:
+        raw = codec.decompress(body, request.headers.get("content-encoding"), settings.max_body_bytes)
+        header_length = request.headers.get(codec.HEADER_LENGTH)
+        return codec.decode_infer(raw, header_length, models.get(name).engine.manifest, settings.max_elements)
+
+    def encode(req: codec.InferRequest, model: ServingModel, outputs: Outputs) -> tuple[bytes, dict]:
+        return codec.encode_infer(req, model.name, outputs)
+
+    async with http_call(request, "v2", start, named=name) as call:
+        (payload, headers), timings = await inference.run(loaded, call, decode, encode, len(body))
     headers.update(timing_headers(timings, time.perf_counter() - start))
     return Response(payload, headers=headers, media_type=headers.pop("Content-Type"))
 
@@ -233,13 +241,6 @@ async def handle_infer(request: Request, loaded: LoadedState, params: dict[str, 
 )
 async def model_infer(name: str, request: Request, loaded: Loaded, version: str | None = None) -> Response:
     return await handle_infer(request, loaded, {"name": name, "version": version})
-
-
-def _decode(request: Request, body: bytes, loaded: LoadedState, model: ServingModel) -> codec.InferRequest:
-    max_bytes, max_elements = loaded.settings.max_body_bytes, loaded.settings.max_elements
-    body = codec.decompress(body, request.headers.get("content-encoding"), max_bytes)
-    header_length = request.headers.get(codec.HEADER_LENGTH)
-    return codec.decode_infer(body, header_length, model.engine.manifest, max_elements)
 
 
 # Hot routes for the lean dispatcher (service.fastpath); the guard checks everything under these prefixes.

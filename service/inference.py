@@ -1,0 +1,120 @@
+"""The request core: what happens to an inference request between its protocol's decode and its encode, the same
+for every way in (/v1, V2 over HTTP, V2 over gRPC).
+
+It owns the model lookup, the request's statistics, the deadline, cancellation when the client goes away, and the
+batcher; a protocol only reads its payload, decodes and encodes. Something every request shares (tracing, live
+parity sampling, a rate limit per model) is one edit here, in ``run``, and holds for every transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+import numpy as np
+from starlette.concurrency import run_in_threadpool
+
+from service.batcher import Outputs, Timings
+from service.errors import ClientGone
+from service.state import LoadedState, Models, ServingModel
+from service.statistics import RequestTimer
+from service.transport import Disconnect
+
+OFFLOAD_BYTES = 256 * 1024  # below this, decoding or encoding is cheaper than a thread hop
+
+
+class Decoded(Protocol):
+    """What a codec's decode gives the core (each protocol's request type has these)."""
+
+    embeddings: np.ndarray  # (B, S, E) float32
+    mask: np.ndarray | None  # (B, S) bool, true = padding
+    timeout_s: float | None  # the protocol's own timeout parameter (V2's ``timeout``), None if it has none
+
+
+R = TypeVar("R", bound=Decoded)
+T = TypeVar("T")
+
+
+@dataclass
+class Call:
+    """One request as its transport delivered it.
+
+    ``named``: the model the transport names before the payload is decoded (V2's path, gRPC's ``model_name``): it
+    is looked up first (404, 503) and a payload that fails to decode counts against it. None: the payload names
+    it (``/v1``'s ``model`` field; the decoded request's ``model``, None for the default).
+    ``deadline_s``: the client's own deadline in seconds from now (gRPC's), if the transport has one.
+    """
+
+    protocol: str
+    named: str | None = None
+    started: float = field(default_factory=time.perf_counter)
+    gone: Disconnect = field(default_factory=Disconnect)
+    deadline_s: float | None = None
+
+
+async def run(
+    loaded: LoadedState,
+    call: Call,
+    decode: Callable[[Models], R],
+    encode: Callable[[R, ServingModel, Outputs], T],
+    size: int,
+    encode_cost: int = 1,
+) -> tuple[T, Timings]:
+    """Decode (``size`` bytes of payload), queue on the model's batcher, encode: ``(encoded, timings)``.
+    ``encode_cost``: how many bytes of work encoding one output byte is (JSON's text: about 3), for ``offload``.
+
+    Raises the domain errors of each step (errors.CODES maps them for every transport).
+    """
+    models = loaded.models
+    with contextlib.ExitStack() as stack:
+        model = models.get(call.named) if call.named is not None else None
+        timer = stack.enter_context(model.statistics.request(call.started)) if model is not None else None
+        req = await offload(size, decode, models)
+        if model is None:
+            model = models.get(getattr(req, "model", None))
+            timer = stack.enter_context(model.statistics.request(call.started))
+        assert timer is not None
+        timer.decoded()
+        outputs, timings = await _queue(loaded, call, model, req, timer)
+        nbytes = sum(out.nbytes for out in outputs.values())
+        return await offload(nbytes * encode_cost, encode, req, model, outputs), timings
+
+
+def deadline(loaded: LoadedState, call: Call, req: Decoded) -> float:
+    """The one rule: the sooner of the client's deadline, the protocol's timeout parameter and
+    ADDNORM_REQUEST_TIMEOUT_S (a client can only shorten the server's own)."""
+    limits = (loaded.settings.request_timeout_s, req.timeout_s, call.deadline_s)
+    return min(limit for limit in limits if limit is not None)
+
+
+async def _queue(
+    loaded: LoadedState, call: Call, model: ServingModel, req: Decoded, timer: RequestTimer
+) -> tuple[Outputs, Timings]:
+    """The batcher, with the request's deadline; the client going away cancels the wait (and so the queued work)."""
+    handler = asyncio.current_task()
+    if handler is None:  # not reachable from a request; keeps the type checker honest
+        raise RuntimeError("run() must be awaited inside a request's task")
+    if call.gone.gone:
+        raise ClientGone
+    call.gone.notify(handler.cancel)
+    try:
+        outputs, timings = await model.batcher.infer(req.embeddings, req.mask, deadline(loaded, call, req))
+    except asyncio.CancelledError:
+        if call.gone.gone:  # cancelled because the client went away, not by a shutdown
+            raise ClientGone from None
+        raise
+    finally:
+        call.gone.notify(None)
+    timer.inferred(timings, req.embeddings.shape[0])
+    return outputs, timings
+
+
+async def offload(nbytes: int, fn: Callable[..., T], *args: object) -> T:
+    """Run a CPU-bound codec step in a worker thread when it is big enough to stall the event loop."""
+    if nbytes > OFFLOAD_BYTES:
+        return await run_in_threadpool(fn, *args)
+    return fn(*args)

@@ -1,0 +1,99 @@
+"""The request core (service/inference.py): one deadline rule and one cancellation for every transport."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import grpc
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from bench.server import free_port
+from service import create_app, inference
+from service.protocols.v2 import grpc_server
+from service.protocols.v2 import inference_pb2 as pb
+from service.settings import Settings
+from tests.helpers import wait_until, wait_until_ready
+
+E = 32  # tiny_artifact's d_model
+
+
+def test_the_deadline_is_the_soonest_of_the_client_the_protocol_and_the_server():
+    loaded = SimpleNamespace(settings=SimpleNamespace(request_timeout_s=30.0))
+    req = SimpleNamespace(timeout_s=None)
+    assert inference.deadline(loaded, inference.Call("v1"), req) == 30.0
+    assert inference.deadline(loaded, inference.Call("v2"), SimpleNamespace(timeout_s=2.5)) == 2.5
+    assert (
+        inference.deadline(loaded, inference.Call("grpc", deadline_s=0.7), SimpleNamespace(timeout_s=2.5))
+        == 0.7
+    )
+    assert inference.deadline(loaded, inference.Call("grpc", deadline_s=90.0), req) == 30.0  # never longer
+
+
+@pytest.fixture
+def blocked_app(tiny_artifact):
+    """The app with gRPC on, and its model's runs held at a gate; yields (client, target, shapes run, gate)."""
+    port = free_port()
+    app = create_app(Settings(model_dir=tiny_artifact, grpc_port=port, max_batch_size=1))
+    with TestClient(app) as client:
+        wait_until_ready(client)
+        model = app.state.addnorm.loaded.models.default
+        run, gate, shapes = model.engine.run, threading.Event(), []
+
+        def held(x, mask=None):
+            shapes.append(x.shape)
+            gate.wait(10)
+            return run(x, mask)
+
+        model.engine.run = held
+        try:
+            yield model, f"127.0.0.1:{port}", shapes, gate
+        finally:
+            gate.set()
+            model.engine.run = run
+
+
+def _infer_request(seq: int) -> pb.ModelInferRequest:
+    x = np.zeros((1, seq, E), np.float32)
+    tensor = pb.ModelInferRequest.InferInputTensor(name="embeddings", datatype="FP32", shape=list(x.shape))
+    return pb.ModelInferRequest(model_name="encoder", inputs=[tensor], raw_input_contents=[x.tobytes()])
+
+
+def _model_infer(channel: grpc.Channel) -> grpc.UnaryUnaryMultiCallable:
+    return channel.unary_unary(
+        f"/{grpc_server.SERVICE}/ModelInfer",
+        request_serializer=pb.ModelInferRequest.SerializeToString,
+        response_deserializer=pb.ModelInferResponse.FromString,
+    )
+
+
+def test_a_grpc_call_its_client_cancels_drops_its_queued_work(blocked_app):
+    model, target, shapes, gate = blocked_app
+    with grpc.insecure_channel(target) as channel:
+        infer = _model_infer(channel)
+        running = infer.future(_infer_request(2), timeout=30)
+        wait_until(lambda: (1, 2, E) in shapes, 10, "the first call running")
+        queued = infer.future(_infer_request(7), timeout=30)
+        wait_until(lambda: model.batcher.depth == 1, 10, "the second call queued")
+        queued.cancel()
+        wait_until(lambda: model.batcher.depth == 0, 10, "the cancelled call leaving the queue")
+        gate.set()
+        assert running.result().model_name == "encoder"
+    assert (1, 7, E) not in shapes
+
+
+def test_a_grpc_deadline_drops_queued_work_too(blocked_app):
+    model, target, shapes, gate = blocked_app
+    with grpc.insecure_channel(target) as channel:
+        infer = _model_infer(channel)
+        running = infer.future(_infer_request(2), timeout=30)
+        wait_until(lambda: (1, 2, E) in shapes, 10, "the first call running")
+        with pytest.raises(grpc.RpcError) as info:
+            infer(_infer_request(9), timeout=0.3)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        gate.set()
+        running.result()
+    wait_until(lambda: model.batcher.depth == 0, 10, "an empty queue")
+    assert (1, 9, E) not in shapes
