@@ -30,7 +30,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q $(PIP_TORCH_FLAGS) "$(TORCH)"
-	$(BIN)/pip install -q $(PIP_TORCH_FLAGS) -e ".[export,dev,ray]"
+	$(BIN)/pip install -q $(PIP_TORCH_FLAGS) -e ".[export,dev,ray,otel]"
 	@touch $@
 
 $(ARTIFACT)/manifest.json: | $(VENV)/.installed

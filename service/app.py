@@ -34,6 +34,7 @@ from service.responses import error_response, from_error, unexpected_error
 from service.settings import Settings
 from service.state import READY, UNAVAILABLE, LoadedState, Models, ServiceState, ServingModel, Slot
 from service.statistics import ModelStatistics
+from service.tracing import TRACING
 from service.verification import Verification, verify_engine
 
 log = logging.getLogger("addnorm.service")
@@ -49,6 +50,7 @@ def create_app(settings: Settings | None = None, *, load_before_serving: bool = 
         settings = Settings()
         logs.configure(settings.log_level, settings.log_json)
     memory.limit_arenas()  # before the inference and offload threads start (service/memory.py)
+    TRACING.configure()  # on only when the OTEL_EXPORTER_OTLP_* variables ask for it
     state = ServiceState(settings)
 
     @contextlib.asynccontextmanager
@@ -70,6 +72,7 @@ def create_app(settings: Settings | None = None, *, load_before_serving: bool = 
             if state.loaded is not None:
                 for model in state.loaded.models:
                     await model.batcher.stop()
+            TRACING.shutdown()
 
     app = _App(
         title="addnorm",

@@ -62,6 +62,7 @@ class Observers:
 class Timings:
     queue_s: float = 0.0
     infer_s: float = 0.0
+    batch_rows: int = 0  # rows of the batch it ran in
 
 
 @dataclass
@@ -241,6 +242,7 @@ class Batcher:
             rows, row = [], 0
             for item in batch:
                 item.timings.infer_s = ran - merged
+                item.timings.batch_rows = x.shape[0]
                 # Its own rows, contiguous: a shorter request's slice of the padded batch is a strided view that
                 # codecs writing raw buffers cannot take (and that would keep the whole batch alive).
                 rows.append(

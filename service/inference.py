@@ -22,6 +22,7 @@ from service.batcher import Outputs, Timings
 from service.errors import ClientGone
 from service.state import LoadedState, Models, ServingModel
 from service.statistics import RequestTimer
+from service.tracing import TRACING, Carrier
 from service.transport import Disconnect
 
 OFFLOAD_BYTES = 256 * 1024  # below this, decoding or encoding is cheaper than a thread hop
@@ -47,6 +48,7 @@ class Call:
     is looked up first (404, 503) and a payload that fails to decode counts against it. None: the payload names
     it (``/v1``'s ``model`` field; the decoded request's ``model``, None for the default).
     ``deadline_s``: the client's own deadline in seconds from now (gRPC's), if the transport has one.
+    ``carrier``: the request's header (or gRPC metadata) values by lower-case name, for trace context.
     """
 
     protocol: str
@@ -54,6 +56,7 @@ class Call:
     started: float = field(default_factory=time.perf_counter)
     gone: Disconnect = field(default_factory=Disconnect)
     deadline_s: float | None = None
+    carrier: Carrier | None = None  # its headers or metadata by name (``traceparent``, ``tracestate``)
 
 
 async def run(
@@ -70,7 +73,7 @@ async def run(
     Raises the domain errors of each step (errors.CODES maps them for every transport).
     """
     models = loaded.models
-    with contextlib.ExitStack() as stack:
+    with TRACING.request(call.protocol, call.carrier) as span, contextlib.ExitStack() as stack:
         model = models.get(call.named) if call.named is not None else None
         timer = stack.enter_context(model.statistics.request(call.started)) if model is not None else None
         req = await offload(size, decode, models)
@@ -79,9 +82,12 @@ async def run(
             timer = stack.enter_context(model.statistics.request(call.started))
         assert timer is not None
         timer.decoded()
+        span.model(model.name, req.embeddings.shape[0])
         outputs, timings = await _queue(loaded, call, model, req, timer)
+        span.ran(timings)
         nbytes = sum(out.nbytes for out in outputs.values())
-        return await offload(nbytes * encode_cost, encode, req, model, outputs), timings
+        with span.encoding():
+            return await offload(nbytes * encode_cost, encode, req, model, outputs), timings
 
 
 def deadline(loaded: LoadedState, call: Call, req: Decoded) -> float:

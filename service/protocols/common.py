@@ -55,7 +55,7 @@ async def http_call(
         gone = Disconnect()
         watch = asyncio.ensure_future(_watch_receive(request, gone))
     try:
-        yield Call(protocol, named=named, started=started, gone=gone)
+        yield Call(protocol, named=named, started=started, gone=gone, carrier=request.headers.get)
     finally:
         if watch is not None:
             watch.cancel()

@@ -83,7 +83,10 @@ class InferenceService:
 
         # A call its client cancels needs no Disconnect: grpc.aio cancels this task, which drops the queued
         # work as a gone HTTP client's does (tests/service/test_inference.py).
-        call = inference.Call("grpc", named=name, deadline_s=context.time_remaining())
+        def carrier(key: str) -> str | None:  # read only when tracing is on
+            return next((v for k, v in context.invocation_metadata() or () if k == key), None)
+
+        call = inference.Call("grpc", named=name, deadline_s=context.time_remaining(), carrier=carrier)
         answer, _ = await inference.run(loaded, call, decode, encode, request.ByteSize())
         return answer
 
