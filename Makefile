@@ -12,11 +12,12 @@ TORCH     ?= torch==2.13.0
 TORCH_INDEX ?=
 PIP_TORCH_FLAGS := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: serve test matrix export parity lint format bench proto clean help
+.PHONY: serve test test-fast matrix export parity lint format bench proto clean help
 
 help:
 	@echo "make serve   create .venv, export $(ARTIFACT) if missing, check parity, serve on $(HOST):$(PORT) (gRPC $(GRPC_PORT))"
 	@echo "make test    create .venv and run the test suite"
+	@echo "make test-fast  the unit lane only (model/ and service/ in process; under a minute)"
 	@echo "make matrix  every variant x attention x depth x placement x norm combination (tests/export/test_matrix.py)"
 	@echo "make export  (re-)export the default artifact into $(ARTIFACT)"
 	@echo "make parity  re-check $(ARTIFACT) and write a report into $(ARTIFACT)/report"
@@ -50,6 +51,9 @@ parity: $(VENV)/.installed $(ARTIFACT)/manifest.json
 # pytest exits 5 when it collects no test, so an empty run fails here too.
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest
+
+test-fast: $(VENV)/.installed
+	$(BIN)/python -m pytest -m unit -q
 
 # The whole combination matrix (make test runs a representative subset of it); about 25 minutes on 2 cores.
 matrix: $(VENV)/.installed

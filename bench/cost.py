@@ -26,7 +26,7 @@ BATCH_SEQ = 128
 MEMORY_CAP_GB = 16.0  # a point whose predicted peak exceeds this is skipped ("as far as memory allows")
 
 
-def _time(fn, repeats: int) -> float:  # noqa: ANN001
+def _time(fn, repeats: int) -> float:
     """Median seconds of ``repeats`` calls after one warm-up call."""
     fn()
     times = []

@@ -56,7 +56,7 @@ def run_grpc_load(
     return run_clients(connect, concurrency, seconds, max_requests, warmup)
 
 
-def measure_grpc(s, clients: int) -> dict:  # noqa: ANN001 (bench.measure.Setup)
+def measure_grpc(s, clients: int) -> dict:
     """V2 binary over HTTP and over gRPC on one server: the big shape with 1 client and ``clients`` x the small
     shape, each pair back to back, REPEATS times; per transport the median row, and the median of the ratios."""
     from bench.measure import process_cpu_s, v2_request

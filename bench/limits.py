@@ -88,7 +88,7 @@ class OneClient:
         self.sock.close()
 
 
-def alternate_one_by_one(engine, x: np.ndarray, servers: dict, requests: dict, seconds: float) -> dict:  # noqa: ANN001
+def alternate_one_by_one(engine, x: np.ndarray, servers: dict, requests: dict, seconds: float) -> dict:
     """In-process call, then one request to each server, over and over for about ``seconds``: each side's
     throughput over its own time, and each server's CPU per request from the OS."""
     clients = {label: OneClient(srv.port, requests[label]) for label, srv in servers.items()}

@@ -41,7 +41,7 @@ class Setup:
         return self.manifest.name
 
 
-def timed(fn, seconds: float, min_runs: int = 5) -> np.ndarray:  # noqa: ANN001
+def timed(fn, seconds: float, min_runs: int = 5) -> np.ndarray:
     """Call ``fn`` repeatedly for about ``seconds`` (after two warm-up calls); return each call's ms."""
     fn()
     fn()
@@ -78,7 +78,7 @@ def process_cpu_s(pid: int, tid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def load_with_cpu(srv, request: bytes, clients: int, seconds: float) -> dict:  # noqa: ANN001
+def load_with_cpu(srv, request: bytes, clients: int, seconds: float) -> dict:
     """run_load, plus the server's CPU per request: the whole process and its event-loop (main) thread."""
     pid = srv.proc.pid
     total0, loop0 = process_cpu_s(pid), process_cpu_s(pid, pid)
@@ -90,7 +90,7 @@ def load_with_cpu(srv, request: bytes, clients: int, seconds: float) -> dict:  #
     return row
 
 
-def cpu_ms_per_item(fn, seconds: float, items: int) -> float:  # noqa: ANN001
+def cpu_ms_per_item(fn, seconds: float, items: int) -> float:
     """In-process CPU (all threads) per item of ``fn``'s work, over about ``seconds`` of calls."""
     fn()
     cpu0, calls, end = time.process_time(), 0, time.perf_counter() + seconds
@@ -100,7 +100,7 @@ def cpu_ms_per_item(fn, seconds: float, items: int) -> float:  # noqa: ANN001
     return (time.process_time() - cpu0) * 1e3 / (calls * items)
 
 
-def gemm_graph(e: int, f: int, tokens: int):  # noqa: ANN201
+def gemm_graph(e: int, f: int, tokens: int):
     """The block's four weight GEMMs alone, as an ONNX graph: (model, feed, weights by name)."""
     import onnx
     from onnx import TensorProto, helper

@@ -83,7 +83,7 @@ def _v2_binary(port: int, name: str, x: np.ndarray, mask: np.ndarray | None) -> 
 
 def make_probes(
     port: int, manifest: Manifest, engine, rng: np.random.Generator, max_body: int
-) -> list[Probe]:  # noqa: ANN001
+) -> list[Probe]:
     """A pool of valid requests with their in-process answers, and of invalid, oversized and hang-up ones."""
     e, name = manifest.config.d_model, manifest.name
     probes: list[Probe] = []

@@ -113,13 +113,13 @@ def _mha_schema() -> OpSchema:
 _MHA = onnxscript.values.Op(onnxscript.values.Opset("com.microsoft", 1), "MultiHeadAttention", _mha_schema())
 
 
-def _mha_onnx(q, k, v, key_padding_mask, nhead: int):  # noqa: ANN001, ANN202 (onnxscript symbolic values)
+def _mha_onnx(q, k, v, key_padding_mask, nhead: int):
     # onnxruntime's mask is int32 with 1 = attend; masked scores become mask_filter_value, as in the reference.
     keep = op.Cast(op.Not(key_padding_mask), to=TensorProto.INT32)
     return _MHA(q, k, v, None, keep, num_heads=nhead, mask_filter_value=_LOWEST)
 
 
-def _mha_unmasked_onnx(q, k, v, nhead: int):  # noqa: ANN001, ANN202
+def _mha_unmasked_onnx(q, k, v, nhead: int):
     return _MHA(q, k, v, num_heads=nhead)
 
 

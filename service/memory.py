@@ -12,7 +12,7 @@ import ctypes
 _M_ARENA_MAX = -8  # glibc malloc.h
 
 
-def _libc():  # noqa: ANN202
+def _libc():
     try:
         libc = ctypes.CDLL("libc.so.6")
         return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None

@@ -65,7 +65,7 @@ class Metrics:
         self.queue.labels(name).set_function(queue_depth)
         return ModelMetrics(self, name)
 
-    def verification(self, model: str, v) -> None:  # noqa: ANN001 (model.golden.Verification)
+    def verification(self, model: str, v) -> None:
         self.golden.labels(model).set({"passed": 1, "failed": 0}.get(v.status, -1))
         if v.max_abs_err is not None:
             self.golden_err.labels(model).set(v.max_abs_err)

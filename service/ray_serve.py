@@ -108,7 +108,7 @@ class AddNormReplica:
             cpus,
         )
 
-    def __serve_build_asgi_app__(self):  # noqa: ANN204 (Ray's hook: the app this replica serves)
+    def __serve_build_asgi_app__(self):
         return self.fastapi_app
 
     def check_health(self) -> None:

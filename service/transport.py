@@ -80,7 +80,7 @@ class Protocol(HttpToolsProtocol):
         cls.body_timeout_s = settings.body_timeout_s
         cls._configured = True
 
-    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+    def __init__(self, *args, **kwargs) -> None:
         if not Protocol._configured:  # a worker process: the CLI passed its settings through the environment
             Protocol.configure(Settings())
         super().__init__(*args, **kwargs)

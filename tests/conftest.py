@@ -84,3 +84,17 @@ def pytest_report_header() -> str:
     from model.runtime import cpu_flags
 
     return f"CPU flags: {' '.join(sorted(cpu_flags())) or 'unknown'}"
+
+
+LANES = {"model": "unit", "service": "unit", "export": "export"}  # tests/<dir>/...; top-level files: server
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test's lane by its path: ``make test-fast`` runs the unit lane (``-m unit``)."""
+    tests = Path(__file__).parent
+    for item in items:
+        parts = Path(item.fspath).relative_to(tests).parts
+        lane = LANES.get(parts[0], "server") if len(parts) > 1 else "server"
+        if parts[-1] == "test_ray_serve.py":
+            lane = "cluster"
+        item.add_marker(getattr(pytest.mark, lane))

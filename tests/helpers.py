@@ -14,6 +14,6 @@ def wait_until(condition: Callable[[], bool], timeout: float = 60.0, what: str =
         time.sleep(0.02)
 
 
-def wait_until_ready(client, path: str = "/health/ready", timeout: float = 60.0) -> None:  # noqa: ANN001
+def wait_until_ready(client, path: str = "/health/ready", timeout: float = 60.0) -> None:
     """Until ``client`` (a TestClient or an httpx client) gets 200 from ``path``; bounded by ``timeout``."""
     wait_until(lambda: client.get(path).status_code == 200, timeout, f"GET {path} answering 200")

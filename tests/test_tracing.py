@@ -19,7 +19,7 @@ from tests.helpers import wait_until
 pytest.importorskip(
     "opentelemetry.exporter.otlp.proto.http", reason="needs the 'otel' extra (make installs it)"
 )
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: E402
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 E = 32  # tiny_artifact's d_model
 TRACE_ID = {
@@ -39,7 +39,7 @@ class Receiver(http.server.ThreadingHTTPServer):
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"]))
         export = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
         for resource in export.resource_spans:
@@ -136,7 +136,7 @@ def test_every_transport_gets_one_span_tree_under_its_traceparent(traced):
     assert refused[0].status.code == refused[0].status.STATUS_CODE_ERROR
 
 
-def _attributes(span) -> dict:  # noqa: ANN001
+def _attributes(span) -> dict:
     out = {}
     for kv in span.attributes:
         value = kv.value

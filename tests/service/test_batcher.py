@@ -1,4 +1,5 @@
-"""Dynamic batching: merged results equal unbatched ones; backpressure; timeouts; no timing assertions."""
+"""Dynamic batching: merged results equal unbatched ones; backpressure; timeouts; no timing assertions, and no
+sleep to order events: each step waits until the batcher's state says the previous one happened (``until``)."""
 
 import asyncio
 import threading
@@ -19,8 +20,10 @@ class Recorder:
 
     def __init__(self, model, gate: threading.Event | None = None):
         self.model, self.gate, self.shapes = model, gate, []
+        self.entered = threading.Event()  # a run has begun (and waits at the gate, if there is one)
 
     def run(self, x, mask=None):
+        self.entered.set()
         if self.gate is not None:
             self.gate.wait(10)
         self.shapes.append(x.shape)
@@ -29,6 +32,14 @@ class Recorder:
 
 def run(coro):
     return asyncio.run(coro)
+
+
+async def until(condition, timeout: float = 10.0) -> None:
+    """Yield to the event loop until ``condition()`` holds (the batcher's own state), within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the batcher never reached the state this step waits for"
+        await asyncio.sleep(0.001)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +60,7 @@ def test_concurrent_requests_are_merged_and_each_gets_its_own_rows(engine):
         batcher = Batcher(model, max_batch_size=64, max_batch_tokens=10_000, max_queue_delay_ms=50)
         batcher.start()
         tasks = [asyncio.ensure_future(batcher.infer(x, m)) for x, m in reqs]
-        await asyncio.sleep(0.2)
+        await until(model.entered.is_set)  # the first batch is taken (after its queue delay) and held
         gate.set()
         results = await asyncio.gather(*tasks)
         await batcher.stop()
@@ -89,7 +100,7 @@ def test_token_budget_splits_batches(engine):
         tasks = [
             asyncio.ensure_future(batcher.infer(np.zeros((1, 8, 32), np.float32), None)) for _ in range(4)
         ]
-        await asyncio.sleep(0.1)
+        await until(model.entered.is_set)
         model.gate.set()
         await asyncio.gather(*tasks)
         await batcher.stop()
@@ -109,7 +120,7 @@ def test_all_padding_rows_run_alone(engine):
         batcher = Batcher(model, max_batch_size=64, max_queue_delay_ms=50)
         batcher.start()
         tasks = [asyncio.ensure_future(batcher.infer(x, m)) for x, m in zip(xs, masks, strict=True)]
-        await asyncio.sleep(0.1)
+        await until(model.entered.is_set)
         model.gate.set()
         out = await asyncio.gather(*tasks)
         await batcher.stop()
@@ -131,9 +142,11 @@ def test_full_queue_answers_429_with_retry_after(engine):
         batcher.start()
         x = np.zeros((1, 2, 32), np.float32)
         first = asyncio.ensure_future(batcher.infer(x, None))
-        await asyncio.sleep(0.05)  # the first is running (blocked on the gate); two more fill the queue
+        await until(
+            model.entered.is_set
+        )  # the first is running (blocked on the gate); two more fill the queue
         queued = [asyncio.ensure_future(batcher.infer(x, None)) for _ in range(2)]
-        await asyncio.sleep(0.05)
+        await until(lambda: batcher.depth == 2)
         with pytest.raises(Overloaded) as info:
             await batcher.infer(x, None)
         gate.set()
@@ -153,12 +166,12 @@ def test_timeout_gives_504_and_the_request_is_dropped_before_it_runs(engine):
         batcher = Batcher(model, max_batch_size=1, max_queue_delay_ms=0)
         batcher.start()
         blocker = asyncio.ensure_future(batcher.infer(np.zeros((1, 2, 32), np.float32), None))
-        await asyncio.sleep(0.05)
+        await until(model.entered.is_set)
         with pytest.raises(TimedOut):
             await batcher.infer(np.zeros((1, 9, 32), np.float32), None, timeout=0.05)
         gate.set()
         await blocker
-        await asyncio.sleep(0.05)
+        await until(lambda: batcher.depth == 0)  # the thread took the expired request (and skipped it)
         await batcher.stop()
 
     run(main())
@@ -173,13 +186,13 @@ def test_cancelled_request_is_not_run(engine):
         batcher = Batcher(model, max_batch_size=1, max_queue_delay_ms=0)
         batcher.start()
         blocker = asyncio.ensure_future(batcher.infer(np.zeros((1, 2, 32), np.float32), None))
-        await asyncio.sleep(0.05)
+        await until(model.entered.is_set)
         gone = asyncio.ensure_future(batcher.infer(np.zeros((1, 7, 32), np.float32), None))
-        await asyncio.sleep(0.01)
-        gone.cancel()  # what the HTTP layer does when the client disconnects
+        await until(lambda: batcher.depth == 1)
+        gone.cancel()  # what the request core does when the client disconnects
         gate.set()
         await blocker
-        await asyncio.sleep(0.05)
+        await until(lambda: batcher.depth == 0)
         await batcher.stop()
 
     run(main())
@@ -220,7 +233,7 @@ def test_attention_budget_keeps_long_sequences_apart(engine):
                           max_batch_attention=3 * heads * 64 * 64, heads=heads)  # fmt: skip
         batcher.start()
         tasks = [asyncio.ensure_future(batcher.infer(x, None)) for x in (long, long, short, short)]
-        await asyncio.sleep(0.1)
+        await until(model.entered.is_set)
         model.gate.set()
         await asyncio.gather(*tasks)
         with pytest.raises(TooLarge, match="ADDNORM_MAX_BATCH_ATTENTION"):
@@ -245,7 +258,7 @@ def test_attention_budget_follows_the_attention_forms_working_set(engine):
         batcher.start()
         tasks = [asyncio.ensure_future(batcher.infer(long, None)) for _ in range(3)]
         tasks += [asyncio.ensure_future(batcher.infer(long, padded)) for _ in range(2)]
-        await asyncio.sleep(0.1)
+        await until(model.entered.is_set)
         model.gate.set()
         await asyncio.gather(*tasks)
         await batcher.infer(np.zeros((8, 64, 32), np.float32), None)  # unpadded: no seq x seq tensor at all
@@ -269,9 +282,9 @@ def test_queue_is_bounded_by_bytes(engine):
         batcher = Batcher(model, max_batch_size=1, max_queue_bytes=2 * x.nbytes)
         batcher.start()
         first = asyncio.ensure_future(batcher.infer(x, None))
-        await asyncio.sleep(0.05)  # running (blocked on the gate): no longer queued
+        await until(model.entered.is_set)  # running (blocked on the gate): no longer queued
         queued = [asyncio.ensure_future(batcher.infer(x, None)) for _ in range(2)]
-        await asyncio.sleep(0.05)
+        await until(lambda: batcher.depth == 2)
         with pytest.raises(Overloaded, match="bytes of requests queued") as info:
             await batcher.infer(x, None)
         gate.set()
@@ -302,8 +315,7 @@ def test_the_next_batch_starts_while_the_event_loop_is_busy(engine):
         x = np.zeros((1, 2, 32), np.float32)
         first = asyncio.ensure_future(batcher.infer(x, None))
         second = asyncio.ensure_future(batcher.infer(x, None))
-        while not starts:  # the first run is waiting at the gate; the second is queued
-            await asyncio.sleep(0.01)
+        await until(lambda: bool(starts))  # the first run is waiting at the gate; the second is queued
         gate.set()
         time.sleep(0.5)  # the event loop is busy (blocked) while the first run ends
         busy_until = time.perf_counter()
@@ -324,9 +336,9 @@ def test_stop_answers_the_running_batch_and_fails_what_is_queued(engine):
         batcher.start()
         running = asyncio.ensure_future(batcher.infer(np.zeros((1, 2, 32), np.float32), None))
         queued = asyncio.ensure_future(batcher.infer(np.zeros((1, 3, 32), np.float32), None))
-        await asyncio.sleep(0.1)
+        await until(lambda: model.entered.is_set() and batcher.depth == 1)
         stopping = asyncio.ensure_future(batcher.stop())
-        await asyncio.sleep(0.05)
+        await until(lambda: batcher._closed)  # stop() has begun while the run is under way
         gate.set()
         await asyncio.wait_for(stopping, 10)
         with pytest.raises(ShuttingDown):

@@ -48,7 +48,7 @@ def _input(x: np.ndarray, name: str = "embeddings", datatype: str = "FP32") -> t
     return i
 
 
-def _code(fn) -> grpc.StatusCode:  # noqa: ANN001
+def _code(fn) -> grpc.StatusCode:
     """The status a call failed with (tritonclient reports it as the text 'StatusCode.NAME')."""
     with pytest.raises(InferenceServerException) as info:
         fn()
@@ -58,13 +58,13 @@ def _code(fn) -> grpc.StatusCode:  # noqa: ANN001
 def test_messages_match_tritonclients_wire_format():
     """Every message we define has tritonclient's field names, numbers, types and cardinality."""
 
-    def fields(d):  # noqa: ANN001, ANN202
+    def fields(d):
         return {
             f.name: (f.number, f.type, f.is_repeated, f.message_type.name if f.message_type else None)
             for f in d.fields
         }
 
-    def compare(ours, theirs):  # noqa: ANN001, ANN202
+    def compare(ours, theirs):
         mine, other = fields(ours), fields(theirs)
         assert set(mine) <= set(other), ours.full_name
         for name, (number, kind, repeated, msg) in mine.items():

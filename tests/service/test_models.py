@@ -124,7 +124,7 @@ def test_models_load_in_parallel(model_repository, monkeypatch):
     barrier = threading.Barrier(2, timeout=20)
     real = app_module.Engine
 
-    def engine(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def engine(*args, **kwargs):
         barrier.wait()
         return real(*args, **kwargs)
 

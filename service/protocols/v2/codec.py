@@ -299,7 +299,7 @@ def encode_infer(req: InferRequest, model: str, results: Outputs) -> tuple[bytes
 def model_metadata(manifest: Manifest) -> dict:
     """Inputs and outputs as the API speaks them (batch-first, whatever the graph's layout); -1 = variable."""
 
-    def tensor(spec) -> dict:  # noqa: ANN001
+    def tensor(spec) -> dict:
         return {
             "name": spec.name,
             "datatype": _NUMPY_TO_V2.get(spec.dtype, spec.dtype.upper()),

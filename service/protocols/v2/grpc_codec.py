@@ -57,7 +57,7 @@ def decode_infer(req: pb.ModelInferRequest, manifest: Manifest, max_elements: in
     )
 
 
-def _named(name: str, kind: str, known: list[str], seen) -> str:  # noqa: ANN001 (a container of names)
+def _named(name: str, kind: str, known: list[str], seen) -> str:
     if name not in known:
         raise BadInput(f"unknown {kind} {show(name)}; this model has {sorted(known)}")
     if name in seen:
@@ -65,7 +65,7 @@ def _named(name: str, kind: str, known: list[str], seen) -> str:  # noqa: ANN001
     return name
 
 
-def _typed(name: str, tensor: pb.ModelInferRequest.InferInputTensor, shape: list[int], dtype, count: int):  # noqa: ANN001
+def _typed(name: str, tensor: pb.ModelInferRequest.InferInputTensor, shape: list[int], dtype, count: int):
     field = _TYPED.get(tensor.datatype)
     if field is None:
         raise BadInput(

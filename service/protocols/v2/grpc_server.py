@@ -48,27 +48,27 @@ class InferenceService:
             )
         return self.state.loaded
 
-    async def ServerLive(self, request: pb.ServerLiveRequest, context) -> pb.ServerLiveResponse:  # noqa: ANN001, N802
+    async def ServerLive(self, request: pb.ServerLiveRequest, context) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
-    async def ServerReady(self, request: pb.ServerReadyRequest, context) -> pb.ServerReadyResponse:  # noqa: ANN001, N802
+    async def ServerReady(self, request: pb.ServerReadyRequest, context) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=self.state.not_ready_reason() is None)
 
-    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context) -> pb.ServerMetadataResponse:  # noqa: ANN001, N802
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context) -> pb.ServerMetadataResponse:
         self._loaded(context)
         return pb.ServerMetadataResponse(name="addnorm", version="0.1.0", extensions=codec.EXTENSIONS)
 
-    async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:  # noqa: ANN001, N802
+    async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
         slot = self._loaded(context).models.slot(request.name)
         codec.check_version(request.name, request.version)
         return pb.ModelReadyResponse(ready=slot.state == READY)
 
-    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context) -> pb.ModelMetadataResponse:  # noqa: ANN001, N802
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context) -> pb.ModelMetadataResponse:
         model = self._loaded(context).models.get(request.name)
         codec.check_version(request.name, request.version)
         return grpc_codec.from_dict(codec.model_metadata(model.engine.manifest), pb.ModelMetadataResponse)
 
-    async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:  # noqa: ANN001, N802
+    async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
         loaded = self._loaded(context)
         name = request.model_name
         loaded.models.get(name)  # 404 or 503 before the version (as over HTTP)
@@ -92,14 +92,14 @@ class InferenceService:
 
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context
-    ) -> pb.ModelStatisticsResponse:  # noqa: ANN001, N802
+    ) -> pb.ModelStatisticsResponse:
         models = self._loaded(context).models
         doc = codec.statistics(models, request.name, request.version)
         return grpc_codec.from_dict(doc, pb.ModelStatisticsResponse)
 
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context
-    ) -> pb.RepositoryIndexResponse:  # noqa: ANN001, N802
+    ) -> pb.RepositoryIndexResponse:
         models = self._loaded(context).models
         return grpc_codec.from_dict(
             {"models": codec.repository_index(models, request.ready)}, pb.RepositoryIndexResponse
@@ -123,7 +123,7 @@ def _handler(name: str, method: Callable[..., Awaitable], state: ServiceState) -
     INTERNAL (logged, never shown), an access line and the request metrics per call."""
     route = f"/{SERVICE}/{name}"
 
-    async def call(request, context: grpc.aio.ServicerContext):  # noqa: ANN001, ANN202
+    async def call(request, context: grpc.aio.ServicerContext):
         start = time.perf_counter()
         code, message = grpc.StatusCode.OK, ""
         try:
@@ -154,7 +154,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
         self.guard = guard
         self.state = state
 
-    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):  # noqa: ANN001, ANN201
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         credentials = [
             value.encode("latin-1") if isinstance(value, str) else value
             for key, value in (details.invocation_metadata or ())
@@ -166,7 +166,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
             refusal, name = exc, details.method.rpartition("/")[2]
             request_type = _METHODS.get(name)
 
-            async def refuse(request, context):  # noqa: ANN001, ANN202
+            async def refuse(request, context):
                 raise refusal
 
             return grpc.unary_unary_rpc_method_handler(
