@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         # but absent.
         import onnxruntime as ort
 
-        from service.app import read_manifests
+        from service.loading import read_manifests
 
         slots = read_manifests(settings)
         for slot in slots:
@@ -152,15 +152,15 @@ def main(argv: list[str] | None = None) -> int:
             "service.app:create_app",
             factory=True,
             workers=settings.workers,
-            http="service.transport:Protocol",
+            http="service.transport:HttpConnection",
             **common,
         )
     else:
         from service.app import create_app
-        from service.transport import Protocol
+        from service.transport import HttpConnection
 
-        Protocol.configure(settings)
-        uvicorn.run(create_app(settings), http=Protocol, **common)
+        HttpConnection.configure(settings)
+        uvicorn.run(create_app(settings), http=HttpConnection, **common)
     return 0
 
 

@@ -20,9 +20,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from service.errors import ServiceError
 from service.guard import loaded_state
 from service.responses import from_error, unexpected_error
-from service.state import LoadedState
+from service.state import KnownModels
 
-Handler = Callable[[Request, LoadedState, dict[str, str]], Awaitable[Response]]
+Handler = Callable[[Request, KnownModels, dict[str, str]], Awaitable[Response]]
 
 
 @dataclass(frozen=True)

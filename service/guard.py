@@ -4,7 +4,7 @@ or FastAPI's, and every gRPC call before its method (an interceptor).
 It lets the health probes through untouched; every other path needs a valid API key when keys are set
 (``Authorization: Bearer <key>``, one of them, compared in constant time), and model paths need the models'
 manifests read (each handler then answers 503 for a model still loading, 404 for a name no manifest has). An
-HTTP route that needs the models gets them from the guard (``Loaded``), so a model route the guard did not
+HTTP route that needs the models gets them from the guard (``Known``), so a model route the guard did not
 cover fails loudly instead of serving unguarded; ``tests/service/test_guard.py`` tries every route the app
 serves and every gRPC method.
 """
@@ -20,9 +20,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.errors import NotReady, ServiceError, Unauthenticated
 from service.responses import from_error
-from service.state import LoadedState, ServiceState
+from service.state import KnownModels, ServiceState
 
-SCOPE_KEY = "addnorm.loaded"  # where the guard leaves the LoadedState for the routes past it
+SCOPE_KEY = "addnorm.loaded"  # where the guard leaves the KnownModels for the routes past it
 
 
 class Guard:
@@ -42,7 +42,7 @@ class Guard:
         self.public_paths = public_paths
         self.model_prefixes = model_prefixes
 
-    def check(self, path: str, credentials: Sequence[bytes]) -> LoadedState | None:
+    def check(self, path: str, credentials: Sequence[bytes]) -> KnownModels | None:
         """Raise a ServiceError to refuse the request; return the loaded state for model paths."""
         if path in self.public_paths:
             return None
@@ -57,7 +57,7 @@ class Guard:
 
 class GuardMiddleware:
     """The guard in front of every HTTP request (pure ASGI): a refusal is answered here, JSON, with its status;
-    a model route finds the LoadedState the guard returned in its scope (``Loaded``)."""
+    a model route finds the KnownModels the guard returned in its scope (``Known``)."""
 
     def __init__(self, app: ASGIApp, guard: Guard) -> None:
         self.app = app
@@ -97,7 +97,7 @@ def check_key(credentials: Sequence[bytes], api_keys: tuple[bytes, ...]) -> None
 
 # Async on purpose: FastAPI runs a plain ``def`` dependency in a worker thread, a hop that costs more than the
 # rest of a small request's handling (bench/).
-async def loaded_state(request: Request) -> LoadedState:
+async def loaded_state(request: Request) -> KnownModels:
     """The models the guard let this request reach (FastAPI dependency; the fast path reads the same key)."""
     try:
         return request.scope[SCOPE_KEY]
@@ -108,4 +108,4 @@ async def loaded_state(request: Request) -> LoadedState:
         ) from None
 
 
-Loaded = Annotated[LoadedState, Depends(loaded_state)]
+Known = Annotated[KnownModels, Depends(loaded_state)]

@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.batcher import Outputs, Timings
 from service.errors import ClientGone
-from service.state import LoadedState, Models, ServingModel
+from service.state import KnownModels, Models, ServingModel
 from service.statistics import RequestTimer
 from service.tracing import TRACING, Carrier
 from service.transport import Disconnect
@@ -60,7 +60,7 @@ class Call:
 
 
 async def run(
-    loaded: LoadedState,
+    loaded: KnownModels,
     call: Call,
     decode: Callable[[Models], R],
     encode: Callable[[R, ServingModel, Outputs], T],
@@ -90,7 +90,7 @@ async def run(
             return await offload(nbytes * encode_cost, encode, req, model, outputs), timings
 
 
-def deadline(loaded: LoadedState, call: Call, req: Decoded) -> float:
+def deadline(loaded: KnownModels, call: Call, req: Decoded) -> float:
     """The one rule: the sooner of the client's deadline, the protocol's timeout parameter and
     ADDNORM_REQUEST_TIMEOUT_S (a client can only shorten the server's own)."""
     limits = (loaded.settings.request_timeout_s, req.timeout_s, call.deadline_s)
@@ -98,7 +98,7 @@ def deadline(loaded: LoadedState, call: Call, req: Decoded) -> float:
 
 
 async def _queue(
-    loaded: LoadedState, call: Call, model: ServingModel, req: Decoded, timer: RequestTimer
+    loaded: KnownModels, call: Call, model: ServingModel, req: Decoded, timer: RequestTimer
 ) -> tuple[Outputs, Timings]:
     """The batcher, with the request's deadline; the client going away cancels the wait (and so the queued work)."""
     handler = asyncio.current_task()

@@ -98,7 +98,7 @@ def _why(slot: Slot) -> str:
 
 
 @dataclass(frozen=True)
-class LoadedState:
+class KnownModels:
     """What routes past the guard get once every manifest is read: the settings and the models by name."""
 
     settings: Settings
@@ -109,7 +109,7 @@ class LoadedState:
 class ServiceState:
     settings: Settings
     metrics: Metrics = field(default_factory=Metrics)
-    loaded: LoadedState | None = None  # set once every model's manifest is read (names known)
+    loaded: KnownModels | None = None  # set once every model's manifest is read (names known)
     load_error: str | None = None  # the manifests could not be read: nothing is served
     api_keys: tuple[bytes, ...] = field(init=False)  # parsed once, for the guard of every transport
     guard: Guard | None = None  # set by create_app; the gRPC server's interceptor asks the same one

@@ -12,7 +12,7 @@ a client still writing loses the 413 it was sent.
 Each request's scope carries a ``Disconnect`` (key ``DISCONNECT``) that the connection fires when its client goes
 away, so a handler waiting for a model run is cancelled without a task of its own watching ``receive()``.
 
-``addnorm-serve`` passes ``Protocol`` to uvicorn (``http=``); worker processes read the same ADDNORM_* settings.
+``addnorm-serve`` passes ``HttpConnection`` to uvicorn (``http=``); worker processes read the same ADDNORM_* settings.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def raw_error(status: int, message: str, retry_after: int | None = None) -> byte
     return b"\r\n".join(head) + b"\r\n\r\n" + body
 
 
-class Protocol(HttpToolsProtocol):
+class HttpConnection(HttpToolsProtocol):
     """One connection. The limits are class attributes, set from the settings by ``configure``."""
 
     max_connections: int | None = None
@@ -81,8 +81,10 @@ class Protocol(HttpToolsProtocol):
         cls._configured = True
 
     def __init__(self, *args, **kwargs) -> None:
-        if not Protocol._configured:  # a worker process: the CLI passed its settings through the environment
-            Protocol.configure(Settings())
+        if (
+            not HttpConnection._configured
+        ):  # a worker process: the CLI passed its settings through the environment
+            HttpConnection.configure(Settings())
         super().__init__(*args, **kwargs)
         # The connection's one deadline (headers, or body) and whether it is the headers'. The timer for it is made
         # only when a read ends with the deadline still pending: a request read whole in one segment (headers,
@@ -188,7 +190,7 @@ class _Transport:
     ``close()`` lingers while a request body is still arriving (see the module's docstring). Everything else is
     the transport's own."""
 
-    def __init__(self, transport: asyncio.Transport, protocol: Protocol) -> None:
+    def __init__(self, transport: asyncio.Transport, protocol: HttpConnection) -> None:
         self._transport = transport
         self._protocol = protocol
         self._lingering = False

@@ -1,6 +1,7 @@
 """The protocols the server speaks, gathered in one place. Each HTTP protocol is a module (or package) with a
-FastAPI ``router`` and its hot ``FAST_ROUTES`` for the lean dispatcher; every way in (gRPC too) names the
-``MODEL_PREFIXES`` the guard must check for readiness and the ``PUBLIC_PATHS`` (health probes) it lets through.
+FastAPI ``router`` and its hot ``FAST_ROUTES`` for the lean dispatcher; a transport with its own listener (gRPC)
+has ``listen(state)``, which the app's lifespan awaits; every way in names the ``MODEL_PREFIXES`` the guard must
+check for readiness and the ``PUBLIC_PATHS`` (health probes) it lets through.
 Adding a protocol is one line here. Inference routes come first: the router tries routes in order.
 """
 
@@ -10,7 +11,10 @@ from service.protocols.v2 import grpc_server
 from service.protocols.v2 import routes as v2
 
 PROTOCOLS = (v2, v1, health)  # over HTTP
-TRANSPORTS = (*PROTOCOLS, grpc_server)  # every way in, for the one guard
+LISTENERS = (
+    grpc_server,
+)  # with a listener of their own: ``await listen(state)`` -> None or ``.stop(grace)``
+TRANSPORTS = (*PROTOCOLS, *LISTENERS)  # every way in, for the one guard
 
 ROUTERS = tuple(p.router for p in PROTOCOLS)
 FAST_ROUTES = tuple(r for p in PROTOCOLS for r in p.FAST_ROUTES)

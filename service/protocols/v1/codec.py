@@ -19,7 +19,7 @@ import orjson
 from model.contract import EMBEDDINGS, ENCODED, MASK
 from service.batcher import Outputs
 from service.errors import BadInput, NotAcceptable, UnsupportedMediaType
-from service.tensors import check_batch, parse_json, show
+from service.validation import check_batch, parse_json, show
 
 MODEL = "model"
 _FIELDS = {EMBEDDINGS, MASK, MODEL}

@@ -11,10 +11,10 @@ from model.contract import EMBEDDINGS, ENCODED, MASK
 from service import inference
 from service.batcher import Outputs
 from service.fastpath import FastRoute
-from service.guard import Loaded
+from service.guard import Known
 from service.protocols.common import error_docs, http_call, read_body, timing_headers
 from service.protocols.v1 import codec
-from service.state import LoadedState, Models, ServingModel
+from service.state import KnownModels, Models, ServingModel
 
 router = APIRouter(prefix="/v1", tags=["v1"])
 
@@ -110,7 +110,7 @@ _ENCODE_DOC = {
 }
 
 
-async def handle_encode(request: Request, loaded: LoadedState, params: dict[str, str]) -> Response:
+async def handle_encode(request: Request, loaded: KnownModels, params: dict[str, str]) -> Response:
     """POST /v1/encode: decode by Content-Type, run, answer in the type Accept asks for."""
     start = time.perf_counter()
     settings = loaded.settings
@@ -136,12 +136,12 @@ async def handle_encode(request: Request, loaded: LoadedState, params: dict[str,
 
 
 @router.post("/encode", summary="Encode embeddings with the served encoder block", openapi_extra=_ENCODE_DOC)
-async def encode(request: Request, loaded: Loaded) -> Response:
+async def encode(request: Request, loaded: Known) -> Response:
     return await handle_encode(request, loaded, {})
 
 
 @router.get("/model", summary="A served model (the default, or ?model=NAME): manifest, providers in use")
-async def model(loaded: Loaded, model: str | None = None) -> dict:
+async def model(loaded: Known, model: str | None = None) -> dict:
     return loaded.models.get(model).describe()
 
 

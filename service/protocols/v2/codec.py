@@ -21,8 +21,8 @@ from model.contract import EMBEDDINGS, MASK, api_specs
 from service.batcher import Outputs
 from service.errors import BadInput, NotFound, TooLarge, UnsupportedMediaType
 from service.state import READY, Models
-from service.tensors import check_batch, parse_json
-from service.tensors import show as _show
+from service.validation import check_batch, parse_json
+from service.validation import show as _show
 
 HEADER_LENGTH = "inference-header-content-length"
 VERSION = "1"  # an artifact is one model version

@@ -17,7 +17,7 @@ from service.batcher import Outputs
 from service.errors import BadInput
 from service.protocols.v2 import codec
 from service.protocols.v2 import inference_pb2 as pb
-from service.tensors import show
+from service.validation import show
 
 # datatype -> the typed contents field that carries it (FP16 has none: it travels raw)
 _TYPED = {"FP32": "fp32_contents", "FP64": "fp64_contents", "BOOL": "bool_contents"}

@@ -23,7 +23,7 @@ from service.errors import ServiceError, grpc_code
 from service.guard import Guard
 from service.protocols.v2 import codec, grpc_codec
 from service.protocols.v2 import inference_pb2 as pb
-from service.state import READY, LoadedState, Models, ServiceState, ServingModel
+from service.state import READY, KnownModels, Models, ServiceState, ServingModel
 
 SERVICE = "inference.GRPCInferenceService"
 # What the guard reads for this transport (service/protocols/__init__.py gathers them): methods are paths.
@@ -38,7 +38,7 @@ class InferenceService:
     def __init__(self, state: ServiceState) -> None:
         self.state = state
 
-    def _loaded(self, context: grpc.aio.ServicerContext) -> LoadedState:
+    def _loaded(self, context: grpc.aio.ServicerContext) -> KnownModels:
         """The models, which the guard made sure of before the method ran."""
         if (
             self.state.loaded is None
@@ -174,6 +174,12 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
                 request_deserializer=request_type.FromString if request_type else None,
             )
         return await continuation(details)
+
+
+async def listen(state: ServiceState) -> grpc.aio.Server | None:
+    """The app's lifespan hook (service/protocols/__init__.py LISTENERS): the gRPC service on ``--grpc-port``,
+    or None when it is 0."""
+    return await start(state) if state.settings.grpc_port else None
 
 
 async def start(state: ServiceState) -> grpc.aio.Server:

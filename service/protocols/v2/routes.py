@@ -13,11 +13,11 @@ from service import inference
 from service.batcher import Outputs
 from service.errors import BadInput
 from service.fastpath import FastRoute
-from service.guard import Loaded
+from service.guard import Known
 from service.protocols.common import error_docs, http_call, read_body, timing_headers
 from service.protocols.v2 import codec
-from service.state import LoadedState, Models, ServingModel, State
-from service.tensors import parse_json
+from service.state import KnownModels, Models, ServingModel, State
+from service.validation import parse_json
 
 router = APIRouter(prefix="/v2", tags=["v2 (Open Inference Protocol)"])
 
@@ -137,7 +137,7 @@ _INFER_DOC = {
 }
 
 
-def _model(loaded: LoadedState, name: str, version: str | None) -> ServingModel:
+def _model(loaded: KnownModels, name: str, version: str | None) -> ServingModel:
     """The model a path names: 404 for an unknown model or version, 503 while it loads or when it failed to."""
     model = loaded.models.get(name)
     codec.check_version(name, version)
@@ -174,13 +174,13 @@ async def ready(state: State) -> Response:
 @router.get(
     "/models/{name}/versions/{version}/stats", summary="Statistics of one model version", responses=_ERRORS
 )
-async def model_statistics(loaded: Loaded, name: str | None = None, version: str | None = None) -> dict:
+async def model_statistics(loaded: Known, name: str | None = None, version: str | None = None) -> dict:
     return codec.statistics(loaded.models, name, version)
 
 
 @router.get("/models/{name}", summary="Model metadata", responses=_ERRORS)
 @router.get("/models/{name}/versions/{version}", summary="Model metadata (one version)", responses=_ERRORS)
-async def model_metadata(name: str, loaded: Loaded, version: str | None = None) -> dict:
+async def model_metadata(name: str, loaded: Known, version: str | None = None) -> dict:
     model = _model(loaded, name, version)
     return {
         **codec.model_metadata(model.engine.manifest),
@@ -192,7 +192,7 @@ async def model_metadata(name: str, loaded: Loaded, version: str | None = None) 
 @router.get(
     "/models/{name}/versions/{version}/ready", summary="Model readiness (one version)", responses=_ERRORS
 )
-async def model_ready(name: str, loaded: Loaded, version: str | None = None) -> dict:
+async def model_ready(name: str, loaded: Known, version: str | None = None) -> dict:
     _model(loaded, name, version)
     return {"name": name, "ready": True}
 
@@ -202,7 +202,7 @@ async def model_ready(name: str, loaded: Loaded, version: str | None = None) -> 
     summary="Every model this server was given, with its state (READY, LOADING, UNAVAILABLE)",
     responses=_ERRORS,
 )
-async def repository_index(request: Request, loaded: Loaded) -> Response:
+async def repository_index(request: Request, loaded: Known) -> Response:
     body = await read_body(request, 4096)
     ready_only = False
     if body.strip():
@@ -213,7 +213,7 @@ async def repository_index(request: Request, loaded: Loaded) -> Response:
     return JSONResponse(codec.repository_index(loaded.models, ready_only))
 
 
-async def handle_infer(request: Request, loaded: LoadedState, params: dict[str, str]) -> Response:
+async def handle_infer(request: Request, loaded: KnownModels, params: dict[str, str]) -> Response:
     """POST /v2/models/{name}[/versions/{version}]/infer."""
     start = time.perf_counter()
     name, version = params["name"], params.get("version")
@@ -239,7 +239,7 @@ async def handle_infer(request: Request, loaded: LoadedState, params: dict[str, 
 @router.post(
     "/models/{name}/versions/{version}/infer", summary="Inference (one version)", openapi_extra=_INFER_DOC
 )
-async def model_infer(name: str, request: Request, loaded: Loaded, version: str | None = None) -> Response:
+async def model_infer(name: str, request: Request, loaded: Known, version: str | None = None) -> Response:
     return await handle_infer(request, loaded, {"name": name, "version": version})
 
 

@@ -1,0 +1,122 @@
+"""Loading the models a server is given: every manifest first (names known, so model routes can answer 404 and
+503 by name), then each model in parallel (engine, golden check, batcher), each ending READY or UNAVAILABLE with
+its reason."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from model.artifact import ArtifactError, Manifest
+from service.batcher import Batcher, Observers
+from service.engine import Engine
+from service.protocols.v2.codec import VERSION
+from service.settings import Settings
+from service.state import READY, UNAVAILABLE, KnownModels, Models, ServiceState, ServingModel, Slot
+from service.statistics import ModelStatistics
+from service.verification import Verification, verify_engine
+
+log = logging.getLogger("addnorm.service")
+
+
+def read_manifests(settings: Settings) -> list[Slot]:
+    """Every model to serve, named by its manifest, in order. Raises ValueError (with every directory involved)
+    for an unreadable manifest, a missing repository or two models of one name."""
+    slots: list[Slot] = []
+    for directory in settings.model_dirs():
+        try:
+            name = Manifest.load(directory).name
+        except (ArtifactError, OSError) as exc:
+            raise ValueError(str(exc) if str(directory) in str(exc) else f"{directory}: {exc}") from None
+        same = [s.directory for s in slots if s.name == name]
+        if same:
+            raise ValueError(
+                f"two models are named {name!r}: {same[0]} and {directory}; give one another name "
+                "(addnorm-export --name) or serve them from different servers"
+            )
+        slots.append(Slot(name, Path(directory)))
+    return slots
+
+
+async def load_models(state: ServiceState) -> None:
+    """Read every manifest (names known: model routes answer 404/503 by name from here on), then load the
+    models in parallel; each becomes READY or UNAVAILABLE with its reason."""
+    try:
+        slots = read_manifests(state.settings)
+    except ValueError as exc:
+        state.load_error = str(exc)
+        log.error("cannot serve: %s", exc)
+        return
+    state.loaded = KnownModels(state.settings, Models(slots))
+    await asyncio.gather(*(_load_one(state, slot) for slot in slots))
+    if state.not_ready_reason() is None:
+        log.info("ready: %s", ", ".join(f"{s.name} on {s.serving.engine.providers}" for s in slots))
+
+
+async def _load_one(state: ServiceState, slot: Slot) -> None:
+    try:
+        slot.serving = await _serving_model(state, slot.directory)
+        slot.state = READY
+    except _LoadFailed as exc:
+        slot.state, slot.reason = UNAVAILABLE, str(exc)
+        log.error("model %s failed to load: %s", slot.name, exc)
+
+
+class _LoadFailed(Exception):
+    pass
+
+
+async def _serving_model(state: ServiceState, directory: Path) -> ServingModel:
+    s = state.settings
+    try:
+        engine = await asyncio.to_thread(Engine, directory, s.providers, s.intra_op_threads)
+    except Exception as exc:  # any failure keeps the model (and /health/ready) unavailable, with the reason
+        raise _LoadFailed(str(exc)) from None
+    try:
+        verification = await asyncio.to_thread(verify_engine, engine, directory, s.verify_on_load)
+    except Exception as exc:  # unreadable golden data: not ready, with the reason
+        raise _LoadFailed(f"golden check could not run: {type(exc).__name__}: {exc}") from None
+    state.metrics.verification(engine.name, verification)
+    if not _accept(verification, s.verify_on_load, engine.name):
+        raise _LoadFailed(f"golden check failed on {verification.provider}: {verification.message}")
+    statistics = ModelStatistics(engine.name, VERSION)
+    # The queue-depth gauge reads the batcher (made just below) at each scrape.
+    metrics = state.metrics.model(engine.name, queue_depth=lambda: batcher.depth)
+    batcher = Batcher(
+        engine,
+        max_batch_size=s.max_batch_size,
+        max_batch_tokens=s.max_batch_tokens,
+        max_queue_delay_ms=s.max_queue_delay_ms,
+        max_queue_size=s.max_queue_size,
+        observer=Observers(metrics, statistics),
+        max_batch_attention=s.max_batch_attention,
+        heads=engine.manifest.config.nhead,
+        attention=engine.attention,
+        max_queue_bytes=s.max_queue_bytes,
+    )
+    batcher.start()
+    return ServingModel(engine, batcher, verification, statistics)
+
+
+def _accept(v: Verification, mode: str, name: str) -> bool:
+    """Log the load-time check in one line; False when it failed under strict (the model is not served)."""
+    if v.status == "passed":
+        log.info(
+            "golden check passed for %s on %s: max abs err %.3e (%d cases, %.2f s)",
+            name,
+            v.provider,
+            v.max_abs_err,
+            v.cases,
+            v.seconds,
+        )
+        return True
+    if v.status == "failed" and mode == "strict":
+        log.error(
+            "golden check FAILED for %s, refusing to serve (ADDNORM_VERIFY_ON_LOAD=strict): %s",
+            name,
+            v.message,
+        )
+        return False
+    log.warning("golden check %s for %s: %s", v.status.upper(), name, v.message)
+    return True
