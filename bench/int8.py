@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         worst: dict[str, dict[str, float]] = {v: {"ordinary": 0.0, "offsets": 0.0} for v in sessions}
         for case in default_cases() + [c for c in adversarial_cases() if c.name.startswith("offset")]:
             xc, mask = case.make(e, rng)
-            exact = torch_outputs(oracle, xc.astype(np.float64), mask, False)[0]
+            exact = torch_outputs(oracle, xc.astype(np.float64), mask, False)["encoded"]
             kind = "offsets" if case.name.startswith("offset") else "ordinary"
             for v, s in sessions.items():
                 got = s.run(None, {"embeddings": xc, "mask": mask})[0].astype(np.float64)

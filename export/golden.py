@@ -9,7 +9,7 @@ import numpy as np
 
 from export.cases import Case
 from export.parity import torch_outputs
-from model.contract import EMBEDDINGS, MASK
+from model.contract import EMBEDDINGS, MASK, OUTPUT_NAMES
 from model.encoder import Encoder
 from model.golden import save_golden
 
@@ -32,14 +32,16 @@ def write_golden(encoder: Encoder, path: str | Path) -> None:
     for case in GOLDEN_CASES:
         x, mask = case.make(cfg.d_model, rng)  # (B, S, E)
         graph_x = x if cfg.batch_first else np.ascontiguousarray(x.transpose(1, 0, 2))
-        ref = torch_outputs(encoder, graph_x, mask, with_steps=False)[0]
-        exact = torch_outputs(oracle, graph_x.astype(np.float64), mask, with_steps=False)[0]
-        if not cfg.batch_first:  # stored as the service speaks: batch-first
-            ref, exact = ref.transpose(1, 0, 2), exact.transpose(1, 0, 2)
-        cases[case.name] = {
-            EMBEDDINGS: x,
-            MASK: mask,
-            "oracle": exact.astype(np.float64),
-            "torch": ref.astype(np.float32),
-        }
+        ref = torch_outputs(encoder, graph_x, mask, with_steps=False)
+        exact = torch_outputs(oracle, graph_x.astype(np.float64), mask, with_steps=False)
+        arrays = {EMBEDDINGS: x, MASK: mask}
+        for name in OUTPUT_NAMES:
+            got, want = ref[name], exact[name]
+            if not cfg.batch_first:  # stored as the service speaks: batch-first
+                got, want = got.swapaxes(0, 1), want.swapaxes(0, 1)
+            arrays[f"torch.{name}"], arrays[f"oracle.{name}"] = (
+                got.astype(np.float32),
+                want.astype(np.float64),
+            )
+        cases[case.name] = arrays
     save_golden(path, cases)

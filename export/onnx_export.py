@@ -28,7 +28,8 @@ class ExportError(RuntimeError):
 
 
 class _GraphModule(nn.Module):
-    """What is traced: (embeddings, mask) -> encoded, plus every Add & Norm result when ``with_steps``.
+    """What is traced: (embeddings, mask) -> every output of the contract in its order, plus every Add & Norm
+    result when ``with_steps``.
 
     Inputs and outputs stay float32 whatever the encoder's dtype: an fp16 graph casts at its edges.
     """
@@ -42,8 +43,9 @@ class _GraphModule(nn.Module):
     def forward(self, embeddings: Tensor, mask: Tensor) -> Tensor | tuple[Tensor, ...]:
         x = embeddings.to(self.dtype)
         steps: list[Tensor] | None = [] if self.with_steps else None
-        out = self.encoder(x, mask, steps)
-        return tuple(t.float() for t in (out, *(steps or []))) if self.with_steps else out.float()
+        named = self.encoder.outputs(x, mask, steps)
+        outs = tuple(t.float() for t in (*(named[name] for name in OUTPUT_NAMES), *(steps or [])))
+        return outs[0] if len(outs) == 1 else outs
 
 
 def output_names(encoder: Encoder, with_steps: bool) -> list[str]:

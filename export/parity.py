@@ -19,7 +19,7 @@ import onnxruntime as ort
 import torch
 
 from export.cases import Case, default_cases
-from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES
+from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, STEP_OUTPUT
 from model.encoder import Encoder
 from model.runtime import CPU, CUDA, with_options
 from model.verdict import Comparison, Tolerance, compare
@@ -143,7 +143,7 @@ def run_parity(
     graph_optimization: str = "all",
     debug_session: ort.InferenceSession | None = None,
     variant: str = "fp32",
-    scheme: Callable[[Encoder, np.ndarray, np.ndarray, bool], list[np.ndarray]] | None = None,
+    scheme: Callable[[Encoder, np.ndarray, np.ndarray, bool], dict[str, np.ndarray]] | None = None,
 ) -> ParityReport:
     """Run every case through torch fp32, onnxruntime and torch float64, and compare under ``tol`` (the
     variant's, from export.variants; fp32's by default). The gate (export.gate) is what callers normally use.
@@ -173,19 +173,18 @@ def run_parity(
         feed = {EMBEDDINGS: x, MASK: mask}
         torch_outs = torch_outputs(encoder, x, mask, with_steps)
         oracle_outs = torch_outputs(oracle, x.astype(np.float64), mask, with_steps)
-        scheme_outs: list[np.ndarray | None] = [None] * (1 + len(step_names))
-        if scheme is not None:
-            scheme_outs = scheme(encoder, x, mask, with_steps)
-        onnx_outs = session.run([ENCODED], feed)
+        scheme_outs = scheme(encoder, x, mask, with_steps) if scheme is not None else {}
+        names = [*OUTPUT_NAMES, *step_names]
+        onnx_outs = dict(zip(OUTPUT_NAMES, session.run(list(OUTPUT_NAMES), feed), strict=True))
         if debug_session is not None:
-            onnx_outs += debug_session.run(step_names, feed)
-        names = [ENCODED, *step_names]
-        comparisons = [
-            compare(name, np.asarray(out), torch_outs[i], oracle_outs[i], tol, scheme_outs[i])
-            for i, (name, out) in enumerate(zip(names, onnx_outs, strict=True))
-        ]
-        for i, (name, out) in enumerate(zip(names, onnx_outs, strict=True)):
-            report.samples.setdefault(name, []).append(_sample(np.asarray(out), torch_outs[i], sample_rng))
+            onnx_outs.update(zip(step_names, debug_session.run(step_names, feed), strict=True))
+        comparisons = []
+        for name in names:
+            out = np.asarray(onnx_outs[name])
+            comparisons.append(
+                compare(name, out, torch_outs[name], oracle_outs[name], tol, scheme_outs.get(name))
+            )
+            report.samples.setdefault(name, []).append(_sample(out, torch_outs[name], sample_rng))
         report.results.append(CaseResult(case.name, list(x.shape), int(mask.sum()), comparisons, condition))
     return report
 
@@ -195,8 +194,14 @@ def _sample(out: np.ndarray, ref: np.ndarray, rng: np.random.Generator, n: int =
     return diff if diff.size <= n else rng.choice(diff, n, replace=False)
 
 
-def torch_outputs(encoder: Encoder, x: np.ndarray, mask: np.ndarray, with_steps: bool) -> list[np.ndarray]:
+def torch_outputs(
+    encoder: Encoder, x: np.ndarray, mask: np.ndarray, with_steps: bool
+) -> dict[str, np.ndarray]:
+    """Every output of the contract by name, and with ``with_steps`` every Add & Norm result (``add_norm_{i}``)."""
     steps: list[torch.Tensor] | None = [] if with_steps else None
     with torch.no_grad():
-        out = encoder(torch.from_numpy(x), torch.from_numpy(mask), steps)
-    return [t.numpy() for t in [out, *(steps or [])]]
+        named = encoder.outputs(torch.from_numpy(x), torch.from_numpy(mask), steps)
+    return {
+        **{name: t.numpy() for name, t in named.items()},
+        **{STEP_OUTPUT.format(i): t.numpy() for i, t in enumerate(steps or [])},
+    }

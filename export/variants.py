@@ -27,7 +27,7 @@ from model.verdict import Tolerance
 # (encoder, path, opset, with_steps, attention form: export/attention.py)
 Builder = Callable[[Encoder, Path, int, bool, str], onnx.ModelProto]
 # (encoder, embeddings, mask, with_steps) -> outputs, as export.parity.torch_outputs returns them
-Scheme = Callable[[Encoder, np.ndarray, np.ndarray, bool], list[np.ndarray]]
+Scheme = Callable[[Encoder, np.ndarray, np.ndarray, bool], dict[str, np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -90,13 +90,20 @@ def _export_int8(
     return model
 
 
-def _fp16_scheme(encoder: Encoder, x: np.ndarray, mask: np.ndarray, with_steps: bool) -> list[np.ndarray]:
+def _fp16_scheme(
+    encoder: Encoder, x: np.ndarray, mask: np.ndarray, with_steps: bool
+) -> dict[str, np.ndarray]:
     """torch in half precision: what fp16 arithmetic itself gives (a pre-norm stack's residual stream, say)."""
     half = copy.deepcopy(encoder).half()
-    return [o.astype(np.float64) for o in torch_outputs(half, x.astype(np.float16), mask, with_steps)]
+    return {
+        k: o.astype(np.float64)
+        for k, o in torch_outputs(half, x.astype(np.float16), mask, with_steps).items()
+    }
 
 
-def _int8_scheme(encoder: Encoder, x: np.ndarray, mask: np.ndarray, with_steps: bool) -> list[np.ndarray]:
+def _int8_scheme(
+    encoder: Encoder, x: np.ndarray, mask: np.ndarray, with_steps: bool
+) -> dict[str, np.ndarray]:
     """export/int8.py's arithmetic, exactly (float64)."""
     with int8.simulated():
         return torch_outputs(copy.deepcopy(encoder).double(), x.astype(np.float64), mask, with_steps)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import EncoderConfig
+from model.contract import ENCODED
 
 Sublayer = Callable[[Tensor], Tensor]
 
@@ -176,6 +177,13 @@ class Encoder(nn.Module):
             if steps is not None:
                 steps.append(x)
         return x if self.config.batch_first else x.transpose(0, 1)
+
+    def outputs(
+        self, embeddings: Tensor, mask: Tensor | None = None, steps: list[Tensor] | None = None
+    ) -> dict[str, Tensor]:
+        """Every output of the graph's contract by name (model.contract.OUTPUT_NAMES), as export, the parity gate
+        and the golden data read them; ``forward`` returns ``encoded`` alone, as ``nn.TransformerEncoder`` does."""
+        return {ENCODED: self(embeddings, mask, steps)}
 
 
 def build_encoder(config: EncoderConfig, seed: int | None = 0) -> Encoder:

@@ -2,8 +2,10 @@
 (``golden.safetensors``, no pickle), and the check a server runs on them at load, on its own session and provider.
 Torch-free: the service reads and checks it; export writes it (export.golden).
 
-Layout: for each case ``C``, the arrays ``C/embeddings`` (B, S, E) float32, ``C/mask`` (B, S) bool,
-``C/oracle`` (B, S, E) float64 and ``C/torch`` (B, S, E) float32. Everything is batch-first, as the service speaks.
+Layout: for each case ``C``, the arrays ``C/embeddings`` (B, S, E) float32, ``C/mask`` (B, S) bool, and for every
+output ``O`` of the contract (model.contract.OUTPUT_NAMES) ``C/oracle.O`` float64 and ``C/torch.O`` float32.
+Everything is batch-first, as the service speaks. Files written before outputs were named hold ``C/oracle`` and
+``C/torch``: they read as ``oracle.encoded`` and ``torch.encoded``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from safetensors.numpy import load_file, save_file
 from model.contract import EMBEDDINGS, ENCODED, MASK
 from model.verdict import Tolerance, compare
 
-FIELDS = (EMBEDDINGS, MASK, "oracle", "torch")
+FIELDS = (EMBEDDINGS, MASK)
+_BEFORE_NAMES = {"oracle": f"oracle.{ENCODED}", "torch": f"torch.{ENCODED}"}  # the layout's first version
 
 
 def save_golden(path: str | Path, cases: dict[str, dict[str, np.ndarray]]) -> None:
@@ -34,12 +37,18 @@ def load_golden(path: str | Path) -> dict[str, dict[str, np.ndarray]]:
     cases: dict[str, dict[str, np.ndarray]] = {}
     for key, value in load_file(str(path)).items():
         case, _, field = key.rpartition("/")
-        cases.setdefault(case, {})[field] = value
+        cases.setdefault(case, {})[_BEFORE_NAMES.get(field, field)] = value
     for case, arrays in cases.items():
         missing = [f for f in FIELDS if f not in arrays]
-        if missing:
-            raise ValueError(f"golden case {case!r} lacks {missing}")
+        missing += [f"torch.{name}" for name in outputs(arrays) if f"torch.{name}" not in arrays]
+        if missing or not outputs(arrays):
+            raise ValueError(f"golden case {case!r} lacks {missing or ['any output']}")
     return cases
+
+
+def outputs(case: dict[str, np.ndarray]) -> list[str]:
+    """The outputs a golden case holds, by name."""
+    return sorted(field.partition(".")[2] for field in case if field.startswith("oracle."))
 
 
 @dataclass(frozen=True)
@@ -66,26 +75,29 @@ class Verification:
 
 
 def verify(
-    run: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    run: Callable[[np.ndarray, np.ndarray], dict[str, np.ndarray]],
     golden: dict[str, dict[str, np.ndarray]],
     tol: Tolerance,
     provider: str,
 ) -> Verification:
-    """Run every golden case through ``run`` (embeddings, mask -> encoded) and judge it as the export gate does."""
+    """Run every golden case through ``run`` (embeddings, mask -> outputs by name) and judge every output it holds
+    as the export gate does."""
     start = time.perf_counter()
     worst_case, worst_abs, worst_f64, failed = "", 0.0, 0.0, []
-    for name, c in golden.items():
-        out = run(c[EMBEDDINGS], c[MASK])
-        result = compare(ENCODED, out, c["torch"], c["oracle"], tol)
-        if result.max_abs >= worst_abs:
-            worst_case, worst_abs = name, result.max_abs
-        worst_f64 = max(worst_f64, result.onnx_vs_f64)
-        if not result.passed:
-            failed.append(
-                f"case {name!r}: max abs err {result.max_abs:.3e} vs torch at {result.worst_index}, worst row "
-                f"relative RMS {result.row_rel_rms:.3e}, {result.onnx_vs_f64:.3e} vs float64 (torch "
-                f"{result.torch_vs_f64:.3e}, floor {result.float32_floor:.3e}); rule {tol.describe()}"
-            )
+    for case, c in golden.items():
+        got = run(c[EMBEDDINGS], c[MASK])
+        for name in outputs(c):
+            result = compare(name, got[name], c[f"torch.{name}"], c[f"oracle.{name}"], tol)
+            if result.max_abs >= worst_abs:
+                worst_case, worst_abs = case, result.max_abs
+            worst_f64 = max(worst_f64, result.onnx_vs_f64)
+            if not result.passed:
+                failed.append(
+                    f"case {case!r}, output {name}: max abs err {result.max_abs:.3e} vs torch at "
+                    f"{result.worst_index}, worst row relative RMS {result.row_rel_rms:.3e}, "
+                    f"{result.onnx_vs_f64:.3e} vs float64 (torch {result.torch_vs_f64:.3e}, floor "
+                    f"{result.float32_floor:.3e}); rule {tol.describe()}"
+                )
     status = "failed" if failed else "passed"
     message = "; ".join(failed) if failed else f"{len(golden)} golden cases within tolerance on {provider}"
     return Verification(

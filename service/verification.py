@@ -11,7 +11,6 @@ import dataclasses
 from pathlib import Path
 
 from model.artifact import GOLDEN_FILE
-from model.contract import ENCODED
 from model.golden import Verification, load_golden, verify
 from model.runtime import CPU, VNNI_FLAGS, cpu_flags
 from model.verdict import Tolerance
@@ -31,7 +30,7 @@ def verify_engine(engine: Engine, model_dir: str | Path, mode: str) -> Verificat
         )
     golden = load_golden(Path(model_dir) / GOLDEN_FILE)  # its sha256 was checked when the engine loaded
     tol = Tolerance(**engine.manifest.parity["tolerance"])
-    result = verify(lambda x, mask: engine.run(x, mask)[ENCODED], golden, tol, provider)
+    result = verify(engine.run, golden, tol, provider)
     if result.status == "failed" and engine.manifest.variant == "int8" and provider == CPU:
         result = dataclasses.replace(result, message=result.message + int8_cpu_hint(cpu_flags()))
     return result

@@ -86,7 +86,7 @@ def test_an_altered_graph_is_served_with_a_report_under_warn(skewed, caplog):
 def test_altered_golden_data_fails_its_own_sha256(tiny_artifact, tmp_path):
     art = _copy(tiny_artifact, tmp_path / "golden")
     golden = load_golden(art / GOLDEN_FILE)
-    golden["short"]["oracle"] = golden["short"]["oracle"] + 1.0  # a "golden" that would excuse anything
+    golden["short"]["oracle.encoded"] = golden["short"]["oracle.encoded"] + 1.0  # would excuse anything
     save_golden(art / GOLDEN_FILE, golden)
     with start(art) as client:
         r = client.get("/health/ready")
