@@ -81,7 +81,9 @@ def _export_int8(
     export_onnx(encoder, path, opset, with_steps, attention)
     pre = path.with_suffix(".pre.onnx")
     with _quiet():
-        quant_pre_process(str(path), str(pre))
+        # Only its folding is needed. onnxruntime's symbolic shape inference reads ONNX's own Attention (opset 23)
+        # as com.microsoft.Attention and fails on it.
+        quant_pre_process(str(path), str(pre), skip_symbolic_shape=True)
     model = onnx.load(str(pre))
     pre.unlink()
     int8.quantize_graph(model)
@@ -152,6 +154,12 @@ def _export_fused(
     if cfg.norm != "layer":
         raise ExportError(
             "--optimize fused needs LayerNorm: onnxruntime has no SkipRMSNorm fusion for this graph"
+        )
+    if attention == "onnx":
+        raise ExportError(
+            "--optimize fused cannot fuse a graph with ONNX's Attention operator: onnxruntime's transformer "
+            "optimizer reads it as com.microsoft.Attention, its shape inference fails and no Add + "
+            "LayerNormalization is fused; use --attention mha (the default) or decomposed"
         )
     export_onnx(encoder, path, opset, with_steps, attention)
     with _quiet():

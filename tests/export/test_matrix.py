@@ -64,11 +64,26 @@ class Combo:
         )
 
 
-# (predicate, reason): the combinations that cannot exist.
+# (predicate, reason): the combinations that cannot exist (the exporter refuses each, naming the reason).
 SKIPS = (
     (
         lambda c: c.variant == "fused" and c.norm == "rms",
         "onnxruntime's transformer optimizer fuses Add + LayerNormalization only (no SkipRMSNorm for this graph)",
+    ),
+    (
+        lambda c: c.variant == "fused" and c.attention == "onnx",
+        "onnxruntime's transformer optimizer reads ONNX's Attention (opset 23) as com.microsoft.Attention, its "
+        "shape inference fails, and it fuses nothing (onnxruntime 1.32)",
+    ),
+)
+# (predicate, reason): combinations that exist and fail the adversarial suite for a reason of arithmetic, not of
+# code: strict expected failures, so a fix upstream shows up as an unexpected pass.
+KNOWN_FAILURES = (
+    (
+        lambda c: c.variant == "fp16" and c.attention == "onnx" and c.placement == "post",
+        "fp16 with ONNX's Attention: onnxruntime's CPU kernel forms q.k in fp16, which overflows to inf/NaN on the "
+        "suite's 1e4-magnitude inputs (torch fp16 does the same); mha and decomposed keep it finite, and pre-norm "
+        "normalizes before attention",
     ),
 )
 ALL = [Combo(*values) for values in itertools.product(VARIANTS, ATTENTION, DEPTHS, PLACEMENTS, NORMS)]
@@ -87,6 +102,10 @@ FULL = os.environ.get("ADDNORM_MATRIX") == "full"
 
 def skip_reason(combo: Combo) -> str | None:
     return next((why for cannot, why in SKIPS if cannot(combo)), None)
+
+
+def known_failure(combo: Combo) -> str | None:
+    return next((why for fails, why in KNOWN_FAILURES if fails(combo)), None)
 
 
 def selected() -> list[Combo]:
@@ -158,10 +177,12 @@ def _get(url: str) -> dict:
 
 
 @pytest.mark.parametrize("combo", selected(), ids=lambda c: c.id)
-def test_combination(matrix, combo: Combo, tmp_path):
+def test_combination(matrix, combo: Combo, tmp_path, request):
     reason = skip_reason(combo)
     if reason:
         pytest.skip(f"cannot exist: {reason}")
+    if known_failure(combo):
+        request.applymarker(pytest.mark.xfail(reason=known_failure(combo), strict=True))
     exports, server = matrix
     exported = exports[combo.id]
     assert exported.error is None, f"{combo.id} did not export: {exported.error}"
@@ -215,13 +236,28 @@ def test_combination(matrix, combo: Combo, tmp_path):
     np.testing.assert_array_equal(served, local)
 
 
-def test_the_table_holds_every_combination_once_and_each_skip_says_why():
+def test_the_table_holds_every_combination_once_and_each_skip_says_why(tmp_path):
+    """Every combination is in the table once; each one skipped is one the exporter itself refuses."""
+    from export.onnx_export import ExportError
+    from export.variants import build_graph
+    from model.encoder import build_encoder
+
     assert len({c.id for c in ALL}) == len(ALL) == 4 * 3 * 2 * 2 * 2
     skipped = [c for c in ALL if skip_reason(c)]
-    assert skipped and all(c.variant == "fused" and c.norm == "rms" for c in skipped)
-    assert {c.variant for c in selected()} == set(VARIANTS) and {c.attention for c in selected()} == set(
-        ATTENTION
+    assert skipped and all(
+        c.variant == "fused" and (c.norm == "rms" or c.attention == "onnx") for c in skipped
     )
+    for combo in skipped:
+        with pytest.raises(ExportError, match="fused"):
+            build_graph(
+                build_encoder(combo.config),
+                tmp_path / "m.onnx",
+                "fused",
+                combo.opset,
+                attention=combo.attention,
+            )
+    assert {c.variant for c in selected()} == set(VARIANTS)
+    assert {c.attention for c in selected()} == set(ATTENTION)
 
 
 def _infer(base: str, name: str, x: np.ndarray) -> np.ndarray:
