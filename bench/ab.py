@@ -5,7 +5,7 @@
 
 Each directory is a checkout (``git worktree add /tmp/before <commit>``); each serves the same artifact from its
 own code (``PYTHONPATH`` = the checkout), both run at once, and every phase (V2 binary, /v1 binary, /v1 JSON on
-[8,128,E] with 1 client; V2 binary on 32 x [1,16,E]) alternates between them, ``--rounds`` times. Printed per
+[8,128,E] with 1 client; V2 binary on 32 x [1,16,E]; gRPC on both) alternates between them, ``--rounds`` times. Printed per
 phase and side: the median throughput, the server process's CPU per request and its event-loop thread's, from
 the OS; then each after/before ratio taken per round, median (the sides swap order every round). ``--env``
 settings apply to the after side only (say ADDNORM_ACCESS_LOG=false); ``--only`` keeps the phases whose name
@@ -22,23 +22,25 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from bench.loadgen import run_load
+from bench.grpc_load import grpc_request, run_grpc_load
+from bench.loadgen import LoadResult, run_load
 from bench.measure import CLIENTS, json_request, process_cpu_s, v1_binary_request, v2_request
 from bench.server import HOST, ROOT, free_port
 from model.artifact import Manifest
 
 
-def start(tree: Path, artifact: Path, env: dict[str, str]) -> tuple[subprocess.Popen, int]:
-    port = free_port()
+def start(tree: Path, artifact: Path, env: dict[str, str]) -> tuple[subprocess.Popen, int, int]:
+    port, grpc_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "service", "--model-dir", str(artifact), "--port", str(port)]
     full = {
         **os.environ,
         "PYTHONPATH": str(tree),
-        "ADDNORM_GRPC_PORT": "0",
+        "ADDNORM_GRPC_PORT": str(grpc_port),
         "ADDNORM_MAX_BATCH_SIZE": str(CLIENTS),
     }
     log = tempfile.TemporaryFile()  # noqa: SIM115 (the server's log, access lines included, as a user would keep it)
@@ -47,17 +49,17 @@ def start(tree: Path, artifact: Path, env: dict[str, str]) -> tuple[subprocess.P
     for _ in range(600):
         try:
             if urllib.request.urlopen(f"http://{HOST}:{port}/health/ready", timeout=1).status == 200:
-                return proc, port
+                return proc, port, grpc_port
         except OSError:
             time.sleep(0.1)
     proc.kill()
     raise RuntimeError(f"the server from {tree} did not become ready")
 
 
-def phase(proc: subprocess.Popen, port: int, request: bytes, clients: int, seconds: float) -> dict:
+def phase(proc: subprocess.Popen, load: Callable[[], LoadResult]) -> dict:
     pid = proc.pid
     total0, loop0 = process_cpu_s(pid), process_cpu_s(pid, pid)
-    row = run_load(HOST, port, request, clients, seconds).row()
+    row = load().row()
     n = max(row["requests"], 1)
     row["cpu_ms"] = (process_cpu_s(pid) - total0) * 1e3 / n
     row["loop_ms"] = (process_cpu_s(pid, pid) - loop0) * 1e3 / n
@@ -77,11 +79,22 @@ def main(argv: list[str] | None = None) -> int:
     name, e = (m := Manifest.load(args.artifact)).name, m.config.d_model
     rng = np.random.default_rng(0)
     big, small = (rng.standard_normal(s).astype(np.float32) for s in ((8, 128, e), (1, 16, e)))
+
+    def http(build: Callable[[int], bytes], clients: int) -> Callable[[int, int], LoadResult]:
+        return lambda port, grpc_port: run_load(HOST, port, build(port), clients, args.seconds)
+
+    def grpc(x: np.ndarray, clients: int) -> Callable[[int, int], LoadResult]:
+        return lambda port, grpc_port: run_grpc_load(grpc_port, grpc_request(name, x), clients, args.seconds)
+
     phases = {
-        f"V2 binary [8,128,{e}], 1 client": (lambda port: v2_request(port, name, big), 1),
-        f"/v1 binary [8,128,{e}], 1 client": (lambda port: v1_binary_request(port, big), 1),
-        f"/v1 JSON [8,128,{e}], 1 client": (lambda port: json_request(port, "/v1/encode", big), 1),
-        f"V2 binary {CLIENTS} clients x [1,16,{e}]": (lambda port: v2_request(port, name, small), CLIENTS),
+        f"V2 binary [8,128,{e}], 1 client": http(lambda port: v2_request(port, name, big), 1),
+        f"/v1 binary [8,128,{e}], 1 client": http(lambda port: v1_binary_request(port, big), 1),
+        f"/v1 JSON [8,128,{e}], 1 client": http(lambda port: json_request(port, "/v1/encode", big), 1),
+        f"V2 binary {CLIENTS} clients x [1,16,{e}]": http(
+            lambda port: v2_request(port, name, small), CLIENTS
+        ),
+        f"gRPC [8,128,{e}], 1 client": grpc(big, 1),
+        f"gRPC {CLIENTS} clients x [1,16,{e}]": grpc(small, CLIENTS),
     }
     phases = {name: ph for name, ph in phases.items() if args.only in name}
     if not phases:
@@ -94,12 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict = {ph: {side: [] for side in servers} for ph in phases}
     try:
         for i in range(args.rounds):
-            for ph, (build, clients) in phases.items():
+            for ph, load in phases.items():
                 for side in ("before", "after") if i % 2 == 0 else ("after", "before"):
-                    proc, port = servers[side]
-                    rows[ph][side].append(phase(proc, port, build(port), clients, args.seconds))
+                    proc, port, grpc_port = servers[side]
+                    rows[ph][side].append(phase(proc, lambda: load(port, grpc_port)))  # noqa: B023
     finally:
-        for proc, _ in servers.values():
+        for proc, _, _ in servers.values():
             proc.terminate()
     med = lambda runs, key: statistics.median(r[key] for r in runs)  # noqa: E731
     print(

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service import logs, memory, protocols
+from service import logs, memory, openapi, protocols
 from service.fastpath import FastPath
 from service.guard import Guard, GuardMiddleware
 from service.loading import load_models
@@ -99,6 +99,10 @@ class _App(FastAPI):
             await self.front(scope, receive, send)
         else:
             await super().__call__(scope, receive, send)
+
+    def openapi(self) -> dict:
+        """FastAPI's schema, true to this server (service/openapi.py): no 422s, examples for the served model."""
+        return openapi.finish(super().openapi(), self.state.addnorm.loaded)
 
     def add_outer_middleware(self, middleware: Callable[[ASGIApp], ASGIApp]) -> None:
         """Wrap the whole front (``add_middleware`` adds inside FastAPI's stack, which fast routes never enter)."""

@@ -20,3 +20,13 @@ ROUTERS = tuple(p.router for p in PROTOCOLS)
 FAST_ROUTES = tuple(r for p in PROTOCOLS for r in p.FAST_ROUTES)
 MODEL_PREFIXES = tuple(prefix for p in TRANSPORTS for prefix in p.MODEL_PREFIXES)
 PUBLIC_PATHS = frozenset(path for p in TRANSPORTS for path in p.PUBLIC_PATHS)
+
+
+def examples(model: str, d_model: int) -> dict[tuple[str, str], dict]:
+    """Every protocol's request examples for a served model, by (OpenAPI path, method) (service/openapi.py)."""
+    return {
+        key: value
+        for p in PROTOCOLS
+        if hasattr(p, "examples")
+        for key, value in p.examples(model, d_model).items()
+    }

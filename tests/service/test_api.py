@@ -166,6 +166,26 @@ def test_openapi_describes_both_apis(client):
     assert client.get("/docs").status_code == 200
 
 
+def test_openapi_is_true_to_the_server_no_422_and_examples_that_run(client):
+    """Every documented error is a JSON {"error"} the server sends; the request examples run as documented."""
+    spec = client.get("/openapi.json").json()
+    for path, item in spec["paths"].items():
+        for method, operation in item.items():
+            assert "422" not in operation.get("responses", {}), (method, path)
+    assert not {"HTTPValidationError", "ValidationError"} & set(spec["components"]["schemas"])
+    v1 = spec["paths"]["/v1/encode"]["post"]["requestBody"]["content"]["application/json"]["example"]
+    r = client.post("/v1/encode", json=v1)
+    assert r.status_code == 200 and r.json()["shape"] == [2, 32], r.text
+    infer = spec["paths"]["/v2/models/{name}/infer"]["post"]
+    name = next(p["example"] for p in infer["parameters"] if p["name"] == "name")
+    assert "version" not in {
+        p["name"] for p in infer["parameters"]
+    }  # no parameter the fast path would ignore
+    v2 = infer["requestBody"]["content"]["application/json"]["example"]
+    r = client.post(f"/v2/models/{name}/infer", json=v2)
+    assert r.status_code == 200 and r.json()["outputs"][0]["shape"] == [1, 2, 32], r.text
+
+
 def test_inference_routes_take_the_lean_path_and_others_do_not(client):
     """POST inference routes skip FastAPI's router; a wrong method or path still gets FastAPI's JSON errors."""
     assert client.post("/v2/models/encoder/infer/extra", content=b"{}").status_code == 404

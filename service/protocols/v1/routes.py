@@ -145,6 +145,11 @@ async def model(loaded: Known, model: str | None = None) -> dict:
     return loaded.models.get(model).describe()
 
 
+def examples(model: str, d_model: int) -> dict[tuple[str, str], dict]:
+    """The request example for the served model (service/openapi.py): two positions of its d_model."""
+    return {("/v1/encode", "post"): {EMBEDDINGS: [[0.1] * d_model, [0.2] * d_model], "model": model}}
+
+
 # Hot routes for the lean dispatcher (service.fastpath); the guard checks everything under these prefixes.
 FAST_ROUTES = (FastRoute("POST", re.compile(r"^/v1/encode$"), "/v1/encode", handle_encode),)
 MODEL_PREFIXES = ("/v1/",)

@@ -235,12 +235,33 @@ async def handle_infer(request: Request, loaded: KnownModels, params: dict[str, 
     return Response(payload, headers=headers, media_type=headers.pop("Content-Type"))
 
 
+# Two functions, not one with an optional ``version``: that would document a ``?version=`` query parameter on the
+# first path, which the fast path (service/fastpath.py) never reads.
 @router.post("/models/{name}/infer", summary="Inference", openapi_extra=_INFER_DOC)
+async def model_infer(name: str, request: Request, loaded: Known) -> Response:
+    return await handle_infer(request, loaded, {"name": name})
+
+
 @router.post(
     "/models/{name}/versions/{version}/infer", summary="Inference (one version)", openapi_extra=_INFER_DOC
 )
-async def model_infer(name: str, request: Request, loaded: Known, version: str | None = None) -> Response:
+async def model_version_infer(name: str, version: str, request: Request, loaded: Known) -> Response:
     return await handle_infer(request, loaded, {"name": name, "version": version})
+
+
+def examples(model: str, d_model: int) -> dict[tuple[str, str], dict]:
+    """The inference request example for the served model (service/openapi.py): [1, 2, d_model] in JSON."""
+    example = {
+        "id": "42",
+        "inputs": [
+            {"name": EMBEDDINGS, "shape": [1, 2, d_model], "datatype": "FP32", "data": [0.1] * (2 * d_model)}
+        ],
+        "outputs": [{"name": ENCODED, "parameters": {"binary_data": False}}],
+    }
+    return {
+        (path, "post"): example
+        for path in ("/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer")
+    }
 
 
 # Hot routes for the lean dispatcher (service.fastpath); the guard checks everything under these prefixes.
