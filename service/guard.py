@@ -12,7 +12,7 @@ serves and every gRPC method.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -42,12 +42,13 @@ class Guard:
         self.public_paths = public_paths
         self.model_prefixes = model_prefixes
 
-    def check(self, path: str, credentials: Sequence[bytes]) -> KnownModels | None:
-        """Raise a ServiceError to refuse the request; return the loaded state for model paths."""
+    def check(self, path: str, credentials: Callable[[], Sequence[bytes]]) -> KnownModels | None:
+        """Raise a ServiceError to refuse the request; return the loaded state for model paths. ``credentials``
+        is asked only when keys are set."""
         if path in self.public_paths:
             return None
         if self.state.api_keys:
-            check_key(credentials, self.state.api_keys)
+            check_key(credentials(), self.state.api_keys)
         if not path.startswith(self.model_prefixes):
             return None
         if self.state.loaded is None:
@@ -66,8 +67,9 @@ class GuardMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             try:
-                credentials = [v for k, v in scope["headers"] if k == b"authorization"]
-                loaded = self.guard.check(scope["path"], credentials)
+                loaded = self.guard.check(
+                    scope["path"], lambda: [v for k, v in scope["headers"] if k == b"authorization"]
+                )
             except ServiceError as exc:
                 await from_error(exc)(scope, receive, send)
                 return

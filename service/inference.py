@@ -9,7 +9,6 @@ parity sampling, a rate limit per model) is one edit here, in ``run``, and holds
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from service.batcher import Outputs, Timings
 from service.errors import ClientGone
 from service.state import KnownModels, Models, ServingModel
 from service.statistics import RequestTimer
-from service.tracing import TRACING, Carrier
+from service.tracing import TRACING, Carrier, RequestSpan
 from service.transport import Disconnect
 
 OFFLOAD_BYTES = 256 * 1024  # below this, decoding or encoding is cheaper than a thread hop
@@ -57,6 +56,7 @@ class Call:
     gone: Disconnect = field(default_factory=Disconnect)
     deadline_s: float | None = None
     carrier: Carrier | None = None  # its headers or metadata by name (``traceparent``, ``tracestate``)
+    watch: asyncio.Future | None = None  # a task watching for the client going away; ``run`` stops it
 
 
 async def run(
@@ -72,22 +72,40 @@ async def run(
 
     Raises the domain errors of each step (errors.CODES maps them for every transport).
     """
-    models = loaded.models
-    with TRACING.request(call.protocol, call.carrier) as span, contextlib.ExitStack() as stack:
-        model = models.get(call.named) if call.named is not None else None
-        timer = stack.enter_context(model.statistics.request(call.started)) if model is not None else None
-        req = await offload(size, decode, models)
-        if model is None:
-            model = models.get(getattr(req, "model", None))
-            timer = stack.enter_context(model.statistics.request(call.started))
-        assert timer is not None
-        timer.decoded()
-        span.model(model.name, req.embeddings.shape[0])
-        outputs, timings = await _queue(loaded, call, model, req, timer)
-        span.ran(timings)
-        nbytes = sum(out.nbytes for out in outputs.values())
-        with span.encoding():
-            return await offload(nbytes * encode_cost, encode, req, model, outputs), timings
+    try:
+        with TRACING.request(call.protocol, call.carrier) as span:
+            model = loaded.models.get(call.named) if call.named is not None else None
+            if model is None:  # the payload names it: reading and decoding count as its input stage
+                req = await offload(size, decode, loaded.models)
+                model = loaded.models.get(getattr(req, "model", None))
+                with model.statistics.request(call.started) as timer:
+                    return await _serve(loaded, call, model, req, timer, span, encode, encode_cost)
+            with model.statistics.request(call.started) as timer:  # a payload that fails to decode counts
+                req = await offload(size, decode, loaded.models)
+                return await _serve(loaded, call, model, req, timer, span, encode, encode_cost)
+    finally:
+        if call.watch is not None:
+            call.watch.cancel()
+
+
+async def _serve(
+    loaded: KnownModels,
+    call: Call,
+    model: ServingModel,
+    req: R,
+    timer: RequestTimer,
+    span: RequestSpan,
+    encode: Callable[[R, ServingModel, Outputs], T],
+    encode_cost: int,
+) -> tuple[T, Timings]:
+    """A decoded request, on its model: queue (deadline, cancellation), then encode."""
+    timer.decoded()
+    span.model(model.name, req.embeddings.shape[0])
+    outputs, timings = await _queue(loaded, call, model, req, timer)
+    span.ran(timings)
+    nbytes = sum(out.nbytes for out in outputs.values())
+    with span.encoding():
+        return await offload(nbytes * encode_cost, encode, req, model, outputs), timings
 
 
 def deadline(loaded: KnownModels, call: Call, req: Decoded) -> float:

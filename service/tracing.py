@@ -45,9 +45,10 @@ class RequestSpan:
         """Its queue wait and its batch's run, as the batcher timed them (just ended)."""
 
     def encoding(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+        return _NOTHING
 
 
+_NOTHING = contextlib.nullcontext()  # stateless: one for every request
 OFF = RequestSpan()
 
 

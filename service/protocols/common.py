@@ -4,8 +4,6 @@ timing headers."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
@@ -42,23 +40,16 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-@contextlib.asynccontextmanager
-async def http_call(
-    request: Request, protocol: str, started: float, named: str | None = None
-) -> AsyncIterator[Call]:
+def http_call(request: Request, protocol: str, started: float, named: str | None = None) -> Call:
     """The request core's view of an HTTP request whose body has been read: its client going away is the
     transport's Disconnect (service/transport.py), or, under another ASGI server (Ray Serve's, a test client), a
-    watch on receive()."""
-    gone = request.scope.get(DISCONNECT)
-    watch = None
+    watch on receive() that the core stops when the request ends."""
+    gone, watch = request.scope.get(DISCONNECT), None
     if gone is None:
         gone = Disconnect()
         watch = asyncio.ensure_future(_watch_receive(request, gone))
-    try:
-        yield Call(protocol, named=named, started=started, gone=gone, carrier=request.headers.get)
-    finally:
-        if watch is not None:
-            watch.cancel()
+    carrier = request.headers.get
+    return Call(protocol, named=named, started=started, gone=gone, carrier=carrier, watch=watch)
 
 
 async def _watch_receive(request: Request, disconnect: Disconnect) -> None:

@@ -127,10 +127,8 @@ async def handle_encode(request: Request, loaded: KnownModels, params: dict[str,
         return codec.encode(req, outputs, media, model.name)
 
     # The model is named in the payload (or ?model=), so reading and decoding count as its input stage.
-    async with http_call(request, "v1", start) as call:
-        (payload, headers), timings = await inference.run(
-            loaded, call, decode, encode, len(body), encode_cost=3
-        )
+    call = http_call(request, "v1", start)
+    (payload, headers), timings = await inference.run(loaded, call, decode, encode, len(body), encode_cost=3)
     headers.update(timing_headers(timings, time.perf_counter() - start))
     return Response(payload, media_type=media, headers=headers)
 

@@ -155,11 +155,12 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
         self.state = state
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
-        credentials = [
-            value.encode("latin-1") if isinstance(value, str) else value
-            for key, value in (details.invocation_metadata or ())
-            if key == "authorization"
-        ]
+        def credentials() -> list[bytes]:
+            metadata = details.invocation_metadata or ()
+            return [
+                v.encode("latin-1") if isinstance(v, str) else v for k, v in metadata if k == "authorization"
+            ]
+
         try:
             self.guard.check(details.method, credentials)
         except ServiceError as exc:

@@ -229,8 +229,8 @@ async def handle_infer(request: Request, loaded: KnownModels, params: dict[str, 
     def encode(req: codec.InferRequest, model: ServingModel, outputs: Outputs) -> tuple[bytes, dict]:
         return codec.encode_infer(req, model.name, outputs)
 
-    async with http_call(request, "v2", start, named=name) as call:
-        (payload, headers), timings = await inference.run(loaded, call, decode, encode, len(body))
+    call = http_call(request, "v2", start, named=name)
+    (payload, headers), timings = await inference.run(loaded, call, decode, encode, len(body))
     headers.update(timing_headers(timings, time.perf_counter() - start))
     return Response(payload, headers=headers, media_type=headers.pop("Content-Type"))
 
