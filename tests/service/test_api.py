@@ -186,6 +186,46 @@ def test_openapi_is_true_to_the_server_no_422_and_examples_that_run(client):
     assert r.status_code == 200 and r.json()["outputs"][0]["shape"] == [1, 2, 32], r.text
 
 
+def test_openapi_and_the_codecs_cannot_drift(client):
+    """The documented media types and tensor tables are the codecs' own, and each documented type is served."""
+    from model.contract import INPUT_NAMES
+    from service.protocols.v1 import codec as v1
+    from service.protocols.v2 import codec as v2
+
+    spec = client.get("/openapi.json").json()
+    encode = spec["paths"]["/v1/encode"]["post"]
+    assert (
+        set(encode["requestBody"]["content"]) == set(encode["responses"]["200"]["content"]) == set(v1.MEDIA)
+    )
+    x = np.full((1, 2, 32), 0.1, np.float32)
+    bodies = {
+        v1.JSON: orjson.dumps({"embeddings": x.tolist()}),
+        v1.OCTET: x.tobytes(),
+        v1.NPY: _npy(x),
+    }
+    for media in v1.MEDIA:  # every documented request type is read, every documented answer type is written
+        r = client.post(
+            "/v1/encode",
+            content=bodies[media],
+            headers={"Content-Type": media, "X-Shape": "1,2,32", "Accept": media},
+        )
+        assert r.status_code == 200 and r.headers["content-type"].startswith(media), (media, r.text[:200])
+    assert client.post("/v1/encode", content=b"1,2", headers={"Content-Type": "text/csv"}).status_code == 415
+    tensor = spec["paths"]["/v2/models/{name}/infer"]["post"]["requestBody"]["content"]["application/json"][
+        "schema"
+    ]
+    item = tensor["properties"]["inputs"]["items"]["properties"]
+    assert item["datatype"]["enum"] == sorted(v2.DTYPES) and item["name"]["enum"] == list(INPUT_NAMES)
+
+
+def _npy(x: np.ndarray) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, x)
+    return buf.getvalue()
+
+
 def test_inference_routes_take_the_lean_path_and_others_do_not(client):
     """POST inference routes skip FastAPI's router; a wrong method or path still gets FastAPI's JSON errors."""
     assert client.post("/v2/models/encoder/infer/extra", content=b"{}").status_code == 404

@@ -191,6 +191,11 @@ def _kind_name(dtype: np.dtype) -> str:
 SHAPE_HEADER = "x-shape"  # e.g. "2,128,768"
 LENGTHS_HEADER = "x-lengths"  # optional: each row's valid length; positions past it are padding
 JSON, OCTET, NPY = "application/json", "application/octet-stream", "application/x-npy"
+MEDIA = (
+    JSON,
+    OCTET,
+    NPY,
+)  # what /v1/encode reads (Content-Type) and answers (Accept); its OpenAPI is built from it
 
 
 def decode(
@@ -271,11 +276,11 @@ def negotiate(accept: str | None) -> str:
         return JSON
     for part in accept.split(","):
         media = part.split(";")[0].strip().lower()
-        if media in (JSON, OCTET, NPY):
+        if media in MEDIA:
             return media
         if media in ("*/*", "application/*"):
             return JSON
-    raise NotAcceptable(f"cannot answer with Accept {show(accept)}; acceptable: {JSON}, {OCTET}, {NPY}")
+    raise NotAcceptable(f"cannot answer with Accept {show(accept)}; acceptable: {', '.join(MEDIA)}")
 
 
 def encode(req: EncodeRequest, outputs: Outputs, media: str, model: str) -> tuple[bytes, dict[str, str]]:

@@ -31,7 +31,7 @@ _ENCODE_DOC = {
     "requestBody": {
         "required": True,
         "content": {
-            "application/json": {
+            codec.JSON: {
                 "schema": {
                     "type": "object",
                     "required": [EMBEDDINGS],
@@ -60,18 +60,18 @@ _ENCODE_DOC = {
                 },
                 "example": {EMBEDDINGS: [[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]]},
             },
-            "application/octet-stream": {
+            codec.OCTET: {
                 "schema": {"type": "string", "format": "binary"},
                 "description": "raw little-endian float32; shape in the X-Shape header, optional X-Lengths",
             },
-            "application/x-npy": {"schema": {"type": "string", "format": "binary"}},
+            codec.NPY: {"schema": {"type": "string", "format": "binary"}},
         },
     },
     "responses": {
         "200": {
             "description": "encoded tensor as JSON {encoded, shape, model}, or binary per the Accept header",
             "content": {
-                "application/json": {
+                codec.JSON: {
                     "schema": {
                         "type": "object",
                         "required": [ENCODED, "shape", "model"],
@@ -89,8 +89,8 @@ _ENCODE_DOC = {
                     },
                     "example": {ENCODED: [[0.1, 0.2, 0.3]], "shape": [1, 3], "model": "encoder"},
                 },
-                "application/octet-stream": {},
-                "application/x-npy": {},
+                codec.OCTET: {},
+                codec.NPY: {},
             },
         },
         **error_docs(
