@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     from export.parity import torch_outputs
     from export.variants import _quiet, _toposort, build_graph
     from model.config import EncoderConfig
+    from model.contract import EMBEDDINGS, ENCODED, MASK
     from model.encoder import build_encoder
     from model.runtime import cpu_flags
 
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         }
 
         x = np.random.default_rng(0).standard_normal((8, 128, e)).astype(np.float32)
-        feed = {"embeddings": x, "mask": np.zeros((8, 128), bool)}
+        feed = {EMBEDDINGS: x, MASK: np.zeros((8, 128), bool)}
         ms: dict[str, list[float]] = {v: [] for v in sessions}
         for s in sessions.values():
             s.run(None, feed)
@@ -87,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         worst: dict[str, dict[str, float]] = {v: {"ordinary": 0.0, "offsets": 0.0} for v in sessions}
         for case in default_cases() + [c for c in adversarial_cases() if c.name.startswith("offset")]:
             xc, mask = case.make(e, rng)
-            exact = torch_outputs(oracle, xc.astype(np.float64), mask, False)["encoded"]
+            exact = torch_outputs(oracle, xc.astype(np.float64), mask, False)[ENCODED]
             kind = "offsets" if case.name.startswith("offset") else "ordinary"
             for v, s in sessions.items():
-                got = s.run(None, {"embeddings": xc, "mask": mask})[0].astype(np.float64)
+                got = s.run(None, {EMBEDDINGS: xc, MASK: mask})[0].astype(np.float64)
                 rows = np.sqrt(((got - exact) ** 2).mean(-1)) / np.sqrt((exact**2).mean(-1))
                 worst[v][kind] = max(worst[v][kind], float(rows.max()))
 

@@ -63,6 +63,11 @@ class TimedOut(ServiceError):
     """The request was not answered within its deadline."""
 
 
+class ClientDeadline(TimedOut):
+    """The request's own deadline (V2's ``timeout`` parameter, a gRPC call's deadline), shorter than the server's,
+    passed before it was answered: the client's choice, so a 4xx over HTTP."""
+
+
 class InferenceFailed(ServiceError):
     """The model run failed; not the client's fault."""
 
@@ -88,6 +93,7 @@ CODES: dict[type[ServiceError], tuple[int, str]] = {
     NotReady: (503, "UNAVAILABLE"),
     ShuttingDown: (503, "UNAVAILABLE"),
     TimedOut: (504, "DEADLINE_EXCEEDED"),
+    ClientDeadline: (408, "DEADLINE_EXCEEDED"),
 }
 
 

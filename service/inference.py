@@ -18,7 +18,7 @@ import numpy as np
 from starlette.concurrency import run_in_threadpool
 
 from service.batcher import Outputs, Timings
-from service.errors import ClientGone
+from service.errors import ClientDeadline, ClientGone, TimedOut
 from service.state import KnownModels, Models, ServingModel
 from service.statistics import RequestTimer
 from service.tracing import TRACING, Carrier, RequestSpan
@@ -125,8 +125,16 @@ async def _queue(
     if call.gone.gone:
         raise ClientGone
     call.gone.notify(handler.cancel)
+    limit = deadline(loaded, call, req)
     try:
-        outputs, timings = await model.batcher.infer(req.embeddings, req.mask, deadline(loaded, call, req))
+        outputs, timings = await model.batcher.infer(req.embeddings, req.mask, limit)
+    except TimedOut:
+        if limit >= loaded.settings.request_timeout_s:
+            raise
+        raise ClientDeadline(
+            f"not answered within the request's own deadline of {limit:g} s (its timeout parameter or the call's "
+            f"deadline; the server's own is {loaded.settings.request_timeout_s:g} s)"
+        ) from None
     except asyncio.CancelledError:
         if call.gone.gone:  # cancelled because the client went away, not by a shutdown
             raise ClientGone from None

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated, Protocol
 
 from fastapi import Depends, Request
 
@@ -17,8 +17,11 @@ from service.metrics import Metrics
 from service.settings import Settings
 from service.statistics import ModelStatistics
 
-if TYPE_CHECKING:
-    from service.guard import Guard
+
+class RequestGuard(Protocol):
+    """What ``ServiceState.guard`` holds (service.guard.Guard), without state importing guard."""
+
+    def check(self, path: str, credentials: Callable[[], Sequence[bytes]]) -> KnownModels | None: ...
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,7 @@ class ServiceState:
     loaded: KnownModels | None = None  # set once every model's manifest is read (names known)
     load_error: str | None = None  # the manifests could not be read: nothing is served
     api_keys: tuple[bytes, ...] = field(init=False)  # parsed once, for the guard of every transport
-    guard: Guard | None = None  # set by create_app; the gRPC server's interceptor asks the same one
+    guard: RequestGuard | None = None  # set by create_app; the gRPC server's interceptor asks the same one
 
     def __post_init__(self) -> None:
         self.api_keys = tuple(key.encode() for key in self.settings.api_keys())

@@ -34,7 +34,8 @@ def test_the_deadline_is_the_soonest_of_the_client_the_protocol_and_the_server()
 
 @pytest.fixture
 def blocked_app(tiny_artifact):
-    """The app with gRPC on, and its model's runs held at a gate; yields (client, target, shapes run, gate)."""
+    """The app with gRPC on, and its model's runs held at a gate; yields (model, gRPC target, shapes run, gate,
+    HTTP client)."""
     port = free_port()
     app = create_app(Settings(model_dir=tiny_artifact, grpc_port=port, max_batch_size=1))
     with TestClient(app) as client:
@@ -49,7 +50,7 @@ def blocked_app(tiny_artifact):
 
         model.engine.run = held
         try:
-            yield model, f"127.0.0.1:{port}", shapes, gate
+            yield model, f"127.0.0.1:{port}", shapes, gate, client
         finally:
             gate.set()
             model.engine.run = run
@@ -70,7 +71,7 @@ def _model_infer(channel: grpc.Channel) -> grpc.UnaryUnaryMultiCallable:
 
 
 def test_a_grpc_call_its_client_cancels_drops_its_queued_work(blocked_app):
-    model, target, shapes, gate = blocked_app
+    model, target, shapes, gate, _ = blocked_app
     with grpc.insecure_channel(target) as channel:
         infer = _model_infer(channel)
         running = infer.future(_infer_request(2), timeout=30)
@@ -85,7 +86,7 @@ def test_a_grpc_call_its_client_cancels_drops_its_queued_work(blocked_app):
 
 
 def test_a_grpc_deadline_drops_queued_work_too(blocked_app):
-    model, target, shapes, gate = blocked_app
+    model, target, shapes, gate, _ = blocked_app
     with grpc.insecure_channel(target) as channel:
         infer = _model_infer(channel)
         running = infer.future(_infer_request(2), timeout=30)
@@ -97,3 +98,23 @@ def test_a_grpc_deadline_drops_queued_work_too(blocked_app):
         running.result()
     wait_until(lambda: model.batcher.depth == 0, 10, "an empty queue")
     assert (1, 9, E) not in shapes
+
+
+def test_a_request_whose_own_timeout_passes_gets_408(blocked_app):
+    """The client's shorter deadline is its choice: a 4xx that says so; the server's own limit passing stays a 504."""
+    from service.errors import ClientDeadline, TimedOut, grpc_code, http_status
+
+    assert http_status(TimedOut("x")) == 504 and http_status(ClientDeadline("x")) == 408
+    assert grpc_code(TimedOut("x")) == grpc_code(ClientDeadline("x")) == "DEADLINE_EXCEEDED"
+    model, target, shapes, gate, client = blocked_app
+    body = {
+        "inputs": [{"name": "embeddings", "shape": [1, 3, E], "datatype": "FP32", "data": [0.1] * (3 * E)}],
+        "parameters": {"timeout": 1000},  # 1 ms, in microseconds
+    }
+    with grpc.insecure_channel(target) as channel:
+        running = _model_infer(channel).future(_infer_request(2), timeout=30)
+        wait_until(lambda: (1, 2, E) in shapes, 10, "the first call running")
+        r = client.post("/v2/models/encoder/infer", json=body)
+        gate.set()
+        running.result()
+    assert r.status_code == 408 and "request's own deadline of 0.001 s" in r.json()["error"], r.text
