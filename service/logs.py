@@ -92,13 +92,18 @@ class _Writer:
                     "levelno": logging.INFO,
                     "levelname": "INFO",
                     "msg": msg,
-                    "args": args,
+                    "args": tuple(
+                        bounded(a) if isinstance(a, str) else a for a in args
+                    ),  # path, method: a client's
                     "created": created,
                     "msecs": (created - int(created)) * 1000,
                     "request_id": rid,
                 }
             )
         try:
+            message = item.getMessage()
+            if not message.isprintable():  # a client's bytes in it (a %0a in a path) cannot forge a line
+                item.msg, item.args = escaped(message), None
             return self.formatter.format(item) + "\n"
         except Exception:  # a record whose message cannot be formatted: say so, keep the thread
             return (
@@ -138,6 +143,22 @@ def _stop_writer() -> None:
 
 
 atexit.register(_stop_writer)
+
+
+FIELD_LIMIT = 512  # characters of one client-controlled field in an access line (a path, a method)
+
+
+def bounded(text: str, limit: int = FIELD_LIMIT) -> str:
+    """``text`` cut to ``limit`` characters, saying how many were left out."""
+    return text if len(text) <= limit else f"{text[:limit]}...[{len(text) - limit} more]"
+
+
+def escaped(text: str) -> str:
+    """Every character a terminal or a log reader would act on (newlines, escapes, other controls) as ``\\xNN``
+    (``\\uNNNN`` above 0xff): one log record stays one line."""
+    return "".join(
+        c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\u{ord(c):04x}" for c in text
+    )
 
 
 def flush() -> None:
