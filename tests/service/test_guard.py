@@ -162,3 +162,19 @@ def test_keys_and_duplicate_credentials_are_decided_alike_on_both_transports(grp
     # the probes stay open on both
     assert client.get("/v2/health/live").status_code == 200
     assert isinstance(_call(target, "ServerLive"), bytes)
+
+
+def test_a_malformed_grpc_message_is_invalid_argument_after_the_guard(grpc_app):
+    """Bytes that are not the method's message are parsed in the handler: refused without a key first, then
+    INVALID_ARGUMENT naming the message, never UNKNOWN (issue 24)."""
+    _, target = grpc_app
+    garbage = b"\x0a\xff\xff\xff\xff\x0f"  # field 1, a length prefix far past the end
+    with grpc.insecure_channel(target) as channel:
+        infer = channel.unary_unary(f"/{grpc_server.SERVICE}/ModelInfer")
+        with pytest.raises(grpc.RpcError) as info:
+            infer(garbage, timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED  # the guard first
+        with pytest.raises(grpc.RpcError) as info:
+            infer(garbage, metadata=[("authorization", "Bearer k1")], timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid ModelInferRequest message" in info.value.details()

@@ -16,10 +16,11 @@ import time
 from collections.abc import Awaitable, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from service import inference, logs
 from service.batcher import Outputs
-from service.errors import ServiceError, grpc_code
+from service.errors import BadInput, ServiceError, grpc_code
 from service.guard import Guard
 from service.protocols.v2 import codec, grpc_codec
 from service.protocols.v2 import inference_pb2 as pb
@@ -118,16 +119,19 @@ _METHODS = {
 }
 
 
-def _handler(name: str, method: Callable[..., Awaitable], state: ServiceState) -> Callable[..., Awaitable]:
-    """The RPC with the request context the HTTP side has: domain errors as status codes, unexpected ones as
-    INTERNAL (logged, never shown), an access line and the request metrics per call."""
+def _handler(
+    name: str, method: Callable[..., Awaitable], state: ServiceState, request_type: type | None = None
+) -> Callable[..., Awaitable]:
+    """The RPC with the request context the HTTP side has: the message parsed here from its raw bytes (so a
+    malformed one is INVALID_ARGUMENT, after the guard, with an access line), domain errors as status codes,
+    unexpected ones as INTERNAL (logged, never shown), an access line and the request metrics per call."""
     route = f"/{SERVICE}/{name}"
 
-    async def call(request, context: grpc.aio.ServicerContext):
+    async def call(raw: bytes, context: grpc.aio.ServicerContext):
         start = time.perf_counter()
         code, message = grpc.StatusCode.OK, ""
         try:
-            return await method(request, context)
+            return await method(_parse(request_type, raw, name), context)
         except ServiceError as exc:
             code, message = grpc.StatusCode[grpc_code(exc)], exc.message
         except asyncio.CancelledError:  # the client went away or its deadline passed: grpc answers for us
@@ -144,6 +148,17 @@ def _handler(name: str, method: Callable[..., Awaitable], state: ServiceState) -
         await context.abort(code, message)
 
     return call
+
+
+def _parse(request_type: type | None, raw: bytes, name: str) -> object:
+    if request_type is None:  # a refusal's stand-in method reads nothing
+        return raw
+    try:
+        return request_type.FromString(raw)
+    except DecodeError as exc:
+        raise BadInput(
+            f"the {name} request is not a valid {request_type.__name__} message: {str(exc)[:200]}"
+        ) from None
 
 
 class GuardInterceptor(grpc.aio.ServerInterceptor):
@@ -165,15 +180,11 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
             self.guard.check(details.method, credentials)
         except ServiceError as exc:
             refusal, name = exc, details.method.rpartition("/")[2]
-            request_type = _METHODS.get(name)
 
             async def refuse(request, context):
                 raise refusal
 
-            return grpc.unary_unary_rpc_method_handler(
-                _handler(name, refuse, self.state),
-                request_deserializer=request_type.FromString if request_type else None,
-            )
+            return grpc.unary_unary_rpc_method_handler(_handler(name, refuse, self.state))
         return await continuation(details)
 
 
@@ -203,8 +214,9 @@ async def start(state: ServiceState) -> grpc.aio.Server:
     service = InferenceService(state)
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(
-            _handler(name, getattr(service, name), state),
-            request_deserializer=request_type.FromString,
+            _handler(
+                name, getattr(service, name), state, request_type
+            ),  # raw bytes in: parsed in the handler
             response_serializer=lambda message: message.SerializeToString(),
         )
         for name, request_type in _METHODS.items()
