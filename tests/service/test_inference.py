@@ -70,12 +70,20 @@ def _model_infer(channel: grpc.Channel) -> grpc.UnaryUnaryMultiCallable:
     )
 
 
+def _first_call_running(
+    channel: grpc.Channel, shapes: list
+) -> tuple[grpc.UnaryUnaryMultiCallable, grpc.Future]:
+    """A ModelInfer callable, and a first call whose run is held at the gate (the next one queues behind it)."""
+    infer = _model_infer(channel)
+    running = infer.future(_infer_request(2), timeout=30)
+    wait_until(lambda: (1, 2, E) in shapes, 10, "the first call running")
+    return infer, running
+
+
 def test_a_grpc_call_its_client_cancels_drops_its_queued_work(blocked_app):
     model, target, shapes, gate, _ = blocked_app
     with grpc.insecure_channel(target) as channel:
-        infer = _model_infer(channel)
-        running = infer.future(_infer_request(2), timeout=30)
-        wait_until(lambda: (1, 2, E) in shapes, 10, "the first call running")
+        infer, running = _first_call_running(channel, shapes)
         queued = infer.future(_infer_request(7), timeout=30)
         wait_until(lambda: model.batcher.depth == 1, 10, "the second call queued")
         queued.cancel()
@@ -88,9 +96,7 @@ def test_a_grpc_call_its_client_cancels_drops_its_queued_work(blocked_app):
 def test_a_grpc_deadline_drops_queued_work_too(blocked_app):
     model, target, shapes, gate, _ = blocked_app
     with grpc.insecure_channel(target) as channel:
-        infer = _model_infer(channel)
-        running = infer.future(_infer_request(2), timeout=30)
-        wait_until(lambda: (1, 2, E) in shapes, 10, "the first call running")
+        infer, running = _first_call_running(channel, shapes)
         with pytest.raises(grpc.RpcError) as info:
             infer(_infer_request(9), timeout=0.3)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -112,8 +118,7 @@ def test_a_request_whose_own_timeout_passes_gets_408(blocked_app):
         "parameters": {"timeout": 1000},  # 1 ms, in microseconds
     }
     with grpc.insecure_channel(target) as channel:
-        running = _model_infer(channel).future(_infer_request(2), timeout=30)
-        wait_until(lambda: (1, 2, E) in shapes, 10, "the first call running")
+        _, running = _first_call_running(channel, shapes)
         r = client.post("/v2/models/encoder/infer", json=body)
         gate.set()
         running.result()

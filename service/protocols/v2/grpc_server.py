@@ -39,7 +39,7 @@ class InferenceService:
     def __init__(self, state: ServiceState) -> None:
         self.state = state
 
-    def _loaded(self, context: grpc.aio.ServicerContext) -> KnownModels:
+    def _loaded(self) -> KnownModels:
         """The models, which the guard made sure of before the method ran."""
         if (
             self.state.loaded is None
@@ -56,21 +56,20 @@ class InferenceService:
         return pb.ServerReadyResponse(ready=self.state.not_ready_reason() is None)
 
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context) -> pb.ServerMetadataResponse:
-        self._loaded(context)
         return pb.ServerMetadataResponse(name="addnorm", version="0.1.0", extensions=codec.EXTENSIONS)
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
-        slot = self._loaded(context).models.slot(request.name)
+        slot = self._loaded().models.slot(request.name)
         codec.check_version(request.name, request.version)
         return pb.ModelReadyResponse(ready=slot.state == READY)
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context) -> pb.ModelMetadataResponse:
-        model = self._loaded(context).models.get(request.name)
+        model = self._loaded().models.get(request.name)
         codec.check_version(request.name, request.version)
         return grpc_codec.from_dict(codec.model_metadata(model.engine.manifest), pb.ModelMetadataResponse)
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
-        loaded = self._loaded(context)
+        loaded = self._loaded()
         name = request.model_name
         loaded.models.get(name)  # 404 or 503 before the version (as over HTTP)
         codec.check_version(name, request.model_version)
@@ -94,14 +93,14 @@ class InferenceService:
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context
     ) -> pb.ModelStatisticsResponse:
-        models = self._loaded(context).models
+        models = self._loaded().models
         doc = codec.statistics(models, request.name, request.version)
         return grpc_codec.from_dict(doc, pb.ModelStatisticsResponse)
 
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context
     ) -> pb.RepositoryIndexResponse:
-        models = self._loaded(context).models
+        models = self._loaded().models
         return grpc_codec.from_dict(
             {"models": codec.repository_index(models, request.ready)}, pb.RepositoryIndexResponse
         )
