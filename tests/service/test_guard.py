@@ -178,3 +178,21 @@ def test_a_malformed_grpc_message_is_invalid_argument_after_the_guard(grpc_app):
             infer(garbage, metadata=[("authorization", "Bearer k1")], timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "not a valid ModelInferRequest message" in info.value.details()
+
+
+def test_a_call_without_a_request_message_is_answered_not_left_to_its_deadline(grpc_app):
+    """A unary call whose client half-closes before sending its message: INVALID_ARGUMENT naming what is
+    missing, for every method (grpc.aio's unary handler would wait for the client's deadline; issue 24)."""
+    _, target = grpc_app
+    key = [("authorization", "Bearer k1")]
+    with grpc.insecure_channel(target) as channel:
+        for method in grpc_server._METHODS:
+            call = channel.stream_unary(f"/{grpc_server.SERVICE}/{method}")
+            with pytest.raises(grpc.RpcError) as info:
+                call(iter(()), metadata=key, timeout=30)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, info.value.details())
+            assert "ended without a request message" in info.value.details()
+        # refused by the guard without a message: refused, not left waiting either
+        with pytest.raises(grpc.RpcError) as info:
+            channel.stream_unary(f"/{grpc_server.SERVICE}/ModelInfer")(iter(()), timeout=30)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED

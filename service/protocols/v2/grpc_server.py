@@ -121,16 +121,16 @@ _METHODS = {
 def _handler(
     name: str, method: Callable[..., Awaitable], state: ServiceState, request_type: type | None = None
 ) -> Callable[..., Awaitable]:
-    """The RPC with the request context the HTTP side has: the message parsed here from its raw bytes (so a
-    malformed one is INVALID_ARGUMENT, after the guard, with an access line), domain errors as status codes,
+    """The RPC with the request context the HTTP side has: the message read and parsed here from its raw bytes
+    (so a missing or malformed one is INVALID_ARGUMENT, after the guard, with an access line), domain errors as status codes,
     unexpected ones as INTERNAL (logged, never shown), an access line and the request metrics per call."""
     route = f"/{SERVICE}/{name}"
 
-    async def call(raw: bytes, context: grpc.aio.ServicerContext):
+    async def call(_requests: object, context: grpc.aio.ServicerContext):
         start = time.perf_counter()
         code, message = grpc.StatusCode.OK, ""
         try:
-            return await method(_parse(request_type, raw, name), context)
+            return await method(await _read(request_type, context, name), context)
         except ServiceError as exc:
             code, message = grpc.StatusCode[grpc_code(exc)], exc.message
         except asyncio.CancelledError:  # the client went away or its deadline passed: grpc answers for us
@@ -149,9 +149,15 @@ def _handler(
     return call
 
 
-def _parse(request_type: type | None, raw: bytes, name: str) -> object:
+async def _read(request_type: type | None, context: grpc.aio.ServicerContext, name: str) -> object:
+    """The call's one request message, parsed. Every method is registered as stream-unary and reads it here:
+    grpc.aio's unary handler never answers a call whose client sends no message (it waits for the client's
+    deadline); this one answers INVALID_ARGUMENT at once. A second message is ignored, as a unary handler does."""
     if request_type is None:  # a refusal's stand-in method reads nothing
-        return raw
+        return None
+    raw = await context.read()
+    if raw is grpc.aio.EOF:
+        raise BadInput(f"the {name} call ended without a request message; send one {request_type.__name__}")
     try:
         return request_type.FromString(raw)
     except DecodeError as exc:
@@ -183,7 +189,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
             async def refuse(request, context):
                 raise refusal
 
-            return grpc.unary_unary_rpc_method_handler(_handler(name, refuse, self.state))
+            return grpc.stream_unary_rpc_method_handler(_handler(name, refuse, self.state))
         return await continuation(details)
 
 
@@ -212,10 +218,8 @@ async def start(state: ServiceState) -> grpc.aio.Server:
     )
     service = InferenceService(state)
     handlers = {
-        name: grpc.unary_unary_rpc_method_handler(
-            _handler(
-                name, getattr(service, name), state, request_type
-            ),  # raw bytes in: parsed in the handler
+        name: grpc.stream_unary_rpc_method_handler(  # raw bytes in, read and parsed in the handler (_read)
+            _handler(name, getattr(service, name), state, request_type),
             response_serializer=lambda message: message.SerializeToString(),
         )
         for name, request_type in _METHODS.items()
