@@ -9,6 +9,10 @@ A connection closed while its request body is still arriving (a 413 answered bef
 lingering: the answer is sent, the write side is shut, and what still arrives is discarded for up to
 ``LINGER_S`` before the socket closes; closed at once, the unread data makes the kernel reset the connection, and
 a client still writing loses the 413 it was sent.
+Requests pipelined on one connection are answered in order, and a malformed one among them is answered (JSON
+400) only after every complete request before it. A request may not switch protocols: ``Upgrade`` (websocket,
+h2c) is never handed off; the request is answered as plain HTTP and the connection closes after it, so it never
+leaves these deadlines (one with a body gets a JSON 400: the parser gives the body to the other protocol). A transfer coding other than ``chunked`` is refused (501, RFC 9112 6.1).
 Each request's scope carries a ``Disconnect`` (key ``DISCONNECT``) that the connection fires when its client goes
 away, so a handler waiting for a model run is cancelled without a task of its own watching ``receive()``.
 
@@ -26,9 +30,18 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.settings import Settings
 
-_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 503: b"Service Unavailable"}
+_REASONS = {
+    400: b"Bad Request",
+    408: b"Request Timeout",
+    501: b"Not Implemented",
+    503: b"Service Unavailable",
+}
 LINGER_S = 2.0
 DISCONNECT = "addnorm.disconnect"  # the scope key of a request's Disconnect
+_NO_UPGRADE = (
+    "this server speaks HTTP/1.1 and does not switch protocols: send the request without 'Connection: "
+    "Upgrade' (curl: --http1.1 instead of --http2; gRPC has its own port)"
+)
 
 
 class Disconnect:
@@ -95,6 +108,9 @@ class HttpConnection(HttpToolsProtocol):
         self.in_body = False  # between a request's headers and the end of its body
         self.discarding = False  # lingering: input is read and dropped until the socket closes
         self._unanswered: deque[Disconnect] = deque()  # requests read and not yet answered, oldest first
+        self._reading = True  # False once the input can no longer be parsed (an error, an upgrade's tail)
+        self._refusal: tuple[int, str] | None = None  # what a parser callback refused the request with
+        self._deferred: tuple[int, str] | None = None  # a refusal waiting for the answers before it
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -116,7 +132,7 @@ class HttpConnection(HttpToolsProtocol):
             self._unanswered.popleft().fire()
 
     def data_received(self, data: bytes) -> None:
-        if not self.discarding:
+        if self._reading and not self.discarding:
             super().data_received(data)  # the parser's callbacks below arm and disarm the deadline
             self._start_timer()
 
@@ -129,12 +145,29 @@ class HttpConnection(HttpToolsProtocol):
         self._arm(self.header_timeout_s, headers=True)
 
     def on_headers_complete(self) -> None:
+        codings = [
+            t.strip().lower() for k, v in self.headers if k == b"transfer-encoding" for t in v.split(b",")
+        ]
+        if codings and codings != [b"chunked"]:
+            shown = ", ".join(c.decode("latin-1") for c in codings)[:200]
+            self._stop(501, f"Transfer-Encoding {shown!r} is not supported; send chunked or a Content-Length")
+        upgrade = self.parser.should_upgrade()
+        if upgrade and (
+            codings or any(k == b"content-length" and v.strip() != b"0" for k, v in self.headers)
+        ):
+            self._stop(400, _NO_UPGRADE)  # the parser gives what follows the headers to the new protocol
         self.scope[DISCONNECT] = disconnect = Disconnect()  # the scope the request's cycle is built on, next
         super().on_headers_complete()
-        if self.cycle is not None and self.cycle.scope is self.scope:  # a request to answer (not an upgrade)
-            self._unanswered.append(disconnect)
+        self._unanswered.append(disconnect)
+        if upgrade:  # answered as plain HTTP, then the connection closes (see the module's docstring)
+            self.cycle.keep_alive = False
         self.in_body = True
         self._arm(self.body_timeout_s, headers=False)
+
+    def _stop(self, status: int, message: str) -> None:
+        """Refuse the request from a parser callback: the parser stops, and ``send_400_response`` answers."""
+        self._refusal = (status, message)
+        raise ValueError(message)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -146,9 +179,35 @@ class HttpConnection(HttpToolsProtocol):
         if self._unanswered:  # requests are answered in the order they came (pipelining included)
             self._unanswered.popleft()
         super().on_response_complete()
+        if self._deferred is not None and not self._unanswered:
+            (status, message), self._deferred = self._deferred, None
+            self._refuse(status, message)
 
     def send_400_response(self, msg: str) -> None:
-        self._refuse(400, f"malformed HTTP request: {msg}")
+        """The parser stopped: answer the refusal a callback made, else 400; after the complete requests before
+        it, when some are still unanswered (pipelining)."""
+        status, message = self._refusal or (400, f"malformed HTTP request: {msg}")
+        self._refusal, self._reading = None, False
+        wait = bool(self._unanswered)  # complete requests before the bad one still to answer
+        if self.in_body:  # the bad request's body broke: it was read in part
+            if self.pipeline and self.pipeline[0][0] is self.cycle:  # queued behind others: it never runs
+                self.pipeline.popleft()
+                self._unanswered.pop()
+                wait = bool(self._unanswered)
+            else:  # it is the running one: nothing before it waits
+                wait = False
+            self.in_body = False
+        if wait:
+            self._deferred = (status, message)
+            self._disarm()
+            return
+        self._refuse(status, message)
+
+    def _should_upgrade(self) -> bool:
+        return False  # no protocol switch, ever: the request is answered as HTTP (uvicorn would hand it off)
+
+    def _unsupported_upgrade_warning(self) -> None:
+        self._reading = False  # what follows an upgrade request is the other protocol's: not HTTP to parse
 
     def _arm(self, seconds: float, headers: bool) -> None:
         self._disarm()
@@ -180,6 +239,8 @@ class HttpConnection(HttpToolsProtocol):
 
     def _refuse(self, status: int, message: str, retry_after: int | None = None) -> None:
         self._disarm()
+        if self.transport.is_closing():  # already answered and closed (a response without keep-alive)
+            return
         self.transport.write(raw_error(status, message, retry_after))
         self.transport.close()
 

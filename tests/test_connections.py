@@ -173,3 +173,93 @@ def test_a_queued_request_whose_client_hangs_up_is_never_run(tiny_artifact):
         assert 'status="499"' in httpx.get(f"{srv.base}/metrics").text
         r = httpx.post(f"{srv.base}/v1/encode", json={"embeddings": [[0.1] * 32]}, timeout=30)
         assert r.status_code == 200 and _stats(srv.base) == (3, 1)
+
+
+def _responses(raw: bytes) -> list[tuple[int, dict]]:
+    """Every response on a connection, in order (each with a Content-Length)."""
+    out = []
+    while raw:
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        length = next(
+            int(v) for k, _, v in (h.partition(b":") for h in lines[1:]) if k.lower() == b"content-length"
+        )
+        out.append((int(lines[0].split(b" ")[1]), json.loads(rest[:length])))
+        raw = rest[length:]
+    return out
+
+
+def _encode_request(extra: bytes = b"") -> bytes:
+    body = json.dumps({"embeddings": [[0.5] * 32]}).encode()
+    return (
+        b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%sContent-Length: %d\r\n\r\n"
+        % (extra, len(body))
+        + body
+    )
+
+
+@pytest.mark.parametrize("valid", [1, 3])
+def test_pipelined_requests_before_garbage_each_get_their_answer_first(strict_server, valid):
+    """HTTP/1.1 pipelining: every complete request before a malformed one is answered, in order, then the 400
+    (the 400 alone came back before, read by the client as the answer to its valid request; issue 24)."""
+    s = _connect(strict_server)
+    s.sendall(_encode_request() * valid + b"NOT HTTP AT ALL\r\n\r\n")
+    got = _responses(_read_all(s))
+    assert [status for status, _ in got] == [200] * valid + [400], got
+    assert all(len(doc["encoded"]) == 1 for _, doc in got[:valid])
+    assert "malformed HTTP request" in got[-1][1]["error"]
+
+
+def test_a_request_whose_body_breaks_behind_a_pipelined_one_is_never_run(strict_server):
+    s = _connect(strict_server)
+    broken = b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\n"
+    s.sendall(_encode_request() + broken)
+    assert [status for status, _ in _responses(_read_all(s))] == [200, 400]
+
+
+@pytest.mark.parametrize(
+    "upgrade",
+    [b"websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13", b"h2c"],
+)
+def test_a_protocol_upgrade_is_never_handed_off(strict_server, upgrade):
+    """Upgrade (websocket, h2c) is answered as plain HTTP/1.1 and the connection closed; with a body, a JSON 400
+    naming the fix (before, a websocket upgrade was handed to uvicorn's websocket code and, with a body, held
+    the socket forever; a GET got a plain-text 403)."""
+    headers = b"Connection: Upgrade\r\nUpgrade: " + upgrade + b"\r\n"
+    s = _connect(strict_server)
+    s.sendall(b"GET /v2 HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n")
+    [(status, doc)] = _responses(_read_all(s))  # one answer, then the server closed the connection
+    assert status == 200 and doc["name"] == "addnorm"
+    s = _connect(strict_server)
+    s.sendall(_encode_request(headers))
+    [(status, doc)] = _responses(_read_all(s))
+    assert status == 400 and "does not switch protocols" in doc["error"]
+
+
+def test_upgrade_requests_cannot_hold_every_connection(strict_server):
+    """As many upgrade requests as --max-connections, never read by their clients: a fresh client is still
+    served (each such socket was held forever before, and the limit locked everyone else out with 503)."""
+    held = []
+    try:
+        for _ in range(4):
+            s = _connect(strict_server)
+            s.sendall(_encode_request(b"Connection: Upgrade\r\nUpgrade: websocket\r\n"))
+            held.append(s)
+        deadline = time.monotonic() + 10
+        while True:  # the server closes each after its answer; the slots come back
+            r = httpx.post(f"{strict_server.base}/v1/encode", json={"embeddings": [[0.5] * 32]}, timeout=5)
+            if r.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert r.status_code == 200, r.text
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_a_transfer_coding_other_than_chunked_is_refused(strict_server):
+    """Transfer-Encoding: gzip, chunked was read as chunked with the gzip ignored; now 501 (RFC 9112 6.1)."""
+    s = _connect(strict_server)
+    s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n")
+    [(status, doc)] = _responses(_read_all(s))
+    assert status == 501 and "gzip, chunked" in doc["error"]
