@@ -6,13 +6,39 @@ table that turns them into each transport's status: an HTTP status and a gRPC st
 
 from __future__ import annotations
 
+import reprlib
+
+# characters: no error a client gets back is longer (a gRPC status must fit in its metadata, 8 KiB by default)
+MAX_MESSAGE = 1024
+_REPR = reprlib.Repr()  # (keyword arguments need Python 3.12)
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxlong = 2, 8, 8, 60
+_REPR.maxstring = _REPR.maxother = 200
+
+
+def quote(value: object, limit: int = 40) -> str:
+    """A client's value (a name, a version, a header, a field) in an error message: its literal, cut past
+    ``limit`` characters with a marker. Bounded in cost too: a megabyte string or a million-item list is never
+    written out whole (reprlib), and no object's internals are: only literals come from a parsed request."""
+    text = _REPR.repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}...(cut)"
+
+
+def bounded(message: str) -> str:
+    """``message`` cut in the middle, with a marker, to at most ``MAX_MESSAGE`` characters."""
+    if len(message) <= MAX_MESSAGE:
+        return message
+    cut = len(message) - MAX_MESSAGE + 40
+    return f"{message[: MAX_MESSAGE // 2]}...({cut} characters cut)...{message[-(MAX_MESSAGE // 2 - 40) :]}"
+
 
 class ServiceError(Exception):
-    """A request the service refused or could not answer. ``retry_after``: seconds a client should wait."""
+    """A request the service refused or could not answer. ``retry_after``: seconds a client should wait.
+    ``message`` is what the client reads: at most ``MAX_MESSAGE`` characters, whatever was quoted into it."""
 
     retry_after: int | None = None
 
     def __init__(self, message: str, retry_after: int | None = None) -> None:
+        message = bounded(message)
         super().__init__(message)
         self.message = message
         if retry_after is not None:

@@ -6,14 +6,14 @@ import logging
 
 from starlette.responses import JSONResponse
 
-from service.errors import ServiceError, http_status
+from service.errors import ServiceError, bounded, http_status
 
 log = logging.getLogger("addnorm.service")
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    """The one shape of every error the API returns."""
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
+    """The one shape of every error the API returns (its message bounded, as a domain error's is)."""
+    return JSONResponse({"error": bounded(message)}, status_code=status, headers=headers)
 
 
 def from_error(exc: ServiceError) -> JSONResponse:

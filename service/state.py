@@ -12,7 +12,7 @@ from fastapi import Depends, Request
 from model.golden import Verification
 from service.batcher import Batcher
 from service.engine import Engine
-from service.errors import NotFound, NotReady
+from service.errors import NotFound, NotReady, quote
 from service.metrics import Metrics
 from service.settings import Settings
 from service.statistics import ModelStatistics
@@ -71,7 +71,7 @@ class Models:
         try:
             return self.slots[name]
         except KeyError:
-            raise NotFound(f"unknown model {name!r}; this server serves {sorted(self.slots)}") from None
+            raise NotFound(f"unknown model {quote(name)}; this server serves {sorted(self.slots)}") from None
 
     def get(self, name: str | None = None) -> ServingModel:
         """The named model (the default for None), loaded; NotFound or NotReady otherwise."""

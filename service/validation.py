@@ -47,9 +47,3 @@ def check_batch(x: np.ndarray, mask: np.ndarray | None, d_model: int, max_elemen
         raise BadInput(
             f"{MASK} shape {list(mask.shape)} does not match {EMBEDDINGS} [batch, seq] {list(x.shape[:2])}"
         )
-
-
-def show(value: object, limit: int = 40) -> str:
-    """A client's value in an error message, cut short: a megabyte string must not come back in the error."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -18,8 +18,8 @@ import orjson
 
 from model.contract import EMBEDDINGS, ENCODED, MASK
 from service.batcher import Outputs
-from service.errors import BadInput, NotAcceptable, UnsupportedMediaType
-from service.validation import check_batch, parse_json, show
+from service.errors import BadInput, NotAcceptable, UnsupportedMediaType, quote
+from service.validation import check_batch, parse_json
 
 MODEL = "model"
 _FIELDS = {EMBEDDINGS, MASK, MODEL}
@@ -57,9 +57,9 @@ def decode_json(body: bytes, d_model: DModel, max_elements: int, model: str | No
     named = doc.get(MODEL)
     if named is not None:
         if not isinstance(named, str):
-            raise BadInput(f"{MODEL!r} must be a model's name (a string), got {show(named)}")
+            raise BadInput(f"{MODEL!r} must be a model's name (a string), got {quote(named)}")
         if model is not None and model != named:
-            raise BadInput(f"the body names model {named!r} but the query names {model!r}")
+            raise BadInput(f"the body names model {quote(named)} but the query names {quote(model)}")
         model = named
     width = _width(d_model, model)
     if EMBEDDINGS not in doc:
@@ -217,7 +217,7 @@ def decode(
     elif media == NPY:
         x = _decode_npy(body)
     else:
-        raise UnsupportedMediaType(f"unsupported Content-Type {show(media)}; use {JSON}, {OCTET} or {NPY}")
+        raise UnsupportedMediaType(f"unsupported Content-Type {quote(media)}; use {JSON}, {OCTET} or {NPY}")
     squeeze = x.ndim == 2
     if squeeze:
         x = x[None]
@@ -234,7 +234,7 @@ def _decode_raw(body: bytes, shape_header: str | None) -> np.ndarray:
     try:
         shape = tuple(int(d) for d in shape_header.split(","))
     except ValueError:
-        raise BadInput(f"X-Shape must be comma-separated integers, got {show(shape_header)}") from None
+        raise BadInput(f"X-Shape must be comma-separated integers, got {quote(shape_header)}") from None
     if len(shape) not in (2, 3) or min(shape) <= 0:
         raise BadInput(f"X-Shape must be 2 or 3 positive integers ([batch,] seq, d_model), got {list(shape)}")
     expected = math.prod(shape) * 4
@@ -243,11 +243,24 @@ def _decode_raw(body: bytes, shape_header: str | None) -> np.ndarray:
     return np.frombuffer(body, dtype="<f4").reshape(shape)  # zero-copy view
 
 
+def _npy_problem(body: bytes, exc: Exception) -> str:
+    """What is wrong with a .npy body, in words: numpy's own message can hold the repr of its parser's objects
+    (``<ast.Call object at 0x...>``, for a header holding an expression), which no error may show."""
+    if not body.startswith(b"\x93NUMPY"):
+        return "it does not start with the .npy magic string (\\x93NUMPY)"
+    text = (str(exc).splitlines() or [""])[0]
+    if not text or " at 0x" in text or "header" in text.lower() or isinstance(exc, SyntaxError):
+        return (
+            "its header must be a dict literal of 'descr', 'fortran_order' and 'shape' (np.save writes one)"
+        )
+    return text[:200]
+
+
 def _decode_npy(body: bytes) -> np.ndarray:
     try:
         arr = np.load(io.BytesIO(body), allow_pickle=False)
-    except Exception as exc:  # numpy raises ValueError/OSError/EOFError for bad .npy data
-        raise BadInput(f"body is not a valid .npy array: {exc}") from None
+    except Exception as exc:  # numpy raises ValueError/OSError/EOFError/SyntaxError for bad .npy data
+        raise BadInput(f"body is not a valid .npy array: {_npy_problem(body, exc)}") from None
     if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iuf":
         raise BadInput(f".npy array must hold numbers, got dtype {getattr(arr, 'dtype', type(arr))}")
     if arr.ndim not in (2, 3):
@@ -263,10 +276,10 @@ def _lengths_mask(header: str | None, shape: tuple[int, ...]) -> np.ndarray | No
     try:
         lengths = np.array([int(n) for n in header.split(",")])
     except ValueError:
-        raise BadInput(f"X-Lengths must be comma-separated integers, got {show(header)}") from None
+        raise BadInput(f"X-Lengths must be comma-separated integers, got {quote(header)}") from None
     b, s = shape[0], shape[1]
     if lengths.shape != (b,) or (lengths < 1).any() or (lengths > s).any():
-        raise BadInput(f"X-Lengths must give {b} length(s), each in 1..{s}, got {show(header)}")
+        raise BadInput(f"X-Lengths must give {b} length(s), each in 1..{s}, got {quote(header)}")
     return np.arange(s)[None, :] >= lengths[:, None]
 
 
@@ -280,7 +293,7 @@ def negotiate(accept: str | None) -> str:
             return media
         if media in ("*/*", "application/*"):
             return JSON
-    raise NotAcceptable(f"cannot answer with Accept {show(accept)}; acceptable: {', '.join(MEDIA)}")
+    raise NotAcceptable(f"cannot answer with Accept {quote(accept)}; acceptable: {', '.join(MEDIA)}")
 
 
 def encode(req: EncodeRequest, outputs: Outputs, media: str, model: str) -> tuple[bytes, dict[str, str]]:

@@ -19,10 +19,9 @@ import orjson
 from model.artifact import Manifest
 from model.contract import EMBEDDINGS, MASK, api_specs
 from service.batcher import Outputs
-from service.errors import BadInput, NotFound, TooLarge, UnsupportedMediaType
+from service.errors import BadInput, NotFound, TooLarge, UnsupportedMediaType, quote
 from service.state import READY, Models
 from service.validation import check_batch, parse_json
-from service.validation import show as _show
 
 HEADER_LENGTH = "inference-header-content-length"
 VERSION = "1"  # an artifact is one model version
@@ -56,7 +55,7 @@ def decompress(body: bytes, encoding: str | None, max_bytes: int) -> bytes:
         return body
     if encoding not in ("gzip", "deflate"):
         raise UnsupportedMediaType(
-            f"unsupported Content-Encoding {_show(encoding)}; use gzip, deflate or none"
+            f"unsupported Content-Encoding {quote(encoding)}; use gzip, deflate or none"
         )
     wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
     d = zlib.decompressobj(wbits)
@@ -77,7 +76,9 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
     try:
         n = int(header_length)
     except ValueError:
-        raise BadInput(f"Inference-Header-Content-Length must be an integer, got {header_length!r}") from None
+        raise BadInput(
+            f"Inference-Header-Content-Length must be an integer, got {quote(header_length)}"
+        ) from None
     if not 0 < n <= len(body):
         raise BadInput(f"Inference-Header-Content-Length {n} does not fit a body of {len(body)} bytes")
     view = memoryview(body)
@@ -93,7 +94,7 @@ def decode_infer(
         raise BadInput("inference request must be a JSON object")
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:
-        raise BadInput(f"inference request needs a non-empty 'inputs' array, got {_show(inputs)}")
+        raise BadInput(f"inference request needs a non-empty 'inputs' array, got {quote(inputs)}")
     params = _object(doc, "parameters", "request")
     known = [s.name for s in manifest.inputs]
     tensors: dict[str, np.ndarray] = {}
@@ -139,10 +140,10 @@ def tensor_type(name: str, shape: object, datatype: object, max_elements: int) -
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
-        raise BadInput(f"input {name!r}: 'shape' must be a list of non-negative integers, got {_show(shape)}")
+        raise BadInput(f"input {name!r}: 'shape' must be a list of non-negative integers, got {quote(shape)}")
     if not isinstance(datatype, str) or datatype not in DTYPES:
         raise BadInput(
-            f"input {name!r}: datatype {_show(datatype)} is not supported here; use one of {sorted(DTYPES)}"
+            f"input {name!r}: datatype {quote(datatype)} is not supported here; use one of {sorted(DTYPES)}"
         )
     count = math.prod(shape)  # Python ints: a hostile shape cannot overflow into a small count
     if count > max_elements or any(d > max_elements for d in shape):  # [0, 2**62] has count 0
@@ -211,7 +212,7 @@ def _requested_outputs(outputs: object, params: dict, names: list[str]) -> list[
     if outputs is None:
         return [RequestedOutput(n, default_binary) for n in names]
     if not isinstance(outputs, list):
-        raise BadInput(f"'outputs' must be an array, got {_show(outputs)}")
+        raise BadInput(f"'outputs' must be an array, got {quote(outputs)}")
     chosen: list[RequestedOutput] = []
     for i, entry in enumerate(outputs):
         out, name = _named(entry, f"outputs[{i}]", "output", names, [c.name for c in chosen])
@@ -225,12 +226,12 @@ def _requested_outputs(outputs: object, params: dict, names: list[str]) -> list[
 def _named(entry: object, where: str, kind: str, known: list[str], seen: Collection[str]) -> tuple[dict, str]:
     """An ``inputs``/``outputs`` entry: an object whose string ``name`` is one of ``known`` and not in ``seen``."""
     if not isinstance(entry, dict):
-        raise BadInput(f"{where} must be an object, got {_show(entry)}")
+        raise BadInput(f"{where} must be an object, got {quote(entry)}")
     name = entry.get("name")
     if not isinstance(name, str):
-        raise BadInput(f"{where}.name must be a string, got {_show(name)}")
+        raise BadInput(f"{where}.name must be a string, got {quote(name)}")
     if name not in known:
-        raise BadInput(f"{where}.name: unknown {kind} {_show(name)}; this model has {sorted(known)}")
+        raise BadInput(f"{where}.name: unknown {kind} {quote(name)}; this model has {sorted(known)}")
     if name in seen:
         raise BadInput(f"{where}: {kind} {name!r} is given twice")
     return entry, name
@@ -242,7 +243,7 @@ def _object(doc: dict, key: str, where: str) -> dict:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise BadInput(f"{where}.{key} must be an object, got {_show(value)}")
+        raise BadInput(f"{where}.{key} must be an object, got {quote(value)}")
     return value
 
 
@@ -250,7 +251,7 @@ def _bool(params: dict, key: str, where: str, default: bool) -> bool:
     """A JSON boolean: the string "false" is not false."""
     value = params.get(key, default)
     if not isinstance(value, bool):
-        raise BadInput(f"{where}.{key} must be true or false, got {_show(value)}")
+        raise BadInput(f"{where}.{key} must be true or false, got {quote(value)}")
     return value
 
 
@@ -258,7 +259,7 @@ def _request_id(value: object) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise BadInput(f"'id' must be a string, got {_show(value)}")
+        raise BadInput(f"'id' must be a string, got {quote(value)}")
     return value
 
 
@@ -267,7 +268,7 @@ def _timeout(value: object) -> float | None:
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise BadInput(f"parameters.timeout must be a positive integer (microseconds), got {_show(value)}")
+        raise BadInput(f"parameters.timeout must be a positive integer (microseconds), got {quote(value)}")
     return value / 1e6
 
 
@@ -323,7 +324,7 @@ def _v2_name(dtype: np.dtype) -> str:
 def check_version(name: str, version: str | None) -> None:
     """404 for any version but this server's one (empty or absent means it)."""
     if version not in (None, "", VERSION):
-        raise NotFound(f"unknown version {version!r} of model {name!r}; available: [{VERSION!r}]")
+        raise NotFound(f"unknown version {quote(version)} of model {quote(name)}; available: [{VERSION!r}]")
 
 
 def repository_index(models: Models, ready_only: bool = False) -> list[dict]:

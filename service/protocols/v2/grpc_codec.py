@@ -14,10 +14,9 @@ from google.protobuf.message import Message
 
 from model.artifact import Manifest
 from service.batcher import Outputs
-from service.errors import BadInput
+from service.errors import BadInput, quote
 from service.protocols.v2 import codec
 from service.protocols.v2 import inference_pb2 as pb
-from service.validation import show
 
 # datatype -> the typed contents field that carries it (FP16 has none: it travels raw)
 _TYPED = {"FP32": "fp32_contents", "FP64": "fp64_contents", "BOOL": "bool_contents"}
@@ -59,7 +58,7 @@ def decode_infer(req: pb.ModelInferRequest, manifest: Manifest, max_elements: in
 
 def _named(name: str, kind: str, known: list[str], seen) -> str:
     if name not in known:
-        raise BadInput(f"unknown {kind} {show(name)}; this model has {sorted(known)}")
+        raise BadInput(f"unknown {kind} {quote(name)}; this model has {sorted(known)}")
     if name in seen:
         raise BadInput(f"{kind} {name!r} is given twice")
     return name
@@ -86,7 +85,7 @@ def _timeout(req: pb.ModelInferRequest) -> float | None:
     param = req.parameters["timeout"]
     value = getattr(param, param.WhichOneof("parameter_choice") or "int64_param")
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise BadInput(f"parameters.timeout must be a positive integer (microseconds), got {show(value)}")
+        raise BadInput(f"parameters.timeout must be a positive integer (microseconds), got {quote(value)}")
     return value / 1e6
 
 
