@@ -47,3 +47,20 @@ def check_batch(x: np.ndarray, mask: np.ndarray | None, d_model: int, max_elemen
         raise BadInput(
             f"{MASK} shape {list(mask.shape)} does not match {EMBEDDINGS} [batch, seq] {list(x.shape[:2])}"
         )
+
+
+def holds_literal(data: list) -> bool:
+    """Whether a parsed JSON array (lists in lists) holds true, false or null anywhere: numpy reads true and false
+    as 1 and 0, so numeric data is checked before it is converted. One C-speed ``map`` per inner list."""
+    stack = [data]
+    while stack:
+        level = stack.pop()
+        types = set(map(type, level))
+        if bool in types or _NONE in types:
+            return True
+        if list in types:
+            stack.extend(x for x in level if type(x) is list)
+    return False
+
+
+_NONE = type(None)

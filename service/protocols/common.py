@@ -1,21 +1,69 @@
-"""Request plumbing the HTTP protocols share: bounded body reads, the request core's Call for an HTTP request,
-timing headers."""
+"""Request plumbing the HTTP protocols share: bounded body reads (with their Content-Encoding undone), the request
+core's Call for an HTTP request, timing headers."""
 
 from __future__ import annotations
 
 import asyncio
+import zlib
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from service.batcher import Timings
-from service.errors import BadInput, ClientGone, TooLarge
-from service.inference import Call
+from service.errors import BadInput, ClientGone, TooLarge, UnsupportedMediaType, quote
+from service.inference import OFFLOAD_BYTES, Call
 from service.transport import DISCONNECT, Disconnect
+
+_CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+def content_coding(value: str | None) -> str | None:
+    """The body's content coding, from its Content-Encoding: None for none or identity, else gzip or deflate
+    (tritonclient's request_compression_algorithm). Codings are case-insensitive and x-gzip is gzip (RFC 9110
+    8.4.1); any other, or more than one, is 415: a body in a coding this server cannot undo is never read as if
+    it were plain."""
+    if value is None:
+        return None
+    codings = [c for c in (t.strip().lower() for t in value.split(",")) if c and c != "identity"]
+    if not codings:
+        return None
+    if len(codings) > 1 or codings[0] not in _CODINGS:
+        raise UnsupportedMediaType(f"unsupported Content-Encoding {quote(value)}; use gzip, deflate or none")
+    return codings[0]
+
+
+def inflate(body: bytes, coding: str, max_bytes: int) -> bytes:
+    """Undo a gzip or deflate body, refusing more than ``max_bytes`` out. Every gzip member is read (RFC 1952
+    2.2: a gzip file may be several members, which ``gzip -d`` joins); anything after the end that is not
+    another member is refused, never dropped."""
+    parts, total, data, member = [], 0, body, 0
+    while True:
+        d = zlib.decompressobj(_CODINGS[coding])
+        member += 1
+        where = f" (member {member})" if member > 1 else ""
+        try:
+            part = d.decompress(data, max_bytes + 1 - total)
+        except zlib.error as exc:
+            raise BadInput(f"body is not valid {coding} data{where}: {exc}") from None
+        total += len(part)
+        if total > max_bytes:
+            raise TooLarge(
+                f"decompressed body is above the limit of {max_bytes} bytes (ADDNORM_MAX_BODY_BYTES)"
+            )
+        if not d.eof:
+            raise BadInput(f"body is truncated {coding} data{where}")
+        parts.append(part)
+        data = d.unused_data
+        if not data:
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        if coding == "deflate":
+            raise BadInput(f"{len(data)} byte(s) follow the end of the deflate data")
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The request body, refusing more than ``max_bytes`` before reading it all."""
+    """The request body, its Content-Encoding undone (415 for one not supported, before reading), refusing
+    more than ``max_bytes`` before reading it all, and more than ``max_bytes`` once inflated."""
+    coding = content_coding(request.headers.get("content-encoding"))
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -37,7 +85,12 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
             chunks.append(chunk)
     except ClientDisconnect:
         raise ClientGone from None
-    return b"".join(chunks)
+    body = b"".join(chunks)
+    if coding is None:
+        return body
+    if len(body) > OFFLOAD_BYTES // 4:  # zlib lets go of the GIL: off the event loop, a thread inflates it
+        return await asyncio.to_thread(inflate, body, coding, max_bytes)
+    return inflate(body, coding, max_bytes)
 
 
 def http_call(request: Request, protocol: str, started: float, named: str | None = None) -> Call:

@@ -1,6 +1,9 @@
 """The HTTP API in-process: health, /v1, and error mapping (every error is JSON {"error": ...})."""
 
+import gzip
+import json
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -246,6 +249,68 @@ def test_compressed_body_cannot_expand_past_the_limit(client):
     assert len(bomb) < 200_000
     r = client.post("/v2/models/encoder/infer", content=bomb, headers={"content-encoding": "gzip"})
     assert r.status_code == 413 and "decompressed" in r.json()["error"]
+
+
+_V1_DOC = json.dumps({"embeddings": [[0.5] * 32]}).encode()
+_V2_DOC = json.dumps(
+    {"inputs": [{"name": "embeddings", "shape": [1, 1, 32], "datatype": "FP32", "data": [0.5] * 32}]}
+).encode()
+
+
+@pytest.mark.parametrize(
+    "path, doc", [("/v1/encode", _V1_DOC), ("/v2/models/encoder/infer", _V2_DOC)], ids=["v1", "v2"]
+)
+@pytest.mark.parametrize(
+    "encoding, body, status",
+    [
+        ("gzip", lambda d: gzip.compress(d), 200),
+        ("GZIP", lambda d: gzip.compress(d), 200),  # codings are case-insensitive (RFC 9110 8.4.1)
+        ("x-gzip", lambda d: gzip.compress(d), 200),
+        ("deflate", lambda d: zlib.compress(d), 200),
+        ("identity", lambda d: d, 200),
+        ("br", lambda d: d, 415),  # was read as plain JSON by /v1
+        ("gzip, gzip", lambda d: gzip.compress(gzip.compress(d)), 415),
+        ("gzip", lambda d: gzip.compress(d[:10]) + gzip.compress(d[10:]), 200),  # two members, joined
+        ("gzip", lambda d: gzip.compress(d) + b"trailing junk", 400),  # was dropped silently
+        ("gzip", lambda d: gzip.compress(d)[:-4], 400),
+        ("deflate", lambda d: zlib.compress(d) + b"x", 400),
+    ],
+    ids=[
+        "gzip",
+        "GZIP",
+        "x-gzip",
+        "deflate",
+        "identity",
+        "br",
+        "two-codings",
+        "two-members",
+        "junk",
+        "truncated",
+        "deflate-junk",
+    ],
+)
+def test_content_encoding_is_decided_alike_on_both_protocols(client, path, doc, encoding, body, status):
+    r = client.post(
+        path, content=body(doc), headers={"content-encoding": encoding, "content-type": "application/json"}
+    )
+    assert r.status_code == status, r.text
+    if status != 200:
+        assert r.json()["error"]
+
+
+def test_numbers_and_booleans_do_not_mix(client):
+    """V2 FP32 data holding true was read as 1.0; /v1 already refused it, and no longer refuses a model name
+    that merely contains the word (its check counted literals in the raw body)."""
+    doc = json.loads(_V2_DOC)
+    doc["inputs"][0]["data"][3] = True
+    r = client.post("/v2/models/encoder/infer", json=doc)
+    assert r.status_code == 400 and "only numbers" in r.json()["error"]
+    doc["inputs"][0]["data"] = [[[0.5] * 31 + [False]]]
+    assert client.post("/v2/models/encoder/infer", json=doc).status_code == 400
+    r = client.post("/v1/encode", json={"embeddings": [[0.5] * 31 + [True]]})
+    assert r.status_code == 400 and "only numbers" in r.json()["error"]
+    r = client.post("/v1/encode", json={"embeddings": [[0.5] * 32], "model": "untrue"})
+    assert r.status_code == 404 and "untrue" in r.json()["error"]  # an unknown name, not "only numbers"
 
 
 def test_json_logs_carry_the_request_id(tiny_artifact, capsys):

@@ -19,7 +19,7 @@ import orjson
 from model.contract import EMBEDDINGS, ENCODED, MASK
 from service.batcher import Outputs
 from service.errors import BadInput, NotAcceptable, UnsupportedMediaType, quote
-from service.validation import check_batch, parse_json
+from service.validation import check_batch, holds_literal, parse_json
 
 MODEL = "model"
 _FIELDS = {EMBEDDINGS, MASK, MODEL}
@@ -72,7 +72,7 @@ def decode_json(body: bytes, d_model: DModel, max_elements: int, model: str | No
     # JSON true/false/null in embeddings would pass through numpy as 1/0/object; only the mask may hold them.
     mask = _decode_mask(mask_data)
     allowed = (mask.size if mask is not None else 0) + (1 if MASK in doc and mask_data is None else 0)
-    if sum(body.count(lit) for lit in _LITERALS) > allowed:
+    if sum(body.count(lit) for lit in _LITERALS) > allowed and (holds_literal(data)):
         raise BadInput("embeddings must hold only numbers (found true, false or null)")
 
     depth = _depth(data)

@@ -100,7 +100,7 @@ _ENCODE_DOC = {
                 404: "unknown model",
                 406: "no acceptable response media type",
                 413: "request above the size limits",
-                415: "unsupported Content-Type",
+                415: "unsupported Content-Type or Content-Encoding",
                 429: "queue full; retry after Retry-After seconds",
                 503: "model not loaded yet",
                 504: "not answered within the request timeout",

@@ -9,7 +9,6 @@ read with ``np.frombuffer`` (no copy, no Python lists) and written with ``tobyte
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -19,9 +18,9 @@ import orjson
 from model.artifact import Manifest
 from model.contract import EMBEDDINGS, MASK, api_specs
 from service.batcher import Outputs
-from service.errors import BadInput, NotFound, TooLarge, UnsupportedMediaType, quote
+from service.errors import BadInput, NotFound, TooLarge, quote
 from service.state import READY, Models
-from service.validation import check_batch, parse_json
+from service.validation import check_batch, holds_literal, parse_json
 
 HEADER_LENGTH = "inference-header-content-length"
 VERSION = "1"  # an artifact is one model version
@@ -47,27 +46,6 @@ class InferRequest:
     outputs: list[RequestedOutput]
     timeout_s: float | None = None
     parameters: dict = field(default_factory=dict)
-
-
-def decompress(body: bytes, encoding: str | None, max_bytes: int) -> bytes:
-    """Undo a gzip/deflate Content-Encoding (tritonclient's request_compression_algorithm), bounded."""
-    if not encoding or encoding == "identity":
-        return body
-    if encoding not in ("gzip", "deflate"):
-        raise UnsupportedMediaType(
-            f"unsupported Content-Encoding {quote(encoding)}; use gzip, deflate or none"
-        )
-    wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
-    d = zlib.decompressobj(wbits)
-    try:
-        out = d.decompress(body, max_bytes + 1)
-    except zlib.error as exc:
-        raise BadInput(f"body is not valid {encoding} data: {exc}") from None
-    if len(out) > max_bytes:
-        raise TooLarge(f"decompressed body is above the limit of {max_bytes} bytes (ADDNORM_MAX_BODY_BYTES)")
-    if not d.eof:
-        raise BadInput(f"body is truncated {encoding} data")
-    return out
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
@@ -99,9 +77,10 @@ def decode_infer(
     known = [s.name for s in manifest.inputs]
     tensors: dict[str, np.ndarray] = {}
     offset = 0
+    literals = b"true" in header or b"false" in header  # else no numeric data can hold one: no scan
     for i, entry in enumerate(inputs):
         spec, name = _named(entry, f"inputs[{i}]", "input", known, tensors)
-        tensors[name], offset = _decode_tensor(spec, binary, offset, max_elements)
+        tensors[name], offset = _decode_tensor(spec, binary, offset, max_elements, literals)
     if offset != len(binary):
         raise BadInput(
             f"{len(binary) - offset} byte(s) of binary data follow the inputs that no input claims"
@@ -164,7 +143,10 @@ def from_bytes(
     return arr.view(np.uint8) != 0 if dtype == np.bool_ else arr
 
 
-def _decode_tensor(spec: dict, binary: memoryview, offset: int, max_elements: int) -> tuple[np.ndarray, int]:
+def _decode_tensor(
+    spec: dict, binary: memoryview, offset: int, max_elements: int, literals: bool
+) -> tuple[np.ndarray, int]:
+    """One input, from its JSON ``data`` or its binary bytes (``literals``: the header holds a true or false)."""
     name = spec["name"]
     shape, datatype = spec.get("shape"), spec.get("datatype")
     dtype, count = tensor_type(name, shape, datatype, max_elements)
@@ -184,11 +166,11 @@ def _decode_tensor(spec: dict, binary: memoryview, offset: int, max_elements: in
         return from_bytes(name, binary[offset : offset + size], shape, dtype, count), offset + size
     if "data" not in spec:
         raise BadInput(f"input {name!r} has neither 'data' nor parameters.binary_data_size")
-    return _json_tensor(name, spec["data"], shape, datatype, dtype, count), offset
+    return _json_tensor(name, spec["data"], shape, datatype, dtype, count, literals), offset
 
 
 def _json_tensor(
-    name: str, data: object, shape: list[int], datatype: str, dtype: np.dtype, count: int
+    name: str, data: object, shape: list[int], datatype: str, dtype: np.dtype, count: int, literals: bool
 ) -> np.ndarray:
     if not isinstance(data, list):
         raise BadInput(f"input {name!r}: 'data' must be an array (flat or nested, row-major)")
@@ -199,8 +181,8 @@ def _json_tensor(
     if datatype == "BOOL":
         if arr.size and arr.dtype != np.bool_:
             raise BadInput(f"input {name!r}: BOOL data must hold only true/false")
-    elif arr.size and arr.dtype.kind not in "iuf":
-        raise BadInput(f"input {name!r}: {datatype} data must hold only numbers")
+    elif arr.size and (arr.dtype.kind not in "iuf" or literals and holds_literal(data)):
+        raise BadInput(f"input {name!r}: {datatype} data must hold only numbers (true and false are not)")
     if arr.size != count:
         raise BadInput(f"input {name!r}: 'data' has {arr.size} element(s) but shape {shape} needs {count}")
     with np.errstate(over="ignore"):

@@ -222,9 +222,10 @@ async def handle_infer(request: Request, loaded: KnownModels, params: dict[str, 
     body = await read_body(request, settings.max_body_bytes)
 
     def decode(models: Models) -> codec.InferRequest:
-        raw = codec.decompress(body, request.headers.get("content-encoding"), settings.max_body_bytes)
         header_length = request.headers.get(codec.HEADER_LENGTH)
-        return codec.decode_infer(raw, header_length, models.get(name).engine.manifest, settings.max_elements)
+        return codec.decode_infer(
+            body, header_length, models.get(name).engine.manifest, settings.max_elements
+        )
 
     def encode(req: codec.InferRequest, model: ServingModel, outputs: Outputs) -> tuple[bytes, dict]:
         return codec.encode_infer(req, model.name, outputs)
