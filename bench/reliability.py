@@ -290,15 +290,22 @@ def soak(
 
 
 def burst(
-    artifact: Path, n: int = 16, seq: int = 4096, settle_s: float = 10.0, flags: tuple[str, ...] = ()
+    artifact: Path,
+    n: int = 16,
+    seq: int = 4096,
+    settle_s: float = 10.0,
+    flags: tuple[str, ...] = (),
+    padded: bool = False,
 ) -> dict:
-    """Resident memory before, at the peak of, and after ``n`` concurrent [1, seq, d_model] requests."""
+    """Resident memory before, at the peak of, and after ``n`` concurrent [1, seq, d_model] requests (``padded``:
+    each with its last position masked, which makes every attention form hold its seq x seq tensors)."""
     e = Manifest.load(artifact).config.d_model
     x = np.random.default_rng(0).standard_normal((1, seq, e)).astype("<f4")
     headers = {
         "Content-Type": "application/octet-stream",
         "X-Shape": f"1,{seq},{e}",
         "Accept": "application/octet-stream",
+        **({"X-Lengths": str(seq - 1)} if padded else {}),
     }
     with serve(artifact, "--request-timeout-s", "600", *flags) as srv:
         pid, request = srv.proc.pid, build_request(HOST, srv.port, "/v1/encode", x.tobytes(), headers)
@@ -325,7 +332,8 @@ def burst(
         out["burst_s"] = time.perf_counter() - start
         out["peak_mb"] = peak
         out["after_1s_mb"] = (time.sleep(1.0), proc_rss_mb(pid))[1]
-        time.sleep(max(0.0, settle_s - 1.0))
+        out["after_2s_mb"] = (time.sleep(1.0), proc_rss_mb(pid))[1]
+        time.sleep(max(0.0, settle_s - 2.0))
         out[f"after_{settle_s:g}s_mb"] = proc_rss_mb(pid)
         out["after_over_before"] = out[f"after_{settle_s:g}s_mb"] / out["before_mb"]
     return out

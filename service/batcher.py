@@ -30,6 +30,9 @@ from model.attention import score_elements
 from service.errors import InferenceFailed, Overloaded, ServiceError, ShuttingDown, TimedOut, TooLarge
 
 log = logging.getLogger("addnorm.batcher")
+# After this long without work following a run, the model may give back the memory its runs held (its ``release``,
+# when it has one: ``Engine.release`` decides whether there is any to give).
+RELEASE_IDLE_S = 1.0
 
 Outputs = dict[str, np.ndarray]  # output name -> (B, S, ...) array
 
@@ -127,6 +130,9 @@ class Batcher:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        self._release = getattr(model, "release", None)
+        self._ran_since_release = False
+        self._idle_due = False  # _take waited RELEASE_IDLE_S for work after a run, and none came
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -228,7 +234,10 @@ class Batcher:
             if batch is None:
                 return
             if not batch:
+                if self._idle_due:
+                    self._idle()
                 continue
+            self._ran_since_release = True
             try:
                 out = self.model.run(x, mask)
             except ServiceError as exc:
@@ -255,6 +264,15 @@ class Batcher:
                 self._post(self._deliver, *done)
                 done = None
 
+    def _idle(self) -> None:
+        """The model has had no work for RELEASE_IDLE_S after a run: let it give back what its runs held."""
+        self._ran_since_release = self._idle_due = False
+        try:
+            if self._release():
+                log.debug("idle for %g s: gave back the memory of the last runs", RELEASE_IDLE_S)
+        except Exception:  # never the thread
+            log.exception("releasing the model's memory failed")
+
     def _post(self, fn: Callable[..., None], *args: object) -> None:
         """Run ``fn(*args)`` on the event loop; dropped if the loop is already closed (the process is ending)."""
         try:
@@ -272,11 +290,16 @@ class Batcher:
             self.observer.batch_done(total_rows, len(batch), elapsed, merge_s, split_s)
 
     def _take(self, wait: bool = True) -> list[_Item] | None:
-        """Wait for a first request (``wait``; else return [] when none is queued), then up to max_delay for more,
-        and take what fits; None once stopped."""
+        """Wait for a first request (``wait``; else return [] when none is queued; [] too after RELEASE_IDLE_S
+        without one following a run), then up to max_delay for more, and take what fits; None once stopped."""
         with self._ready:
             while wait and not self._queue and not self._closed:
-                self._ready.wait()
+                if self._release is not None and self._ran_since_release:
+                    if not self._ready.wait(RELEASE_IDLE_S) and not self._queue:
+                        self._idle_due = True  # idle that long: the caller lets the model release its memory
+                        return []
+                else:
+                    self._ready.wait()
             if self._closed:
                 return None
             if not self._queue:

@@ -18,10 +18,14 @@ from service import memory
 
 log = logging.getLogger("addnorm.engine")
 
-# A run whose seq x seq tensors (model.attention.score_elements) exceed this many elements gives its arena memory
-# back when it ends: one [1, 4096, 768] decomposed run otherwise leaves ~2.5 GB held for good. Smaller runs keep
-# the arena warm, since shrinking after each costs them ~16% at [8, 128, 768] (measured: docs/reliability.md).
-SHRINK_ABOVE_ATTENTION = 32 * 1024 * 1024
+# Memory a run's activations need (``Engine.working_bytes``) stays in onnxruntime's arena after the run, for the next.
+# Ordinary runs keep it warm: the first run after a shrink pays for regrowing it, 10-36% (docs/reliability.md). A
+# run above SHRINK_EACH_ABOVE_BYTES gives it back as it ends (one [1, 4096, 768] decomposed run otherwise leaves
+# ~2.5 GB held); after a run above RELEASE_ABOVE_BYTES the arena is given back once the model goes idle
+# (``release``, which the batcher calls after RELEASE_IDLE_S without work): a burst of long sequences leaves
+# nothing behind, and steady traffic, never idle that long, never pays for regrowing.
+SHRINK_EACH_ABOVE_BYTES = 512 * 1024 * 1024
+RELEASE_ABOVE_BYTES = 64 * 1024 * 1024
 
 
 class EngineError(RuntimeError):
@@ -142,6 +146,7 @@ class Engine:
         self.output_names = [o.name for o in self.manifest.outputs]
         self.heads = self.manifest.config.nhead
         self.attention = self.manifest.attention
+        self._grown = False  # a run above RELEASE_ABOVE_BYTES came since the last release
         self._shrink = ort.RunOptions()
         arenas = ["cpu:0", *(["gpu:0"] if self.providers[0] == CUDA else [])]
         self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", ";".join(arenas))
@@ -160,12 +165,38 @@ class Engine:
     def name(self) -> str:
         return self.manifest.name
 
+    def working_bytes(self, rows: int, seq: int, padded: bool) -> int:
+        """About the activation memory a run of ``rows`` x ``seq`` holds at its peak: per position the block's
+        [E]- and [FFN]-wide intermediates (4 E + 2 FFN values: measured 1.1x of this for mha at d768), plus the
+        attention form's seq x seq tensors (model.attention)."""
+        c = self.manifest.config
+        values = rows * seq * (4 * c.d_model + 2 * c.dim_feedforward)
+        return self.input_dtype.itemsize * (
+            values + score_elements(self.attention, rows, self.heads, seq, padded)
+        )
+
+    def release(self) -> bool:
+        """Give the arena and the C heap's free pages back after a run above RELEASE_ABOVE_BYTES (one run of a
+        single position with onnxruntime's arena shrink, then ``malloc_trim``); nothing when no such run came
+        since the last release. Called on the thread that runs the model. True when it released."""
+        if not self._grown:
+            return False
+        self._grown = False
+        feed = {EMBEDDINGS: np.zeros((1, 1, self.d_model), self.input_dtype), MASK: np.zeros((1, 1), bool)}
+        if not self.batch_first:
+            feed[EMBEDDINGS] = feed[EMBEDDINGS].transpose(1, 0, 2)
+        self.session.run(self.output_names, feed, self._shrink)
+        memory.trim()
+        return True
+
     def run(self, embeddings: np.ndarray, mask: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """embeddings (B, S, E) batch-first -> every output by name, batch-first float32 (padding included)."""
         b, s, _ = embeddings.shape
         if mask is None:
             mask = np.zeros((b, s), dtype=bool)
-        big = score_elements(self.attention, b, self.heads, s, bool(mask.any())) > SHRINK_ABOVE_ATTENTION
+        working = self.working_bytes(b, s, bool(mask.any()))
+        big = working > SHRINK_EACH_ABOVE_BYTES
+        self._grown = self._grown or working > RELEASE_ABOVE_BYTES
         x = embeddings.astype(self.input_dtype, copy=False)
         if not self.batch_first:
             x = x.transpose(1, 0, 2)  # the graph takes (S, B, E)

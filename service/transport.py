@@ -12,7 +12,10 @@ a client still writing loses the 413 it was sent.
 Requests pipelined on one connection are answered in order, and a malformed one among them is answered (JSON
 400) only after every complete request before it. A request may not switch protocols: ``Upgrade`` (websocket,
 h2c) is never handed off; the request is answered as plain HTTP and the connection closes after it, so it never
-leaves these deadlines (one with a body gets a JSON 400: the parser gives the body to the other protocol). A transfer coding other than ``chunked`` is refused (501, RFC 9112 6.1).
+leaves these deadlines (one with a body gets a JSON 400: the parser gives the body to the other protocol).
+A transfer coding other than ``chunked`` is refused with a 400 (RFC 9112 6.1 suggests 501; every bad request
+here is a 4xx). A client that half-closes (``shutdown(SHUT_WR)``) is taken to be gone, as nginx and Go's
+net/http take it: its queued requests are dropped unrun (499).
 Each request's scope carries a ``Disconnect`` (key ``DISCONNECT``) that the connection fires when its client goes
 away, so a handler waiting for a model run is cancelled without a task of its own watching ``receive()``.
 
@@ -30,12 +33,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.settings import Settings
 
-_REASONS = {
-    400: b"Bad Request",
-    408: b"Request Timeout",
-    501: b"Not Implemented",
-    503: b"Service Unavailable",
-}
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 503: b"Service Unavailable"}
 LINGER_S = 2.0
 DISCONNECT = "addnorm.disconnect"  # the scope key of a request's Disconnect
 _NO_UPGRADE = (
@@ -150,7 +148,7 @@ class HttpConnection(HttpToolsProtocol):
         ]
         if codings and codings != [b"chunked"]:
             shown = ", ".join(c.decode("latin-1") for c in codings)[:200]
-            self._stop(501, f"Transfer-Encoding {shown!r} is not supported; send chunked or a Content-Length")
+            self._stop(400, f"Transfer-Encoding {shown!r} is not supported; send chunked or a Content-Length")
         upgrade = self.parser.should_upgrade()
         if upgrade and (
             codings or any(k == b"content-length" and v.strip() != b"0" for k, v in self.headers)

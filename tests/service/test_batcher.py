@@ -350,3 +350,36 @@ def test_stop_answers_the_running_batch_and_fails_what_is_queued(engine):
     assert running[0]["encoded"].shape == (1, 2, 32)
     assert isinstance(queued, ShuttingDown)
     assert model.shapes == [(1, 2, 32)]
+
+
+def test_an_idle_model_is_asked_to_release_its_memory_once_per_quiet_spell(engine, monkeypatch):
+    """RELEASE_IDLE_S after the last run with nothing queued, the model's ``release`` runs, on the inference
+    thread; never before any run, never between runs that follow each other, and once per quiet spell."""
+    from service import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "RELEASE_IDLE_S", 0.05)
+    released: list[str] = []
+
+    class Releasing(Recorder):
+        def release(self):
+            released.append(threading.current_thread().name)
+            return True
+
+    model = Releasing(engine)
+
+    async def main():
+        batcher = Batcher(model, max_batch_size=1)
+        batcher.start()
+        x = np.zeros((1, 2, 32), np.float32)
+        time.sleep(0.2)  # idle before any run: nothing to release
+        assert released == []
+        await asyncio.gather(*(batcher.infer(x, None) for _ in range(5)))  # queued together: back to back
+        await until(lambda: len(released) == 1)
+        await asyncio.sleep(0.3)  # still idle: not again
+        assert len(released) == 1 and len(model.shapes) == 5
+        await batcher.infer(x, None)
+        await until(lambda: len(released) == 2)
+        await batcher.stop()
+
+    run(main())
+    assert set(released) == {"addnorm-infer"}

@@ -106,23 +106,29 @@ def test_default_threads_respect_the_container_cpu_quota(tmp_path):
 
 
 def test_long_runs_give_their_memory_back(tiny_artifact, monkeypatch):
-    """Runs holding more than SHRINK_ABOVE_ATTENTION elements of seq x seq tensors shrink the arena and trim the
-    heap; ordinary runs keep the arena warm. The tiny artifact's mha attention holds such tensors only when
-    something is padded (flash attention otherwise), so the same long run without padding keeps its arena."""
-    from service import memory
-    from service.engine import SHRINK_ABOVE_ATTENTION
+    """A run above SHRINK_EACH_ABOVE_BYTES shrinks the arena and trims the heap as it ends; one above
+    RELEASE_ABOVE_BYTES leaves that to ``release`` (the batcher calls it once the model is idle), which gives it
+    back once per such run; ordinary runs keep the arena warm. The padded run holds the mha form's seq x seq
+    tensors (flash attention otherwise): more working memory for the same shape."""
+    from service import engine, memory
 
     eng = Engine(tiny_artifact, "cpu", intra_op_threads=1)
     assert eng.attention == "mha"
     trims = []
     monkeypatch.setattr(memory, "trim", lambda: trims.append(1))
-    eng.run(np.zeros((2, 100, 32), np.float32))
-    assert trims == []
-    seq = int((SHRINK_ABOVE_ATTENTION / eng.heads) ** 0.5) + 1  # just above the threshold with one copy
+    seq = 300
+    plain, padded = eng.working_bytes(1, seq, False), eng.working_bytes(1, seq, True)
+    assert padded == plain + 4 * eng.heads * seq * seq
+    monkeypatch.setattr(engine, "RELEASE_ABOVE_BYTES", plain - 1)
+    monkeypatch.setattr(engine, "SHRINK_EACH_ABOVE_BYTES", padded - 1)
     x = np.zeros((1, seq, 32), np.float32)
+    eng.run(x[:, :100])
+    assert trims == [] and eng.release() is False  # ordinary: nothing to give back
     eng.run(x)
-    assert trims == []
+    assert trims == []  # kept until the model is idle
+    assert eng.release() is True and trims == [1]
+    assert eng.release() is False and trims == [1]  # once per such run
     mask = np.zeros((1, seq), bool)
     mask[0, -1] = True
     out = eng.run(x, mask)["encoded"]
-    assert trims == [1] and out.shape == (1, seq, 32) and np.isfinite(out).all()
+    assert trims == [1, 1] and out.shape == (1, seq, 32) and np.isfinite(out).all()  # given back as it ended
