@@ -120,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
         "bench/results/cost_curve.json and cost_curve.png",
     )
     p.add_argument(
+        "--perf-analyzer",
+        action="store_true",
+        help="instead of the ratios: NVIDIA's perf_analyzer (fetched on first use: bench/perf_analyzer.py) "
+        "against addnorm-serve over HTTP and gRPC, beside bench.loadgen on the same requests; writes "
+        "bench/results/perf_analyzer.json",
+    )
+    p.add_argument(
         "--ray",
         action="store_true",
         help="instead of the ratios: Ray Serve (1 replica) against plain addnorm-serve, phases interleaved, "
@@ -212,8 +219,25 @@ def scale_out(args: argparse.Namespace) -> int:
     return 0
 
 
+def perf_analyzer(args: argparse.Namespace) -> int:
+    """--perf-analyzer: print its table and keep its figures beside the others."""
+    from bench import perf_analyzer as pa
+
+    try:
+        res = pa.measure(setup(args).artifact)
+    except pa.Unavailable as exc:
+        print(f"perf_analyzer is not available here: {exc}", file=sys.stderr)
+        return 1
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "perf_analyzer.json").write_text(json.dumps(res, indent=2) + "\n")
+    print(pa.table(res))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.perf_analyzer:
+        return perf_analyzer(args)
     if args.soak or args.burst:
         return reliability(args)
     if args.ray:

@@ -19,50 +19,32 @@ import sys
 from pathlib import Path
 
 from model.artifact import MANIFEST_FILE, ArtifactError, Manifest, load_verified
-from model.contract import TensorSpec
+from service.protocols.v2 import model_config
 
-# The model repository's data types (Triton's model_config.proto DataType) for the manifest's dtypes.
-TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bool": "TYPE_BOOL"}
 KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 VERSION = "1"
 
 
-def _dims(spec: TensorSpec, batched: bool) -> str:
-    """Triton dims: -1 for each symbolic dim; without the leading batch dim when Triton batches."""
-    shape = spec.shape[1:] if batched else spec.shape
-    return ", ".join(str(d) if isinstance(d, int) else "-1" for d in shape)
-
-
-def _tensor(spec: TensorSpec, batched: bool) -> str:
-    try:
-        dtype = TRITON_TYPES[spec.dtype]
-    except KeyError:
-        raise ArtifactError(f"{spec.name}: dtype {spec.dtype} has no Triton equivalent here") from None
-    return (
-        f'  {{\n    name: "{spec.name}"\n    data_type: {dtype}\n    dims: [ {_dims(spec, batched)} ]\n  }}'
-    )
-
-
 def config_pbtxt(manifest: Manifest, max_batch_size: int = 32, instances: int = 1, kind: str = "cpu") -> str:
-    """The model's config.pbtxt. A seq-first graph (--no-batch-first) cannot be batched by Triton: its batch
-    dim is not first, so max_batch_size is 0 and dims are written whole."""
+    """The model's config.pbtxt, from the builder a running addnorm-serve answers ``/config`` with. Triton feeds
+    the graph as it is: a seq-first graph (--no-batch-first) cannot be batched by Triton (its batch dim is not
+    first), so max_batch_size is 0 and dims are written whole; and ``mask`` stays required, as the graph needs
+    it (addnorm-serve fills it in when a request leaves it out)."""
     batched = manifest.config.batch_first and max_batch_size > 0
-    inputs = ",\n".join(_tensor(s, batched) for s in manifest.inputs)
-    outputs = ",\n".join(_tensor(s, batched) for s in manifest.outputs)
-    lines = [
+    config = model_config.build(
+        manifest.name,
+        manifest.inputs,
+        manifest.outputs,
+        max_batch_size=max_batch_size if batched else 0,
+        instances=instances,
+        kind=KINDS[kind],
+        dynamic_batching={},  # merges requests of equal shape only (see the module docstring)
+    )
+    head = (
         f"# addnorm-triton: {manifest.name} ({manifest.variant}, opset {manifest.opset}), "
-        f"model sha256 {manifest.model_sha256}",
-        f'name: "{manifest.name}"',
-        'backend: "onnxruntime"',
-        f"max_batch_size: {max_batch_size if batched else 0}",
-        f"input [\n{inputs}\n]",
-        f"output [\n{outputs}\n]",
-    ]
-    if batched:  # merges requests of equal shape only (see the module docstring)
-        lines.append("dynamic_batching { }")
-    lines.append(f"instance_group [\n  {{\n    count: {instances}\n    kind: {KINDS[kind]}\n  }}\n]")
-    lines.append(f"version_policy: {{ specific: {{ versions: [ {VERSION} ] }} }}")
-    return "\n".join(lines) + "\n"
+        f"model sha256 {manifest.model_sha256}\n"
+    )
+    return head + model_config.as_pbtxt(config)
 
 
 def write_repository(
@@ -103,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = write_repository(
             args.artifact_dir, args.repo_dir, args.max_batch_size, args.instances, args.kind
         )
-    except (ArtifactError, OSError) as exc:
+    except (ArtifactError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {model_dir}/config.pbtxt and {model_dir}/{VERSION}/model.onnx")

@@ -11,6 +11,7 @@ import onnxruntime as ort
 import pytest
 import tritonclient.grpc as tg
 import tritonclient.grpc.aio as tga
+from tritonclient.grpc import model_config_pb2 as triton_mc
 from tritonclient.grpc import service_pb2 as triton_pb
 from tritonclient.grpc import service_pb2_grpc as triton_grpc
 from tritonclient.utils import InferenceServerException
@@ -73,10 +74,21 @@ def test_messages_match_tritonclients_wire_format():
                 assert msg == other[name][3]
         for nested in ours.nested_types:
             compare(nested, theirs.nested_types_by_name[nested.name])
+        for enum in ours.enum_types:
+            other_enum = theirs.enum_types_by_name[enum.name]
+            assert {v.name: v.number for v in enum.values} == {v.name: v.number for v in other_enum.values}
 
+    theirs = {**triton_mc.DESCRIPTOR.message_types_by_name, **triton_pb.DESCRIPTOR.message_types_by_name}
     assert pb.DESCRIPTOR.message_types_by_name
     for name, ours in pb.DESCRIPTOR.message_types_by_name.items():
-        compare(ours, triton_pb.DESCRIPTOR.message_types_by_name[name])
+        compare(ours, theirs[name])
+    for (
+        name,
+        ours,
+    ) in pb.DESCRIPTOR.enum_types_by_name.items():  # DataType: the same numbers for the same names
+        assert {v.name: v.number for v in ours.values} == {
+            v.name: v.number for v in triton_mc.DESCRIPTOR.enum_types_by_name[name].values
+        }
     service = triton_pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     assert service.full_name == grpc_server.SERVICE
     for method, request in grpc_server._METHODS.items():
@@ -229,3 +241,35 @@ def test_unavailable_while_loading_and_port_in_use():
             await server.stop(None)
 
     asyncio.run(main())
+
+
+def test_model_config_over_both_transports_is_one_document(client, repo_server):
+    """Triton's ModelConfig, as perf_analyzer and tritonclient read it: the same over HTTP and gRPC, with the
+    server's real batching limits and the mask optional (a request may leave it out)."""
+    import httpx
+    from google.protobuf import json_format
+
+    http = httpx.get(f"{repo_server.base}/v2/models/encoder/config", headers=AUTH).json()
+    assert http == httpx.get(f"{repo_server.base}/v2/models/encoder/versions/1/config", headers=AUTH).json()
+    got = client.get_model_config("encoder", headers=AUTH)
+    assert json_format.MessageToDict(
+        got.config, preserving_proto_field_name=True
+    ) == json_format.MessageToDict(
+        json_format.ParseDict(http, triton_mc.ModelConfig()), preserving_proto_field_name=True
+    )
+    config = got.config
+    assert (
+        config.name == "encoder" and config.platform == "onnxruntime_onnx" and config.backend == "onnxruntime"
+    )
+    assert config.max_batch_size == 32  # the server's default --max-batch-size
+    assert [(i.name, i.data_type, list(i.dims), i.optional) for i in config.input] == [
+        ("embeddings", triton_mc.TYPE_FP32, [-1, E], False),
+        ("mask", triton_mc.TYPE_BOOL, [-1], True),
+    ]
+    assert [(o.name, list(o.dims)) for o in config.output] == [("encoded", [-1, E])]
+    assert config.dynamic_batching.default_queue_policy.max_queue_size == 256
+    assert [(g.kind, g.count) for g in config.instance_group] == [(triton_mc.ModelInstanceGroup.KIND_CPU, 1)]
+    assert _code(lambda: client.get_model_config("nope", headers=AUTH)) == grpc.StatusCode.NOT_FOUND
+    assert (
+        httpx.get(f"{repo_server.base}/v2/models/encoder/versions/2/config", headers=AUTH).status_code == 404
+    )

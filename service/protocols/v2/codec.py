@@ -19,12 +19,13 @@ from model.artifact import Manifest
 from model.contract import EMBEDDINGS, MASK, api_specs
 from service.batcher import Outputs
 from service.errors import BadInput, NotFound, TooLarge, quote
-from service.state import READY, Models
+from service.protocols.v2 import model_config
+from service.state import READY, Models, ServingModel
 from service.validation import check_batch, holds_literal, parse_json
 
 HEADER_LENGTH = "inference-header-content-length"
 VERSION = "1"  # an artifact is one model version
-PLATFORM = "onnxruntime_onnx"
+PLATFORM = model_config.PLATFORM
 EXTENSIONS = ["binary_tensor_data", "statistics"]
 
 # V2 datatype -> numpy dtype (the ones this model's tensors can take)
@@ -297,6 +298,13 @@ def model_metadata(manifest: Manifest) -> dict:
         "inputs": [tensor(s) for s in inputs],
         "outputs": [tensor(s) for s in outputs],
     }
+
+
+def model_configuration(model: ServingModel) -> dict:
+    """Triton's ModelConfig for a served model (GET .../config, gRPC ModelConfig): its batcher's real limits."""
+    b = model.batcher
+    gpu = model.engine.providers[0] == "CUDAExecutionProvider"
+    return model_config.served(model.engine.manifest, b.max_batch_size, b.max_delay, b.max_queue_size, gpu)
 
 
 def _v2_name(dtype: np.dtype) -> str:

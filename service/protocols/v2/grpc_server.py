@@ -22,7 +22,7 @@ from service import inference, logs
 from service.batcher import Outputs
 from service.errors import BadInput, ServiceError, grpc_code
 from service.guard import Guard
-from service.protocols.v2 import codec, grpc_codec
+from service.protocols.v2 import codec, grpc_codec, model_config
 from service.protocols.v2 import inference_pb2 as pb
 from service.state import READY, KnownModels, Models, ServiceState, ServingModel
 
@@ -68,6 +68,11 @@ class InferenceService:
         codec.check_version(request.name, request.version)
         return grpc_codec.from_dict(codec.model_metadata(model.engine.manifest), pb.ModelMetadataResponse)
 
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context) -> pb.ModelConfigResponse:
+        model = self._loaded().models.get(request.name)
+        codec.check_version(request.name, request.version)
+        return pb.ModelConfigResponse(config=model_config.as_message(codec.model_configuration(model)))
+
     async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
         loaded = self._loaded()
         name = request.model_name
@@ -112,6 +117,7 @@ _METHODS = {
     "ServerMetadata": pb.ServerMetadataRequest,
     "ModelReady": pb.ModelReadyRequest,
     "ModelMetadata": pb.ModelMetadataRequest,
+    "ModelConfig": pb.ModelConfigRequest,
     "ModelInfer": pb.ModelInferRequest,
     "ModelStatistics": pb.ModelStatisticsRequest,
     "RepositoryIndex": pb.RepositoryIndexRequest,

@@ -188,6 +188,16 @@ async def model_metadata(name: str, loaded: Known, version: str | None = None) -
     }
 
 
+@router.get("/models/{name}/config", summary="Model configuration (Triton's ModelConfig)", responses=_ERRORS)
+@router.get(
+    "/models/{name}/versions/{version}/config",
+    summary="Model configuration (one version)",
+    responses=_ERRORS,
+)
+async def model_configuration(name: str, loaded: Known, version: str | None = None) -> dict:
+    return codec.model_configuration(_model(loaded, name, version))
+
+
 @router.get("/models/{name}/ready", summary="Model readiness", responses=_ERRORS)
 @router.get(
     "/models/{name}/versions/{version}/ready", summary="Model readiness (one version)", responses=_ERRORS

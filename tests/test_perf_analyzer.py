@@ -1,0 +1,35 @@
+"""NVIDIA's perf_analyzer, unmodified, against a plain addnorm-serve over HTTP and gRPC (issue 25).
+
+The binary comes from PyPI's perf-analyzer wheel, with a newer C runtime from Debian beside it when this glibc is
+older than it needs (bench/perf_analyzer.py fetches both into ~/.cache/addnorm on first use). Where neither PyPI
+nor Debian can be reached, the test is skipped and says why; it never passes without running the binary.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import perf_analyzer as pa
+from model.artifact import Manifest
+from tests.conftest import start_server
+
+
+@pytest.fixture(scope="module")
+def command() -> list[str]:
+    try:
+        return pa.binary()
+    except pa.Unavailable as exc:
+        pytest.skip(f"perf_analyzer could not be fetched here, so it did not run: {exc}")
+
+
+def test_perf_analyzer_measures_addnorm_over_http_and_grpc(command, tiny_artifact):
+    """Its start-up reads the model configuration (GET .../config, gRPC ModelConfig), its load runs at two
+    concurrencies with batch 2, and its server-side columns come from our statistics API."""
+    e = Manifest.load(tiny_artifact).config.d_model
+    with start_server(tiny_artifact, grpc=True) as srv:
+        for protocol, port in (("http", srv.port), ("grpc", srv.grpc_port)):
+            rows = pa.run(command, f"127.0.0.1:{port}", protocol, "encoder", 2, 8, e, [1, 4], interval_ms=500)
+            assert [r["concurrency"] for r in rows] == [1, 4], rows
+            for r in rows:
+                assert r["infer_per_s"] > 0 and r["p50_ms"] > 0, (protocol, r)
+                assert r["server_infer_ms"] > 0, (protocol, r)  # read from /v2/models/encoder/stats
