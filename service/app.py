@@ -8,12 +8,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service import logs, memory, openapi, protocols
+from service.control import ModelControl
 from service.fastpath import FastPath
 from service.guard import Guard, GuardMiddleware
 from service.loading import load_models
@@ -26,11 +29,15 @@ from service.tracing import TRACING
 log = logging.getLogger("addnorm.service")
 
 
-def create_app(settings: Settings | None = None, *, load_before_serving: bool = False) -> FastAPI:
+def create_app(
+    settings: Settings | None = None, *, load_before_serving: bool = False, exit_on_error: bool = False
+) -> FastAPI:
     """Build the app. By default the models load in parallel in the background after start-up and /health/ready
     is 503 until all have. ``load_before_serving`` makes start-up itself wait for them and fail when one cannot
     load: for hosts that count an instance as serving once its start-up ends (Ray Serve replicas,
     service/ray_serve.py). With ``grpc_port`` set, the gRPC service starts with the app, on its event loop.
+    ``exit_on_error`` (addnorm-serve's process, never an app hosted in another one): with model control off,
+    the process stops itself (SIGTERM) when no model could be loaded.
     """
     if settings is None:  # factory mode (uvicorn --factory, several workers): configure from the environment
         settings = Settings()
@@ -38,6 +45,7 @@ def create_app(settings: Settings | None = None, *, load_before_serving: bool = 
     memory.limit_arenas()  # before the inference and offload threads start (service/memory.py)
     TRACING.configure()  # on only when the OTEL_EXPORTER_OTLP_* variables ask for it
     state = ServiceState(settings)
+    state.control = ModelControl(state)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -48,12 +56,13 @@ def create_app(settings: Settings | None = None, *, load_before_serving: bool = 
         # Transports with their own listener (gRPC), before the models load unless they already have: their
         # readiness answers false until they are. Each may decline (its port set to 0).
         listeners = [lst for t in protocols.LISTENERS if (lst := await t.listen(state)) is not None]
-        loader = None if load_before_serving else asyncio.create_task(load_models(state))
+        loader = None if load_before_serving else asyncio.create_task(_load(state, exit_on_error))
         try:
             yield
         finally:
             if loader is not None:
                 loader.cancel()
+            await state.control.close()
             for listener in listeners:
                 await listener.stop(
                     settings.request_timeout_s
@@ -83,6 +92,21 @@ def create_app(settings: Settings | None = None, *, load_before_serving: bool = 
         access_log=settings.access_log,
     )
     return app
+
+
+async def _load(state: ServiceState, exit_on_error: bool) -> None:
+    """Load the models; then, with model control off, stop the server when none could be (Triton's
+    exit-on-error: a server that can never answer should not look alive); in poll mode, watch the repository."""
+    await load_models(state)
+    settings = state.settings
+    if settings.model_control_mode == "none" and exit_on_error:
+        loaded = state.loaded
+        if state.load_error or (loaded is not None and not any(True for _ in loaded.models)):
+            state.fatal = state.not_ready_reason() or "no model could be loaded"
+            log.error("no model can be served, stopping (--model-control-mode none): %s", state.fatal)
+            os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful stop; the CLI then exits 1
+    elif settings.model_control_mode == "poll":
+        await state.control.watch()
 
 
 class _App(FastAPI):

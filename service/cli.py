@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
             "default": None,
             "help": f"{info.description} [{env}, default {info.default}]",
         }
-        if name == "model_dir":
+        if name in ("model_dir", "load_model"):
             kwargs["action"] = "append"  # --model-dir A --model-dir B: two models
         elif info.annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -69,8 +69,14 @@ def port_taken(host: str, port: int) -> str | None:
     return None
 
 
+_SERVING: list = []  # the app being served, whose state says whether it stopped itself (ServiceState.fatal)
+
+
 def _drained(signum: int, frame: object) -> None:
-    """SIGTERM outside uvicorn's own handler: before serving began, or after it drained. Exit 0 either way."""
+    """SIGTERM outside uvicorn's own handler: before serving began, or after it drained. Exit 0, or 1 when the
+    app stopped itself because no model could be served."""
+    if _SERVING and _SERVING[0].state.addnorm.fatal:
+        raise SystemExit(1)
     logging.getLogger("addnorm.serve").info("stopped by SIGTERM")
     raise SystemExit(0)
 
@@ -101,9 +107,17 @@ def main(argv: list[str] | None = None) -> int:
 
         from service.loading import read_manifests
 
+        if settings.model_control_mode != "none" and settings.workers > 1:
+            raise ValueError("model control loads models in one process: use --workers 1 with it")
+        if settings.model_control_mode != "none" and settings.model_repository is None:
+            raise ValueError(
+                f"--model-control-mode {settings.model_control_mode} loads models from a repository: give "
+                "--model-repository DIR"
+            )
         slots = read_manifests(settings)
-        for slot in slots:
-            check_artifact(slot.directory)
+        for slot in slots:  # with model control on, each load verifies its model itself
+            if settings.model_control_mode == "none":
+                check_artifact(slot.directory)
         resolve_providers(settings.providers, ort.get_available_providers())
     except (EngineError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -160,7 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         from service.transport import HttpConnection
 
         HttpConnection.configure(settings)
-        uvicorn.run(create_app(settings), http=HttpConnection, **common)
+        app = create_app(settings, exit_on_error=True)
+        _SERVING.append(app)
+        uvicorn.run(app, http=HttpConnection, **common)
+        if app.state.addnorm.fatal:
+            return 1
     return 0
 
 

@@ -98,6 +98,14 @@ class InferenceFailed(ServiceError):
     """The model run failed; not the client's fault."""
 
 
+class ControlOff(ServiceError):
+    """Model control is not enabled on this server, or not for this operation (service/control.py)."""
+
+
+class LoadRefused(ServiceError):
+    """A model, or its new version, could not be loaded; what serves the name is unchanged."""
+
+
 class ClientGone(ServiceError):
     """The client disconnected before its answer was ready (nobody reads the answer)."""
 
@@ -120,6 +128,8 @@ CODES: dict[type[ServiceError], tuple[int, str]] = {
     ShuttingDown: (503, "UNAVAILABLE"),
     TimedOut: (504, "DEADLINE_EXCEEDED"),
     ClientDeadline: (408, "DEADLINE_EXCEEDED"),
+    ControlOff: (400, "FAILED_PRECONDITION"),  # Triton answers a load it does not allow with a 400
+    LoadRefused: (400, "FAILED_PRECONDITION"),
 }
 
 

@@ -74,13 +74,15 @@ async def run(
     """
     try:
         with TRACING.request(call.protocol, call.carrier) as span:
+            # The model is counted in flight from the moment it is looked up (no await between the two), so
+            # model control stops a replaced or unloaded one only after its last request (service/control.py).
             model = loaded.models.get(call.named) if call.named is not None else None
             if model is None:  # the payload names it: reading and decoding count as its input stage
                 req = await offload(size, decode, loaded.models)
                 model = loaded.models.get(getattr(req, "model", None))
-                with model.statistics.request(call.started) as timer:
+                with model.inflight, model.statistics.request(call.started) as timer:
                     return await _serve(loaded, call, model, req, timer, span, encode, encode_cost)
-            with model.statistics.request(call.started) as timer:  # a payload that fails to decode counts
+            with model.inflight, model.statistics.request(call.started) as timer:  # a failed decode counts
                 req = await offload(size, decode, loaded.models)
                 return await _serve(loaded, call, model, req, timer, span, encode, encode_cost)
     finally:

@@ -11,8 +11,7 @@ from pathlib import Path
 from model.artifact import ArtifactError, Manifest
 from service.batcher import Batcher, Observers
 from service.engine import Engine
-from service.protocols.v2.codec import VERSION
-from service.settings import Settings
+from service.settings import Settings, version_of
 from service.state import READY, UNAVAILABLE, KnownModels, Models, ServiceState, ServingModel, Slot
 from service.statistics import ModelStatistics
 from service.verification import Verification, verify_engine
@@ -35,20 +34,26 @@ def read_manifests(settings: Settings) -> list[Slot]:
                 f"two models are named {name!r}: {same[0]} and {directory}; give one another name "
                 "(addnorm-export --name) or serve them from different servers"
             )
-        slots.append(Slot(name, Path(directory)))
+        slots.append(Slot(name, Path(directory), version=version_of(Path(directory))))
     return slots
 
 
 async def load_models(state: ServiceState) -> None:
     """Read every manifest (names known: model routes answer 404/503 by name from here on), then load the
     models in parallel; each becomes READY or UNAVAILABLE with its reason."""
+    settings = state.settings
     try:
-        slots = read_manifests(state.settings)
+        slots = read_manifests(settings)
     except ValueError as exc:
         state.load_error = str(exc)
         log.error("cannot serve: %s", exc)
         return
-    state.loaded = KnownModels(state.settings, Models(slots))
+    if settings.model_control_mode == "explicit" and "*" not in settings.load_model:  # only those asked for
+        unknown = set(settings.load_model) - {s.name for s in slots}
+        if unknown:
+            log.error("--load-model: no model %s in the repository", ", ".join(sorted(unknown)))
+        slots = [s for s in slots if s.name in settings.load_model]
+    state.loaded = KnownModels(settings, Models(slots, allow_empty=settings.model_control_mode != "none"))
     await asyncio.gather(*(_load_one(state, slot) for slot in slots))
     if state.not_ready_reason() is None:
         log.info("ready: %s", ", ".join(f"{s.name} on {s.serving.engine.providers}" for s in slots))
@@ -56,31 +61,32 @@ async def load_models(state: ServiceState) -> None:
 
 async def _load_one(state: ServiceState, slot: Slot) -> None:
     try:
-        slot.serving = await _serving_model(state, slot.directory)
+        slot.serving = await serving_model(state, slot.directory, slot.version)
         slot.state = READY
-    except _LoadFailed as exc:
+    except LoadFailed as exc:
         slot.state, slot.reason = UNAVAILABLE, str(exc)
         log.error("model %s failed to load: %s", slot.name, exc)
 
 
-class _LoadFailed(Exception):
-    pass
+class LoadFailed(Exception):
+    """A model could not be loaded: the reason, in words."""
 
 
-async def _serving_model(state: ServiceState, directory: Path) -> ServingModel:
+async def serving_model(state: ServiceState, directory: Path, version: str = "1") -> ServingModel:
+    """The model in ``directory``, verified and with its batcher started; raises LoadFailed."""
     s = state.settings
     try:
         engine = await asyncio.to_thread(Engine, directory, s.providers, s.intra_op_threads)
     except Exception as exc:  # any failure keeps the model (and /health/ready) unavailable, with the reason
-        raise _LoadFailed(str(exc)) from None
+        raise LoadFailed(str(exc)) from None
     try:
         verification = await asyncio.to_thread(verify_engine, engine, directory, s.verify_on_load)
     except Exception as exc:  # unreadable golden data: not ready, with the reason
-        raise _LoadFailed(f"golden check could not run: {type(exc).__name__}: {exc}") from None
+        raise LoadFailed(f"golden check could not run: {type(exc).__name__}: {exc}") from None
     state.metrics.verification(engine.name, verification)
     if not _accept(verification, s.verify_on_load, engine.name):
-        raise _LoadFailed(f"golden check failed on {verification.provider}: {verification.message}")
-    statistics = ModelStatistics(engine.name, VERSION)
+        raise LoadFailed(f"golden check failed on {verification.provider}: {verification.message}")
+    statistics = ModelStatistics(engine.name, version)
     # The queue-depth gauge reads the batcher (made just below) at each scrape.
     metrics = state.metrics.model(engine.name, queue_depth=lambda: batcher.depth)
     batcher = Batcher(
@@ -96,7 +102,7 @@ async def _serving_model(state: ServiceState, directory: Path) -> ServingModel:
         max_queue_bytes=s.max_queue_bytes,
     )
     batcher.start()
-    return ServingModel(engine, batcher, verification, statistics)
+    return ServingModel(engine, batcher, verification, statistics, version)
 
 
 def _accept(v: Verification, mode: str, name: str) -> bool:

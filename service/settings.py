@@ -27,6 +27,22 @@ class Settings(BaseSettings):
     model_repository: Path | None = Field(
         None, description="serve every artifact directory in this directory (after any --model-dir)"
     )
+    model_control_mode: Literal["none", "explicit", "poll"] = Field(
+        "none",
+        description="model control (Triton's): none = the models given are loaded at start and fixed (a server "
+        "with none loadable exits); explicit = POST /v2/repository/models/NAME/load and /unload (gRPC "
+        "RepositoryModelLoad/Unload) load and unload the repository's models, --load-model ones at start; poll = "
+        "the repository is watched and new, changed and removed models follow. A new version is verified beside "
+        "the old one and takes traffic only once it passes",
+    )
+    load_model: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        description="in explicit mode, a model of the repository to load at start; give it more than once (the "
+        "variable: comma-separated), or * for all [none: the server starts with no model loaded]",
+    )
+    repository_poll_secs: float = Field(
+        5.0, gt=0, description="in poll mode, how often the repository is read for changes, in seconds"
+    )
     host: str = Field("127.0.0.1", description="interface to bind")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
     grpc_port: int = Field(
@@ -101,6 +117,16 @@ class Settings(BaseSettings):
         True, description="one log line per HTTP request and gRPC call (written off the event loop)"
     )
 
+    @field_validator("load_model", mode="before")
+    @classmethod
+    def _names(cls, value: object) -> object:
+        """One name, a comma-separated string (the environment variable), or a list of either."""
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, (list, tuple)):
+            return tuple(n.strip() for v in value for n in str(v).split(",") if n.strip())
+        return value
+
     @field_validator("model_dir", mode="before")
     @classmethod
     def _paths(cls, value: object) -> object:
@@ -113,15 +139,14 @@ class Settings(BaseSettings):
 
     def model_dirs(self) -> tuple[Path, ...]:
         """Every artifact directory to serve, in order: --model-dir's, then the repository's (each of its
-        directories holding a manifest, by name; hidden ones skipped; one already given is not repeated). Raises ValueError for a repository that is not a directory."""
+        directories holding a manifest, or numbered version directories (Triton's ``name/1/``, ``name/2/``) of
+        which the highest holding one is served; by name; hidden ones skipped; one already given is not repeated). Raises ValueError for a repository that is not a directory."""
         dirs = list(self.model_dir)
         if self.model_repository is not None:
             repo = self.model_repository
             if not repo.is_dir():
                 raise ValueError(f"model repository {repo} is not a directory")
-            found = sorted(
-                d for d in repo.iterdir() if not d.name.startswith(".") and (d / MANIFEST_FILE).is_file()
-            )
+            found = sorted(d for d in map(latest_version, repo.iterdir()) if d is not None)
             if not found:
                 raise ValueError(
                     f"model repository {repo} holds no artifact directory (none has {MANIFEST_FILE})"
@@ -157,3 +182,19 @@ class Settings(BaseSettings):
                 value = ",".join(str(v) for v in value)
             env[f"ADDNORM_{name.upper()}"] = str(value)
         return env
+
+
+def latest_version(entry: Path) -> Path | None:
+    """A repository entry's artifact: the entry itself when it holds a manifest, else its highest numbered
+    version directory that does (the version policy: latest); None for anything else (hidden, a file)."""
+    if entry.name.startswith(".") or not entry.is_dir():
+        return None
+    if (entry / MANIFEST_FILE).is_file():
+        return entry
+    versions = [d for d in entry.iterdir() if d.name.isdigit() and (d / MANIFEST_FILE).is_file()]
+    return max(versions, key=lambda d: int(d.name), default=None)
+
+
+def version_of(directory: Path) -> str:
+    """The version an artifact directory serves: its name when it is a numbered version directory, else 1."""
+    return str(int(directory.name)) if directory.name.isdigit() else "1"

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Protocol
+from typing import TYPE_CHECKING, Annotated, Protocol
 
 from fastapi import Depends, Request
 
@@ -17,6 +18,9 @@ from service.metrics import Metrics
 from service.settings import Settings
 from service.statistics import ModelStatistics
 
+if TYPE_CHECKING:  # (control imports this module)
+    from service.control import ModelControl
+
 
 class RequestGuard(Protocol):
     """What ``ServiceState.guard`` holds (service.guard.Guard), without state importing guard."""
@@ -24,14 +28,41 @@ class RequestGuard(Protocol):
     def check(self, path: str, credentials: Callable[[], Sequence[bytes]]) -> KnownModels | None: ...
 
 
+class InFlight:
+    """The requests using a model right now (``with model.inflight:`` in the request core), so that a model
+    being replaced or unloaded is stopped only once the last of them is answered (``idle``)."""
+
+    __slots__ = ("count", "_idle")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle: asyncio.Event | None = None
+
+    def __enter__(self) -> None:
+        self.count += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.count -= 1
+        if self.count == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def idle(self) -> None:
+        while self.count:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
+
+
 @dataclass(frozen=True)
 class ServingModel:
-    """One loaded model: its engine, the batcher in front of it, its load-time check and its statistics."""
+    """One loaded model: its engine, the batcher in front of it, its load-time check, its statistics and the
+    version it serves (its numbered directory in a repository, else "1")."""
 
     engine: Engine
     batcher: Batcher
     verification: Verification  # the load-time golden check (service.verification)
     statistics: ModelStatistics
+    version: str = "1"
+    inflight: InFlight = field(default_factory=InFlight, compare=False)
 
     def describe(self) -> dict:
         """The manifest, what runs it, and how it verified (GET /v1/model)."""
@@ -43,6 +74,7 @@ class ServingModel:
 
 
 LOADING, READY, UNAVAILABLE = "LOADING", "READY", "UNAVAILABLE"  # the repository index's states
+UNLOADED = "unloaded"  # the reason of a model model control unloaded
 
 
 @dataclass
@@ -55,17 +87,21 @@ class Slot:
     state: str = LOADING
     reason: str = ""
     serving: ServingModel | None = None
+    version: str = "1"  # the version it serves, or is loading
 
 
 class Models:
     """The configured models by name, in the order given; the first is the default. What the guard hands to every
     route past it: ``get`` answers 404 for a name it does not know and 503 for a model not (yet) loaded."""
 
-    def __init__(self, slots: list[Slot]) -> None:
-        if not slots:
+    def __init__(self, slots: list[Slot], allow_empty: bool = False) -> None:
+        if not slots and not allow_empty:
             raise ValueError("a server needs at least one model")
         self.slots = {s.name: s for s in slots}
-        self._first = slots[0]
+
+    def add(self, slot: Slot) -> Slot:
+        """A model that model control loads (service/control.py); the existing slot when the name is known."""
+        return self.slots.setdefault(slot.name, slot)
 
     def slot(self, name: str) -> Slot:
         try:
@@ -75,7 +111,14 @@ class Models:
 
     def get(self, name: str | None = None) -> ServingModel:
         """The named model (the default for None), loaded; NotFound or NotReady otherwise."""
-        slot = self._first if name is None else self.slot(name)
+        if name is None:
+            if not self.slots:
+                raise NotReady(
+                    "no model is loaded (model control: load one with POST /v2/repository/models/NAME/load)"
+                )
+            slot = next(iter(self.slots.values()))
+        else:
+            slot = self.slot(name)
         if slot.serving is None:
             raise NotReady(_why(slot))
         return slot.serving
@@ -89,13 +132,15 @@ class Models:
         return (s.serving for s in self.slots.values() if s.serving is not None)
 
     def not_ready_reason(self) -> str | None:
-        """None when every model is READY; otherwise each other model's state."""
-        waiting = [_why(s) for s in self.slots.values() if s.state != READY]
+        """None when every model is READY (an unloaded one aside); otherwise each other model's state."""
+        waiting = [_why(s) for s in self.slots.values() if s.state != READY and s.reason != UNLOADED]
         return "; ".join(waiting) or None
 
 
 def _why(slot: Slot) -> str:
     if slot.state == UNAVAILABLE:
+        if slot.reason == UNLOADED:
+            return f"model {slot.name!r} is unloaded"
         return f"model {slot.name!r} failed to load: {slot.reason}"
     return f"model {slot.name!r} is loading"
 
@@ -116,6 +161,8 @@ class ServiceState:
     load_error: str | None = None  # the manifests could not be read: nothing is served
     api_keys: tuple[bytes, ...] = field(init=False)  # parsed once, for the guard of every transport
     guard: RequestGuard | None = None  # set by create_app; the gRPC server's interceptor asks the same one
+    control: ModelControl | None = None  # set by create_app
+    fatal: str | None = None  # why the server stopped itself (no model loadable with model control off)
 
     def __post_init__(self) -> None:
         self.api_keys = tuple(key.encode() for key in self.settings.api_keys())

@@ -26,13 +26,13 @@ async def ready(state: State) -> Response:
     if reason is not None or state.loaded is None:
         reason = reason or "model is loading"
         return JSONResponse({"error": reason}, status_code=503, headers={"Retry-After": "1"})
-    models = list(state.loaded.models)
-    default = models[0].engine
+    models = list(state.loaded.models)  # the loaded ones: none at all is ready too, under model control
+    default = models[0].engine if models else None
     return JSONResponse(
         {
             "status": "ready",
-            "model": default.name,
-            "providers": default.providers,
+            "model": default.name if default else None,
+            "providers": default.providers if default else [],
             "models": {m.name: m.engine.providers for m in models},
         }
     )

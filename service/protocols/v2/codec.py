@@ -24,7 +24,6 @@ from service.state import READY, Models, ServingModel
 from service.validation import check_batch, holds_literal, parse_json
 
 HEADER_LENGTH = "inference-header-content-length"
-VERSION = "1"  # an artifact is one model version
 PLATFORM = model_config.PLATFORM
 EXTENSIONS = ["binary_tensor_data", "statistics"]
 
@@ -255,7 +254,9 @@ def _timeout(value: object) -> float | None:
     return value / 1e6
 
 
-def encode_infer(req: InferRequest, model: str, results: Outputs) -> tuple[bytes, dict[str, str]]:
+def encode_infer(
+    req: InferRequest, model: str, results: Outputs, version: str = "1"
+) -> tuple[bytes, dict[str, str]]:
     """The infer response, each requested output by name: JSON only, or a JSON header then binary outputs."""
     outputs, blobs = [], []
     for out in req.outputs:
@@ -268,7 +269,7 @@ def encode_infer(req: InferRequest, model: str, results: Outputs) -> tuple[bytes
         else:
             entry["data"] = tensor.ravel()  # orjson writes the numpy array directly
         outputs.append(entry)
-    doc: dict = {"model_name": model, "model_version": VERSION, "outputs": outputs}
+    doc: dict = {"model_name": model, "model_version": version, "outputs": outputs}
     if req.id is not None:
         doc["id"] = req.id
     header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
@@ -280,7 +281,7 @@ def encode_infer(req: InferRequest, model: str, results: Outputs) -> tuple[bytes
     }
 
 
-def model_metadata(manifest: Manifest) -> dict:
+def model_metadata(manifest: Manifest, version: str = "1") -> dict:
     """Inputs and outputs as the API speaks them (batch-first, whatever the graph's layout); -1 = variable."""
 
     def tensor(spec) -> dict:
@@ -293,7 +294,7 @@ def model_metadata(manifest: Manifest) -> dict:
     inputs, outputs = api_specs(manifest.config)
     return {
         "name": manifest.name,
-        "versions": [VERSION],
+        "versions": [version],
         "platform": PLATFORM,
         "inputs": [tensor(s) for s in inputs],
         "outputs": [tensor(s) for s in outputs],
@@ -311,16 +312,17 @@ def _v2_name(dtype: np.dtype) -> str:
     return _NUMPY_TO_V2.get(str(dtype), str(dtype))
 
 
-def check_version(name: str, version: str | None) -> None:
-    """404 for any version but this server's one (empty or absent means it)."""
-    if version not in (None, "", VERSION):
-        raise NotFound(f"unknown version {quote(version)} of model {quote(name)}; available: [{VERSION!r}]")
+def check_version(models: Models, name: str, version: str | None) -> None:
+    """404 for an unknown model, or any version but the one it serves (empty or absent means that one)."""
+    served = models.slot(name).version
+    if version not in (None, "", served):
+        raise NotFound(f"unknown version {quote(version)} of model {quote(name)}; available: [{served!r}]")
 
 
 def repository_index(models: Models, ready_only: bool = False) -> list[dict]:
     """Every configured model with its state (READY, LOADING, UNAVAILABLE) and, when not ready, why."""
     return [
-        {"name": s.name, "version": VERSION, "state": s.state, "reason": s.reason}
+        {"name": s.name, "version": s.version, "state": s.state, "reason": s.reason}
         for s in models.slots.values()
         if s.state == READY or not ready_only
     ]
@@ -329,7 +331,7 @@ def repository_index(models: Models, ready_only: bool = False) -> list[dict]:
 def statistics(models: Models, name: str | None, version: str | None) -> dict:
     """The statistics extension's answer: one model's (404 unknown, 503 not loaded), or every loaded model's."""
     if name:
-        check_version(name, version)
+        check_version(models, name, version)
         chosen = [models.get(name)]
     else:
         chosen = list(models)

@@ -89,8 +89,10 @@ def _timeout(req: pb.ModelInferRequest) -> float | None:
     return value / 1e6
 
 
-def encode_infer(req: codec.InferRequest, model: str, results: Outputs) -> pb.ModelInferResponse:
-    response = pb.ModelInferResponse(model_name=model, model_version=codec.VERSION, id=req.id or "")
+def encode_infer(
+    req: codec.InferRequest, model: str, results: Outputs, version: str = "1"
+) -> pb.ModelInferResponse:
+    response = pb.ModelInferResponse(model_name=model, model_version=version, id=req.id or "")
     for out in req.outputs:
         tensor = np.ascontiguousarray(results[out.name], dtype="<f4")
         response.outputs.add(name=out.name, datatype="FP32", shape=tensor.shape)

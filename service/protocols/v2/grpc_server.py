@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from service import inference, logs
+from service import control, inference, logs
 from service.batcher import Outputs
 from service.errors import BadInput, ServiceError, grpc_code
 from service.guard import Guard
@@ -60,31 +60,33 @@ class InferenceService:
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
         slot = self._loaded().models.slot(request.name)
-        codec.check_version(request.name, request.version)
+        codec.check_version(self._loaded().models, request.name, request.version)
         return pb.ModelReadyResponse(ready=slot.state == READY)
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context) -> pb.ModelMetadataResponse:
         model = self._loaded().models.get(request.name)
-        codec.check_version(request.name, request.version)
-        return grpc_codec.from_dict(codec.model_metadata(model.engine.manifest), pb.ModelMetadataResponse)
+        codec.check_version(self._loaded().models, request.name, request.version)
+        return grpc_codec.from_dict(
+            codec.model_metadata(model.engine.manifest, model.version), pb.ModelMetadataResponse
+        )
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context) -> pb.ModelConfigResponse:
         model = self._loaded().models.get(request.name)
-        codec.check_version(request.name, request.version)
+        codec.check_version(self._loaded().models, request.name, request.version)
         return pb.ModelConfigResponse(config=model_config.as_message(codec.model_configuration(model)))
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
         loaded = self._loaded()
         name = request.model_name
         loaded.models.get(name)  # 404 or 503 before the version (as over HTTP)
-        codec.check_version(name, request.model_version)
+        codec.check_version(loaded.models, name, request.model_version)
         max_elements = loaded.settings.max_elements
 
         def decode(models: Models) -> codec.InferRequest:
             return grpc_codec.decode_infer(request, models.get(name).engine.manifest, max_elements)
 
         def encode(req: codec.InferRequest, model: ServingModel, outputs: Outputs) -> pb.ModelInferResponse:
-            return grpc_codec.encode_infer(req, model.name, outputs)
+            return grpc_codec.encode_infer(req, model.name, outputs, model.version)
 
         # A call its client cancels needs no Disconnect: grpc.aio cancels this task, which drops the queued
         # work as a gone HTTP client's does (tests/service/test_inference.py).
@@ -101,6 +103,25 @@ class InferenceService:
         models = self._loaded().models
         doc = codec.statistics(models, request.name, request.version)
         return grpc_codec.from_dict(doc, pb.ModelStatisticsResponse)
+
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context
+    ) -> pb.RepositoryModelLoadResponse:
+        control.check_parameters(list(request.parameters))
+        await self._control().load(request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context
+    ) -> pb.RepositoryModelUnloadResponse:
+        control.check_parameters(list(request.parameters), unload=True)
+        await self._control().unload(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    def _control(self) -> control.ModelControl:
+        if self.state.control is None:
+            raise RuntimeError("the app's model control is made by create_app")
+        return self.state.control
 
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context
@@ -121,6 +142,8 @@ _METHODS = {
     "ModelInfer": pb.ModelInferRequest,
     "ModelStatistics": pb.ModelStatisticsRequest,
     "RepositoryIndex": pb.RepositoryIndexRequest,
+    "RepositoryModelLoad": pb.RepositoryModelLoadRequest,
+    "RepositoryModelUnload": pb.RepositoryModelUnloadRequest,
 }
 
 

@@ -352,6 +352,60 @@ class RepositoryIndexResponse(_message.Message):
     models: _containers.RepeatedCompositeFieldContainer[RepositoryIndexResponse.ModelIndex]
     def __init__(self, models: _Optional[_Iterable[_Union[RepositoryIndexResponse.ModelIndex, _Mapping]]] = ...) -> None: ...
 
+class ModelRepositoryParameter(_message.Message):
+    __slots__ = ("bool_param", "int64_param", "string_param", "bytes_param")
+    BOOL_PARAM_FIELD_NUMBER: _ClassVar[int]
+    INT64_PARAM_FIELD_NUMBER: _ClassVar[int]
+    STRING_PARAM_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PARAM_FIELD_NUMBER: _ClassVar[int]
+    bool_param: bool
+    int64_param: int
+    string_param: str
+    bytes_param: bytes
+    def __init__(self, bool_param: bool = ..., int64_param: _Optional[int] = ..., string_param: _Optional[str] = ..., bytes_param: _Optional[bytes] = ...) -> None: ...
+
+class RepositoryModelLoadRequest(_message.Message):
+    __slots__ = ("repository_name", "model_name", "parameters")
+    class ParametersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: ModelRepositoryParameter
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ModelRepositoryParameter, _Mapping]] = ...) -> None: ...
+    REPOSITORY_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    repository_name: str
+    model_name: str
+    parameters: _containers.MessageMap[str, ModelRepositoryParameter]
+    def __init__(self, repository_name: _Optional[str] = ..., model_name: _Optional[str] = ..., parameters: _Optional[_Mapping[str, ModelRepositoryParameter]] = ...) -> None: ...
+
+class RepositoryModelLoadResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RepositoryModelUnloadRequest(_message.Message):
+    __slots__ = ("repository_name", "model_name", "parameters")
+    class ParametersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: ModelRepositoryParameter
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ModelRepositoryParameter, _Mapping]] = ...) -> None: ...
+    REPOSITORY_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    repository_name: str
+    model_name: str
+    parameters: _containers.MessageMap[str, ModelRepositoryParameter]
+    def __init__(self, repository_name: _Optional[str] = ..., model_name: _Optional[str] = ..., parameters: _Optional[_Mapping[str, ModelRepositoryParameter]] = ...) -> None: ...
+
+class RepositoryModelUnloadResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ModelConfigRequest(_message.Message):
     __slots__ = ("name", "version")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from model.contract import EMBEDDINGS, ENCODED, INPUT_NAMES
-from service import inference
+from service import control, inference
 from service.batcher import Outputs
 from service.errors import BadInput
 from service.fastpath import FastRoute
@@ -140,7 +140,7 @@ _INFER_DOC = {
 def _model(loaded: KnownModels, name: str, version: str | None) -> ServingModel:
     """The model a path names: 404 for an unknown model or version, 503 while it loads or when it failed to."""
     model = loaded.models.get(name)
-    codec.check_version(name, version)
+    codec.check_version(loaded.models, name, version)
     return model
 
 
@@ -183,7 +183,7 @@ async def model_statistics(loaded: Known, name: str | None = None, version: str 
 async def model_metadata(name: str, loaded: Known, version: str | None = None) -> dict:
     model = _model(loaded, name, version)
     return {
-        **codec.model_metadata(model.engine.manifest),
+        **codec.model_metadata(model.engine.manifest, model.version),
         "parameters": {"verification": model.verification.to_dict()},
     }
 
@@ -223,6 +223,38 @@ async def repository_index(request: Request, loaded: Known) -> Response:
     return JSONResponse(codec.repository_index(loaded.models, ready_only))
 
 
+async def _control_parameters(request: Request, unload: bool = False) -> None:
+    """Triton's load/unload body: empty, or {"parameters": {...}} (none taken: control.check_parameters)."""
+    body = await read_body(request, 65536)
+    doc = parse_json(body, 0) if body.strip() else {}
+    params = doc.get("parameters") if isinstance(doc, dict) else None
+    if not isinstance(doc, dict) or not isinstance(params, dict | None):
+        raise BadInput('the body must be empty or {"parameters": {...}}')
+    control.check_parameters(list(params or ()), unload)
+
+
+@router.post(
+    "/repository/models/{name}/load",
+    summary="Load or reload a model of the repository (model control: explicit mode)",
+    responses=_ERRORS,
+)
+async def repository_model_load(name: str, request: Request, state: State, loaded: Known) -> dict:
+    await _control_parameters(request)
+    await state.control.load(name)
+    return {}
+
+
+@router.post(
+    "/repository/models/{name}/unload",
+    summary="Unload a model once its requests in flight are answered (model control: explicit mode)",
+    responses=_ERRORS,
+)
+async def repository_model_unload(name: str, request: Request, state: State, loaded: Known) -> dict:
+    await _control_parameters(request, unload=True)
+    await state.control.unload(name)
+    return {}
+
+
 async def handle_infer(request: Request, loaded: KnownModels, params: dict[str, str]) -> Response:
     """POST /v2/models/{name}[/versions/{version}]/infer."""
     start = time.perf_counter()
@@ -238,7 +270,7 @@ async def handle_infer(request: Request, loaded: KnownModels, params: dict[str, 
         )
 
     def encode(req: codec.InferRequest, model: ServingModel, outputs: Outputs) -> tuple[bytes, dict]:
-        return codec.encode_infer(req, model.name, outputs)
+        return codec.encode_infer(req, model.name, outputs, model.version)
 
     call = http_call(request, "v2", start, named=name)
     (payload, headers), timings = await inference.run(loaded, call, decode, encode, len(body))

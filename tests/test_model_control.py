@@ -1,0 +1,230 @@
+"""Model control (issue 25): load, reload and unload while serving, with tritonclient over both transports.
+
+The repository holds Triton's layout, ``encoder/1`` (seed 0); version 2 (seed 1, other answers) and a version 3
+whose graph is tampered with (its sha256 no longer matches) are added while 8 clients keep asking. Every answer
+must come from the version it names (``model_version``) and equal that version's graph run in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import onnxruntime as ort
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from bench.server import ServerProcess
+from model.artifact import sha256_file
+from tests.conftest import TINY, export_to
+from tests.helpers import wait_until
+
+E = TINY.d_model
+X = np.random.default_rng(7).standard_normal((1, 3, E)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def versions(tiny_artifact, tmp_path_factory) -> dict[str, Path]:
+    """Three candidate versions of "encoder": seed 0, seed 1, and seed 1 with a tampered graph."""
+    root = tmp_path_factory.mktemp("versions")
+    second = export_to(root / "second", TINY, seed=1)
+    bad = root / "bad"
+    shutil.copytree(second, bad)
+    graph = bytearray((bad / "model.onnx").read_bytes())
+    graph[-1] ^= 0xFF
+    (bad / "model.onnx").write_bytes(bytes(graph))
+    return {"1": tiny_artifact, "2": second, "bad": bad}
+
+
+def reference(artifact: Path) -> np.ndarray:
+    sess = ort.InferenceSession(str(artifact / "model.onnx"), providers=["CPUExecutionProvider"])
+    return sess.run(["encoded"], {"embeddings": X, "mask": np.zeros(X.shape[:2], bool)})[0]
+
+
+def repository(tmp_path: Path, versions: dict[str, Path], *which: str) -> Path:
+    repo = tmp_path / "repo"
+    for v in which:
+        shutil.copytree(versions[v], repo / "encoder" / v)
+    return repo
+
+
+class Clients:
+    """8 clients (4 tritonclient.http, 4 tritonclient.grpc) asking in a loop until stopped; every answer is
+    checked against the version that served it."""
+
+    def __init__(self, srv, expected: dict[str, np.ndarray]) -> None:
+        self.srv, self.expected = srv, expected
+        self.seen: dict[str, int] = {}
+        self.failures: list[str] = []
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._loop, args=(kind,)) for kind in ["http", "grpc"] * 4]
+
+    def _loop(self, kind: str) -> None:
+        if kind == "http":
+            client, mod = httpclient.InferenceServerClient(f"127.0.0.1:{self.srv.port}"), httpclient
+        else:
+            client, mod = grpcclient.InferenceServerClient(f"127.0.0.1:{self.srv.grpc_port}"), grpcclient
+        inp = mod.InferInput("embeddings", list(X.shape), "FP32")
+        inp.set_data_from_numpy(X)
+        deadline = time.monotonic() + 120
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            try:
+                result = client.infer("encoder", [inp])
+                version = (
+                    result.get_response()["model_version"]
+                    if kind == "http"
+                    else result.get_response().model_version
+                )
+                got = result.as_numpy("encoded")
+                ok = version in self.expected and np.allclose(
+                    got, self.expected[version], rtol=1e-4, atol=1e-5
+                )
+                with self.lock:
+                    self.seen[version] = self.seen.get(version, 0) + 1
+                    if not ok:
+                        self.failures.append(f"{kind}: version {version} answered something else")
+            except InferenceServerException as exc:
+                with self.lock:
+                    self.failures.append(f"{kind}: {exc}")
+        client.close()
+
+    def __enter__(self) -> Clients:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(30)
+
+    def count(self, version: str) -> int:
+        with self.lock:
+            return self.seen.get(version, 0)
+
+
+def control_server(repo: Path, mode: str, *flags: str, grpc: bool = False) -> ServerProcess:
+    return ServerProcess(
+        ["-m", "service", "--model-repository", str(repo), "--model-control-mode", mode, *flags], grpc=grpc
+    )
+
+
+def _index(srv) -> dict:
+    [entry] = httpx.post(f"{srv.base}/v2/repository/index", timeout=10).json()
+    return entry
+
+
+def test_a_reload_under_load_swaps_versions_with_no_failed_request_and_refuses_a_bad_one(tmp_path, versions):
+    repo = repository(tmp_path, versions, "1")
+    expected = {"1": reference(versions["1"]), "2": reference(versions["2"])}
+    with (
+        control_server(repo, "explicit", "--load-model", "encoder", grpc=True) as srv,
+        Clients(srv, expected) as clients,
+    ):
+        http = httpclient.InferenceServerClient(f"127.0.0.1:{srv.port}")
+        grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{srv.grpc_port}")
+        wait_until(lambda: clients.count("1") >= 20, 60, "20 answers from version 1")
+        assert _index(srv) == {"name": "encoder", "version": "1", "state": "READY", "reason": ""}
+
+        shutil.copytree(versions["2"], repo / "encoder" / "2")
+        http.load_model("encoder")  # returns once version 2 is verified and takes traffic
+        assert _index(srv)["version"] == "2"
+        served_before = clients.count("2")
+        wait_until(lambda: clients.count("2") >= served_before + 20, 60, "20 answers from version 2")
+
+        shutil.copytree(versions["bad"], repo / "encoder" / "3")
+        with pytest.raises(InferenceServerException) as info:
+            grpc.load_model("encoder")
+        assert "version 3" in str(info.value) and "sha256" in str(info.value)
+        entry = _index(srv)
+        assert entry["state"] == "READY" and entry["version"] == "2"
+        assert "version 3" in entry["reason"] and "version 2 still serves" in entry["reason"]
+        after_refusal = clients.count("2")
+        wait_until(lambda: clients.count("2") >= after_refusal + 20, 60, "version 2 still answering")
+    assert clients.failures == [], clients.failures[:5]
+    assert set(clients.seen) == {"1", "2"}, clients.seen  # never the refused version
+
+
+def test_unload_drains_and_load_brings_it_back(tmp_path, versions):
+    repo = repository(tmp_path, versions, "1")
+    # requests wait in the queue for company: in flight when the unload comes
+    flags = ["--load-model", "encoder", "--max-queue-delay-ms", "300"]
+    with control_server(repo, "explicit", *flags, grpc=True) as srv:
+        grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{srv.grpc_port}")
+        doc = {
+            "inputs": [
+                {"name": "embeddings", "shape": [1, 3, E], "datatype": "FP32", "data": X.ravel().tolist()}
+            ]
+        }
+        results: list[int] = []
+
+        def ask() -> None:
+            results.append(
+                httpx.post(f"{srv.base}/v2/models/encoder/infer", json=doc, timeout=30).status_code
+            )
+
+        askers = [threading.Thread(target=ask) for _ in range(4)]
+        for t in askers:
+            t.start()
+        wait_until(lambda: "addnorm_queue_depth{model=\"encoder\"} 4.0" in httpx.get(f"{srv.base}/metrics").text,
+                   30, "4 requests queued")  # fmt: skip
+        grpc.unload_model("encoder")  # returns once the 4 in flight are answered
+        for t in askers:
+            t.join(30)
+        assert results == [200] * 4
+        r = httpx.post(f"{srv.base}/v2/models/encoder/infer", json=doc, timeout=30)
+        assert r.status_code == 503 and "unloaded" in r.json()["error"]
+        assert (
+            _index(srv)["state"] == "UNAVAILABLE" and httpx.get(f"{srv.base}/health/ready").status_code == 200
+        )
+        grpc.load_model("encoder")
+        assert httpx.post(f"{srv.base}/v2/models/encoder/infer", json=doc, timeout=30).status_code == 200
+        with pytest.raises(InferenceServerException, match="no model 'nope' in the repository"):
+            grpc.load_model("nope")
+
+
+def test_poll_mode_picks_up_a_new_version_directory(tmp_path, versions):
+    repo = repository(tmp_path, versions, "1")
+    with control_server(repo, "poll", "--repository-poll-secs", "0.2") as srv:
+        http = httpclient.InferenceServerClient(f"127.0.0.1:{srv.port}")
+        assert _index(srv)["version"] == "1"
+        with pytest.raises(InferenceServerException, match="not allowed"):  # the poller decides, not clients
+            http.load_model("encoder")
+        shutil.copytree(versions["2"], repo / "encoder" / "2")
+        wait_until(lambda: _index(srv)["version"] == "2", 60, "the poller loading version 2")
+        inp = httpclient.InferInput("embeddings", list(X.shape), "FP32")
+        inp.set_data_from_numpy(X)
+        np.testing.assert_allclose(
+            http.infer("encoder", [inp]).as_numpy("encoded"), reference(versions["2"]), rtol=1e-4, atol=1e-5
+        )
+        shutil.rmtree(repo / "encoder")
+        wait_until(lambda: _index(srv)["state"] == "UNAVAILABLE", 60, "the poller unloading a removed model")
+
+
+def test_with_model_control_off_a_server_with_no_loadable_model_exits_non_zero(tmp_path, versions):
+    """Triton's exit-on-error: the golden check fails (weights.safetensors of another model), nothing can be
+    served, and the process says so in one line and exits 1 instead of answering 503 for ever."""
+    art = tmp_path / "art"
+    shutil.copytree(versions["1"], art)
+    golden = versions["2"] / "golden.safetensors"
+    shutil.copyfile(golden, art / "golden.safetensors")
+    manifest = json.loads((art / "manifest.json").read_text())
+    for key, _value in list(manifest.items()):
+        if key.startswith("golden") and "sha256" in key:
+            manifest[key] = sha256_file(art / "golden.safetensors")
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    srv = ServerProcess(["-m", "service", "--model-dir", str(art)])
+    try:
+        assert srv.proc.wait(120) == 1, srv.output()[-2000:]
+        lines = [line for line in srv.output().splitlines() if "no model can be served" in line]
+        assert len(lines) == 1 and "golden check failed" in lines[0], srv.output()[-2000:]
+    finally:
+        srv.stop()
