@@ -14,22 +14,30 @@ padding in ``mask``, get batched together and the same results on their real pos
 from __future__ import annotations
 
 import argparse
-import shutil
+import hashlib
+import json
 import sys
 from pathlib import Path
 
 from model.artifact import MANIFEST_FILE, ArtifactError, Manifest, load_verified
+from model.contract import EMBEDDINGS, MASK
 from service.protocols.v2 import model_config
 
 KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 VERSION = "1"
 
 
-def config_pbtxt(manifest: Manifest, max_batch_size: int = 32, instances: int = 1, kind: str = "cpu") -> str:
+def config_pbtxt(
+    manifest: Manifest,
+    max_batch_size: int = 32,
+    instances: int = 1,
+    kind: str = "cpu",
+    mask_optional: bool = False,
+) -> str:
     """The model's config.pbtxt, from the builder a running addnorm-serve answers ``/config`` with. Triton feeds
     the graph as it is: a seq-first graph (--no-batch-first) cannot be batched by Triton (its batch dim is not
-    first), so max_batch_size is 0 and dims are written whole; and ``mask`` stays required, as the graph needs
-    it (addnorm-serve fills it in when a request leaves it out)."""
+    first), so max_batch_size is 0 and dims are written whole; ``mask`` is optional only when the repository's
+    graph has a default for it (``with_mask_default``)."""
     batched = manifest.config.batch_first and max_batch_size > 0
     config = model_config.build(
         manifest.name,
@@ -38,6 +46,7 @@ def config_pbtxt(manifest: Manifest, max_batch_size: int = 32, instances: int = 
         max_batch_size=max_batch_size if batched else 0,
         instances=instances,
         kind=KINDS[kind],
+        optional=(MASK,) if mask_optional else (),
         dynamic_batching={},  # merges requests of equal shape only (see the module docstring)
     )
     head = (
@@ -47,17 +56,97 @@ def config_pbtxt(manifest: Manifest, max_batch_size: int = 32, instances: int = 
     return head + model_config.as_pbtxt(config)
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _read_varint(data: bytes, i: int) -> tuple[int, int]:
+    shift = value = 0
+    while True:
+        byte = data[i]
+        value |= (byte & 0x7F) << shift
+        i += 1
+        if byte < 0x80:
+            return value, i
+        shift += 7
+
+
+# TensorProto {dims: 1, dims: 1, data_type: BOOL, name: "mask", raw_data: "\0"}: an all-false [1, 1] mask
+_MASK_DEFAULT = b"\x08\x01\x08\x01\x10\x09\x42\x04mask\x4a\x01\x00"
+
+
+def with_mask_default(graph: bytes) -> bytes:
+    """The ONNX model with an initializer for its ``mask`` input: an input with an initializer is optional in
+    ONNX (onnxruntime uses the initializer when the input is not fed), so Triton may leave the mask out. Written
+    on the protobuf's wire format (ModelProto.graph is field 7, GraphProto.initializer field 5), as the serving
+    install has no onnx package. Used only where ``_accepts_absent_mask`` shows the default gives the same
+    answers as an all-false mask."""
+    out, i = bytearray(), 0
+    while i < len(graph):
+        key, j = _read_varint(graph, i)
+        field, wire = key >> 3, key & 7
+        if wire == 2:
+            length, j = _read_varint(graph, j)
+            body = graph[j : j + length]
+            if field == 7:
+                body += b"\x2a" + _varint(len(_MASK_DEFAULT)) + _MASK_DEFAULT
+            out += _varint(key) + _varint(len(body)) + body
+            i = j + length
+        else:  # a varint, 64-bit or 32-bit field, copied as it is
+            end = _read_varint(graph, j)[1] if wire == 0 else j + (8 if wire == 1 else 4)
+            out += graph[i:end]
+            i = end
+    return bytes(out)
+
+
+def _accepts_absent_mask(graph: bytes, manifest: Manifest) -> bool:
+    """Whether the graph with its mask default answers a request without a mask exactly as with an all-false one
+    (the mha form: the mask only picks the padded branch; the other forms reshape the mask by the batch and
+    fail). A mask that is sent overrides the default, so padded requests are answered as by the export's graph."""
+    import numpy as np
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 4  # a refusal below is an answer, not an error to print
+    try:
+        sess = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
+        x = np.random.default_rng(0).standard_normal((2, 5, manifest.config.d_model))
+        x = x.astype(manifest.input(EMBEDDINGS).dtype)
+        if not manifest.config.batch_first:
+            x = x.transpose(1, 0, 2).copy()  # the graph takes (seq, batch, d_model); the mask is (batch, seq)
+        absent = sess.run(None, {EMBEDDINGS: x})[0]
+        given = sess.run(None, {EMBEDDINGS: x, MASK: np.zeros((2, 5), bool)})[0]
+        return bool(np.array_equal(absent, given))
+    except Exception:  # onnxruntime refused it: the mask stays required
+        return False
+
+
 def write_repository(
     artifact: str | Path, repo: str | Path, max_batch_size: int = 32, instances: int = 1, kind: str = "cpu"
 ) -> Path:
-    """Write (or replace) this artifact's model in the repository; returns the model's folder."""
+    """Write (or replace) this artifact's model in the repository; returns the model's folder. Where the graph
+    takes a default for its mask (``with_mask_default``), the repository's graph has one and declares the mask
+    optional, and the manifest beside it records the new graph's sha256 (the export's in exported_model_sha256)."""
     manifest, model_path = load_verified(artifact)
     model_dir = Path(repo) / manifest.name
     version = model_dir / VERSION
     version.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(model_path, version / "model.onnx")
-    shutil.copyfile(Path(artifact) / MANIFEST_FILE, version / MANIFEST_FILE)
-    (model_dir / "config.pbtxt").write_text(config_pbtxt(manifest, max_batch_size, instances, kind))
+    original = model_path.read_bytes()
+    graph = with_mask_default(original)
+    optional = _accepts_absent_mask(graph, manifest)
+    (version / "model.onnx").write_bytes(graph if optional else original)
+    doc = json.loads((Path(artifact) / MANIFEST_FILE).read_text())
+    if optional:
+        doc["exported_model_sha256"] = doc["model_sha256"]
+        doc["model_sha256"] = hashlib.sha256(graph).hexdigest()
+    (version / MANIFEST_FILE).write_text(json.dumps(doc, indent=2) + "\n")
+    config = config_pbtxt(manifest, max_batch_size, instances, kind, mask_optional=optional)
+    (model_dir / "config.pbtxt").write_text(config)
     return model_dir
 
 

@@ -25,8 +25,13 @@ def parse(path) -> mc.ModelConfig:
 
 
 def check_against_graph(config: mc.ModelConfig, model_path, batched: bool) -> None:
+    """Every declared tensor is the graph's (an input with a default is one of onnxruntime's overridable
+    initializers: optional in the config, and only then)."""
     sess = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
-    for declared, actual in ((config.input, sess.get_inputs()), (config.output, sess.get_outputs())):
+    defaults = {i.name for i in sess.get_overridable_initializers()}
+    inputs = sorted([*sess.get_inputs(), *sess.get_overridable_initializers()], key=lambda a: a.name)
+    assert {i.name for i in config.input if i.optional} == defaults
+    for declared, actual in ((config.input, inputs), (config.output, sess.get_outputs())):
         assert [t.name for t in declared] == [a.name for a in actual]
         for t, a in zip(declared, actual, strict=True):
             assert t.data_type == ORT_TO_TRITON[a.type]
@@ -46,15 +51,23 @@ def test_repository_matches_the_graph_and_triton_schema(tiny_artifact, tmp_path,
     assert [(g.count, g.kind) for g in config.instance_group] == [(2, mc.ModelInstanceGroup.KIND_CPU)]
     assert list(config.version_policy.specific.versions) == [1]
     check_against_graph(config, model / "1" / "model.onnx", batched=True)
-    assert sha256_file(model / "1" / "model.onnx") == manifest.model_sha256
-    assert json.loads((model / "1" / "manifest.json").read_text())["model_sha256"] == manifest.model_sha256
-    # what Triton would run: the copied graph gives the artifact's own results
+    # the mha form takes a default for its mask: the repository's graph has one (a new sha256, recorded beside
+    # it with the export's), and the mask is optional, as Triton's core needs for the README's request
+    assert [i.optional for i in config.input] == [False, True]
+    beside = json.loads((model / "1" / "manifest.json").read_text())
+    assert beside["model_sha256"] == sha256_file(model / "1" / "model.onnx") != manifest.model_sha256
+    assert beside["exported_model_sha256"] == manifest.model_sha256
+    # what Triton would run gives the artifact's own results: padded, not, and with no mask at all
     x = np.random.default_rng(0).standard_normal((2, 3, TINY.d_model)).astype(np.float32)
-    mask = np.zeros((2, 3), bool)
-    run = {"embeddings": x, "mask": mask}
     ours = ort.InferenceSession(str(tiny_artifact / "model.onnx"), providers=["CPUExecutionProvider"])
     theirs = ort.InferenceSession(str(model / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
-    np.testing.assert_array_equal(ours.run(None, run)[0], theirs.run(None, run)[0])
+    padded = np.zeros((2, 3), bool)
+    padded[1, 2] = True
+    for mask in (np.zeros((2, 3), bool), padded):
+        run = {"embeddings": x, "mask": mask}
+        np.testing.assert_array_equal(ours.run(None, run)[0], theirs.run(None, run)[0])
+    unmasked = {"embeddings": x, "mask": np.zeros((2, 3), bool)}
+    np.testing.assert_array_equal(ours.run(None, unmasked)[0], theirs.run(None, {"embeddings": x})[0])
 
 
 def test_gpu_kind_and_no_batching(tiny_artifact, tmp_path):
@@ -89,3 +102,15 @@ def test_a_bad_artifact_exits_1_naming_it(tiny_artifact, tmp_path, capsys, bad):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and ("does not exist" in err or "sha256" in err)
     assert not (tmp_path / "repo").exists()
+
+
+def test_a_graph_that_needs_its_mask_keeps_it_required(tmp_path):
+    """The decomposed form reshapes the mask by the batch: a default would fail, so none is written and the mask
+    stays required; the graph is the export's, byte for byte."""
+    art = export_to(tmp_path / "decomposed", TINY, attention="decomposed")
+    assert main([str(art), str(tmp_path / "repo")]) == 0
+    config = parse(tmp_path / "repo" / "encoder" / "config.pbtxt")
+    assert [i.optional for i in config.input] == [False, False]
+    written = tmp_path / "repo" / "encoder" / "1" / "model.onnx"
+    assert sha256_file(written) == Manifest.load(art).model_sha256
+    check_against_graph(config, written, batched=True)
