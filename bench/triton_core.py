@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from model.contract import EMBEDDINGS, ENCODED, MASK
+
 MODEL_PY = """import os
 import sys
 
@@ -43,12 +45,12 @@ class TritonPythonModel:
     def execute(self, requests):
         responses = []
         for request in requests:
-            feeds = {{"embeddings": pb_utils.get_input_tensor_by_name(request, "embeddings").as_numpy()}}
-            mask = pb_utils.get_input_tensor_by_name(request, "mask")
+            feeds = {{{emb!r}: pb_utils.get_input_tensor_by_name(request, {emb!r}).as_numpy()}}
+            mask = pb_utils.get_input_tensor_by_name(request, {mask!r})
             if mask is not None:
-                feeds["mask"] = mask.as_numpy()
-            (out,) = self.session.run(["encoded"], feeds)
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("encoded", out)]))
+                feeds[{mask!r}] = mask.as_numpy()
+            (out,) = self.session.run([{out!r}], feeds)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor({out!r}, out)]))
         return responses
 """
 
@@ -65,7 +67,8 @@ def python_backend_copy(repo: Path, out: Path, site: str) -> None:
         ]
         config.write_text("\n".join(kept) + "\n")
         for version in (d for d in (out / model.name).iterdir() if d.name.isdigit()):
-            (version / "model.py").write_text(MODEL_PY.format(site=site))
+            source = MODEL_PY.format(site=site, emb=EMBEDDINGS, mask=MASK, out=ENCODED)
+            (version / "model.py").write_text(source)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,10 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     import tritonclient.http as httpclient
 
     from bench.server import free_port
+    from model.artifact import Manifest
     from service.triton_repo import write_repository
 
     args = argv if argv is not None else sys.argv[1:]
     artifact = Path(args[0] if args else "artifacts/default")
+    manifest = Manifest.load(artifact)
     site = os.environ.get("ADDNORM_PYTRITON_SITE") or next(p for p in sys.path if p.endswith("site-packages"))
     core = Path(site) / "pytriton" / "tritonserver"
     if not (core / "bin" / "tritonserver").exists():
@@ -112,22 +117,23 @@ def main(argv: list[str] | None = None) -> int:
             version = httpx.get(f"http://127.0.0.1:{port}/v2").json()["version"]
             client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
             reference = ort.InferenceSession(str(artifact / "model.onnx"), providers=["CPUExecutionProvider"])
-            x = np.ones((1, 4, 768), np.float32)
-            inp = httpclient.InferInput("embeddings", list(x.shape), "FP32")
+            name, e = manifest.name, manifest.config.d_model
+            x = np.ones((1, 4, e), np.float32)
+            inp = httpclient.InferInput(EMBEDDINGS, list(x.shape), "FP32")
             inp.set_data_from_numpy(x)
-            got = client.infer("encoder", [inp]).as_numpy("encoded")
-            want = reference.run(None, {"embeddings": x, "mask": np.zeros((1, 4), bool)})[0]
+            got = client.infer(name, [inp]).as_numpy(ENCODED)
+            want = reference.run(None, {EMBEDDINGS: x, MASK: np.zeros((1, 4), bool)})[0]
             unmasked = float(np.abs(got - want).max())
             print(f"Triton {version}: the README's request (no mask) -> {got[0, 0, :3]}, export's graph "
                   f"{want[0, 0, :3]}, max abs diff {unmasked:.1e}")  # fmt: skip
-            x = np.random.default_rng(0).standard_normal((1, 6, 768)).astype(np.float32)
+            x = np.random.default_rng(0).standard_normal((1, 6, e)).astype(np.float32)
             mask = np.array([[False] * 4 + [True] * 2])
-            inputs = [httpclient.InferInput("embeddings", list(x.shape), "FP32"),
-                      httpclient.InferInput("mask", list(mask.shape), "BOOL")]  # fmt: skip
+            inputs = [httpclient.InferInput(EMBEDDINGS, list(x.shape), "FP32"),
+                      httpclient.InferInput(MASK, list(mask.shape), "BOOL")]  # fmt: skip
             inputs[0].set_data_from_numpy(x)
             inputs[1].set_data_from_numpy(mask)
-            got = client.infer("encoder", inputs).as_numpy("encoded")[:, :4]
-            want = reference.run(None, {"embeddings": x, "mask": mask})[0][:, :4]
+            got = client.infer(name, inputs).as_numpy(ENCODED)[:, :4]
+            want = reference.run(None, {EMBEDDINGS: x, MASK: mask})[0][:, :4]
             diff = float(np.abs(got - want).max())
             print(f"Triton {version}: a padded request -> max abs diff on its real positions {diff:.1e}")
             return 0 if max(unmasked, diff) < 1e-5 else 1

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Protocol
+from typing import Annotated, Protocol
 
 from fastapi import Depends, Request
 
@@ -17,9 +17,6 @@ from service.errors import NotFound, NotReady, quote
 from service.metrics import Metrics
 from service.settings import Settings
 from service.statistics import ModelStatistics
-
-if TYPE_CHECKING:  # (control imports this module)
-    from service.control import ModelControl
 
 
 class RequestGuard(Protocol):
@@ -50,6 +47,18 @@ class InFlight:
         while self.count:
             self._idle = asyncio.Event()
             await self._idle.wait()
+
+
+class ModelController(Protocol):
+    """What ``ServiceState.control`` holds (service.control.ModelControl), without state importing control."""
+
+    async def load(self, name: str) -> None: ...
+
+    async def unload(self, name: str) -> None: ...
+
+    async def watch(self) -> None: ...
+
+    async def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -161,7 +170,7 @@ class ServiceState:
     load_error: str | None = None  # the manifests could not be read: nothing is served
     api_keys: tuple[bytes, ...] = field(init=False)  # parsed once, for the guard of every transport
     guard: RequestGuard | None = None  # set by create_app; the gRPC server's interceptor asks the same one
-    control: ModelControl | None = None  # set by create_app
+    control: ModelController | None = None  # service.control.ModelControl, set by create_app
     fatal: str | None = None  # why the server stopped itself (no model loadable with model control off)
 
     def __post_init__(self) -> None:

@@ -24,7 +24,7 @@ from service.errors import BadInput, ServiceError, grpc_code
 from service.guard import Guard
 from service.protocols.v2 import codec, grpc_codec, model_config
 from service.protocols.v2 import inference_pb2 as pb
-from service.state import READY, KnownModels, Models, ServiceState, ServingModel
+from service.state import READY, KnownModels, ModelController, Models, ServiceState, ServingModel
 
 SERVICE = "inference.GRPCInferenceService"
 # What the guard reads for this transport (service/protocols/__init__.py gathers them): methods are paths.
@@ -118,7 +118,7 @@ class InferenceService:
         await self._control().unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
-    def _control(self) -> control.ModelControl:
+    def _control(self) -> ModelController:
         if self.state.control is None:
             raise RuntimeError("the app's model control is made by create_app")
         return self.state.control
