@@ -19,11 +19,14 @@ import onnxruntime as ort
 import torch
 
 from export.cases import Case, default_cases
+from model import reference
 from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, STEP_OUTPUT
 from model.encoder import Encoder
 from model.runtime import CPU, CUDA, with_options
 from model.verdict import Comparison, Tolerance, compare
 
+# Two float64 computations of one block differ by rounding (~1e-14 here); far above that, one of them is wrong.
+ORACLES_AGREE = 1e-9
 GRAPH_OPT_LEVELS = {
     "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
     "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
@@ -39,10 +42,11 @@ class CaseResult:
     masked_positions: int
     comparisons: list[Comparison]
     condition: float = 0.0
+    oracles_gap: float = 0.0  # max |numpy float64 reference - torch float64| on the encoded output
 
     @property
     def passed(self) -> bool:
-        return all(c.passed for c in self.comparisons)
+        return all(c.passed for c in self.comparisons) and self.oracles_gap <= ORACLES_AGREE
 
     @property
     def final(self) -> Comparison:
@@ -88,6 +92,7 @@ class ParityReport:
             "max_torch_vs_f64": max(c.torch_vs_f64 for c in finals),
             "max_onnx_vs_f64": max(c.onnx_vs_f64 for c in finals),
             "max_row_rel_rms": max(c.row_rel_rms for c in finals),
+            "max_oracles_gap": max(r.oracles_gap for r in self.results),
             "worst": {
                 "case": case.case,
                 "output": worst.output,
@@ -146,7 +151,8 @@ def run_parity(
     scheme: Callable[[Encoder, np.ndarray, np.ndarray, bool], dict[str, np.ndarray]] | None = None,
 ) -> ParityReport:
     """Run every case through torch fp32, onnxruntime and torch float64, and compare under ``tol`` (the
-    variant's, from export.variants; fp32's by default). The gate (export.gate) is what callers normally use.
+    variant's, from export.variants; fp32's by default). The numpy float64 reference (model/reference.py) runs
+    each case too: a gap to torch's float64 above ORACLES_AGREE fails the case (an oracle is wrong). The gate (export.gate) is what callers normally use.
 
     ``debug_session`` runs a debug graph of the same variant that also outputs every Add & Norm result; each
     step is then compared with torch's, so a drift names its sublayer. ``scheme`` (a lossy variant's, from
@@ -157,6 +163,8 @@ def run_parity(
     cfg = encoder.config
     encoder = encoder.eval().float()
     oracle = copy.deepcopy(encoder).double()
+    # The second float64 oracle, sharing no code with torch (model/reference.py): the two must agree.
+    weights64 = {k: v.detach().numpy() for k, v in oracle.state_dict().items()}
     with_steps = debug_session is not None
     # The debug graph's extra outputs, after the served ones (model.contract.OUTPUT_NAMES).
     step_names = [o.name for o in debug_session.get_outputs()][len(OUTPUT_NAMES) :] if with_steps else []
@@ -185,7 +193,11 @@ def run_parity(
                 compare(name, out, torch_outs[name], oracle_outs[name], tol, scheme_outs.get(name))
             )
             report.samples.setdefault(name, []).append(_sample(out, torch_outs[name], sample_rng))
-        report.results.append(CaseResult(case.name, list(x.shape), int(mask.sum()), comparisons, condition))
+        numpy_f64 = reference.forward(cfg, weights64, x.astype(np.float64), mask)
+        gap = float(np.abs(numpy_f64 - oracle_outs[ENCODED]).max())
+        report.results.append(
+            CaseResult(case.name, list(x.shape), int(mask.sum()), comparisons, condition, oracles_gap=gap)
+        )
     return report
 
 

@@ -47,7 +47,8 @@ def format_table(report: ParityReport) -> str:
     lines.append(
         f"{'PASSED' if report.passed else 'FAILED'}: {s['cases']} cases, max abs err {s['max_abs_err']:.3e}, "
         f"max rel err {s['max_rel_err']:.3e}, worst row relative RMS {s['max_row_rel_rms']:.3e}; "
-        f"onnx vs float64 {s['max_onnx_vs_f64']:.3e}, torch vs float64 {s['max_torch_vs_f64']:.3e}"
+        f"onnx vs float64 {s['max_onnx_vs_f64']:.3e}, torch vs float64 {s['max_torch_vs_f64']:.3e}; "
+        f"float64 oracles (torch, numpy) agree to {s['max_oracles_gap']:.1e}"
     )
     lines.append(f"rule: {t.describe()}")
     if not report.passed:
@@ -93,7 +94,8 @@ def _markdown(report: ParityReport) -> str:
         f"- tolerance {t.describe()}",
         f"- providers: {', '.join(report.providers)}; graph optimization: {report.graph_optimization}",
         f"- max abs error {s['max_abs_err']:.3e}; torch fp32 vs float64 {s['max_torch_vs_f64']:.3e}; "
-        f"onnxruntime vs float64 {s['max_onnx_vs_f64']:.3e}",
+        f"onnxruntime vs float64 {s['max_onnx_vs_f64']:.3e}; the two float64 oracles (torch, and numpy in "
+        f"model/reference.py) agree to {s['max_oracles_gap']:.1e}",
         "",
         "## Per Add & Norm step (max abs error over all cases)",
         "",

@@ -193,3 +193,19 @@ def test_parity_cli_rechecks_an_artifact(tiny_artifact, capsys):
     assert parity_cli.main([str(tiny_artifact), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["summary"]["passed"] and len(report["cases"]) >= 20
+
+
+def test_the_gate_runs_two_float64_oracles_and_fails_when_they_disagree(tiny_artifact, monkeypatch):
+    """torch float64 and the numpy reference (model/reference.py, no shared code) run every case: they agree to
+    rounding, and a disagreement (one oracle wrong) fails the case even where onnxruntime matches torch."""
+    from export import parity
+
+    session = make_session(tiny_artifact / "model.onnx")
+    cases = [Case("b2 s3", 2, 3), Case("b2 s6 padded", 2, 6, pad=0.5, all_pad_row=True)]
+    report = run_parity(build_encoder(TINY), session, cases)
+    assert report.passed and report.summary()["max_oracles_gap"] < 1e-12
+    assert "float64 oracles (torch, numpy) agree to" in format_table(report)
+    real = parity.reference.forward
+    monkeypatch.setattr(parity.reference, "forward", lambda *a, **k: real(*a, **k) + 1e-6)
+    report = run_parity(build_encoder(TINY), session, cases)
+    assert not report.passed and all(c.passed for r in report.results for c in r.comparisons)

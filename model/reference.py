@@ -1,0 +1,91 @@
+"""The encoder block in numpy float64: a second oracle that shares no code with torch (issue 26).
+
+``forward(config, weights, embeddings, mask)`` computes what ``model.encoder.Encoder`` computes, from the same
+state_dict (``weights.safetensors``: ``layers.{i}.self_attn.in_proj_weight``, ``linear1``, ``norm1``, ... and the
+final ``norm`` of a pre-norm stack), for every form the exporter produces: post- and pre-norm, LayerNorm and
+RMSNorm, relu and exact (erf) GELU, key padding masks, stacks, batch-first or not. The attention form (mha, onnx,
+decomposed) does not change the math, so there is one attention here. No torch: the serving side can run it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from model.config import EncoderConfig
+
+_ERF = np.frompyfunc(math.erf, 1, 1)  # exact erf, elementwise (numpy has none; scipy is not a dependency)
+
+
+def load_weights(path: str | Path) -> dict[str, np.ndarray]:
+    """An artifact's weights.safetensors as float64 arrays by name."""
+    from safetensors.numpy import load_file
+
+    return {k: v.astype(np.float64) for k, v in load_file(str(path)).items()}
+
+
+def _norm(x: np.ndarray, weights: Mapping[str, np.ndarray], prefix: str, config: EncoderConfig) -> np.ndarray:
+    w = weights[f"{prefix}.weight"]
+    if config.norm == "rms":  # torch.nn.RMSNorm: x / sqrt(mean(x^2) + eps) * weight, no bias
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + config.layer_norm_eps) * w
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)  # biased, as LayerNorm's
+    return (x - mean) / np.sqrt(var + config.layer_norm_eps) * w + weights[f"{prefix}.bias"]
+
+
+def _activation(x: np.ndarray, name: str) -> np.ndarray:
+    if name == "relu":
+        return np.maximum(x, 0.0)
+    return 0.5 * x * (1.0 + _ERF(x / math.sqrt(2.0)).astype(np.float64))  # torch's default (exact) GELU
+
+
+def _attention(x: np.ndarray, weights: Mapping[str, np.ndarray], p: str, heads: int, mask: np.ndarray | None):
+    b, s, e = x.shape
+    d = e // heads
+    qkv = x @ weights[f"{p}.in_proj_weight"].T + weights[f"{p}.in_proj_bias"]  # (B, S, 3E): q, k, v stacked
+    q, k, v = (qkv[..., i * e : (i + 1) * e].reshape(b, s, heads, d).transpose(0, 2, 1, 3) for i in range(3))
+    scores = (q @ k.transpose(0, 1, 3, 2)) / math.sqrt(d)  # (B, H, S, S)
+    if mask is not None:  # the most negative finite float64, as the torch block does in its own dtype
+        scores = np.where(mask[:, None, None, :], np.finfo(np.float64).min, scores)
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = (probs @ v).transpose(0, 2, 1, 3).reshape(b, s, e)
+    return out @ weights[f"{p}.out_proj.weight"].T + weights[f"{p}.out_proj.bias"]
+
+
+def forward(
+    config: EncoderConfig,
+    weights: Mapping[str, np.ndarray],
+    embeddings: np.ndarray,
+    mask: np.ndarray | None = None,
+) -> np.ndarray:
+    """The encoded tensor in float64, in the input's layout ((B, S, E), or (S, B, E) when not batch-first);
+    ``mask`` (B, S) bool, true where a position is padding."""
+    x = np.asarray(embeddings, dtype=np.float64)
+    if not config.batch_first:
+        x = x.transpose(1, 0, 2)
+    mask = None if mask is None or not np.any(mask) else np.asarray(mask, dtype=bool)
+    for i in range(config.num_layers):
+        p = f"layers.{i}"
+
+        def attend(h: np.ndarray, p: str = p) -> np.ndarray:
+            return _attention(h, weights, f"{p}.self_attn", config.nhead, mask)
+
+        def feed_forward(h: np.ndarray, p: str = p) -> np.ndarray:
+            hidden = _activation(
+                h @ weights[f"{p}.linear1.weight"].T + weights[f"{p}.linear1.bias"], config.activation
+            )
+            return hidden @ weights[f"{p}.linear2.weight"].T + weights[f"{p}.linear2.bias"]
+
+        for sublayer, norm in ((attend, f"{p}.norm1"), (feed_forward, f"{p}.norm2")):
+            if config.norm_first:  # pre-norm: x + sublayer(Norm(x))
+                x = x + sublayer(_norm(x, weights, norm, config))
+            else:  # post-norm: Norm(x + sublayer(x))
+                x = _norm(x + sublayer(x), weights, norm, config)
+    if config.norm_first:
+        x = _norm(x, weights, "norm", config)
+    return x if config.batch_first else x.transpose(1, 0, 2)
