@@ -20,11 +20,11 @@ from model.config import EncoderConfig
 _ERF = np.frompyfunc(math.erf, 1, 1)  # exact erf, elementwise (numpy has none; scipy is not a dependency)
 
 
-def load_weights(path: str | Path) -> dict[str, np.ndarray]:
-    """An artifact's weights.safetensors as float64 arrays by name."""
+def load_weights(path: str | Path, dtype: type = np.float64) -> dict[str, np.ndarray]:
+    """An artifact's weights.safetensors as arrays of ``dtype`` by name."""
     from safetensors.numpy import load_file
 
-    return {k: v.astype(np.float64) for k, v in load_file(str(path)).items()}
+    return {k: v.astype(dtype) for k, v in load_file(str(path)).items()}
 
 
 def _norm(x: np.ndarray, weights: Mapping[str, np.ndarray], prefix: str, config: EncoderConfig) -> np.ndarray:
@@ -39,7 +39,7 @@ def _norm(x: np.ndarray, weights: Mapping[str, np.ndarray], prefix: str, config:
 def _activation(x: np.ndarray, name: str) -> np.ndarray:
     if name == "relu":
         return np.maximum(x, 0.0)
-    return 0.5 * x * (1.0 + _ERF(x / math.sqrt(2.0)).astype(np.float64))  # torch's default (exact) GELU
+    return 0.5 * x * (1.0 + _ERF(x / math.sqrt(2.0)).astype(x.dtype))  # torch's default (exact) GELU
 
 
 def _attention(x: np.ndarray, weights: Mapping[str, np.ndarray], p: str, heads: int, mask: np.ndarray | None):
@@ -48,8 +48,8 @@ def _attention(x: np.ndarray, weights: Mapping[str, np.ndarray], p: str, heads: 
     qkv = x @ weights[f"{p}.in_proj_weight"].T + weights[f"{p}.in_proj_bias"]  # (B, S, 3E): q, k, v stacked
     q, k, v = (qkv[..., i * e : (i + 1) * e].reshape(b, s, heads, d).transpose(0, 2, 1, 3) for i in range(3))
     scores = (q @ k.transpose(0, 1, 3, 2)) / math.sqrt(d)  # (B, H, S, S)
-    if mask is not None:  # the most negative finite float64, as the torch block does in its own dtype
-        scores = np.where(mask[:, None, None, :], np.finfo(np.float64).min, scores)
+    if mask is not None:  # the most negative finite value of the dtype, as the torch block fills
+        scores = np.where(mask[:, None, None, :], np.finfo(scores.dtype).min, scores)
     scores = scores - scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
     probs /= probs.sum(axis=-1, keepdims=True)
@@ -63,9 +63,11 @@ def forward(
     embeddings: np.ndarray,
     mask: np.ndarray | None = None,
 ) -> np.ndarray:
-    """The encoded tensor in float64, in the input's layout ((B, S, E), or (S, B, E) when not batch-first);
-    ``mask`` (B, S) bool, true where a position is padding."""
-    x = np.asarray(embeddings, dtype=np.float64)
+    """The encoded tensor in the weights' dtype (float64 for the oracle; float32 weights give a float32 run,
+    what any float32 implementation's own error looks like), in the input's layout ((B, S, E), or (S, B, E) when
+    not batch-first); ``mask`` (B, S) bool, true where a position is padding."""
+    dtype = next(iter(weights.values())).dtype
+    x = np.asarray(embeddings, dtype=dtype)
     if not config.batch_first:
         x = x.transpose(1, 0, 2)
     mask = None if mask is None or not np.any(mask) else np.asarray(mask, dtype=bool)

@@ -19,11 +19,12 @@ from service import logs, memory, openapi, protocols
 from service.control import ModelControl
 from service.fastpath import FastPath
 from service.guard import Guard, GuardMiddleware
+from service.live_parity import LiveParity
 from service.loading import load_models
 from service.middleware import RequestContext, install_error_handlers
 from service.protocols import health
 from service.settings import Settings
-from service.state import ServiceState
+from service.state import READY, UNAVAILABLE, ServiceState
 from service.tracing import TRACING
 
 log = logging.getLogger("addnorm.service")
@@ -46,6 +47,15 @@ def create_app(
     TRACING.configure()  # on only when the OTEL_EXPORTER_OTLP_* variables ask for it
     state = ServiceState(settings)
     state.control = ModelControl(state)
+    state.live = LiveParity(
+        settings.live_parity_rate,
+        settings.live_parity_budget,
+        settings.live_parity_action,
+        settings.live_parity_failures,
+        settings.live_parity_window_s,
+        state.metrics,
+        unready=lambda name, reason: _mark_unready(state, name, reason),
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -55,6 +65,7 @@ def create_app(
                 raise RuntimeError(state.not_ready_reason())
         # Transports with their own listener (gRPC), before the models load unless they already have: their
         # readiness answers false until they are. Each may decline (its port set to 0).
+        state.live.start(asyncio.get_running_loop())
         listeners = [lst for t in protocols.LISTENERS if (lst := await t.listen(state)) is not None]
         loader = None if load_before_serving else asyncio.create_task(_load(state, exit_on_error))
         try:
@@ -63,6 +74,7 @@ def create_app(
             if loader is not None:
                 loader.cancel()
             await state.control.close()
+            state.live.stop()
             for listener in listeners:
                 await listener.stop(
                     settings.request_timeout_s
@@ -92,6 +104,15 @@ def create_app(
         access_log=settings.access_log,
     )
     return app
+
+
+def _mark_unready(state: ServiceState, name: str, reason: str) -> None:
+    """Live parity's action ``unready`` (on the event loop): the model answers 503 with the reason, and the index,
+    /health/ready and gRPC ModelReady say so, until it is loaded again."""
+    slot = state.loaded.models.slots.get(name) if state.loaded is not None else None
+    if slot is not None and slot.state == READY:
+        slot.state, slot.reason = UNAVAILABLE, reason
+        log.error("model %s is now UNAVAILABLE: %s", name, reason)
 
 
 async def _load(state: ServiceState, exit_on_error: bool) -> None:

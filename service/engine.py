@@ -117,6 +117,7 @@ class Engine:
             self.manifest, model_path = load_verified(model_dir)
         except ArtifactError as exc:
             raise EngineError(str(exc)) from exc
+        self.directory = Path(model_dir)
         wanted = resolve_providers(providers, ort.get_available_providers())
         if wanted[0] == CUDA and hasattr(ort, "preload_dlls"):
             ort.preload_dlls()  # CUDA and cuDNN from their pip packages (nvidia-*), when installed that way

@@ -53,7 +53,8 @@ async def load_models(state: ServiceState) -> None:
         if unknown:
             log.error("--load-model: no model %s in the repository", ", ".join(sorted(unknown)))
         slots = [s for s in slots if s.name in settings.load_model]
-    state.loaded = KnownModels(settings, Models(slots, allow_empty=settings.model_control_mode != "none"))
+    models = Models(slots, allow_empty=settings.model_control_mode != "none")
+    state.loaded = KnownModels(settings, models, state.live)
     await asyncio.gather(*(_load_one(state, slot) for slot in slots))
     if state.not_ready_reason() is None:
         log.info("ready: %s", ", ".join(f"{s.name} on {s.serving.engine.providers}" for s in slots))

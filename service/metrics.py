@@ -52,6 +52,23 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.parity = {
+            kind: Counter(
+                f"addnorm_live_parity_{kind}", f"live parity: sampled answers {what}", ["model"], registry=r
+            )
+            for kind, what in (
+                ("checked", "checked"),
+                ("failed", "that failed"),
+                ("dropped", "dropped (queue full)"),
+            )
+        }
+        self.parity_ratio = Histogram(
+            "addnorm_live_parity_error_ratio",
+            "live parity: a sampled answer's error vs float64 over the verdict's allowance (above 1: failed)",
+            ["model"],
+            buckets=(0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 100.0),
+            registry=r,
+        )
         self.golden_err = Gauge(
             "addnorm_golden_max_abs_error",
             "load-time golden check: max abs error vs torch",
@@ -63,12 +80,20 @@ class Metrics:
         """The batch observer that records one model's runs, under its ``model`` label; ``queue_depth`` is read
         at each scrape (kept current per request, it cost the event loop a locked update on every enqueue)."""
         self.queue.labels(name).set_function(queue_depth)
+        for counter in self.parity.values():  # live parity's series exist from the start, at 0
+            counter.labels(name)
         return ModelMetrics(self, name)
 
     def verification(self, model: str, v) -> None:
         self.golden.labels(model).set({"passed": 1, "failed": 0}.get(v.status, -1))
         if v.max_abs_err is not None:
             self.golden_err.labels(model).set(v.max_abs_err)
+
+    def live_parity(self, model: str, kind: str, ratio: float | None = None) -> None:
+        """A live parity event (service/live_parity.py): checked (with its ratio), failed or dropped."""
+        self.parity[kind].labels(model).inc()
+        if ratio is not None:
+            self.parity_ratio.labels(model).observe(ratio)
 
     def observe_request(self, route: str, method: str, status: int | str, seconds: float) -> None:
         key = (route, method, status)

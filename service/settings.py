@@ -43,6 +43,28 @@ class Settings(BaseSettings):
     repository_poll_secs: float = Field(
         5.0, gt=0, description="in poll mode, how often the repository is read for changes, in seconds"
     )
+    live_parity_rate: float = Field(
+        0.01,
+        ge=0,
+        le=1,
+        description="live parity: the fraction of answered requests recomputed in float64 (numpy, off the request "
+        "path) and judged by the parity rule; 0 = off",
+    )
+    live_parity_budget: float = Field(
+        0.02,
+        gt=0,
+        le=1,
+        description="live parity: the most CPU share (of one core) its checker thread may take",
+    )
+    live_parity_action: Literal["warn", "unready"] = Field(
+        "warn",
+        description="live parity: on failures, warn (log, metrics) or mark the model unready after "
+        "--live-parity-failures failures within --live-parity-window-s",
+    )
+    live_parity_failures: int = Field(3, ge=1, description="live parity: failures that make a model unready")
+    live_parity_window_s: float = Field(
+        60.0, gt=0, description="live parity: the window those failures count in"
+    )
     host: str = Field("127.0.0.1", description="interface to bind")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
     grpc_port: int = Field(

@@ -14,6 +14,7 @@ from model.golden import Verification
 from service.batcher import Batcher
 from service.engine import Engine
 from service.errors import NotFound, NotReady, quote
+from service.live_parity import LiveParity
 from service.metrics import Metrics
 from service.settings import Settings
 from service.statistics import ModelStatistics
@@ -128,7 +129,7 @@ class Models:
             slot = next(iter(self.slots.values()))
         else:
             slot = self.slot(name)
-        if slot.serving is None:
+        if slot.serving is None or slot.state != READY:  # (live parity may have made a loaded one unready)
             raise NotReady(_why(slot))
         return slot.serving
 
@@ -150,16 +151,20 @@ def _why(slot: Slot) -> str:
     if slot.state == UNAVAILABLE:
         if slot.reason == UNLOADED:
             return f"model {slot.name!r} is unloaded"
+        if slot.serving is not None:  # loaded, then taken out of service (live parity)
+            return f"model {slot.name!r} is unavailable: {slot.reason}"
         return f"model {slot.name!r} failed to load: {slot.reason}"
     return f"model {slot.name!r} is loading"
 
 
 @dataclass(frozen=True)
 class KnownModels:
-    """What routes past the guard get once every manifest is read: the settings and the models by name."""
+    """What routes past the guard get once every manifest is read: the settings, the models by name, and the
+    live parity sampler every answered request is offered to (service/live_parity.py; None in bare tests)."""
 
     settings: Settings
     models: Models
+    live: LiveParity | None = None
 
 
 @dataclass
@@ -172,6 +177,7 @@ class ServiceState:
     guard: RequestGuard | None = None  # set by create_app; the gRPC server's interceptor asks the same one
     control: ModelController | None = None  # service.control.ModelControl, set by create_app
     fatal: str | None = None  # why the server stopped itself (no model loadable with model control off)
+    live: LiveParity | None = None  # set by create_app
 
     def __post_init__(self) -> None:
         self.api_keys = tuple(key.encode() for key in self.settings.api_keys())

@@ -12,6 +12,7 @@ from service import inference
 from service.batcher import Outputs
 from service.fastpath import FastRoute
 from service.guard import Known
+from service.live_parity import judged
 from service.protocols.common import error_docs, http_call, read_body, timing_headers
 from service.protocols.v1 import codec
 from service.state import KnownModels, Models, ServingModel
@@ -140,7 +141,11 @@ async def encode(request: Request, loaded: Known) -> Response:
 
 @router.get("/model", summary="A served model (the default, or ?model=NAME): manifest, providers in use")
 async def model(loaded: Known, model: str | None = None) -> dict:
-    return loaded.models.get(model).describe()
+    served = loaded.models.get(model)
+    live = None
+    if loaded.live is not None:
+        live = {**loaded.live.counts[served.name].to_dict(), "judged": judged(served.engine.manifest)}
+    return {**served.describe(), "live_parity": live}
 
 
 def examples(model: str, d_model: int) -> dict[tuple[str, str], dict]:

@@ -328,11 +328,17 @@ def repository_index(models: Models, ready_only: bool = False) -> list[dict]:
     ]
 
 
-def statistics(models: Models, name: str | None, version: str | None) -> dict:
-    """The statistics extension's answer: one model's (404 unknown, 503 not loaded), or every loaded model's."""
+def statistics(models: Models, name: str | None, version: str | None, live=None) -> dict:
+    """The statistics extension's answer: one model's (404 unknown, 503 not loaded), or every loaded model's;
+    with ``live`` (service.live_parity.LiveParity), each carries its live parity counts (an extra field Triton's
+    clients ignore)."""
     if name:
         check_version(models, name, version)
         chosen = [models.get(name)]
     else:
         chosen = list(models)
-    return {"model_stats": [m.statistics.to_dict() for m in chosen]}
+    docs = [m.statistics.to_dict() for m in chosen]
+    if live is not None:
+        for doc, m in zip(docs, chosen, strict=True):
+            doc["live_parity"] = live.counts[m.name].to_dict()
+    return {"model_stats": docs}

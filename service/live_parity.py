@@ -1,0 +1,182 @@
+"""Live parity (issue 26): a sample of served answers recomputed in float64 and judged by the gate's own rule.
+
+The request core (``inference.run``) offers each answered request with probability ``--live-parity-rate``: its
+input and the answer it was sent are copied to a bounded queue, or dropped and counted when the queue is full; the
+request never waits. One low-priority thread takes samples and recomputes each with the numpy reference
+(``model.reference``, no torch) twice: in float64 (the oracle) and in float32 (what any float32 implementation's
+own error looks like, standing in for the gate's torch fp32), then judges the served answer with
+``model.verdict.compare`` under the artifact's own tolerance (the one its gate and its load-time check used).
+The thread keeps its CPU share under ``--live-parity-budget`` by resting after each check. With
+``--live-parity-action unready``, ``--live-parity-failures`` failures within ``--live-parity-window-s`` mark the
+model UNAVAILABLE with the reason, so an orchestrator stops routing to this replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from model import reference
+from model.artifact import WEIGHTS_FILE
+from model.contract import ENCODED
+from model.verdict import Tolerance, compare
+from service import logs
+
+log = logging.getLogger("addnorm.live_parity")
+QUEUE = 8  # samples waiting for the checker; more are dropped (and counted)
+
+
+@dataclass
+class Counts:
+    """One model's live parity so far (for /v1/model and the statistics)."""
+
+    checked: int = 0
+    failed: int = 0
+    dropped: int = 0
+    worst_ratio: float = 0.0  # the largest error over the verdict's allowance seen
+    recent_failures: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
+
+    def to_dict(self) -> dict:
+        return {
+            "checked": self.checked,
+            "failed": self.failed,
+            "dropped": self.dropped,
+            "worst_ratio": round(self.worst_ratio, 4),
+        }
+
+
+@dataclass
+class _Sample:
+    model: object  # service.state.ServingModel
+    directory: str
+    request_id: str
+    embeddings: np.ndarray
+    mask: np.ndarray | None
+    answer: np.ndarray
+
+
+def judged(manifest) -> bool:
+    """Whether live parity judges this model: float32 graphs (fp32, fused). A lossy variant's (int8, fp16) gate
+    accepts an answer far from float32 when the variant's own arithmetic is (its scheme, computed in torch:
+    export/variants.py); the server has no torch, so it cannot tell that from a fault, and does not judge."""
+    return manifest.parity.get("tolerance", {}).get("row_rel_rms") is None
+
+
+class LiveParity:
+    """The sampler (``offer``, on the event loop) and its checker thread; one per server."""
+
+    def __init__(
+        self,
+        rate: float,
+        budget: float,
+        action: str,
+        failures: int,
+        window_s: float,
+        metrics,  # service.metrics.Metrics
+        unready: Callable[[str, str], None],  # (model name, reason), called on the app's event loop
+    ) -> None:
+        self.rate, self.budget, self.action = rate, budget, action
+        self.failures, self.window_s = failures, window_s
+        self.metrics, self.unready = metrics, unready
+        self.counts: dict[str, Counts] = collections.defaultdict(Counts)
+        self._queue: queue.Queue[_Sample | None] = queue.Queue(QUEUE)
+        self._weights: dict[str, tuple[dict, dict]] = {}  # artifact dir -> (float64, float32) weights
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the checker; ``unready`` is called on ``loop`` (the app's)."""
+        self._loop = loop
+        if self.rate > 0:
+            self._thread = threading.Thread(target=self._work, name="addnorm-live-parity", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            with contextlib.suppress(queue.Full):  # full: a daemon thread, it ends with the process
+                self._queue.put_nowait(None)
+            self._thread = None
+
+    def offer(self, model, embeddings: np.ndarray, mask: np.ndarray | None, answer: np.ndarray) -> None:
+        """Called for every answered request (the request core): keeps a copy with probability ``rate``; never
+        blocks. ``embeddings`` (B, S, E) as the model ran them, ``answer`` the rows the client is sent."""
+        if self.rate <= 0 or random.random() >= self.rate or not judged(model.engine.manifest):
+            return
+        sample = _Sample(
+            model,
+            str(model.engine.directory),
+            logs.request_id.get(),
+            np.array(embeddings, copy=True),
+            None if mask is None else np.array(mask, copy=True),
+            np.array(answer, copy=True),
+        )
+        try:
+            self._queue.put_nowait(sample)
+        except queue.Full:
+            self.counts[model.name].dropped += 1
+            self.metrics.live_parity(model.name, "dropped")
+
+    # --- the checker thread ---
+
+    def _work(self) -> None:
+        while (sample := self._queue.get()) is not None:
+            start = time.perf_counter()  # wall time: numpy's BLAS threads work for it too
+            try:
+                self.check(sample)
+            except Exception:  # never the thread
+                log.exception("live parity check failed to run")
+            busy = time.perf_counter() - start
+            if self.budget < 1:  # rest so that busy / (busy + rest) <= budget
+                time.sleep(busy * (1 / self.budget - 1))
+
+    def check(self, s: _Sample) -> None:
+        manifest = s.model.engine.manifest
+        config = dataclasses.replace(
+            manifest.config, batch_first=True
+        )  # the API's layout, whatever the graph's
+        w64, w32 = self._weights_of(s.directory)
+        x64 = reference.forward(config, w64, s.embeddings, s.mask)
+        x32 = reference.forward(config, w32, s.embeddings, s.mask)
+        tol = Tolerance(**manifest.parity["tolerance"])
+        c = compare(ENCODED, s.answer, x32, x64, tol)
+        passed = c.passed
+        ratio = c.onnx_vs_f64 / (max(tol.oracle_factor, 1.0) * max(c.torch_vs_f64, c.float32_floor, 1e-30))
+        name = s.model.name
+        counts = self.counts[name]
+        counts.checked += 1
+        counts.worst_ratio = max(counts.worst_ratio, ratio)
+        self.metrics.live_parity(name, "checked", ratio)
+        if passed:
+            return
+        counts.failed += 1
+        self.metrics.live_parity(name, "failed")
+        log.warning(
+            "live parity FAILED for request %s on model %s, shape %s: error %.3e vs float64 is %.1fx the allowance",
+            s.request_id, name, list(s.embeddings.shape), c.onnx_vs_f64, ratio,
+        )  # fmt: skip
+        now = time.monotonic()
+        counts.recent_failures.append(now)
+        recent = [t for t in counts.recent_failures if now - t <= self.window_s]
+        if self.action == "unready" and len(recent) >= self.failures and self._loop is not None:
+            reason = (
+                f"live parity: {len(recent)} sampled answers failed the parity rule within {self.window_s:g} s "
+                f"(the last {ratio:.1f}x its allowance); see the log"
+            )
+            self._loop.call_soon_threadsafe(self.unready, name, reason)
+
+    def _weights_of(self, directory: str) -> tuple[dict, dict]:
+        if directory not in self._weights:
+            w64 = reference.load_weights(f"{directory}/{WEIGHTS_FILE}", np.float64)
+            self._weights[directory] = (w64, {k: v.astype(np.float32) for k, v in w64.items()})
+        return self._weights[directory]

@@ -1,0 +1,158 @@
+"""Live parity (issue 26): sampled answers recomputed in float64 (numpy, no torch) and judged by the gate's rule,
+off the request path. In-process apps at rate 1.0: a healthy model raises nothing; a graph whose LayerNorm gamma
+is skewed 5% is caught within 20 requests, and with action unready becomes UNAVAILABLE; a full queue drops and
+counts, never blocks."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import numpy as np
+import onnx
+import pytest
+from fastapi.testclient import TestClient
+from onnx import numpy_helper
+
+from model.artifact import MANIFEST_FILE, sha256_file
+from service import create_app
+from service.live_parity import QUEUE, LiveParity
+from service.settings import Settings
+from tests.helpers import wait_until, wait_until_ready
+
+E = 32
+
+
+def _requests(rng: np.random.Generator, n: int = 12, model: str = "encoder"):
+    """Ordinary, ill-conditioned (a large offset, a tiny spread) and padded inputs, over /v1 and /v2."""
+    for i in range(n):
+        scale, offset = [(1.0, 0.0), (1e-3, 50.0), (10.0, -3.0)][i % 3]
+        x = (offset + scale * rng.standard_normal((2, 5, E))).astype(np.float32)
+        if i % 2:
+            mask = [[False] * 5, [False] * 3 + [True] * 2]
+            yield "/v1/encode", {"embeddings": x.tolist(), "mask": mask, "model": model}
+        else:
+            doc = {
+                "inputs": [
+                    {"name": "embeddings", "shape": [2, 5, E], "datatype": "FP32", "data": x.ravel().tolist()}
+                ]
+            }
+            yield f"/v2/models/{model}/infer", doc
+
+
+def _counts(client, model: str = "encoder") -> dict:
+    return client.get(f"/v1/model?model={model}").json()["live_parity"]
+
+
+def _app(model_dir, **settings):
+    return create_app(Settings(model_dir=model_dir, live_parity_rate=1.0, live_parity_budget=1.0, **settings))
+
+
+def test_a_healthy_model_raises_no_failure_over_hundreds_of_requests_and_int8_is_not_judged(model_repository):
+    """fp32: 240 requests, ordinary, ill-conditioned, padded or not, all checked, none failed. int8 (the
+    repository fixture's second model) is not judged: its gate accepts answers as far from float32 as its own
+    arithmetic is, which the server (no torch) cannot compute; /v1/model says so."""
+    app = create_app(
+        Settings(model_repository=model_repository, live_parity_rate=1.0, live_parity_budget=1.0)
+    )
+    with TestClient(app) as client:
+        wait_until_ready(client)
+        for model, n in (("encoder", 240), ("encoder-int8", 20)):
+            for path, doc in _requests(np.random.default_rng(3), n, model):
+                assert client.post(path, json=doc).status_code == 200
+        wait_until(lambda: _counts(client)["checked"] == 240, 120, "240 checked")
+        counts = _counts(client)
+        assert counts["failed"] == 0 and counts["dropped"] == 0 and counts["judged"], counts
+        int8 = _counts(client, "encoder-int8")
+        assert int8["checked"] == 0 and int8["judged"] is False, int8
+
+
+def test_a_healthy_model_raises_no_failure_on_any_input(tiny_artifact):
+    with TestClient(_app(tiny_artifact)) as client:
+        wait_until_ready(client)
+        sent = 0
+        for path, doc in _requests(np.random.default_rng(0)):
+            assert client.post(path, json=doc).status_code == 200
+            sent += 1
+        wait_until(lambda: _counts(client)["checked"] == sent, 60, "every sample checked")
+        counts = _counts(client)
+        assert counts["failed"] == 0 and counts["dropped"] == 0 and 0 < counts["worst_ratio"] < 1, counts
+        metrics = client.get("/metrics").text
+        assert f'addnorm_live_parity_checked_total{{model="encoder"}} {float(sent)}' in metrics
+        stats = client.get("/v2/models/encoder/stats").json()["model_stats"][0]
+        assert stats["live_parity"]["checked"] == sent
+
+
+@pytest.fixture(scope="module")
+def skewed(tiny_artifact, tmp_path_factory):
+    """The tiny artifact with its first LayerNorm's gamma times 1.05, re-hashed: it loads (verify-on-load warn)
+    and answers wrongly by a few percent."""
+    art = tmp_path_factory.mktemp("skewed") / "artifact"
+    shutil.copytree(tiny_artifact, art)
+    model = onnx.load(str(art / "model.onnx"))
+    norm = next(n for n in model.graph.node if n.op_type == "LayerNormalization")
+    init = next(i for i in model.graph.initializer if i.name == norm.input[1])
+    init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * np.float32(1.05), init.name))
+    onnx.save(model, str(art / "model.onnx"))
+    manifest = (art / MANIFEST_FILE).read_text()
+    import json
+
+    doc = json.loads(manifest)
+    doc["model_sha256"] = sha256_file(art / "model.onnx")
+    (art / MANIFEST_FILE).write_text(json.dumps(doc))
+    return art
+
+
+def test_a_skewed_gamma_is_caught_and_with_unready_the_model_leaves_service(skewed):
+    settings = {"verify_on_load": "warn", "live_parity_action": "unready", "live_parity_failures": 3}
+    with TestClient(_app(skewed, **settings)) as client:
+        wait_until_ready(client)
+        x = np.random.default_rng(1).standard_normal((1, 4, E)).tolist()
+        statuses = [client.post("/v1/encode", json={"embeddings": x}).status_code for _ in range(20)]
+        assert statuses[0] == 200
+        wait_until(
+            lambda: client.get("/health/ready").status_code == 503, 60, "the model taken out of service"
+        )
+        reason = client.get("/health/ready").json()["error"]
+        assert "live parity" in reason and "failed the parity rule" in reason
+        r = client.post("/v1/encode", json={"embeddings": x})
+        assert r.status_code == 503 and "live parity" in r.json()["error"]
+        index = client.post("/v2/repository/index").json()
+        assert index[0]["state"] == "UNAVAILABLE" and "live parity" in index[0]["reason"]
+
+
+def test_warn_only_counts_and_logs(skewed, caplog):
+    with TestClient(_app(skewed, verify_on_load="warn")) as client:
+        wait_until_ready(client)
+        x = np.random.default_rng(2).standard_normal((1, 4, E)).tolist()
+        for _ in range(5):
+            assert client.post("/v1/encode", json={"embeddings": x}).status_code == 200
+        wait_until(lambda: _counts(client)["checked"] == 5, 60, "5 samples checked")
+        assert _counts(client)["failed"] == 5 and _counts(client)["worst_ratio"] > 1
+        assert client.get("/health/ready").status_code == 200  # warn: still in service
+    lines = [r.getMessage() for r in caplog.records if "live parity FAILED" in r.getMessage()]
+    assert lines and "encoder" in lines[0] and "[1, 4, 32]" in lines[0]
+
+
+def test_a_full_queue_drops_and_counts_and_never_blocks(tiny_artifact, monkeypatch):
+    held = threading.Event()
+    real = LiveParity.check
+
+    def slow(self, sample):
+        held.wait(30)
+        return real(self, sample)
+
+    monkeypatch.setattr(LiveParity, "check", slow)
+    with TestClient(_app(tiny_artifact)) as client:
+        wait_until_ready(client)
+        x = np.zeros((1, 2, E)).tolist()
+        n = QUEUE + 12
+        assert all(client.post("/v1/encode", json={"embeddings": x}).status_code == 200 for _ in range(n))
+        counts = _counts(client)
+        assert counts["dropped"] >= n - QUEUE - 1 and counts["checked"] == 0, (
+            counts
+        )  # one in the checker's hands
+        held.set()
+        wait_until(
+            lambda: _counts(client)["checked"] + _counts(client)["dropped"] == n, 60, "the queue drained"
+        )
