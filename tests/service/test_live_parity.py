@@ -60,7 +60,9 @@ def test_a_healthy_model_raises_no_failure_over_hundreds_of_requests_and_int8_is
         for model, n in (("encoder", 240), ("encoder-int8", 20)):
             for path, doc in _requests(np.random.default_rng(3), n, model):
                 assert client.post(path, json=doc).status_code == 200
-        wait_until(lambda: _counts(client)["checked"] == 240, 120, "240 checked")
+        wait_until(
+            lambda: _counts(client)["checked"] == 240, 300, "240 checked"
+        )  # a nice-19 thread: slow on a busy machine
         counts = _counts(client)
         assert counts["failed"] == 0 and counts["dropped"] == 0 and counts["judged"], counts
         int8 = _counts(client, "encoder-int8")
@@ -74,7 +76,7 @@ def test_a_healthy_model_raises_no_failure_on_any_input(tiny_artifact):
         for path, doc in _requests(np.random.default_rng(0)):
             assert client.post(path, json=doc).status_code == 200
             sent += 1
-        wait_until(lambda: _counts(client)["checked"] == sent, 60, "every sample checked")
+        wait_until(lambda: _counts(client)["checked"] == sent, 300, "every sample checked")
         counts = _counts(client)
         assert counts["failed"] == 0 and counts["dropped"] == 0 and 0 < counts["worst_ratio"] < 1, counts
         metrics = client.get("/metrics").text
@@ -111,7 +113,7 @@ def test_a_skewed_gamma_is_caught_and_with_unready_the_model_leaves_service(skew
         statuses = [client.post("/v1/encode", json={"embeddings": x}).status_code for _ in range(20)]
         assert statuses[0] == 200
         wait_until(
-            lambda: client.get("/health/ready").status_code == 503, 60, "the model taken out of service"
+            lambda: client.get("/health/ready").status_code == 503, 300, "the model taken out of service"
         )
         reason = client.get("/health/ready").json()["error"]
         assert "live parity" in reason and "failed the parity rule" in reason
@@ -127,7 +129,7 @@ def test_warn_only_counts_and_logs(skewed, caplog):
         x = np.random.default_rng(2).standard_normal((1, 4, E)).tolist()
         for _ in range(5):
             assert client.post("/v1/encode", json={"embeddings": x}).status_code == 200
-        wait_until(lambda: _counts(client)["checked"] == 5, 60, "5 samples checked")
+        wait_until(lambda: _counts(client)["checked"] == 5, 300, "5 samples checked")
         assert _counts(client)["failed"] == 5 and _counts(client)["worst_ratio"] > 1
         assert client.get("/health/ready").status_code == 200  # warn: still in service
     lines = [r.getMessage() for r in caplog.records if "live parity FAILED" in r.getMessage()]
@@ -154,5 +156,5 @@ def test_a_full_queue_drops_and_counts_and_never_blocks(tiny_artifact, monkeypat
         )  # one in the checker's hands
         held.set()
         wait_until(
-            lambda: _counts(client)["checked"] + _counts(client)["dropped"] == n, 60, "the queue drained"
+            lambda: _counts(client)["checked"] + _counts(client)["dropped"] == n, 300, "the queue drained"
         )
