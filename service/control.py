@@ -20,22 +20,24 @@ from model.artifact import ArtifactError, Manifest
 from service.errors import BadInput, ControlOff, LoadRefused, NotFound, ServiceError, quote
 from service.loading import LoadFailed, serving_model
 from service.settings import latest_version, version_of
-from service.state import READY, UNAVAILABLE, UNLOADED, ServiceState, ServingModel, Slot
+from service.state import LOADING, READY, UNAVAILABLE, UNLOADED, ServiceState, ServingModel, Slot
 
 log = logging.getLogger("addnorm.control")
 
 
-def repository_models(state: ServiceState) -> dict[str, Path]:
-    """The repository's models by manifest name: each entry's artifact, or its latest numbered version (an
-    empty or missing repository has none)."""
-    found: dict[str, Path] = {}
+def repository_models(state: ServiceState) -> dict[str, tuple[Path, Manifest]]:
+    """The repository's models by manifest name: each entry's artifact (or its latest numbered version) and its
+    manifest, read once (an empty or missing repository has none)."""
+    found: dict[str, tuple[Path, Manifest]] = {}
     repo = state.settings.model_repository
     entries = sorted(repo.iterdir()) if repo is not None and repo.is_dir() else []
     for directory in filter(None, map(latest_version, entries)):
         try:
-            found.setdefault(Manifest.load(directory).name, directory)
+            manifest = Manifest.load(directory)
         except (ArtifactError, OSError) as exc:
             log.warning("skipping %s: %s", directory, exc)
+            continue
+        found.setdefault(manifest.name, (directory, manifest))
     return found
 
 
@@ -47,7 +49,7 @@ class ModelControl:
         self.mode = state.settings.model_control_mode
         self._locks: dict[str, asyncio.Lock] = {}
         self._retiring: set[asyncio.Task] = set()
-        self._refused: dict[str, tuple[Path, str]] = {}  # name -> (directory, sha256) a poll must not retry
+        self._refused: dict[str, tuple[Path, str]] = {}  # name -> (directory, model sha256) not to retry
 
     def _allowed(self) -> None:
         if self.mode != "explicit":
@@ -65,9 +67,10 @@ class ModelControl:
         await self._unload(name)
 
     async def _load(self, name: str) -> None:
-        directory = repository_models(self.state).get(name)
-        if directory is None:
+        entry = repository_models(self.state).get(name)
+        if entry is None:
             raise NotFound(f"no model {quote(name)} in the repository {self.state.settings.model_repository}")
+        directory, manifest = entry
         loaded = self.state.loaded
         if loaded is None:
             raise ControlOff("the server is still reading its models' manifests")
@@ -75,12 +78,12 @@ class ModelControl:
         async with self._locks.setdefault(name, asyncio.Lock()):
             slot = loaded.models.add(Slot(name, directory, version=version))
             if slot.serving is None:
-                slot.state, slot.reason, slot.directory, slot.version = "LOADING", "", directory, version
+                slot.state, slot.reason, slot.directory, slot.version = LOADING, "", directory, version
             try:
                 new = await serving_model(self.state, directory, version)
             except LoadFailed as exc:
                 why = f"version {version} ({directory}) was not loaded: {exc}"
-                self._remember_refusal(name, directory)
+                self._refused[name] = (directory, manifest.model_sha256)
                 if slot.serving is not None:  # the old one keeps serving; the index says why
                     slot.reason = f"{why}; version {slot.version} still serves"
                 else:
@@ -91,13 +94,8 @@ class ModelControl:
                 await new.batcher.stop()
                 raise LoadRefused(f"{directory} now holds model {quote(new.engine.name)}, not {quote(name)}")
             old = slot.serving
-            slot.serving, slot.directory, slot.version, slot.state, slot.reason = (
-                new,
-                directory,
-                version,
-                READY,
-                "",
-            )
+            slot.serving, slot.state, slot.reason = new, READY, ""
+            slot.directory, slot.version = directory, version
             self._refused.pop(name, None)
             log.info("model %s: version %s from %s now serves", name, version, directory)
             if old is not None:
@@ -128,11 +126,6 @@ class ModelControl:
     async def _drain(self, model: ServingModel) -> None:
         await model.inflight.idle()
         await model.batcher.stop()
-        model.engine.release()
-
-    def _remember_refusal(self, name: str, directory: Path) -> None:
-        with contextlib.suppress(ArtifactError, OSError):
-            self._refused[name] = (directory, Manifest.load(directory).model_sha256)
 
     async def poll(self) -> None:
         """One look at the repository (mode poll): load what is new or changed, unload what is gone."""
@@ -140,12 +133,9 @@ class ModelControl:
         if loaded is None:
             return
         found = repository_models(self.state)
-        for name, directory in found.items():
+        for name, (directory, manifest) in found.items():
             slot = loaded.models.slots.get(name)
-            try:
-                sha = Manifest.load(directory).model_sha256
-            except (ArtifactError, OSError):
-                continue
+            sha = manifest.model_sha256
             if self._refused.get(name) == (directory, sha):
                 continue  # refused as it is: tried again once it changes
             serving = slot.serving if slot is not None else None

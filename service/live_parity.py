@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -36,6 +37,7 @@ from service import logs
 
 log = logging.getLogger("addnorm.live_parity")
 QUEUE = 8  # samples waiting for the checker; more are dropped (and counted)
+WEIGHTS_KEPT = 4  # artifacts whose weights the checker keeps in memory
 
 
 @dataclass
@@ -60,7 +62,6 @@ class Counts:
 @dataclass
 class _Sample:
     model: object  # service.state.ServingModel
-    directory: str
     request_id: str
     embeddings: np.ndarray
     mask: np.ndarray | None
@@ -92,7 +93,7 @@ class LiveParity:
         self.metrics, self.unready = metrics, unready
         self.counts: dict[str, Counts] = collections.defaultdict(Counts)
         self._queue: queue.Queue[_Sample | None] = queue.Queue(QUEUE)
-        self._weights: dict[str, tuple[dict, dict]] = {}  # artifact dir -> (float64, float32) weights
+        self._weights: dict[Path, tuple[dict, dict]] = {}  # artifact dir -> (float64, float32) weights
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -116,7 +117,6 @@ class LiveParity:
             return
         sample = _Sample(
             model,
-            str(model.engine.directory),
             logs.request_id.get(),
             np.array(embeddings, copy=True),
             None if mask is None else np.array(mask, copy=True),
@@ -131,10 +131,9 @@ class LiveParity:
     # --- the checker thread ---
 
     def _work(self) -> None:
-        with contextlib.suppress(
-            AttributeError, OSError
-        ):  # Linux: a thread is a task with its own nice value
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # only the CPU others leave idle
+        # Nice 19: only the CPU the server leaves idle (Linux: a thread is a task with its own nice value).
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while (sample := self._queue.get()) is not None:
             start = time.perf_counter()  # wall time: numpy's BLAS threads work for it too
             try:
@@ -147,22 +146,20 @@ class LiveParity:
 
     def check(self, s: _Sample) -> None:
         manifest = s.model.engine.manifest
-        config = dataclasses.replace(
-            manifest.config, batch_first=True
-        )  # the API's layout, whatever the graph's
-        w64, w32 = self._weights_of(s.directory)
+        # the API's layout (batch first), whatever the graph's
+        config = dataclasses.replace(manifest.config, batch_first=True)
+        w64, w32 = self._weights_of(s.model.engine.directory)
         x64 = reference.forward(config, w64, s.embeddings, s.mask)
         x32 = reference.forward(config, w32, s.embeddings, s.mask)
         tol = Tolerance(**manifest.parity["tolerance"])
         c = compare(ENCODED, s.answer, x32, x64, tol)
-        passed = c.passed
         ratio = c.onnx_vs_f64 / (max(tol.oracle_factor, 1.0) * max(c.torch_vs_f64, c.float32_floor, 1e-30))
         name = s.model.name
         counts = self.counts[name]
         counts.checked += 1
         counts.worst_ratio = max(counts.worst_ratio, ratio)
         self.metrics.live_parity(name, "checked", ratio)
-        if passed:
+        if c.passed:
             return
         counts.failed += 1
         self.metrics.live_parity(name, "failed")
@@ -180,8 +177,12 @@ class LiveParity:
             )
             self._loop.call_soon_threadsafe(self.unready, name, reason)
 
-    def _weights_of(self, directory: str) -> tuple[dict, dict]:
+    def _weights_of(self, directory: Path) -> tuple[dict, dict]:
+        """A model's weights in float64 and float32, read once; the last WEIGHTS_KEPT artifacts' are kept (model
+        control may load new versions for as long as the server runs)."""
         if directory not in self._weights:
-            w64 = reference.load_weights(f"{directory}/{WEIGHTS_FILE}", np.float64)
+            w64 = reference.load_weights(directory / WEIGHTS_FILE, np.float64)
             self._weights[directory] = (w64, {k: v.astype(np.float32) for k, v in w64.items()})
+            while len(self._weights) > WEIGHTS_KEPT:
+                self._weights.pop(next(iter(self._weights)))  # the oldest
         return self._weights[directory]

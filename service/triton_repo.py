@@ -56,7 +56,8 @@ def config_pbtxt(
     return head + model_config.as_pbtxt(config)
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
+    """``n`` as a protobuf varint."""
     out = bytearray()
     while True:
         out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
@@ -94,8 +95,8 @@ def with_mask_default(graph: bytes) -> bytes:
             length, j = _read_varint(graph, j)
             body = graph[j : j + length]
             if field == 7:
-                body += b"\x2a" + _varint(len(_MASK_DEFAULT)) + _MASK_DEFAULT
-            out += _varint(key) + _varint(len(body)) + body
+                body += b"\x2a" + varint(len(_MASK_DEFAULT)) + _MASK_DEFAULT
+            out += varint(key) + varint(len(body)) + body
             i = j + length
         else:  # a varint, 64-bit or 32-bit field, copied as it is
             end = _read_varint(graph, j)[1] if wire == 0 else j + (8 if wire == 1 else 4)

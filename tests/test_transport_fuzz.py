@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from service.protocols.v2 import inference_pb2 as pb
+from service.triton_repo import varint
 from tests.conftest import start_server
 
 SEED = int(os.environ.get("ADDNORM_FUZZ_SEED", "24"))
@@ -370,15 +371,6 @@ def _grpc_seeds() -> dict[str, bytes]:
     }
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(out)
-
-
 def _mutate_message(rng: random.Random, data: bytes) -> tuple[str, bytes | None]:
     raw = bytearray(data)
     kinds = [
@@ -414,7 +406,7 @@ def _mutate_message(rng: random.Random, data: bytes) -> tuple[str, bytes | None]
         raw = bytearray(bytes([0x0A]) + rng.choice([b"\xff\xff\xff\xff\x0f", b"\x7f", b"\x00"]) + bytes(raw))
     elif kind == "long-name":  # field 1 (every request's name or model_name) far longer than any name
         name = b"n" * rng.choice([300, 10_000, 60_000])
-        raw += b"\x0a" + _varint(len(name)) + name
+        raw += b"\x0a" + varint(len(name)) + name
     elif kind == "groups":  # deep start-group nesting
         raw = bytearray(b"\x0b" * rng.choice([10, 100, 1000, 100_000]) + bytes(raw))
     else:

@@ -59,20 +59,23 @@ class InferenceService:
         return pb.ServerMetadataResponse(name="addnorm", version="0.1.0", extensions=codec.EXTENSIONS)
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
-        slot = self._loaded().models.slot(request.name)
-        codec.check_version(self._loaded().models, request.name, request.version)
+        models = self._loaded().models
+        slot = models.slot(request.name)
+        codec.check_version(models, request.name, request.version)
         return pb.ModelReadyResponse(ready=slot.state == READY)
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context) -> pb.ModelMetadataResponse:
-        model = self._loaded().models.get(request.name)
-        codec.check_version(self._loaded().models, request.name, request.version)
+        models = self._loaded().models
+        model = models.get(request.name)
+        codec.check_version(models, request.name, request.version)
         return grpc_codec.from_dict(
             codec.model_metadata(model.engine.manifest, model.version), pb.ModelMetadataResponse
         )
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context) -> pb.ModelConfigResponse:
-        model = self._loaded().models.get(request.name)
-        codec.check_version(self._loaded().models, request.name, request.version)
+        models = self._loaded().models
+        model = models.get(request.name)
+        codec.check_version(models, request.name, request.version)
         return pb.ModelConfigResponse(config=model_config.as_message(codec.model_configuration(model)))
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
