@@ -33,11 +33,14 @@ from model import reference
 from model.artifact import WEIGHTS_FILE
 from model.contract import ENCODED
 from model.verdict import Tolerance, compare
-from service import logs
+from service import logs, memory
 
 log = logging.getLogger("addnorm.live_parity")
 QUEUE = 8  # samples waiting for the checker; more are dropped (and counted)
 WEIGHTS_KEPT = 4  # artifacts whose weights the checker keeps in memory
+# The reference holds a request's seq x seq scores in float64: one [1, 4096, 768] request would take 1.6 GB. A
+# request whose batch x heads x seq^2 is above this (32 MB of scores; [8, 128] at 12 heads is 1.6M) is not sampled.
+MAX_SCORES = 4 * 1024 * 1024
 
 
 @dataclass
@@ -115,6 +118,9 @@ class LiveParity:
         blocks. ``embeddings`` (B, S, E) as the model ran them, ``answer`` the rows the client is sent."""
         if self.rate <= 0 or random.random() >= self.rate or not judged(model.engine.manifest):
             return
+        b, seq = embeddings.shape[:2]
+        if b * model.engine.heads * seq * seq > MAX_SCORES:  # too big for the checker: not sampled
+            return
         sample = _Sample(
             model,
             logs.request_id.get(),
@@ -140,6 +146,7 @@ class LiveParity:
                 self.check(sample)
             except Exception:  # never the thread
                 log.exception("live parity check failed to run")
+            memory.trim()  # the reference's float64 temporaries: give their pages back
             busy = time.perf_counter() - start
             if self.budget < 1:  # rest so that busy / (busy + rest) <= budget
                 time.sleep(busy * (1 / self.budget - 1))

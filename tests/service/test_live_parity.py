@@ -158,3 +158,26 @@ def test_a_full_queue_drops_and_counts_and_never_blocks(tiny_artifact, monkeypat
         wait_until(
             lambda: _counts(client)["checked"] + _counts(client)["dropped"] == n, 300, "the queue drained"
         )
+
+
+def test_a_request_too_big_for_the_checker_is_not_sampled(tiny_artifact, monkeypatch):
+    """The reference holds seq x seq scores in float64: a request above MAX_SCORES is never copied (one
+    [1, 4096, 768] request would take 1.6 GB of the server's memory)."""
+    from service import live_parity
+
+    monkeypatch.setattr(live_parity, "MAX_SCORES", 4 * 4 * 4)  # tiny model: 4 heads; [1, 4] fits, [1, 5] not
+    with TestClient(_app(tiny_artifact)) as client:
+        wait_until_ready(client)
+        for seq in (4, 5):
+            assert (
+                client.post("/v1/encode", json={"embeddings": np.zeros((1, seq, E)).tolist()}).status_code
+                == 200
+            )
+        wait_until(lambda: _counts(client)["checked"] == 1, 300, "the small one checked")
+        assert _counts(client) | {"worst_ratio": 0} == {
+            "checked": 1,
+            "failed": 0,
+            "dropped": 0,
+            "worst_ratio": 0,
+            "judged": True,
+        }
