@@ -1,5 +1,6 @@
 """The int8 variant's scheme: int8 weights, activations quantized per row; accurate and equal on every x86 CPU kind,
-and batch invariant. ``quantize_graph`` writes it into an ONNX graph; ``simulated`` computes it in torch.
+and batch invariant. ``quantize_graph`` writes it into an ONNX graph; ``simulated`` computes it in torch; model/schemes.py holds its
+numbers and computes it in numpy (the server's live parity).
 
 Each MatMul whose right operand is a constant (E, N) weight ``W`` becomes, in standard ONNX operators:
 
@@ -32,18 +33,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-WEIGHT_MAX = 63  # 7-bit symmetric weights: 2 * 255 * 63 = 32130 fits VPMADDUBSW's int16 pair sums
-HALF = 127.0  # activations: round((x - c) / p * 127) in [-127, 127], stored + 128 as uint8
-ZERO_POINT = 128
-TINY = 1e-30  # a constant row has p = 0: its q is all zero point and the mean term carries it exactly
-
-
-def quantize_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(E, N) float -> (int8 (E, N) in [-WEIGHT_MAX, WEIGHT_MAX], per-column scale (N,) float32)."""
-    peak = np.abs(w).max(axis=0)
-    scale = np.where(peak > 0, peak / WEIGHT_MAX, 1.0).astype(np.float32)
-    q = np.clip(np.rint(w / scale), -WEIGHT_MAX, WEIGHT_MAX).astype(np.int8)
-    return q, scale
+from model.schemes import (  # the scheme's numbers, shared with the server
+    HALF,
+    TINY,
+    ZERO_POINT,
+    quantize_weight,
+)
 
 
 def quantize_graph(model: onnx.ModelProto) -> int:

@@ -5,6 +5,9 @@ state_dict (``weights.safetensors``: ``layers.{i}.self_attn.in_proj_weight``, ``
 final ``norm`` of a pre-norm stack), for every form the exporter produces: post- and pre-norm, LayerNorm and
 RMSNorm, relu and exact (erf) GELU, key padding masks, stacks, batch-first or not. The attention form (mha, onnx,
 decomposed) does not change the math, so there is one attention here. No torch: the serving side can run it.
+
+``arithmetic`` (model/schemes.py) computes a lossy variant's own scheme instead: int8's quantized weight products,
+fp16's half-precision results. The export gate and live parity use it for a lossy variant's allowance.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from model.config import EncoderConfig
+from model.schemes import Exact
+
+EXACT = Exact()
 
 _ERF = np.frompyfunc(math.erf, 1, 1)  # exact erf, elementwise (numpy has none; scipy is not a dependency)
 
@@ -27,13 +33,15 @@ def load_weights(path: str | Path, dtype: type = np.float64) -> dict[str, np.nda
     return {k: v.astype(dtype) for k, v in load_file(str(path)).items()}
 
 
-def _norm(x: np.ndarray, weights: Mapping[str, np.ndarray], prefix: str, config: EncoderConfig) -> np.ndarray:
-    w = weights[f"{prefix}.weight"]
+def _norm(
+    x: np.ndarray, weights: Mapping[str, np.ndarray], prefix: str, config: EncoderConfig, a: Exact
+) -> np.ndarray:
+    w = a.cast(weights[f"{prefix}.weight"])
     if config.norm == "rms":  # torch.nn.RMSNorm: x / sqrt(mean(x^2) + eps) * weight, no bias
-        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + config.layer_norm_eps) * w
+        return a.cast(x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + config.layer_norm_eps) * w)
     mean = x.mean(axis=-1, keepdims=True)
     var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)  # biased, as LayerNorm's
-    return (x - mean) / np.sqrt(var + config.layer_norm_eps) * w + weights[f"{prefix}.bias"]
+    return a.cast((x - mean) / np.sqrt(var + config.layer_norm_eps) * w + a.cast(weights[f"{prefix}.bias"]))
 
 
 def _activation(x: np.ndarray, name: str) -> np.ndarray:
@@ -42,19 +50,26 @@ def _activation(x: np.ndarray, name: str) -> np.ndarray:
     return 0.5 * x * (1.0 + _ERF(x / math.sqrt(2.0)).astype(x.dtype))  # torch's default (exact) GELU
 
 
-def _attention(x: np.ndarray, weights: Mapping[str, np.ndarray], p: str, heads: int, mask: np.ndarray | None):
+def _attention(
+    x: np.ndarray,
+    weights: Mapping[str, np.ndarray],
+    p: str,
+    heads: int,
+    mask: np.ndarray | None,
+    a: Exact,
+) -> np.ndarray:
     b, s, e = x.shape
     d = e // heads
-    qkv = x @ weights[f"{p}.in_proj_weight"].T + weights[f"{p}.in_proj_bias"]  # (B, S, 3E): q, k, v stacked
+    qkv = a.linear(x, weights[f"{p}.in_proj_weight"], weights[f"{p}.in_proj_bias"])  # (B, S, 3E): q, k, v
     q, k, v = (qkv[..., i * e : (i + 1) * e].reshape(b, s, heads, d).transpose(0, 2, 1, 3) for i in range(3))
-    scores = (q @ k.transpose(0, 1, 3, 2)) / math.sqrt(d)  # (B, H, S, S)
+    scores = a.cast((q @ k.transpose(0, 1, 3, 2)) / math.sqrt(d))  # (B, H, S, S)
     if mask is not None:  # the most negative finite value of the dtype, as the torch block fills
         scores = np.where(mask[:, None, None, :], np.finfo(scores.dtype).min, scores)
     scores = scores - scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    out = (probs @ v).transpose(0, 2, 1, 3).reshape(b, s, e)
-    return out @ weights[f"{p}.out_proj.weight"].T + weights[f"{p}.out_proj.bias"]
+    probs = a.cast(probs / probs.sum(axis=-1, keepdims=True))
+    out = a.cast(probs @ v).transpose(0, 2, 1, 3).reshape(b, s, e)
+    return a.linear(out, weights[f"{p}.out_proj.weight"], weights[f"{p}.out_proj.bias"])
 
 
 def forward(
@@ -62,12 +77,15 @@ def forward(
     weights: Mapping[str, np.ndarray],
     embeddings: np.ndarray,
     mask: np.ndarray | None = None,
+    arithmetic: Exact = EXACT,
 ) -> np.ndarray:
     """The encoded tensor in the weights' dtype (float64 for the oracle; float32 weights give a float32 run,
     what any float32 implementation's own error looks like), in the input's layout ((B, S, E), or (S, B, E) when
-    not batch-first); ``mask`` (B, S) bool, true where a position is padding."""
+    not batch-first); ``mask`` (B, S) bool, true where a position is padding. ``arithmetic``: a variant's scheme
+    (model/schemes.py; give ``Half`` float32 weights)."""
+    a = arithmetic
     dtype = next(iter(weights.values())).dtype
-    x = np.asarray(embeddings, dtype=dtype)
+    x = a.cast(np.asarray(embeddings, dtype=dtype))
     if not config.batch_first:
         x = x.transpose(1, 0, 2)
     mask = None if mask is None or not np.any(mask) else np.asarray(mask, dtype=bool)
@@ -75,19 +93,18 @@ def forward(
         p = f"layers.{i}"
 
         def attend(h: np.ndarray, p: str = p) -> np.ndarray:
-            return _attention(h, weights, f"{p}.self_attn", config.nhead, mask)
+            return _attention(h, weights, f"{p}.self_attn", config.nhead, mask, a)
 
         def feed_forward(h: np.ndarray, p: str = p) -> np.ndarray:
-            hidden = _activation(
-                h @ weights[f"{p}.linear1.weight"].T + weights[f"{p}.linear1.bias"], config.activation
-            )
-            return hidden @ weights[f"{p}.linear2.weight"].T + weights[f"{p}.linear2.bias"]
+            hidden = a.linear(h, weights[f"{p}.linear1.weight"], weights[f"{p}.linear1.bias"])
+            hidden = a.cast(_activation(hidden, config.activation))
+            return a.linear(hidden, weights[f"{p}.linear2.weight"], weights[f"{p}.linear2.bias"])
 
         for sublayer, norm in ((attend, f"{p}.norm1"), (feed_forward, f"{p}.norm2")):
             if config.norm_first:  # pre-norm: x + sublayer(Norm(x))
-                x = x + sublayer(_norm(x, weights, norm, config))
+                x = a.cast(x + sublayer(_norm(x, weights, norm, config, a)))
             else:  # post-norm: Norm(x + sublayer(x))
-                x = _norm(x + sublayer(x), weights, norm, config)
+                x = _norm(a.cast(x + sublayer(x)), weights, norm, config, a)
     if config.norm_first:
-        x = _norm(x, weights, "norm", config)
+        x = _norm(x, weights, "norm", config, a)
     return x if config.batch_first else x.transpose(1, 0, 2)

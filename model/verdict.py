@@ -85,6 +85,8 @@ class Comparison:
     row_cosine: float = 1.0  # the least cosine similarity of a row
     row_peak: float = 0.0  # the worst element's error over its row's RMS
     scheme_vs_f64: float | None = None  # a lossy variant's scheme, computed exactly, against float64
+    # How far over its allowance the output is, by the nearer of the rule's two ways to pass: <= 1 passes
+    ratio: float = 0.0
 
 
 def compare(
@@ -125,10 +127,13 @@ def compare(
         )
     torch_f64 = _max_err(ref, oracle)
     onnx_f64 = _max_err(onnx_out, oracle)
+    # a scheme that overflows (fp16 on a 1e4-scale input) says nothing of how far the graph may be
     scheme_f64 = _max_err(scheme.astype(np.float64), oracle) if scheme is not None else None
+    scheme_f64 = scheme_f64 if scheme_f64 is not None and math.isfinite(scheme_f64) else None
     floor = float32_floor(oracle)
     allowance = max(torch_f64, floor, scheme_f64 or 0.0)
     passed = within or (finite and onnx_f64 <= tol.oracle_factor * allowance)
+    ratio = _ratio(tol, diff, ref, rel_rms, rows, onnx_f64 / max(tol.oracle_factor * allowance, 1e-300))
     return Comparison(
         output=output,
         max_abs=float(diff.max()),
@@ -149,7 +154,26 @@ def compare(
         row_cosine=rows[1],
         row_peak=rows[2],
         scheme_vs_f64=scheme_f64,
+        ratio=ratio if finite else math.inf,
     )
+
+
+def _ratio(
+    tol: Tolerance, diff: np.ndarray, ref: np.ndarray, rel_rms: float, rows: tuple, rescue: float
+) -> float:
+    """Each bound's measure over its limit, the worst of them for the tolerance, then the better of that and the
+    float64 rescue (``rescue``: the error vs float64 over its allowance)."""
+    parts = []
+    if tol.atol is not None:
+        parts.append(float((diff / (tol.atol + tol.rtol * np.abs(ref))).max()) if diff.size else 0.0)
+    if tol.rel_rms is not None:
+        parts.append(rel_rms / tol.rel_rms)
+    if tol.row_rel_rms is not None:
+        parts.append(rows[0] / tol.row_rel_rms)
+        parts.append((1 - rows[1]) / max(1 - (tol.row_cosine or -1.0), 1e-300))
+        parts.append(rows[2] / (tol.row_peak or math.inf))
+    within = max(parts) if parts else math.inf
+    return min(within, rescue if tol.oracle_factor else math.inf)
 
 
 # Rows whose reference RMS is below this (all-zero rows) are measured against it instead of their own.

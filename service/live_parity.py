@@ -3,9 +3,10 @@
 The request core (``inference.run``) offers each answered request with probability ``--live-parity-rate``: its
 input and the answer it was sent are copied to a bounded queue, or dropped and counted when the queue is full; the
 request never waits. One low-priority thread takes samples and recomputes each with the numpy reference
-(``model.reference``, no torch) twice: in float64 (the oracle) and in float32 (what any float32 implementation's
-own error looks like, standing in for the gate's torch fp32), then judges the served answer with
-``model.verdict.compare`` under the artifact's own tolerance (the one its gate and its load-time check used).
+(``model.reference``, no torch) in float64 (the oracle), in float32 (what any float32 implementation's own error
+looks like, standing in for the gate's torch fp32) and, for a lossy variant (int8, fp16), in that variant's own
+arithmetic (``model.schemes``, as the gate's scheme), then judges the served answer with ``model.verdict.compare``
+under the artifact's own tolerance (the one its gate and its load-time check used).
 The thread keeps its CPU share under ``--live-parity-budget`` by resting after each check. With
 ``--live-parity-action unready``, ``--live-parity-failures`` failures within ``--live-parity-window-s`` mark the
 model UNAVAILABLE with the reason, so an orchestrator stops routing to this replica.
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from model import reference
+from model import reference, schemes
 from model.artifact import WEIGHTS_FILE
 from model.contract import ENCODED
 from model.verdict import Tolerance, compare
@@ -72,10 +73,19 @@ class _Sample:
 
 
 def judged(manifest) -> bool:
-    """Whether live parity judges this model: float32 graphs (fp32, fused). A lossy variant's (int8, fp16) gate
-    accepts an answer far from float32 when the variant's own arithmetic is (its scheme, computed in torch:
-    export/variants.py); the server has no torch, so it cannot tell that from a fault, and does not judge."""
-    return manifest.parity.get("tolerance", {}).get("row_rel_rms") is None
+    """Whether live parity judges this model: every variant whose arithmetic model/schemes.py knows (fp32, fused,
+    int8, fp16); a variant it does not know (a newer exporter's) is not judged, and /v1/model says so."""
+    return schemes.for_variant(manifest.variant) is not None
+
+
+@dataclass
+class _Weights:
+    """One artifact's weights as the checker computes with them."""
+
+    f64: dict
+    f32: dict
+    scheme: schemes.Exact  # the variant's arithmetic
+    scheme_weights: dict | None  # None for an exact variant (no scheme run)
 
 
 class LiveParity:
@@ -96,7 +106,7 @@ class LiveParity:
         self.metrics, self.unready = metrics, unready
         self.counts: dict[str, Counts] = collections.defaultdict(Counts)
         self._queue: queue.Queue[_Sample | None] = queue.Queue(QUEUE)
-        self._weights: dict[Path, tuple[dict, dict]] = {}  # artifact dir -> (float64, float32) weights
+        self._weights: dict[Path, _Weights] = {}  # by artifact directory
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -155,12 +165,16 @@ class LiveParity:
         manifest = s.model.engine.manifest
         # the API's layout (batch first), whatever the graph's
         config = dataclasses.replace(manifest.config, batch_first=True)
-        w64, w32 = self._weights_of(s.model.engine.directory)
-        x64 = reference.forward(config, w64, s.embeddings, s.mask)
-        x32 = reference.forward(config, w32, s.embeddings, s.mask)
+        w = self._weights_of(s.model.engine.directory, manifest.variant)
+        with np.errstate(all="ignore"):  # fp16's scheme overflows on large inputs; compare() then ignores it
+            x64 = reference.forward(config, w.f64, s.embeddings, s.mask)
+            x32 = reference.forward(config, w.f32, s.embeddings, s.mask)
+            scheme = None
+            if w.scheme_weights is not None:
+                scheme = reference.forward(config, w.scheme_weights, s.embeddings, s.mask, w.scheme)
         tol = Tolerance(**manifest.parity["tolerance"])
-        c = compare(ENCODED, s.answer, x32, x64, tol)
-        ratio = c.onnx_vs_f64 / (max(tol.oracle_factor, 1.0) * max(c.torch_vs_f64, c.float32_floor, 1e-30))
+        c = compare(ENCODED, s.answer, x32, x64, tol, scheme)
+        ratio = c.ratio
         name = s.model.name
         counts = self.counts[name]
         counts.checked += 1
@@ -184,12 +198,16 @@ class LiveParity:
             )
             self._loop.call_soon_threadsafe(self.unready, name, reason)
 
-    def _weights_of(self, directory: Path) -> tuple[dict, dict]:
+    def _weights_of(self, directory: Path, variant: str) -> _Weights:
         """A model's weights in float64 and float32, read once; the last WEIGHTS_KEPT artifacts' are kept (model
-        control may load new versions for as long as the server runs)."""
+        control may load new versions for as long as the server runs). int8's scheme runs in float64 (exactly,
+        as the gate's), fp16's in float32 rounded to half."""
         if directory not in self._weights:
             w64 = reference.load_weights(directory / WEIGHTS_FILE, np.float64)
-            self._weights[directory] = (w64, {k: v.astype(np.float32) for k, v in w64.items()})
+            w32 = {k: v.astype(np.float32) for k, v in w64.items()}
+            scheme = schemes.for_variant(variant) or schemes.Exact()
+            lossy = {schemes.Int8: w64, schemes.Half: w32}.get(type(scheme))
+            self._weights[directory] = _Weights(w64, w32, scheme, lossy)
             while len(self._weights) > WEIGHTS_KEPT:
                 self._weights.pop(next(iter(self._weights)))  # the oldest
         return self._weights[directory]

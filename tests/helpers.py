@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 60.0, what: str = "the condition") -> None:
@@ -17,3 +18,27 @@ def wait_until(condition: Callable[[], bool], timeout: float = 60.0, what: str =
 def wait_until_ready(client, path: str = "/health/ready", timeout: float = 60.0) -> None:
     """Until ``client`` (a TestClient or an httpx client) gets 200 from ``path``; bounded by ``timeout``."""
     wait_until(lambda: client.get(path).status_code == 200, timeout, f"GET {path} answering 200")
+
+
+def skew_gamma(source: Path, art: Path) -> Path:
+    """A copy of the artifact ``source`` at ``art`` whose first LayerNorm gamma is 1.05 times the exported one,
+    its manifest re-hashed: it loads (with verify-on-load warn) and answers wrongly by a few percent."""
+    import json
+    import shutil
+
+    import onnx
+    from onnx import numpy_helper
+
+    from model.artifact import MANIFEST_FILE, sha256_file
+
+    shutil.copytree(source, art)
+    model = onnx.load(str(art / "model.onnx"))
+    norm = next(n for n in model.graph.node if n.op_type == "LayerNormalization")
+    init = next(i for i in model.graph.initializer if i.name == norm.input[1])
+    gamma = numpy_helper.to_array(init)
+    init.CopyFrom(numpy_helper.from_array((gamma * 1.05).astype(gamma.dtype), init.name))
+    onnx.save(model, str(art / "model.onnx"))
+    doc = json.loads((art / MANIFEST_FILE).read_text())
+    doc["model_sha256"] = sha256_file(art / "model.onnx")
+    (art / MANIFEST_FILE).write_text(json.dumps(doc))
+    return art

@@ -24,6 +24,7 @@ from ray import serve
 from service.app import create_app
 from service.ray_serve import DEPLOYMENT, ArtifactUnreadable, build, check_readable, replica_settings
 from service.settings import Settings
+from tests.helpers import skew_gamma, wait_until
 
 APP = "addnorm"
 D = 32  # the tiny artifact's width
@@ -182,6 +183,30 @@ def test_a_killed_replica_is_replaced_and_only_its_in_flight_requests_fail(ray_u
     assert served_before_kill > 0 and len(statuses) - served_before_kill > 20 * clients
     with httpx.Client(base_url=f"http://{ray_url}", timeout=30) as c:
         assert all(c.post("/v1/encode", json=body).status_code == 200 for _ in range(20))
+
+
+def test_a_replica_whose_live_parity_fails_is_taken_out_and_replaced(ray_url, tiny_artifact, tmp_path):
+    """Live parity's action unready reaches Ray: the replica's health check (the app's readiness) fails, Ray's
+    controller stops it and starts another. Last in the module: it redeploys the app on a skewed artifact."""
+    art = skew_gamma(tiny_artifact, tmp_path / "skewed")
+    live = {"live_parity_rate": "1", "live_parity_budget": "1", "live_parity_action": "unready"}
+    args = {
+        "model_dir": str(art),
+        "replicas": "1",
+        "verify_on_load": "warn",
+        "live_parity_failures": "3",
+        **live,
+    }
+    serve.run(build(args), name=APP, route_prefix="/")
+    wait_until(lambda: len(_replicas()) == 1 and _running_replicas() == 1, 120, "the skewed app running")
+    (first,) = _replicas()
+    x = np.random.default_rng(4).standard_normal((1, 4, D)).astype(np.float32)
+    with httpx.Client(base_url=f"http://{ray_url}", timeout=30) as c:
+        statuses = [c.post("/v1/encode", json=_v1(x, np.zeros((1, 4), bool))).status_code for _ in range(20)]
+        assert statuses[0] == 200 and set(statuses) <= {200, 503}, statuses
+        # health checks every 10 s (service/ray_serve.py); the replica fails one, Ray replaces it
+        wait_until(lambda: first not in _replicas() and _running_replicas() == 1, 120, "the replica replaced")
+        assert c.post("/v1/encode", json=_v1(x, np.zeros((1, 4), bool))).status_code == 200  # a fresh one
 
 
 def test_build_validates_its_arguments_on_the_driver(tmp_path):

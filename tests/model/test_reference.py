@@ -64,3 +64,44 @@ def test_seq_first_layout_and_an_artifacts_own_weights(tiny_artifact):
     ref = forward(manifest.config, load_weights(tiny_artifact / "weights.safetensors"), x, mask)
     real = ~mask
     assert np.abs(graph[real] - ref[real]).max() < 1e-4
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post", "pre"])
+def test_the_int8_scheme_in_numpy_equals_its_torch_twin(norm_first):
+    """model/schemes.py's Int8 (what live parity uses, no torch) computes export/int8.py's scheme as its torch
+    twin does (the export gate's), in float64, padded or not."""
+    from export.variants import get_variant
+    from model.schemes import Int8
+
+    config = EncoderConfig(
+        d_model=32, nhead=4, dim_feedforward=48, dropout=0.0, norm_first=norm_first, num_layers=2
+    )
+    enc = build_encoder(config, seed=5)
+    weights = {k: v.detach().double().numpy() for k, v in enc.state_dict().items()}
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((2, 6, 32)) * 2 + 40.0).astype(np.float32)  # an offset: the exact mean term
+    mask = np.zeros((2, 6), bool)
+    mask[1, 4:] = True
+    want = get_variant("int8").scheme(enc, x, mask, False)["encoded"]
+    got = forward(config, weights, x, mask, Int8())
+    assert np.abs(got - want).max() < 1e-10
+    exact = forward(config, weights, x, mask)
+    assert np.abs(got - exact).max() > 1e-4  # and it is not the exact block
+
+
+def test_the_fp16_scheme_in_numpy_is_as_far_from_float64_as_torch_half():
+    """Half rounds every stored result to fp16 as torch's CPU half kernels do: not bit-equal (the order of sums
+    differs), but the same size of error against float64, which is all live parity's allowance needs."""
+    from model.schemes import Half
+
+    config = EncoderConfig(d_model=32, nhead=4, dim_feedforward=48, dropout=0.0, num_layers=2)
+    enc = build_encoder(config, seed=6)
+    w64 = {k: v.detach().double().numpy() for k, v in enc.state_dict().items()}
+    x = np.random.default_rng(5).standard_normal((2, 6, 32)).astype(np.float32)
+    oracle = forward(config, w64, x)
+    with torch.no_grad():
+        torch_half = enc.half()(torch.from_numpy(x).half()).double().numpy()
+    ours = forward(config, {k: v.astype(np.float32) for k, v in w64.items()}, x, None, Half())
+    torch_err, our_err = np.abs(torch_half - oracle).max(), np.abs(ours - oracle).max()
+    assert our_err > 1e-4 and 0.25 < our_err / torch_err < 4, (our_err, torch_err)
+    assert np.abs(ours - torch_half).max() < 4 * torch_err

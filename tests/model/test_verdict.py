@@ -39,3 +39,26 @@ def test_noise_of_one_percent_per_row_passes_and_the_scheme_rescues_what_it_cann
     assert not compare("y", far, ref, ref, ROWS).passed
     result = compare("y", far, ref, ref, ROWS, scheme=scheme)
     assert result.passed and not result.within_tolerance and result.scheme_vs_f64 > 1.0
+
+
+def test_a_scheme_that_overflows_rescues_nothing():
+    """fp16's scheme on a 1e4-scale input is inf: its error is no allowance (it would pass any answer)."""
+    ref = _rows()
+    far = ref * 1.3
+    scheme = ref.copy()
+    scheme[0, 0, 0] = np.inf
+    result = compare("y", far, ref, ref, ROWS, scheme=scheme)
+    assert not result.passed and result.scheme_vs_f64 is None
+
+
+def test_the_ratio_is_over_one_exactly_when_the_verdict_fails():
+    """Comparison.ratio (live parity's figure) agrees with ``passed`` over fp32 and row tolerances, on answers
+    from exact to 10% off."""
+    rng = np.random.default_rng(2)
+    oracle = _rows()
+    ref = oracle + 1e-6 * rng.standard_normal(oracle.shape)
+    for tol in (Tolerance(), ROWS):
+        for noise in (0.0, 1e-7, 1e-5, 1e-4, 1e-3, 1e-2, 0.1):
+            out = oracle + noise * rng.standard_normal(oracle.shape)
+            c = compare("y", out, ref, oracle, tol)
+            assert c.passed == (c.ratio <= 1), (tol, noise, c.ratio, c.passed)
