@@ -3,9 +3,11 @@ PY        ?= python3
 VENV      ?= .venv
 BIN       := $(VENV)/bin
 ARTIFACT  ?= artifacts/default
-HOST      ?= 127.0.0.1
-PORT      ?= 8000
-GRPC_PORT ?= 8001
+# The server's ADDNORM_HOST / ADDNORM_PORT / ADDNORM_GRPC_PORT set these too: ADDNORM_PORT=8100 make serve
+# and make serve PORT=8100 both serve on 8100.
+HOST      ?= $(or $(ADDNORM_HOST),127.0.0.1)
+PORT      ?= $(or $(ADDNORM_PORT),8000)
+GRPC_PORT ?= $(or $(ADDNORM_GRPC_PORT),8001)
 # torch is pinned: on these machines pip takes the CPU build from local disk. Elsewhere, point pip at the
 # CPU wheel index so no multi-GB CUDA build is pulled: make TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH     ?= torch==2.13.0

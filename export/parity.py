@@ -93,6 +93,15 @@ class ParityReport:
             "max_onnx_vs_f64": max(c.onnx_vs_f64 for c in finals),
             "max_row_rel_rms": max(c.row_rel_rms for c in finals),
             "max_oracles_gap": max(r.oracles_gap for r in self.results),
+            # the rule that decided: each case's comparisons within the tolerance of torch fp32, or passed by
+            # the float64 rule only; the worst comparison's distance to its allowance (model.verdict: <= 1 passes)
+            "cases_within_tolerance": sum(
+                all(c.within_tolerance for c in r.comparisons) for r in self.results
+            ),
+            "cases_by_float64_rule": sum(
+                r.passed and not all(c.within_tolerance for c in r.comparisons) for r in self.results
+            ),
+            "worst_ratio": max(c.ratio for r in self.results for c in r.comparisons),
             "worst": {
                 "case": case.case,
                 "output": worst.output,

@@ -44,7 +44,11 @@ class Tolerance:
 
     def describe(self) -> str:
         """The rule in one line, as the report and the load-time check print it."""
-        parts = [f"atol {self.atol:g}, rtol {self.rtol:g}"] if self.atol is not None else []
+        parts = (
+            [f"|onnx - torch| <= atol + rtol x |torch| per element (atol {self.atol:g}, rtol {self.rtol:g})"]
+            if self.atol is not None
+            else []
+        )
         if self.rel_rms is not None:
             parts.append(f"relative RMS <= {self.rel_rms:g}")
         if self.row_rel_rms is not None:

@@ -11,13 +11,21 @@ import socket
 import sys
 import typing
 
+from pydantic import ValidationError
+
 from service import logs
 from service.engine import EngineError, check_artifact, default_threads, resolve_providers
-from service.settings import Settings
+from service.settings import Settings, explain
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        """One line, not the whole usage block."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="addnorm-serve",
         description="Serve an addnorm artifact (from addnorm-export) with onnxruntime over HTTP: /v1 JSON API, "
         "/v2 Open Inference Protocol, /health/*, /metrics, /docs. Every flag also reads from its ADDNORM_* "
@@ -84,8 +92,8 @@ def _drained(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from_args(argv)
-    except ValueError as exc:  # pydantic ValidationError is a ValueError
-        print(f"error: invalid setting: {exc}", file=sys.stderr)
+    except ValidationError as exc:
+        print(f"error: invalid setting {explain(exc)}", file=sys.stderr)
         return 2
     logs.configure(settings.log_level, settings.log_json)
     log = logging.getLogger("addnorm.serve")
@@ -122,17 +130,19 @@ def main(argv: list[str] | None = None) -> int:
     except (EngineError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    if (
-        settings.grpc_port
-        and settings.workers == 1
-        and (why := port_taken(settings.host, settings.grpc_port))
-    ):
-        print(
-            f"error: cannot serve gRPC on {settings.host}:{settings.grpc_port}: {why}. Set --grpc-port "
-            "(ADDNORM_GRPC_PORT) to another port, or 0 to turn gRPC off",
-            file=sys.stderr,
-        )
-        return 1
+    # Both ports before any model loads: one line, not a bind error after the load.
+    ports = [("HTTP", "port", settings.port, "")]
+    if settings.grpc_port and settings.workers == 1:
+        ports.append(("gRPC", "grpc_port", settings.grpc_port, ", or 0 to turn gRPC off"))
+    for what, name, port, off in ports:
+        if port and (why := port_taken(settings.host, port)):
+            flag, env, make = f"--{name.replace('_', '-')}", f"ADDNORM_{name.upper()}", name.upper()
+            print(
+                f"error: cannot serve {what} on {settings.host}:{port}: {why}. Give {flag} ({env}; under make: "
+                f"make serve {make}=N) another port{off}",
+                file=sys.stderr,
+            )
+            return 1
     if settings.workers > 1 and settings.intra_op_threads == 0:
         # Several processes each with all-core thread pools oversubscribe the CPU: split the cores.
         settings = settings.model_copy(update={"intra_op_threads": default_threads(settings.workers)})

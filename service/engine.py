@@ -40,7 +40,7 @@ def resolve_providers(requested: str, available: list[str]) -> list[str]:
         if CUDA not in available:
             raise EngineError(
                 f"--providers cuda: CUDAExecutionProvider is not available (onnxruntime offers {available}). "
-                "Install the GPU build (pip install 'addnorm[gpu]', then remove the CPU 'onnxruntime' package, "
+                "Install the GPU build (pip install '.[gpu]' from the addnorm checkout, then remove the CPU 'onnxruntime' package, "
                 "which shadows it) on a machine with an NVIDIA driver, or use --providers cpu/auto."
             )
         return [CUDA, CPU]

@@ -3,7 +3,7 @@
     serve run service.ray_serve:build model_dir=artifacts/default replicas=2
     serve run deploy/ray/serve.yaml
 
-Needs the ``ray`` extra (``pip install 'addnorm[ray]'``). Each replica builds the app with ``create_app`` and
+Needs the ``ray`` extra (``pip install '.[ray]'``). Each replica builds the app with ``create_app`` and
 loads its model (sha256 check, golden check, batcher) before its start-up ends, so Ray routes no request to a
 replica whose model is not loaded, and a replica that cannot read the artifact fails to start, saying why. Ray's
 health check asks the app's readiness. Settings reach replicas as the usual ``ADDNORM_*`` variables (the Serve

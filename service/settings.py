@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from model.artifact import MANIFEST_FILE
@@ -220,3 +220,17 @@ def latest_version(entry: Path) -> Path | None:
 def version_of(directory: Path) -> str:
     """The version an artifact directory serves: its name when it is a numbered version directory, else 1."""
     return str(int(directory.name)) if directory.name.isdigit() else "1"
+
+
+def explain(exc: ValidationError) -> str:
+    """A settings error in one line: each bad setting by its flag and variable, what is wrong, the value given
+    (pydantic's own text is four lines a setting with a URL)."""
+    from service.errors import quote
+
+    parts = []
+    for error in exc.errors():
+        name = str(error["loc"][0]) if error["loc"] else ""
+        what = error["msg"].removeprefix("Value error, ")
+        where = f"--{name.replace('_', '-')} (ADDNORM_{name.upper()})" if name else "settings"
+        parts.append(f"{where}: {what[:1].lower()}{what[1:]}, got {quote(error.get('input'))}")
+    return "; ".join(parts)

@@ -247,6 +247,11 @@ def test_parity_report_files(tiny_artifact, tmp_path):
     names = {c["case"] for c in doc["cases"]}
     assert {"constant rows (variance 0)", "row all padding", "long sequence (2048)"} <= names
     assert "add_norm_1" in (tmp_path / "r" / "parity.md").read_text()
+    s = doc["summary"]  # what decided (issue 27: the figures alone can exceed atol/rtol on a passing run)
+    assert (
+        s["cases_within_tolerance"] + s["cases_by_float64_rule"] == s["cases"] and 0 < s["worst_ratio"] <= 1
+    )
+    assert f"{s['cases_by_float64_rule']} by the float64 rule" in (tmp_path / "r" / "parity.md").read_text()
     for png in ("errors_per_step.png", "error_vs_conditioning.png"):
         assert (tmp_path / "r" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import threading
 import time
@@ -193,3 +194,49 @@ def test_a_taken_grpc_port_refuses_to_start_before_loading(tiny_artifact, capsys
         assert cli.main(["--model-dir", str(tiny_artifact), "--port", "0", "--grpc-port", str(port)]) == 1
     err = capsys.readouterr().err
     assert f"cannot serve gRPC on 127.0.0.1:{port}" in err and "0 to turn gRPC off" in err
+
+
+def test_a_taken_http_port_refuses_in_one_line_before_loading(tiny_artifact, capsys, caplog):
+    """Issue 27: it used to log "serving on ...", then uvicorn's [Errno 98], load the models and exit 3."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["--model-dir", str(tiny_artifact), "--port", str(port), "--grpc-port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot serve HTTP on 127.0.0.1:{port}" in err
+    assert "--port (ADDNORM_PORT; under make: make serve PORT=N)" in err
+    assert not any("serving on" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "args, env, want",
+    [
+        (["--port", "abc"], {}, "--port (ADDNORM_PORT): input should be a valid integer"),
+        (
+            ["--port", "70000"],
+            {},
+            "--port (ADDNORM_PORT): input should be less than or equal to 65535, got '70000'",
+        ),
+        (
+            ["--max-batch-size", "-1"],
+            {},
+            "--max-batch-size (ADDNORM_MAX_BATCH_SIZE): input should be greater",
+        ),
+        (
+            [],
+            {"ADDNORM_MAX_BATCH_SIZE": "abc"},
+            "--max-batch-size (ADDNORM_MAX_BATCH_SIZE): input should be a valid",
+        ),
+        (["--providers", "gpu"], {}, "argument --providers: invalid choice: 'gpu'"),
+    ],
+)
+def test_a_bad_setting_is_one_line_naming_the_flag_and_the_variable(args, env, want, capsys, monkeypatch):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) if args[:1] == ["--providers"] else contextlib.nullcontext():
+        assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and want in err and "pydantic" not in err, err
