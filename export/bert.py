@@ -27,12 +27,19 @@ _LAYER = re.compile(r"^(?P<prefix>.*?)(?:layer\.(?P<index>\d+)\.)?attention\.sel
 BERT_DEFAULTS = {"activation": "gelu", "layer_norm_eps": 1e-12, "norm_first": False}
 
 
-def bert_to_encoder_state(
-    state: dict[str, torch.Tensor], num_layers: int | None = None
-) -> dict[str, torch.Tensor]:
-    """Map one ``BertLayer`` state_dict, or a ``BertModel``/``BertEncoder`` one (``…encoder.layer.{i}.``), onto
-    ``Encoder`` keys (``layers.{i}.…``). Embeddings, pooler and heads in a full model's file are ignored.
-    """
+def bert_shape(state: dict[str, torch.Tensor]) -> dict[str, int]:
+    """What a BERT checkpoint's weights say of the block: its layer count, width and feed-forward width (the
+    head count is not in the weights: a Hugging Face config.json has it as num_attention_heads)."""
+    layers = _layer_prefixes(state)
+    prefix = layers[0]
+    try:
+        ff, width = state[f"{prefix}intermediate.dense.weight"].shape
+    except KeyError:
+        raise CheckpointError(f"BERT layer 0 lacks '{prefix}intermediate.dense.weight'") from None
+    return {"num_layers": len(layers), "d_model": int(width), "dim_feedforward": int(ff)}
+
+
+def _layer_prefixes(state: dict[str, torch.Tensor]) -> dict[int, str]:
     prefixes: dict[int, str] = {}
     for key in state:
         m = _LAYER.match(key)
@@ -43,9 +50,20 @@ def bert_to_encoder_state(
         raise CheckpointError("no BertLayer weights found (no key ending in 'attention.self.query.weight')")
     if sorted(prefixes) != list(range(len(prefixes))):
         raise CheckpointError(f"BERT layers are not numbered 0..n-1: found {sorted(prefixes)}")
+    return prefixes
+
+
+def bert_to_encoder_state(
+    state: dict[str, torch.Tensor], num_layers: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Map one ``BertLayer`` state_dict, or a ``BertModel``/``BertEncoder`` one (``…encoder.layer.{i}.``), onto
+    ``Encoder`` keys (``layers.{i}.…``). Embeddings, pooler and heads in a full model's file are ignored.
+    """
+    prefixes = _layer_prefixes(state)
     if num_layers is not None and num_layers != len(prefixes):
         raise CheckpointError(
-            f"the BERT checkpoint has {len(prefixes)} layer(s); pass --num-layers {len(prefixes)}"
+            f"the BERT checkpoint has {len(prefixes)} layer(s) but --num-layers is {num_layers}: leave "
+            "--num-layers out to use them all"
         )
     out: dict[str, torch.Tensor] = {}
     for i, prefix in sorted(prefixes.items()):

@@ -9,14 +9,14 @@ import sys
 from pathlib import Path
 
 from export import attention
-from export.bert import BERT_DEFAULTS
+from export.bert import BERT_DEFAULTS, bert_shape
 from export.checks import GraphCheckError
 from export.gate import ParityError
 from export.onnx_export import DEFAULT_OPSET, MIN_OPSET, ExportError
 from export.pipeline import export_artifact, prepare_encoder
 from export.report import format_table
 from export.variants import VARIANTS
-from export.weights import CheckpointError
+from export.weights import CheckpointError, read_state_dict
 from model.artifact import ArtifactError, load_verified
 from model.config import ConfigError, EncoderConfig
 
@@ -124,10 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> EncoderConfig:
+def config_from_args(args: argparse.Namespace, detected: dict | None = None) -> EncoderConfig:
+    """--config's file, then the flags; ``detected``: what a BERT checkpoint's weights say (layers, widths),
+    under both."""
     fields = EncoderConfig.load(args.config).to_dict() if args.config else {}
     if args.from_bert:
-        fields = {**BERT_DEFAULTS, **fields}
+        fields = {**BERT_DEFAULTS, **(detected or {}), **fields}
     for name in (*_CONFIG_FLAGS, "norm_first", "batch_first"):
         value = getattr(args, name)
         if value is not None:
@@ -160,8 +162,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.checkpoint and args.from_bert:
             raise ConfigError("give either --checkpoint or --from-bert, not both")
         variant = variant_from_args(args)
-        config = config_from_args(args)
-        encoder = prepare_encoder(config, args.checkpoint or args.from_bert, args.seed, bool(args.from_bert))
+        state, detected = None, None
+        if args.from_bert:  # its layer count and widths come from the weights unless given
+            state = read_state_dict(args.from_bert)
+            detected = bert_shape(state)
+        config = config_from_args(args, detected)
+        encoder = prepare_encoder(
+            config, args.checkpoint or args.from_bert, args.seed, bool(args.from_bert), state=state
+        )
         result = export_artifact(
             encoder, args.out, name=args.name, opset=args.opset, variant=variant, attention=args.attention
         )

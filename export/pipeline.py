@@ -50,13 +50,18 @@ def library_versions() -> dict[str, str]:
 
 
 def prepare_encoder(
-    config: EncoderConfig, checkpoint: str | Path | None = None, seed: int = 0, from_bert: bool = False
+    config: EncoderConfig,
+    checkpoint: str | Path | None = None,
+    seed: int = 0,
+    from_bert: bool = False,
+    state: dict | None = None,
 ) -> Encoder:
-    """The encoder to export: seeded default weights, or a checkpoint's (Hugging Face BERT's with ``from_bert``)."""
+    """The encoder to export: seeded default weights, or a checkpoint's (Hugging Face BERT's with ``from_bert``);
+    ``state``: the checkpoint already read (``weights.read_state_dict``)."""
     encoder = build_encoder(config, seed=seed)
     if checkpoint is None:
         return encoder
-    state = read_state_dict(checkpoint)
+    state = read_state_dict(checkpoint) if state is None else state
     if from_bert:
         state = bert_to_encoder_state(state, config.num_layers)
     return load_state(encoder, state, checkpoint)

@@ -27,10 +27,15 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError, ... for bad or unsafe files
-        raise CheckpointError(
-            f"{path} could not be read as a torch state_dict with weights_only=True "
-            f"(files that need arbitrary unpickling are refused): {exc}"
-        ) from exc
+        # One line of ours: torch's own message is several and suggests weights_only=False (running the file's code)
+        if "Weights only load failed" in str(exc):
+            why = (
+                "it holds Python objects besides tensors (a whole pickled model or an optimizer?), and loading "
+                "those would run code from the file; save model.state_dict() instead (torch.save or safetensors)"
+            )
+        else:
+            why = "it is neither a safetensors file nor a torch.save archive of tensors"
+        raise CheckpointError(f"cannot read checkpoint {path}: {why}") from exc
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):

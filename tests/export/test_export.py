@@ -180,8 +180,15 @@ def test_checkpoint_with_wrong_keys_or_shapes_is_named(tmp_path):
 
 def test_checkpoint_that_needs_unpickling_is_refused(tmp_path):
     torch.save({"w": torch.zeros(1), "code": object()}, tmp_path / "evil.pt")
-    with pytest.raises(CheckpointError, match="weights_only"):
+    with pytest.raises(CheckpointError, match="would run code from the file; save model.state_dict") as exc:
         load_weights(Encoder(TINY), tmp_path / "evil.pt")
+    assert "\n" not in str(exc.value) and "weights_only=False" not in str(
+        exc.value
+    )  # torch's 6 lines, not ours
+    (tmp_path / "text.pt").write_text("hello")
+    with pytest.raises(CheckpointError, match="neither a safetensors file nor a torch.save archive") as exc:
+        load_weights(Encoder(TINY), tmp_path / "text.pt")
+    assert "\n" not in str(exc.value)
     (tmp_path / "junk.safetensors").write_bytes(b"not a file")
     with pytest.raises(CheckpointError, match="safetensors"):
         load_weights(Encoder(TINY), tmp_path / "junk.safetensors")

@@ -163,10 +163,25 @@ def test_from_bert_matches_hugging_face(tmp_path):
     torch.manual_seed(0)
     bert = transformers.BertModel(cfg).eval()  # random init: no hub download
     save_file({k: v.contiguous() for k, v in bert.state_dict().items()}, str(tmp_path / "bert.safetensors"))
-    manifest = export_cli(
-        tmp_path / "a", "--num-layers", "2", "--from-bert", str(tmp_path / "bert.safetensors")
+    # no --num-layers: the checkpoint's 2 layers are used (issue 27: it used to refuse them)
+    assert (
+        cli.main(
+            [
+                "--out",
+                str(tmp_path / "a"),
+                "--nhead",
+                "4",
+                "--from-bert",
+                str(tmp_path / "bert.safetensors"),
+                "-q",
+            ]
+        )
+        == 0
     )
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert manifest["config"]["activation"] == "gelu" and manifest["config"]["layer_norm_eps"] == 1e-12
+    assert manifest["config"]["num_layers"] == 2 and manifest["config"]["d_model"] == 64  # from the weights
+    assert manifest["config"]["dim_feedforward"] == 128
     assert manifest["parity"]["passed"]
     x = torch.randn(2, 7, 64)
     mask = torch.zeros(2, 7, dtype=torch.bool)
@@ -195,6 +210,8 @@ def test_from_bert_with_the_wrong_depth_names_it(tmp_path, capsys):
                 "--out",
                 str(tmp_path / "a"),
                 *SMALL_FLAGS,
+                "--num-layers",
+                "1",
                 "--from-bert",
                 str(tmp_path / "bert.safetensors"),
                 "-q",
@@ -202,7 +219,7 @@ def test_from_bert_with_the_wrong_depth_names_it(tmp_path, capsys):
         )
         == 2
     )
-    assert "pass --num-layers 2" in capsys.readouterr().err
+    assert "has 2 layer(s) but --num-layers is 1: leave --num-layers out" in capsys.readouterr().err
 
 
 def test_adversarial_suite_onnx_never_worse_than_4x_torch(tmp_path):
