@@ -35,6 +35,12 @@ def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def default_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default block (d_model 768, 12 heads, feed-forward 3072, mha attention), as make serve exports it."""
+    return export_to(tmp_path_factory.mktemp("default") / "artifact", EncoderConfig(dropout=0.0))
+
+
+@pytest.fixture(scope="session")
 def model_repository(tiny_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A repository of two models, as --model-repository reads it: the tiny fp32 artifact ("encoder") and the
     same block in int8 under another name ("encoder-int8"), different seeds so their answers differ."""

@@ -4,18 +4,7 @@ activations used to stay in onnxruntime's arena) is exported here, as the tests 
 
 from __future__ import annotations
 
-import pytest
-
 from bench import reliability
-from model.config import EncoderConfig
-from tests.conftest import export_to
-
-DEFAULT = EncoderConfig(dropout=0.0)  # the default block: d_model 768, 12 heads, feed-forward 3072
-
-
-@pytest.fixture(scope="module")
-def default_artifact(tmp_path_factory):
-    return export_to(tmp_path_factory.mktemp("default") / "artifact", DEFAULT)
 
 
 def test_a_burst_of_long_sequences_is_given_back_once_the_model_is_idle(default_artifact):

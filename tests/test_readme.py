@@ -1,0 +1,188 @@
+"""Every code block of README.md runs as written, in order (issue 27): a new user's first hour, in a fresh
+directory with only the default artifact in it (what ``make serve`` leaves), with ``.venv/bin`` first on PATH.
+
+``sh`` blocks run line by line in bash; a line that starts ``addnorm-serve`` starts that server in the background
+in place of the one running (as a user's second terminal would) and waits until it is ready. ``python`` blocks run
+each in its own interpreter. The README's addresses (127.0.0.1:8000, :8001) are the test's free ports. A block
+the test cannot run has ``<!-- readme-test: skip: why -->`` on the line above it, and the reason must name where
+else it is tested. An answer holding ``"error"`` fails, unless the README's own output block after it shows one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.server import free_port
+from tests.conftest import ROOT
+from tests.helpers import wait_until
+
+SKIP = re.compile(r"<!-- readme-test: skip: (.+?) -->")
+SERVE = re.compile(r"^(\w+=\S+ )*addnorm-serve\b")
+
+
+@dataclass
+class Block:
+    lang: str
+    code: str
+    line: int  # where it starts in README.md
+    skip: str | None  # why the test does not run it
+    shows_error: bool  # the README's output block right after it shows an error answer
+
+
+def readme_blocks(text: str) -> list[Block]:
+    lines = text.splitlines()
+    found: list[Block] = []
+    i = 0
+    while i < len(lines):
+        if not lines[i].startswith("```"):
+            i += 1
+            continue
+        lang, start = lines[i][3:].strip(), i
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+        skip = SKIP.search(lines[start - 1]) if start else None
+        found.append(Block(lang, "\n".join(lines[start + 1 : end]), start + 1, skip and skip[1], False))
+        if lang == "" and len(found) > 1 and '"error"' in found[-1].code:
+            found[-2].shows_error = True
+        i = end + 1
+    return found
+
+
+def commands(code: str) -> list[str]:
+    """A sh block's commands: continuation lines joined, comments and blank lines left out."""
+    joined = re.sub(r"\\\n\s*", " ", code)
+    return [c for c in (line.strip() for line in joined.splitlines()) if c and not c.startswith("#")]
+
+
+class Session:
+    """The user's terminal: a working directory, an environment, one server at a time."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.http, self.grpc = free_port(), free_port()
+        venv = Path(sys.executable).parent
+        self.env = {
+            **os.environ,
+            "PATH": f"{venv}{os.pathsep}{os.environ['PATH']}",
+            "ADDNORM_PORT": str(self.http),  # the README's commands give no port: the variables place them
+            "ADDNORM_GRPC_PORT": str(self.grpc),
+            "PYTHONPATH": "",
+        }
+        self.server: subprocess.Popen | None = None
+        self.log = work / "server.log"
+
+    def localize(self, text: str) -> str:
+        for host in ("127.0.0.1", "localhost"):
+            text = text.replace(f"{host}:8000", f"{host}:{self.http}").replace(
+                f"{host}:8001", f"{host}:{self.grpc}"
+            )
+        return text
+
+    def serve(self, command: str) -> None:
+        self.stop()
+        with self.log.open("w") as log:
+            self.server = subprocess.Popen(
+                ["bash", "-c", f"exec env {command}"], cwd=self.work, env=self.env, stdout=log, stderr=log
+            )
+
+        def ready() -> bool:
+            assert self.server.poll() is None, f"`{command}` exited: {self.log.read_text()[-3000:]}"
+            try:
+                return httpx.get(f"http://127.0.0.1:{self.http}/health/ready", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(ready, 180, f"`{command}` ready")
+
+    def run(self, argv: list[str], what: str, shows_error: bool) -> str:
+        r = subprocess.run(argv, cwd=self.work, env=self.env, capture_output=True, text=True, timeout=600)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, f"{what} exited {r.returncode}:\n{out[-3000:]}"
+        assert shows_error or '"error"' not in r.stdout, f"{what} answered an error:\n{out[-3000:]}"
+        return out
+
+    def stop(self) -> None:
+        if self.server is not None and self.server.poll() is None:
+            self.server.terminate()
+            self.server.wait(30)
+        self.server = None
+
+
+def _bert_checkpoint(path: Path) -> None:
+    """A randomly initialised Hugging Face BertModel's weights (nothing is downloaded): 2 layers, 96 wide, whose
+    12 heads are the README command's default --nhead."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    config = transformers.BertConfig(
+        hidden_size=96, num_attention_heads=12, intermediate_size=192, num_hidden_layers=2
+    )
+    torch.manual_seed(0)
+    model = transformers.BertModel(config)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+
+
+def test_every_readme_block_runs_as_written_in_order(default_artifact, tmp_path):
+    blocks = readme_blocks((ROOT / "README.md").read_text())
+    runnable = [b for b in blocks if b.lang in ("sh", "python") and not b.skip]
+    assert len(runnable) >= 12, [b.line for b in runnable]  # the parser found the README's blocks
+    for b in blocks:
+        if b.skip:
+            assert re.search(r"tests/\w+|test's own|GPU", b.skip), (
+                f"README line {b.line}: say where it is tested"
+            )
+    work = tmp_path / "clone"
+    shutil.copytree(default_artifact, work / "artifacts" / "default")  # what make serve leaves
+    _bert_checkpoint(work / "model.safetensors")  # the README's "a BERT checkpoint you fetched"
+    session = Session(work)
+    try:
+        session.serve("addnorm-serve --model-dir artifacts/default")  # make serve's last step
+        for b in runnable:
+            code = session.localize(b.code)
+            where = f"README line {b.line}"
+            if b.lang == "python":
+                session.run([sys.executable, "-c", code], f"{where} (python)", b.shows_error)
+                continue
+            for command in commands(code):
+                if SERVE.match(command):
+                    session.serve(command)
+                else:
+                    session.run(["bash", "-c", command], f"{where}: `{command}`", b.shows_error)
+    finally:
+        session.stop()
+    left = sorted(p.name for p in work.iterdir())
+    assert {"req.json", "v2.json", "layer.safetensors"} <= set(left), left  # and .gitignore has them
+    ignored = (ROOT / ".gitignore").read_text().split()
+    assert all(f"/{name}" in ignored for name in ("req.json", "v2.json", "layer.safetensors", "triton-repo/"))
+
+
+@pytest.mark.unit
+def test_the_parser_reads_blocks_skips_and_error_outputs():
+    text = "\n".join(
+        [
+            "```sh",
+            "curl -s x \\",
+            "   -d y   # a comment",
+            "# only a comment",
+            "```",
+            "```",
+            '{"error":"bad"}',
+            "```",
+            "<!-- readme-test: skip: needs a GPU -->",
+            "```python",
+            "print(1)",
+            "```",
+        ]
+    )
+    sh, out, py = readme_blocks(text)
+    assert sh.lang == "sh" and sh.shows_error and commands(sh.code) == ["curl -s x  -d y   # a comment"]
+    assert out.lang == "" and py.skip == "needs a GPU" and not py.shows_error
