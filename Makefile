@@ -62,8 +62,8 @@ matrix: $(VENV)/.installed
 	ADDNORM_MATRIX=full $(BIN)/python -m pytest tests/export/test_matrix.py -rA
 
 bench: $(VENV)/.installed
-	$(BIN)/addnorm-bench
-	$(BIN)/addnorm-bench --cost-curve
+	$(BIN)/python -m bench
+	$(BIN)/python -m bench --cost-curve
 
 # grpcio-tools < 1.77 writes protobuf 6.31 code, which the dependency floor (protobuf >= 6.31.1) runs.
 proto: $(VENV)/.installed

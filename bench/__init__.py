@@ -1,5 +1,5 @@
-"""addnorm-bench: ratios measured side by side in one run. Needs the 'export' extra (torch, for torch eager)."""
+"""python -m bench: ratios measured side by side in one run. Needs the 'export' extra (torch, for torch eager)."""
 
 from model.extras import require
 
-require("export", "addnorm-bench", "torch", "onnx", "safetensors")
+require("export", "python -m bench", "torch", "onnx", "safetensors")

@@ -1,4 +1,4 @@
-"""addnorm-bench: throughput and latency measured side by side in one run, printed as ratios.
+"""python -m bench: throughput and latency measured side by side in one run, printed as ratios.
 
 Sections: in-process onnxruntime (and its GEMMs alone, the practical roof), torch eager on the same weights,
 the service over HTTP (V2 binary, /v1 binary, /v1 JSON), a naive FastAPI + pydantic + torch app, 32 concurrent
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="addnorm-bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--artifact", default="artifacts/default", help="artifact to benchmark (exported if missing)"
     )

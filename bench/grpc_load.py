@@ -1,4 +1,4 @@
-"""gRPC against HTTP binary: the same model, the same server, phases alternating (addnorm-bench, and --grpc alone).
+"""gRPC against HTTP binary: the same model, the same server, phases alternating (python -m bench, and --grpc alone).
 
 The gRPC client is as light as bench/loadgen.py's HTTP one: a prebuilt serialized ModelInferRequest, sent on one
 channel per client with grpc.aio, the response taken as bytes and not parsed. Each phase reads the server's CPU

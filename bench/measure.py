@@ -1,4 +1,4 @@
-"""The measurements of addnorm-bench, each a function of its own. Ratios are taken only between figures measured
+"""The measurements of python -m bench, each a function of its own. Ratios are taken only between figures measured
 in the same run (bench.cli), never against a stored number.
 """
 

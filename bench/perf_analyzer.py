@@ -8,7 +8,7 @@ glibc and libstdc++ beside it from Debian's own packages (``apt-get download`` o
 binary through that ``ld-linux``. Everything lands in ``~/.cache/addnorm/perf_analyzer`` (``ADDNORM_PA_CACHE``);
 ``ADDNORM_PERF_ANALYZER`` names a perf_analyzer to use instead. Only PyPI and Debian are reached.
 
-    addnorm-bench --perf-analyzer      # or: python -m bench.perf_analyzer
+    python -m bench --perf-analyzer      # or: python -m bench.perf_analyzer
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def binary(install: bool = True) -> list[str]:
     newer_glibc_needed = _glibc() < NEEDS_GLIBC
     if not exe.exists() or (newer_glibc_needed and not (lib / "ld-linux-x86-64.so.2").exists()):
         if not install:
-            raise Unavailable(f"perf_analyzer is not in {root} (addnorm-bench --perf-analyzer fetches it)")
+            raise Unavailable(f"perf_analyzer is not in {root} (python -m bench --perf-analyzer fetches it)")
         root.mkdir(parents=True, exist_ok=True)
         if not exe.exists():
             exe = _fetch_binary(root)
@@ -211,7 +211,7 @@ def table(res: dict) -> str:
 
 
 def main() -> int:
-    """``python -m bench.perf_analyzer``: the table for the default artifact (``addnorm-bench --perf-analyzer``
+    """``python -m bench.perf_analyzer``: the table for the default artifact (``python -m bench --perf-analyzer``
     also exports it when missing and keeps the figures)."""
     from bench.server import ROOT
 

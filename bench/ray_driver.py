@@ -1,4 +1,4 @@
-"""A Ray Serve instance on loopback for ``addnorm-bench --ray``: a local Ray, Serve's proxy on ``--port``, the
+"""A Ray Serve instance on loopback for ``python -m bench --ray``: a local Ray, Serve's proxy on ``--port``, the
 addnorm app (service/ray_serve.py) with N replicas. Stops Serve and Ray on SIGTERM."""
 
 from __future__ import annotations

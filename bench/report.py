@@ -1,4 +1,4 @@
-"""How addnorm-bench's results read: the markdown table of figures and ratios, two plots, docs/benchmarks.md."""
+"""How python -m bench's results read: the markdown table of figures and ratios, two plots, docs/benchmarks.md."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""addnorm-bench --ray: Ray Serve with one replica against plain addnorm-serve, same artifact, same requests.
+"""python -m bench --ray: Ray Serve with one replica against plain addnorm-serve, same artifact, same requests.
 
 Both servers run at once and the load phases alternate between them (plain, Ray, Ray, plain, ...), so drift
 on a noisy machine hits both alike; each ratio is the median over the repetitions. CPU per request is read from

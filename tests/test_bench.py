@@ -66,7 +66,7 @@ def test_docs_update_replaces_only_the_generated_block(tmp_path, monkeypatch):
 
 
 def test_scaleout_finds_the_process_tree_and_prints_its_table():
-    """addnorm-bench --ray charges CPU to every process under the Ray driver, by role."""
+    """python -m bench --ray charges CPU to every process under the Ray driver, by role."""
     import os
     import subprocess
     import sys

@@ -30,7 +30,8 @@ def test_compose_file_is_valid_and_wires_export_api_gpu_and_ray():
         svc = services[name]
         for export in ("export", "export-int8"):
             assert svc["depends_on"][export]["condition"] == "service_completed_successfully"
-        assert "/health/ready" in " ".join(svc["healthcheck"]["test"])
+        assert "service.healthcheck" in " ".join(svc["healthcheck"]["test"])  # follows the port (issue 27)
+        assert "8000" not in " ".join(svc["healthcheck"]["test"]).replace(":-8000", "")
         assert any(":ro" in str(v) or (isinstance(v, dict) and v.get("read_only")) for v in svc["volumes"])
     assert services["api"]["environment"]["ADDNORM_PROVIDERS"] == "cpu"
     # Two models from one volume (fp32 and int8, under their own names), HTTP and gRPC, both on loopback only
@@ -64,18 +65,14 @@ def test_compose_file_is_valid_and_wires_export_api_gpu_and_ray():
     assert ray["command"][:3] == ["serve", "run", "service.ray_serve:build"]
     assert "model_dir=" + ray["environment"]["ADDNORM_MODEL_DIR"] in ray["command"]
     assert [str(p).removesuffix("/tcp") for p in ray["ports"]] == ["127.0.0.1:8002:8000"]  # loopback only
+    # as locked down as deploy/k8s: no capabilities, no escalation, read-only root (Ray's aside, as in its RayService)
+    for name, svc in services.items():
+        assert svc["cap_drop"] == ["ALL"] and "no-new-privileges:true" in svc["security_opt"], name
+        assert svc["read_only"] is (name != "ray") and "/tmp" in svc["tmpfs"], name
 
 
 def test_dockerfile_targets_keep_torch_out_of_the_serving_images():
-    text = (ROOT / "Dockerfile").read_text()
-    stages = {}
-    current = None
-    for line in text.splitlines():
-        if line.startswith("FROM "):
-            current = line.split(" AS ")[-1].strip()
-            stages[current] = []
-        elif current:
-            stages[current].append(line)
+    stages = _stages()
     assert {"base", "export", "api", "api-gpu", "ray"} <= set(stages)
     for serving in ("api", "api-gpu", "ray"):
         body = "\n".join(stages[serving])
@@ -83,3 +80,68 @@ def test_dockerfile_targets_keep_torch_out_of_the_serving_images():
         assert "USER addnorm" in body and "HEALTHCHECK" in body
     assert "onnxruntime-gpu" in "\n".join(stages["api-gpu"])
     assert "download.pytorch.org/whl/cpu" in "\n".join(stages["export"])  # never the CUDA build of torch
+
+
+def _stages() -> dict[str, list[str]]:
+    stages: dict[str, list[str]] = {}
+    current = None
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        if line.startswith("FROM "):
+            current = line.split(" AS ")[-1].strip()
+            stages[current] = []
+        elif current:
+            stages[current].append(line)
+    return stages
+
+
+def test_dockerfile_installs_dependencies_before_the_source_and_onnxruntime_gpu_once():
+    """Issue 27: the source was copied before pip install, so a code edit reinstalled torch; api-gpu fetched
+    onnxruntime-gpu twice (once with the CPU build it then removed)."""
+    stages = _stages()
+    for name in ("export", "api", "ray", "api-gpu"):
+        body = stages[name]
+        deps = next(i for i, line in enumerate(body) if "requirements.py" in line and "python" in line)
+        source = next(i for i, line in enumerate(body) if line.startswith("COPY service"))
+        assert deps < source, name
+        assert any("pip install --no-deps ." in line for line in body[source:]), name
+        assert all(
+            "--mount=type=cache" in line for line in body if line.startswith("RUN") and "pip install" in line
+        )
+    gpu = "\n".join(stages["api-gpu"])
+    assert "--drop onnxruntime" in gpu and "uninstall" not in gpu and "--force-reinstall" not in gpu
+    assert (
+        "PIP_NO_CACHE_DIR" not in (ROOT / "Dockerfile").read_text()
+    )  # the cache mount keeps it out of layers
+
+
+def test_requirements_for_the_image_layers_come_from_pyproject():
+    import importlib.util
+
+    import tomllib
+
+    spec = importlib.util.spec_from_file_location("requirements", ROOT / "deploy/docker/requirements.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    requirements = module.requirements
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = requirements(ROOT / "pyproject.toml", [], [])
+    assert base == project["dependencies"]
+    gpu = requirements(ROOT / "pyproject.toml", ["gpu"], ["onnxruntime"])
+    assert not any(r.startswith("onnxruntime>") or r == "onnxruntime" for r in gpu)
+    assert any(r.startswith("onnxruntime-gpu") for r in gpu)
+    assert any(r.startswith("torch==") for r in requirements(ROOT / "pyproject.toml", ["export"], []))
+    with pytest.raises(SystemExit, match="no extra"):
+        requirements(ROOT / "pyproject.toml", ["nope"], [])
+
+
+def test_the_healthcheck_follows_the_port(server, monkeypatch):
+    from service import healthcheck
+
+    port = server.rsplit(":", 1)[1]
+    assert healthcheck.main([port]) == 0
+    monkeypatch.setenv("ADDNORM_PORT", port)
+    assert healthcheck.main([]) == 0
+    from bench.server import free_port
+
+    assert healthcheck.main([str(free_port())]) == 1  # nothing there
