@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service import logs, memory, openapi, protocols
+from service import docs_pages, logs, memory, openapi, protocols
 from service.control import ModelControl
 from service.fastpath import FastPath
 from service.guard import Guard, GuardMiddleware
@@ -91,9 +91,11 @@ def create_app(
         'tensor extension, for tritonclient and other KServe V2 clients. Errors are always `{"error": "..."}`.',
         version="0.1.0",
         lifespan=lifespan,
+        docs_url=None,  # service/docs_pages.py: the same pages from installed assets, not a CDN
+        redoc_url=None,
     )
     app.state.addnorm = state
-    for router in protocols.ROUTERS:
+    for router in (*protocols.ROUTERS, docs_pages.router):
         app.include_router(router)
     install_error_handlers(app)
     public = protocols.PUBLIC_PATHS | ({health.METRICS_PATH} if settings.metrics_public else set())
