@@ -62,11 +62,11 @@ RUN --mount=type=cache,target=/root/.cache/pip pip install --no-deps . \
  && python -c "import importlib.util as u; assert u.find_spec('torch') is None"
 USER addnorm
 # Ray's proxy binds all interfaces inside the container (the compose file publishes it on loopback only), on
-# RAY_SERVE_DEFAULT_HTTP_PORT; the healthcheck follows that variable.
-ENV ADDNORM_MODEL_DIR=/artifacts/default RAY_SERVE_DEFAULT_HTTP_HOST=0.0.0.0 RAY_SERVE_DEFAULT_HTTP_PORT=8000
+# 8000: `serve run IMPORT_PATH` has no port setting (a Serve config's http_options.port moves it, and then the
+# healthcheck's argument with it).
+ENV ADDNORM_MODEL_DIR=/artifacts/default RAY_SERVE_DEFAULT_HTTP_HOST=0.0.0.0
 EXPOSE 8000
-HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
-  CMD python -m service.healthcheck "$RAY_SERVE_DEFAULT_HTTP_PORT"
+HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 CMD ["python", "-m", "service.healthcheck", "8000"]
 CMD ["serve", "run", "service.ray_serve:build", "model_dir=/artifacts/default", "replicas=2"]
 
 FROM ${CUDA_IMAGE} AS api-gpu

@@ -12,12 +12,16 @@ config's ``runtime_env``) and as the builder's arguments, which win.
 
 from __future__ import annotations
 
+import difflib
 import logging
+import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
 import ray
+from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -25,13 +29,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from model.artifact import MANIFEST_FILE
 from service import logs
 from service.app import create_app
-from service.settings import Settings
+from service.settings import Settings, explain
 
 log = logging.getLogger("addnorm.ray")
 
 DEPLOYMENT = "addnorm"
 # Requests one replica takes at once: enough to fill a batch (Ray's default of 5 would starve the batcher).
 MAX_ONGOING_REQUESTS = 64
+PROXY_PORT = (
+    8000  # what `serve run IMPORT_PATH` binds (Ray 2.60 has no flag or variable for it; a config does)
+)
 BUILD_ARGS = {
     "replicas": "replica count, or 'auto' to autoscale (1..4 replicas, 16 ongoing requests each)",
     "num_cpus": "CPUs each replica reserves; its onnxruntime threads follow it (default 1)",
@@ -123,21 +130,62 @@ def build(args: dict[str, Any]) -> Application:
 
     Keys: ``replicas``, ``num_cpus``, ``max_ongoing_requests``, and any addnorm setting by its field name
     (``model_dir`` (comma-separated for several), ``providers``, ``max_batch_size``, ...). Relative artifact paths
-    are made absolute here.
+    are made absolute here. A bad argument raises ValueError; under ``serve run`` it is one line on stderr and
+    exit status 2 instead of Ray's traceback, and so is a proxy port another process holds.
     """
-    args = dict(args)
+    try:
+        return _build(dict(args))
+    except ValueError as exc:  # pydantic's ValidationError is one
+        message = (
+            f"invalid setting {explain(exc, by_field=True)}" if isinstance(exc, ValidationError) else str(exc)
+        )
+        if _from_serve_cli():
+            print(f"error: {message}", file=sys.stderr)
+            raise SystemExit(2) from None
+        raise ValueError(message) from None
+
+
+def _from_serve_cli() -> bool:
+    """Whether Ray's ``serve run`` called the builder (its process, before any cluster is started)."""
+    return Path(sys.argv[0]).name == "serve" and sys.argv[1:2] == ["run"]
+
+
+def _check_proxy_port() -> None:
+    """``serve run`` starts a local Ray whose HTTP proxy takes 127.0.0.1:8000; when another process holds that
+    port, Ray fails later with a long traceback. Checked only where ``serve run`` starts its own cluster."""
+    if os.environ.get("RAY_ADDRESS") or Path("/tmp/ray/ray_current_cluster").exists():
+        return  # an existing cluster: its own Serve proxy may be the one on the port
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", PROXY_PORT))
+        except OSError as exc:
+            raise ValueError(
+                f"Ray Serve's HTTP proxy needs 127.0.0.1:{PROXY_PORT}, which is taken ({exc.strerror}); serve "
+                "another port from a Serve config (deploy/ray/serve.yaml: http_options.port) with serve run "
+                "CONFIG, or stop what holds it"
+            ) from None
+
+
+def _build(args: dict[str, Any]) -> Application:
     replicas = str(args.pop("replicas", 1))
     num_cpus = float(args.pop("num_cpus", 1))
     max_ongoing = int(args.pop("max_ongoing_requests", MAX_ONGOING_REQUESTS))
     unknown = sorted(set(args) - set(Settings.model_fields))
     if unknown:
-        known = ", ".join([*BUILD_ARGS, "and the settings " + ", ".join(Settings.model_fields)])
-        raise ValueError(f"unknown argument(s) {unknown} for service.ray_serve:build; it takes {known}")
+        guesses = {u: difflib.get_close_matches(u, [*BUILD_ARGS, *Settings.model_fields], 1) for u in unknown}
+        named = ", ".join(f"{u!r}" + (f" (did you mean {g[0]!r}?)" if g else "") for u, g in guesses.items())
+        raise ValueError(
+            f"unknown argument {named} for service.ray_serve:build; it takes {', '.join(BUILD_ARGS)} and any "
+            "addnorm setting by its field name (addnorm-serve --help lists them: --max-batch-size is max_batch_size)"
+        )
     for key in ("model_dir", "model_repository"):
         if key in args:
             paths = str(args[key]).split(",") if key == "model_dir" else [str(args[key])]
             args[key] = ",".join(str(Path(p.strip()).expanduser().resolve()) for p in paths if p.strip())
     Settings(**args)  # a bad value fails here, on the driver, not in every replica
+    if _from_serve_cli() and not sys.argv[2:3][0].endswith((".yaml", ".yml")):  # a config sets its own port
+        _check_proxy_port()
     options: dict[str, Any] = {
         "ray_actor_options": {"num_cpus": num_cpus},
         "max_ongoing_requests": max_ongoing,

@@ -222,15 +222,17 @@ def version_of(directory: Path) -> str:
     return str(int(directory.name)) if directory.name.isdigit() else "1"
 
 
-def explain(exc: ValidationError) -> str:
-    """A settings error in one line: each bad setting by its flag and variable, what is wrong, the value given
-    (pydantic's own text is four lines a setting with a URL)."""
+def explain(exc: ValidationError, by_field: bool = False) -> str:
+    """A settings error in one line: each bad setting by its flag (``by_field``: its field name, as Ray's builder
+    takes it) and variable, what is wrong, the value given (pydantic's own text is four lines a setting with a
+    URL)."""
     from service.errors import quote
 
     parts = []
     for error in exc.errors():
         name = str(error["loc"][0]) if error["loc"] else ""
         what = error["msg"].removeprefix("Value error, ")
-        where = f"--{name.replace('_', '-')} (ADDNORM_{name.upper()})" if name else "settings"
+        key = name if by_field else f"--{name.replace('_', '-')}"
+        where = f"{key} (ADDNORM_{name.upper()})" if name else "settings"
         parts.append(f"{where}: {what[:1].lower()}{what[1:]}, got {quote(error.get('input'))}")
     return "; ".join(parts)

@@ -6,7 +6,10 @@ killed under load is replaced while every request not in flight on it gets the r
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -210,7 +213,7 @@ def test_a_replica_whose_live_parity_fails_is_taken_out_and_replaced(ray_url, ti
 
 
 def test_build_validates_its_arguments_on_the_driver(tmp_path):
-    with pytest.raises(ValueError, match=r"unknown argument\(s\) \['replica'\].*replicas"):
+    with pytest.raises(ValueError, match=r"unknown argument 'replica' \(did you mean 'replicas'\?\)"):
         build({"replica": "2"})
     with pytest.raises(ValueError, match="max_batch_size"):
         build({"max_batch_size": "0"})
@@ -243,3 +246,47 @@ def test_load_before_serving_holds_start_up_until_the_model_is_ready(tiny_artifa
     broken = create_app(Settings(model_dir=tmp_path), load_before_serving=True)
     with pytest.raises(RuntimeError, match="model failed to load"), TestClient(broken):
         pass
+
+
+def _serve_run(*args: str) -> subprocess.CompletedProcess:
+    serve_cli = Path(sys.executable).parent / "serve"
+    return subprocess.run(
+        [str(serve_cli), "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RAY_ADDRESS": ""},
+    )
+
+
+def test_serve_run_says_a_bad_argument_in_one_line(tmp_path):
+    """Issue 27: Ray printed our message inside a 30-line traceback."""
+    r = _serve_run("service.ray_serve:build", "replica=2")
+    errors = [line for line in r.stderr.splitlines() if "INFO" not in line]
+    assert r.returncode == 2 and len(errors) == 1, r.stderr
+    assert (
+        "unknown argument 'replica' (did you mean 'replicas'?)" in errors[0] and "Traceback" not in r.stderr
+    )
+    r = _serve_run("service.ray_serve:build", "max_batch_size=abc")
+    assert (
+        r.returncode == 2
+        and "max_batch_size (ADDNORM_MAX_BATCH_SIZE)" in r.stderr
+        and "Traceback" not in r.stderr
+    )
+
+
+def test_serve_run_refuses_a_taken_proxy_port_in_one_line(tiny_artifact):
+    if Path("/tmp/ray/ray_current_cluster").exists():
+        pytest.skip(
+            "a local Ray cluster is running here: serve run would join it, and its proxy may hold the port"
+        )
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            holder.bind(("127.0.0.1", 8000))
+            holder.listen()
+        except OSError:
+            pass  # something else holds it: the refusal is the same
+        r = _serve_run("service.ray_serve:build", f"model_dir={tiny_artifact}")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "127.0.0.1:8000, which is taken" in r.stderr and "http_options.port" in r.stderr
