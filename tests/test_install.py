@@ -1,5 +1,6 @@
 """A serving-only install (no torch): the service runs; the export-side commands say what to install."""
 
+import os
 import subprocess
 import sys
 
@@ -67,3 +68,15 @@ def test_the_wheel_ships_model_export_and_service_only(tmp_path):
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     scripts = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "bench" not in scripts and "addnorm-serve = service.cli:main" in scripts
+
+
+def test_make_serve_takes_the_servers_own_variables():
+    """Issue 27: ADDNORM_PORT=8100 make serve served on 8000 (the Makefile's flags won over the variables)."""
+    env = {**os.environ, "ADDNORM_PORT": "8100", "ADDNORM_GRPC_PORT": "8101", "ADDNORM_HOST": "127.0.0.2"}
+    r = subprocess.run(["make", "-n", "serve"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "--host 127.0.0.2 --port 8100 --grpc-port 8101" in r.stdout
+    r = subprocess.run(
+        ["make", "-n", "serve", "PORT=8200"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert "--port 8200" in r.stdout  # make's own variable wins
