@@ -151,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead of the ratios: only V2 over gRPC against V2 binary over HTTP (also part of the full run)",
     )
+    p.add_argument(
+        "--models",
+        action="store_true",
+        help="instead of the ratios: two models sharing the cores against one alone, under three thread "
+        "policies (bench/models.py)",
+    )
     return p
 
 
@@ -176,6 +182,19 @@ def grpc_only(args: argparse.Namespace) -> int:
     (args.results / "grpc.json").write_text(json.dumps(res, indent=2) + "\n")
     big, small = ("x".join(map(str, x.shape)) for x in (s.x_big, s.x_small))
     print("\n".join(grpc_table(res, big, small, CLIENTS)))
+    return 0
+
+
+def models_only(args: argparse.Namespace) -> int:
+    """--models: two models sharing the cores, printed and kept beside the other results."""
+    from bench.models import measure_models, models_table
+
+    s = setup(args)
+    res = {"machine": measure.machine_info(s.threads), "models": measure_models(s, CLIENTS)}
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "models.json").write_text(json.dumps(res, indent=2) + "\n")
+    big, small = ("x".join(map(str, x.shape)) for x in (s.x_big, s.x_small))
+    print("\n".join(models_table(res["models"], big, small, CLIENTS)))
     return 0
 
 
@@ -246,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         return cost_curve(args)
     if args.grpc:
         return grpc_only(args)
+    if args.models:
+        return models_only(args)
     if args.limits:
         return limits_only(args)
     start = time.perf_counter()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -27,6 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from model.attention import score_elements
+from service.cores import CoreBudget
 from service.errors import InferenceFailed, Overloaded, ServiceError, ShuttingDown, TimedOut, TooLarge
 
 log = logging.getLogger("addnorm.batcher")
@@ -112,8 +114,13 @@ class Batcher:
         heads: int = 1,
         max_queue_bytes: int | None = None,
         attention: str = "decomposed",
+        cores: CoreBudget | None = None,
     ) -> None:
         self.model = model
+        self.cores = cores  # the server's CPU thread budget: each run holds the model's threads of it
+        self._threads = getattr(
+            model, "threads", cores.threads if cores else 1
+        )  # its session's intra-op pool
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_attention = max_batch_attention  # elements of seq x seq tensors held at once
@@ -239,7 +246,8 @@ class Batcher:
                 continue
             self._ran_since_release = True
             try:
-                out = self.model.run(x, mask)
+                with self.cores.hold(self._threads) if self.cores else contextlib.nullcontext():
+                    out = self.model.run(x, mask)
             except ServiceError as exc:
                 self._post(_fail, batch, exc)
                 continue

@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
             "default": None,
             "help": f"{info.description} [{env}, default {info.default}]",
         }
-        if name in ("model_dir", "load_model"):
+        if name in ("model_dir", "load_model", "model_threads"):
             kwargs["action"] = "append"  # --model-dir A --model-dir B: two models
         elif info.annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction

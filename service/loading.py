@@ -10,7 +10,8 @@ from pathlib import Path
 
 from model.artifact import ArtifactError, Manifest
 from service.batcher import Batcher, Observers
-from service.engine import Engine
+from service.cores import CoreBudget
+from service.engine import CPU, Engine, default_threads
 from service.settings import Settings, version_of
 from service.state import READY, UNAVAILABLE, KnownModels, Models, ServiceState, ServingModel, Slot
 from service.statistics import ModelStatistics
@@ -76,8 +77,10 @@ class LoadFailed(Exception):
 async def serving_model(state: ServiceState, directory: Path, version: str = "1") -> ServingModel:
     """The model in ``directory``, verified and with its batcher started; raises LoadFailed."""
     s = state.settings
+    cores = state.cores or CoreBudget(s.thread_budget or default_threads(s.workers))
     try:
-        engine = await asyncio.to_thread(Engine, directory, s.providers, s.intra_op_threads)
+        threads = s.threads_for(Manifest.load(directory).name, cores.threads)
+        engine = await asyncio.to_thread(Engine, directory, s.providers, threads)
     except Exception as exc:  # any failure keeps the model (and /health/ready) unavailable, with the reason
         raise LoadFailed(str(exc)) from None
     try:
@@ -101,6 +104,7 @@ async def serving_model(state: ServiceState, directory: Path, version: str = "1"
         heads=engine.manifest.config.nhead,
         attention=engine.attention,
         max_queue_bytes=s.max_queue_bytes,
+        cores=cores if engine.providers[0] == CPU else None,  # a GPU run holds no CPU threads to speak of
     )
     batcher.start()
     return ServingModel(engine, batcher, verification, statistics, version)

@@ -69,8 +69,11 @@ def replica_settings(overrides: dict[str, Any], cpus: float | None) -> Settings:
     intra-op threads follow the CPUs Ray gave the replica, unless set explicitly. No gRPC port: replicas share
     nodes, and Ray's proxy is the one front door (HTTP)."""
     settings = Settings(**{**overrides, "grpc_port": 0})
-    if settings.intra_op_threads == 0 and cpus:
-        settings = settings.model_copy(update={"intra_op_threads": max(1, int(cpus))})
+    if cpus:  # the replica's share of the node: its thread budget, and its models' threads unless set
+        update = {"thread_budget": settings.thread_budget or max(1, int(cpus))}
+        if settings.intra_op_threads == 0:
+            update["intra_op_threads"] = max(1, int(cpus))
+        settings = settings.model_copy(update=update)
     return settings
 
 

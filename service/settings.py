@@ -79,7 +79,18 @@ class Settings(BaseSettings):
         description="execution provider: auto (CUDA when available, else CPU), cpu, or cuda (fail if absent)",
     )
     intra_op_threads: int = Field(
-        0, ge=0, description="onnxruntime intra-op threads; 0 = physical cores / workers"
+        0, ge=0, description="onnxruntime intra-op threads of each model; 0 = the thread budget"
+    )
+    thread_budget: int = Field(
+        0,
+        ge=0,
+        description="CPU threads every model's runs share (a run holds its model's threads while it runs, so "
+        "busy models take turns rather than oversubscribe the cores); 0 = physical cores / workers",
+    )
+    model_threads: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        description="a model's own intra-op threads, NAME=N (repeatable; the variable: comma-separated), e.g. "
+        "a=1,b=1 to run two models side by side on one core each",
     )
     workers: int = Field(1, ge=1, description="uvicorn worker processes (each loads its own session)")
     max_elements: int = Field(8 * 512 * 768, gt=0, description="largest accepted request, in tensor elements")
@@ -138,6 +149,30 @@ class Settings(BaseSettings):
     access_log: bool = Field(
         True, description="one log line per HTTP request and gRPC call (written off the event loop)"
     )
+
+    @field_validator("model_threads", mode="before")
+    @classmethod
+    def _model_threads(cls, value: object) -> object:
+        """NAME=N items: one, a comma-separated string (the variable), or a list of either; N a positive int."""
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            return value
+        items = tuple(n.strip() for v in value for n in str(v).split(",") if n.strip())
+        for item in items:
+            name, _, n = item.partition("=")
+            if not name.strip() or not n.strip().isdigit() or int(n) < 1:
+                raise ValueError(f"{item!r} is not NAME=N with N a positive whole number of threads")
+        return items
+
+    def threads_for(self, name: str, budget: int) -> int:
+        """The intra-op threads of model ``name``: its --model-threads entry, else --intra-op-threads, else the
+        whole budget."""
+        for item in self.model_threads:
+            key, _, n = item.partition("=")
+            if key.strip() == name:
+                return int(n)
+        return self.intra_op_threads or budget
 
     @field_validator("load_model", mode="before")
     @classmethod

@@ -12,6 +12,7 @@ from fastapi import Depends, Request
 
 from model.golden import Verification
 from service.batcher import Batcher
+from service.cores import CoreBudget
 from service.engine import Engine
 from service.errors import NotFound, NotReady, quote
 from service.live_parity import LiveParity
@@ -178,6 +179,7 @@ class ServiceState:
     control: ModelController | None = None  # service.control.ModelControl, set by create_app
     fatal: str | None = None  # why the server stopped itself (no model loadable with model control off)
     live: LiveParity | None = None  # set by create_app
+    cores: CoreBudget | None = None  # the CPU thread budget every model's runs draw from; set by create_app
 
     def __post_init__(self) -> None:
         self.api_keys = tuple(key.encode() for key in self.settings.api_keys())

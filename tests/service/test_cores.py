@@ -1,0 +1,71 @@
+"""The server's CPU thread budget (service/cores.py, issue 28): runs never hold more threads than the budget,
+waiters are served in arrival order, and the settings give each model its threads."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from service.cores import CoreBudget
+from service.settings import Settings
+
+pytestmark = pytest.mark.unit
+
+
+def _run_all(budget: CoreBudget, wants: list[int], hold_s: float = 0.02) -> tuple[int, list[int]]:
+    """Each want in its own thread, started in order; the most threads held at once, and the order they ran."""
+    lock, held, peak, order = threading.Lock(), [0], [0], []
+
+    def run(i: int, n: int) -> None:
+        with budget.hold(n):
+            with lock:
+                held[0] += min(n, budget.threads)
+                peak[0] = max(peak[0], held[0])
+                order.append(i)
+            time.sleep(hold_s)
+            with lock:
+                held[0] -= min(n, budget.threads)
+
+    threads = []
+    for i, n in enumerate(wants):
+        threads.append(threading.Thread(target=run, args=(i, n)))
+        threads[-1].start()
+        time.sleep(0.002)  # arrival order
+    for t in threads:
+        t.join(10)
+    return peak[0], order
+
+
+def test_two_whole_budget_models_take_turns_in_arrival_order():
+    peak, order = _run_all(CoreBudget(2), [2, 2, 2, 2])
+    assert peak == 2 and order == [0, 1, 2, 3]
+
+
+def test_shares_run_side_by_side_up_to_the_budget():
+    peak, _ = _run_all(CoreBudget(2), [1, 1, 1, 1], hold_s=0.1)
+    assert peak == 2  # two at a time, never three
+
+
+def test_a_small_run_does_not_overtake_a_waiting_big_one():
+    """First come, first served: a 1-thread run that arrives after a waiting 2-thread one waits behind it."""
+    budget = CoreBudget(2)
+    peak, order = _run_all(budget, [1, 2, 1], hold_s=0.05)
+    assert order == [0, 1, 2] and peak == 2 and budget.free == 2
+
+
+def test_a_run_wanting_more_than_the_budget_holds_all_of_it():
+    budget = CoreBudget(2)
+    with budget.hold(8):
+        assert budget.free == 0
+    assert budget.free == 2
+
+
+def test_model_threads_setting():
+    s = Settings(model_threads="a=1, b=3", intra_op_threads=0)
+    assert s.threads_for("a", 4) == 1 and s.threads_for("b", 4) == 3 and s.threads_for("c", 4) == 4
+    assert Settings(intra_op_threads=2).threads_for("c", 4) == 2
+    for bad in ("a", "a=0", "=2", "a=x"):
+        with pytest.raises(ValueError, match="NAME=N"):
+            Settings(model_threads=bad)
