@@ -79,7 +79,8 @@ async def serving_model(state: ServiceState, directory: Path, version: str = "1"
     s = state.settings
     cores = state.cores or CoreBudget(s.thread_budget or default_threads(s.workers))
     try:
-        threads = s.threads_for(Manifest.load(directory).name, cores.threads)
+        models = len(state.loaded.models.slots) if state.loaded is not None else 1
+        threads = s.threads_for(Manifest.load(directory).name, cores.threads, models)
         engine = await asyncio.to_thread(Engine, directory, s.providers, threads)
     except Exception as exc:  # any failure keeps the model (and /health/ready) unavailable, with the reason
         raise LoadFailed(str(exc)) from None

@@ -79,13 +79,16 @@ class Settings(BaseSettings):
         description="execution provider: auto (CUDA when available, else CPU), cpu, or cuda (fail if absent)",
     )
     intra_op_threads: int = Field(
-        0, ge=0, description="onnxruntime intra-op threads of each model; 0 = the thread budget"
+        0,
+        ge=0,
+        description="onnxruntime intra-op threads of each model; 0 = an equal share of the thread budget",
     )
     thread_budget: int = Field(
         0,
         ge=0,
-        description="CPU threads every model's runs share (a run holds its model's threads while it runs, so "
-        "busy models take turns rather than oversubscribe the cores); 0 = physical cores / workers",
+        description="CPU threads the models share: each gets an equal share (or its --model-threads), and a run "
+        "holds its model's threads while it runs, so models never oversubscribe the cores; 0 = physical cores / "
+        "workers",
     )
     model_threads: Annotated[tuple[str, ...], NoDecode] = Field(
         (),
@@ -165,14 +168,14 @@ class Settings(BaseSettings):
                 raise ValueError(f"{item!r} is not NAME=N with N a positive whole number of threads")
         return items
 
-    def threads_for(self, name: str, budget: int) -> int:
-        """The intra-op threads of model ``name``: its --model-threads entry, else --intra-op-threads, else the
-        whole budget."""
+    def threads_for(self, name: str, budget: int, models: int = 1) -> int:
+        """The intra-op threads of model ``name``: its --model-threads entry, else --intra-op-threads, else an
+        equal share of the budget among the ``models`` served (at least one thread)."""
         for item in self.model_threads:
             key, _, n = item.partition("=")
             if key.strip() == name:
                 return int(n)
-        return self.intra_op_threads or budget
+        return self.intra_op_threads or max(1, budget // max(1, models))
 
     @field_validator("load_model", mode="before")
     @classmethod

@@ -69,3 +69,25 @@ def test_model_threads_setting():
     for bad in ("a", "a=0", "=2", "a=x"):
         with pytest.raises(ValueError, match="NAME=N"):
             Settings(model_threads=bad)
+
+
+def test_a_two_model_server_gives_each_model_an_equal_share(model_repository):
+    """--thread-budget 2 over two models: one thread each (measured: side by side they serve 1.02x / 1.03x what
+    one model alone on both cores does; docs/benchmarks.md); --model-threads overrides one model's share."""
+    from fastapi.testclient import TestClient
+
+    from service import create_app
+    from tests.helpers import wait_until_ready
+
+    for extra, want in (
+        ({}, {"encoder": 1, "encoder-int8": 1}),
+        ({"model_threads": "encoder=2"}, {"encoder": 2, "encoder-int8": 1}),
+    ):
+        app = create_app(Settings(model_repository=model_repository, thread_budget=2, **extra))
+        with TestClient(app) as client:
+            wait_until_ready(client)
+            got = {m: client.get(f"/v1/model?model={m}").json()["intra_op_threads"] for m in want}
+            assert got == want, (extra, got)
+            assert app.state.addnorm.cores.threads == 2
+            serving = app.state.addnorm.loaded.models.get("encoder")
+            assert serving.batcher.cores is app.state.addnorm.cores  # every CPU run draws from the budget
