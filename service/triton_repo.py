@@ -22,6 +22,7 @@ from pathlib import Path
 from model.artifact import MANIFEST_FILE, ArtifactError, Manifest, load_verified
 from model.contract import EMBEDDINGS, MASK
 from service.protocols.v2 import model_config
+from service.protocols.v2.grpc_codec import varint
 
 KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 VERSION = "1"
@@ -54,16 +55,6 @@ def config_pbtxt(
         f"model sha256 {manifest.model_sha256}\n"
     )
     return head + model_config.as_pbtxt(config)
-
-
-def varint(n: int) -> bytes:
-    """``n`` as a protobuf varint."""
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(out)
 
 
 def _read_varint(data: bytes, i: int) -> tuple[int, int]:

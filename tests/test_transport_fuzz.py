@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from service.protocols.v2 import inference_pb2 as pb
-from service.triton_repo import varint
+from service.protocols.v2.grpc_codec import varint
 from tests.conftest import start_server
 
 SEED = int(os.environ.get("ADDNORM_FUZZ_SEED", "24"))

@@ -273,3 +273,32 @@ def test_model_config_over_both_transports_is_one_document(client, repo_server):
     assert (
         httpx.get(f"{repo_server.base}/v2/models/encoder/versions/2/config", headers=AUTH).status_code == 404
     )
+
+
+@pytest.mark.unit
+def test_the_answer_written_by_hand_is_the_message_protobuf_writes():
+    """encode_infer writes raw_output_contents itself (one copy of the tensor): protobuf reads back exactly the
+    message it would have serialized, for one output and several, small and past a 2-byte varint."""
+    import numpy as np
+
+    from service.protocols.v2 import codec, grpc_codec
+    from service.protocols.v2 import inference_pb2 as pb
+
+    for shapes in ([(1, 2, 4)], [(8, 128, 768), (3, 5, 1)]):
+        outs = {
+            f"o{i}": np.random.default_rng(i).standard_normal(s).astype(np.float32)
+            for i, s in enumerate(shapes)
+        }
+        req = codec.InferRequest(
+            id="x7",
+            embeddings=None,
+            mask=None,
+            outputs=[codec.RequestedOutput(n, True) for n in outs],
+            timeout_s=None,
+        )
+        got = pb.ModelInferResponse.FromString(grpc_codec.encode_infer(req, "enc", outs, "2"))
+        want = pb.ModelInferResponse(model_name="enc", model_version="2", id="x7")
+        for n, a in outs.items():
+            want.outputs.add(name=n, datatype="FP32", shape=a.shape)
+            want.raw_output_contents.append(a.tobytes())
+        assert got == want

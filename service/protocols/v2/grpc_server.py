@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from service import control, inference, logs
 from service.batcher import Outputs
@@ -78,7 +78,7 @@ class InferenceService:
         codec.check_version(models, request.name, request.version)
         return pb.ModelConfigResponse(config=model_config.as_message(codec.model_configuration(model)))
 
-    async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
+    async def ModelInfer(self, request: pb.ModelInferRequest, context) -> bytes:
         loaded = self._loaded()
         name = request.model_name
         loaded.models.get(name)  # 404 or 503 before the version (as over HTTP)
@@ -88,7 +88,7 @@ class InferenceService:
         def decode(models: Models) -> codec.InferRequest:
             return grpc_codec.decode_infer(request, models.get(name).engine.manifest, max_elements)
 
-        def encode(req: codec.InferRequest, model: ServingModel, outputs: Outputs) -> pb.ModelInferResponse:
+        def encode(req: codec.InferRequest, model: ServingModel, outputs: Outputs) -> bytes:
             return grpc_codec.encode_infer(req, model.name, outputs, model.version)
 
         # A call its client cancels needs no Disconnect: grpc.aio cancels this task, which drops the queued
@@ -181,6 +181,11 @@ def _handler(
     return call
 
 
+def _serialize(answer: Message | bytes) -> bytes:
+    """A handler's answer on the wire: ModelInfer's is already serialized (grpc_codec.encode_infer)."""
+    return answer if isinstance(answer, bytes) else answer.SerializeToString()
+
+
 async def _read(request_type: type | None, context: grpc.aio.ServicerContext, name: str) -> object:
     """The call's one request message, parsed. Every method is registered as stream-unary and reads it here:
     grpc.aio's unary handler never answers a call whose client sends no message (it waits for the client's
@@ -252,7 +257,7 @@ async def start(state: ServiceState) -> grpc.aio.Server:
     handlers = {
         name: grpc.stream_unary_rpc_method_handler(  # raw bytes in, read and parsed in the handler (_read)
             _handler(name, getattr(service, name), state, request_type),
-            response_serializer=lambda message: message.SerializeToString(),
+            response_serializer=_serialize,
         )
         for name, request_type in _METHODS.items()
     }
