@@ -1,12 +1,20 @@
 """A Ray Serve instance on loopback for ``python -m bench --ray``: a local Ray, Serve's proxy on ``--port``, the
-addnorm app (service/ray_serve.py) with N replicas. Stops Serve and Ray on SIGTERM."""
+addnorm app (service/ray_serve.py) with N replicas. Stops Serve and Ray on SIGTERM.
+
+``--direct-ingress LO:HI``: Ray's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1, Ray >= 2.60): each replica
+serves HTTP itself on a port of LO..HI, no proxy hop; the ports that answer are written to ``--ports-file``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import threading
+import time
+import urllib.request
+from pathlib import Path
 
 import ray
 from ray import serve
@@ -21,7 +29,16 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--num-cpus", type=int, default=1, help="CPUs (and onnxruntime threads) per replica")
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--direct-ingress", metavar="LO:HI", help="replicas serve HTTP themselves on ports LO..HI")
+    p.add_argument("--ports-file", help="with --direct-ingress: where the replicas' ports are written (JSON)")
     args = p.parse_args()
+    if args.direct_ingress:  # read by Ray's processes, which inherit this environment
+        lo, hi = args.direct_ingress.split(":")
+        os.environ.update(
+            RAY_SERVE_ENABLE_DIRECT_INGRESS="1",
+            RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=lo,
+            RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=hi,
+        )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     cpus = max(args.replicas * args.num_cpus, os.cpu_count() or 1)
@@ -30,10 +47,34 @@ def main() -> None:
         serve.start(http_options={"host": HOST, "port": args.port})
         app = build({"model_dir": args.artifact, "replicas": args.replicas, "num_cpus": args.num_cpus})
         serve.run(app, name="addnorm", route_prefix="/")
+        if args.direct_ingress:
+            ports = _answering(range(int(lo), int(hi) + 1), args.replicas)
+            staged = Path(args.ports_file).with_suffix(".tmp")  # whole or absent for the reader
+            staged.write_text(json.dumps(ports))
+            staged.rename(args.ports_file)
         stop.wait()
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _answering(ports: range, replicas: int, timeout_s: float = 60.0) -> list[int]:
+    """The ports of ``ports`` whose /health/ready answers 200, once ``replicas`` of them do."""
+    end = time.monotonic() + timeout_s
+    found: list[int] = []
+    while time.monotonic() < end:
+        found = []
+        for port in ports:
+            try:
+                with urllib.request.urlopen(f"http://{HOST}:{port}/health/ready", timeout=1) as r:
+                    if r.status == 200:
+                        found.append(port)
+            except OSError:
+                continue
+        if len(found) >= replicas:
+            return found
+        time.sleep(0.5)
+    raise RuntimeError(f"{replicas} direct-ingress replica(s) expected on ports {ports}, found {found}")
 
 
 if __name__ == "__main__":

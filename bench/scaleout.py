@@ -7,6 +7,11 @@ the OS for each process: the plain server, and Ray's proxy, replica and the rest
 
 from __future__ import annotations
 
+import contextlib
+import json
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +23,13 @@ from bench.server import HOST, ServerProcess, serve
 REPS = 3
 
 
-def ray_server(artifact: Path, replicas: int, num_cpus: int) -> ServerProcess:
+def ray_server(
+    artifact: Path, replicas: int, num_cpus: int, direct: str | None = None, ports_file: Path | None = None
+) -> ServerProcess:
+    """A ray_driver process; ``direct`` (LO:HI): with Ray's direct ingress on those ports."""
     args = ["-m", "bench.ray_driver", "--artifact", str(artifact), "--replicas", str(replicas)]
+    if direct:
+        args += ["--direct-ingress", direct, "--ports-file", str(ports_file)]
     return ServerProcess([*args, "--num-cpus", str(num_cpus)])
 
 
@@ -61,60 +71,112 @@ def cpu_by_role(pids: dict[int, str]) -> dict[str, float]:
     return out
 
 
-def phase(srv: ServerProcess, request: bytes, clients: int, seconds: float, pids: dict[int, str]) -> dict:
-    """One load phase; the CPU each role of ``pids`` used, per request."""
-    before, hist0 = cpu_by_role(pids), batch_histogram(srv.port)
-    row = run_load(HOST, srv.port, request, clients, seconds).row()
-    after, hist1 = cpu_by_role(pids), batch_histogram(srv.port)
-    n = max(row["requests"], 1)
-    row["cpu_ms_per_request"] = {k: (after[k] - before[k]) * 1e3 / n for k in after}
-    runs = hist1["count"] - hist0["count"]
-    row["mean_rows_per_run"] = (hist1["sum"] - hist0["sum"]) / runs if runs else 0.0
+def _load_split(ports: list[int], requests: dict[int, bytes], clients: int, seconds: float) -> dict:
+    """``clients`` closed-loop clients split evenly across ``ports`` at once (client-side balancing over
+    direct-ingress replicas); one row, throughput and requests summed, latencies from the first port."""
+    rows: dict[int, dict] = {}
+
+    def one(port: int, n: int) -> None:
+        rows[port] = run_load(HOST, port, requests[port], n, seconds).row()
+
+    shares = [clients // len(ports) + (i < clients % len(ports)) for i in range(len(ports))]
+    threads = [threading.Thread(target=one, args=(p, n)) for p, n in zip(ports, shares, strict=True) if n]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    row = dict(rows[ports[0]])
+    row["throughput_rps"] = sum(r["throughput_rps"] for r in rows.values())
+    row["requests"] = sum(r["requests"] for r in rows.values())
     return row
 
 
+def phase(
+    ports: list[int], x: np.ndarray, name: str, clients: int, seconds: float, pids: dict[int, str]
+) -> dict:
+    """One load phase on the server answering on ``ports``; the CPU each role of ``pids`` used, per request."""
+    requests = {p: v2_request(p, name, x) for p in ports}
+    before = cpu_by_role(pids)
+    hist0 = [batch_histogram(p) for p in ports]
+    row = _load_split(ports, requests, clients, seconds)
+    after = cpu_by_role(pids)
+    hist1 = [batch_histogram(p) for p in ports]
+    n = max(row["requests"], 1)
+    row["cpu_ms_per_request"] = {k: (after[k] - before[k]) * 1e3 / n for k in after}
+    runs = sum(b["count"] - a["count"] for a, b in zip(hist0, hist1, strict=True))
+    rows = sum(b["sum"] - a["sum"] for a, b in zip(hist0, hist1, strict=True))
+    row["mean_rows_per_run"] = rows / runs if runs else 0.0
+    return row
+
+
+# The Ray setups measured against plain addnorm-serve: (replicas, CPUs each, direct-ingress port range)
+RAY_SETUPS = {
+    "ray": (1, None, None),  # through Ray's HTTP proxy, one replica on every core
+    "ray direct": (1, None, "30000:30099"),  # Ray's direct ingress: the replica serves HTTP itself
+    "ray direct x2": (2, 1, "30100:30199"),  # two replicas of one core each, clients split across them
+}
+
+
+def _written(path: Path, timeout_s: float = 120.0) -> list[int]:
+    """The replicas' ports, once the driver has found them all answering and written them."""
+    end = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > end:
+            raise TimeoutError(f"the Ray driver wrote no {path} in {timeout_s:.0f} s")
+        time.sleep(0.2)
+    return json.loads(path.read_text())
+
+
 def measure_ray(s: Setup) -> dict:
-    """Plain addnorm-serve and Ray Serve (1 replica, all cores) on [8,128,E] x 1 client and [1,16,E] x 32."""
+    """Plain addnorm-serve and each of RAY_SETUPS on [8,128,E] x 1 client and [1,16,E] x 32, all started at once
+    and measured in turn, the order rotating each round."""
     loads = {"big": (s.x_big, 1), "small": (s.x_small, CLIENTS)}
-    out: dict = {name: {"plain": [], "ray": []} for name in loads}
-    with serve(s.artifact) as plain, ray_server(s.artifact, 1, s.threads) as ray:
-        trees = {"plain": {plain.proc.pid: "addnorm-serve"}, "ray": process_tree(ray.proc.pid)}
-        servers = {"plain": plain, "ray": ray}
+    names = ["plain", *RAY_SETUPS]
+    out: dict = {load: {name: [] for name in names} for load in loads}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        plain = stack.enter_context(serve(s.artifact))
+        ports, trees = {"plain": [plain.port]}, {"plain": {plain.proc.pid: "addnorm-serve"}}
+        for name, (replicas, cpus, direct) in RAY_SETUPS.items():
+            ports_file = Path(tmp) / f"{len(ports)}.json"
+            srv = stack.enter_context(ray_server(s.artifact, replicas, cpus or s.threads, direct, ports_file))
+            ports[name] = _written(ports_file) if direct else [srv.port]
+            trees[name] = process_tree(srv.proc.pid)
         for rep in range(REPS):
-            order = ("plain", "ray") if rep % 2 == 0 else ("ray", "plain")
-            for name, (x, clients) in loads.items():
+            order = names[rep % len(names) :] + names[: rep % len(names)]
+            for load, (x, clients) in loads.items():
                 for which in order:
-                    req = v2_request(servers[which].port, s.name, x)
-                    out[name][which].append(phase(servers[which], req, clients, s.seconds, trees[which]))
-    for name in loads:
-        pairs = zip(out[name]["ray"], out[name]["plain"], strict=True)
-        out[name]["ray_vs_plain"] = float(
-            np.median([r["throughput_rps"] / p["throughput_rps"] for r, p in pairs])
-        )
+                    out[load][which].append(phase(ports[which], x, s.name, clients, s.seconds, trees[which]))
+    for load in loads:
+        for name in RAY_SETUPS:
+            pairs = zip(out[load][name], out[load]["plain"], strict=True)
+            out[load][f"{name}_vs_plain"] = float(
+                np.median([r["throughput_rps"] / p["throughput_rps"] for r, p in pairs])
+            )
     return out
 
 
 def ray_table(res: dict) -> str:
     lines = [
-        "| load | plain req/s | Ray req/s | Ray / plain (median of 3) | plain CPU ms/req | "
-        "Ray CPU ms/req: proxy | replica | other Ray processes | rows per run: plain | Ray |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| load | setup | req/s | / plain (median of 3) | CPU ms/req: proxy | replica(s) | other Ray | rows per run |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     labels = {"big": "[8,128,E] x 1 client", "small": f"[1,16,E] x {CLIENTS} clients"}
-    for name, label in labels.items():
-        row = res[name]
-        med = lambda rows, f: float(np.median([f(r) for r in rows]))  # noqa: E731
-        plain_rps = med(row["plain"], lambda r: r["throughput_rps"])
-        ray_rps = med(row["ray"], lambda r: r["throughput_rps"])
+    med = lambda rows, f: float(np.median([f(r) for r in rows]))  # noqa: E731
+    for load, label in labels.items():
+        row = res[load]
         plain_cpu = med(row["plain"], lambda r: sum(r["cpu_ms_per_request"].values()))
-        ray_cpu = {
-            k: med(row["ray"], lambda r, k=k: r["cpu_ms_per_request"][k])
-            for k in ("proxy", "replica", "other")
-        }
         lines.append(
-            f"| {label} | {plain_rps:.1f} | {ray_rps:.1f} | {row['ray_vs_plain']:.2f} | {plain_cpu:.2f} | "
-            f"{ray_cpu['proxy']:.2f} | {ray_cpu['replica']:.2f} | {ray_cpu['other']:.2f} | "
-            f"{med(row['plain'], lambda r: r['mean_rows_per_run']):.1f} | "
-            f"{med(row['ray'], lambda r: r['mean_rows_per_run']):.1f} |"
+            f"| {label} | plain addnorm-serve | {med(row['plain'], lambda r: r['throughput_rps']):.1f} | 1 | "
+            f"- | {plain_cpu:.2f} | - | {med(row['plain'], lambda r: r['mean_rows_per_run']):.1f} |"
         )
+        for name in RAY_SETUPS:
+            cpu = {
+                k: med(row[name], lambda r, k=k: r["cpu_ms_per_request"][k])
+                for k in ("proxy", "replica", "other")
+            }
+            lines.append(
+                f"| {label} | {name} | {med(row[name], lambda r: r['throughput_rps']):.1f} | "
+                f"{row[f'{name}_vs_plain']:.2f} | {cpu['proxy']:.2f} | {cpu['replica']:.2f} | {cpu['other']:.2f} | "
+                f"{med(row[name], lambda r: r['mean_rows_per_run']):.1f} |"
+            )
     return "\n".join(lines)

@@ -85,17 +85,21 @@ def test_scaleout_finds_the_process_tree_and_prints_its_table():
         "replica",
         "other",
     ]
+    from bench.scaleout import RAY_SETUPS
+
     phase = {"throughput_rps": 10.0, "cpu_ms_per_request": {"proxy": 1, "replica": 2, "other": 3}}
     res = {
         k: {
             "plain": [{**phase, "mean_rows_per_run": 8.0}],
-            "ray": [{**phase, "mean_rows_per_run": 4.0}],
-            "ray_vs_plain": 0.5,
+            **{name: [{**phase, "mean_rows_per_run": 4.0}] for name in RAY_SETUPS},
+            **{f"{name}_vs_plain": 0.5 for name in RAY_SETUPS},
         }
         for k in ("big", "small")
     }
     text = ray_table(res)
-    assert text.count("\n") == 3 and "| 0.50 | 6.00 | 1.00 | 2.00 | 3.00 | 8.0 | 4.0 |" in text
+    assert text.count("\n") == 1 + 2 * (1 + len(RAY_SETUPS))
+    assert "| plain addnorm-serve | 10.0 | 1 | - | 6.00 | - | 8.0 |" in text
+    assert "| ray direct | 10.0 | 0.50 | 1.00 | 2.00 | 3.00 | 4.0 |" in text
 
 
 def test_cost_point_runs_in_its_own_process_and_the_curve_reads(tiny_artifact):
