@@ -61,7 +61,15 @@ def measure_grpc(s, clients: int) -> dict:
     shape, each pair back to back, REPEATS times; per transport the median row, and the median of the ratios."""
     from bench.measure import process_cpu_s, v2_request
 
-    phases = {"big": (s.x_big, 1), "small": (s.x_small, clients)}
+    # "big" and "small" are the headline loads (the report's targets read them); the others fill in the
+    # concurrencies 1, 8 and 32 (issue 28: gRPC should keep up with HTTP at every one)
+    phases = {
+        "big": (s.x_big, 1),
+        "big_8": (s.x_big, 8),
+        "small_1": (s.x_small, 1),
+        "small_8": (s.x_small, 8),
+        "small": (s.x_small, clients),
+    }
     rows: dict = {k: {"http": [], "grpc": []} for k in phases}
     with serve(s.artifact, "--max-batch-size", str(clients), grpc=True) as srv:
         pid = srv.proc.pid
@@ -104,7 +112,16 @@ def grpc_table(res: dict, big: str, small: str, clients: int) -> list[str]:
         "| gRPC / HTTP | server CPU ms/request HTTP | gRPC |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for key, name in (("big", f"[{big}], 1 client"), ("small", f"{clients} clients x [{small}]")):
+    names = {
+        "big": f"[{big}], 1 client",
+        "big_8": f"8 clients x [{big}]",
+        "small_1": f"1 client x [{small}]",
+        "small_8": f"8 clients x [{small}]",
+        "small": f"{clients} clients x [{small}]",
+    }
+    for key, name in names.items():
+        if key not in res:  # results from before the other concurrencies were measured
+            continue
         r = res[key]
         h, g = r["http"], r["grpc"]
         lines.append(
