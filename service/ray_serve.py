@@ -65,15 +65,12 @@ def check_readable(model_dir: Path) -> None:
 
 
 def replica_settings(overrides: dict[str, Any], cpus: float | None) -> Settings:
-    """The replica's settings: ADDNORM_* from its environment, then the builder's arguments. onnxruntime's
-    intra-op threads follow the CPUs Ray gave the replica, unless set explicitly. No gRPC port: replicas share
+    """The replica's settings: ADDNORM_* from its environment, then the builder's arguments. The thread budget
+    (service/cores.py) is the CPUs Ray gave the replica, unless set explicitly. No gRPC port: replicas share
     nodes, and Ray's proxy is the one front door (HTTP)."""
     settings = Settings(**{**overrides, "grpc_port": 0})
-    if cpus:  # the replica's share of the node: its thread budget, and its models' threads unless set
-        update = {"thread_budget": settings.thread_budget or max(1, int(cpus))}
-        if settings.intra_op_threads == 0:
-            update["intra_op_threads"] = max(1, int(cpus))
-        settings = settings.model_copy(update=update)
+    if cpus and settings.thread_budget == 0:  # the replica's share of the node; its models split it
+        settings = settings.model_copy(update={"thread_budget": max(1, int(cpus))})
     return settings
 
 

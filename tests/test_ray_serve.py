@@ -39,16 +39,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Ray's own start-up timing out on a busy shared machine, before any addnorm code runs: tried once more
+STARTUP_FLAKES = ("Timed out waiting for file", "The current node timed out during startup")
+
+
 def _start_ray() -> None:
     """ray.init, tried twice: once in a clean-clone CI run on this shared machine Ray's own GCS server did not
-    write its port file in time ("Timed out waiting for file .../gcs_server_port_..."), before any addnorm code ran;
+    write its port file in time ("Timed out waiting for file .../gcs_server_port_..."), and once its raylet did not
+    register with the GCS in 30 s ("The current node timed out during startup"), each before any addnorm code ran;
     the same tests passed on the next run. Any other failure, or a second timeout, fails the tests."""
     for attempt in (1, 2):
         try:
             ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
             return
-        except RuntimeError as exc:
-            if attempt == 2 or "Timed out waiting for file" not in str(exc):
+        except Exception as exc:  # Ray raises RuntimeError for one and a bare Exception for the other
+            if attempt == 2 or not any(m in str(exc) for m in STARTUP_FLAKES):
                 raise
             ray.shutdown()
 
@@ -226,8 +231,10 @@ def test_build_validates_its_arguments_on_the_driver(tmp_path):
 
 def test_replica_threads_follow_its_cpus_unless_set(monkeypatch):
     monkeypatch.delenv("ADDNORM_INTRA_OP_THREADS", raising=False)
-    assert replica_settings({}, 3.0).intra_op_threads == 3
-    assert replica_settings({"intra_op_threads": 1}, 3.0).intra_op_threads == 1
+    monkeypatch.delenv("ADDNORM_THREAD_BUDGET", raising=False)
+    assert replica_settings({}, 3.0).thread_budget == 3  # its models share the replica's CPUs
+    assert replica_settings({"thread_budget": 1}, 3.0).thread_budget == 1
+    assert replica_settings({"intra_op_threads": 1}, 3.0).threads_for("encoder", 3) == 1
     monkeypatch.setenv("ADDNORM_MAX_BATCH_SIZE", "7")  # the Serve config's runtime_env reaches replicas
     assert replica_settings({}, None).max_batch_size == 7
 
