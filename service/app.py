@@ -17,8 +17,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service import docs_pages, logs, memory, openapi, protocols
 from service.control import ModelControl
-from service.cores import CoreBudget
-from service.engine import default_threads
 from service.fastpath import FastPath
 from service.guard import Guard, GuardMiddleware
 from service.live_parity import LiveParity
@@ -48,7 +46,6 @@ def create_app(
     memory.limit_arenas()  # before the inference and offload threads start (service/memory.py)
     TRACING.configure()  # on only when the OTEL_EXPORTER_OTLP_* variables ask for it
     state = ServiceState(settings)
-    state.cores = CoreBudget(settings.thread_budget or default_threads(settings.workers))
     state.control = ModelControl(state)
     state.live = LiveParity(
         settings.live_parity_rate,

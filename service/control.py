@@ -80,7 +80,7 @@ class ModelControl:
             if slot.serving is None:
                 slot.state, slot.reason, slot.directory, slot.version = LOADING, "", directory, version
             try:
-                new = await serving_model(self.state, directory, version)
+                new = await serving_model(self.state, name, directory, version)
             except LoadFailed as exc:
                 why = f"version {version} ({directory}) was not loaded: {exc}"
                 self._refused[name] = (directory, manifest.model_sha256)

@@ -10,8 +10,7 @@ from pathlib import Path
 
 from model.artifact import ArtifactError, Manifest
 from service.batcher import Batcher, Observers
-from service.cores import CoreBudget
-from service.engine import CPU, Engine, default_threads
+from service.engine import CPU, Engine
 from service.settings import Settings, version_of
 from service.state import READY, UNAVAILABLE, KnownModels, Models, ServiceState, ServingModel, Slot
 from service.statistics import ModelStatistics
@@ -63,7 +62,7 @@ async def load_models(state: ServiceState) -> None:
 
 async def _load_one(state: ServiceState, slot: Slot) -> None:
     try:
-        slot.serving = await serving_model(state, slot.directory, slot.version)
+        slot.serving = await serving_model(state, slot.name, slot.directory, slot.version)
         slot.state = READY
     except LoadFailed as exc:
         slot.state, slot.reason = UNAVAILABLE, str(exc)
@@ -74,13 +73,13 @@ class LoadFailed(Exception):
     """A model could not be loaded: the reason, in words."""
 
 
-async def serving_model(state: ServiceState, directory: Path, version: str = "1") -> ServingModel:
-    """The model in ``directory``, verified and with its batcher started; raises LoadFailed."""
+async def serving_model(state: ServiceState, name: str, directory: Path, version: str = "1") -> ServingModel:
+    """The model ``name`` (its manifest's) in ``directory``, verified and with its batcher started; raises
+    LoadFailed."""
     s = state.settings
-    cores = state.cores or CoreBudget(s.thread_budget or default_threads(s.workers))
+    models = len(state.loaded.models.slots) if state.loaded is not None else 1
+    threads = s.threads_for(name, state.cores.threads, models)
     try:
-        models = len(state.loaded.models.slots) if state.loaded is not None else 1
-        threads = s.threads_for(Manifest.load(directory).name, cores.threads, models)
         engine = await asyncio.to_thread(Engine, directory, s.providers, threads)
     except Exception as exc:  # any failure keeps the model (and /health/ready) unavailable, with the reason
         raise LoadFailed(str(exc)) from None
@@ -105,7 +104,9 @@ async def serving_model(state: ServiceState, directory: Path, version: str = "1"
         heads=engine.manifest.config.nhead,
         attention=engine.attention,
         max_queue_bytes=s.max_queue_bytes,
-        cores=cores if engine.providers[0] == CPU else None,  # a GPU run holds no CPU threads to speak of
+        cores=state.cores
+        if engine.providers[0] == CPU
+        else None,  # a GPU run holds no CPU threads to speak of
     )
     batcher.start()
     return ServingModel(engine, batcher, verification, statistics, version)

@@ -13,7 +13,7 @@ from fastapi import Depends, Request
 from model.golden import Verification
 from service.batcher import Batcher
 from service.cores import CoreBudget
-from service.engine import Engine
+from service.engine import Engine, default_threads
 from service.errors import NotFound, NotReady, quote
 from service.live_parity import LiveParity
 from service.metrics import Metrics
@@ -179,10 +179,11 @@ class ServiceState:
     control: ModelController | None = None  # service.control.ModelControl, set by create_app
     fatal: str | None = None  # why the server stopped itself (no model loadable with model control off)
     live: LiveParity | None = None  # set by create_app
-    cores: CoreBudget | None = None  # the CPU thread budget every model's runs draw from; set by create_app
+    cores: CoreBudget = field(init=False)  # the CPU thread budget every model's runs draw from (settings')
 
     def __post_init__(self) -> None:
         self.api_keys = tuple(key.encode() for key in self.settings.api_keys())
+        self.cores = CoreBudget(self.settings.thread_budget or default_threads(self.settings.workers))
 
     def not_ready_reason(self) -> str | None:
         """None when every model is loaded; otherwise why not."""
