@@ -7,6 +7,7 @@ client can (one write, read headers, read Content-Length bytes) and reports the 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import resource
 import time
@@ -97,6 +98,12 @@ def run_load(
             writer.close()
 
     return run_clients(connect, concurrency, seconds, max_requests, warmup)
+
+
+def run_loads(host: str, loads: list[tuple[int, bytes, int]], seconds: float) -> list[LoadResult]:
+    """Several loads at once, each ``(port, request, clients)`` run_load in its own thread; results in order."""
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(loads))) as pool:
+        return list(pool.map(lambda load: run_load(host, *load, seconds), loads))
 
 
 def run_clients(

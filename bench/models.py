@@ -19,10 +19,9 @@ import json
 import shutil
 import statistics
 import tempfile
-import threading
 from pathlib import Path
 
-from bench.loadgen import run_load
+from bench.loadgen import run_loads
 from bench.server import HOST, ServerProcess
 from service.engine import default_threads
 
@@ -47,17 +46,8 @@ def _repository(artifact: Path, into: Path) -> Path:
 
 def _load(port: int, requests: dict[str, bytes], clients: dict[str, int], seconds: float) -> float:
     """Closed-loop clients on each model at once; total requests per second."""
-    results: dict[str, float] = {}
-
-    def one(model: str) -> None:
-        results[model] = run_load(HOST, port, requests[model], clients[model], seconds).throughput
-
-    threads = [threading.Thread(target=one, args=(m,)) for m in clients if clients[m]]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(results.values())
+    loads = [(port, requests[m], n) for m, n in clients.items() if n]
+    return sum(r.throughput for r in run_loads(HOST, loads, seconds))
 
 
 REFERENCE = "all cores each, turns"  # its ``alone``: one model with every core, the other idle

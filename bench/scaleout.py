@@ -10,13 +10,12 @@ from __future__ import annotations
 import contextlib
 import json
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-from bench.loadgen import run_load
+from bench.loadgen import run_loads
 from bench.measure import CLIENTS, Setup, batch_histogram, process_cpu_s, v2_request
 from bench.server import HOST, ServerProcess, serve
 
@@ -74,20 +73,12 @@ def cpu_by_role(pids: dict[int, str]) -> dict[str, float]:
 def _load_split(ports: list[int], requests: dict[int, bytes], clients: int, seconds: float) -> dict:
     """``clients`` closed-loop clients split evenly across ``ports`` at once (client-side balancing over
     direct-ingress replicas); one row, throughput and requests summed, latencies from the first port."""
-    rows: dict[int, dict] = {}
-
-    def one(port: int, n: int) -> None:
-        rows[port] = run_load(HOST, port, requests[port], n, seconds).row()
-
     shares = [clients // len(ports) + (i < clients % len(ports)) for i in range(len(ports))]
-    threads = [threading.Thread(target=one, args=(p, n)) for p, n in zip(ports, shares, strict=True) if n]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    row = dict(rows[ports[0]])
-    row["throughput_rps"] = sum(r["throughput_rps"] for r in rows.values())
-    row["requests"] = sum(r["requests"] for r in rows.values())
+    loads = [(p, requests[p], n) for p, n in zip(ports, shares, strict=True) if n]
+    rows = [r.row() for r in run_loads(HOST, loads, seconds)]
+    row = dict(rows[0])
+    row["throughput_rps"] = sum(r["throughput_rps"] for r in rows)
+    row["requests"] = sum(r["requests"] for r in rows)
     return row
 
 
