@@ -157,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of the ratios: two models sharing the cores against one alone, under three thread "
         "policies (bench/models.py)",
     )
+    p.add_argument(
+        "--real",
+        action="store_true",
+        help="instead of the ratios: every variant of a real trained checkpoint (all-MiniLM-L6-v2, from the dev "
+        "extra) against transformers on real sentences: gate verdict, error, sentence cosine, ranking, speed "
+        "(bench/real.py)",
+    )
     return p
 
 
@@ -269,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         return models_only(args)
     if args.limits:
         return limits_only(args)
+    if args.real:
+        from bench import real
+
+        return real.main(args.rounds)
     start = time.perf_counter()
     res = run(args)
     res["bench_seconds"] = time.perf_counter() - start

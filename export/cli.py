@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import sys
 from pathlib import Path
 
-from export import attention
+from export import attention, hf
 from export.bert import BERT_DEFAULTS, bert_shape
+from export.calibration import calibration_cases, load_arrays
 from export.checks import GraphCheckError
 from export.gate import ParityError
 from export.onnx_export import DEFAULT_OPSET, MIN_OPSET, ExportError
 from export.pipeline import export_artifact, prepare_encoder
 from export.report import format_table
 from export.variants import VARIANTS
-from export.weights import CheckpointError, read_state_dict
+from export.weights import CheckpointError
 from model.artifact import ArtifactError, load_verified
 from model.config import ConfigError, EncoderConfig
+
+log = logging.getLogger("addnorm.export")
 
 # CLI flag -> EncoderConfig field. Flags override values from --config.
 _CONFIG_FLAGS = {
@@ -51,9 +55,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--from-bert",
         type=Path,
+        metavar="DIR|FILE",
+        help="a Hugging Face BERT model directory (config.json + model.safetensors), or a weights file of "
+        "BertLayer(s) (a BertLayer, BertEncoder or BertModel state_dict). The head count, widths, layer count, "
+        "eps and activation come from config.json (a file's directory is read for one too); a flag that "
+        "contradicts it is an error. Without config.json: gelu, eps 1e-12, post-norm unless flags say otherwise",
+    )
+    p.add_argument(
+        "--calibration",
+        type=Path,
         metavar="FILE",
-        help="weights of Hugging Face BertLayer(s) (a BertLayer, BertEncoder or BertModel state_dict); "
-        "implies gelu, eps 1e-12, post-norm unless those flags are given",
+        help="representative inputs: embeddings [N, S, E] as .npy, or .npz/.safetensors with 'embeddings' and "
+        "optionally 'mask' [N, S] (true = padding) or 'lengths' [N]; or .txt, one sentence a line, embedded by "
+        "--from-bert's tokenizer (needs transformers). A lossy variant's quality is judged on them and a few "
+        "are kept as golden data; without it the gate's inputs are synthetic and the report says so",
+    )
+    p.add_argument(
+        "--reference",
+        choices=["auto", "transformers", "none"],
+        default="auto",
+        help="also compare with transformers' BertModel on real sentences (--from-bert with a config.json): "
+        "the converted encoder must compute what it computes (a wrong head count is caught here), and the "
+        "graph's agreement is reported and kept in the manifest; auto (default) = transformers when it is "
+        "installed and --from-bert has a config.json",
     )
     p.add_argument(
         "--seed", type=int, default=0, help="seed of the deterministic default weights (default 0)"
@@ -124,14 +148,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace, detected: dict | None = None) -> EncoderConfig:
+def config_from_args(
+    args: argparse.Namespace, detected: dict | None = None, declared: dict | None = None
+) -> EncoderConfig:
     """--config's file, then the flags; ``detected``: what a BERT checkpoint's weights say (layers, widths),
-    under both."""
+    under both; ``declared``: what its config.json says, which neither may contradict."""
     fields = EncoderConfig.load(args.config).to_dict() if args.config else {}
+    flags = {name: getattr(args, name) for name in (*_CONFIG_FLAGS, "norm_first", "batch_first")}
+    if declared:
+        wrong = hf.contradictions(declared, {**fields, **flags})
+        wrong += hf.contradictions(declared, detected or {})
+        if wrong:
+            raise ConfigError(
+                "the model's config.json says otherwise than "
+                + ", ".join(wrong)
+                + ": leave those flags out (config.json decides)"
+            )
     if args.from_bert:
-        fields = {**BERT_DEFAULTS, **(detected or {}), **fields}
-    for name in (*_CONFIG_FLAGS, "norm_first", "batch_first"):
-        value = getattr(args, name)
+        fields = {**BERT_DEFAULTS, **(detected or {}), **(declared or {}), **fields}
+    for name, value in flags.items():
         if value is not None:
             fields[name] = value
     return EncoderConfig.from_dict(fields)
@@ -162,16 +197,31 @@ def main(argv: list[str] | None = None) -> int:
         if args.checkpoint and args.from_bert:
             raise ConfigError("give either --checkpoint or --from-bert, not both")
         variant = variant_from_args(args)
-        state, detected = None, None
-        if args.from_bert:  # its layer count and widths come from the weights unless given
-            state = read_state_dict(args.from_bert)
+        state, detected, declared, where = None, None, None, None
+        if args.from_bert:  # its layer count and widths come from the weights, the rest from config.json
+            state, declared, where = hf.read_model_dir(args.from_bert)
             detected = bert_shape(state)
-        config = config_from_args(args, detected)
+        config = config_from_args(args, detected, declared)
+        reference = _reference(args, where)
+        given = []
+        if args.calibration:
+            x, mask = load_arrays(args.calibration, reference)
+            given = calibration_cases(x, mask, config.d_model)
         encoder = prepare_encoder(
-            config, args.checkpoint or args.from_bert, args.seed, bool(args.from_bert), state=state
+            config, where.weights if where else args.checkpoint, args.seed, bool(args.from_bert), state=state
         )
+        check = None
+        if reference is not None:
+            check = reference_check(encoder, reference, given, config, quiet=args.quiet)
         result = export_artifact(
-            encoder, args.out, name=args.name, opset=args.opset, variant=variant, attention=args.attention
+            encoder,
+            args.out,
+            name=args.name,
+            opset=args.opset,
+            variant=variant,
+            attention=args.attention,
+            given=given,
+            check=check,
         )
     except ParityError as exc:
         print(format_table(exc.report), file=sys.stderr)
@@ -181,11 +231,103 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(result.report.summary(), indent=2))
+        print(json.dumps(result.manifest.parity, indent=2))
     elif not args.quiet:
         print(format_table(result.report))
         print(f"wrote {result.out_dir}/ (model.onnx sha256 {result.manifest.model_sha256[:12]}...)")
     return 0
+
+
+def _reference(args: argparse.Namespace, where: hf.ModelDir | None) -> hf.Reference | None:
+    """transformers' BertModel for --reference, or None (auto: when it can be had)."""
+    if args.reference == "none":
+        return None
+    if where is None or where.directory is None:
+        if args.reference == "transformers":
+            raise ConfigError(
+                "--reference transformers needs --from-bert with a config.json (a model directory)"
+            )
+        return None
+    if args.reference == "auto" and importlib.util.find_spec("transformers") is None:
+        log.warning("no transformers installed: the export is not compared with BertModel (--reference)")
+        return None
+    return hf.Reference(where.directory)
+
+
+def reference_check(encoder, reference: hf.Reference, given: list, config: EncoderConfig, quiet: bool):
+    """First: the converted torch encoder must compute what transformers' BertModel does on real inputs (fp32
+    tolerance), else the conversion is wrong (a head count, an eps) and nothing is exported. Then, as the
+    pipeline's ``check``: the gated graph's agreement with BertModel, reported and kept in the manifest."""
+    import numpy as np
+    import torch
+
+    from export.parity import make_session
+    from model.contract import EMBEDDINGS, ENCODED, MASK
+    from model.verdict import FP32_ATOL, FP32_RTOL
+
+    if given:
+        x = np.concatenate([_padded(c.embeddings, c.mask, max(g.seq for g in given))[0] for c in given])
+        mask = np.concatenate([_padded(c.embeddings, c.mask, max(g.seq for g in given))[1] for c in given])
+        source = f"{len(x)} --calibration sequences"
+    else:
+        try:
+            x, mask = reference.embed(hf.SENTENCES)
+            source = f"{len(x)} built-in sentences"
+        except (
+            ConfigError
+        ) as exc:  # a directory without a tokenizer: seeded embeddings still check the mapping
+            log.warning("%s; comparing on random embeddings instead", exc)
+            x = np.random.default_rng(0).standard_normal((4, 16, config.d_model)).astype(np.float32)
+            mask = np.zeros((4, 16), bool)
+            mask[1, 9:] = True
+            source = "4 random embeddings (no tokenizer in the model directory)"
+    want = reference.encode(x, mask)
+    graph_x = x if config.batch_first else np.ascontiguousarray(x.transpose(1, 0, 2))
+    with torch.no_grad():
+        ours = encoder.eval()(torch.from_numpy(graph_x), torch.from_numpy(mask)).numpy()
+    if not config.batch_first:
+        ours = ours.transpose(1, 0, 2)
+    keep = ~mask
+    excess = np.abs(ours - want) - (FP32_ATOL + FP32_RTOL * np.abs(want))
+    if (excess[keep] > 0).any():
+        worst = float(np.abs(ours - want)[keep].max())
+        raise ConfigError(
+            f"the converted encoder does not compute what transformers' BertModel computes on {source} (max abs "
+            f"err {worst:.3e} on real tokens): the checkpoint and the configuration disagree (head count, eps, "
+            "activation?); check the flags against the model's config.json"
+        )
+    torch_agrees = hf.agreement(ours, want, mask)
+
+    def check(model_path: Path) -> dict:
+        session = make_session(model_path)
+        got = session.run([ENCODED], {EMBEDDINGS: graph_x, MASK: mask})[0]
+        if not config.batch_first:
+            got = got.transpose(1, 0, 2)
+        graph = hf.agreement(got, want, mask)
+        if not quiet:
+            print(
+                f"reference: transformers BertModel on {source} ({graph.tokens} real tokens): torch encoder max "
+                f"abs err {torch_agrees.max_abs:.2e}; graph max abs err {graph.max_abs:.2e}, least sentence "
+                f"cosine {graph.min_sentence_cosine:.6f}, pairwise ranking Spearman {graph.spearman:.4f}"
+            )
+        return {
+            "model": "transformers BertModel",
+            "inputs": source,
+            "torch": torch_agrees.to_dict(),
+            "graph": graph.to_dict(),
+        }
+
+    return check
+
+
+def _padded(x, mask, seq: int):
+    import numpy as np
+
+    pad = seq - x.shape[1]
+    return (
+        np.pad(x, ((0, 0), (0, pad), (0, 0))),
+        np.pad(mask, ((0, 0), (0, pad)), constant_values=True),
+    )
 
 
 def _valid_artifact(out: Path) -> bool:

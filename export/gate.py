@@ -32,6 +32,7 @@ def gate(
     seed: int = 1234,
     attention: str = "decomposed",
     providers: list[str] | None = None,
+    keep: frozenset[str] = frozenset(),
 ) -> ParityReport:
     """Run the graph at ``model_path`` against ``encoder`` under the variant's tolerance.
 
@@ -55,4 +56,5 @@ def gate(
             graph_optimization=graph_optimization,
             debug_session=debug,
             variant=variant,
+            keep=keep,
         )

@@ -1,47 +1,47 @@
-"""Golden data for the artifact: a few fixed inputs with their float64-oracle and torch fp32 outputs (model.golden)."""
+"""Golden data for the artifact: a few of the gate's own cases, with their inputs, torch fp32 and float64 outputs,
+float32's spread and a lossy variant's scheme (model.golden), so a server's check at load applies the gate's rule
+to the gate's cases."""
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 from pathlib import Path
 
-import numpy as np
-
 from export.cases import Case
-from export.parity import torch_outputs
-from model.contract import EMBEDDINGS, MASK, OUTPUT_NAMES
-from model.encoder import Encoder
+from export.parity import ParityReport
 from model.golden import save_golden
 
-# Short and long, with and without padding; sizes unlike the export example (2, 5) and the parity cases' seeds.
+# Short and long, with and without padding; sizes unlike the export example (2, 5) and the parity cases.
 GOLDEN_CASES = (
     Case("short", 1, 7),
     Case("padded", 3, 24, pad=0.5),
     Case("long", 1, 256),
 )
-GOLDEN_SEED = 20261122
 
 
-def write_golden(encoder: Encoder, path: str | Path) -> None:
-    """Compute every golden case on ``encoder`` (torch fp32) and its float64 copy, and save them to ``path``."""
-    encoder = encoder.eval().float()
-    oracle = copy.deepcopy(encoder).double()
-    cfg = encoder.config
-    rng = np.random.default_rng(GOLDEN_SEED)
-    cases = {}
-    for case in GOLDEN_CASES:
-        x, mask = case.make(cfg.d_model, rng)  # (B, S, E)
-        graph_x = x if cfg.batch_first else np.ascontiguousarray(x.transpose(1, 0, 2))
-        ref = torch_outputs(encoder, graph_x, mask, with_steps=False)
-        exact = torch_outputs(oracle, graph_x.astype(np.float64), mask, with_steps=False)
-        arrays = {EMBEDDINGS: x, MASK: mask}
-        for name in OUTPUT_NAMES:
-            got, want = ref[name], exact[name]
-            if not cfg.batch_first:  # stored as the service speaks: batch-first
-                got, want = got.swapaxes(0, 1), want.swapaxes(0, 1)
-            arrays[f"torch.{name}"], arrays[f"oracle.{name}"] = (
-                got.astype(np.float32),
-                want.astype(np.float64),
-            )
-        cases[case.name] = arrays
-    save_golden(path, cases)
+GOLDEN_ROWS = 2  # sequences kept of each given case (the golden file stays small at 512 tokens)
+
+
+def golden_cases(given: list[Case]) -> list[Case]:
+    """The cases kept as golden data: the shortest, a middle and the longest given (real) inputs, two sequences
+    of each, when there are any; else the synthetic GOLDEN_CASES. The gate runs them like every other case."""
+    if not given:
+        return list(GOLDEN_CASES)
+    picked = {id(c): c for c in (given[0], given[len(given) // 2], given[-1])}.values()
+    return [
+        dataclasses.replace(
+            c,
+            name=f"golden {c.name.split(' (')[0]} ({min(c.batch, GOLDEN_ROWS)} x {c.seq})",
+            batch=min(c.batch, GOLDEN_ROWS),
+            embeddings=c.embeddings[:GOLDEN_ROWS],
+            mask=c.mask[:GOLDEN_ROWS],
+        )
+        for c in picked
+    ]
+
+
+def write_golden(report: ParityReport, path: str | Path) -> None:
+    """Save the cases the gate kept (``run_parity(keep=...)``) to ``path``."""
+    if not report.kept:
+        raise ValueError("the parity report kept no case for the golden data")
+    save_golden(path, report.kept)

@@ -3,7 +3,9 @@
 For every case the same weights run three ways: torch float32 (the reference users compare against),
 onnxruntime (the graph under test) and torch float64 (the oracle). A case passes when onnxruntime meets the
 fp32 tolerance against torch, or, for inputs on which float32 itself is inexact, when its error against the
-oracle is no worse than the larger of torch's own error and a float32 floor, times ORACLE_FACTOR (model.verdict).
+oracle is no worse than float32's spread on that input (the largest error vs float64 of torch, the numpy float32
+reference and torch on the input moved by one ulp) or a float32 floor, times ORACLE_FACTOR (model.verdict).
+A lossy variant is judged on its implementation (against its scheme) and, on representative inputs, its quality.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from export.cases import Case, default_cases
 from model import reference
 from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, STEP_OUTPUT
 from model.encoder import Encoder
+from model.golden import REPRESENTATIVE
 from model.runtime import CPU, CUDA, with_options
 from model.verdict import Comparison, Tolerance, compare
 
@@ -43,6 +46,7 @@ class CaseResult:
     comparisons: list[Comparison]
     condition: float = 0.0
     oracles_gap: float = 0.0  # max |numpy float64 reference - torch float64| on the encoded output
+    representative: bool = True  # a lossy variant's quality was judged on it
 
     @property
     def passed(self) -> bool:
@@ -62,6 +66,10 @@ class ParityReport:
     variant: str = "fp32"
     # output name -> sampled |onnx - torch| errors over all cases (for the report's histograms; not in JSON)
     samples: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    # what the inputs were: "synthetic" (seeded random cases only) or "given" (--calibration's, with synthetic)
+    inputs: str = "synthetic"
+    # case name -> its arrays, for the cases run_parity was asked to keep (the artifact's golden data)
+    kept: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -102,6 +110,9 @@ class ParityReport:
                 r.passed and not all(c.within_tolerance for c in r.comparisons) for r in self.results
             ),
             "worst_ratio": max(c.ratio for r in self.results for c in r.comparisons),
+            "inputs": self.inputs,
+            "max_spread": max(c.spread for c in finals),
+            **self._lossy_summary(),
             "worst": {
                 "case": case.case,
                 "output": worst.output,
@@ -114,6 +125,28 @@ class ParityReport:
             "graph_optimization": self.graph_optimization,
         }
 
+    def _lossy_summary(self) -> dict[str, Any]:
+        """A lossy variant's two verdicts over every case: quality (representative cases) and implementation."""
+        comps = [(r, c) for r in self.results for c in r.comparisons]
+        if not any(c.implementation is not None or c.quality is not None for _, c in comps):
+            return {}
+        judged = [(r, c) for r, c in comps if c.quality is not None]
+        impl = [c for _, c in comps if c.implementation is not None]
+        return {
+            "quality": {
+                "passed": all(c.quality for _, c in judged) if judged else None,
+                "cases": len({r.case for r, _ in judged}),
+                "worst_row_rel_rms": max((c.row_rel_rms for _, c in judged), default=None),
+                "least_row_cosine": min((c.row_cosine for _, c in judged), default=None),
+            },
+            "implementation": {
+                "passed": all(c.implementation for c in impl) if impl else None,
+                "comparisons": len(impl),
+                "worst_graph_vs_scheme": max((c.graph_vs_scheme for c in impl), default=None),
+                "worst_scheme_vs_fp32": max((c.scheme_vs_fp32 for c in impl), default=None),
+            },
+        }
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "summary": self.summary(),
@@ -123,6 +156,7 @@ class ParityReport:
                     "shape": r.shape,
                     "masked_positions": r.masked_positions,
                     "passed": r.passed,
+                    "representative": r.representative,
                     "condition": r.condition,
                     "outputs": [asdict(c) for c in r.comparisons],
                 }
@@ -158,6 +192,7 @@ def run_parity(
     debug_session: ort.InferenceSession | None = None,
     variant: str = "fp32",
     scheme: Callable[[Encoder, np.ndarray, np.ndarray, bool], dict[str, np.ndarray]] | None = None,
+    keep: frozenset[str] = frozenset(),
 ) -> ParityReport:
     """Run every case through torch fp32, onnxruntime and torch float64, and compare under ``tol`` (the
     variant's, from export.variants; fp32's by default). The numpy float64 reference (model/reference.py) runs
@@ -165,7 +200,9 @@ def run_parity(
 
     ``debug_session`` runs a debug graph of the same variant that also outputs every Add & Norm result; each
     step is then compared with torch's, so a drift names its sublayer. ``scheme`` (a lossy variant's, from
-    export.variants) computes that variant's own arithmetic in torch; its distance to float64 joins the verdict.
+    export.variants) computes that variant's own arithmetic in torch: the graph's implementation is judged
+    against it. ``keep``: names of cases whose inputs and reference outputs the report keeps (``report.kept``: the
+    artifact's golden data, so the server's check at load applies this rule to these very cases).
     """
     tol = tol or Tolerance()
     cases = cases if cases is not None else default_cases()
@@ -174,6 +211,7 @@ def run_parity(
     oracle = copy.deepcopy(encoder).double()
     # The second float64 oracle, sharing no code with torch (model/reference.py): the two must agree.
     weights64 = {k: v.detach().numpy() for k, v in oracle.state_dict().items()}
+    weights32 = {k: v.detach().numpy() for k, v in encoder.state_dict().items()}
     with_steps = debug_session is not None
     # The debug graph's extra outputs, after the served ones (model.contract.OUTPUT_NAMES).
     step_names = [o.name for o in debug_session.get_outputs()][len(OUTPUT_NAMES) :] if with_steps else []
@@ -182,6 +220,8 @@ def run_parity(
     report = ParityReport(
         tol, providers=session.get_providers(), graph_optimization=graph_optimization, variant=variant
     )
+    report.inputs = "given" if any(_given(c) for c in cases) else "synthetic"
+    ulp_rng = np.random.default_rng(seed + 2)  # the one-ulp moves of float32's spread
     for case in cases:
         x, mask = case.make(cfg.d_model, rng)  # (B, S, E)
         condition = case.condition(x)
@@ -191,6 +231,10 @@ def run_parity(
         torch_outs = torch_outputs(encoder, x, mask, with_steps)
         oracle_outs = torch_outputs(oracle, x.astype(np.float64), mask, with_steps)
         scheme_outs = scheme(encoder, x, mask, with_steps) if scheme is not None else {}
+        numpy_f64 = reference.forward(cfg, weights64, x.astype(np.float64), mask)
+        spread = (
+            {} if tol.lossy else float32_spread(encoder, weights32, x, mask, oracle_outs, with_steps, ulp_rng)
+        )
         names = [*OUTPUT_NAMES, *step_names]
         onnx_outs = dict(zip(OUTPUT_NAMES, session.run(list(OUTPUT_NAMES), feed), strict=True))
         if debug_session is not None:
@@ -199,15 +243,91 @@ def run_parity(
         for name in names:
             out = np.asarray(onnx_outs[name])
             comparisons.append(
-                compare(name, out, torch_outs[name], oracle_outs[name], tol, scheme_outs.get(name))
+                compare(
+                    name,
+                    out,
+                    torch_outs[name],
+                    oracle_outs[name],
+                    tol,
+                    scheme_outs.get(name),
+                    spread.get(name),
+                    quality=case.representative,
+                    real=~mask
+                    if cfg.batch_first or name not in OUTPUT_NAMES
+                    else ~mask.T,  # steps: (B, S, E)
+                )
             )
             report.samples.setdefault(name, []).append(_sample(out, torch_outs[name], sample_rng))
-        numpy_f64 = reference.forward(cfg, weights64, x.astype(np.float64), mask)
         gap = float(np.abs(numpy_f64 - oracle_outs[ENCODED]).max())
         report.results.append(
-            CaseResult(case.name, list(x.shape), int(mask.sum()), comparisons, condition, oracles_gap=gap)
+            CaseResult(
+                case.name,
+                list(x.shape),
+                int(mask.sum()),
+                comparisons,
+                condition,
+                oracles_gap=gap,
+                representative=case.representative,
+            )
         )
+        if case.name in keep:
+            report.kept[case.name] = _golden_arrays(
+                cfg, x, mask, torch_outs, oracle_outs, scheme_outs, spread, case.representative
+            )
     return report
+
+
+def _given(case: Case) -> bool:
+    return getattr(case, "embeddings", None) is not None
+
+
+def float32_spread(
+    encoder: Encoder,
+    weights32: dict[str, np.ndarray],
+    x: np.ndarray,
+    mask: np.ndarray,
+    oracle_outs: dict[str, np.ndarray],
+    with_steps: bool,
+    rng: np.random.Generator,
+) -> dict[str, float]:
+    """What float32 can do on this input, per output: the largest error against float64 of two more float32
+    evaluations besides torch's: the numpy float32 reference (another summation order; every output), and
+    torch on the input with every element moved one ulp up or down (how far float32's own rounding of the input
+    moves the answer: grows with depth and length as the block's conditioning does)."""
+    away = np.where(rng.random(x.shape) < 0.5, -np.inf, np.inf).astype(np.float32)
+    moved = torch_outputs(encoder, np.nextafter(x, away), mask, with_steps)
+    spread = {name: _max_err(out, oracle_outs[name]) for name, out in moved.items() if name in oracle_outs}
+    steps: list[np.ndarray] = []
+    numpy32 = {ENCODED: reference.forward(encoder.config, weights32, x, mask, steps=steps)}
+    numpy32.update((STEP_OUTPUT.format(i), step) for i, step in enumerate(steps))
+    for name, out in numpy32.items():
+        if name in spread:
+            spread[name] = max(spread[name], _max_err(out, oracle_outs[name]))
+    return spread
+
+
+def _max_err(a: np.ndarray, b: np.ndarray) -> float:
+    d = np.abs(np.asarray(a, np.float64) - b)
+    return float(d.max()) if d.size and np.isfinite(d).all() else 0.0
+
+
+def _golden_arrays(cfg, x, mask, torch_outs, oracle_outs, scheme_outs, spread, representative) -> dict:
+    """One case as model.golden stores it: batch-first, every served output's torch fp32 and float64 results,
+    float32's spread on it, a lossy variant's scheme, and whether its quality is judged."""
+    arrays = {EMBEDDINGS: x if cfg.batch_first else np.ascontiguousarray(x.swapaxes(0, 1)), MASK: mask}
+    for name in OUTPUT_NAMES:
+
+        def batch_first(a: np.ndarray) -> np.ndarray:
+            return a if cfg.batch_first else a.swapaxes(0, 1)
+
+        arrays[f"torch.{name}"] = batch_first(torch_outs[name]).astype(np.float32)
+        arrays[f"oracle.{name}"] = batch_first(oracle_outs[name]).astype(np.float64)
+        if name in spread:
+            arrays[f"spread.{name}"] = np.asarray([spread[name]], np.float64)
+        if name in scheme_outs:
+            arrays[f"scheme.{name}"] = batch_first(scheme_outs[name]).astype(np.float64)
+    arrays[REPRESENTATIVE] = np.asarray([representative])
+    return arrays
 
 
 def _sample(out: np.ndarray, ref: np.ndarray, rng: np.random.Generator, n: int = 4096) -> np.ndarray:

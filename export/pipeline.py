@@ -8,6 +8,7 @@ import os
 import platform
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -15,10 +16,10 @@ from pathlib import Path
 from export.attention import AttentionError
 from export.attention import resolve as resolve_attention
 from export.bert import bert_to_encoder_state
-from export.cases import Case
+from export.cases import Case, default_cases, synthetic
 from export.checks import check_graph
 from export.gate import ParityError, gate
-from export.golden import write_golden
+from export.golden import golden_cases, write_golden
 from export.onnx_export import DEFAULT_OPSET, ExportError
 from export.parity import ParityReport
 from export.variants import build_graph
@@ -75,8 +76,16 @@ def export_artifact(
     variant: str = "fp32",
     cases: list[Case] | None = None,
     attention: str = "auto",
+    given: list[Case] | None = None,
+    check: Callable[[Path], dict] | None = None,
 ) -> ExportResult:
     """Export, check the graph, run the parity gate, then publish model, weights and manifest into ``out_dir``.
+
+    ``cases``: the gate's synthetic inputs (export.cases.default_cases by default); ``given``: real inputs
+    (``--calibration``), on which a lossy variant's quality is judged instead of on the synthetic ones. A few
+    of them (or of the synthetic golden cases) are kept as the artifact's golden data. ``check``: one more check
+    of the gated graph (its path -> figures kept in the manifest's parity as ``reference``; raises to refuse it),
+    e.g. the comparison with transformers (export.cli).
 
     Everything is written into a staging directory first; ``out_dir`` only changes when every gate passed, and
     the manifest is moved in last, so a reader never sees a manifest that describes a different graph.
@@ -108,10 +117,19 @@ def export_artifact(
             graph["attention_nodes"],
         )
         save_weights(encoder, staging / WEIGHTS_FILE)
-        report = gate(encoder, staging / MODEL_FILE, variant, opset, cases, attention=form)
+        given = list(given or [])
+        golden = golden_cases(given)
+        synthetic_cases = cases if cases is not None else default_cases()
+        all_cases = [*given, *(synthetic(synthetic_cases) if given else synthetic_cases)]
+        all_cases += golden
+        keep = frozenset(c.name for c in golden)
+        report = gate(encoder, staging / MODEL_FILE, variant, opset, all_cases, attention=form, keep=keep)
         if not report.passed:
             raise ParityError(report)
-        write_golden(encoder, staging / GOLDEN_FILE)  # checked again by every server that loads this artifact
+        summary = report.summary()
+        if check is not None:
+            summary["reference"] = check(staging / MODEL_FILE)
+        write_golden(report, staging / GOLDEN_FILE)  # checked again by every server that loads this artifact
         inputs, outputs = io_specs(config)
         manifest = Manifest(
             name=name,
@@ -123,7 +141,7 @@ def export_artifact(
             attention=form,
             model_sha256=sha256_file(staging / MODEL_FILE),
             versions=library_versions(),
-            parity=report.summary(),
+            parity=summary,
             created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             golden_sha256=sha256_file(staging / GOLDEN_FILE),
         )

@@ -25,6 +25,8 @@ def worst_message(report: ParityReport) -> str:
 def failure_message(report: ParityReport) -> str:
     """Why a gate failed, in one line (addnorm-export's error)."""
     s, t = report.summary(), report.tolerance
+    if "quality" in s:
+        return f"parity failed: {decided(report)} (rule {t.describe()}); " + inputs_line(report)
     return (
         f"parity failed: max abs err {s['max_abs_err']:.3e}, worst row relative RMS {s['max_row_rel_rms']:.3e} "
         f"(rule {t.describe()}); " + worst_message(report)
@@ -34,34 +36,66 @@ def failure_message(report: ParityReport) -> str:
 def format_table(report: ParityReport) -> str:
     """A terminal table: one line per case and output, a verdict line, and the worst element on failure."""
     head = (
-        f"{'case':<34} {'output':<10} {'max abs':>9} {'max rel':>9} {'torch-f64':>9} {'onnx-f64':>9}  result"
+        f"{'case':<34} {'output':<10} {'max abs':>9} {'max rel':>9} {'f32spread':>9} {'onnx-f64':>9}  result"
     )
     lines = [head, "-" * len(head)]
     for r in report.results:
         for c in r.comparisons:
             lines.append(
                 f"{r.case[:34]:<34} {c.output[:10]:<10} {c.max_abs:9.2e} {c.max_rel:9.2e} "
-                f"{c.torch_vs_f64:9.2e} {c.onnx_vs_f64:9.2e}  {_verdict(c)}"
+                f"{c.spread:9.2e} {c.onnx_vs_f64:9.2e}  {_verdict(c)}"
             )
     s, t = report.summary(), report.tolerance
     lines.append(f"{'PASSED' if report.passed else 'FAILED'}: {decided(report)}")
     lines.append(
         f"figures: {s['cases']} cases, max abs err {s['max_abs_err']:.3e}, "
         f"max rel err {s['max_rel_err']:.3e}, worst row relative RMS {s['max_row_rel_rms']:.3e}; "
-        f"onnx vs float64 {s['max_onnx_vs_f64']:.3e}, torch vs float64 {s['max_torch_vs_f64']:.3e}; "
+        f"onnx vs float64 {s['max_onnx_vs_f64']:.3e}, torch vs float64 {s['max_torch_vs_f64']:.3e}, "
+        f"float32's spread {s['max_spread']:.3e}; "
         f"float64 oracles (torch, numpy) agree to {s['max_oracles_gap']:.1e}"
     )
     lines.append(f"rule: {t.describe()}")
+    lines.append(inputs_line(report))
     if not report.passed:
         lines.append(worst_message(report))
     return "\n".join(lines)
 
 
+def inputs_line(report: ParityReport) -> str:
+    """What the inputs were: real ones (--calibration) or synthetic only, said every time."""
+    if report.inputs == "given":
+        n = sum(r.representative for r in report.results)
+        return f"inputs: {n} cases of given (calibration) inputs, judged for quality; the synthetic cases test the graph"
+    return (
+        "inputs: synthetic (seeded random embeddings); for a trained model give real ones with --calibration "
+        "FILE, on which a lossy variant's quality is then judged"
+    )
+
+
 def decided(report: ParityReport) -> str:
     """What decided the verdict, in words: how many cases passed within the tolerance of torch fp32 and how many
     by the float64 rule, and how close the worst comparison came to its allowance. The figures alone can exceed
-    the printed atol/rtol on a passing run (the float64 rule passed those cases), so they are never shown alone."""
+    the printed atol/rtol on a passing run (the float64 rule passed those cases), so they are never shown alone.
+    A lossy variant's two verdicts, quality and implementation, are each named."""
     s = report.summary()
+    if "quality" in s:
+        q, i = s["quality"], s["implementation"]
+        quality = (
+            "not judged (no representative case)"
+            if q["passed"] is None
+            else f"{'passed' if q['passed'] else 'FAILED'} on {q['cases']} representative cases (worst row "
+            f"relative RMS {q['worst_row_rel_rms']:.3e}, least row cosine {q['least_row_cosine']:.5f} vs fp32)"
+        )
+        impl = (
+            "not judged (no scheme)"
+            if i["passed"] is None
+            else f"{'passed' if i['passed'] else 'FAILED'} (the graph's worst row is {i['worst_graph_vs_scheme']:.3e} "
+            f"from its scheme, the scheme's {i['worst_scheme_vs_fp32']:.3e} from fp32)"
+        )
+        return (
+            f"quality {quality}; implementation {impl}; the worst comparison is at {s['worst_ratio']:.2f}x its "
+            "allowance (above 1 fails)"
+        )
     failed = s["cases"] - s["cases_within_tolerance"] - s["cases_by_float64_rule"]
     text = (
         f"{s['cases_within_tolerance']} of {s['cases']} cases within the tolerance of torch fp32, "
@@ -73,6 +107,13 @@ def decided(report: ParityReport) -> str:
 
 
 def _verdict(c: Comparison) -> str:
+    if c.quality is not None or c.implementation is not None:
+        parts = [
+            f"{name} {'ok' if v else 'FAIL'}"
+            for name, v in (("quality", c.quality), ("impl", c.implementation))
+            if v is not None
+        ]
+        return ", ".join(parts)
     if not c.passed:
         return "FAIL"
     return "ok" if c.within_tolerance else "ok (oracle)"

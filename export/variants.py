@@ -184,14 +184,16 @@ def _fused_ops(config: EncoderConfig) -> dict[str, int]:
     return {"SkipLayerNormalization": 2 * config.num_layers, "LayerNormalization": int(config.norm_first)}
 
 
-# fp16 computes in half precision with LayerNorm statistics in float32 (stash_type 1). int8's bounds are per
-# row (docs/parity.md, "int8"): its measured worst row over the gate's ordinary cases, 0.7-1.2% relative RMS,
-# with room for deeper stacks, and below what a LayerNorm gamma off by 5% does to its rows (5%).
+# fp16 computes in half precision with LayerNorm statistics in float32 (stash_type 1). Both are lossy: judged
+# per row, for quality against torch fp32 on representative inputs and for implementation against their scheme
+# (model.verdict), with no float64 rescue (oracle_factor 0). int8's bounds (docs/parity.md, "int8"): its measured
+# worst row over the gate's ordinary cases, 0.7-1.2% relative RMS, with room for deeper stacks, and below what a
+# LayerNorm gamma off by 5% does to its rows (5%).
 FP16_TOLERANCE = Tolerance(
-    atol=None, rtol=0.0, oracle_factor=2.0, row_rel_rms=0.01, row_cosine=0.9999, row_peak=0.05
+    atol=None, rtol=0.0, oracle_factor=0.0, row_rel_rms=0.01, row_cosine=0.9999, row_peak=0.05
 )
 INT8_TOLERANCE = Tolerance(
-    atol=None, rtol=0.0, oracle_factor=2.0, row_rel_rms=0.03, row_cosine=0.9995, row_peak=0.15
+    atol=None, rtol=0.0, oracle_factor=0.0, row_rel_rms=0.03, row_cosine=0.9995, row_peak=0.15
 )
 VARIANTS: dict[str, Variant] = {
     v.name: v

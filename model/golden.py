@@ -3,7 +3,9 @@
 Torch-free: the service reads and checks it; export writes it (export.golden).
 
 Layout: for each case ``C``, the arrays ``C/embeddings`` (B, S, E) float32, ``C/mask`` (B, S) bool, and for every
-output ``O`` of the contract (model.contract.OUTPUT_NAMES) ``C/oracle.O`` float64 and ``C/torch.O`` float32.
+output ``O`` of the contract (model.contract.OUTPUT_NAMES) ``C/oracle.O`` float64 and ``C/torch.O`` float32; since
+the gate keeps them (its own cases, its own rule), ``C/spread.O`` (float32's spread on the case, a scalar),
+``C/scheme.O`` (a lossy variant's scheme, float64) and ``C/representative`` (whether its quality is judged).
 Everything is batch-first, as the service speaks. Files written before outputs were named hold ``C/oracle`` and
 ``C/torch``: they read as ``oracle.encoded`` and ``torch.encoded``.
 """
@@ -23,6 +25,7 @@ from model.contract import EMBEDDINGS, ENCODED, MASK
 from model.verdict import Tolerance, compare
 
 FIELDS = (EMBEDDINGS, MASK)
+REPRESENTATIVE = "representative"
 _BEFORE_NAMES = {"oracle": f"oracle.{ENCODED}", "torch": f"torch.{ENCODED}"}  # the layout's first version
 
 
@@ -87,7 +90,18 @@ def verify(
     for case, c in golden.items():
         got = run(c[EMBEDDINGS], c[MASK])
         for name in outputs(c):
-            result = compare(name, got[name], c[f"torch.{name}"], c[f"oracle.{name}"], tol)
+            spread = c.get(f"spread.{name}")
+            result = compare(
+                name,
+                got[name],
+                c[f"torch.{name}"],
+                c[f"oracle.{name}"],
+                tol,
+                scheme=c.get(f"scheme.{name}"),
+                spread=float(np.max(spread)) if spread is not None else None,
+                quality=bool(np.all(c.get(REPRESENTATIVE, True))),
+                real=~c[MASK],
+            )
             if result.max_abs >= worst_abs:
                 worst_case, worst_abs = case, result.max_abs
             worst_f64 = max(worst_f64, result.onnx_vs_f64)
@@ -95,8 +109,15 @@ def verify(
                 failed.append(
                     f"case {case!r}, output {name}: max abs err {result.max_abs:.3e} vs torch at "
                     f"{result.worst_index}, worst row relative RMS {result.row_rel_rms:.3e}, "
-                    f"{result.onnx_vs_f64:.3e} vs float64 (torch {result.torch_vs_f64:.3e}, floor "
-                    f"{result.float32_floor:.3e}); rule {tol.describe()}"
+                    f"{result.onnx_vs_f64:.3e} vs float64 (float32's spread {result.spread:.3e}, floor "
+                    f"{result.float32_floor:.3e})"
+                    + (
+                        f", graph vs its scheme {result.graph_vs_scheme:.3e} (the scheme vs fp32 "
+                        f"{result.scheme_vs_fp32:.3e})"
+                        if result.graph_vs_scheme is not None
+                        else ""
+                    )
+                    + f"; rule {tol.describe()}"
                 )
     status = "failed" if failed else "passed"
     message = "; ".join(failed) if failed else f"{len(golden)} golden cases within tolerance on {provider}"

@@ -23,7 +23,15 @@ from model.schemes import Exact
 
 EXACT = Exact()
 
-_ERF = np.frompyfunc(math.erf, 1, 1)  # exact erf, elementwise (numpy has none; scipy is not a dependency)
+try:  # the export extra has scipy: its erf is exact to float64 and about 100x faster than math.erf one by one
+    from scipy.special import erf as _scipy_erf
+except ImportError:  # the serving install (live parity) has no scipy
+    _scipy_erf = None
+_ERF = np.frompyfunc(math.erf, 1, 1)  # exact erf, elementwise (numpy has none)
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    return _scipy_erf(x) if _scipy_erf is not None else _ERF(x).astype(x.dtype)
 
 
 def load_weights(path: str | Path, dtype: type = np.float64) -> dict[str, np.ndarray]:
@@ -47,7 +55,7 @@ def _norm(
 def _activation(x: np.ndarray, name: str) -> np.ndarray:
     if name == "relu":
         return np.maximum(x, 0.0)
-    return 0.5 * x * (1.0 + _ERF(x / math.sqrt(2.0)).astype(x.dtype))  # torch's default (exact) GELU
+    return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)).astype(x.dtype))  # torch's default (exact) GELU
 
 
 def _attention(
@@ -78,11 +86,13 @@ def forward(
     embeddings: np.ndarray,
     mask: np.ndarray | None = None,
     arithmetic: Exact = EXACT,
+    steps: list[np.ndarray] | None = None,
 ) -> np.ndarray:
     """The encoded tensor in the weights' dtype (float64 for the oracle; float32 weights give a float32 run,
     what any float32 implementation's own error looks like), in the input's layout ((B, S, E), or (S, B, E) when
     not batch-first); ``mask`` (B, S) bool, true where a position is padding. ``arithmetic``: a variant's scheme
-    (model/schemes.py; give ``Half`` float32 weights)."""
+    (model/schemes.py; give ``Half`` float32 weights). ``steps``: each Add & Norm result (and a pre-norm stack's
+    final norm) is appended to it, batch first, as model.encoder.Encoder appends them."""
     a = arithmetic
     dtype = next(iter(weights.values())).dtype
     x = a.cast(np.asarray(embeddings, dtype=dtype))
@@ -105,6 +115,10 @@ def forward(
                 x = a.cast(x + sublayer(_norm(x, weights, norm, config, a)))
             else:  # post-norm: Norm(x + sublayer(x))
                 x = _norm(a.cast(x + sublayer(x)), weights, norm, config, a)
+            if steps is not None:
+                steps.append(x)
     if config.norm_first:
         x = _norm(x, weights, "norm", config, a)
+        if steps is not None:
+            steps.append(x)
     return x if config.batch_first else x.transpose(1, 0, 2)

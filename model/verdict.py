@@ -1,10 +1,20 @@
-"""The parity verdict, torch-free: shared by the export gate (export.parity) and the server's check at load.
+"""The parity verdict, torch-free: shared by the export gate (export.parity), the server's check at load
+(model.golden) and live parity.
 
-A comparison passes when the output is within the tolerance of torch fp32, or, where float32 itself is inexact,
-when its error against the float64 oracle is at most ``oracle_factor`` times the larger of torch's own error and
-a floor of FLOOR_ULPS float32 ulps of the output's scale. torch's own error can be small by luck on one CPU and
-not on another (onnxruntime's LayerNorm and torch's accumulate differently); the floor keeps the verdict from
-flipping with the CPU, and is still four orders below what one LayerNorm gamma off by 5% does.
+fp32 graphs: a comparison passes when the output is within the tolerance of torch fp32, or, where float32 itself
+is inexact, when its error against the float64 oracle is at most ``oracle_factor`` times what float32 can do on
+that input: the largest error against float64 of several float32 evaluations of it (torch's, the numpy float32
+reference's, torch's on the input moved by one ulp: the caller's ``spread``), and a floor of FLOOR_ULPS float32
+ulps of the output's scale. One float32 sample (torch's own error alone) is luck: on a real 6-layer checkpoint at
+512 tokens torch was 5e-5 from float64 and the numpy float32 reference 1.4e-4, and an onnxruntime graph at 2.5e-4
+was refused as if broken (docs/parity.md, "The float32 yardstick").
+
+Lossy graphs (fp16, int8) get two verdicts, both required:
+- implementation: the graph computes its scheme (``scheme``: the variant's arithmetic computed exactly); its
+  worst row's distance to the scheme is at most IMPLEMENTATION_FACTOR x the scheme's own distance to fp32;
+- quality: the graph is close enough to torch fp32 (the tolerance's per-row bounds), judged on representative
+  inputs only (``quality=False`` for an adversarial input, where only the implementation is judged). No rescue
+  applies to quality: a scheme far from fp32 fails, however faithfully the graph computes it.
 """
 
 from __future__ import annotations
@@ -19,7 +29,16 @@ FP32_RTOL = 1e-4
 FLOOR_ULPS = (
     16  # measured: onnxruntime's worst adversarial error here is 1.5e-5 = 3.3 ulps x 4 of a scale of 3.9
 )
-ORACLE_FACTOR = 4.0  # ONNX may be this many times further from float64 than torch fp32 is (and still pass)
+ORACLE_FACTOR = 4.0  # ONNX may be this many times further from float64 than float32's spread (and still pass)
+# A lossy graph's worst row may be this many times further from its scheme than the scheme is from fp32: two
+# roundings of one scheme differ by about sqrt(2) x one (a rounding flip early in a deep stack moves every later
+# one; onnxruntime's fp16 kernels round at other points than torch half: measured up to 1.05x on the real
+# checkpoint's synthetic cases); a 5% LayerNorm gamma is far beyond it wherever the scheme is closer to fp32
+# than 1.7% (fp16: 27x on the real checkpoint).
+IMPLEMENTATION_FACTOR = 3.0
+# The implementation bound never goes below this relative RMS: a scheme equal to fp32 on some input (an all-zero
+# row) leaves room for float32's own rounding.
+IMPLEMENTATION_FLOOR = 1e-4
 
 
 @dataclass(frozen=True)
@@ -56,14 +75,25 @@ class Tolerance:
                 f"per row: relative RMS <= {self.row_rel_rms:g}, cosine >= {self.row_cosine:g}, "
                 f"worst element <= {self.row_peak:g} x the row's RMS"
             )
+        if self.lossy:
+            return (
+                "quality (representative inputs) vs torch fp32: "
+                + "; ".join(parts)
+                + f"; implementation: worst row relative RMS vs the scheme's exact arithmetic <= "
+                f"{IMPLEMENTATION_FACTOR:g} x the scheme's own vs fp32"
+            )
         rule = "vs torch fp32: " + "; ".join(parts)
         if self.oracle_factor:
             rule += (
-                f"; or error vs float64 <= {self.oracle_factor:g} x max(torch's own"
-                + (", the variant's own arithmetic" if self.row_rel_rms is not None else "")
-                + ", float32 floor)"
+                f"; or error vs float64 <= {self.oracle_factor:g} x max(float32's spread on the input, "
+                "float32 floor)"
             )
         return rule
+
+    @property
+    def lossy(self) -> bool:
+        """Judged per row, in two verdicts (quality and implementation), with no float64 rescue."""
+        return self.row_rel_rms is not None
 
 
 @dataclass
@@ -89,6 +119,12 @@ class Comparison:
     row_cosine: float = 1.0  # the least cosine similarity of a row
     row_peak: float = 0.0  # the worst element's error over its row's RMS
     scheme_vs_f64: float | None = None  # a lossy variant's scheme, computed exactly, against float64
+    spread: float = 0.0  # float32's spread on this input: the largest error vs float64 of its float32 runs
+    # lossy variants: the two verdicts (None: not judged here) and their measures
+    quality: bool | None = None  # the row bounds vs torch fp32 (representative inputs only)
+    implementation: bool | None = None  # the graph computes its scheme
+    graph_vs_scheme: float | None = None  # the worst row's relative RMS of the graph against its scheme
+    scheme_vs_fp32: float | None = None  # the worst row's relative RMS of the scheme against torch fp32
     # How far over its allowance the output is, by the nearer of the rule's two ways to pass: <= 1 passes
     ratio: float = 0.0
 
@@ -100,14 +136,20 @@ def compare(
     oracle: np.ndarray,
     tol: Tolerance,
     scheme: np.ndarray | None = None,
+    spread: float | None = None,
+    quality: bool = True,
+    real: np.ndarray | None = None,
 ) -> Comparison:
     """Compare one output array of ONNX against torch fp32 and both against the float64 oracle.
 
-    Passes within ``tol`` of torch, or when ONNX's error against the oracle is at most ``tol.oracle_factor``
-    times the larger of torch's own and the float32 floor (see the module's docstring). ``scheme``: a lossy
-    variant's own arithmetic computed exactly (export.int8.simulated); its error against the oracle joins that
-    allowance, so an input on which the scheme itself is far from exact (attention so sharp that quantization
-    moves its argmax) is judged against what the scheme can do.
+    fp32 (see the module's docstring): passes within ``tol`` of torch, or when ONNX's error against the oracle is
+    at most ``tol.oracle_factor`` times the largest of torch's own, ``spread`` (the other float32 evaluations'
+    largest error vs float64) and the float32 floor.
+
+    Lossy (``tol.lossy``): passes when the graph computes ``scheme`` (the variant's arithmetic computed exactly)
+    and, with ``quality``, when it is within the row bounds of torch fp32. Without ``scheme`` the implementation
+    is not judged. ``real``: which rows (positions: the output's leading dims) hold real tokens; a lossy
+    variant's two verdicts read only those (a padded position's answer is read by no one).
     """
     onnx_out = onnx_out.astype(np.float64)
     ref = ref.astype(np.float64)
@@ -123,21 +165,28 @@ def compare(
         within = within and rel_rms <= tol.rel_rms
     rows = row_errors(onnx_out, ref, diff)
     if tol.row_rel_rms is not None:
-        within = (
-            within
-            and rows[0] <= tol.row_rel_rms
-            and rows[1] >= (tol.row_cosine or -1.0)
-            and rows[2] <= (tol.row_peak or math.inf)
-        )
+        within = within and _rows_within(tol, rows)
     torch_f64 = _max_err(ref, oracle)
     onnx_f64 = _max_err(onnx_out, oracle)
-    # a scheme that overflows (fp16 on a 1e4-scale input) says nothing of how far the graph may be
     scheme_f64 = _max_err(scheme.astype(np.float64), oracle) if scheme is not None else None
     scheme_f64 = scheme_f64 if scheme_f64 is not None and math.isfinite(scheme_f64) else None
     floor = float32_floor(oracle)
-    allowance = max(torch_f64, floor, scheme_f64 or 0.0)
-    passed = within or (finite and onnx_f64 <= tol.oracle_factor * allowance)
-    ratio = _ratio(tol, diff, ref, rel_rms, rows, onnx_f64 / max(tol.oracle_factor * allowance, 1e-300))
+    spread = max(torch_f64, spread or 0.0)
+    lossy: dict = {}
+    if tol.lossy:
+        sel = _real_rows(real, onnx_out.shape[:-1])
+        if sel is not None:  # the row measures, and the bounds they meet, over real tokens only
+            rows = row_errors(onnx_out[sel], ref[sel], diff[sel])
+            within = finite and _rows_within(tol, rows)
+        scheme_rows = scheme if scheme is None or sel is None else scheme[sel]
+        out_rows, ref_rows = (onnx_out, ref) if sel is None else (onnx_out[sel], ref[sel])
+        lossy = _lossy_verdicts(out_rows, ref_rows, scheme_rows, finite, within if quality else None)
+        passed = finite and lossy["implementation"] is not False and lossy["quality"] is not False
+        ratio = max(lossy.pop("ratio"), _ratio(tol, diff, ref, rel_rms, rows, math.inf) if quality else 0.0)
+    else:
+        allowance = max(spread, floor)
+        passed = within or (finite and onnx_f64 <= tol.oracle_factor * allowance)
+        ratio = _ratio(tol, diff, ref, rel_rms, rows, onnx_f64 / max(tol.oracle_factor * allowance, 1e-300))
     return Comparison(
         output=output,
         max_abs=float(diff.max()),
@@ -158,8 +207,46 @@ def compare(
         row_cosine=rows[1],
         row_peak=rows[2],
         scheme_vs_f64=scheme_f64,
+        spread=spread,
         ratio=ratio if finite else math.inf,
+        **lossy,
     )
+
+
+def _real_rows(real: np.ndarray | None, shape: tuple) -> np.ndarray | None:
+    """The boolean selector of real rows, or None where every row is real (or none is: all are then read)."""
+    if real is None:
+        return None
+    real = np.broadcast_to(np.asarray(real, bool), shape)
+    return real if real.any() and not real.all() else None
+
+
+def _rows_within(tol: Tolerance, rows: tuple[float, float, float]) -> bool:
+    return (
+        rows[0] <= tol.row_rel_rms
+        and rows[1] >= (tol.row_cosine or -1.0)
+        and rows[2] <= (tol.row_peak or math.inf)
+    )
+
+
+def _lossy_verdicts(
+    out: np.ndarray, ref: np.ndarray, scheme: np.ndarray | None, finite: bool, quality: bool | None
+) -> dict:
+    """A lossy graph's two verdicts: ``quality`` as judged by the row bounds (None: not judged on this input),
+    and ``implementation``: the graph's worst row against its scheme, over the scheme's worst row against fp32."""
+    result: dict = {"quality": quality, "implementation": None, "ratio": 0.0}
+    if scheme is None:
+        return result
+    scheme = scheme.astype(np.float64)
+    if not np.isfinite(scheme).all():  # a scheme that overflows (fp16 on a 1e4-scale input) says nothing
+        return result
+    own = row_errors(scheme, ref, np.abs(scheme - ref))[0]
+    graph = row_errors(out, scheme, np.abs(out - scheme))[0] if finite else math.inf
+    bound = max(IMPLEMENTATION_FACTOR * own, IMPLEMENTATION_FLOOR)
+    result.update(
+        implementation=graph <= bound, graph_vs_scheme=graph, scheme_vs_fp32=own, ratio=graph / bound
+    )
+    return result
 
 
 def _ratio(

@@ -173,7 +173,10 @@ class LiveParity:
             if w.scheme_weights is not None:
                 scheme = reference.forward(config, w.scheme_weights, s.embeddings, s.mask, w.scheme)
         tol = Tolerance(**manifest.parity["tolerance"])
-        c = compare(ENCODED, s.answer, x32, x64, tol, scheme)
+        real = (
+            None if s.mask is None else ~np.asarray(s.mask, bool)
+        )  # a lossy answer is judged on real tokens
+        c = compare(ENCODED, s.answer, x32, x64, tol, scheme, real=real)
         ratio = c.ratio
         name = s.model.name
         counts = self.counts[name]

@@ -117,18 +117,16 @@ class Session:
 
 
 def _bert_checkpoint(path: Path) -> None:
-    """A randomly initialised Hugging Face BertModel's weights (nothing is downloaded): 2 layers, 96 wide, whose
-    12 heads are the README command's default --nhead."""
+    """A randomly initialised Hugging Face BertModel's model directory (config.json + model.safetensors; nothing is
+    downloaded): 2 layers, 96 wide, 12 heads, no tokenizer."""
     import torch
     import transformers
-    from safetensors.torch import save_file
 
     config = transformers.BertConfig(
         hidden_size=96, num_attention_heads=12, intermediate_size=192, num_hidden_layers=2
     )
     torch.manual_seed(0)
-    model = transformers.BertModel(config)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    transformers.BertModel(config).save_pretrained(str(path))
 
 
 def test_every_readme_block_runs_as_written_in_order(default_artifact, tmp_path):
@@ -142,7 +140,7 @@ def test_every_readme_block_runs_as_written_in_order(default_artifact, tmp_path)
             )
     work = tmp_path / "clone"
     shutil.copytree(default_artifact, work / "artifacts" / "default")  # what make serve leaves
-    _bert_checkpoint(work / "model.safetensors")  # the README's "a BERT checkpoint you fetched"
+    _bert_checkpoint(work / "bert-model")  # the README's "a BERT model directory you fetched"
     session = Session(work)
     try:
         session.serve("addnorm-serve --model-dir artifacts/default")  # make serve's last step

