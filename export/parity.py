@@ -221,8 +221,7 @@ def run_parity(
         tol, providers=session.get_providers(), graph_optimization=graph_optimization, variant=variant
     )
     report.inputs = "given" if any(_given(c) for c in cases) else "synthetic"
-    ulp_rng = np.random.default_rng(seed + 2)  # the one-ulp moves of float32's spread
-    for case in cases:
+    for index, case in enumerate(cases):
         x, mask = case.make(cfg.d_model, rng)  # (B, S, E)
         condition = case.condition(x)
         if not cfg.batch_first:
@@ -232,20 +231,19 @@ def run_parity(
         oracle_outs = torch_outputs(oracle, x.astype(np.float64), mask, with_steps)
         scheme_outs = scheme(encoder, x, mask, with_steps) if scheme is not None else {}
         numpy_f64 = reference.forward(cfg, weights64, x.astype(np.float64), mask)
-        spread = (
-            {} if tol.lossy else float32_spread(encoder, weights32, x, mask, oracle_outs, with_steps, ulp_rng)
-        )
         names = [*OUTPUT_NAMES, *step_names]
         onnx_outs = dict(zip(OUTPUT_NAMES, session.run(list(OUTPUT_NAMES), feed), strict=True))
         if debug_session is not None:
             onnx_outs.update(zip(step_names, debug_session.run(step_names, feed), strict=True))
-        comparisons = []
-        for name in names:
-            out = np.asarray(onnx_outs[name])
-            comparisons.append(
+
+        # float32's spread costs two more float32 runs: measured where torch's own error does not already pass the
+        # case, and on every case kept as golden data (the server's check judges it on another machine)
+        spread: dict[str, float] = {}
+        while True:
+            comparisons = [
                 compare(
                     name,
-                    out,
+                    np.asarray(onnx_outs[name]),
                     torch_outs[name],
                     oracle_outs[name],
                     tol,
@@ -256,8 +254,16 @@ def run_parity(
                     if cfg.batch_first or name not in OUTPUT_NAMES
                     else ~mask.T,  # steps: (B, S, E)
                 )
+                for name in names
+            ]
+            if spread or tol.lossy or (case.name not in keep and all(c.passed for c in comparisons)):
+                break
+            ulps = np.random.default_rng([seed, 2, index])  # this case's one-ulp moves, whatever ran before
+            spread = float32_spread(encoder, weights32, x, mask, oracle_outs, with_steps, ulps)
+        for c in comparisons:
+            report.samples.setdefault(c.output, []).append(
+                _sample(np.asarray(onnx_outs[c.output]), torch_outs[c.output], sample_rng)
             )
-            report.samples.setdefault(name, []).append(_sample(out, torch_outs[name], sample_rng))
         gap = float(np.abs(numpy_f64 - oracle_outs[ENCODED]).max())
         report.results.append(
             CaseResult(

@@ -35,9 +35,7 @@ def failure_message(report: ParityReport) -> str:
 
 def format_table(report: ParityReport) -> str:
     """A terminal table: one line per case and output, a verdict line, and the worst element on failure."""
-    head = (
-        f"{'case':<34} {'output':<10} {'max abs':>9} {'max rel':>9} {'f32spread':>9} {'onnx-f64':>9}  result"
-    )
+    head = f"{'case':<34} {'output':<10} {'max abs':>9} {'max rel':>9} {'f32-f64':>9} {'onnx-f64':>9}  result"
     lines = [head, "-" * len(head)]
     for r in report.results:
         for c in r.comparisons:

@@ -119,7 +119,9 @@ class Comparison:
     row_cosine: float = 1.0  # the least cosine similarity of a row
     row_peak: float = 0.0  # the worst element's error over its row's RMS
     scheme_vs_f64: float | None = None  # a lossy variant's scheme, computed exactly, against float64
-    spread: float = 0.0  # float32's spread on this input: the largest error vs float64 of its float32 runs
+    # float32's spread on this input: the largest error vs float64 of its float32 runs (torch's alone where the
+    # gate did not need the others: export.parity measures them only where torch's error does not pass a case)
+    spread: float = 0.0
     # lossy variants: the two verdicts (None: not judged here) and their measures
     quality: bool | None = None  # the row bounds vs torch fp32 (representative inputs only)
     implementation: bool | None = None  # the graph computes its scheme
