@@ -186,3 +186,74 @@ def _yardstick(encoder, reference, tmp: Path) -> None:
             case = calibration_cases(x[:, :seq], mask[:, :seq], x.shape[-1])
             spreads.append(run_parity(enc, session, synthetic(case)).results[0].final.spread)
         print(f"{layers:>6} " + " ".join(f"{s:9.1e}" for s in spreads), flush=True)
+
+
+def _int8_study(config, encoder, x: np.ndarray, mask: np.ndarray) -> None:
+    """Where int8's error on this model comes from, and what the usual remedies buy: each scheme computed exactly
+    in numpy (no graph, no speed), judged by the same measures as above against the float64 model."""
+    from export import hf
+    from model import reference
+    from model.schemes import HALF, TINY, WEIGHT_MAX, Exact, Int8
+
+    weights = {k: v.detach().double().numpy() for k, v in encoder.state_dict().items()}
+    names = {id(v): k for k, v in weights.items()}
+    x64 = x.astype(np.float64)
+    want = reference.forward(config, weights, x64, mask)
+
+    class Scheme(Exact):
+        """Per-column symmetric weights of ``wbits`` levels, per-row activations around their mean; ``smooth``:
+        SmoothQuant's per-input-channel scales (alpha 0.5) from this input's own activations; ``skip``: MatMuls
+        whose weight name holds one of these stay float."""
+
+        def __init__(self, wmax=WEIGHT_MAX, act=True, weights_q=True, smooth=None, skip=()):
+            self.wmax, self.act, self.weights_q, self.smooth, self.skip = wmax, act, weights_q, smooth, skip
+
+        def linear(self, a, w, b):
+            name = names[id(w)]
+            if any(t in name for t in self.skip):
+                return a @ w.T + b
+            wt = w.T
+            if self.smooth is not None:
+                wt, a = wt * self.smooth[name][:, None], a / self.smooth[name]
+            if self.weights_q:
+                peak = np.abs(wt).max(0)
+                step = np.where(peak > 0, peak / self.wmax, 1.0)
+                wt = np.clip(np.rint(wt / step), -self.wmax, self.wmax) * step
+            if self.act:
+                centre = a.mean(-1, keepdims=True)
+                reach = np.maximum(np.abs(a - centre).max(-1, keepdims=True), TINY)
+                a = np.clip(np.rint((a - centre) * (HALF / reach)), -HALF, HALF) * (reach / HALF) + centre
+            return a @ wt + b
+
+    peaks: dict[str, np.ndarray] = {}
+
+    class Record(Exact):
+        def linear(self, a, w, b):
+            name = names[id(w)]
+            peaks[name] = np.maximum(peaks.get(name, 0.0), np.abs(a).reshape(-1, a.shape[-1]).max(0))
+            return a @ w.T + b
+
+    reference.forward(config, weights, x64, mask, Record())
+    smooth = {
+        k: np.clip(np.sqrt(peaks[k]) / np.sqrt(np.maximum(np.abs(weights[k]).max(0), 1e-5)), 1e-2, 1e3)
+        for k in peaks
+    }
+    schemes = {
+        "int8 (export/int8.py)": Int8(),
+        "weights only (7 bit)": Scheme(act=False),
+        "activations only": Scheme(weights_q=False),
+        "8-bit weights": Scheme(wmax=127),
+        "SmoothQuant a=0.5": Scheme(smooth=smooth),
+        "q/k/v in float": Scheme(skip=("in_proj",)),
+        "FFN out in float": Scheme(skip=("linear2",)),
+    }
+    print(f"{'scheme':<24} {'worst token row':>16} {'least cosine':>13} {'Spearman':>9}")
+    keep = ~mask
+    for label, arithmetic in schemes.items():
+        got = reference.forward(config, weights, x64, mask, arithmetic)
+        rows = np.sqrt(((got - want) ** 2).mean(-1)) / np.sqrt((want**2).mean(-1))
+        agree = hf.agreement(got, want, mask)
+        print(
+            f"{label:<24} {rows[keep].max():16.3f} {agree.min_sentence_cosine:13.5f} {agree.spearman:9.4f}",
+            flush=True,
+        )

@@ -15,6 +15,7 @@ import numpy as np
 
 from export.cases import Given
 from model.config import ConfigError
+from model.contract import EMBEDDINGS, MASK
 
 CASE_ROWS = 8  # sequences per case: the gate runs each case as one batch
 
@@ -49,9 +50,9 @@ def load_arrays(path: str | Path, reference=None) -> tuple[np.ndarray, np.ndarra
                 from safetensors.numpy import load_file
 
                 arrays = load_file(str(path))
-            if "embeddings" not in arrays:
-                raise ConfigError(f"--calibration {path} has no 'embeddings' array (it has {sorted(arrays)})")
-            x, mask, lengths = arrays["embeddings"], arrays.get("mask"), arrays.get("lengths")
+            if EMBEDDINGS not in arrays:  # the file's arrays are named as the graph's inputs
+                raise ConfigError(f"--calibration {path} has no '{EMBEDDINGS}' array (it has {sorted(arrays)})")
+            x, mask, lengths = arrays[EMBEDDINGS], arrays.get(MASK), arrays.get("lengths")
         else:
             raise ConfigError(f"--calibration {path}: expected .npy, .npz, .safetensors or .txt")
     except (OSError, ValueError) as exc:
