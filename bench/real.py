@@ -118,10 +118,14 @@ def main(rounds: int = 3, seconds: float = 1.0) -> int:
             )
 
         print(
-            "\nfloat32's spread (the float64 rule's yardstick, largest error vs float64 of torch, numpy float32 "
-            "and torch on a one-ulp move) on the passage:"
+            "\nint8 schemes in numpy (model/reference.py, float64 arithmetic) on the same sentences, against fp32:"
         )
-        _yardstick(encoder, reference, Path(tmp))
+        _int8_study(config, encoder, x, mask)
+        print(
+            "\nfloat32's spread (the float64 rule's yardstick: the largest error vs float64 of torch, numpy float32 "
+            "and torch on a one-ulp move), encoded output, by depth and length:"
+        )
+        _yardstick(encoder, reference)
     return 0
 
 
@@ -165,27 +169,24 @@ def _alternate(sessions: dict, feed: dict, rounds: int, seconds: float) -> dict[
     return times
 
 
-def _yardstick(encoder, reference, tmp: Path) -> None:
-    from export.calibration import calibration_cases
-    from export.cases import synthetic
-    from export.parity import make_session, run_parity
-    from export.variants import build_graph
+def _yardstick(encoder, reference) -> None:
+    from export.parity import float32_yardstick
     from model.config import EncoderConfig
 
-    x, mask = reference.embed([PASSAGE * 30])
+    passage, passage_mask = reference.embed([PASSAGE * 30])
+    synthetic = np.random.default_rng(0).standard_normal(passage.shape).astype(np.float32)
     lengths = (16, 64, 128, 256, 512)
-    print(f"{'layers':>6} " + " ".join(f"{'S=' + str(s):>9}" for s in lengths))
-    for layers in (1, 2, 4, 6):
-        enc = copy.deepcopy(encoder)
-        enc.layers = enc.layers[:layers]
-        enc.config = EncoderConfig.from_dict({**encoder.config.to_dict(), "num_layers": layers})
-        build_graph(enc, tmp / f"y{layers}.onnx", "fp32", attention="mha")
-        session = make_session(tmp / f"y{layers}.onnx")
-        spreads = []
-        for seq in lengths:
-            case = calibration_cases(x[:, :seq], mask[:, :seq], x.shape[-1])
-            spreads.append(run_parity(enc, session, synthetic(case)).results[0].final.spread)
-        print(f"{layers:>6} " + " ".join(f"{s:9.1e}" for s in spreads), flush=True)
+    for label, x in (
+        ("the real passage's embeddings", passage),
+        ("N(0, 1) embeddings (the gate's cases)", synthetic),
+    ):
+        print(f"{label}\n{'layers':>6} " + " ".join(f"{'S=' + str(s):>9}" for s in lengths))
+        for layers in (1, 2, 4, 6):
+            enc = copy.deepcopy(encoder)
+            enc.layers = enc.layers[:layers]
+            enc.config = EncoderConfig.from_dict({**encoder.config.to_dict(), "num_layers": layers})
+            spreads = [float32_yardstick(enc, x[:, :s], passage_mask[:, :s]) for s in lengths]
+            print(f"{layers:>6} " + " ".join(f"{v:9.1e}" for v in spreads), flush=True)
 
 
 def _int8_study(config, encoder, x: np.ndarray, mask: np.ndarray) -> None:

@@ -51,7 +51,9 @@ def load_arrays(path: str | Path, reference=None) -> tuple[np.ndarray, np.ndarra
 
                 arrays = load_file(str(path))
             if EMBEDDINGS not in arrays:  # the file's arrays are named as the graph's inputs
-                raise ConfigError(f"--calibration {path} has no '{EMBEDDINGS}' array (it has {sorted(arrays)})")
+                raise ConfigError(
+                    f"--calibration {path} has no '{EMBEDDINGS}' array (it has {sorted(arrays)})"
+                )
             x, mask, lengths = arrays[EMBEDDINGS], arrays.get(MASK), arrays.get("lengths")
         else:
             raise ConfigError(f"--calibration {path}: expected .npy, .npz, .safetensors or .txt")

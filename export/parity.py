@@ -312,6 +312,18 @@ def float32_spread(
     return spread
 
 
+def float32_yardstick(encoder: Encoder, x: np.ndarray, mask: np.ndarray, seed: int = 0) -> float:
+    """float32's spread on the encoded output of one input, measured in full (the gate measures it only where
+    torch's own error does not pass a case): the largest error against float64 of torch fp32, the numpy float32
+    reference and torch on the input moved one ulp."""
+    encoder = encoder.eval().float()
+    oracle = torch_outputs(copy.deepcopy(encoder).double(), x.astype(np.float64), mask, False)
+    weights32 = {k: v.detach().numpy() for k, v in encoder.state_dict().items()}
+    own = _max_err(torch_outputs(encoder, x, mask, False)[ENCODED], oracle[ENCODED])
+    spread = float32_spread(encoder, weights32, x, mask, oracle, False, np.random.default_rng(seed))
+    return max(own, spread[ENCODED])
+
+
 def _max_err(a: np.ndarray, b: np.ndarray) -> float:
     d = np.abs(np.asarray(a, np.float64) - b)
     return float(d.max()) if d.size and np.isfinite(d).all() else 0.0

@@ -24,9 +24,9 @@ from bench.server import ServerProcess
 from export import cli as export_cli
 from export import hf
 from export.calibration import calibration_cases
-from export.cases import Case, default_cases, synthetic
+from export.cases import Case, default_cases
 from export.gate import ParityError
-from export.parity import make_session, run_parity
+from export.parity import float32_yardstick, make_session, run_parity
 from export.pipeline import export_artifact, prepare_encoder
 from export.variants import build_graph, get_variant
 from model.config import EncoderConfig
@@ -210,25 +210,21 @@ def test_a_tanh_gelu_fails(encoder, real, tmp_path):
     assert not report.passed, report.summary()
 
 
-def test_the_float32_yardstick_grows_with_depth_and_length(encoder, real, tmp_path):
-    """float32's spread (the float64 rule's yardstick) on 1 layer x 16 tokens against 6 layers x 512 tokens of
-    the real model: deeper and longer is less exact in float32, and the rule follows."""
+def test_the_float32_yardstick_grows_with_depth_and_length(encoder, real):
+    """float32's spread (the float64 rule's yardstick) on the real 512-token passage, 1 layer x 16 tokens against
+    6 layers x 512: deeper and longer is less exact in float32, and the rule follows (measured 1.1e-6 and
+    4.5e-6; python -m bench --real prints the whole table)."""
     x, mask, _ = real
-    long_row = int(np.argmax((~mask).sum(1)))
+    row = slice(int(np.argmax((~mask).sum(1))), None)
+    row = slice(row.start, row.start + 1)
     spreads = {}
     for layers in (1, 6):
         enc = copy.deepcopy(encoder)
         enc.layers = enc.layers[:layers]
         enc.config = EncoderConfig.from_dict({**encoder.config.to_dict(), "num_layers": layers})
-        build_graph(enc, tmp_path / f"L{layers}.onnx", "fp32", attention="mha")
-        session = make_session(tmp_path / f"L{layers}.onnx")
         for seq in (16, 512):
-            rows = slice(long_row, long_row + 1)
-            case = calibration_cases(x[rows, :seq], mask[rows, :seq], x.shape[-1])
-            report = run_parity(enc, session, synthetic(case))
-            assert report.passed
-            spreads[layers, seq] = report.results[0].final.spread
-    assert spreads[6, 512] > 3 * spreads[1, 16], spreads
+            spreads[layers, seq] = float32_yardstick(enc, x[row, :seq], mask[row, :seq])
+    assert spreads[6, 512] > 2 * spreads[1, 16], spreads
     assert spreads[6, 512] > spreads[6, 16] and spreads[6, 512] > spreads[1, 512], spreads
 
 
