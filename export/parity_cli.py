@@ -7,14 +7,18 @@ import json
 import sys
 from pathlib import Path
 
-from export.cases import adversarial_cases, default_cases
+import numpy as np
+
+from export.cases import Given, adversarial_cases, default_cases, synthetic
 from export.gate import gate
 from export.onnx_export import ExportError
 from export.parity import GRAPH_OPT_LEVELS, ParityReport
 from export.report import format_table, write_report
 from export.weights import CheckpointError, load_weights
-from model.artifact import WEIGHTS_FILE, ArtifactError, load_verified
+from model.artifact import GOLDEN_FILE, WEIGHTS_FILE, ArtifactError, load_verified
+from model.contract import EMBEDDINGS, MASK
 from model.encoder import Encoder
+from model.golden import REPRESENTATIVE, load_golden
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 
@@ -66,10 +70,14 @@ def check_artifact(
     steps: bool = True,
     providers: str = "cpu",
 ) -> ParityReport:
-    """Re-run the gate on an artifact from its saved weights; with ``steps``, every Add & Norm step too."""
+    """Re-run the gate on an artifact from its saved weights; with ``steps``, every Add & Norm step too. An artifact
+    exported with real inputs (``--calibration``) is judged as its export was: its golden cases (those inputs) are
+    the representative ones, the synthetic cases test the graph."""
     manifest, model_path = load_verified(directory)
     encoder = load_weights(Encoder(manifest.config), directory / WEIGHTS_FILE)
     cases = default_cases() + (adversarial_cases() if adversarial else [])
+    if manifest.parity.get("inputs") == "given" and manifest.golden_sha256:
+        cases = _golden_given(directory / GOLDEN_FILE) + synthetic(cases)
     return gate(
         encoder,
         model_path,
@@ -82,6 +90,17 @@ def check_artifact(
         attention=manifest.attention,
         providers=PROVIDERS[providers],
     )
+
+
+def _golden_given(path: Path) -> list[Given]:
+    """The artifact's golden cases that hold real inputs, as gate cases (stored batch-first, as the service speaks)."""
+    cases = []
+    for name, arrays in load_golden(path).items():
+        if not bool(np.all(arrays.get(REPRESENTATIVE, True))):
+            continue
+        x, mask = arrays[EMBEDDINGS], arrays[MASK]
+        cases.append(Given(name, x.shape[0], x.shape[1], embeddings=x, mask=mask))
+    return cases
 
 
 def main(argv: list[str] | None = None) -> int:
