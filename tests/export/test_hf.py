@@ -1,0 +1,79 @@
+"""Hugging Face model directories (export/hf.py): what config.json says, and what it refuses."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from export import hf
+from export.weights import CheckpointError
+from model.config import ConfigError
+
+pytestmark = pytest.mark.unit
+
+MINILM = {
+    "hidden_size": 384,
+    "num_attention_heads": 12,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 6,
+    "layer_norm_eps": 1e-12,
+    "hidden_act": "gelu",
+}
+
+
+def test_config_json_gives_the_block_its_shape():
+    fields = hf.config_fields(MINILM)
+    assert fields == {
+        "d_model": 384,
+        "nhead": 12,
+        "dim_feedforward": 1536,
+        "num_layers": 6,
+        "layer_norm_eps": 1e-12,
+        "activation": "gelu",
+        "norm_first": False,
+    }
+    assert hf.contradictions(fields, {"nhead": 8, "d_model": 384, "activation": None}) == [
+        "--nhead 8 (config.json: 12)"
+    ]
+
+
+@pytest.mark.parametrize(
+    "change, want",
+    [({"hidden_act": "gelu_new"}, "hidden_act 'gelu_new'"), ({"is_decoder": True}, "describes a decoder")],
+)
+def test_what_the_block_cannot_compute_is_refused(change, want):
+    with pytest.raises(ConfigError, match=want):
+        hf.config_fields({**MINILM, **change})
+
+
+def test_a_directory_a_file_beside_config_json_and_what_is_missing(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    with pytest.raises(CheckpointError, match="holds none of model.safetensors"):
+        hf.locate(model)
+    save_file({"w": torch.zeros(1)}, str(model / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="has no config.json"):
+        hf.locate(model)
+    (model / "config.json").write_text(json.dumps(MINILM))
+    assert hf.locate(model) == hf.ModelDir(model / "model.safetensors", model)
+    assert hf.locate(model / "model.safetensors").directory == model  # its config.json is read too
+    alone = tmp_path / "alone.safetensors"
+    save_file({"w": torch.zeros(1)}, str(alone))
+    assert hf.locate(alone).directory is None and hf.locate(alone).config is None
+    with pytest.raises(CheckpointError, match="does not exist"):
+        hf.locate(tmp_path / "nowhere")
+
+
+def test_sentence_measures():
+    """Mean pooling reads real tokens only: padding that differs wildly changes no measure."""
+    import numpy as np
+
+    x = np.random.default_rng(0).standard_normal((4, 5, 8))
+    mask = np.zeros((4, 5), bool)
+    mask[1, 3:] = True
+    noisy = x.copy()
+    noisy[1, 3:] = 1e6  # padding: never read
+    assert np.allclose(hf.sentence_cosines(noisy, x, mask), 1.0)
+    agree = hf.agreement(noisy, x, mask)
+    assert agree.max_abs == 0.0 and agree.tokens == 18 and abs(agree.spearman - 1) < 1e-12
