@@ -194,7 +194,7 @@ def _int8_study(config, encoder, x: np.ndarray, mask: np.ndarray) -> None:
     in numpy (no graph, no speed), judged by the same measures as above against the float64 model."""
     from export import hf
     from model import reference
-    from model.schemes import HALF, TINY, WEIGHT_MAX, Exact, Int8
+    from model.schemes import HALF, TINY, WEIGHT_MAX, Exact, Int8, quantize_weight
 
     weights = {k: v.detach().double().numpy() for k, v in encoder.state_dict().items()}
     names = {id(v): k for k, v in weights.items()}
@@ -217,9 +217,8 @@ def _int8_study(config, encoder, x: np.ndarray, mask: np.ndarray) -> None:
             if self.smooth is not None:
                 wt, a = wt * self.smooth[name][:, None], a / self.smooth[name]
             if self.weights_q:
-                peak = np.abs(wt).max(0)
-                step = np.where(peak > 0, peak / self.wmax, 1.0)
-                wt = np.clip(np.rint(wt / step), -self.wmax, self.wmax) * step
+                q, step = quantize_weight(wt, self.wmax)
+                wt = q.astype(np.float64) * step.astype(np.float64)
             if self.act:
                 centre = a.mean(-1, keepdims=True)
                 reach = np.maximum(np.abs(a - centre).max(-1, keepdims=True), TINY)

@@ -4,7 +4,7 @@ A file of embeddings ``[N, S, E]`` (what the served model receives: a BERT embed
 ``.npy``; ``.npz`` or ``.safetensors`` with ``embeddings`` and optionally ``mask`` ``[N, S]`` (true = padding) or
 ``lengths`` ``[N]``; or ``.txt``, one sentence a line, embedded with the model directory's own tokenizer and
 embedding layer (export.hf.Reference; needs transformers). They become the gate's representative cases: a lossy
-variant's quality is judged on them, and the first of them are kept as the artifact's golden data.
+variant's quality is judged on them, and a few of them are kept as the artifact's golden data.
 """
 
 from __future__ import annotations
@@ -27,41 +27,41 @@ def load_arrays(path: str | Path, reference=None) -> tuple[np.ndarray, np.ndarra
     if not path.is_file():
         raise ConfigError(f"--calibration {path} does not exist")
     suffix = path.suffix.lower()
-    mask = lengths = None
+    if suffix == ".txt":
+        return _sentences(path, reference)
+    if suffix not in (".npy", ".npz", ".safetensors"):
+        raise ConfigError(f"--calibration {path}: expected .npy, .npz, .safetensors or .txt")
     try:
-        if suffix == ".txt":
-            if reference is None:
-                raise ConfigError(
-                    f"--calibration {path}: sentences need the model's tokenizer and embedding layer; give "
-                    "--from-bert a model directory (config.json, tokenizer) with transformers installed, or "
-                    "embeddings as .npy/.npz/.safetensors"
-                )
-            lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
-            if not lines:
-                raise ConfigError(f"--calibration {path} holds no sentence")
-            return reference.embed(lines)
-        if suffix == ".npy":
-            x = np.load(path, allow_pickle=False)
-        elif suffix in (".npz", ".safetensors"):
-            if suffix == ".npz":
-                with np.load(path, allow_pickle=False) as f:
-                    arrays = {k: f[k] for k in f.files}
-            else:
-                from safetensors.numpy import load_file
-
-                arrays = load_file(str(path))
-            if EMBEDDINGS not in arrays:  # the file's arrays are named as the graph's inputs
-                raise ConfigError(
-                    f"--calibration {path} has no '{EMBEDDINGS}' array (it has {sorted(arrays)})"
-                )
-            x, mask, lengths = arrays[EMBEDDINGS], arrays.get(MASK), arrays.get("lengths")
-        else:
-            raise ConfigError(f"--calibration {path}: expected .npy, .npz, .safetensors or .txt")
+        arrays = _read(path, suffix)
     except (OSError, ValueError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
         raise ConfigError(f"--calibration {path} cannot be read: {exc}") from None
-    return _checked(path, np.asarray(x), mask, lengths)
+    if EMBEDDINGS not in arrays:  # the file's arrays are named as the graph's inputs
+        raise ConfigError(f"--calibration {path} has no '{EMBEDDINGS}' array (it has {sorted(arrays)})")
+    return _checked(path, np.asarray(arrays[EMBEDDINGS]), arrays.get(MASK), arrays.get("lengths"))
+
+
+def _read(path: Path, suffix: str) -> dict[str, np.ndarray]:
+    if suffix == ".npy":
+        return {EMBEDDINGS: np.load(path, allow_pickle=False)}
+    if suffix == ".npz":
+        with np.load(path, allow_pickle=False) as f:
+            return {k: f[k] for k in f.files}
+    from safetensors.numpy import load_file
+
+    return load_file(str(path))
+
+
+def _sentences(path: Path, reference) -> tuple[np.ndarray, np.ndarray]:
+    if reference is None:
+        raise ConfigError(
+            f"--calibration {path}: sentences need the model's tokenizer and embedding layer; give "
+            "--from-bert a model directory (config.json, tokenizer) with transformers installed, or "
+            "embeddings as .npy/.npz/.safetensors"
+        )
+    lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    if not lines:
+        raise ConfigError(f"--calibration {path} holds no sentence")
+    return reference.embed(lines)
 
 
 def _checked(path: Path, x: np.ndarray, mask, lengths) -> tuple[np.ndarray, np.ndarray]:

@@ -156,14 +156,14 @@ def config_from_args(
     fields = EncoderConfig.load(args.config).to_dict() if args.config else {}
     flags = {name: getattr(args, name) for name in (*_CONFIG_FLAGS, "norm_first", "batch_first")}
     if declared:
-        wrong = hf.contradictions(declared, {**fields, **flags})
-        wrong += hf.contradictions(declared, detected or {})
-        if wrong:
+        if wrong := hf.contradictions(declared, {**fields, **flags}):
             raise ConfigError(
                 "the model's config.json says otherwise than "
                 + ", ".join(wrong)
                 + ": leave those flags out (config.json decides)"
             )
+        if wrong := hf.contradictions(declared, detected or {}, flags=False):
+            raise ConfigError("the model's weights say otherwise than its config.json: " + ", ".join(wrong))
     if args.from_bert:
         fields = {**BERT_DEFAULTS, **(detected or {}), **(declared or {}), **fields}
     for name, value in flags.items():
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         check = None
         if reference is not None:
-            check = reference_check(encoder, reference, given, config, quiet=args.quiet)
+            check = hf.reference_check(encoder, reference, given, config, quiet=args.quiet)
         result = export_artifact(
             encoder,
             args.out,
@@ -252,82 +252,6 @@ def _reference(args: argparse.Namespace, where: hf.ModelDir | None) -> hf.Refere
         log.warning("no transformers installed: the export is not compared with BertModel (--reference)")
         return None
     return hf.Reference(where.directory)
-
-
-def reference_check(encoder, reference: hf.Reference, given: list, config: EncoderConfig, quiet: bool):
-    """First: the converted torch encoder must compute what transformers' BertModel does on real inputs (fp32
-    tolerance), else the conversion is wrong (a head count, an eps) and nothing is exported. Then, as the
-    pipeline's ``check``: the gated graph's agreement with BertModel, reported and kept in the manifest."""
-    import numpy as np
-    import torch
-
-    from export.parity import make_session
-    from model.contract import EMBEDDINGS, ENCODED, MASK
-    from model.verdict import FP32_ATOL, FP32_RTOL
-
-    if given:
-        x = np.concatenate([_padded(c.embeddings, c.mask, max(g.seq for g in given))[0] for c in given])
-        mask = np.concatenate([_padded(c.embeddings, c.mask, max(g.seq for g in given))[1] for c in given])
-        source = f"{len(x)} --calibration sequences"
-    else:
-        try:
-            x, mask = reference.embed(hf.SENTENCES)
-            source = f"{len(x)} built-in sentences"
-        except (
-            ConfigError
-        ) as exc:  # a directory without a tokenizer: seeded embeddings still check the mapping
-            log.warning("%s; comparing on random embeddings instead", exc)
-            x = np.random.default_rng(0).standard_normal((4, 16, config.d_model)).astype(np.float32)
-            mask = np.zeros((4, 16), bool)
-            mask[1, 9:] = True
-            source = "4 random embeddings (no tokenizer in the model directory)"
-    want = reference.encode(x, mask)
-    graph_x = x if config.batch_first else np.ascontiguousarray(x.transpose(1, 0, 2))
-    with torch.no_grad():
-        ours = encoder.eval()(torch.from_numpy(graph_x), torch.from_numpy(mask)).numpy()
-    if not config.batch_first:
-        ours = ours.transpose(1, 0, 2)
-    keep = ~mask
-    excess = np.abs(ours - want) - (FP32_ATOL + FP32_RTOL * np.abs(want))
-    if (excess[keep] > 0).any():
-        worst = float(np.abs(ours - want)[keep].max())
-        raise ConfigError(
-            f"the converted encoder does not compute what transformers' BertModel computes on {source} (max abs "
-            f"err {worst:.3e} on real tokens): the checkpoint and the configuration disagree (head count, eps, "
-            "activation?); check the flags against the model's config.json"
-        )
-    torch_agrees = hf.agreement(ours, want, mask)
-
-    def check(model_path: Path) -> dict:
-        session = make_session(model_path)
-        got = session.run([ENCODED], {EMBEDDINGS: graph_x, MASK: mask})[0]
-        if not config.batch_first:
-            got = got.transpose(1, 0, 2)
-        graph = hf.agreement(got, want, mask)
-        if not quiet:
-            print(
-                f"reference: transformers BertModel on {source} ({graph.tokens} real tokens): torch encoder max "
-                f"abs err {torch_agrees.max_abs:.2e}; graph max abs err {graph.max_abs:.2e}, least sentence "
-                f"cosine {graph.min_sentence_cosine:.6f}, pairwise ranking Spearman {graph.spearman:.4f}"
-            )
-        return {
-            "model": "transformers BertModel",
-            "inputs": source,
-            "torch": torch_agrees.to_dict(),
-            "graph": graph.to_dict(),
-        }
-
-    return check
-
-
-def _padded(x, mask, seq: int):
-    import numpy as np
-
-    pad = seq - x.shape[1]
-    return (
-        np.pad(x, ((0, 0), (0, pad), (0, 0))),
-        np.pad(mask, ((0, 0), (0, pad)), constant_values=True),
-    )
 
 
 def _valid_artifact(out: Path) -> bool:

@@ -9,6 +9,7 @@ output on them) and is imported there, from the local directory only: nothing is
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +17,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from export.parity import make_session
 from export.weights import CheckpointError, read_state_dict
 from model.config import ConfigError
+from model.contract import EMBEDDINGS, ENCODED, MASK
+from model.verdict import FP32_ATOL, FP32_RTOL
+
+log = logging.getLogger("addnorm.export")
 
 CONFIG_FILE = "config.json"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -106,10 +112,10 @@ def read_model_dir(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, Mod
     return read_state_dict(where.weights), fields, where
 
 
-def contradictions(from_config: dict, given: dict) -> list[str]:
-    """Flags that say otherwise than config.json, as 'flag X (config.json: Y)'."""
+def contradictions(from_config: dict, given: dict, flags: bool = True) -> list[str]:
+    """Values that say otherwise than config.json, as '--flag X (config.json: Y)' (``flags``) or 'field X (...)'."""
     return [
-        f"--{name.replace('_', '-')} {given[name]} (config.json: {value})"
+        f"{'--' + name.replace('_', '-') if flags else name} {given[name]} (config.json: {value})"
         for name, value in from_config.items()
         if given.get(name) is not None and given[name] != value
     ]
@@ -132,7 +138,7 @@ class Reference:
         self.model = BertModel.from_pretrained(
             str(self.directory), local_files_only=True, attn_implementation="eager"
         ).eval()
-        self._tokenizer_type = AutoTokenizer
+        self._auto_tokenizer = AutoTokenizer
         self.max_length = max_length
 
     def embed(self, sentences: list[str] | tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -141,7 +147,7 @@ class Reference:
             # transformers would build an empty vocabulary (every word [UNK]) rather than say so
             raise ConfigError(f"{self.directory} has no tokenizer ({' or '.join(TOKENIZER_FILES)})")
         try:
-            tokenizer = self._tokenizer_type.from_pretrained(str(self.directory), local_files_only=True)
+            tokenizer = self._auto_tokenizer.from_pretrained(str(self.directory), local_files_only=True)
         except (OSError, ValueError, TypeError) as exc:
             raise ConfigError(f"{self.directory} has no usable tokenizer ({type(exc).__name__})") from None
         batch = tokenizer(
@@ -214,3 +220,62 @@ def agreement(out: np.ndarray, want: np.ndarray, mask: np.ndarray) -> Agreement:
         sentences=int(out.shape[0]),
         tokens=int(keep.sum()),
     )
+
+
+def reference_check(encoder, reference: Reference, given: list, config, quiet: bool):
+    """First: the converted torch encoder must compute what transformers' BertModel does on real inputs (fp32
+    tolerance), else the conversion is wrong (a head count, an eps) and nothing is exported. Returns the
+    pipeline's ``check``: the gated graph's agreement with BertModel, printed and kept in the manifest."""
+    if given:
+        x, mask = _stacked(given)
+        source = f"{len(x)} --calibration sequences"
+    else:
+        try:
+            x, mask = reference.embed(SENTENCES)
+            source = f"{len(x)} built-in sentences"
+        except (
+            ConfigError
+        ) as exc:  # a directory without a tokenizer: seeded embeddings still check the mapping
+            log.warning("%s; comparing on random embeddings instead", exc)
+            x = np.random.default_rng(0).standard_normal((4, 16, config.d_model)).astype(np.float32)
+            mask = np.zeros((4, 16), bool)
+            mask[1, 9:] = True
+            source = "4 random embeddings (no tokenizer in the model directory)"
+    want = reference.encode(x, mask)
+    graph_x = x if config.batch_first else np.ascontiguousarray(x.transpose(1, 0, 2))
+    with torch.no_grad():
+        ours = encoder.eval()(torch.from_numpy(graph_x), torch.from_numpy(mask)).numpy()
+    if not config.batch_first:
+        ours = ours.transpose(1, 0, 2)
+    keep = ~mask
+    excess = np.abs(ours - want) - (FP32_ATOL + FP32_RTOL * np.abs(want))
+    if (excess[keep] > 0).any():
+        worst = float(np.abs(ours - want)[keep].max())
+        raise ConfigError(
+            f"the converted encoder does not compute what transformers' BertModel computes on {source} (max abs "
+            f"err {worst:.3e} on real tokens): the checkpoint and the configuration disagree (head count, eps, "
+            "activation?); check the flags against the model's config.json"
+        )
+    torch_agrees = agreement(ours, want, mask)
+
+    def check(model_path: Path) -> dict:
+        got = make_session(model_path).run([ENCODED], {EMBEDDINGS: graph_x, MASK: mask})[0]
+        graph = agreement(got if config.batch_first else got.transpose(1, 0, 2), want, mask)
+        if not quiet:
+            print(
+                f"reference: transformers BertModel on {source} ({graph.tokens} real tokens): torch encoder max "
+                f"abs err {torch_agrees.max_abs:.2e}; graph max abs err {graph.max_abs:.2e}, least sentence "
+                f"cosine {graph.min_sentence_cosine:.6f}, pairwise ranking Spearman {graph.spearman:.4f}"
+            )
+        model = "transformers BertModel"
+        return {"model": model, "inputs": source, "torch": torch_agrees.to_dict(), "graph": graph.to_dict()}
+
+    return check
+
+
+def _stacked(cases: list) -> tuple[np.ndarray, np.ndarray]:
+    """Given cases as one batch, each padded (and masked) to the longest."""
+    seq = max(c.seq for c in cases)
+    x = [np.pad(c.embeddings, ((0, 0), (0, seq - c.seq), (0, 0))) for c in cases]
+    mask = [np.pad(c.mask, ((0, 0), (0, seq - c.seq)), constant_values=True) for c in cases]
+    return np.concatenate(x), np.concatenate(mask)

@@ -220,7 +220,7 @@ def run_parity(
     report = ParityReport(
         tol, providers=session.get_providers(), graph_optimization=graph_optimization, variant=variant
     )
-    report.inputs = "given" if any(_given(c) for c in cases) else "synthetic"
+    report.inputs = "given" if any(isinstance(c, Given) for c in cases) else "synthetic"
     for index, case in enumerate(cases):
         x, mask = case.make(cfg.d_model, rng)  # (B, S, E)
         condition = case.condition(x)
@@ -283,10 +283,6 @@ def run_parity(
     return report
 
 
-def _given(case: Case) -> bool:
-    return isinstance(case, Given)
-
-
 def float32_spread(
     encoder: Encoder,
     weights32: dict[str, np.ndarray],
@@ -332,12 +328,12 @@ def _max_err(a: np.ndarray, b: np.ndarray) -> float:
 def _golden_arrays(cfg, x, mask, torch_outs, oracle_outs, scheme_outs, spread, representative) -> dict:
     """One case as model.golden stores it: batch-first, every served output's torch fp32 and float64 results,
     float32's spread on it, a lossy variant's scheme, and whether its quality is judged."""
-    arrays = {EMBEDDINGS: x if cfg.batch_first else np.ascontiguousarray(x.swapaxes(0, 1)), MASK: mask}
+
+    def batch_first(a: np.ndarray) -> np.ndarray:
+        return a if cfg.batch_first else np.ascontiguousarray(a.swapaxes(0, 1))
+
+    arrays = {EMBEDDINGS: batch_first(x), MASK: mask}
     for name in OUTPUT_NAMES:
-
-        def batch_first(a: np.ndarray) -> np.ndarray:
-            return a if cfg.batch_first else a.swapaxes(0, 1)
-
         arrays[f"torch.{name}"] = batch_first(torch_outs[name]).astype(np.float32)
         arrays[f"oracle.{name}"] = batch_first(oracle_outs[name]).astype(np.float64)
         if name in spread:

@@ -7,8 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from export.cases import Given, adversarial_cases, default_cases, synthetic
 from export.gate import gate
 from export.onnx_export import ExportError
@@ -18,7 +16,7 @@ from export.weights import CheckpointError, load_weights
 from model.artifact import GOLDEN_FILE, WEIGHTS_FILE, ArtifactError, load_verified
 from model.contract import EMBEDDINGS, MASK
 from model.encoder import Encoder
-from model.golden import REPRESENTATIVE, load_golden
+from model.golden import load_golden, representative
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 
@@ -96,7 +94,7 @@ def _golden_given(path: Path) -> list[Given]:
     """The artifact's golden cases that hold real inputs, as gate cases (stored batch-first, as the service speaks)."""
     cases = []
     for name, arrays in load_golden(path).items():
-        if not bool(np.all(arrays.get(REPRESENTATIVE, True))):
+        if not representative(arrays):
             continue
         x, mask = arrays[EMBEDDINGS], arrays[MASK]
         cases.append(Given(name, x.shape[0], x.shape[1], embeddings=x, mask=mask))

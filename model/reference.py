@@ -31,6 +31,7 @@ _ERF = np.frompyfunc(math.erf, 1, 1)  # exact erf, elementwise (numpy has none)
 
 
 def _erf(x: np.ndarray) -> np.ndarray:
+    """erf elementwise, in x's dtype."""
     return _scipy_erf(x) if _scipy_erf is not None else _ERF(x).astype(x.dtype)
 
 
@@ -55,7 +56,7 @@ def _norm(
 def _activation(x: np.ndarray, name: str) -> np.ndarray:
     if name == "relu":
         return np.maximum(x, 0.0)
-    return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)).astype(x.dtype))  # torch's default (exact) GELU
+    return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))  # torch's default (exact) GELU
 
 
 def _attention(

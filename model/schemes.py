@@ -15,11 +15,11 @@ ZERO_POINT = 128
 TINY = 1e-30  # a constant row has p = 0: its q is all zero point and the mean term carries it exactly
 
 
-def quantize_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(E, N) float -> (int8 (E, N) in [-WEIGHT_MAX, WEIGHT_MAX], per-column scale (N,) float32)."""
+def quantize_weight(w: np.ndarray, levels: int = WEIGHT_MAX) -> tuple[np.ndarray, np.ndarray]:
+    """(E, N) float -> (int8 (E, N) in [-levels, levels], per-column scale (N,) float32)."""
     peak = np.abs(w).max(axis=0)
-    scale = np.where(peak > 0, peak / WEIGHT_MAX, 1.0).astype(np.float32)
-    q = np.clip(np.rint(w / scale), -WEIGHT_MAX, WEIGHT_MAX).astype(np.int8)
+    scale = np.where(peak > 0, peak / levels, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / scale), -levels, levels).astype(np.int8)
     return q, scale
 
 

@@ -165,7 +165,12 @@ def compare(
     rel_rms = float(np.sqrt(np.mean(diff**2)) / ref_norm) if ref_norm > 0 else float(diff.max())
     if tol.rel_rms is not None:
         within = within and rel_rms <= tol.rel_rms
-    rows = row_errors(onnx_out, ref, diff)
+    # a lossy variant's rows are read over real tokens only (every row for fp32's report)
+    sel = _real_rows(real, onnx_out.shape[:-1]) if tol.lossy else None
+    out_rows, ref_rows, diff_rows = (
+        (onnx_out, ref, diff) if sel is None else (onnx_out[sel], ref[sel], diff[sel])
+    )
+    rows = row_errors(out_rows, ref_rows, diff_rows)
     if tol.row_rel_rms is not None:
         within = within and _rows_within(tol, rows)
     torch_f64 = _max_err(ref, oracle)
@@ -176,12 +181,7 @@ def compare(
     spread = max(torch_f64, spread or 0.0)
     lossy: dict = {}
     if tol.lossy:
-        sel = _real_rows(real, onnx_out.shape[:-1])
-        if sel is not None:  # the row measures, and the bounds they meet, over real tokens only
-            rows = row_errors(onnx_out[sel], ref[sel], diff[sel])
-            within = finite and _rows_within(tol, rows)
         scheme_rows = scheme if scheme is None or sel is None else scheme[sel]
-        out_rows, ref_rows = (onnx_out, ref) if sel is None else (onnx_out[sel], ref[sel])
         lossy = _lossy_verdicts(out_rows, ref_rows, scheme_rows, finite, within if quality else None)
         passed = finite and lossy["implementation"] is not False and lossy["quality"] is not False
         ratio = max(lossy.pop("ratio"), _ratio(tol, diff, ref, rel_rms, rows, math.inf) if quality else 0.0)

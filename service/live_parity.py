@@ -59,9 +59,8 @@ class Counts:
             "checked": self.checked,
             "failed": self.failed,
             "dropped": self.dropped,
-            "worst_ratio": float(
-                f"{self.worst_ratio:.4g}"
-            ),  # 4 significant digits: an int8 graph is 1e-5 of it
+            # 4 significant digits, not 4 decimals: an int8 graph is 1e-5 of its allowance from its scheme
+            "worst_ratio": float(f"{self.worst_ratio:.4g}"),
         }
 
 

@@ -91,14 +91,14 @@ def _short_synthetic() -> list[Case]:
 @pytest.fixture(scope="module")
 def artifacts(encoder, reference, real, tmp_path_factory) -> dict[str, Path]:
     """Each form exported with the real sentences as --calibration and the transformers check, as addnorm-export
-    runs them (export_cli.reference_check is its --reference)."""
+    runs them (export.hf.reference_check is its --reference)."""
     x, mask, _ = real
     short = (~mask).sum(1) <= 64  # every sentence but the 512-token passage (the synthetic s512 case stays)
     given = calibration_cases(x[short, :64], mask[short, :64], x.shape[-1])
     root = tmp_path_factory.mktemp("real")
     out = {}
     for name, (variant, attention, opset) in FORMS.items():
-        check = export_cli.reference_check(encoder, reference, given, encoder.config, quiet=True)
+        check = hf.reference_check(encoder, reference, given, encoder.config, quiet=True)
         export_artifact(
             encoder,
             root / name,
