@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from export.cases import adversarial_cases, default_cases
     from export.parity import torch_outputs
+    from export.pipeline import plan_for
     from export.variants import _quiet, _toposort, build_graph
     from model.config import EncoderConfig
     from model.contract import EMBEDDINGS, ENCODED, MASK
@@ -51,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         paths = {v: Path(tmp) / f"{v}.onnx" for v in ("fp32", "quantize_dynamic", "int8")}
         build_graph(encoder, paths["fp32"], "fp32", attention=args.attention)
-        build_graph(encoder, paths["int8"], "int8", attention=args.attention)
+        plan = plan_for(
+            encoder, "int8", default_cases()
+        )  # its float channels, as an export without --calibration
+        build_graph(encoder, paths["int8"], "int8", attention=args.attention, plan=plan)
         with _quiet():
             quant_pre_process(str(paths["fp32"]), str(Path(tmp) / "pre.onnx"))
             quantize_dynamic(

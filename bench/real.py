@@ -18,6 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import int8_options
+
+AVX2_ONLY = "Haswell-v4"  # QEMU's CPU model without AVX-512 or VNNI (tests/cpu_kinds.py)
+
 # Sentences beside export.hf.SENTENCES: queries and short statements (the STS benchmark's style).
 MORE = (
     "A cheetah is running behind its prey.",
@@ -48,7 +52,7 @@ def main(rounds: int = 3, seconds: float = 1.0) -> int:
     from export.bert import bert_shape
     from export.calibration import calibration_cases
     from export.gate import ParityError
-    from export.pipeline import export_artifact, prepare_encoder
+    from export.pipeline import export_artifact, plan_for, prepare_encoder
     from export.variants import build_graph
     from model.config import EncoderConfig
     from model.contract import EMBEDDINGS, ENCODED, MASK
@@ -93,19 +97,26 @@ def main(rounds: int = 3, seconds: float = 1.0) -> int:
                         f"{'ok' if s['implementation']['passed'] else 'fails'})"
                     )
                 path = Path(tmp) / f"{name}.onnx"  # the same graph, built without the gate, to measure it
-                build_graph(encoder, path, variant, attention=attention)
+                build_graph(
+                    encoder, path, variant, attention=attention, plan=plan_for(encoder, variant, given)
+                )
             print(f"  exported {name} in {time.perf_counter() - start:.0f} s: {verdict}", flush=True)
             sessions[name] = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
             rows.append((name, verdict))
         sessions["quantize_dynamic"] = _quantize_dynamic(encoder, Path(tmp), opts)
         rows.append(("quantize_dynamic", "not gated (onnxruntime's, per-channel, reduce_range)"))
+        kernels = int8_options.kernel_exactness(None), int8_options.kernel_exactness(AVX2_ONLY)
+        sessions.update(_int8_options(encoder, x, mask, Path(tmp), opts))
+        for option in int8_options.OPTIONS:
+            exact = "/".join(k.get(option.probe, "?") for k in kernels)
+            rows.append((option.name, f"not a variant; {option.probe} here/emulated AVX2: {exact}"))
 
         bench_x = np.random.default_rng(0).standard_normal((8, 128, config.d_model)).astype(np.float32)
         feed = {EMBEDDINGS: bench_x, MASK: np.zeros((8, 128), bool)}
         times = _alternate(sessions, feed, rounds, seconds)
         base = statistics.median(times["fp32-mha"])
         print(
-            f"\n{'variant':<18} {'max err vs transformers':>24} {'least cosine':>13} {'Spearman':>9} "
+            f"\n{'variant':<36} {'max err vs transformers':>24} {'least cosine':>13} {'Spearman':>9} "
             f"{'[8,128,384] ms':>15} {'vs fp32':>8}  export gate"
         )
         for name, verdict in rows:
@@ -113,7 +124,7 @@ def main(rounds: int = 3, seconds: float = 1.0) -> int:
             agree = hf.agreement(got, want, mask)
             ms = statistics.median(times[name])
             print(
-                f"{name:<18} {agree.max_abs:24.2e} {agree.min_sentence_cosine:13.6f} {agree.spearman:9.4f} "
+                f"{name:<36} {agree.max_abs:24.2e} {agree.min_sentence_cosine:13.6f} {agree.spearman:9.4f} "
                 f"{ms:15.2f} {base / ms:7.2f}x  {verdict}"
             )
 
@@ -152,6 +163,24 @@ def _quantize_dynamic(encoder, tmp: Path, opts):
     _toposort(model.graph)
     onnx.save(model, str(tmp / "qd.onnx"))
     return ort.InferenceSession(str(tmp / "qd.onnx"), opts, providers=["CPUExecutionProvider"])
+
+
+def _int8_options(encoder, x: np.ndarray, mask: np.ndarray, tmp: Path, opts) -> dict:
+    """bench/int8_options.py's candidates, built from the pre-processed fp32 graph _quantize_dynamic wrote."""
+    import onnx
+    import onnxruntime as ort
+
+    from export.variants import _toposort
+
+    pre = onnx.load(str(tmp / "qd-pre.onnx"))
+    sessions = {}
+    for option in int8_options.OPTIONS:
+        model = int8_options.build(pre, encoder, x, mask, option)
+        _toposort(model.graph)
+        sessions[option.name] = ort.InferenceSession(
+            model.SerializeToString(), opts, providers=["CPUExecutionProvider"]
+        )
+    return sessions
 
 
 def _alternate(sessions: dict, feed: dict, rounds: int, seconds: float) -> dict[str, list[float]]:
@@ -238,8 +267,11 @@ def _int8_study(config, encoder, x: np.ndarray, mask: np.ndarray) -> None:
         k: np.clip(np.sqrt(peaks[k]) / np.sqrt(np.maximum(np.abs(weights[k]).max(0), 1e-5)), 1e-2, 1e3)
         for k in peaks
     }
+    from export.int8 import float_channels
+
     schemes = {
-        "int8 (export/int8.py)": Int8(),
+        "int8 (export/int8.py)": Int8(float_channels(encoder, [(x, mask)]), weights),
+        "int8, no float channels": Int8(),
         "weights only (7 bit)": Scheme(act=False),
         "activations only": Scheme(weights_q=False),
         "8-bit weights": Scheme(wmax=127),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from pathlib import Path
 
@@ -33,28 +34,34 @@ def gate(
     attention: str = "decomposed",
     providers: list[str] | None = None,
     keep: frozenset[str] = frozenset(),
+    plan: dict | None = None,
 ) -> ParityReport:
     """Run the graph at ``model_path`` against ``encoder`` under the variant's tolerance.
 
     With ``steps``, a debug graph of the same variant and attention form (every Add & Norm result as an extra output) is built in a
-    temporary directory, so each step is compared too and a drift names its sublayer.
+    temporary directory, so each step is compared too and a drift names its sublayer. ``plan``: the variant's
+    scheme parameters (the manifest's ``scheme``), for the debug graph and the scheme alike.
     """
     session = make_session(model_path, graph_optimization, providers)
     with tempfile.TemporaryDirectory() as tmp:
         debug = None
         if steps:
             debug_path = Path(tmp) / "debug.onnx"
-            build_graph(encoder, debug_path, variant, opset, with_steps=True, attention=attention)
+            build_graph(encoder, debug_path, variant, opset, with_steps=True, attention=attention, plan=plan)
             debug = make_session(debug_path, graph_optimization, providers)
         return run_parity(
             encoder,
             session,
             cases,
             tol=get_variant(variant).tolerance,
-            scheme=get_variant(variant).scheme,
+            scheme=_with_plan(get_variant(variant).scheme, plan),
             seed=seed,
             graph_optimization=graph_optimization,
             debug_session=debug,
             variant=variant,
             keep=keep,
         )
+
+
+def _with_plan(scheme, plan: dict | None):
+    return functools.partial(scheme, plan=plan) if scheme is not None and plan else scheme

@@ -87,6 +87,7 @@ def check_artifact(
         seed=seed,
         attention=manifest.attention,
         providers=PROVIDERS[providers],
+        plan=manifest.scheme,
     )
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
+
 from export.attention import AttentionError
 from export.attention import resolve as resolve_attention
 from export.bert import bert_to_encoder_state
@@ -22,7 +24,7 @@ from export.gate import ParityError, gate
 from export.golden import golden_cases, write_golden
 from export.onnx_export import DEFAULT_OPSET, ExportError
 from export.parity import ParityReport
-from export.variants import build_graph
+from export.variants import build_graph, get_variant
 from export.weights import load_state, read_state_dict, save_weights
 from model.artifact import GOLDEN_FILE, MANIFEST_FILE, MODEL_FILE, WEIGHTS_FILE, Manifest, sha256_file
 from model.config import EncoderConfig
@@ -107,7 +109,10 @@ def export_artifact(
             opset,
             out_dir,
         )
-        model = build_graph(encoder, staging / MODEL_FILE, variant, opset, attention=form)
+        given = list(given or [])
+        synthetic_cases = cases if cases is not None else default_cases()
+        plan = plan_for(encoder, variant, given or synthetic_cases)
+        model = build_graph(encoder, staging / MODEL_FILE, variant, opset, attention=form, plan=plan)
         graph = check_graph(model, config, variant, form)
         log.info(
             "graph checks passed: %d nodes, %d norm nodes, %d fused, %d attention",
@@ -117,13 +122,13 @@ def export_artifact(
             graph["attention_nodes"],
         )
         save_weights(encoder, staging / WEIGHTS_FILE)
-        given = list(given or [])
         golden = golden_cases(given)
-        synthetic_cases = cases if cases is not None else default_cases()
         all_cases = [*given, *(synthetic(synthetic_cases) if given else synthetic_cases)]
         all_cases += golden
         keep = frozenset(c.name for c in golden)
-        report = gate(encoder, staging / MODEL_FILE, variant, opset, all_cases, attention=form, keep=keep)
+        report = gate(
+            encoder, staging / MODEL_FILE, variant, opset, all_cases, attention=form, keep=keep, plan=plan
+        )
         if not report.passed:
             raise ParityError(report)
         summary = report.summary()
@@ -144,6 +149,7 @@ def export_artifact(
             parity=summary,
             created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             golden_sha256=sha256_file(staging / GOLDEN_FILE),
+            scheme=plan,
         )
         manifest.save(staging)
         (out_dir / MANIFEST_FILE).unlink(missing_ok=True)  # never leave an old manifest beside a new graph
@@ -154,6 +160,30 @@ def export_artifact(
         return ExportResult(out_dir, manifest, report, graph)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+# The representative inputs a variant's plan is chosen on: enough tokens to see every channel's peaks, few enough
+# for the float64 reference to take a second or two.
+PLAN_TOKENS = 4096
+
+
+def plan_for(encoder: Encoder, variant: str, cases: list[Case]) -> dict:
+    """The variant's scheme parameters (``Variant.plan``), chosen on the representative ``cases`` (the given ones,
+    else the synthetic ones), up to PLAN_TOKENS tokens; {} for a variant without any."""
+    planner = get_variant(variant).plan
+    if planner is None:
+        return {}
+    rng = np.random.default_rng([0, 3])
+    inputs, tokens = [], 0
+    for case in (c for c in cases if c.representative):
+        x, mask = case.make(encoder.config.d_model, rng)
+        if inputs and tokens + x.shape[0] * x.shape[1] > PLAN_TOKENS:
+            break
+        inputs.append((x, mask))
+        tokens += x.shape[0] * x.shape[1]
+    plan = planner(encoder, inputs)
+    log.info("%s plan chosen on %d representative tokens", variant, tokens)
+    return plan
 
 
 def _describe(config: EncoderConfig) -> str:

@@ -22,12 +22,15 @@ from export.onnx_export import DEFAULT_OPSET, ExportError, export_onnx
 from export.parity import torch_outputs
 from model.config import EncoderConfig
 from model.encoder import Encoder
+from model.schemes import FLOAT_CHANNELS_KEY
 from model.verdict import Tolerance
 
-# (encoder, path, opset, with_steps, attention form: export/attention.py)
-Builder = Callable[[Encoder, Path, int, bool, str], onnx.ModelProto]
-# (encoder, embeddings, mask, with_steps) -> outputs, as export.parity.torch_outputs returns them
-Scheme = Callable[[Encoder, np.ndarray, np.ndarray, bool], dict[str, np.ndarray]]
+# (encoder, path, opset, with_steps, attention form: export/attention.py); a variant with a plan takes it as plan=
+Builder = Callable[..., onnx.ModelProto]
+# (encoder, embeddings, mask, with_steps) -> outputs, as export.parity.torch_outputs returns them (plan= too)
+Scheme = Callable[..., dict[str, np.ndarray]]
+# (encoder, representative inputs as (x, mask) pairs) -> the scheme's parameters, kept as the manifest's "scheme"
+Planner = Callable[[Encoder, list[tuple[np.ndarray, np.ndarray]]], dict]
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,8 @@ class Variant:
 
     ``scheme``: for a lossy variant, its own arithmetic computed by torch, (encoder, x, mask, with_steps) ->
     outputs (export.parity.torch_outputs' form); the gate lets the graph be as far from float64 as that is.
+    ``plan``: a variant whose scheme has parameters chosen on representative inputs (int8's float channels) plans
+    them once per export; ``build`` and ``scheme`` then take them as ``plan=``, and the manifest keeps them.
     """
 
     name: str
@@ -45,6 +50,7 @@ class Variant:
     build: Builder
     expected_ops: Callable[[EncoderConfig], dict[str, int]]
     scheme: Scheme | None = None
+    plan: Planner | None = None
 
 
 def norm_op(config: EncoderConfig) -> str:
@@ -69,9 +75,10 @@ def _export_fp16(
 
 
 def _export_int8(
-    encoder: Encoder, path: Path, opset: int, with_steps: bool, attention: str
+    encoder: Encoder, path: Path, opset: int, with_steps: bool, attention: str, plan: dict | None = None
 ) -> onnx.ModelProto:
-    """int8 weight MatMuls with activations quantized per row (export/int8.py says why this scheme).
+    """int8 weight MatMuls with activations quantized per row, the plan's float channels in float
+    (export/int8.py says why this scheme).
 
     onnxruntime's pre-processing folds the q/k/v weight slices into constants first, so those projections
     quantize too; the activation x activation products of attention stay in float.
@@ -86,7 +93,12 @@ def _export_int8(
         quant_pre_process(str(path), str(pre), skip_symbolic_shape=True)
     model = onnx.load(str(pre))
     pre.unlink()
-    int8.quantize_graph(model)
+    channels = (plan or {}).get(FLOAT_CHANNELS_KEY)
+    state = {k: v.detach().float().numpy() for k, v in encoder.state_dict().items()}
+    try:
+        int8.quantize_graph(model, int8.owner_channels(state, channels) if channels else None)
+    except ValueError as exc:
+        raise ExportError(f"int8: {exc}") from None
     _toposort(model.graph)
     onnx.save(model, str(path))
     return model
@@ -104,11 +116,17 @@ def _fp16_scheme(
 
 
 def _int8_scheme(
-    encoder: Encoder, x: np.ndarray, mask: np.ndarray, with_steps: bool
+    encoder: Encoder, x: np.ndarray, mask: np.ndarray, with_steps: bool, plan: dict | None = None
 ) -> dict[str, np.ndarray]:
     """export/int8.py's arithmetic, exactly (float64)."""
-    with int8.simulated():
-        return torch_outputs(copy.deepcopy(encoder).double(), x.astype(np.float64), mask, with_steps)
+    double = copy.deepcopy(encoder).double()
+    with int8.simulated(double, (plan or {}).get(FLOAT_CHANNELS_KEY)):
+        return torch_outputs(double, x.astype(np.float64), mask, with_steps)
+
+
+def _int8_plan(encoder: Encoder, inputs: list[tuple[np.ndarray, np.ndarray]]) -> dict:
+    """int8's float channels, chosen on representative inputs (export/int8.py)."""
+    return {FLOAT_CHANNELS_KEY: int8.float_channels(encoder, inputs)}
 
 
 def _toposort(graph: onnx.GraphProto) -> None:
@@ -216,6 +234,7 @@ VARIANTS: dict[str, Variant] = {
             _export_int8,
             _int8_ops,
             _int8_scheme,
+            _int8_plan,
         ),
         Variant(
             "fused",
@@ -243,9 +262,14 @@ def build_graph(
     opset: int = DEFAULT_OPSET,
     with_steps: bool = False,
     attention: str = "decomposed",
+    plan: dict | None = None,
 ) -> onnx.ModelProto:
-    """Export ``encoder`` as ``variant`` with ``attention`` (a form of export/attention.py) into ``path``."""
-    return get_variant(variant).build(encoder, Path(path), opset, with_steps, attention)
+    """Export ``encoder`` as ``variant`` with ``attention`` (a form of export/attention.py) into ``path``;
+    ``plan``: the variant's scheme parameters (``Variant.plan``), for a variant that has them."""
+    v = get_variant(variant)
+    if plan and v.plan is not None:
+        return v.build(encoder, Path(path), opset, with_steps, attention, plan=plan)
+    return v.build(encoder, Path(path), opset, with_steps, attention)
 
 
 @contextlib.contextmanager

@@ -47,6 +47,7 @@ class Manifest:
     created_at: str = ""
     golden_sha256: str = ""  # sha256 of golden.safetensors; "" for artifacts exported before golden data
     attention: str = "decomposed"  # how attention is spelled: mha, onnx or decomposed (export/attention.py)
+    scheme: dict[str, Any] = field(default_factory=dict)  # a lossy scheme's parameters (int8: float channels)
 
     def input(self, name: str) -> TensorSpec:
         for spec in self.inputs:
@@ -72,6 +73,7 @@ class Manifest:
             "model_sha256": self.model_sha256,
             **({"golden_sha256": self.golden_sha256} if self.golden_sha256 else {}),
             "versions": dict(self.versions),
+            **({"scheme": self.scheme} if self.scheme else {}),
             "parity": self.parity,
             "created_at": self.created_at,
         }
@@ -100,6 +102,7 @@ class Manifest:
                 created_at=str(data.get("created_at", "")),
                 golden_sha256=str(data.get("golden_sha256", "")),
                 attention=str(data.get("attention", "decomposed")),  # older artifacts spelled it out
+                scheme=_scheme(data.get("scheme", {})),
             )
         except (KeyError, TypeError, ValueError, ConfigError) as exc:
             if isinstance(exc, ArtifactError):
@@ -125,6 +128,21 @@ class Manifest:
         if not isinstance(data, dict):
             raise ArtifactError(f"{path} must hold a JSON object")
         return cls.from_dict(data)
+
+
+def _scheme(data: Any) -> dict[str, Any]:
+    """The manifest's ``scheme``: an object; int8's ``float_channels`` maps weight names to channel indices."""
+    if not isinstance(data, dict):
+        raise ArtifactError(f"manifest scheme must be an object, got {type(data).__name__}")
+    channels = data.get("float_channels", {})
+    if not isinstance(channels, dict) or not all(
+        isinstance(k, str) and isinstance(v, list) and all(type(i) is int and i >= 0 for i in v)
+        for k, v in channels.items()
+    ):
+        raise ArtifactError(
+            "manifest scheme.float_channels must map weight names to lists of channel indices"
+        )
+    return dict(data)
 
 
 def sha256_file(path: str | Path, chunk_size: int = 1 << 20) -> str:

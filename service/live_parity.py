@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from model import reference, schemes
-from model.artifact import WEIGHTS_FILE
+from model.artifact import WEIGHTS_FILE, Manifest
 from model.contract import ENCODED
 from model.verdict import Tolerance, compare
 from service import logs, memory
@@ -166,7 +166,7 @@ class LiveParity:
         manifest = s.model.engine.manifest
         # the API's layout (batch first), whatever the graph's
         config = dataclasses.replace(manifest.config, batch_first=True)
-        w = self._weights_of(s.model.engine.directory, manifest.variant)
+        w = self._weights_of(s.model.engine.directory, manifest)
         with np.errstate(all="ignore"):  # fp16's scheme overflows on large inputs; compare() then ignores it
             x64 = reference.forward(config, w.f64, s.embeddings, s.mask)
             x32 = reference.forward(config, w.f32, s.embeddings, s.mask)
@@ -203,14 +203,14 @@ class LiveParity:
             )
             self._loop.call_soon_threadsafe(self.unready, name, reason)
 
-    def _weights_of(self, directory: Path, variant: str) -> _Weights:
+    def _weights_of(self, directory: Path, manifest: Manifest) -> _Weights:
         """A model's weights in float64 and float32, read once; the last WEIGHTS_KEPT artifacts' are kept (model
         control may load new versions for as long as the server runs). int8's scheme runs in float64 (exactly,
         as the gate's), fp16's in float32 rounded to half."""
         if directory not in self._weights:
             w64 = reference.load_weights(directory / WEIGHTS_FILE, np.float64)
             w32 = {k: v.astype(np.float32) for k, v in w64.items()}
-            scheme = schemes.for_variant(variant) or schemes.Exact()
+            scheme = schemes.for_variant(manifest.variant, manifest.scheme, w64) or schemes.Exact()
             lossy = {schemes.Int8: w64, schemes.Half: w32}.get(type(scheme))
             self._weights[directory] = _Weights(w64, w32, scheme, lossy)
             while len(self._weights) > WEIGHTS_KEPT:

@@ -159,9 +159,30 @@ def test_a_flag_that_contradicts_config_json_is_an_error(minilm, tmp_path, capsy
         assert code == 2 and "--nhead 8 (config.json: 12)" in err, err
 
 
+def test_int8_float_channels_bring_the_sentence_embeddings_within_0_998(encoder, real, tmp_path):
+    """int8 keeps each weight product's few largest input channels (this model's outlier dimensions, chosen on
+    calibration sentences) in float: on real sentences, 14 of them never seen by the choice, the least sentence
+    cosine against transformers goes from ~0.993 without them to ~0.9986 (docs/parity.md, "int8 on the real
+    model"); still under the 0.999 retrieval wants, which 7-bit weights cannot reach."""
+    import onnxruntime as ort
+
+    x, mask, want = real
+    plan = get_variant("int8").plan(encoder, [(x[:8], mask[:8])])
+    agree = {}
+    for label, p in (("float channels", plan), ("none", None)):
+        path = tmp_path / f"{label}.onnx"
+        build_graph(encoder, path, "int8", attention="mha", plan=p)
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        agree[label] = hf.agreement(session.run(["encoded"], {"embeddings": x, "mask": mask})[0], want, mask)
+    assert agree["float channels"].min_sentence_cosine >= 0.998, agree
+    assert agree["float channels"].spearman >= 0.997, agree
+    assert agree["none"].min_sentence_cosine < 0.995, agree
+
+
 def test_int8_is_refused_on_quality_and_the_report_says_both_verdicts(encoder, real, tmp_path):
-    """The int8 scheme of today is far from fp32 on this model's real tokens (worst row ~19% relative RMS): the
-    gate refuses it on quality, however faithfully the graph computes its scheme (no rescue)."""
+    """int8 is closer to fp32 with its float channels, but some token rows of this model's real sentences stay
+    several % from fp32 (worst ~7-10% relative RMS, against 3% allowed): the gate refuses it on quality, however
+    faithfully the graph computes its scheme (no rescue)."""
     x, mask, _ = real
     given = calibration_cases(x[:16], mask[:16], x.shape[-1])
     with pytest.raises(ParityError) as failed:

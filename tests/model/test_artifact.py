@@ -51,3 +51,23 @@ def test_manifest_is_plain_json(tiny_artifact):
     assert doc["parity"]["passed"] is True
     assert doc["parity"]["max_abs_err"] <= 1e-5
     assert {"torch", "onnx", "onnxruntime"} <= set(doc["versions"])
+
+
+@pytest.mark.parametrize(
+    ("scheme", "message"),
+    [
+        ([], "scheme must be an object"),
+        ({"float_channels": {"layers.0.linear1.weight": [1, -2]}}, "lists of channel indices"),
+        ({"float_channels": {"layers.0.linear1.weight": "3"}}, "lists of channel indices"),
+        ({"float_channels": [[1]]}, "lists of channel indices"),
+    ],
+)
+def test_a_malformed_scheme_is_named(tiny_artifact, scheme, message):
+    """int8's float channels travel in the manifest's scheme; a malformed one is refused when read, not at a
+    live parity check in the middle of serving."""
+    doc = Manifest.load(tiny_artifact).to_dict()
+    assert "scheme" not in doc  # fp32 has none
+    with pytest.raises(ArtifactError, match=message):
+        Manifest.from_dict({**doc, "scheme": scheme})
+    good = {"float_channels": {"layers.0.linear1.weight": [3, 1]}}
+    assert Manifest.from_dict({**doc, "scheme": good}).to_dict()["scheme"] == good
