@@ -78,3 +78,51 @@ def test_imports_go_one_way_and_have_no_cycles():
     done: set[str] = set()
     for mod in graph:
         visit(mod, [])
+
+
+TESTS = sorted((ROOT / "tests").rglob("*.py"))
+CHECKS = {"raises", "warns", "fail"}  # pytest.raises / pytest.warns / pytest.fail
+
+
+def _asserts(node: ast.AST, helpers: set[str]) -> bool:
+    """Whether ``node``'s body asserts: an ``assert``, ``pytest.raises``/``warns``/``fail``, ``raise
+    AssertionError``, a library's ``assert_*`` (numpy.testing, torch.testing), or a call of a function known to
+    assert (``helpers``, by name)."""
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Assert):
+            return True
+        if isinstance(sub, ast.Raise) and "AssertionError" in ast.unparse(sub.exc or sub):
+            return True
+        if isinstance(sub, ast.Call):
+            f = sub.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if (
+                name in helpers
+                or name.startswith("assert_")
+                or (name in CHECKS and isinstance(f, ast.Attribute))
+            ):
+                return True
+    return False
+
+
+def test_every_test_asserts_something():
+    """Each ``test_*`` function asserts, or calls a function of tests/ (or bench/'s check helpers) that does: a test
+    that only runs code passes whatever the code does, unless the code raises."""
+    functions: dict[str, list[ast.AST]] = {}
+    tests = []
+    for path in TESTS + [ROOT / "bench" / "server.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                functions.setdefault(node.name, []).append(node)
+                if node.name.startswith("test_") and path in TESTS:
+                    tests.append((path, node))
+    helpers: set[str] = set()
+    while True:  # a helper that calls a helper that asserts asserts too
+        more = {
+            n for n, defs in functions.items() if n not in helpers and any(_asserts(d, helpers) for d in defs)
+        }
+        if not more:
+            break
+        helpers |= more
+    empty = [f"{p.relative_to(ROOT)}:{n.lineno} {n.name}" for p, n in tests if not _asserts(n, helpers)]
+    assert len(tests) > 300 and not empty, empty
