@@ -31,7 +31,8 @@ RUNTIME = ("libc6", "libstdc++6", "libgcc-s1")
 
 
 class Unavailable(RuntimeError):
-    """perf_analyzer cannot be had here (no network to PyPI or Debian, no apt-get or dpkg-deb, not x86-64)."""
+    """perf_analyzer cannot be had here (no network to PyPI or Debian, no apt-get or dpkg-deb, not x86-64); a fetch
+    that fails otherwise raises RuntimeError."""
 
 
 def cache_dir() -> Path:
@@ -46,13 +47,31 @@ def _glibc() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+# How pip and apt-get say that the network (not our request) failed: only then is perf_analyzer unavailable here.
+# Any other failure (a pin that names no release, a package that moved) is the fetcher's fault and raised as such.
+NETWORK_SIGNS = (
+    "Temporary failure in name resolution",
+    "Failed to establish a new connection",
+    "Network is unreachable",
+    "Connection refused",
+    "Connection timed out",
+    "Read timed out",
+    "Could not resolve",
+    "Could not connect",
+    "No route to host",
+)
+
+
 def _run(cmd: list[str], what: str, **kwargs) -> None:
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600, **kwargs)
     except FileNotFoundError:
         raise Unavailable(f"{what}: {cmd[0]} is not installed") from None
     except subprocess.CalledProcessError as exc:
-        raise Unavailable(f"{what} failed: {(exc.stderr or exc.stdout).strip()[-500:]}") from None
+        said = (exc.stderr or exc.stdout).strip()
+        if any(sign in said for sign in NETWORK_SIGNS):
+            raise Unavailable(f"{what} failed, the network unreachable: {said[-500:]}") from None
+        raise RuntimeError(f"{what} failed, and not for want of a network: {said[-500:]}") from None
 
 
 def _fetch_binary(root: Path) -> Path:

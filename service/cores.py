@@ -47,3 +47,8 @@ class CoreBudget:
     @property
     def free(self) -> int:
         return self._free
+
+    @property
+    def waiting(self) -> int:
+        """How many runs wait for their threads."""
+        return len(self._waiting)

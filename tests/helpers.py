@@ -15,6 +15,15 @@ def wait_until(condition: Callable[[], bool], timeout: float = 60.0, what: str =
         time.sleep(0.02)
 
 
+def queue_depth(base: str, model: str = "encoder") -> int:
+    """A served model's requests waiting for a run, from the server's /metrics (addnorm_queue_depth)."""
+    import httpx
+
+    want = f'addnorm_queue_depth{{model="{model}"}}'
+    metrics = httpx.get(f"{base}/metrics", timeout=30).text
+    return int(float(next(ln.split()[-1] for ln in metrics.splitlines() if ln.startswith(want))))
+
+
 def wait_until_ready(client, path: str = "/health/ready", timeout: float = 60.0) -> None:
     """Until ``client`` (a TestClient or an httpx client) gets 200 from ``path``; bounded by ``timeout``."""
     wait_until(lambda: client.get(path).status_code == 200, timeout, f"GET {path} answering 200")

@@ -2,7 +2,6 @@
 
 import signal
 import threading
-import time
 
 import httpx
 import numpy as np
@@ -11,7 +10,7 @@ from fastapi.testclient import TestClient
 from service import create_app
 from service.settings import Settings
 from tests.conftest import start_server
-from tests.helpers import wait_until_ready
+from tests.helpers import queue_depth, wait_until, wait_until_ready
 
 
 class FailOnce:
@@ -41,6 +40,13 @@ def test_an_engine_failure_answers_a_json_500_and_the_next_request_succeeds(tiny
         assert client.get("/health/ready").status_code == 200
 
 
+def _in_server(base: str) -> int:
+    """Runs done plus requests queued, while one is still queued (else 0): with one running, 3 means all four."""
+    stats = httpx.get(f"{base}/v2/models/encoder/stats").json()["model_stats"][0]
+    queued = queue_depth(base)
+    return stats["execution_count"] + queued if queued else 0
+
+
 def test_sigterm_drains_requests_in_flight_then_exits_0(tiny_artifact):
     srv = start_server(tiny_artifact, "--max-batch-size", "1")
     with srv:
@@ -59,7 +65,8 @@ def test_sigterm_drains_requests_in_flight_then_exits_0(tiny_artifact):
         threads = [threading.Thread(target=call) for _ in range(4)]
         for t in threads:
             t.start()
-        time.sleep(0.5)  # all four sent; the first is running, the rest queued
+        # all four in the server, some still queued: then SIGTERM (each run takes a few hundred ms)
+        wait_until(lambda: _in_server(srv.base) >= 3, 60, "the four requests in the server, some queued")
         srv.proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(120)

@@ -2,7 +2,7 @@
 AVX-512, no VNNI), where onnxruntime's u8 x s8 kernels add pairs of products in int16 (VPMADDUBSW).
 
 The emulator is first shown to reproduce that saturation, so a pass here is not a machine that never reached the
-AVX2 kernels. .ci/run installs qemu-user; where it cannot be had the tests say so and skip.
+AVX2 kernels. .ci/run installs qemu-user; where it cannot be had the tests say so and skip (in CI they fail).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from onnx import TensorProto, helper, numpy_helper
 from model.runtime import cpu_flags
 from tests.cpu_kinds import CAN_EMULATE, WHY_NOT, emulated, golden_check, run
 
-pytestmark = pytest.mark.skipif(not CAN_EMULATE, reason=WHY_NOT)
+needs_qemu = pytest.mark.skipif(not CAN_EMULATE, reason=WHY_NOT)  # every test but the last, which only parses
 
 
+@needs_qemu
 def test_the_emulated_cpu_saturates_u8s8_pairs_as_avx2_does(tmp_path):
     """255 x 127 summed over 64 products: exact on VNNI, and int16-saturated pairs on AVX2."""
     k = 64
@@ -45,6 +46,7 @@ def test_the_emulated_cpu_saturates_u8s8_pairs_as_avx2_does(tmp_path):
     assert int(run([sys.executable, "-c", code, str(tmp_path / "m.onnx")])) in (255 * 127 * k, 32767 * k // 2)
 
 
+@needs_qemu
 def test_int8_passes_its_golden_check_on_avx2_with_the_same_answers(model_repository, tmp_path):
     """The repository's int8 artifact: passed natively and on the AVX2-only CPU, and the answers are bitwise
     equal (the int32 sums are exact on both; the float work around them is the same)."""
@@ -57,6 +59,7 @@ def test_int8_passes_its_golden_check_on_avx2_with_the_same_answers(model_reposi
         np.testing.assert_allclose(b[case], a[case], rtol=0, atol=1e-6)  # float32 noise of the float ops only
 
 
+@needs_qemu
 def test_per_tensor_u8s8_quantization_fails_the_golden_check_on_avx2(model_repository, tmp_path):
     """What onnxruntime's quantize_dynamic writes (8-bit weights, per-tensor u8 activations), judged by the int8
     tolerance: refused on the emulated AVX2 CPU. This is the scheme the per-row one replaced."""

@@ -14,6 +14,7 @@ import os
 import shutil
 import time
 import urllib.request
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,8 @@ from export import parity_cli
 from export.checks import op_counts
 from export.parity import make_session
 from model.config import EncoderConfig
-from tests.cpu_kinds import CAN_EMULATE, golden_check
+from tests.conftest import IN_CI
+from tests.cpu_kinds import CAN_EMULATE, WHY_NOT, golden_check
 
 VARIANTS = ("fp32", "fp16", "int8", "fused")
 ATTENTION = ("mha", "onnx", "decomposed")
@@ -222,7 +224,12 @@ def test_combination(matrix, combo: Combo, tmp_path, request):
     index = {m["name"]: m for m in _post(server.base + "/v2/repository/index", {})}
     assert index[combo.id]["state"] == "READY", index[combo.id]["reason"]
     assert verification["status"] == "passed", verification["message"]
-    # and on an emulated AVX2-only CPU (every combination in the full matrix; int8's in the subset)
+    # and on an emulated AVX2-only CPU (every combination in the full matrix; int8's in the subset); in CI its
+    # absence fails (.ci/run installs qemu-user), elsewhere it is left out with a warning
+    if FULL or combo.variant == "int8":
+        assert CAN_EMULATE or not IN_CI, WHY_NOT
+        if not CAN_EMULATE:
+            warnings.warn(f"the AVX2 golden check was left out: {WHY_NOT}", stacklevel=1)
     if CAN_EMULATE and (FULL or combo.variant == "int8"):
         avx2 = golden_check(directory, tmp_path / "avx2.npz", emulate=True)
         assert avx2["status"] == "passed", avx2

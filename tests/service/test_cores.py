@@ -10,17 +10,20 @@ import pytest
 
 from service.cores import CoreBudget
 from service.settings import Settings
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.unit
 
 
 def _run_all(budget: CoreBudget, wants: list[int], hold_s: float = 0.02) -> tuple[int, list[int]]:
-    """Each want in its own thread, started in order; the most threads held at once, and the order they ran."""
-    lock, held, peak, order = threading.Lock(), [0], [0], []
+    """Each want in its own thread, started in order, each one started once the one before has arrived (holds its
+    threads, or waits in line for them); the most threads held at once, and the order they ran."""
+    lock, held, peak, order, acquired = threading.Lock(), [0], [0], [], [0]
 
     def run(i: int, n: int) -> None:
         with budget.hold(n):
             with lock:
+                acquired[0] += 1
                 held[0] += min(n, budget.threads)
                 peak[0] = max(peak[0], held[0])
                 order.append(i)
@@ -32,7 +35,7 @@ def _run_all(budget: CoreBudget, wants: list[int], hold_s: float = 0.02) -> tupl
     for i, n in enumerate(wants):
         threads.append(threading.Thread(target=run, args=(i, n)))
         threads[-1].start()
-        time.sleep(0.002)  # arrival order
+        wait_until(lambda i=i: acquired[0] + budget.waiting == i + 1, 10, f"run {i} arrived")
     for t in threads:
         t.join(10)
     return peak[0], order
