@@ -215,7 +215,7 @@ def reliability(args: argparse.Namespace) -> int:
         return 0
     summary = rel.soak(artifact, args.soak, args.clients).summary()
     print(json.dumps(summary, indent=2))
-    return 1 if summary["unexpected_5xx"] or summary["wrong_answers"] or summary["unexpected"] else 0
+    return 1 if summary["5xx"] or summary["wrong_answers"] or summary["unexpected"] else 0
 
 
 def cost_curve(args: argparse.Namespace) -> int:

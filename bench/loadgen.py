@@ -13,7 +13,7 @@ import resource
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -38,6 +38,7 @@ class LoadResult:
     latencies_ms: np.ndarray
     client_cpu_s: float
     errors: int
+    bodies: list[bytes] = field(default_factory=list)  # the first ``keep`` answers' bodies (run_load)
 
     @property
     def throughput(self) -> float:
@@ -58,15 +59,14 @@ class LoadResult:
         }
 
 
-async def _read_response(reader: asyncio.StreamReader) -> int:
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     head = await reader.readuntil(b"\r\n\r\n")
     status = int(head[9:12])
     length = 0
     for line in head.split(b"\r\n"):
         if line[:15].lower() == b"content-length:":
             length = int(line[15:])
-    await reader.readexactly(length)
-    return status
+    return status, await reader.readexactly(length)
 
 
 Send = Callable[[], Awaitable[bool]]  # one request; True when it was answered with success
@@ -81,8 +81,11 @@ def run_load(
     seconds: float,
     max_requests: int = 10**9,
     warmup: int = 2,
+    keep: int = 0,
 ) -> LoadResult:
-    """``concurrency`` closed-loop keep-alive HTTP clients for ``seconds`` (or ``max_requests`` in all)."""
+    """``concurrency`` closed-loop keep-alive HTTP clients for ``seconds`` (or ``max_requests`` in all); the bodies
+    of the first ``keep`` answers (warm-up included) are kept in the result, to check what was answered."""
+    kept: list[bytes] = []
 
     @contextlib.asynccontextmanager
     async def connect() -> AsyncIterator[Send]:
@@ -90,14 +93,19 @@ def run_load(
 
         async def send() -> bool:
             writer.write(request)
-            return await _read_response(reader) == 200
+            status, body = await _read_response(reader)
+            if len(kept) < keep:
+                kept.append(body)
+            return status == 200
 
         try:
             yield send
         finally:
             writer.close()
 
-    return run_clients(connect, concurrency, seconds, max_requests, warmup)
+    result = run_clients(connect, concurrency, seconds, max_requests, warmup)
+    result.bodies = kept
+    return result
 
 
 def run_loads(host: str, loads: list[tuple[int, bytes, int]], seconds: float) -> list[LoadResult]:

@@ -9,13 +9,25 @@ from bench.measure import block_flops, gemm_graph, gemm_roof, v1_binary_request,
 from bench.report import update_docs
 
 
-def test_load_generator_gets_real_answers_from_the_server(server):
+def test_load_generator_gets_real_answers_from_the_server(server, tiny_artifact):
+    """Every request answered 200, and the answers kept are the model's (both bodies end with the encoded tensor
+    in binary: V2's after its JSON header, /v1's alone), equal to in-process onnxruntime's."""
+    import onnxruntime as ort
+
     port = int(server.rsplit(":", 1)[1])
-    x = np.zeros((1, 4, 32), np.float32)
+    x = np.random.default_rng(2).standard_normal((1, 4, 32)).astype(np.float32)
+    session = ort.InferenceSession(str(tiny_artifact / "model.onnx"), providers=["CPUExecutionProvider"])
+    want = session.run(["encoded"], {"embeddings": x, "mask": np.zeros((1, 4), bool)})[0]
     for req in (v2_request(port, "encoder", x), v1_binary_request(port, x)):
-        result = run_load("127.0.0.1", port, req, concurrency=4, seconds=0.3, max_requests=40, warmup=1)
+        result = run_load(
+            "127.0.0.1", port, req, concurrency=4, seconds=0.3, max_requests=40, warmup=1, keep=8
+        )
         assert result.requests > 0 and result.errors == 0
         assert result.row()["p99_ms"] >= result.row()["p50_ms"] > 0
+        assert len(result.bodies) == 8
+        for body in result.bodies:
+            got = np.frombuffer(body[-want.nbytes :], "<f4").reshape(want.shape)
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
 def test_flop_count_of_one_layer():

@@ -50,6 +50,7 @@ def test_imports_go_one_way_and_have_no_cycles():
     """model <- export, model <- service (never export, never torch), and no import cycle anywhere."""
     ours = {_name(p) for p in MODULES}
     graph: dict[str, set[str]] = {}
+    torch_users = []
     for path in MODULES:
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
@@ -61,6 +62,9 @@ def test_imports_go_one_way_and_have_no_cycles():
             elif isinstance(node, ast.Import):
                 deps |= {a.name for a in node.names}
         graph[_name(path)] = (deps & ours) - {_name(path)}
+        if any(d == "torch" or d.startswith("torch.") for d in deps):
+            torch_users.append(_name(path))
+    assert torch_users and not [m for m in torch_users if m.startswith("service")], torch_users
     for mod, deps in graph.items():
         top = mod.split(".")[0]
         if top == "model":

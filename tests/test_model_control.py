@@ -210,8 +210,9 @@ def test_poll_mode_picks_up_a_new_version_directory(tmp_path, versions):
 
 
 def test_with_model_control_off_a_server_with_no_loadable_model_exits_non_zero(tmp_path, versions):
-    """Triton's exit-on-error: the golden check fails (weights.safetensors of another model), nothing can be
-    served, and the process says so in one line and exits 1 instead of answering 503 for ever."""
+    """Triton's exit-on-error: the golden check fails (the golden data of another model, re-hashed into the
+    manifest: version 1's graph does not give version 2's recorded answers), nothing can be served, and the
+    process says so in one line and exits 1 instead of answering 503 for ever."""
     art = tmp_path / "art"
     shutil.copytree(versions["1"], art)
     golden = versions["2"] / "golden.safetensors"

@@ -169,18 +169,21 @@ def test_a_killed_replica_is_replaced_and_only_its_in_flight_requests_fail(ray_u
     threads = [threading.Thread(target=client) for _ in range(clients)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
-    served_before_kill = len(statuses)
-    ray.kill(ray.get_actor(old[0], namespace="serve"), no_restart=True)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and not _replaced(old[0]):
-        time.sleep(0.25)
-    replaced = time.monotonic() < deadline
-    time.sleep(1.5)  # let the load run on the replacement too
-    stop.set()
-    for t in threads:
-        t.join(60)
-    assert replaced, f"no replacement within 90 s: {serve.status().applications[APP]}"
+    try:  # each step waits on what the cluster reports, never on a count a machine's speed decides
+        wait_until(lambda: len(statuses) >= 2 * clients, 60, "the load running before the kill")
+        served_before_kill = len(statuses)
+        ray.kill(ray.get_actor(old[0], namespace="serve"), no_restart=True)
+        wait_until(lambda: _replaced(old[0]), 90, "a replacement replica running")
+        fresh = next(n for n in _replicas() if n not in old).rsplit("#", 1)[1]
+        wait_until(
+            lambda: any(k.endswith(fresh) and n > 0 for k, n in _requests_per_replica().items()),
+            60,
+            "the replacement answering the load",
+        )
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
     new = _replicas()
     assert len(new) == 2 and old[0] not in new and old[1] in new
     failed = Counter(s for s in statuses if s != 200)
@@ -188,7 +191,7 @@ def test_a_killed_replica_is_replaced_and_only_its_in_flight_requests_fail(ray_u
     # them 500; nothing is answered 503 "model is loading" by a replacement that routes before it loads.
     assert sum(failed.values()) <= clients and set(failed) <= {500}, failed
     assert not wrong
-    assert served_before_kill > 0 and len(statuses) - served_before_kill > 20 * clients
+    assert served_before_kill > 0 and len(statuses) > served_before_kill
     with httpx.Client(base_url=f"http://{ray_url}", timeout=30) as c:
         assert all(c.post("/v1/encode", json=body).status_code == 200 for _ in range(20))
 

@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -347,6 +348,15 @@ def test_access_lines_are_written_off_the_event_loop_with_their_request_id(
     logs.configure("info", json_logs=json_logs)
     # As served: "addnorm" records go only to the log's own writer.
     monkeypatch.setattr(logging.getLogger("addnorm"), "propagate", False)
+    writers = []  # the thread that wrote each access line
+    write = logs._write
+
+    def recorded(text: str) -> None:
+        if "addnorm.access" in text:
+            writers.append(threading.current_thread().name)
+        write(text)
+
+    monkeypatch.setattr(logs, "_write", recorded)
     try:
         with TestClient(create_app(Settings(model_dir=tiny_artifact))) as c:
             c.get("/health/live", headers={"x-request-id": "rid-7"})
@@ -357,6 +367,7 @@ def test_access_lines_are_written_off_the_event_loop_with_their_request_id(
         logs.configure("warning", json_logs=False)
     lines = [line for line in err.splitlines() if "addnorm.access" in line]
     assert len(lines) == 2, err
+    assert writers and set(writers) == {"addnorm-log"}, writers  # the writer thread, never the event loop
     if json_logs:
         docs = [json.loads(line) for line in lines]
         assert [(d["level"], d["request_id"]) for d in docs] == [("info", "rid-7"), ("info", "rid-8")]

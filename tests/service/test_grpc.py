@@ -168,7 +168,8 @@ def test_every_error_class_has_its_status_code(client):
     slow = [_input(np.zeros((4, 256, E), np.float32))]
     code = _code(lambda: client.infer("encoder", slow, headers=AUTH, timeout=1))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-    # The client's own deadline: gRPC cancels the call; the server drops it.
+    # The client's own deadline (100 us) passes first: grpcio reports DEADLINE_EXCEEDED on the client whatever the
+    # server did with the call (it may never have seen it), so what is checked is that the server is unharmed.
     code = _code(lambda: client.infer("encoder", slow, headers=AUTH, client_timeout=1e-4))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert client.is_server_ready()  # nothing above hurt the server
