@@ -66,3 +66,27 @@ def test_addnorm_parity_exits_1_when_the_weights_do_not_match_the_graph(tiny_art
     )
     assert ok.returncode == 0 and "PASSED: 20 of 20 cases within the tolerance of torch fp32" in ok.stdout
     assert "x its allowance (above 1 fails)" in ok.stdout
+
+
+def test_if_missing_keeps_a_valid_artifact_and_replaces_a_broken_one(tiny_artifact, tmp_path, capsys):
+    """What the Dockerfile, compose's export service and the k8s export job rely on: a valid artifact is left as it
+    is (not one byte written), a tampered or absent one is exported anew."""
+    from export import cli
+    from model.artifact import Manifest, load_verified, sha256_file
+
+    flags = ["--d-model", "32", "--nhead", "4", "--dim-feedforward", "64", "--if-missing", "-q"]
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifact, art)
+    before = {p.name: p.stat().st_mtime_ns for p in art.iterdir()}
+    assert cli.main(["--out", str(art), *flags[:-1]]) == 0
+    assert "already holds a valid artifact; nothing to do" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in art.iterdir()} == before
+
+    (art / "model.onnx").write_bytes((art / "model.onnx").read_bytes() + b"\0")  # tampered: no longer valid
+    assert cli.main(["--out", str(art), *flags]) == 0
+    load_verified(art)  # a valid artifact again, its manifest describing the new graph
+    assert Manifest.load(art).model_sha256 == sha256_file(art / "model.onnx")
+
+    fresh = tmp_path / "fresh"  # absent
+    assert cli.main(["--out", str(fresh), *flags]) == 0
+    load_verified(fresh)
