@@ -229,3 +229,76 @@ def test_with_model_control_off_a_server_with_no_loadable_model_exits_non_zero(t
         assert len(lines) == 1 and "golden check failed" in lines[0], srv.output()[-2000:]
     finally:
         srv.stop()
+
+
+def test_control_refusals_over_http_and_unload_by_http(tmp_path, versions):
+    """Triton's repository API over HTTP: refused where control is off (saying how to turn it on), parameters it
+    does not take refused by name (tritonclient's unload_dependents taken), unload and load by HTTP."""
+    from fastapi.testclient import TestClient
+
+    from service import create_app
+    from service.settings import Settings
+    from tests.helpers import wait_until_ready
+
+    repo = repository(tmp_path, versions, "1")
+    with TestClient(create_app(Settings(model_repository=repo))) as c:  # --model-control-mode none
+        wait_until_ready(c)
+        r = c.post("/v2/repository/models/encoder/load", json={})
+        assert 400 <= r.status_code < 500 and "--model-control-mode explicit" in r.json()["error"], r.text
+    settings = Settings(model_repository=repo, model_control_mode="explicit", load_model=("encoder",))
+    with TestClient(create_app(settings)) as c:
+        wait_until_ready(c)
+        r = c.post("/v2/repository/models/encoder/load", json={"parameters": {"config": "{}"}})
+        assert r.status_code == 400 and "load parameters ['config'] are not supported" in r.json()["error"], (
+            r.text
+        )
+        r = c.post("/v2/repository/models/encoder/unload", json={"parameters": {"force": True}})
+        assert r.status_code == 400 and "unload parameters ['force']" in r.json()["error"], r.text
+        r = c.post("/v2/repository/models/encoder/unload", json={"parameters": {"unload_dependents": False}})
+        assert r.status_code == 200, r.text
+        index = {m["name"]: m for m in c.post("/v2/repository/index", json={}).json()}
+        assert index["encoder"]["state"] == "UNAVAILABLE"
+        assert c.post("/v2/repository/models/encoder/load", json={}).status_code == 200
+        infer = {
+            "inputs": [
+                {"name": "embeddings", "shape": [1, 3, E], "datatype": "FP32", "data": X.ravel().tolist()}
+            ]
+        }
+        assert c.post("/v2/models/encoder/infer", json=infer).status_code == 200
+
+
+def test_control_is_refused_before_the_manifests_are_read(tmp_path, versions):
+    import asyncio
+    from types import SimpleNamespace
+
+    from service.control import ModelControl
+    from service.errors import ControlOff
+    from service.settings import Settings
+
+    repo = repository(tmp_path, versions, "1")
+    state = SimpleNamespace(
+        settings=Settings(model_repository=repo, model_control_mode="explicit"), loaded=None
+    )
+    control = ModelControl(state)
+    for call in (control.load, control.unload):
+        with pytest.raises(ControlOff, match="still reading its models' manifests"):
+            asyncio.run(call("encoder"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--workers", "2"], "model control loads models in one process: use --workers 1 with it"),
+        (["--model-dir", "{art}"], "--model-control-mode explicit loads models from a repository"),
+    ],
+)
+def test_control_settings_that_cannot_work_are_refused_at_start(tmp_path, versions, capsys, flags, said):
+    from service import cli
+
+    repo = repository(tmp_path, versions, "1")
+    args = [f.format(art=versions["1"]) for f in flags] + ["--model-control-mode", "explicit", "--port", "0"]
+    if "--model-dir" not in flags:
+        args += ["--model-repository", str(repo)]
+    assert cli.main(args) == 1
+    err = capsys.readouterr().err
+    assert said in err and err.count("\n") == 1, err

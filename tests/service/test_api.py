@@ -170,6 +170,16 @@ def test_openapi_describes_both_apis(client):
     assert client.get("/docs").status_code == 200
 
 
+def test_the_docs_oauth2_redirect_page_is_served_and_named_by_the_docs_page(client):
+    """Swagger UI's OAuth2 redirect page (its "Authorize" flow returns to it): the /docs page names it, and it is
+    the page Swagger UI's redirect script lives in, served from here (nothing fetched from a CDN)."""
+    docs = client.get("/docs").text
+    assert "/docs/oauth2-redirect" in docs
+    r = client.get("/docs/oauth2-redirect")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert "oauth2" in r.text.lower() and "window.opener" in r.text and "http" not in r.text.split("<script")[0]
+
+
 def test_openapi_is_true_to_the_server_no_422_and_examples_that_run(client):
     """Every documented error is a JSON {"error"} the server sends; the request examples run as documented."""
     spec = client.get("/openapi.json").json()
