@@ -122,9 +122,23 @@ def test_results_through_rays_proxy_equal_onnxruntime(ray_url, data):
     assert "," not in r.headers["x-request-id"]  # Ray's proxy sets it; the app does not add a second copy
 
 
+def _settled_requests_per_replica() -> Counter:
+    """_requests_per_replica once Ray has written every line it owes (two reads 0.5 s apart agree): an access
+    line of an earlier test written late would count as one of this test's requests."""
+    last = _requests_per_replica()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = _requests_per_replica()
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"Ray's replica access logs kept growing for 30 s: {last}")
+
+
 def test_both_replicas_answer(ray_url, data):
     x, mask, _ = data
-    before = _requests_per_replica()
+    before = _settled_requests_per_replica()
     with httpx.Client(base_url=f"http://{ray_url}", timeout=30) as c:
         for _ in range(40):
             assert c.post("/v1/encode", json=_v1(x, mask)).status_code == 200

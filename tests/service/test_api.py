@@ -177,7 +177,9 @@ def test_the_docs_oauth2_redirect_page_is_served_and_named_by_the_docs_page(clie
     assert "/docs/oauth2-redirect" in docs
     r = client.get("/docs/oauth2-redirect")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
-    assert "oauth2" in r.text.lower() and "window.opener" in r.text and "http" not in r.text.split("<script")[0]
+    assert (
+        "oauth2" in r.text.lower() and "window.opener" in r.text and "http" not in r.text.split("<script")[0]
+    )
 
 
 def test_openapi_is_true_to_the_server_no_422_and_examples_that_run(client):

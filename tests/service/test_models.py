@@ -183,9 +183,19 @@ def test_statistics_with_tritonclient_http(repo_server):
         client.get_inference_statistics("encoder")
 
 
+def _quiet_log(capsys) -> None:
+    """Lines an earlier test's server queued on the log writer are written now and dropped: the output read next
+    is this test's command's alone."""
+    from service import logs
+
+    logs.flush()
+    capsys.readouterr()
+
+
 def test_a_taken_grpc_port_refuses_to_start_before_loading(tiny_artifact, capsys):
     import socket
 
+    _quiet_log(capsys)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -202,6 +212,7 @@ def test_a_taken_http_port_refuses_in_one_line_before_loading(tiny_artifact, cap
 
     from service import logs
 
+    _quiet_log(capsys)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -241,6 +252,7 @@ def test_a_taken_http_port_refuses_in_one_line_before_loading(tiny_artifact, cap
     ],
 )
 def test_a_bad_setting_is_one_line_naming_the_flag_and_the_variable(args, env, want, capsys, monkeypatch):
+    _quiet_log(capsys)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     try:  # argparse's own refusals exit (2) from inside main; the settings' are main's return value
