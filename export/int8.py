@@ -185,9 +185,10 @@ def float_channels(encoder, inputs: list[tuple[np.ndarray, np.ndarray]]) -> dict
             peaks[name] = np.maximum(peaks.get(name, 0.0), seen)
             return x @ weight.T + bias
 
-    for x, mask in inputs:
-        real = ~np.asarray(mask, bool)  # (B, S): forward runs batch first
-        reference.forward(encoder.config, weights, x.astype(np.float64), mask, Record())
+    for x, mask in inputs:  # batch first, as the cases make them; forward takes the graph's layout
+        real = ~np.asarray(mask, bool)  # (B, S): forward runs batch first inside
+        graph_x = x if encoder.config.batch_first else x.transpose(1, 0, 2)
+        reference.forward(encoder.config, weights, graph_x.astype(np.float64), mask, Record())
     return {
         name: [int(i) for i in np.argsort(-peak, kind="stable")[: float_channel_count(len(peak))]]
         for name, peak in peaks.items()
