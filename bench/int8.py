@@ -52,9 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         paths = {v: Path(tmp) / f"{v}.onnx" for v in ("fp32", "quantize_dynamic", "int8")}
         build_graph(encoder, paths["fp32"], "fp32", attention=args.attention)
-        plan = plan_for(
-            encoder, "int8", default_cases()
-        )  # its float channels, as an export without --calibration
+        # its float channels, as an export without --calibration chooses them
+        plan = plan_for(encoder, "int8", default_cases())
         build_graph(encoder, paths["int8"], "int8", attention=args.attention, plan=plan)
         with _quiet():
             quant_pre_process(str(paths["fp32"]), str(Path(tmp) / "pre.onnx"))

@@ -222,6 +222,7 @@ def _int8_study(config, encoder, x: np.ndarray, mask: np.ndarray) -> None:
     """Where int8's error on this model comes from, and what the usual remedies buy: each scheme computed exactly
     in numpy (no graph, no speed), judged by the same measures as above against the float64 model."""
     from export import hf
+    from export.int8 import float_channels, input_peaks
     from model import reference
     from model.schemes import HALF, TINY, WEIGHT_MAX, Exact, Int8, quantize_weight
 
@@ -254,21 +255,11 @@ def _int8_study(config, encoder, x: np.ndarray, mask: np.ndarray) -> None:
                 a = np.clip(np.rint((a - centre) * (HALF / reach)), -HALF, HALF) * (reach / HALF) + centre
             return a @ wt + b
 
-    peaks: dict[str, np.ndarray] = {}
-
-    class Record(Exact):
-        def linear(self, a, w, b):
-            name = names[id(w)]
-            peaks[name] = np.maximum(peaks.get(name, 0.0), np.abs(a).reshape(-1, a.shape[-1]).max(0))
-            return a @ w.T + b
-
-    reference.forward(config, weights, x64, mask, Record())
+    peaks = input_peaks(encoder, [(x, mask)], real_only=False)
     smooth = {
         k: np.clip(np.sqrt(peaks[k]) / np.sqrt(np.maximum(np.abs(weights[k]).max(0), 1e-5)), 1e-2, 1e3)
         for k in peaks
     }
-    from export.int8 import float_channels
-
     schemes = {
         "int8 (export/int8.py)": Int8(float_channels(encoder, [(x, mask)]), weights),
         "int8, no float channels": Int8(),

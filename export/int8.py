@@ -167,31 +167,36 @@ def quantize_graph(
     return len(replaced)
 
 
-def float_channels(encoder, inputs: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, list[int]]:
-    """Per weight product of ``encoder`` (by weight name), the ``float_channel_count`` input channels with the
-    largest peaks over the real tokens of ``inputs`` ((x, mask) pairs, representative ones), largest first.
-    Computed with model/reference.py in float64."""
+def input_peaks(encoder, inputs: list[tuple[np.ndarray, np.ndarray]], real_only: bool = True) -> dict:
+    """Per weight product of ``encoder`` (by weight name), the largest |input| per channel over ``inputs`` ((x, mask)
+    pairs, batch first), over real tokens only unless ``real_only`` is False. model/reference.py in float64."""
     from model import reference
 
     weights = {k: v.detach().double().numpy() for k, v in encoder.state_dict().items()}
     names = {id(v): k for k, v in weights.items()}
     peaks: dict[str, np.ndarray] = {}
-    real = np.zeros(0, bool)
+    counted = np.zeros(0, bool)
 
     class Record(Exact):
         def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
             name = names[id(weight)]
-            seen = np.abs(x[real]).max(axis=0) if real.any() else np.zeros(x.shape[-1])
+            seen = np.abs(x[counted]).max(axis=0) if counted.any() else np.zeros(x.shape[-1])
             peaks[name] = np.maximum(peaks.get(name, 0.0), seen)
             return x @ weight.T + bias
 
-    for x, mask in inputs:  # batch first, as the cases make them; forward takes the graph's layout
-        real = ~np.asarray(mask, bool)  # (B, S): forward runs batch first inside
+    for x, mask in inputs:  # forward takes the graph's layout and runs batch first inside
+        counted = ~np.asarray(mask, bool) if real_only else np.ones(np.shape(mask), bool)
         graph_x = x if encoder.config.batch_first else x.transpose(1, 0, 2)
         reference.forward(encoder.config, weights, graph_x.astype(np.float64), mask, Record())
+    return peaks
+
+
+def float_channels(encoder, inputs: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, list[int]]:
+    """Per weight product of ``encoder`` (by weight name), the ``float_channel_count`` input channels with the
+    largest peaks over the real tokens of ``inputs`` (representative ones), largest first."""
     return {
         name: [int(i) for i in np.argsort(-peak, kind="stable")[: float_channel_count(len(peak))]]
-        for name, peak in peaks.items()
+        for name, peak in input_peaks(encoder, inputs).items()
     }
 
 

@@ -118,7 +118,9 @@ def test_int8_plans_its_float_channels_in_a_sequence_first_graph_too(tmp_path):
     int8 export plans, passes and records its channels (it crashed with an IndexError before)."""
     manifest = export_cli(tmp_path / "a", "--precision", "int8", "--no-batch-first")
     assert manifest["parity"]["passed"] and manifest["config"]["batch_first"] is False
-    assert len(manifest["scheme"]["float_channels"]) == 4  # in_proj, out_proj, linear1, linear2 of the one layer
+    assert (
+        len(manifest["scheme"]["float_channels"]) == 4
+    )  # in_proj, out_proj, linear1, linear2 of the one layer
 
 
 def test_rms_norm_at_opset_23_and_a_clear_error_below(tmp_path, capsys):
