@@ -11,7 +11,7 @@ from export import attention as attn
 from export.onnx_export import MIN_OPSET, opset_of
 from export.variants import get_variant, norm_op
 from model.config import EncoderConfig
-from model.contract import EMBEDDINGS, INPUT_NAMES, MASK, OUTPUT_NAMES
+from model.contract import EMBEDDINGS, INPUT_NAMES, MASK, output_names
 
 # ONNX elem types the artifact allows for embeddings/encoded (fp16 artifacts take fp16 or fp32).
 _FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16}
@@ -67,7 +67,7 @@ def check_graph(
                 f"{counts[op]}; "
                 f"op counts: {dict(counts)}"
             )
-    _check_io(model)
+    _check_io(model, config)
     return {
         "norm_nodes": counts[norm],
         "fused_nodes": counts["SkipLayerNormalization"],
@@ -76,7 +76,7 @@ def check_graph(
     }
 
 
-def _check_io(model: onnx.ModelProto) -> None:
+def _check_io(model: onnx.ModelProto, config: EncoderConfig) -> None:
     inputs = {i.name: i for i in model.graph.input}
     missing = [n for n in INPUT_NAMES if n not in inputs]
     if missing:
@@ -96,6 +96,7 @@ def _check_io(model: onnx.ModelProto) -> None:
         raise GraphCheckError(
             f"embeddings dim(s) {fixed} were specialized to fixed sizes; batch and sequence must be symbolic"
         )
-    outputs = [o.name for o in model.graph.output][: len(OUTPUT_NAMES)]
-    if outputs != list(OUTPUT_NAMES):
-        raise GraphCheckError(f"graph outputs begin with {outputs}, expected {list(OUTPUT_NAMES)}")
+    expected = list(output_names(config))
+    outputs = [o.name for o in model.graph.output][: len(expected)]
+    if outputs != expected:
+        raise GraphCheckError(f"graph outputs begin with {outputs}, expected {expected}")

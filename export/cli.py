@@ -20,7 +20,7 @@ from export.report import format_table
 from export.variants import VARIANTS
 from export.weights import CheckpointError
 from model.artifact import ArtifactError, load_verified
-from model.config import ConfigError, EncoderConfig
+from model.config import POOLINGS, ConfigError, EncoderConfig
 
 log = logging.getLogger("addnorm.export")
 
@@ -35,6 +35,7 @@ _CONFIG_FLAGS = {
     "dropout": float,
     "norm": str,
 }
+_SWITCHES = ("norm_first", "batch_first", "pooling", "normalize_pooled")  # the flags without a type
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,6 +134,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="pre-norm (x + f(LN(x))) instead of post-norm (LN(x + f(x)))",
     )
     g.add_argument(
+        "--pooling",
+        choices=list(POOLINGS),
+        help="add a 'pooled' output [batch, d_model] beside 'encoded': the sentence embedding, the mean over each "
+        "sequence's real tokens or its first (cls) token, as sentence-transformers computes it (default none; "
+        "a sentence-transformers model directory's own pooling with --from-bert DIR)",
+    )
+    g.add_argument(
+        "--normalize",
+        dest="normalize_pooled",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="L2-normalize the pooled output (sentence-transformers' Normalize module)",
+    )
+    g.add_argument(
         "--batch-first",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -149,12 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(
-    args: argparse.Namespace, detected: dict | None = None, declared: dict | None = None
+    args: argparse.Namespace,
+    detected: dict | None = None,
+    declared: dict | None = None,
+    pipeline: dict | None = None,
 ) -> EncoderConfig:
     """--config's file, then the flags; ``detected``: what a BERT checkpoint's weights say (layers, widths),
-    under both; ``declared``: what its config.json says, which neither may contradict."""
+    under both; ``declared``: what its config.json says, which neither may contradict; ``pipeline``: the pooling
+    a sentence-transformers directory applies (hf.sentence_pooling), which --config and the flags may change."""
     fields = EncoderConfig.load(args.config).to_dict() if args.config else {}
-    flags = {name: getattr(args, name) for name in (*_CONFIG_FLAGS, "norm_first", "batch_first")}
+    flags = {name: getattr(args, name) for name in (*_CONFIG_FLAGS, *_SWITCHES)}
     if declared:
         if wrong := hf.contradictions(declared, {**fields, **flags}):
             raise ConfigError(
@@ -165,7 +184,11 @@ def config_from_args(
         if wrong := hf.contradictions(declared, detected or {}, flags=False):
             raise ConfigError("the model's weights say otherwise than its config.json: " + ", ".join(wrong))
     if args.from_bert:
-        fields = {**BERT_DEFAULTS, **(detected or {}), **(declared or {}), **fields}
+        fields = {**BERT_DEFAULTS, **(detected or {}), **(declared or {}), **(pipeline or {}), **fields}
+        if flags["pooling"] == "none" and flags["normalize_pooled"] is None:
+            fields["normalize_pooled"] = (
+                False  # --pooling none on a directory that normalizes: nothing to normalize
+            )
     for name, value in flags.items():
         if value is not None:
             fields[name] = value
@@ -201,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.from_bert:  # its layer count and widths come from the weights, the rest from config.json
             state, declared, where = hf.read_model_dir(args.from_bert)
             detected = bert_shape(state)
-        config = config_from_args(args, detected, declared)
+        pipeline = hf.sentence_pooling(where.directory) if where else None
+        config = config_from_args(args, detected, declared, pipeline)
         reference = _reference(args, where)
         given = []
         if args.calibration:

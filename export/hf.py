@@ -20,7 +20,8 @@ import torch
 from export.parity import make_session
 from export.weights import CheckpointError, read_state_dict
 from model.config import ConfigError
-from model.contract import EMBEDDINGS, ENCODED, MASK
+from model.contract import EMBEDDINGS, ENCODED, MASK, POOLED, output_names
+from model.reference import pool as reference_pool
 from model.verdict import FP32_ATOL, FP32_RTOL
 
 log = logging.getLogger("addnorm.export")
@@ -110,6 +111,36 @@ def read_model_dir(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, Mod
     config = where.config
     fields = config_fields(config, str(where.directory / CONFIG_FILE)) if config is not None else {}
     return read_state_dict(where.weights), fields, where
+
+
+# sentence-transformers' Pooling modes this graph computes (1_Pooling/config.json's keys), as --pooling values
+_ST_POOLING = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+
+
+def sentence_pooling(directory: Path | None) -> dict:
+    """What a sentence-transformers model directory's pipeline (modules.json: Pooling, then Normalize) makes of the
+    encoder's output, as EncoderConfig fields (``pooling``, ``normalize_pooled``); {} for a plain BERT directory
+    or a pooling this graph does not compute (max, weighted mean: logged, and no pooled output)."""
+    if directory is None or not (directory / "modules.json").is_file():
+        return {}
+    try:
+        modules = json.loads((directory / "modules.json").read_text())
+        kinds = [m["type"].rsplit(".", 1)[-1] for m in modules]
+        pooling = next(m for m in modules if m["type"].endswith(".Pooling"))
+        config = json.loads((directory / pooling.get("path", "") / CONFIG_FILE).read_text())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, StopIteration):
+        return {}
+    modes = [mode for key, mode in _ST_POOLING.items() if config.get(key)]
+    others = sorted(
+        k for k, v in config.items() if k.startswith("pooling_mode_") and v and k not in _ST_POOLING
+    )
+    if len(modes) != 1 or others:
+        what = ", ".join(others) or "several modes at once"
+        log.warning(
+            "%s pools with %s: the graph computes mean or cls pooling only: no pooled output", directory, what
+        )
+        return {}
+    return {"pooling": modes[0], "normalize_pooled": "Normalize" in kinds[kinds.index("Pooling") + 1 :]}
 
 
 def contradictions(from_config: dict, given: dict, flags: bool = True) -> list[str]:
@@ -259,16 +290,27 @@ def reference_check(encoder, reference: Reference, given: list, config, quiet: b
     torch_agrees = agreement(ours, want, mask)
 
     def check(model_path: Path) -> dict:
-        got = make_session(model_path).run([ENCODED], {EMBEDDINGS: graph_x, MASK: mask})[0]
+        names = list(output_names(config))
+        outs = dict(
+            zip(names, make_session(model_path).run(names, {EMBEDDINGS: graph_x, MASK: mask}), strict=True)
+        )
+        got = outs[ENCODED]
         graph = agreement(got if config.batch_first else got.transpose(1, 0, 2), want, mask)
+        result = {"model": "transformers BertModel", "inputs": source, "torch": torch_agrees.to_dict()}
+        result["graph"] = graph.to_dict()
+        pooled_err = ""
+        if POOLED in outs:  # against sentence-transformers' pooling of BertModel's output, in float64
+            err = float(np.abs(outs[POOLED] - reference_pool(config, want.astype(np.float64), mask)).max())
+            result["graph"]["pooled_max_abs"] = err
+            pooled_err = f"; {config.pooling} pooled output max abs err {err:.2e}"
         if not quiet:
             print(
                 f"reference: transformers BertModel on {source} ({graph.tokens} real tokens): torch encoder max "
                 f"abs err {torch_agrees.max_abs:.2e}; graph max abs err {graph.max_abs:.2e}, least sentence "
                 f"cosine {graph.min_sentence_cosine:.6f}, pairwise ranking Spearman {graph.spearman:.4f}"
+                + pooled_err
             )
-        model = "transformers BertModel"
-        return {"model": model, "inputs": source, "torch": torch_agrees.to_dict(), "graph": graph.to_dict()}
+        return result
 
     return check
 

@@ -13,7 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from export import attention as attn
-from model.contract import BATCH, INPUT_NAMES, OUTPUT_NAMES, SEQ, STEP_OUTPUT
+from model.contract import BATCH, INPUT_NAMES, SEQ, STEP_OUTPUT
+from model.contract import output_names as contract_outputs
 from model.encoder import Encoder
 
 MIN_OPSET = 17  # LayerNormalization entered the standard in opset 17
@@ -44,12 +45,15 @@ class _GraphModule(nn.Module):
         x = embeddings.to(self.dtype)
         steps: list[Tensor] | None = [] if self.with_steps else None
         named = self.encoder.outputs(x, mask, steps)
-        outs = tuple(t.float() for t in (*(named[name] for name in OUTPUT_NAMES), *(steps or [])))
+        outs = tuple(
+            t.float()
+            for t in (*(named[name] for name in contract_outputs(self.encoder.config)), *(steps or []))
+        )
         return outs[0] if len(outs) == 1 else outs
 
 
 def output_names(encoder: Encoder, with_steps: bool) -> list[str]:
-    names = list(OUTPUT_NAMES)
+    names = list(contract_outputs(encoder.config))
     if with_steps:
         names += [STEP_OUTPUT.format(i) for i in range(encoder.config.num_norms)]
     return names

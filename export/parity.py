@@ -22,7 +22,7 @@ import torch
 
 from export.cases import Case, Given, default_cases
 from model import reference
-from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, STEP_OUTPUT
+from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, STEP_OUTPUT, output_names, positional
 from model.encoder import Encoder
 from model.golden import REPRESENTATIVE
 from model.runtime import CPU, CUDA, with_options
@@ -45,7 +45,7 @@ class CaseResult:
     masked_positions: int
     comparisons: list[Comparison]
     condition: float = 0.0
-    oracles_gap: float = 0.0  # max |numpy float64 reference - torch float64| on the encoded output
+    oracles_gap: float = 0.0  # max |numpy float64 reference - torch float64| over the served outputs
     representative: bool = True  # a lossy variant's quality was judged on it
 
     @property
@@ -84,7 +84,7 @@ class ParityReport:
         """The figures kept in manifest.json."""
         finals = [r.final for r in self.results]
         case, worst = self.worst()
-        steps = sorted({c.output for r in self.results for c in r.comparisons} - {ENCODED})
+        steps = sorted({c.output for r in self.results for c in r.comparisons} - set(OUTPUT_NAMES))
         per_step = {
             name: max(c.max_abs for r in self.results for c in r.comparisons if c.output == name)
             for name in steps
@@ -213,8 +213,9 @@ def run_parity(
     weights64 = {k: v.detach().numpy() for k, v in oracle.state_dict().items()}
     weights32 = {k: v.detach().numpy() for k, v in encoder.state_dict().items()}
     with_steps = debug_session is not None
-    # The debug graph's extra outputs, after the served ones (model.contract.OUTPUT_NAMES).
-    step_names = [o.name for o in debug_session.get_outputs()][len(OUTPUT_NAMES) :] if with_steps else []
+    # The debug graph's extra outputs, after the served ones (model.contract.output_names).
+    served = list(output_names(cfg))
+    step_names = [o.name for o in debug_session.get_outputs()][len(served) :] if with_steps else []
     rng = np.random.default_rng(seed)  # the inputs
     sample_rng = np.random.default_rng(seed + 1)  # error samples for plots: never shifts the inputs
     report = ParityReport(
@@ -230,9 +231,9 @@ def run_parity(
         torch_outs = torch_outputs(encoder, x, mask, with_steps)
         oracle_outs = torch_outputs(oracle, x.astype(np.float64), mask, with_steps)
         scheme_outs = scheme(encoder, x, mask, with_steps) if scheme is not None else {}
-        numpy_f64 = reference.forward(cfg, weights64, x.astype(np.float64), mask)
-        names = [*OUTPUT_NAMES, *step_names]
-        onnx_outs = dict(zip(OUTPUT_NAMES, session.run(list(OUTPUT_NAMES), feed), strict=True))
+        numpy_f64 = reference.outputs(cfg, weights64, x.astype(np.float64), mask)
+        names = [*served, *step_names]
+        onnx_outs = dict(zip(served, session.run(served, feed), strict=True))
         if debug_session is not None:
             onnx_outs.update(zip(step_names, debug_session.run(step_names, feed), strict=True))
 
@@ -250,9 +251,7 @@ def run_parity(
                     scheme_outs.get(name),
                     spread.get(name),
                     quality=case.representative,
-                    real=~mask
-                    if cfg.batch_first or name not in OUTPUT_NAMES
-                    else ~mask.T,  # steps: (B, S, E)
+                    real=_real(cfg, name, mask, served),
                 )
                 for name in names
             ]
@@ -264,7 +263,7 @@ def run_parity(
             report.samples.setdefault(c.output, []).append(
                 _sample(np.asarray(onnx_outs[c.output]), torch_outs[c.output], sample_rng)
             )
-        gap = float(np.abs(numpy_f64 - oracle_outs[ENCODED]).max())
+        gap = max(float(np.abs(numpy_f64[name] - oracle_outs[name]).max()) for name in served)
         report.results.append(
             CaseResult(
                 case.name,
@@ -300,7 +299,7 @@ def float32_spread(
     moved = torch_outputs(encoder, np.nextafter(x, away), mask, with_steps)
     spread = {name: _max_err(out, oracle_outs[name]) for name, out in moved.items() if name in oracle_outs}
     steps: list[np.ndarray] = []
-    numpy32 = {ENCODED: reference.forward(encoder.config, weights32, x, mask, steps=steps)}
+    numpy32 = reference.outputs(encoder.config, weights32, x, mask, steps=steps)
     numpy32.update((STEP_OUTPUT.format(i), step) for i, step in enumerate(steps))
     for name, out in numpy32.items():
         if name in spread:
@@ -325,21 +324,29 @@ def _max_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(d.max()) if d.size and np.isfinite(d).all() else 0.0
 
 
+def _real(cfg, name: str, mask: np.ndarray, served: list[str]) -> np.ndarray | None:
+    """Which rows of an output hold real tokens: the positions of a positional one in its layout (a served output
+    of a --no-batch-first graph is (S, B, E); the steps are (B, S, E)), None (every row) for a pooled one."""
+    if not positional(name):
+        return None
+    return ~mask if cfg.batch_first or name not in served else ~mask.T
+
+
 def _golden_arrays(cfg, x, mask, torch_outs, oracle_outs, scheme_outs, spread, representative) -> dict:
     """One case as model.golden stores it: batch-first, every served output's torch fp32 and float64 results,
     float32's spread on it, a lossy variant's scheme, and whether its quality is judged."""
 
-    def batch_first(a: np.ndarray) -> np.ndarray:
-        return a if cfg.batch_first else np.ascontiguousarray(a.swapaxes(0, 1))
+    def batch_first(a: np.ndarray, name: str = ENCODED) -> np.ndarray:
+        return a if cfg.batch_first or not positional(name) else np.ascontiguousarray(a.swapaxes(0, 1))
 
     arrays = {EMBEDDINGS: batch_first(x), MASK: mask}
-    for name in OUTPUT_NAMES:
-        arrays[f"torch.{name}"] = batch_first(torch_outs[name]).astype(np.float32)
-        arrays[f"oracle.{name}"] = batch_first(oracle_outs[name]).astype(np.float64)
+    for name in output_names(cfg):
+        arrays[f"torch.{name}"] = batch_first(torch_outs[name], name).astype(np.float32)
+        arrays[f"oracle.{name}"] = batch_first(oracle_outs[name], name).astype(np.float64)
         if name in spread:
             arrays[f"spread.{name}"] = np.asarray([spread[name]], np.float64)
         if name in scheme_outs:
-            arrays[f"scheme.{name}"] = batch_first(scheme_outs[name]).astype(np.float64)
+            arrays[f"scheme.{name}"] = batch_first(scheme_outs[name], name).astype(np.float64)
     arrays[REPRESENTATIVE] = np.asarray([representative])
     return arrays
 

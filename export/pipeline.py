@@ -191,4 +191,9 @@ def _describe(config: EncoderConfig) -> str:
     return (
         f"{config.num_layers}-layer {placement} encoder (d_model {config.d_model}, nhead {config.nhead}, "
         f"ff {config.dim_feedforward}, {config.activation})"
+        + (
+            f" with {config.pooling} pooling{', L2-normalized' if config.normalize_pooled else ''}"
+            if config.pooling != "none"
+            else ""
+        )
     )

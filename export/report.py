@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from export.parity import ParityReport
+from export.parity import ORACLES_AGREE, ParityReport
 from model.verdict import Comparison
 
 
@@ -25,6 +25,15 @@ def worst_message(report: ParityReport) -> str:
 def failure_message(report: ParityReport) -> str:
     """Why a gate failed, in one line (addnorm-export's error)."""
     s, t = report.summary(), report.tolerance
+    if (
+        s["max_oracles_gap"] > ORACLES_AGREE
+    ):  # the graph may match torch: torch and the numpy reference disagree
+        case = max(report.results, key=lambda r: r.oracles_gap)
+        return (
+            f"parity failed: the float64 oracles disagree (torch's module and model/reference.py differ by "
+            f"{case.oracles_gap:.3e} on case '{case.case}', more than {ORACLES_AGREE:g}): one of them computes "
+            "something else than the model"
+        )
     if "quality" in s:
         return f"parity failed: {decided(report)} (rule {t.describe()}); " + inputs_line(report)
     return (

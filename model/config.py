@@ -10,6 +10,11 @@ from typing import Any
 
 ACTIVATIONS = ("relu", "gelu")
 NORMS = ("layer", "rms")
+POOLINGS = (
+    "none",
+    "mean",
+    "cls",
+)  # a sentence embedding beside the encoded tokens: none, mean of real tokens, first
 
 
 class ConfigError(ValueError):
@@ -21,7 +26,9 @@ class EncoderConfig:
     """Hyper-parameters of an encoder stack.
 
     Field names follow ``torch.nn.TransformerEncoderLayer`` so a config reads the same as the layer it mirrors;
-    ``num_layers`` is the depth of the stack and ``norm`` picks LayerNorm (default) or RMSNorm.
+    ``num_layers`` is the depth of the stack and ``norm`` picks LayerNorm (default) or RMSNorm. ``pooling`` adds a
+    sentence embedding output (model.contract.POOLED) as sentence-transformers computes it: ``mean`` over each
+    sequence's real tokens or its first (``cls``) token, L2-normalized with ``normalize_pooled``.
     """
 
     d_model: int = 768
@@ -34,6 +41,8 @@ class EncoderConfig:
     batch_first: bool = True
     num_layers: int = 1
     norm: str = "layer"
+    pooling: str = "none"
+    normalize_pooled: bool = False
 
     def __post_init__(self) -> None:
         for name in ("d_model", "nhead", "dim_feedforward", "num_layers"):
@@ -58,9 +67,13 @@ class EncoderConfig:
         eps = self.layer_norm_eps
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
             raise ConfigError(f"layer_norm_eps must be a number in (0, 1), got {eps!r}")
-        for name in ("norm_first", "batch_first"):
+        if self.pooling not in POOLINGS:
+            raise ConfigError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        for name in ("norm_first", "batch_first", "normalize_pooled"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.normalize_pooled and self.pooling == "none":
+            raise ConfigError("normalize_pooled needs a pooling ('mean' or 'cls'): there is no pooled output")
 
     @property
     def head_dim(self) -> int:

@@ -15,8 +15,12 @@ from model.config import EncoderConfig
 EMBEDDINGS = "embeddings"  # float32 (batch, seq, d_model); (seq, batch, d_model) in a --no-batch-first graph
 MASK = "mask"  # bool (batch, seq), true = padding
 ENCODED = "encoded"  # float32, the embeddings' shape
+POOLED = "pooled"  # float32 (batch, d_model): the sentence embedding, in graphs exported with a pooling
 INPUT_NAMES = (EMBEDDINGS, MASK)
-OUTPUT_NAMES = (ENCODED,)
+OUTPUT_NAMES = (
+    ENCODED,
+    POOLED,
+)  # every output a graph may have, in graph order; output_names(config): its own
 STEP_OUTPUT = "add_norm_{}"  # debug graphs only: one extra output per Add & Norm step, never served
 BATCH, SEQ = "batch", "seq"  # the symbolic dims
 
@@ -37,6 +41,17 @@ class TensorSpec:
         return cls(name=data["name"], dtype=data["dtype"], shape=tuple(data["shape"]))
 
 
+def output_names(config: EncoderConfig) -> tuple[str, ...]:
+    """The outputs of the graph exported for ``config``, in graph order."""
+    return OUTPUT_NAMES if config.pooling != "none" else (ENCODED,)
+
+
+def positional(name: str) -> bool:
+    """Whether an output has a sequence axis (one row per position, cut and masked per token) or one row per
+    sequence (the pooled embedding)."""
+    return name != POOLED
+
+
 def io_specs(config: EncoderConfig) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """(inputs, outputs) of the graph exported for ``config``, in graph order."""
     if config.batch_first:
@@ -44,7 +59,10 @@ def io_specs(config: EncoderConfig) -> tuple[tuple[TensorSpec, ...], tuple[Tenso
     else:
         emb_shape = (SEQ, BATCH, config.d_model)
     inputs = (TensorSpec(EMBEDDINGS, "float32", emb_shape), TensorSpec(MASK, "bool", (BATCH, SEQ)))
-    return inputs, (TensorSpec(ENCODED, "float32", emb_shape),)
+    outputs = [TensorSpec(ENCODED, "float32", emb_shape)]
+    if config.pooling != "none":
+        outputs.append(TensorSpec(POOLED, "float32", (BATCH, config.d_model)))
+    return inputs, tuple(outputs)
 
 
 def api_specs(config: EncoderConfig) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:

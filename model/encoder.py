@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import EncoderConfig
-from model.contract import ENCODED
+from model.contract import ENCODED, POOLED
 
 Sublayer = Callable[[Tensor], Tensor]
 
@@ -183,7 +183,29 @@ class Encoder(nn.Module):
     ) -> dict[str, Tensor]:
         """Every output of the graph's contract by name (model.contract.OUTPUT_NAMES), as export, the parity gate
         and the golden data read them; ``forward`` returns ``encoded`` alone, as ``nn.TransformerEncoder`` does."""
-        return {ENCODED: self(embeddings, mask, steps)}
+        encoded = self(embeddings, mask, steps)
+        if self.config.pooling == "none":
+            return {ENCODED: encoded}
+        tokens = encoded if self.config.batch_first else encoded.transpose(0, 1)
+        return {
+            ENCODED: encoded,
+            POOLED: pool(tokens, mask, self.config.pooling, self.config.normalize_pooled),
+        }
+
+
+def pool(tokens: Tensor, mask: Tensor | None, how: str, normalize: bool) -> Tensor:
+    """(B, S, E) -> (B, E), sentence-transformers' arithmetic (its Pooling and Normalize modules): ``mean`` sums
+    the real tokens (``mask`` true = padding) and divides by their count (at least 1e-9), ``cls`` takes the first
+    position; ``normalize`` divides by the L2 norm (at least 1e-12)."""
+    if how == "cls":
+        pooled = tokens[:, 0]
+    else:
+        keep = torch.ones_like(tokens[..., :1]) if mask is None else (~mask).unsqueeze(-1).to(tokens.dtype)
+        pooled = (tokens * keep).sum(1) / keep.sum(1).clamp(min=1e-9)
+    if not normalize:
+        return pooled
+    # F.normalize's arithmetic, spelled with a sum: its ReduceL2 has no opset-17 form the exporter converts to
+    return pooled / (pooled * pooled).sum(-1, keepdim=True).sqrt().clamp(min=1e-12)
 
 
 def build_encoder(config: EncoderConfig, seed: int | None = 0) -> Encoder:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from model.contract import EMBEDDINGS, ENCODED, MASK
+from model.contract import EMBEDDINGS, ENCODED, MASK, positional
 from model.verdict import Tolerance, compare
 
 FIELDS = (EMBEDDINGS, MASK)
@@ -105,7 +105,7 @@ def verify(
                 scheme=c.get(f"scheme.{name}"),
                 spread=float(np.max(spread)) if spread is not None else None,
                 quality=representative(c),
-                real=~c[MASK],
+                real=~c[MASK] if positional(name) else None,
             )
             if result.max_abs >= worst_abs:
                 worst_case, worst_abs = case, result.max_abs

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from model.config import EncoderConfig
+from model.contract import ENCODED, POOLED
 from model.schemes import Exact
 
 EXACT = Exact()
@@ -123,3 +124,34 @@ def forward(
         if steps is not None:
             steps.append(x)
     return x if config.batch_first else x.transpose(1, 0, 2)
+
+
+def pool(config: EncoderConfig, tokens: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """The pooled output (model.encoder.pool) of batch-first tokens (B, S, E): mean over real tokens or the first
+    token, L2-normalized when the config says so."""
+    if config.pooling == "cls":
+        pooled = tokens[:, 0]
+    else:
+        keep = np.ones(tokens.shape[:2], tokens.dtype) if mask is None else (~np.asarray(mask, bool))
+        keep = keep.astype(tokens.dtype)[..., None]
+        pooled = (tokens * keep).sum(axis=1) / np.maximum(keep.sum(axis=1), 1e-9)
+    if config.normalize_pooled:
+        pooled = pooled / np.maximum(np.sqrt((pooled * pooled).sum(axis=-1, keepdims=True)), 1e-12)
+    return pooled
+
+
+def outputs(
+    config: EncoderConfig,
+    weights: Mapping[str, np.ndarray],
+    embeddings: np.ndarray,
+    mask: np.ndarray | None = None,
+    arithmetic: Exact = EXACT,
+    steps: list[np.ndarray] | None = None,
+) -> dict[str, np.ndarray]:
+    """Every output of the graph's contract by name (model.contract.output_names), as ``forward`` computes
+    ``encoded``; the pooled output is computed from it in the same dtype."""
+    encoded = forward(config, weights, embeddings, mask, arithmetic, steps)
+    if config.pooling == "none":
+        return {ENCODED: encoded}
+    tokens = encoded if config.batch_first else encoded.transpose(1, 0, 2)
+    return {ENCODED: encoded, POOLED: arithmetic.cast(pool(config, tokens, mask))}

@@ -9,8 +9,9 @@ batch the moment a run ends, without waiting for the event loop (which, busy wit
 model idle about 11% of the time at 32 clients: docs/benchmarks.md). With the default
 ``max_queue_delay_ms=0`` a batch is whatever queued up while the previous one ran (no request ever waits for
 company while the model is idle); a positive delay waits that long for more. ``max_batch_size=1`` turns merging
-off; everything else (queue, timeouts) stays the same. Every output of the model is batch-major with the sequence
-second (model.contract), so each request's rows of each output are cut the same way.
+off; everything else (queue, timeouts) stays the same. Every output of the model is batch-major, with the sequence
+second where it has one (model.contract.positional): each request's rows of each output are cut the same way, and
+its own positions of a positional one.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Protocol
 import numpy as np
 
 from model.attention import score_elements
+from model.contract import positional
 from service.cores import CoreBudget
 from service.errors import InferenceFailed, Overloaded, ServiceError, ShuttingDown, TimedOut, TooLarge
 
@@ -36,7 +38,7 @@ log = logging.getLogger("addnorm.batcher")
 # when it has one: ``Engine.release`` decides whether there is any to give).
 RELEASE_IDLE_S = 1.0
 
-Outputs = dict[str, np.ndarray]  # output name -> (B, S, ...) array
+Outputs = dict[str, np.ndarray]  # output name -> (B, S, ...) array, or (B, ...) without a sequence axis
 
 
 class Model(Protocol):
@@ -262,10 +264,14 @@ class Batcher:
                 item.timings.batch_rows = x.shape[0]
                 # Its own rows, contiguous: a shorter request's slice of the padded batch is a strided view that
                 # codecs writing raw buffers cannot take (and that would keep the whole batch alive).
+                end = row + item.rows
                 rows.append(
-                    {k: np.ascontiguousarray(v[row : row + item.rows, : item.seq]) for k, v in out.items()}
+                    {
+                        k: np.ascontiguousarray(v[row:end, : item.seq] if positional(k) else v[row:end])
+                        for k, v in out.items()
+                    }
                 )
-                row += item.rows
+                row = end
             times = (ran - merged, merged - started, time.perf_counter() - ran)
             done = (batch, rows, x.shape[0], times)
             if self.max_delay > 0:

@@ -12,7 +12,7 @@ import onnxruntime as ort
 
 from model.artifact import ArtifactError, Manifest, load_verified
 from model.attention import score_elements
-from model.contract import EMBEDDINGS, MASK
+from model.contract import EMBEDDINGS, MASK, positional
 from model.runtime import CPU, CUDA, with_options
 from service import memory
 
@@ -110,7 +110,8 @@ def default_threads(workers: int = 1, cores: int | None = None, quota: float | N
 
 
 class Engine:
-    """Runs the artifact's graph: ``run(embeddings (B, S, E), mask (B, S)) -> {output name: (B, S, ...)}``."""
+    """Runs the artifact's graph: ``run(embeddings (B, S, E), mask (B, S)) -> {output name: (B, S, ...)}``, or
+    (B, ...) for an output without a sequence axis (model.contract.positional)."""
 
     def __init__(self, model_dir: str | Path, providers: str = "auto", intra_op_threads: int = 0) -> None:
         try:
@@ -205,8 +206,12 @@ class Engine:
         outs = self.session.run(self.output_names, feed, self._shrink if big else None)
         if big:
             memory.trim()
-        if not self.batch_first:
-            outs = [out.transpose(1, 0, 2) for out in outs]
+        if (
+            not self.batch_first
+        ):  # positional outputs come (S, B, ...); a pooled one is (B, E) in every layout
+            outs = [
+                o.swapaxes(0, 1) if positional(n) else o for n, o in zip(self.output_names, outs, strict=True)
+            ]
         return {
             name: np.ascontiguousarray(out, dtype=np.float32)
             for name, out in zip(self.output_names, outs, strict=True)

@@ -17,7 +17,6 @@ from typing import Protocol, TypeVar
 import numpy as np
 from starlette.concurrency import run_in_threadpool
 
-from model.contract import ENCODED
 from service.batcher import Outputs, Timings
 from service.errors import ClientDeadline, ClientGone, TimedOut
 from service.state import KnownModels, Models, ServingModel
@@ -107,7 +106,7 @@ async def _serve(
     outputs, timings = await _queue(loaded, call, model, req, timer)
     span.ran(timings)
     if loaded.live is not None:  # a sample of answers is recomputed in float64, off the request path
-        loaded.live.offer(model, req.embeddings, req.mask, outputs[ENCODED])
+        loaded.live.offer(model, req.embeddings, req.mask, outputs)
     nbytes = sum(out.nbytes for out in outputs.values())
     with span.encoding():
         return await offload(nbytes * encode_cost, encode, req, model, outputs), timings

@@ -32,7 +32,7 @@ import numpy as np
 
 from model import reference, schemes
 from model.artifact import WEIGHTS_FILE, Manifest
-from model.contract import ENCODED
+from model.contract import positional
 from model.verdict import Tolerance, compare
 from service import logs, memory
 
@@ -70,7 +70,12 @@ class _Sample:
     request_id: str
     embeddings: np.ndarray
     mask: np.ndarray | None
-    answer: np.ndarray
+    answers: dict[str, np.ndarray]  # every output by name, the rows the client was sent
+
+
+def _rows(name: str, real: np.ndarray | None) -> np.ndarray | None:
+    """The real tokens of a positional output; every row of a pooled one."""
+    return real if positional(name) else None
 
 
 def judged(manifest) -> bool:
@@ -124,9 +129,12 @@ class LiveParity:
                 self._queue.put_nowait(None)
             self._thread = None
 
-    def offer(self, model, embeddings: np.ndarray, mask: np.ndarray | None, answer: np.ndarray) -> None:
+    def offer(
+        self, model, embeddings: np.ndarray, mask: np.ndarray | None, answers: dict[str, np.ndarray]
+    ) -> None:
         """Called for every answered request (the request core): keeps a copy with probability ``rate``; never
-        blocks. ``embeddings`` (B, S, E) as the model ran them, ``answer`` the rows the client is sent."""
+        blocks. ``embeddings`` (B, S, E) as the model ran them, ``answers`` the rows of every output the client
+        may be sent."""
         if self.rate <= 0 or random.random() >= self.rate or not judged(model.engine.manifest):
             return
         b, seq = embeddings.shape[:2]
@@ -137,7 +145,7 @@ class LiveParity:
             logs.request_id.get(),
             np.array(embeddings, copy=True),
             None if mask is None else np.array(mask, copy=True),
-            np.array(answer, copy=True),
+            {name: np.array(a, copy=True) for name, a in answers.items()},
         )
         try:
             self._queue.put_nowait(sample)
@@ -168,29 +176,36 @@ class LiveParity:
         config = dataclasses.replace(manifest.config, batch_first=True)
         w = self._weights_of(s.model.engine.directory, manifest)
         with np.errstate(all="ignore"):  # fp16's scheme overflows on large inputs; compare() then ignores it
-            x64 = reference.forward(config, w.f64, s.embeddings, s.mask)
-            x32 = reference.forward(config, w.f32, s.embeddings, s.mask)
-            scheme = None
+            x64 = reference.outputs(config, w.f64, s.embeddings, s.mask)
+            x32 = reference.outputs(config, w.f32, s.embeddings, s.mask)
+            scheme = {}
             if w.scheme_weights is not None:
-                scheme = reference.forward(config, w.scheme_weights, s.embeddings, s.mask, w.scheme)
+                scheme = reference.outputs(config, w.scheme_weights, s.embeddings, s.mask, w.scheme)
         tol = Tolerance(**manifest.parity["tolerance"])
         real = None if s.mask is None else ~np.asarray(s.mask, bool)  # a lossy answer: its real tokens
         # A lossy answer is judged on its implementation (the graph computes its scheme): its quality against fp32
         # is the scheme's, decided at export on representative inputs, and a client's input need not be one.
-        c = compare(ENCODED, s.answer, x32, x64, tol, scheme, quality=False, real=real)
-        ratio = c.ratio
+        comparisons = [
+            compare(
+                name, a, x32[name], x64[name], tol, scheme.get(name), quality=False, real=_rows(name, real)
+            )
+            for name, a in s.answers.items()
+        ]
+        c = max(comparisons, key=lambda c: (not c.passed, c.ratio))  # the worst output
+        ratio = max(c.ratio for c in comparisons)
         name = s.model.name
         counts = self.counts[name]
         counts.checked += 1
         counts.worst_ratio = max(counts.worst_ratio, ratio)
         self.metrics.live_parity(name, "checked", ratio)
-        if c.passed:
+        if all(c.passed for c in comparisons):
             return
         counts.failed += 1
         self.metrics.live_parity(name, "failed")
         log.warning(
-            "live parity FAILED for request %s on model %s, shape %s: error %.3e vs float64%s is %.1fx the allowance",
-            s.request_id, name, list(s.embeddings.shape), c.onnx_vs_f64,
+            "live parity FAILED for request %s on model %s, shape %s, output %s: error %.3e vs float64%s is %.1fx the "
+            "allowance",
+            s.request_id, name, list(s.embeddings.shape), c.output, c.onnx_vs_f64,
             "" if c.graph_vs_scheme is None else f", {c.graph_vs_scheme:.3e} vs its scheme (per row)", ratio,
         )  # fmt: skip
         now = time.monotonic()

@@ -67,7 +67,9 @@ def encoder(minilm: Path):
     state, fields, where = hf.read_model_dir(minilm)
     from export.bert import bert_shape
 
-    config = EncoderConfig.from_dict({**fields, **bert_shape(state), "dropout": 0.0})
+    pooling = hf.sentence_pooling(minilm)  # its sentence-transformers pipeline: mean pooling, then Normalize
+    assert pooling == {"pooling": "mean", "normalize_pooled": True}
+    config = EncoderConfig.from_dict({**fields, **bert_shape(state), **pooling, "dropout": 0.0})
     return prepare_encoder(config, where.weights, from_bert=True, state=state).eval()
 
 
@@ -149,6 +151,12 @@ def test_no_false_alarm_on_the_synthetic_cases_at_every_length_up_to_512(minilm,
     assert "reference: transformers BertModel on 10 built-in sentences" in out
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert manifest["config"]["nhead"] == 12 and manifest["config"]["num_layers"] == 6
+    # the directory's sentence-transformers pipeline (modules.json) gives the graph its pooled output
+    assert manifest["config"]["pooling"] == "mean" and manifest["config"]["normalize_pooled"] is True
+    assert (
+        "mean pooled output max abs err" in out
+        and manifest["parity"]["reference"]["graph"]["pooled_max_abs"] < 1e-6
+    )
 
 
 def test_a_flag_that_contradicts_config_json_is_an_error(minilm, tmp_path, capsys):
@@ -302,18 +310,22 @@ def test_a_model_failing_its_check_is_refused_and_the_others_serve(served):
     assert all(index[name]["state"] == "READY" for name in FORMS), index
 
 
-def test_served_answers_equal_transformers_on_real_tokens(served, real):
+def test_served_answers_equal_transformers_on_real_tokens(served, real, minilm):
     """Every form over /v1 (JSON, ragged sequences as users send them), V2 HTTP binary (tritonclient) and gRPC
     (tritonclient): fp32 graphs within the float32 floor of transformers' output on every real token, fp16 by
-    its sentence embeddings and their ranking."""
+    its sentence embeddings and their ranking; and the pooled output against sentence-transformers' own
+    ``encode`` of the same sentences (fp32 within 1e-6 of its unit vectors, fp16 by cosine)."""
     import tritonclient.grpc as tg
     import tritonclient.http as th
+    from sentence_transformers import SentenceTransformer
 
     x, mask, want = real
     rows = slice(0, 8)
     x, mask, want = x[rows, :64], mask[rows, :64], want[rows, :64]
     assert (~mask).sum(1).max() < 64  # the short sentences, cut to their padded length
     lengths = (~mask).sum(1)
+    st = SentenceTransformer(str(minilm), device="cpu", local_files_only=True)
+    sentences = st.encode(SENTENCES[:8], convert_to_numpy=True)  # (8, 384), unit length
     http = th.InferenceServerClient(f"127.0.0.1:{served.port}")
     grpc = tg.InferenceServerClient(f"127.0.0.1:{served.grpc_port}")
     floor = float32_floor(want.astype(np.float64))
@@ -326,6 +338,7 @@ def test_served_answers_equal_transformers_on_real_tokens(served, real):
         answers["v1"] = np.zeros_like(want)
         for i, seq in enumerate(v1["encoded"]):
             answers["v1"][i, : lengths[i]] = np.asarray(seq, np.float32)
+        pooled = {"v1": np.asarray(v1["pooled"], np.float32)}
         for client, mod, key in ((http, th, "v2"), (grpc, tg, "grpc")):
             inputs = [
                 mod.InferInput("embeddings", list(x.shape), "FP32"),
@@ -337,7 +350,8 @@ def test_served_answers_equal_transformers_on_real_tokens(served, real):
             else:
                 inputs[0].set_data_from_numpy(x)
                 inputs[1].set_data_from_numpy(mask)
-            answers[key] = client.infer(name, inputs).as_numpy("encoded")
+            result = client.infer(name, inputs)
+            answers[key], pooled[key] = result.as_numpy("encoded"), result.as_numpy("pooled")
         for how, got in answers.items():
             if name == "fp16":
                 cos = hf.sentence_cosines(got, want, mask).min()
@@ -348,3 +362,8 @@ def test_served_answers_equal_transformers_on_real_tokens(served, real):
             else:
                 err = float(np.abs(got - want)[~mask].max())
                 assert err <= floor, (name, how, err, floor)
+        for how, got in pooled.items():
+            if name == "fp16":
+                assert (got * sentences).sum(1).min() >= FP16_SENTENCE_COSINE, (how, got @ sentences.T)
+            else:
+                np.testing.assert_allclose(got, sentences, atol=1e-6, err_msg=f"{name} over {how}")

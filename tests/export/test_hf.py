@@ -77,3 +77,49 @@ def test_sentence_measures():
     assert np.allclose(hf.sentence_cosines(noisy, x, mask), 1.0)
     agree = hf.agreement(noisy, x, mask)
     assert agree.max_abs == 0.0 and agree.tokens == 18 and abs(agree.spearman - 1) < 1e-12
+
+
+def _pipeline(directory, modules: list[str], pooling: dict) -> None:
+    (directory / "1_Pooling").mkdir(parents=True)
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    entries = [
+        {"idx": i, "name": str(i), "path": "1_Pooling" if kind == "Pooling" else "",
+         "type": f"sentence_transformers.models.{kind}"}
+        for i, kind in enumerate(modules)
+    ]  # fmt: skip
+    (directory / "modules.json").write_text(json.dumps(entries))
+
+
+@pytest.mark.parametrize(
+    "modules, pooling, want",
+    [
+        (["Transformer", "Pooling", "Normalize"], {"pooling_mode_mean_tokens": True}, ("mean", True)),
+        (
+            ["Transformer", "Pooling"],
+            {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False},
+            ("cls", False),
+        ),
+        (["Normalize", "Transformer", "Pooling"], {"pooling_mode_mean_tokens": True}, ("mean", False)),
+        (["Transformer", "Pooling"], {"pooling_mode_max_tokens": True}, None),
+        (
+            ["Transformer", "Pooling"],
+            {"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": True},
+            None,
+        ),
+    ],
+)
+def test_a_sentence_transformers_directory_gives_its_pooling(tmp_path, caplog, modules, pooling, want):
+    """modules.json's Pooling (1_Pooling/config.json) and a Normalize after it; a mode the graph does not compute
+    leaves the pooled output out, and says so."""
+    _pipeline(tmp_path, modules, pooling)
+    got = hf.sentence_pooling(tmp_path)
+    if want is None:
+        assert got == {} and "no pooled output" in caplog.text
+    else:
+        assert got == {"pooling": want[0], "normalize_pooled": want[1]}
+
+
+def test_a_plain_bert_directory_has_no_pooling(tmp_path):
+    assert hf.sentence_pooling(tmp_path) == {} and hf.sentence_pooling(None) == {}
+    (tmp_path / "modules.json").write_text("not json")
+    assert hf.sentence_pooling(tmp_path) == {}

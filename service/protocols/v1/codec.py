@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
-from model.contract import EMBEDDINGS, ENCODED, MASK
+from model.contract import EMBEDDINGS, ENCODED, MASK, positional
 from service.batcher import Outputs
 from service.errors import BadInput, NotAcceptable, UnsupportedMediaType, quote
 from service.validation import check_batch, holds_literal, parse_json
@@ -38,11 +38,12 @@ class EncodeRequest:
     model: str | None = None  # the model it names (None: the default)
     timeout_s: float | None = None  # /v1 has no timeout parameter: ADDNORM_REQUEST_TIMEOUT_S alone
 
-    def split(self, encoded: np.ndarray) -> np.ndarray | list[np.ndarray]:
-        """Undo the request's packing: drop the batch dim, or cut each ragged sequence to its length."""
-        if self.lengths is not None:
-            return [encoded[i, :n] for i, n in enumerate(self.lengths)]
-        return encoded[0] if self.squeeze else encoded
+    def split(self, out: np.ndarray, name: str = ENCODED) -> np.ndarray | list[np.ndarray]:
+        """Undo the request's packing: drop the batch dim, or cut each ragged sequence to its length (a pooled
+        output has one row per sequence and nothing to cut)."""
+        if self.lengths is not None and positional(name):
+            return [out[i, :n] for i, n in enumerate(self.lengths)]
+        return out[0] if self.squeeze else out
 
 
 def decode_json(body: bytes, d_model: DModel, max_elements: int, model: str | None = None) -> EncodeRequest:
@@ -299,7 +300,7 @@ def negotiate(accept: str | None) -> str:
 def encode(req: EncodeRequest, outputs: Outputs, media: str, model: str) -> tuple[bytes, dict[str, str]]:
     """The answer in the negotiated media type, and its headers. Binary answers carry the encoded tensor."""
     if media == JSON:
-        return encode_json({name: req.split(out) for name, out in outputs.items()}, model), {}
+        return encode_json({name: req.split(out, name) for name, out in outputs.items()}, model), {}
     encoded = outputs[ENCODED]
     result = req.split(encoded)
     tensor = result if isinstance(result, np.ndarray) else encoded  # ragged: padded tensor + lengths
