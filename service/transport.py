@@ -15,7 +15,10 @@ h2c) is never handed off; the request is answered as plain HTTP and the connecti
 leaves these deadlines (one with a body gets a JSON 400: the parser gives the body to the other protocol).
 A transfer coding other than ``chunked`` is refused with a 400 (RFC 9112 6.1 suggests 501; every bad request
 here is a 4xx). A client that half-closes (``shutdown(SHUT_WR)``) is taken to be gone, as nginx and Go's
-net/http take it: its queued requests are dropped unrun (499).
+net/http take it: its queued requests are dropped unrun (499). A request's head longer than ``MAX_HEAD_BYTES`` gets
+a JSON 431. A chunked body's trailer fields are read and dropped (RFC 9110 6.5.1: a recipient must not merge them
+into the header section, and nothing here has a use for them): no decision (key, content type, encoding, length,
+model, deadline) ever sees one; a trailer section longer than ``MAX_HEAD_BYTES`` gets a 400.
 Each request's scope carries a ``Disconnect`` (key ``DISCONNECT``) that the connection fires when its client goes
 away, so a handler waiting for a model run is cancelled without a task of its own watching ``receive()``.
 
@@ -33,8 +36,17 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.settings import Settings
 
-_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 503: b"Service Unavailable"}
+_REASONS = {
+    400: b"Bad Request",
+    408: b"Request Timeout",
+    431: b"Request Header Fields Too Large",
+    503: b"Service Unavailable",
+}
 LINGER_S = 2.0
+# A request's head (request line and header fields) may be this long, and so may a chunked body's trailer section;
+# beyond it 431 (400 for a trailer) and the connection closes. nginx allows 4 x 8 KiB by default, Go 1 MiB.
+MAX_HEAD_BYTES = 64 * 1024
+_LONG_HEAD = f"the request's head (request line and header fields) is over {MAX_HEAD_BYTES} bytes"
 DISCONNECT = "addnorm.disconnect"  # the scope key of a request's Disconnect
 _NO_UPGRADE = (
     "this server speaks HTTP/1.1 and does not switch protocols: send the request without 'Connection: "
@@ -109,6 +121,12 @@ class HttpConnection(HttpToolsProtocol):
         self._reading = True  # False once the input can no longer be parsed (an error, an upgrade's tail)
         self._refusal: tuple[int, str] | None = None  # what a parser callback refused the request with
         self._deferred: tuple[int, str] | None = None  # a refusal waiting for the answers before it
+        # The current request's head so far: ``_head_fields`` its parsed parts exactly (URL, complete fields), and
+        # ``_head_raw`` the bytes read for it while it was unfinished (a field not yet complete included: the
+        # parser holds those); ``_trailer_bytes`` its trailer section's fields.
+        self._head_fields = self._head_raw = self._trailer_bytes = 0
+        self._began = False  # a request began during the read being parsed
+        self.head_refused = False  # refused before its head ended: the client may still be sending it
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -131,7 +149,15 @@ class HttpConnection(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._reading and not self.discarding:
+            self._began = False
             super().data_received(data)  # the parser's callbacks below arm and disarm the deadline
+            if self._in_headers and self._reading:  # a head still unfinished
+                # all of this read went to it, unless it began in this read (then what was parsed of it)
+                self._head_raw = self._head_fields if self._began else self._head_raw + len(data)
+                if self._head_raw > MAX_HEAD_BYTES:
+                    self._refusal, self.head_refused = (431, _LONG_HEAD), True
+                    self.send_400_response("")
+                    return
             self._start_timer()
 
     def eof_received(self) -> None:
@@ -140,7 +166,27 @@ class HttpConnection(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._head_fields = self._head_raw = self._trailer_bytes = 0
+        self._began = True
         self._arm(self.header_timeout_s, headers=True)
+
+    def on_url(self, url: bytes) -> None:
+        self._head_fields += len(url)
+        if self._head_fields > MAX_HEAD_BYTES:
+            self._stop(431, _LONG_HEAD)
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self.in_body:
+            self._head_fields += len(name) + len(value) + 4
+            if self._head_fields > MAX_HEAD_BYTES:
+                self._stop(431, _LONG_HEAD)
+            super().on_header(name, value)
+            return
+        # a trailer field (the parser reports them like header fields, after the body): counted and dropped
+        self._trailer_bytes += len(name) + len(value) + 4
+        if self._trailer_bytes > MAX_HEAD_BYTES:
+            self._stop(400, f"the request's trailer section is over {MAX_HEAD_BYTES} bytes")
 
     def on_headers_complete(self) -> None:
         codings = [
@@ -165,6 +211,7 @@ class HttpConnection(HttpToolsProtocol):
     def _stop(self, status: int, message: str) -> None:
         """Refuse the request from a parser callback: the parser stops, and ``send_400_response`` answers."""
         self._refusal = (status, message)
+        self.head_refused = self._in_headers
         raise ValueError(message)
 
     def on_message_complete(self) -> None:
@@ -246,8 +293,8 @@ class HttpConnection(HttpToolsProtocol):
 class _Transport:
     """The connection's transport as uvicorn sees it. A response's head is held until its body's first write and
     both go out in one system call (uvicorn writes them apart: two sends, two segments for the client to read);
-    ``close()`` lingers while a request body is still arriving (see the module's docstring). Everything else is
-    the transport's own."""
+    ``close()`` lingers while a request body (or a refused head) is still arriving (see the module's docstring).
+    Everything else is the transport's own."""
 
     def __init__(self, transport: asyncio.Transport, protocol: HttpConnection) -> None:
         self._transport = transport
@@ -277,7 +324,7 @@ class _Transport:
     def close(self) -> None:
         self.flush()
         t, p = self._transport, self._protocol
-        if self._lingering or t.is_closing() or not p.in_body or not t.can_write_eof():
+        if self._lingering or t.is_closing() or not (p.in_body or p.head_refused) or not t.can_write_eof():
             t.close()
             return
         self._lingering = p.discarding = True
