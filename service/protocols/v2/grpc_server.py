@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError, Message
 
 from service import control, inference, logs
 from service.batcher import Outputs
-from service.errors import BadInput, ServiceError, grpc_code
+from service.errors import BadInput, ClientDeadline, ServiceError, grpc_code
 from service.guard import Guard
 from service.protocols.v2 import codec, grpc_codec, model_config
 from service.protocols.v2 import inference_pb2 as pb
@@ -30,6 +30,20 @@ SERVICE = "inference.GRPCInferenceService"
 # What the guard reads for this transport (service/protocols/__init__.py gathers them): methods are paths.
 PUBLIC_PATHS = (f"/{SERVICE}/ServerLive", f"/{SERVICE}/ServerReady")
 MODEL_PREFIXES = (f"/{SERVICE}/",)
+# HTTP/2 limits of the gRPC port (gRPC core channel arguments), besides the message size (--max-body-bytes), the
+# calls in progress (--max-connections) and the request message's deadline (--body-timeout-s): docs/reliability.md.
+HTTP2_LIMITS = {
+    "grpc.max_concurrent_streams": 128,  # per connection (unset: 2^31 - 1); more are refused by the protocol
+    "grpc.max_connection_idle_ms": 300_000,  # a connection without calls for 5 min gets a GOAWAY
+    "grpc.max_connection_age_ms": 3_600_000,  # every connection is asked to reconnect after an hour (balancing)
+    "grpc.max_connection_age_grace_ms": 60_000,  # ... and its calls get a minute to finish
+    "grpc.keepalive_permit_without_calls": 1,  # clients behind NAT may ping an idle connection,
+    "grpc.http2.min_ping_interval_without_data_ms": 10_000,  # ... every 10 s at most:
+    "grpc.http2.max_ping_strikes": 2,  # the third ping sooner is a GOAWAY (ENHANCE_YOUR_CALM, too_many_pings)
+    "grpc.max_metadata_size": 8
+    * 1024,  # request metadata: above 8 KiB some calls, above 16 KiB every call is
+    "grpc.absolute_max_metadata_size": 16 * 1024,  # ... refused (RESOURCE_EXHAUSTED)
+}
 log = logging.getLogger("addnorm.grpc")
 
 
@@ -162,7 +176,8 @@ def _handler(
         start = time.perf_counter()
         code, message = grpc.StatusCode.OK, ""
         try:
-            return await method(await _read(request_type, context, name), context)
+            request = await _read(request_type, context, name, state.settings.body_timeout_s)
+            return await method(request, context)
         except ServiceError as exc:
             code, message = grpc.StatusCode[grpc_code(exc)], exc.message
         except asyncio.CancelledError:  # the client went away or its deadline passed: grpc answers for us
@@ -186,13 +201,22 @@ def _serialize(answer: Message | bytes) -> bytes:
     return answer if isinstance(answer, bytes) else answer.SerializeToString()
 
 
-async def _read(request_type: type | None, context: grpc.aio.ServicerContext, name: str) -> object:
+async def _read(
+    request_type: type | None, context: grpc.aio.ServicerContext, name: str, timeout_s: float
+) -> object:
     """The call's one request message, parsed. Every method is registered as stream-unary and reads it here:
     grpc.aio's unary handler never answers a call whose client sends no message (it waits for the client's
-    deadline); this one answers INVALID_ARGUMENT at once. A second message is ignored, as a unary handler does."""
+    deadline); this one answers INVALID_ARGUMENT at once, and DEADLINE_EXCEEDED to a call whose message has not
+    arrived within ``timeout_s`` (--body-timeout-s: a stream opened and never sent holds no call slot for long). A
+    second message is ignored, as a unary handler does."""
     if request_type is None:  # a refusal's stand-in method reads nothing
         return None
-    raw = await context.read()
+    try:
+        raw = await asyncio.wait_for(context.read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise ClientDeadline(
+            f"the {name} request message did not arrive within {timeout_s:g} s (ADDNORM_BODY_TIMEOUT_S)"
+        ) from None
     if raw is grpc.aio.EOF:
         raise BadInput(f"the {name} call ended without a request message; send one {request_type.__name__}")
     try:
@@ -245,6 +269,9 @@ async def start(state: ServiceState) -> grpc.aio.Server:
         ("grpc.max_send_message_length", -1),
         # Several uvicorn workers each start one and share the port; one worker must own it alone.
         ("grpc.so_reuseport", 1 if s.workers > 1 else 0),
+        # a connection must finish HTTP/2's preface and settings as an HTTP one must send its headers
+        ("grpc.server_handshake_timeout_ms", int(s.header_timeout_s * 1000)),
+        *HTTP2_LIMITS.items(),
     ]
     if state.guard is None:
         raise RuntimeError("the gRPC server starts with the app's guard (create_app makes it)")
