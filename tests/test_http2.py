@@ -166,59 +166,47 @@ def test_the_server_announces_its_stream_limit(server):
         raw.close()
 
 
-def test_rapid_reset(server, want):
-    """20,000 streams, each opened (a ModelInfer call's HEADERS) and reset at once, as fast as the socket takes
-    them: the server keeps serving others; it may end the flooding connection (GOAWAY)."""
+def _flood(port: int, frame: Callable[[h2.connection.H2Connection, int], None], count: int = 20_000) -> None:
+    """``count`` frames (``frame(connection, i)`` queues the i-th) on one connection, sent in bursts of 100 as fast as
+    the socket takes them, never waiting for an answer; until the server ends the connection (GOAWAY, close)."""
+    raw = Raw(port)
+    try:
+        for first in range(0, count, 100):
 
-    def flood() -> None:
-        raw = Raw(server.grpc_port)
-        try:
-            for _ in range(200):
+            def burst(c: h2.connection.H2Connection, first: int = first) -> None:
+                for i in range(first, first + 100):
+                    frame(c, i)
 
-                def burst(c: h2.connection.H2Connection) -> None:
-                    for _ in range(100):
-                        sid = c.get_next_available_stream_id()
-                        c.send_headers(sid, HEADERS)
-                        c.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
-
-                try:
-                    raw.do(burst)
-                except h2.exceptions.ProtocolError:  # the server said GOAWAY: h2 opens no more streams
-                    return
-                if not raw.flush():
-                    return
-        finally:
-            raw.close()
-
-    _while_flooding(server, want, flood)
+            try:
+                raw.do(burst)
+            except h2.exceptions.ProtocolError:  # the server said GOAWAY: h2 sends no more
+                return
+            if not raw.flush():
+                return
+    finally:
+        raw.close()
 
 
-@pytest.mark.parametrize("frame", ["settings", "ping"])
-def test_settings_and_ping_floods(server, want, frame):
-    """20,000 SETTINGS (each to be acknowledged) or PING frames on one connection, sent without reading."""
+def _reset(c: h2.connection.H2Connection, i: int) -> None:
+    sid = c.get_next_available_stream_id()
+    c.send_headers(sid, HEADERS)
+    c.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
 
-    def flood() -> None:
-        raw = Raw(server.grpc_port)
-        try:
-            for i in range(200):
 
-                def burst(c: h2.connection.H2Connection, i: int = i) -> None:
-                    for j in range(100):
-                        if frame == "settings":
-                            c.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 65535 + j})
-                        else:
-                            c.ping((i * 100 + j).to_bytes(8, "big"))
+def _settings(c: h2.connection.H2Connection, i: int) -> None:
+    c.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 65535 + i % 100})
 
-                try:
-                    raw.do(burst)
-                except h2.exceptions.ProtocolError:
-                    return
-                if not raw.flush():
-                    return
-        finally:
-            raw.close()
 
-    _while_flooding(server, want, flood)
+def _ping(c: h2.connection.H2Connection, i: int) -> None:
+    c.ping(i.to_bytes(8, "big"))
+
+
+@pytest.mark.parametrize("frame", [_reset, _settings, _ping], ids=["rapid-reset", "settings", "ping"])
+def test_rapid_reset_and_settings_and_ping_floods(server, want, frame):
+    """20,000 streams each opened (a ModelInfer call's HEADERS) and reset at once (CVE-2023-44487), or SETTINGS
+    frames (each to be acknowledged), or PINGs, on one connection: others are served meanwhile; the server may
+    end the flooding connection."""
+    _while_flooding(server, want, lambda: _flood(server.grpc_port, frame))
 
 
 def test_streams_opened_and_never_sent_end_at_the_body_deadline(server, want):
