@@ -149,6 +149,7 @@ def export_artifact(
             parity=summary,
             created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             golden_sha256=sha256_file(staging / GOLDEN_FILE),
+            weights_sha256=sha256_file(staging / WEIGHTS_FILE),
             scheme=plan,
         )
         manifest.save(staging)

@@ -48,6 +48,9 @@ class Manifest:
     golden_sha256: str = ""  # sha256 of golden.safetensors; "" for artifacts exported before golden data
     attention: str = "decomposed"  # how attention is spelled: mha, onnx or decomposed (export/attention.py)
     scheme: dict[str, Any] = field(default_factory=dict)  # a lossy scheme's parameters (int8: float channels)
+    weights_sha256: str = (
+        ""  # sha256 of weights.safetensors (live parity's oracle reads it); "" before it was kept
+    )
 
     def input(self, name: str) -> TensorSpec:
         for spec in self.inputs:
@@ -72,6 +75,7 @@ class Manifest:
             },
             "model_sha256": self.model_sha256,
             **({"golden_sha256": self.golden_sha256} if self.golden_sha256 else {}),
+            **({"weights_sha256": self.weights_sha256} if self.weights_sha256 else {}),
             "versions": dict(self.versions),
             **({"scheme": self.scheme} if self.scheme else {}),
             "parity": self.parity,
@@ -101,6 +105,7 @@ class Manifest:
                 parity=dict(data.get("parity", {})),
                 created_at=str(data.get("created_at", "")),
                 golden_sha256=str(data.get("golden_sha256", "")),
+                weights_sha256=str(data.get("weights_sha256", "")),
                 attention=str(data.get("attention", "decomposed")),  # older artifacts spelled it out
                 scheme=_scheme(data.get("scheme", {})),
             )
@@ -122,8 +127,17 @@ class Manifest:
                 f"no {MANIFEST_FILE} in {directory}: export an artifact there first (addnorm-export --out DIR)"
             )
         try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
+            text = path.read_bytes()
+        except OSError as exc:
+            raise ArtifactError(f"cannot read {path}: {exc}") from None
+        return cls.parse(text, path)
+
+    @classmethod
+    def parse(cls, text: bytes | str, path: Path | str = MANIFEST_FILE) -> Manifest:
+        """A manifest from the bytes of its file (``path`` names it in errors)."""
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ArtifactError(f"{path} is not valid JSON: {exc}") from exc
         if not isinstance(data, dict):
             raise ArtifactError(f"{path} must hold a JSON object")
@@ -151,6 +165,55 @@ def sha256_file(path: str | Path, chunk_size: int = 1 << 20) -> str:
         while chunk := fh.read(chunk_size):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class Verified:
+    """An artifact as read once: its manifest, and the bytes of its graph and golden data that matched the manifest's
+    sha256 (what the engine hands to onnxruntime and the golden check runs: the file on disk may change after)."""
+
+    directory: Path
+    manifest: Manifest
+    model: bytes
+    golden: bytes | None  # None for artifacts exported before golden data
+
+
+def read_verified(directory: str | Path) -> Verified:
+    """Read the manifest, then model.onnx and golden.safetensors once each, and check those very bytes against the
+    manifest's sha256. A directory swapped or half-written while it is read fails here (ArtifactError): never a
+    manifest of one version with the graph of another."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ArtifactError(f"artifact directory {directory} does not exist")
+    manifest = Manifest.load(directory)
+    model = _read_checked(directory / MODEL_FILE, manifest.model_sha256, "the graph")
+    golden = None
+    if manifest.golden_sha256:
+        golden = _read_checked(directory / GOLDEN_FILE, manifest.golden_sha256, "the golden data")
+    return Verified(directory, manifest, model, golden)
+
+
+def read_weights(directory: str | Path, manifest: Manifest) -> bytes:
+    """weights.safetensors, read once and checked against the manifest's sha256 where it records one."""
+    path = Path(directory) / WEIGHTS_FILE
+    if manifest.weights_sha256:
+        return _read_checked(path, manifest.weights_sha256, "the weights")
+    return path.read_bytes()
+
+
+def _read_checked(path: Path, sha256: str, what: str) -> bytes:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ArtifactError(f"{path} is missing (the manifest records its sha256)") from None
+    except OSError as exc:
+        raise ArtifactError(f"cannot read {path}: {exc}") from None
+    if (actual := hashlib.sha256(data).hexdigest()) != sha256:
+        raise ArtifactError(
+            f"sha256 of {path} is {actual} but the manifest says {sha256}: {what} was changed after export (or is "
+            "being replaced right now); re-export it or restore the original file"
+        )
+    return data
 
 
 def load_verified(directory: str | Path) -> tuple[Manifest, Path]:

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import load as load_bytes
 from safetensors.numpy import load_file, save_file
 
 from model.contract import EMBEDDINGS, ENCODED, MASK, positional
@@ -36,9 +37,11 @@ def save_golden(path: str | Path, cases: dict[str, dict[str, np.ndarray]]) -> No
     )
 
 
-def load_golden(path: str | Path) -> dict[str, dict[str, np.ndarray]]:
+def load_golden(source: str | Path | bytes) -> dict[str, dict[str, np.ndarray]]:
+    """The golden cases of a file, or of its bytes as read and verified (model.artifact.read_verified)."""
     cases: dict[str, dict[str, np.ndarray]] = {}
-    for key, value in load_file(str(path)).items():
+    arrays = load_bytes(source) if isinstance(source, bytes) else load_file(str(source))
+    for key, value in arrays.items():
         case, _, field = key.rpartition("/")
         cases.setdefault(case, {})[_BEFORE_NAMES.get(field, field)] = value
     for case, arrays in cases.items():

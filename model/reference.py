@@ -36,11 +36,13 @@ def _erf(x: np.ndarray) -> np.ndarray:
     return _scipy_erf(x) if _scipy_erf is not None else _ERF(x).astype(x.dtype)
 
 
-def load_weights(path: str | Path, dtype: type = np.float64) -> dict[str, np.ndarray]:
-    """An artifact's weights.safetensors as arrays of ``dtype`` by name."""
-    from safetensors.numpy import load_file
+def load_weights(source: str | Path | bytes, dtype: type = np.float64) -> dict[str, np.ndarray]:
+    """An artifact's weights.safetensors (its path, or its bytes as read and checked: model.artifact.read_weights)
+    as arrays of ``dtype`` by name."""
+    from safetensors.numpy import load, load_file
 
-    return {k: v.astype(dtype) for k, v in load_file(str(path)).items()}
+    arrays = load(source) if isinstance(source, bytes) else load_file(str(source))
+    return {k: v.astype(dtype) for k, v in arrays.items()}
 
 
 def _norm(

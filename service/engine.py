@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from model.artifact import ArtifactError, Manifest, load_verified
+from model.artifact import ArtifactError, Manifest, load_verified, read_verified
 from model.attention import score_elements
 from model.contract import EMBEDDINGS, MASK, positional
 from model.runtime import CPU, CUDA, with_options
@@ -114,10 +114,11 @@ class Engine:
     (B, ...) for an output without a sequence axis (model.contract.positional)."""
 
     def __init__(self, model_dir: str | Path, providers: str = "auto", intra_op_threads: int = 0) -> None:
-        try:
-            self.manifest, model_path = load_verified(model_dir)
+        try:  # the graph onnxruntime gets and the golden data checked are the bytes whose sha256 was checked
+            verified = read_verified(model_dir)
         except ArtifactError as exc:
             raise EngineError(str(exc)) from exc
+        self.manifest, self.golden = verified.manifest, verified.golden
         self.directory = Path(model_dir)
         wanted = resolve_providers(providers, ort.get_available_providers())
         if wanted[0] == CUDA and hasattr(ort, "preload_dlls"):
@@ -130,7 +131,7 @@ class Engine:
         # Idle pool threads must not spin: the event loop shares these cores, and a spinning onnxruntime worker
         # takes them from it (measured at 32 concurrent clients: +6% batched, +18% unbatched; docs/benchmarks.md).
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(str(model_path), opts, providers=with_options(wanted))
+        self.session = ort.InferenceSession(verified.model, opts, providers=with_options(wanted))
         self.providers = self.session.get_providers()
         if wanted[0] == CUDA and self.providers[0] != CUDA:
             # onnxruntime drops CUDA without an error when its libraries fail to load; make that loud.

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from model import reference, schemes
-from model.artifact import WEIGHTS_FILE, Manifest
+from model.artifact import Manifest, read_weights
 from model.contract import positional
 from model.verdict import Tolerance, compare
 from service import logs, memory
@@ -223,7 +223,7 @@ class LiveParity:
         control may load new versions for as long as the server runs). int8's scheme runs in float64 (exactly,
         as the gate's), fp16's in float32 rounded to half."""
         if directory not in self._weights:
-            w64 = reference.load_weights(directory / WEIGHTS_FILE, np.float64)
+            w64 = reference.load_weights(read_weights(directory, manifest), np.float64)  # as exported
             w32 = {k: v.astype(np.float32) for k, v in w64.items()}
             scheme = schemes.for_variant(manifest.variant, manifest.scheme, w64) or schemes.Exact()
             lossy = {schemes.Int8: w64, schemes.Half: w32}.get(type(scheme))

@@ -84,7 +84,7 @@ async def serving_model(state: ServiceState, name: str, directory: Path, version
     except Exception as exc:  # any failure keeps the model (and /health/ready) unavailable, with the reason
         raise LoadFailed(str(exc)) from None
     try:
-        verification = await asyncio.to_thread(verify_engine, engine, directory, s.verify_on_load)
+        verification = await asyncio.to_thread(verify_engine, engine, s.verify_on_load)
     except Exception as exc:  # unreadable golden data: not ready, with the reason
         raise LoadFailed(f"golden check could not run: {type(exc).__name__}: {exc}") from None
     state.metrics.verification(engine.name, verification)

@@ -8,16 +8,14 @@ The sha256 proves the file is the one exported; this proves the runtime here com
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
-from model.artifact import GOLDEN_FILE
 from model.golden import Verification, load_golden, verify
 from model.runtime import CPU, VNNI_FLAGS, cpu_flags
 from model.verdict import Tolerance
 from service.engine import Engine
 
 
-def verify_engine(engine: Engine, model_dir: str | Path, mode: str) -> Verification:
+def verify_engine(engine: Engine, mode: str) -> Verification:
     """``mode`` strict or warn: run the check (the caller decides what a failure means); off: skip it."""
     provider = engine.providers[0]
     if mode == "off":
@@ -28,7 +26,7 @@ def verify_engine(engine: Engine, model_dir: str | Path, mode: str) -> Verificat
             provider,
             "the artifact has no golden data (exported before addnorm stored it); re-export it to verify at load",
         )
-    golden = load_golden(Path(model_dir) / GOLDEN_FILE)  # its sha256 was checked when the engine loaded
+    golden = load_golden(engine.golden)  # the bytes whose sha256 the engine checked, read once
     tol = Tolerance(**engine.manifest.parity["tolerance"])
     result = verify(engine.run, golden, tol, provider)
     if result.status == "failed" and engine.manifest.variant == "int8" and provider == CPU:

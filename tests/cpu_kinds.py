@@ -28,7 +28,7 @@ CHECK = textwrap.dedent(
     from service.verification import verify_engine
     directory, out = sys.argv[1], sys.argv[2]
     engine = Engine(directory, providers="cpu")
-    v = verify_engine(engine, directory, "strict")
+    v = verify_engine(engine, "strict")
     golden = load_golden(directory + "/golden.safetensors")
     np.savez(out, **{k: engine.run(c["embeddings"], c["mask"])["encoded"] for k, c in golden.items()})
     print(json.dumps({"status": v.status, "message": v.message, "max_abs_err": v.max_abs_err}))

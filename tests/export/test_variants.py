@@ -309,7 +309,7 @@ def _verified_at_load(artifact) -> str:
     from service.engine import Engine
     from service.verification import verify_engine
 
-    return verify_engine(Engine(artifact, "cpu"), artifact, "strict").status
+    return verify_engine(Engine(artifact, "cpu"), "strict").status
 
 
 @pytest.mark.parametrize("variant", ["fp16", "int8", "fused"])

@@ -132,3 +132,93 @@ def test_long_runs_give_their_memory_back(tiny_artifact, monkeypatch):
     mask[0, -1] = True
     out = eng.run(x, mask)["encoded"]
     assert trims == [1, 1] and out.shape == (1, seq, 32) and np.isfinite(out).all()  # given back as it ended
+
+
+# --- loading exactly what was verified (issue 36) ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_versions(tiny_artifact, tmp_path_factory):
+    """(directory, the other graph's bytes, x, its answer, the other's answer): the tiny artifact copied, and the
+    same block with other weights."""
+    import shutil
+
+    from model.artifact import MODEL_FILE
+    from tests.conftest import TINY, export_to
+
+    root = tmp_path_factory.mktemp("versions")
+    other = export_to(root / "other", TINY, seed=5)
+    x = np.linspace(-1, 1, 3 * 32, dtype=np.float32).reshape(1, 3, 32)
+    want = Engine(tiny_artifact, "cpu", 1).run(x)["encoded"]
+    wrong = Engine(other, "cpu", 1).run(x)["encoded"]
+    assert np.abs(want - wrong).max() > 0.1
+    return root, tiny_artifact, (other / MODEL_FILE).read_bytes(), x, want, shutil
+
+
+def test_the_graph_onnxruntime_gets_is_the_one_whose_sha256_was_checked(two_versions, monkeypatch):
+    """The graph on disk replaced after its sha256 matched and before onnxruntime is given it (the window that
+    reading the file twice had): the engine still runs the verified graph."""
+    import onnxruntime as ort
+
+    from model.artifact import MODEL_FILE
+
+    root, artifact, theirs, x, want, shutil = two_versions
+    directory = root / "swapped-after-check"
+    shutil.copytree(artifact, directory)
+    real = ort.InferenceSession
+
+    def swap_then_load(model, *args, **kwargs):
+        (directory / MODEL_FILE).write_bytes(theirs)  # another version lands now, after the check
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(engine_mod.ort, "InferenceSession", swap_then_load)
+    np.testing.assert_allclose(Engine(directory, "cpu", 1).run(x)["encoded"], want, atol=1e-6)
+    monkeypatch.undo()
+    with pytest.raises(EngineError, match="sha256 of .* is being replaced"):  # and a later load refuses it
+        Engine(directory, "cpu", 1)
+
+
+def test_a_directory_rewritten_while_it_loads_is_never_served_as_another_version(two_versions):
+    """A thread keeps replacing model.onnx (whole files swapped in, and half-written ones) and golden.safetensors
+    (half-written) while the engine loads again and again: each load either refuses (sha256) or runs exactly the
+    verified graph, and its golden check passes."""
+    import os
+    import threading
+
+    from model.artifact import GOLDEN_FILE, MODEL_FILE
+    from service.verification import verify_engine
+
+    root, artifact, theirs, x, want, shutil = two_versions
+    directory = root / "rewritten"
+    shutil.copytree(artifact, directory)
+    mine, golden = (directory / MODEL_FILE).read_bytes(), (directory / GOLDEN_FILE).read_bytes()
+    versions = [theirs, mine, mine[: len(mine) // 2], mine]
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        i = 0
+        while not stop.is_set():
+            data = versions[i % len(versions)]
+            (directory / ".next").write_bytes(data)
+            os.replace(directory / ".next", directory / MODEL_FILE)  # a whole file swapped in
+            (directory / GOLDEN_FILE).write_bytes(golden[: len(golden) // 2] if i % 3 == 0 else golden)
+            i += 1
+
+    thread = threading.Thread(target=rewrite, daemon=True)
+    thread.start()
+    outcomes = {"loaded": 0, "refused": 0}
+    try:
+        for _ in range(60):
+            try:
+                engine = Engine(directory, "cpu", 1)
+            except EngineError as exc:
+                assert "sha256" in str(exc) or "missing" in str(exc), exc
+                outcomes["refused"] += 1
+                continue
+            outcomes["loaded"] += 1
+            np.testing.assert_allclose(engine.run(x)["encoded"], want, atol=1e-6)
+            assert verify_engine(engine, "strict").status == "passed"
+    finally:
+        stop.set()
+        thread.join(10)
+    print("loads while the directory was rewritten:", outcomes)
