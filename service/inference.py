@@ -17,14 +17,18 @@ from typing import Protocol, TypeVar
 import numpy as np
 from starlette.concurrency import run_in_threadpool
 
+from service import memory
 from service.batcher import Outputs, Timings
-from service.errors import ClientDeadline, ClientGone, TimedOut
+from service.errors import ClientDeadline, ClientGone, ServiceError, TimedOut
 from service.state import KnownModels, Models, ServingModel
 from service.statistics import RequestTimer
 from service.tracing import TRACING, Carrier, RequestSpan
 from service.transport import Disconnect
 
 OFFLOAD_BYTES = 256 * 1024  # below this, decoding or encoding is cheaper than a thread hop
+TRIM_AFTER_BYTES = (
+    1 << 20
+)  # after a request this large, answered or refused, free heap pages go back to the OS
 
 
 class Decoded(Protocol):
@@ -88,6 +92,8 @@ async def run(
     finally:
         if call.watch is not None:
             call.watch.cancel()
+        if size >= TRIM_AFTER_BYTES:  # a large body's parsed objects are freed: give the C heap's pages back
+            await asyncio.to_thread(memory.trim)
 
 
 async def _serve(
@@ -151,6 +157,12 @@ async def _queue(
 
 async def offload(nbytes: int, fn: Callable[..., T], *args: object) -> T:
     """Run a CPU-bound codec step in a worker thread when it is big enough to stall the event loop."""
-    if nbytes > OFFLOAD_BYTES:
+    if nbytes <= OFFLOAD_BYTES:
+        return fn(*args)
+    try:
         return await run_in_threadpool(fn, *args)
-    return fn(*args)
+    except ServiceError as exc:
+        # A refusal raised in the worker holds, through its traceback, the thread's frames (the decoded document:
+        # 100,000 parsed entries, say), and the thread pool's future holds the refusal: a cycle that only a full
+        # garbage collection frees (measured: +30 MB kept per refused 3 MB V2 body). A refusal needs no traceback.
+        raise exc.with_traceback(None) from None

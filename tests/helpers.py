@@ -51,3 +51,22 @@ def skew_gamma(source: Path, art: Path) -> Path:
     doc["model_sha256"] = sha256_file(art / "model.onnx")
     (art / MANIFEST_FILE).write_text(json.dumps(doc))
     return art
+
+
+def raw_http(port: int, pieces: list[bytes], timeout: float = 30.0) -> tuple[int, bytes]:
+    """Send ``pieces`` on a new loopback connection, one write each (TCP_NODELAY: each its own segment), and read
+    until the server closes it (the request should say ``Connection: close``): (status, body) of the first answer."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for piece in pieces:
+            s.sendall(piece)
+        raw = b""
+        deadline = time.monotonic() + timeout
+        while chunk := s.recv(65536):
+            raw += chunk
+            assert time.monotonic() < deadline, raw[:300]
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 "), raw[:300]
+    return int(head.split(b" ")[1]), body

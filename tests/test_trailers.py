@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -15,6 +14,7 @@ import pytest
 from bench.server import ServerProcess
 from service.transport import MAX_HEAD_BYTES
 from tests.conftest import start_server
+from tests.helpers import raw_http
 
 pytestmark = pytest.mark.server
 
@@ -57,23 +57,6 @@ def _chunked(path: bytes, head: list[bytes], trailer: list[bytes]) -> bytes:
     )
 
 
-def _send(port: int, pieces: list[bytes], timeout: float = 20.0) -> tuple[int, bytes]:
-    """Send ``pieces`` one write each (TCP_NODELAY: each its own segment), read the answer until the server
-    closes (every request here says Connection: close); (status, body)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for piece in pieces:
-            s.sendall(piece)
-        raw = b""
-        deadline = time.monotonic() + timeout
-        while chunk := s.recv(65536):
-            raw += chunk
-            assert time.monotonic() < deadline, raw[:300]
-    head, _, body = raw.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 "), raw[:300]
-    return int(head.split(b" ")[1]), body
-
-
 # (head fields, trailer fields) -> the status the head alone decides
 CASES = {
     "key only in the trailer": ([], [AUTH], 401),
@@ -91,7 +74,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_trailer_never_decides_anything(server, path, case):
     head, trailer, want = CASES[case]
-    status, body = _send(server.port, [_chunked(path, head, trailer)])
+    status, body = raw_http(server.port, [_chunked(path, head, trailer)])
     assert status == want, (case, body[:300])
     doc = json.loads(body)
     assert ("encoded" in doc or "outputs" in doc) if want == 200 else ("error" in doc), doc
@@ -104,7 +87,7 @@ def test_however_the_bytes_arrive(server):
         for head, trailer, want in (CASES["key only in the trailer"], CASES["a second key in the trailer"]):
             data = _chunked(path, head, trailer)
             cuts = range(1, len(data), 1 if len(data) < 600 else 7)
-            got = {cut: _send(server.port, [data[:cut], data[cut:]])[0] for cut in cuts}
+            got = {cut: raw_http(server.port, [data[:cut], data[cut:]])[0] for cut in cuts}
             assert set(got.values()) == {want}, {c: s for c, s in got.items() if s != want}
 
 
@@ -121,11 +104,11 @@ def test_a_head_or_trailer_section_too_long_is_refused_and_the_server_serves_on(
     ):
         data = _chunked(b"/v1/encode", head, trailer)
         pieces = [data[i : i + 4096] for i in range(0, len(data), 4096)]  # arriving over many reads
-        status, body = _send(server.port, pieces)
+        status, body = raw_http(server.port, pieces)
         assert status == want, body[:300]
         if want != 200:
             assert f"over {MAX_HEAD_BYTES} bytes" in json.loads(body)["error"]
-        assert _send(server.port, [_chunked(b"/v1/encode", [AUTH], [])])[0] == 200
+        assert raw_http(server.port, [_chunked(b"/v1/encode", [AUTH], [])])[0] == 200
 
 
 def test_pipelined_requests_with_large_bodies_are_not_taken_for_a_long_head(server):
