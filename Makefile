@@ -14,13 +14,14 @@ TORCH     ?= torch==2.13.0
 TORCH_INDEX ?=
 PIP_TORCH_FLAGS := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: serve test test-fast matrix export parity lint format bench proto clean help
+.PHONY: serve test test-fast matrix fuzz-http export parity lint format bench proto clean help
 
 help:
 	@echo "make serve   create .venv, export $(ARTIFACT) if missing, check parity, serve on $(HOST):$(PORT) (gRPC $(GRPC_PORT))"
 	@echo "make test    create .venv and run the test suite"
 	@echo "make test-fast  the unit lane only (model/ and service/ in process; under a minute)"
 	@echo "make matrix  every variant x attention x depth x placement x norm combination (tests/export/test_matrix.py)"
+	@echo "make fuzz-http  every boofuzz request-line and header case of every endpoint (tests/test_http_fuzz.py; hours)"
 	@echo "make export  (re-)export the default artifact into $(ARTIFACT)"
 	@echo "make parity  re-check $(ARTIFACT) and write a report into $(ARTIFACT)/report"
 	@echo "make bench   run the benchmarks (bench/) and the cost curve, write bench/results and docs/benchmarks.md"
@@ -60,6 +61,11 @@ test-fast: $(VENV)/.installed
 # The whole combination matrix (make test runs a representative subset of it); about 25 minutes on 2 cores.
 matrix: $(VENV)/.installed
 	ADDNORM_MATRIX=full $(BIN)/python -m pytest tests/export/test_matrix.py -rA
+
+# Every boofuzz case of every endpoint (make test sends a seeded sample of 30 each): about 121,000 cases, 2-3 hours
+# on 2 cores. ADDNORM_HTTP_FUZZ_SEED picks make test's sample.
+fuzz-http: $(VENV)/.installed
+	ADDNORM_HTTP_FUZZ_CASES=0 $(BIN)/python -m pytest tests/test_http_fuzz.py -s -rA --timeout 0
 
 bench: $(VENV)/.installed
 	$(BIN)/python -m bench
