@@ -14,7 +14,7 @@ import typing
 from pydantic import ValidationError
 
 from service import logs
-from service.engine import EngineError, check_artifact, default_threads, resolve_providers
+from service.engine import EngineError, check_artifact, resolve_providers
 from service.settings import Settings, explain
 
 
@@ -143,9 +143,6 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
-    if settings.workers > 1 and settings.intra_op_threads == 0:
-        # Several processes each with all-core thread pools oversubscribe the CPU: split the cores.
-        settings = settings.model_copy(update={"intra_op_threads": default_threads(settings.workers)})
     for slot in slots:
         log.info("model %s from %s", slot.name, slot.directory)
     grpc = f", gRPC on {settings.host}:{settings.grpc_port}" if settings.grpc_port else ""

@@ -3,6 +3,7 @@ environment (Settings.to_env, create_app as a factory)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -62,3 +63,25 @@ def test_two_workers_serve_with_the_settings_they_were_given(tiny_artifact):
                 assert r.status_code == 200, r.text
                 np.testing.assert_allclose(r.json()["encoded"], want, atol=1e-5, rtol=0)
             assert client.get("/health/ready").status_code == 200
+
+
+def test_each_worker_shares_its_thread_budget_among_its_models(tiny_artifact, tmp_path):
+    """--workers 2 --thread-budget 4 with two models: each worker's budget is 4 threads (the cores split among
+    workers is the default budget, state.cores), and each of its two models gets an equal share, 2 (the server
+    used to set every model's threads to the whole per-worker budget whenever --workers > 1)."""
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_artifact, other)
+    manifest = (other / "manifest.json").read_text().replace('"name": "encoder"', '"name": "second"', 1)
+    (other / "manifest.json").write_text(manifest)
+    flags = ["--workers", "2", "--thread-budget", "4", "--model-dir", str(other)]
+    with start_server(tiny_artifact, *flags) as srv:
+        with httpx.Client(base_url=srv.base, timeout=30) as client:
+            assert client.get("/health/ready").status_code == 200
+        deadline = time.monotonic() + 60
+        while srv.output().count("intra-op threads") < 4:  # two models in each of two workers
+            assert time.monotonic() < deadline, srv.output()[-3000:]
+            time.sleep(0.1)
+        lines = [line for line in srv.output().splitlines() if "intra-op threads" in line]
+        assert len(lines) == 4 and all("with 2 intra-op threads" in line for line in lines), lines
