@@ -23,7 +23,7 @@ from service.live_parity import LiveParity
 from service.loading import load_models
 from service.middleware import RequestContext, install_error_handlers
 from service.protocols import health
-from service.settings import Settings
+from service.settings import VERSION, Settings
 from service.state import READY, UNAVAILABLE, ServiceState
 from service.tracing import TRACING
 
@@ -89,7 +89,7 @@ def create_app(
         summary="A Transformer encoder block (Add & Norm) on onnxruntime",
         description="`/v1`: a simple JSON (or binary) API. `/v2`: the Open Inference Protocol with the binary "
         'tensor extension, for tritonclient and other KServe V2 clients. Errors are always `{"error": "..."}`.',
-        version="0.1.0",
+        version=VERSION,
         lifespan=lifespan,
         docs_url=None,  # service/docs_pages.py: the same pages from installed assets, not a CDN
         redoc_url=None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -11,6 +12,10 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from model.artifact import MANIFEST_FILE
 
 DEFAULT_MODEL_DIR = Path("artifacts/default")
+try:  # the version pyproject.toml gives, as installed: the server's metadata on every transport and /docs
+    VERSION = metadata.version("addnorm")
+except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+    VERSION = "unknown"
 
 
 class Settings(BaseSettings):

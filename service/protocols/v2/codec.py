@@ -91,7 +91,7 @@ def decode_infer(
         embeddings=x,
         mask=mask,
         outputs=_requested_outputs(doc.get("outputs"), params, [s.name for s in manifest.outputs]),
-        timeout_s=_timeout(params.get("timeout")),
+        timeout_s=timeout_param(params.get("timeout")),
         parameters=params,
     )
 
@@ -212,11 +212,19 @@ def _named(entry: object, where: str, kind: str, known: list[str], seen: Collect
     name = entry.get("name")
     if not isinstance(name, str):
         raise BadInput(f"{where}.name must be a string, got {quote(name)}")
+    return entry, checked_name(name, kind, known, seen, f"{where}.name: ", f"{where}: ")
+
+
+def checked_name(
+    name: str, kind: str, known: list[str], seen: Collection[str], where: str = "", again: str = ""
+) -> str:
+    """An input's or output's name: one the model has (``where`` prefixes that error) and not given before
+    (``again`` prefixes that one). The gRPC codec checks its names here too."""
     if name not in known:
-        raise BadInput(f"{where}.name: unknown {kind} {quote(name)}; this model has {sorted(known)}")
+        raise BadInput(f"{where}unknown {kind} {quote(name)}; this model has {sorted(known)}")
     if name in seen:
-        raise BadInput(f"{where}: {kind} {name!r} is given twice")
-    return entry, name
+        raise BadInput(f"{again}{kind} {name!r} is given twice")
+    return name
 
 
 def _object(doc: dict, key: str, where: str) -> dict:
@@ -245,8 +253,8 @@ def _request_id(value: object) -> str | None:
     return value
 
 
-def _timeout(value: object) -> float | None:
-    """tritonclient's ``timeout`` parameter is in microseconds."""
+def timeout_param(value: object) -> float | None:
+    """tritonclient's ``timeout`` parameter (microseconds) in seconds; the gRPC codec reads it here too."""
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

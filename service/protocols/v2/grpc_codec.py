@@ -14,7 +14,7 @@ from google.protobuf.message import Message
 
 from model.artifact import Manifest
 from service.batcher import Outputs
-from service.errors import BadInput, quote
+from service.errors import BadInput
 from service.protocols.v2 import codec
 from service.protocols.v2 import inference_pb2 as pb
 
@@ -33,7 +33,7 @@ def decode_infer(req: pb.ModelInferRequest, manifest: Manifest, max_elements: in
     known = [s.name for s in manifest.inputs]
     tensors: dict[str, np.ndarray] = {}
     for i, tensor in enumerate(req.inputs):
-        name = _named(tensor.name, "input", known, tensors)
+        name = codec.checked_name(tensor.name, "input", known, tensors)
         shape = list(tensor.shape)
         dtype, count = codec.tensor_type(name, shape, tensor.datatype, max_elements)
         if raw:
@@ -46,7 +46,7 @@ def decode_infer(req: pb.ModelInferRequest, manifest: Manifest, max_elements: in
     names = [s.name for s in manifest.outputs]
     chosen: list[str] = []
     for out in req.outputs:
-        chosen.append(_named(out.name, "output", names, chosen))
+        chosen.append(codec.checked_name(out.name, "output", names, chosen))
     return codec.InferRequest(
         id=req.id or None,
         embeddings=x,
@@ -54,14 +54,6 @@ def decode_infer(req: pb.ModelInferRequest, manifest: Manifest, max_elements: in
         outputs=[codec.RequestedOutput(n, True) for n in chosen or names],
         timeout_s=_timeout(req),
     )
-
-
-def _named(name: str, kind: str, known: list[str], seen) -> str:
-    if name not in known:
-        raise BadInput(f"unknown {kind} {quote(name)}; this model has {sorted(known)}")
-    if name in seen:
-        raise BadInput(f"{kind} {name!r} is given twice")
-    return name
 
 
 def _typed(name: str, tensor: pb.ModelInferRequest.InferInputTensor, shape: list[int], dtype, count: int):
@@ -83,10 +75,7 @@ def _timeout(req: pb.ModelInferRequest) -> float | None:
     if "timeout" not in req.parameters:
         return None
     param = req.parameters["timeout"]
-    value = getattr(param, param.WhichOneof("parameter_choice") or "int64_param")
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise BadInput(f"parameters.timeout must be a positive integer (microseconds), got {quote(value)}")
-    return value / 1e6
+    return codec.timeout_param(getattr(param, param.WhichOneof("parameter_choice") or "int64_param"))
 
 
 # ModelInferResponse's field 6, raw_output_contents (repeated bytes): its tag, length-delimited wire type

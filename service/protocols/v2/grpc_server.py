@@ -24,6 +24,7 @@ from service.errors import BadInput, ClientDeadline, ServiceError, grpc_code
 from service.guard import Guard
 from service.protocols.v2 import codec, grpc_codec, model_config
 from service.protocols.v2 import inference_pb2 as pb
+from service.settings import VERSION
 from service.state import READY, KnownModels, ModelController, Models, ServiceState, ServingModel
 
 SERVICE = "inference.GRPCInferenceService"
@@ -70,7 +71,7 @@ class InferenceService:
         return pb.ServerReadyResponse(ready=self.state.not_ready_reason() is None)
 
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(name="addnorm", version="0.1.0", extensions=codec.EXTENSIONS)
+        return pb.ServerMetadataResponse(name="addnorm", version=VERSION, extensions=codec.EXTENSIONS)
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
         models = self._loaded().models

@@ -16,6 +16,7 @@ from service.fastpath import FastRoute
 from service.guard import Known
 from service.protocols.common import error_docs, http_call, read_body, timing_headers
 from service.protocols.v2 import codec
+from service.settings import VERSION
 from service.state import KnownModels, Models, ServingModel, State
 from service.validation import parse_json
 
@@ -146,7 +147,7 @@ def _model(loaded: KnownModels, name: str, version: str | None) -> ServingModel:
 
 @router.get("", summary="Server metadata")
 async def server_metadata() -> dict:
-    return {"name": "addnorm", "version": "0.1.0", "extensions": codec.EXTENSIONS}
+    return {"name": "addnorm", "version": VERSION, "extensions": codec.EXTENSIONS}
 
 
 @router.get("/health/live", summary="Server liveness")
