@@ -10,6 +10,7 @@ import dataclasses
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -246,3 +247,47 @@ def test_flags_change_a_sentence_transformers_directorys_pooling(flags, want):
     fields = {"d_model": 64, "nhead": 4, "dim_feedforward": 128, "num_layers": 1}
     config = export_cli.config_from_args(args, fields, None, {"pooling": "mean", "normalize_pooled": True})
     assert (config.pooling, config.normalize_pooled) == want
+
+
+def test_v1_answers_one_output_when_asked(server, pooled_artifacts):
+    """?output=pooled: a binary answer (npy, raw) carries the sentence embeddings, a JSON one them alone; an output
+    no model has, or one this model lacks, is a 400 naming it."""
+    import io
+
+    from service.errors import BadInput
+    from service.protocols.v1 import codec
+
+    rng = np.random.default_rng(3)
+    seqs = [rng.standard_normal((n, 64)).astype(np.float32) for n in (4, 7)]
+    x = np.zeros((2, 7, 64), np.float32)
+    mask = np.ones((2, 7), bool)
+    for i, s in enumerate(seqs):
+        x[i, : len(s)], mask[i, : len(s)] = s, False
+    want = Engine(pooled_artifacts["mean"], "cpu", intra_op_threads=1).run(x, mask)[POOLED]
+    body = json.dumps({"model": "mean", "embeddings": [s.tolist() for s in seqs]}).encode()
+    url = server.base + "/v1/encode?output=pooled"
+    for accept in ("application/x-npy", "application/octet-stream", "application/json"):
+        req = urllib.request.Request(url, body, {"content-type": "application/json", "accept": accept})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            raw, shape = r.read(), r.headers.get("X-Shape")
+            assert r.headers.get("X-Lengths") is None  # one row per sequence: nothing to cut
+        if accept == "application/json":
+            doc = json.loads(raw)
+            assert set(doc) == {POOLED, "shape", "model"} and doc["shape"] == [2, 64], doc.keys()
+            got = np.asarray(doc[POOLED], np.float32)
+        elif accept == "application/x-npy":
+            got = np.load(io.BytesIO(raw))
+        else:
+            assert shape == "2,64"
+            got = np.frombuffer(raw, "<f4").reshape(2, 64)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4, err_msg=accept)
+    for bad in ("bogus", ""):
+        req = urllib.request.Request(
+            server.base + f"/v1/encode?output={bad}", body, {"content-type": "application/json"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=60)
+        assert refused.value.code == 400 and "output" in json.loads(refused.value.read())["error"]
+    decoded = codec.EncodeRequest(x, mask)
+    with pytest.raises(BadInput, match="has no output 'pooled'"):
+        codec.encode(decoded, {ENCODED: x}, codec.NPY, "plain", POOLED)

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
-from model.contract import EMBEDDINGS, ENCODED, MASK, positional
+from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, positional
 from service.batcher import Outputs
 from service.errors import BadInput, NotAcceptable, UnsupportedMediaType, quote
 from service.validation import check_batch, holds_literal, parse_json
 
 MODEL = "model"
+OUTPUT = "output"  # the query parameter naming the output a binary answer carries
 _FIELDS = {EMBEDDINGS, MASK, MODEL}
 DModel = int | Callable[[str | None], int]  # the model's width, or the width of the model a request names
 _LITERALS = (b"true", b"false", b"null")
@@ -166,12 +167,13 @@ Result = (
 
 
 def encode_json(results: dict[str, Result], model: str) -> bytes:
-    """The /v1 JSON answer: every output by name, and the shape of the encoded one (one per ragged sequence).
+    """The /v1 JSON answer: its outputs by name, and the shape of the first (encoded, unless ?output= named
+    another; one per ragged sequence).
 
     orjson writes numpy arrays directly: no Python lists are built.
     """
-    encoded = results[ENCODED]
-    shape = [list(r.shape) for r in encoded] if isinstance(encoded, list) else list(encoded.shape)
+    first = next(iter(results.values()))
+    shape = [list(r.shape) for r in first] if isinstance(first, list) else list(first.shape)
     return orjson.dumps({**results, "shape": shape, "model": model}, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
@@ -297,15 +299,29 @@ def negotiate(accept: str | None) -> str:
     raise NotAcceptable(f"cannot answer with Accept {quote(accept)}; acceptable: {', '.join(MEDIA)}")
 
 
-def encode(req: EncodeRequest, outputs: Outputs, media: str, model: str) -> tuple[bytes, dict[str, str]]:
-    """The answer in the negotiated media type, and its headers. Binary answers carry the encoded tensor."""
+def output_param(value: str | None) -> str | None:
+    """``?output=NAME``: the one output the answer carries (None: JSON carries every output, binary encoded)."""
+    if value is not None and value not in OUTPUT_NAMES:
+        raise BadInput(f"?{OUTPUT}= must be one of {list(OUTPUT_NAMES)}, got {quote(value)}")
+    return value
+
+
+def encode(
+    req: EncodeRequest, outputs: Outputs, media: str, model: str, output: str | None = None
+) -> tuple[bytes, dict[str, str]]:
+    """The answer in the negotiated media type, and its headers: ``output`` alone when named (binary answers
+    carry one output: encoded unless named), else every output in JSON."""
+    if output is not None and output not in outputs:
+        raise BadInput(f"model {quote(model)} has no output {output!r}; it has {sorted(outputs)}")
     if media == JSON:
-        return encode_json({name: req.split(out, name) for name, out in outputs.items()}, model), {}
-    encoded = outputs[ENCODED]
-    result = req.split(encoded)
-    tensor = result if isinstance(result, np.ndarray) else encoded  # ragged: padded tensor + lengths
+        chosen = outputs if output is None else {output: outputs[output]}
+        return encode_json({name: req.split(out, name) for name, out in chosen.items()}, model), {}
+    output = output or ENCODED
+    chosen = outputs[output]
+    result = req.split(chosen, output)
+    tensor = result if isinstance(result, np.ndarray) else chosen  # ragged: padded tensor + lengths
     headers = {"X-Shape": ",".join(map(str, tensor.shape))}
-    if req.lengths is not None:
+    if req.lengths is not None and positional(output):
         headers["X-Lengths"] = ",".join(map(str, req.lengths))
     return encode_binary(tensor, media), headers
 

@@ -7,7 +7,7 @@ import time
 
 from fastapi import APIRouter, Request, Response
 
-from model.contract import EMBEDDINGS, ENCODED, MASK
+from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, POOLED
 from service import inference
 from service.batcher import Outputs
 from service.fastpath import FastRoute
@@ -27,7 +27,15 @@ _ENCODE_DOC = {
             "required": False,
             "schema": {"type": "string"},
             "description": "the model to run, for any body (default: the server's first model)",
-        }
+        },
+        {
+            "name": codec.OUTPUT,
+            "in": "query",
+            "required": False,
+            "schema": {"type": "string", "enum": list(OUTPUT_NAMES)},
+            "description": "the one output the answer carries (pooled: the sentence embeddings [batch, d_model] of "
+            "a model exported with --pooling); without it JSON answers carry every output, binary ones encoded",
+        },
     ],
     "requestBody": {
         "required": True,
@@ -86,6 +94,11 @@ _ENCODE_DOC = {
                                 "description": "the encoded shape, or one per sequence",
                             },
                             "model": {"type": "string"},
+                            POOLED: {
+                                "type": "array",
+                                "description": "[batch, d_model] (one sequence: [d_model]): the sentence embeddings "
+                                "of a model exported with --pooling",
+                            },
                         },
                     },
                     "example": {ENCODED: [[0.1, 0.2, 0.3]], "shape": [1, 3], "model": "encoder"},
@@ -117,6 +130,7 @@ async def handle_encode(request: Request, loaded: KnownModels, params: dict[str,
     settings = loaded.settings
     media = codec.negotiate(request.headers.get("accept"))
     named = request.query_params.get(codec.MODEL)
+    output = codec.output_param(request.query_params.get(codec.OUTPUT))
     body = await read_body(request, settings.max_body_bytes)
 
     def decode(models: Models) -> codec.EncodeRequest:
@@ -125,7 +139,7 @@ async def handle_encode(request: Request, loaded: KnownModels, params: dict[str,
         return codec.decode(content_type, body, request.headers, d_model, settings.max_elements, named)
 
     def encode(req: codec.EncodeRequest, model: ServingModel, outputs: Outputs) -> tuple[bytes, dict]:
-        return codec.encode(req, outputs, media, model.name)
+        return codec.encode(req, outputs, media, model.name, output)
 
     # The model is named in the payload (or ?model=), so reading and decoding count as its input stage.
     call = http_call(request, "v1", start)
