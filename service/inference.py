@@ -17,7 +17,6 @@ from typing import Protocol, TypeVar
 import numpy as np
 from starlette.concurrency import run_in_threadpool
 
-from service import memory
 from service.batcher import Outputs, Timings
 from service.errors import ClientDeadline, ClientGone, ServiceError, TimedOut
 from service.state import KnownModels, Models, ServingModel
@@ -92,8 +91,6 @@ async def run(
     finally:
         if call.watch is not None:
             call.watch.cancel()
-        if size >= TRIM_AFTER_BYTES:  # a large body's parsed objects are freed: give the C heap's pages back
-            await asyncio.to_thread(memory.trim)
 
 
 async def _serve(
