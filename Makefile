@@ -62,7 +62,7 @@ test-fast: $(VENV)/.installed
 matrix: $(VENV)/.installed
 	ADDNORM_MATRIX=full $(BIN)/python -m pytest tests/export/test_matrix.py -rA
 
-# Every boofuzz case of every endpoint (make test sends a seeded sample of 20 each): about 121,000 cases, 2-3 hours
+# Every boofuzz case of every endpoint (make test sends a seeded sample of 12 each): about 121,000 cases, 2-3 hours
 # on 2 cores. ADDNORM_HTTP_FUZZ_SEED picks make test's sample.
 fuzz-http: $(VENV)/.installed
 	ADDNORM_HTTP_FUZZ_CASES=0 $(BIN)/python -m pytest tests/test_http_fuzz.py -s -rA --timeout 0

@@ -4,7 +4,7 @@ generators, each case sent on its own connection; every answer must be a well-fo
 the connection closed unanswered: a head that never ends, at the header deadline), and the server must serve right
 afterwards.
 
-``make test`` runs a bounded sample: ``ADDNORM_HTTP_FUZZ_CASES`` cases per endpoint (default 20), drawn with the
+``make test`` runs a bounded sample: ``ADDNORM_HTTP_FUZZ_CASES`` cases per endpoint (default 12), drawn with the
 printed seed (``ADDNORM_HTTP_FUZZ_SEED``, default 36) from boofuzz's enumeration; ``make fuzz-http`` runs every
 case of every endpoint (about 8,000 each)."""
 
@@ -37,7 +37,7 @@ from tests.helpers import raw_http
 pytestmark = pytest.mark.server
 
 SEED = int(os.environ.get("ADDNORM_HTTP_FUZZ_SEED", "36"))
-CASES = int(os.environ.get("ADDNORM_HTTP_FUZZ_CASES", "20"))  # per endpoint; 0: every case boofuzz has
+CASES = int(os.environ.get("ADDNORM_HTTP_FUZZ_CASES", "12"))  # per endpoint; 0: every case boofuzz has
 ENDPOINTS = [
     "/v1/encode",
     "/v1/model",

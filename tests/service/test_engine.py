@@ -208,7 +208,7 @@ def test_a_directory_rewritten_while_it_loads_is_never_served_as_another_version
     thread.start()
     outcomes = {"loaded": 0, "refused": 0}
     try:
-        for _ in range(30):
+        for _ in range(15):
             try:
                 engine = Engine(directory, "cpu", 1)
             except EngineError as exc:
