@@ -40,15 +40,10 @@ def test_an_engine_failure_answers_a_json_500_and_the_next_request_succeeds(tiny
         assert client.get("/health/ready").status_code == 200
 
 
-def _in_server(base: str) -> int:
-    """Runs done plus requests queued, while one is still queued (else 0): with one running, 3 means all four."""
-    stats = httpx.get(f"{base}/v2/models/encoder/stats").json()["model_stats"][0]
-    queued = queue_depth(base)
-    return stats["execution_count"] + queued if queued else 0
-
-
 def test_sigterm_drains_requests_in_flight_then_exits_0(tiny_artifact):
-    srv = start_server(tiny_artifact, "--max-batch-size", "1")
+    # A batch of up to 20 rows waits 3 s for company: the four 4-row requests (16 rows) sit queued for those 3 s,
+    # a state the test waits for (runs of a few hundred ms one after another were a transient a poll could miss).
+    srv = start_server(tiny_artifact, "--max-batch-size", "20", "--max-queue-delay-ms", "3000")
     with srv:
         x = np.random.default_rng(0).standard_normal((4, 2048, 32)).astype("<f4")  # a few hundred ms each
         headers = {"content-type": "application/octet-stream", "x-shape": "4,2048,32",
@@ -65,8 +60,8 @@ def test_sigterm_drains_requests_in_flight_then_exits_0(tiny_artifact):
         threads = [threading.Thread(target=call) for _ in range(4)]
         for t in threads:
             t.start()
-        # all four in the server, some still queued: then SIGTERM (each run takes a few hundred ms)
-        wait_until(lambda: _in_server(srv.base) >= 3, 60, "the four requests in the server, some queued")
+        # all four in the server, queued: then SIGTERM
+        wait_until(lambda: queue_depth(srv.base) == 4, 60, "the four requests queued in the server")
         srv.proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(120)

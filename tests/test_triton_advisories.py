@@ -70,7 +70,7 @@ def _post(
 def _chunked(port: int, path: bytes, chunks: list[bytes]) -> tuple[int, bytes]:
     framed = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
     head = _head(path, b"Content-Type: application/json", b"Transfer-Encoding: chunked")
-    return raw_http(port, [head, *(framed[i : i + 1 << 16] for i in range(0, len(framed), 1 << 16))])
+    return raw_http(port, [head, *(framed[i : i + (1 << 16)] for i in range(0, len(framed), 1 << 16))])
 
 
 def _still_serving(server: ServerProcess, want: np.ndarray, start_mb: float) -> None:
