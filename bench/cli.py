@@ -158,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
         "policies (bench/models.py)",
     )
     p.add_argument(
+        "--lengths",
+        choices=["real"],
+        help="instead of the ratios: requests of mixed lengths drawn like real text (bench/mixed.py), 1, 8 and 32 "
+        "clients over V2 binary and gRPC, each --merge-lengths policy, against the unpadded limit; writes "
+        "bench/results/mixed.json",
+    )
+    p.add_argument(
         "--real",
         action="store_true",
         help="instead of the ratios: every variant of a real trained checkpoint (all-MiniLM-L6-v2, from the dev "
@@ -202,6 +209,21 @@ def models_only(args: argparse.Namespace) -> int:
     (args.results / "models.json").write_text(json.dumps(res, indent=2) + "\n")
     big, small = ("x".join(map(str, x.shape)) for x in (s.x_big, s.x_small))
     print("\n".join(models_table(res["models"], big, small, CLIENTS)))
+    return 0
+
+
+def mixed_lengths(args: argparse.Namespace) -> int:
+    """--lengths real: the mixed-length table, printed and kept beside the other results."""
+    from bench import mixed
+
+    s = setup(args)
+    res = {
+        "machine": measure.machine_info(s.threads),
+        **mixed.measure(s, args.rounds, tuple(args.concurrency)),
+    }
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "mixed.json").write_text(json.dumps(res, indent=2) + "\n")
+    print(mixed.table(res))
     return 0
 
 
@@ -276,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         return models_only(args)
     if args.limits:
         return limits_only(args)
+    if args.lengths:
+        return mixed_lengths(args)
     if args.real:
         from bench import real
 

@@ -1,17 +1,15 @@
 """Runs inference off the event loop, merging concurrent requests into one batch (dynamic batching).
 
-One dedicated inference thread takes requests from a bounded queue and merges them along the batch dimension (up to
-``max_batch_size`` rows, ``max_batch_tokens`` batch x seq positions and ``max_batch_attention`` elements of the
-seq x seq tensors the artifact's attention form holds, the part of a run's memory that grows fastest:
-``model.attention.score_elements``; shorter sequences are padded and masked),
-runs the batch, cuts each request's own rows out of it and hands them to the event loop. The thread takes its next
-batch the moment a run ends, without waiting for the event loop (which, busy with other requests, used to leave the
-model idle about 11% of the time at 32 clients: docs/benchmarks.md). With the default
-``max_queue_delay_ms=0`` a batch is whatever queued up while the previous one ran (no request ever waits for
-company while the model is idle); a positive delay waits that long for more. ``max_batch_size=1`` turns merging
-off; everything else (queue, timeouts) stays the same. Every output of the model is batch-major, with the sequence
-second where it has one (model.contract.positional): each request's rows of each output are cut the same way, and
-its own positions of a positional one.
+One dedicated inference thread takes requests from a bounded queue, merges them along the batch dimension (which
+requests, by their lengths: service/merging.py; within ``max_batch_size`` rows, ``max_batch_tokens`` batch x seq
+positions and ``max_batch_attention`` elements of the seq x seq tensors the artifact's attention form holds:
+``model.attention.score_elements``; shorter sequences padded and masked), runs the batch, cuts each request's own
+rows out of it and hands them to the event loop. The thread takes its next batch the moment a run ends, without
+waiting for the event loop. With the default ``max_queue_delay_ms=0`` a batch is whatever queued up while the
+previous one ran (no request waits for company while the model is idle); a positive delay waits that long for
+more. ``max_batch_size=1`` turns merging off. Every output is batch-major, with the sequence second where it has
+one (model.contract.positional): each request's rows of each output are cut the same way, and its own positions
+of a positional one.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ import numpy as np
 
 from model.attention import score_elements
 from model.contract import positional
+from service import merging
 from service.cores import CoreBudget
 from service.errors import InferenceFailed, Overloaded, ServiceError, ShuttingDown, TimedOut, TooLarge
 
@@ -45,13 +44,26 @@ class Model(Protocol):
     def run(self, embeddings: np.ndarray, mask: np.ndarray | None = None) -> Outputs: ...
 
 
-class BatchObserver(Protocol):
-    """Told of each model run (its rows, requests, and the seconds spent merging, running and cutting it); called
-    on the event loop. (The queue's depth is read when asked for: ``Batcher.depth``.)"""
+@dataclass(frozen=True)
+class Run:
+    """One model run, as its observers are told of it (on the event loop): its rows and requests, the seconds
+    spent merging, running and cutting it, and its positions: ``positions`` computed (rows x the batch's seq),
+    ``requested`` the requests' own (each request's rows x its seq); the rest is padding added by merging."""
 
-    def batch_done(
-        self, rows: int, requests: int, seconds: float, merge_s: float, split_s: float
-    ) -> None: ...
+    rows: int
+    requests: int
+    seconds: float
+    merge_s: float
+    split_s: float
+    positions: int
+    requested: int
+
+
+class BatchObserver(Protocol):
+    """Told of each model run; called on the event loop. (The queue's depth is read when asked for:
+    ``Batcher.depth``.)"""
+
+    def batch_done(self, run: Run) -> None: ...
 
 
 class Observers:
@@ -60,9 +72,9 @@ class Observers:
     def __init__(self, *observers: BatchObserver) -> None:
         self.observers = observers
 
-    def batch_done(self, rows: int, requests: int, seconds: float, merge_s: float, split_s: float) -> None:
+    def batch_done(self, run: Run) -> None:
         for o in self.observers:
-            o.batch_done(rows, requests, seconds, merge_s, split_s)
+            o.batch_done(run)
 
 
 @dataclass
@@ -117,8 +129,14 @@ class Batcher:
         max_queue_bytes: int | None = None,
         attention: str = "decomposed",
         cores: CoreBudget | None = None,
+        merge: str = "cost",
+        fixed_cost: float = 32.0,
     ) -> None:
         self.model = model
+        self.merge = (
+            merge  # "cost" or "pad": how requests of different lengths are merged (service/merging.py)
+        )
+        self.fixed_cost = fixed_cost  # a run's fixed cost in token-positions (merging.run_cost)
         self.cores = cores  # the server's CPU thread budget: each run holds the model's threads of it
         self._threads = getattr(
             model, "threads", cores.threads if cores else 1
@@ -235,7 +253,7 @@ class Batcher:
                 started = time.perf_counter()
                 for item in batch:
                     item.timings.queue_s = started - item.enqueued
-                x, mask = _merge(batch)
+                x, mask = merging.stack(batch)
                 merged = time.perf_counter()
             if done is not None:
                 self._post(self._deliver, *done)
@@ -272,8 +290,17 @@ class Batcher:
                     }
                 )
                 row = end
-            times = (ran - merged, merged - started, time.perf_counter() - ran)
-            done = (batch, rows, x.shape[0], times)
+            requested = sum(item.rows * item.seq for item in batch)
+            run = Run(
+                x.shape[0],
+                len(batch),
+                ran - merged,
+                merged - started,
+                time.perf_counter() - ran,
+                x.size // x.shape[2],
+                requested,
+            )
+            done = (batch, rows, run)
             if self.max_delay > 0:
                 self._post(self._deliver, *done)
                 done = None
@@ -294,14 +321,13 @@ class Batcher:
         except RuntimeError:
             log.warning("event loop closed: a finished batch of inference was not delivered")
 
-    def _deliver(self, batch: list[_Item], rows: list[Outputs], total_rows: int, times: tuple) -> None:
+    def _deliver(self, batch: list[_Item], rows: list[Outputs], run: Run) -> None:
         """On the event loop: each request's rows to its future (unless it timed out or its client left)."""
         for item, result in zip(batch, rows, strict=True):
             if not item.future.done():
                 item.future.set_result(result)
         if self.observer is not None:
-            elapsed, merge_s, split_s = times
-            self.observer.batch_done(total_rows, len(batch), elapsed, merge_s, split_s)
+            self.observer.batch_done(run)
 
     def _take(self, wait: bool = True) -> list[_Item] | None:
         """Wait for a first request (``wait``; else return [] when none is queued; [] too after RELEASE_IDLE_S
@@ -325,49 +351,36 @@ class Batcher:
                     if left <= 0:
                         break
                     self._ready.wait(left)
-            batch: list[_Item] = []
-            rows = seq = 0
-            padded = False
-            while self._queue:
-                item = self._queue[0]
-                if item.future.done():  # timed out or client gone before it ran (a read, safe from here)
-                    self._pop()
-                    continue
-                new_rows, new_seq = rows + item.rows, max(seq, item.seq)
-                # Merging sequences of different lengths pads the shorter ones.
-                new_padded = padded or item.padded or bool(batch and item.seq != seq)
-                full = (
-                    new_rows > self.max_batch_size
-                    or new_rows * new_seq > self.max_batch_tokens
-                    or (
-                        self.max_batch_attention is not None
-                        and self.attention_cost(new_rows, new_seq, new_padded) > self.max_batch_attention
-                    )
-                )
-                if batch and (full or item.solo or batch[0].solo):
-                    break
-                batch.append(self._pop())
-                rows, seq, padded = new_rows, new_seq, new_padded
-            return batch
+            while self._queue[0].future.done():  # timed out or client gone before it ran: dropped
+                self._pop()
+                if not self._queue:
+                    return []
+            head = self._pop()
+            if head.solo:
+                return [head]
+            if self.merge == "cost":
+                live = [i for i in self._queue if not i.future.done() and not i.solo]
+                chosen = merging.by_cost(head, live, self._fits, self.fixed_cost)
+            else:
+                chosen = merging.in_order(head, self._queue, self._fits)
+            if chosen:
+                taken = {id(i) for i in chosen}
+                kept = [i for i in self._queue if id(i) not in taken]
+                self._queue.clear()
+                self._queue.extend(kept)
+                self._queued_bytes -= sum(i.x.nbytes for i in chosen)
+            return [head, *chosen]
 
-
-def _merge(batch: list[_Item]) -> tuple[np.ndarray, np.ndarray | None]:
-    """Stack requests along the batch dim, padding shorter sequences and masking the padding."""
-    if len(batch) == 1:
-        return batch[0].x, batch[0].mask
-    seq = max(i.seq for i in batch)
-    rows = sum(i.rows for i in batch)
-    e = batch[0].x.shape[2]
-    if all(i.seq == seq for i in batch) and all(i.mask is None for i in batch):
-        return np.concatenate([i.x for i in batch]), None
-    x = np.zeros((rows, seq, e), dtype=batch[0].x.dtype)
-    mask = np.ones((rows, seq), dtype=bool)
-    r = 0
-    for i in batch:
-        x[r : r + i.rows, : i.seq] = i.x
-        mask[r : r + i.rows, : i.seq] = False if i.mask is None else i.mask
-        r += i.rows
-    return x, mask
+    def _fits(self, rows: int, seq: int, padded: bool) -> bool:
+        """Whether a run of ``rows`` x ``seq`` stays within the batch limits."""
+        return (
+            rows <= self.max_batch_size
+            and rows * seq <= self.max_batch_tokens
+            and (
+                self.max_batch_attention is None
+                or self.attention_cost(rows, seq, padded) <= self.max_batch_attention
+            )
+        )
 
 
 def _expire(item: _Item, timeout: float) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from model.artifact import ArtifactError, Manifest
 from service.batcher import Batcher, Observers
 from service.engine import CPU, Engine
+from service.merging import measure_fixed_cost
 from service.settings import Settings, version_of
 from service.state import READY, UNAVAILABLE, KnownModels, Models, ServiceState, ServingModel, Slot
 from service.statistics import ModelStatistics
@@ -90,6 +91,10 @@ async def serving_model(state: ServiceState, name: str, directory: Path, version
     state.metrics.verification(engine.name, verification)
     if not _accept(verification, s.verify_on_load, engine.name):
         raise LoadFailed(f"golden check failed on {verification.provider}: {verification.message}")
+    fixed_cost = 0.0
+    if s.merge_lengths == "cost" and s.max_batch_size > 1:
+        fixed_cost = await asyncio.to_thread(measure_fixed_cost, engine, engine.manifest.config.d_model)
+        log.info("%s: a run's fixed cost is %.0f token-positions (merging by cost)", engine.name, fixed_cost)
     statistics = ModelStatistics(engine.name, version)
     # The queue-depth gauge reads the batcher (made just below) at each scrape.
     metrics = state.metrics.model(engine.name, queue_depth=lambda: batcher.depth)
@@ -107,6 +112,8 @@ async def serving_model(state: ServiceState, name: str, directory: Path, version
         cores=state.cores
         if engine.providers[0] == CPU
         else None,  # a GPU run holds no CPU threads to speak of
+        merge=s.merge_lengths,
+        fixed_cost=fixed_cost,
     )
     batcher.start()
     return ServingModel(engine, batcher, verification, statistics, version)

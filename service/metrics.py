@@ -7,6 +7,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from service.batcher import Run
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -43,6 +45,13 @@ class Metrics:
             "requests merged per model run",
             ["model"],
             buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.positions = Counter(
+            "addnorm_batch_positions",
+            "sequence positions computed by model runs: kind=requested (the requests' own, their padding "
+            "included) or kind=padding (added to merge requests of different lengths)",
+            ["model", "kind"],
             registry=r,
         )
         self.queue = Gauge("addnorm_queue_depth", "requests waiting for a model run", ["model"], registry=r)
@@ -117,8 +126,12 @@ class ModelMetrics:
         self.inference = metrics.inference.labels(name)
         self.batch_rows = metrics.batch_rows.labels(name)
         self.batch_requests = metrics.batch_requests.labels(name)
+        self.requested = metrics.positions.labels(name, "requested")
+        self.padding = metrics.positions.labels(name, "padding")
 
-    def batch_done(self, rows: int, requests: int, seconds: float, merge_s: float, split_s: float) -> None:
-        self.inference.observe(seconds)
-        self.batch_rows.observe(rows)
-        self.batch_requests.observe(requests)
+    def batch_done(self, run: Run) -> None:
+        self.inference.observe(run.seconds)
+        self.batch_rows.observe(run.rows)
+        self.batch_requests.observe(run.requests)
+        self.requested.inc(run.requested)
+        self.padding.inc(run.positions - run.requested)

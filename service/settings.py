@@ -116,6 +116,12 @@ class Settings(BaseSettings):
         "artifact's attention form holds: 3 decomposed, 1 onnx, 1 mha with padding, 0 mha without); a request "
         "needing more gets 413 (default: one 4096-long sequence of a decomposed graph at 12 heads)",
     )
+    merge_lengths: Literal["cost", "pad"] = Field(
+        "cost",
+        description="dynamic batching of requests of different lengths: cost = merge one only when padding it "
+        "to the batch's length costs less than a run of its own (a run's fixed cost is measured at load); pad = "
+        "merge whatever fits, padding every request to the longest",
+    )
     max_queue_delay_ms: float = Field(
         0.0,
         ge=0,

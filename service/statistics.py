@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from types import TracebackType
 
-from service.batcher import Timings
+from service.batcher import Run, Timings
 
 _NS = 1e9
 
@@ -59,15 +59,15 @@ class ModelStatistics:
         return RequestTimer(self, started)
 
     # BatchObserver
-    def batch_done(self, rows: int, requests: int, seconds: float, merge_s: float, split_s: float) -> None:
+    def batch_done(self, run: Run) -> None:
         self.execution_count += 1
         self.last_inference_ms = time.time_ns() // 1_000_000
-        batch = self.batches.get(rows)
+        batch = self.batches.get(run.rows)
         if batch is None:
-            batch = self.batches[rows] = _Batch()
-        batch.compute_input.add(merge_s)
-        batch.compute_infer.add(seconds)
-        batch.compute_output.add(split_s)
+            batch = self.batches[run.rows] = _Batch()
+        batch.compute_input.add(run.merge_s)
+        batch.compute_infer.add(run.seconds)
+        batch.compute_output.add(run.split_s)
 
     def to_dict(self) -> dict:
         """One ``model_stats`` entry, as Triton's HTTP statistics endpoint writes it."""

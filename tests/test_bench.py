@@ -145,6 +145,42 @@ def test_grpc_load_generator_gets_real_answers_and_the_table_reads(tiny_artifact
     assert "| 32 clients x [1x16x32] | 10.0 | 10.0 | 1.00x (1.00, 0.90, 1.10)" in "\n".join(lines)
 
 
+def test_mixed_lengths_load_counts_the_tokens_answered_and_the_table_reads(tiny_artifact):
+    """bench.mixed: lengths drawn within 4..512 (the same draw each time), each transport's load answered and its
+    tokens counted from the requests it sent, the padding read from the server, the table's ratios."""
+    from bench import mixed
+    from bench.grpc_load import grpc_request
+    from tests.conftest import start_server
+
+    lengths = mixed.draw(2000)
+    assert lengths.min() >= 4 and lengths.max() <= 512 and (mixed.draw(2000) == lengths).all()
+    assert 15 < np.median(lengths) < 40  # half queries (median 15), half passages (median 38)
+    xs = [np.ones((1, n, 32), np.float32) for n in (3, 7, 11)]
+    with start_server(tiny_artifact, grpc=True) as srv:
+        http = [(x.shape[1], v2_request(srv.port, "encoder", x)) for x in xs]
+        grpc = [(x.shape[1], grpc_request("encoder", x)) for x in xs]
+        for load, port, requests in (
+            (mixed.http_load, srv.port, http),
+            (mixed.grpc_load, srv.grpc_port, grpc),
+        ):
+            result, tokens = load(port, requests, 2, 0.5)
+            assert result.requests > 0 and result.errors == 0
+            # each client cycles through its share: between the shortest and the longest request per request
+            assert 3 * result.requests <= tokens <= 11 * result.requests
+        requested, padding = mixed._padding(srv.port)
+    assert requested > 0 and padding >= 0
+    row = {"tokens_per_s": 500.0, "requests_per_s": 10.0, "p50_ms": 1.0, "p99_ms": 2.0, "padding_share": 0.5}
+    res = {
+        "lengths": {"mean": 30.0, "median": 24.0, "p90": 64.0, "max": 200},
+        "unpadded_limit_tokens_per_s": 1000.0,
+        "unpadded_limits": [1000.0],
+        "cells": {"pad/http/32": row, "cost/http/32": {**row, "tokens_per_s": 900.0, "padding_share": 0.05}},
+    }
+    text = mixed.table(res)
+    assert "pad    http           32        500     0.50x   1.00x" in text
+    assert "cost   http           32        900     0.90x   1.80x" in text and "5%" in text
+
+
 def test_ab_compares_two_checkouts_phase_by_phase(tiny_artifact, capsys):
     """bench.ab against two copies of this checkout (the same code): every phase printed, both sides answered."""
     from bench import ab

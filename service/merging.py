@@ -1,0 +1,135 @@
+"""Which queued requests of different lengths the batcher merges into one run (``--merge-lengths cost``).
+
+A merged run pads every request to its longest, and the weight products, feed-forward layers and norms (over 90%
+of a layer's arithmetic at 128 positions) then run on the padding too: with lengths spread like real text, the
+longest of 16 requests is several times their mean, and merging whatever fits left two thirds of the computed
+positions padding (docs/benchmarks.md, "Mixed lengths"). Running every request apart costs each run its fixed
+overhead instead. ``by_cost`` weighs the two by a cost model of a run, in token-positions:
+
+    run_cost(rows, seq) = fixed + rows x seq x (1 + seq / 6E)
+
+(each position's weight products, 12 E^2 multiply-adds, plus its attention, 2 x seq x E), with ``fixed`` measured
+on the model at load (``measure_fixed_cost``: 5-9 positions for the default 768-wide block on a 2-core EPYC).
+``in_order`` is ``--merge-lengths pad``: whatever follows the head while it fits. Nothing here touches the queue
+or a lock: the batcher hands in the queue's head and the requests behind it.
+"""
+
+from __future__ import annotations
+
+import time
+from asyncio import Future
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import numpy as np
+
+
+class Request(Protocol):
+    """What the policy reads of a queued request (service.batcher._Item)."""
+
+    x: np.ndarray  # (rows, seq, E)
+    mask: np.ndarray | None  # (rows, seq), true where a position is padding
+    padded: bool  # its own mask marks some padding
+    solo: bool  # it must run alone (an all-padding row)
+    future: Future  # done: timed out or its client gone
+
+    @property
+    def rows(self) -> int: ...
+
+    @property
+    def seq(self) -> int: ...
+
+
+Fits = Callable[[int, int, bool], bool]  # (rows, seq, padded) -> whether a run that size is within the limits
+
+
+def run_cost(fixed: float, rows: int, seq: int, e: int) -> float:
+    """A run of ``rows`` x ``seq`` on a model ``e`` wide, in token-positions (the module's cost model)."""
+    return fixed + rows * seq * (1.0 + seq / (6.0 * e))
+
+
+def in_order(head: Request, queued: Sequence[Request], fits: Fits) -> list[Request]:
+    """``--merge-lengths pad``: the live requests that follow ``head`` in the queue, in order, while the run
+    ``fits`` (shorter ones padded), up to the first that must run alone."""
+    rows, seq, padded = head.rows, head.seq, head.padded
+    chosen: list[Request] = []
+    for item in queued:
+        if item.future.done():  # timed out or its client gone: the batcher drops it
+            continue
+        new_rows, new_seq = rows + item.rows, max(seq, item.seq)
+        new_padded = padded or item.padded or item.seq != seq
+        if item.solo or not fits(new_rows, new_seq, new_padded):
+            break
+        chosen.append(item)
+        rows, seq, padded = new_rows, new_seq, new_padded
+    return chosen
+
+
+def by_cost(head: Request, queued: Sequence[Request], fits: Fits, fixed: float) -> list[Request]:
+    """The requests of ``queued`` (in queue order) to run with ``head``, in the order chosen: nearest length
+    first, each one taken while merging it costs no more than a run of its own would (the padding it adds, its
+    rows up to the batch's length or the batch up to its length, against ``fixed``) and the run ``fits``."""
+    rows, seq, padded = head.rows, head.seq, head.padded
+    e = head.x.shape[2]
+    below = sorted((i for i in queued if i.seq <= seq), key=lambda i: -i.seq)  # nearest first, stable
+    above = sorted((i for i in queued if i.seq > seq), key=lambda i: i.seq)
+    chosen: list[Request] = []
+
+    def extra(item: Request, rows: int, seq: int) -> float:
+        """What merging ``item`` into a run of ``rows`` x ``seq`` costs beyond a run of its own (negative:
+        merging saves)."""
+        merged = run_cost(fixed, rows + item.rows, max(seq, item.seq), e) - run_cost(fixed, rows, seq, e)
+        return merged - run_cost(fixed, item.rows, item.seq, e)
+
+    while below or above:
+        side = min((s for s in (below, above) if s), key=lambda s: extra(s[0], rows, seq))
+        item = side[0]
+        new_rows, new_seq = rows + item.rows, max(seq, item.seq)
+        new_padded = padded or item.padded or item.seq != seq
+        if extra(item, rows, seq) > 0 or not fits(new_rows, new_seq, new_padded):
+            break
+        side.pop(0)
+        chosen.append(item)
+        rows, seq, padded = new_rows, new_seq, new_padded
+    return chosen
+
+
+def measure_fixed_cost(model, e: int, repeats: int = 5) -> float:
+    """A run's fixed cost (beyond its positions: per-operator overhead, small products' lower efficiency) in
+    token-positions: the fastest of ``repeats`` runs of one 8- and one 128-long sequence on ``model`` (anything
+    with ``run(x)``), fitted to ``run_cost``; at least 1."""
+
+    def fastest(seq: int) -> float:
+        x = np.zeros((1, seq, e), np.float32)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model.run(x)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    short, long = 8, 128
+    t_short, t_long = fastest(short), fastest(long)
+    per_position = (t_long - t_short) / (run_cost(0.0, 1, long, e) - run_cost(0.0, 1, short, e))
+    if per_position <= 0:
+        return 1.0
+    return max(1.0, (t_short - per_position * run_cost(0.0, 1, short, e)) / per_position)
+
+
+def stack(batch: Sequence[Request]) -> tuple[np.ndarray, np.ndarray | None]:
+    """Stack requests along the batch dim, padding shorter sequences and masking the padding."""
+    if len(batch) == 1:
+        return batch[0].x, batch[0].mask
+    seq = max(i.seq for i in batch)
+    rows = sum(i.rows for i in batch)
+    e = batch[0].x.shape[2]
+    if all(i.seq == seq for i in batch) and all(i.mask is None for i in batch):
+        return np.concatenate([i.x for i in batch]), None
+    x = np.zeros((rows, seq, e), dtype=batch[0].x.dtype)
+    mask = np.ones((rows, seq), dtype=bool)
+    r = 0
+    for i in batch:
+        x[r : r + i.rows, : i.seq] = i.x
+        mask[r : r + i.rows, : i.seq] = False if i.mask is None else i.mask
+        r += i.rows
+    return x, mask
