@@ -11,6 +11,9 @@ ARG PYTHON_IMAGE=python:3.11-slim
 # Recent onnxruntime-gpu wheels on PyPI are built for CUDA 13 with cuDNN 9 (1.31.1 declares nvidia-*-cu13 extras;
 # 1.30 is reported to run on this base): the base image must match, and the host needs a driver for CUDA 13.
 ARG CUDA_IMAGE=nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
+# PIP_CERT (each stage that installs): behind a TLS-intercepting proxy pip needs the proxy's CA, a bundle's path
+# inside the build container (make images mounts the host's certificates there and passes it); unset, pip uses
+# its own. A build argument, never kept in an image.
 
 FROM ${PYTHON_IMAGE} AS base
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
@@ -19,10 +22,16 @@ WORKDIR /app
 COPY pyproject.toml deploy/docker/requirements.py ./
 
 FROM base AS export
-# The CPU wheel index keeps the multi-GB CUDA build of torch out of this image.
+ARG PIP_CERT
+# The CPU wheel index keeps the multi-GB CUDA build of torch out of this image. TORCH_INDEX empty: PyPI and
+# PIP_FIND_LINKS only (a folder holding torch's CPU wheel mounted into the build: make images, where the index is
+# not reachable and such a folder is).
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG PIP_FIND_LINKS
 RUN --mount=type=cache,target=/root/.cache/pip \
     python requirements.py --extra export > /tmp/requirements.txt \
- && pip install --extra-index-url https://download.pytorch.org/whl/cpu -r /tmp/requirements.txt
+ && pip install ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} -r /tmp/requirements.txt \
+ && python -c "import torch; assert not torch.version.cuda, 'a CUDA build of torch: ' + torch.__version__"
 COPY README.md ./
 COPY model ./model
 COPY export ./export
@@ -35,6 +44,7 @@ ENTRYPOINT ["addnorm-export"]
 CMD ["--out", "/artifacts/default", "--if-missing"]
 
 FROM base AS api
+ARG PIP_CERT
 RUN --mount=type=cache,target=/root/.cache/pip \
     python requirements.py > /tmp/requirements.txt && pip install -r /tmp/requirements.txt
 COPY README.md ./
@@ -44,13 +54,15 @@ COPY service ./service
 RUN --mount=type=cache,target=/root/.cache/pip pip install --no-deps . \
  && python -c "import importlib.util as u; assert u.find_spec('torch') is None"
 USER addnorm
-ENV ADDNORM_MODEL_DIR=/artifacts/default ADDNORM_HOST=0.0.0.0 ADDNORM_PORT=8000 ADDNORM_GRPC_PORT=8001
+# HOME on the tmpfs: the root filesystem is read-only (onnxruntime keeps a file under HOME)
+ENV HOME=/tmp ADDNORM_MODEL_DIR=/artifacts/default ADDNORM_HOST=0.0.0.0 ADDNORM_PORT=8000 ADDNORM_GRPC_PORT=8001
 EXPOSE 8000 8001
 # service/healthcheck.py: /health/ready on ADDNORM_PORT, wherever it is moved
 HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 CMD ["python", "-m", "service.healthcheck"]
 ENTRYPOINT ["addnorm-serve"]
 
 FROM base AS ray
+ARG PIP_CERT
 RUN --mount=type=cache,target=/root/.cache/pip \
     python requirements.py --extra ray > /tmp/requirements.txt && pip install -r /tmp/requirements.txt
 COPY README.md ./
@@ -64,12 +76,16 @@ USER addnorm
 # Ray's proxy binds all interfaces inside the container (the compose file publishes it on loopback only), on
 # 8000: `serve run IMPORT_PATH` has no port setting (a Serve config's http_options.port moves it, and then the
 # healthcheck's argument with it).
-ENV ADDNORM_MODEL_DIR=/artifacts/default RAY_SERVE_DEFAULT_HTTP_HOST=0.0.0.0
+ENV HOME=/tmp ADDNORM_MODEL_DIR=/artifacts/default RAY_SERVE_DEFAULT_HTTP_HOST=0.0.0.0
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 CMD ["python", "-m", "service.healthcheck", "8000"]
+# `serve run` shuts Serve down gracefully on SIGINT and exits 0; SIGTERM kills it outright (measured with podman:
+# exit 15 in 3 s, or past a 10 s grace period and SIGKILLed under load).
+STOPSIGNAL SIGINT
 CMD ["serve", "run", "service.ray_serve:build", "model_dir=/artifacts/default", "replicas=2"]
 
 FROM ${CUDA_IMAGE} AS api-gpu
+ARG PIP_CERT
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
 RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
@@ -88,7 +104,8 @@ COPY service ./service
 RUN --mount=type=cache,target=/root/.cache/pip pip install --no-deps . \
  && python -c "import onnxruntime as o; assert 'CUDAExecutionProvider' in o.get_available_providers()"
 USER addnorm
-ENV ADDNORM_MODEL_DIR=/artifacts/default ADDNORM_HOST=0.0.0.0 ADDNORM_PORT=8000 ADDNORM_GRPC_PORT=8001 \
+# HOME on the tmpfs: the root filesystem is read-only (onnxruntime keeps a file under HOME)
+ENV HOME=/tmp ADDNORM_MODEL_DIR=/artifacts/default ADDNORM_HOST=0.0.0.0 ADDNORM_PORT=8000 ADDNORM_GRPC_PORT=8001 \
     ADDNORM_PROVIDERS=cuda
 EXPOSE 8000 8001
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 CMD ["python", "-m", "service.healthcheck"]

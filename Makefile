@@ -14,12 +14,14 @@ TORCH     ?= torch==2.13.0
 TORCH_INDEX ?=
 PIP_TORCH_FLAGS := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: serve test test-fast matrix fuzz-http export parity lint format bench proto clean help
+.PHONY: serve test test-fast test-images images matrix fuzz-http export parity lint format bench proto clean help
 
 help:
 	@echo "make serve   create .venv, export $(ARTIFACT) if missing, check parity, serve on $(HOST):$(PORT) (gRPC $(GRPC_PORT))"
 	@echo "make test    create .venv and run the test suite"
 	@echo "make test-fast  the unit lane only (model/ and service/ in process; under a minute)"
+	@echo "make images  build the api, ray and export images with podman on a base made from Debian's packages"
+	@echo "make test-images  build the images and run them as docker-compose.yml does (tests/test_images.py)"
 	@echo "make matrix  every variant x attention x depth x placement x norm combination (tests/export/test_matrix.py)"
 	@echo "make fuzz-http  every boofuzz request-line and header case of every endpoint (tests/test_http_fuzz.py; hours)"
 	@echo "make export  (re-)export the default artifact into $(ARTIFACT)"
@@ -57,6 +59,14 @@ test: $(VENV)/.installed
 
 test-fast: $(VENV)/.installed
 	$(BIN)/python -m pytest -m unit -q
+
+# podman, on a base image made from Debian's packages (deploy/docker/base-image.sh): no image registry needed.
+images:
+	deploy/docker/images.sh
+
+# The images built and run hardened, as docker-compose.yml runs them; needs podman and debootstrap, as root.
+test-images: $(VENV)/.installed
+	$(BIN)/python -m pytest -m images tests/test_images.py -s
 
 # The whole combination matrix (make test runs a representative subset of it); about 25 minutes on 2 cores.
 matrix: $(VENV)/.installed

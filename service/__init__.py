@@ -1,4 +1,8 @@
-"""onnxruntime + FastAPI serving of an addnorm artifact. Never imports torch, nor export/."""
+"""onnxruntime + FastAPI serving of an addnorm artifact. Never imports torch, nor export/.
+
+``create_app`` and ``Settings`` are imported on first use, so a light entry point (``python -m
+service.healthcheck``, a container's healthcheck every few seconds) does not load onnxruntime and FastAPI.
+"""
 
 import os
 
@@ -6,7 +10,16 @@ import os
 # onnxruntime runs on: one thread, set before numpy loads (measured: docs/benchmarks.md, "Live parity's cost").
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from service.app import create_app
-from service.settings import Settings
-
 __all__ = ["Settings", "create_app"]
+
+
+def __getattr__(name: str):
+    if name == "create_app":
+        from service.app import create_app
+
+        return create_app
+    if name == "Settings":
+        from service.settings import Settings
+
+        return Settings
+    raise AttributeError(f"module 'service' has no attribute {name!r}")
