@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.batcher import Outputs, Timings
 from service.errors import ClientDeadline, ClientGone, ServiceError, TimedOut
-from service.state import KnownModels, Models, ServingModel
+from service.state import KnownModels, ServingModel
 from service.statistics import RequestTimer
 from service.tracing import TRACING, Carrier, RequestSpan
 from service.transport import Disconnect
@@ -62,35 +62,64 @@ class Call:
     watch: asyncio.Future | None = None  # a task watching for the client going away; ``run`` stops it
 
 
+Resolve = Callable[[str | None], ServingModel]  # a model name (None: the default) -> the model that serves it
+
+
 async def run(
     loaded: KnownModels,
     call: Call,
-    decode: Callable[[Models], R],
+    decode: Callable[[Resolve], R],
     encode: Callable[[R, ServingModel, Outputs], T],
     size: int,
     encode_cost: int = 1,
 ) -> tuple[T, Timings]:
     """Decode (``size`` bytes of payload), queue on the model's batcher, encode: ``(encoded, timings)``.
-    ``encode_cost``: how many bytes of work encoding one output byte is (JSON's text: about 3), for ``offload``.
+    ``decode(resolve)`` reads its model's manifest through ``resolve``: the model the request is then served by
+    (looked up once; a model swapped by model control meanwhile serves it to its end). ``encode_cost``: how many
+    bytes of work encoding one output byte is (JSON's text: about 3), for ``offload``.
 
     Raises the domain errors of each step (errors.CODES maps them for every transport).
     """
     try:
         with TRACING.request(call.protocol, call.carrier) as span:
-            # The model is counted in flight from the moment it is looked up (no await between the two), so
-            # model control stops a replaced or unloaded one only after its last request (service/control.py).
-            model = loaded.models.get(call.named) if call.named is not None else None
-            if model is None:  # the payload names it: reading and decoding count as its input stage
-                req = await offload(size, decode, loaded.models)
-                model = loaded.models.get(getattr(req, "model", None))
+            if call.named is None:  # the payload names it: reading and decoding count as its input stage
+                req, model = await _decode_unnamed(loaded, decode, size)
                 with model.inflight, model.statistics.request(call.started) as timer:
                     return await _serve(loaded, call, model, req, timer, span, encode, encode_cost)
+            # The model is counted in flight from the moment it is looked up (no await between the two), so
+            # model control stops a replaced or unloaded one only after its last request (service/control.py).
+            model = loaded.models.get(call.named)
             with model.inflight, model.statistics.request(call.started) as timer:  # a failed decode counts
-                req = await offload(size, decode, loaded.models)
+                req = await offload(size, decode, lambda _name: model)
                 return await _serve(loaded, call, model, req, timer, span, encode, encode_cost)
     finally:
         if call.watch is not None:
             call.watch.cancel()
+
+
+class _FirstLookup:
+    """A ``Resolve`` that looks its model up once and keeps it (``model``; None until asked)."""
+
+    def __init__(self, loaded: KnownModels) -> None:
+        self.loaded, self.model = loaded, None
+
+    def __call__(self, name: str | None) -> ServingModel:
+        if self.model is None:
+            self.model = self.loaded.models.get(name)
+        return self.model
+
+
+async def _decode_unnamed(
+    loaded: KnownModels, decode: Callable[[Resolve], R], size: int
+) -> tuple[R, ServingModel]:
+    """A payload that names its own model: decoded against the model its name resolves to, and that model, the
+    one serving now (decoded again in the rare case model control swapped it during the decode)."""
+    while True:
+        lookup = _FirstLookup(loaded)
+        req = await offload(size, decode, lookup)
+        model = loaded.models.get(getattr(req, "model", None))
+        if lookup.model is None or lookup.model is model:
+            return req, model
 
 
 async def _serve(

@@ -7,6 +7,7 @@ must come from the version it names (``model_version``) and equal that version's
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import threading
@@ -305,3 +306,86 @@ def test_control_settings_that_cannot_work_are_refused_at_start(tmp_path, versio
     logs.flush()
     err = capsys.readouterr().err
     assert said in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("protocol", ["v2", "v1"])
+def test_a_model_swapped_while_a_large_body_is_decoded_decodes_and_serves_it_with_one_version(
+    tmp_path, versions, monkeypatch, protocol
+):
+    """A body over inference.OFFLOAD_BYTES is decoded in a worker thread; version 2 is loaded (a verified swap)
+    while that decode is held. The request is decoded against the model that then serves it: V2 names the model
+    in its path, looked up once before the body is read (version 1's manifest decodes it and version 1 serves it
+    to its end); /v1 names it in its payload, looked up by the decode itself (version 2, after the swap)."""
+    from fastapi.testclient import TestClient
+
+    from service import create_app, inference
+    from service.protocols.v1 import codec as v1_codec
+    from service.protocols.v2 import codec as v2_codec
+    from service.settings import Settings
+    from tests.helpers import wait_until_ready
+
+    repo = repository(tmp_path, versions, "1")
+    x = np.random.default_rng(3).standard_normal((1, 4096, E)).astype(np.float32)  # 512 KiB: decoded off-loop
+    held, release, manifests = threading.Event(), threading.Event(), []
+    module, attr = (v2_codec, "decode_infer") if protocol == "v2" else (v1_codec, "decode")
+    real = getattr(module, attr)
+
+    def traced_decode(*args, **kwargs):
+        if protocol == "v2":
+            manifests.append(args[2])  # decode_infer(body, header_length, manifest, max_elements)
+        return real(*args, **kwargs)
+
+    threadpool = inference.run_in_threadpool
+
+    async def held_threadpool(fn, *args):  # the decode's turn in a worker thread comes after the swap
+        held.set()
+        await asyncio.to_thread(release.wait, 30)
+        return await threadpool(fn, *args)
+
+    monkeypatch.setattr(module, attr, traced_decode)
+    monkeypatch.setattr(inference, "run_in_threadpool", held_threadpool)
+    app = create_app(Settings(model_repository=repo, model_control_mode="explicit", load_model=("encoder",)))
+    with TestClient(app) as client:
+        wait_until_ready(client)
+        models = app.state.addnorm.loaded.models
+        first = models.get("encoder")
+        answer: dict = {}
+
+        def send() -> None:
+            if protocol == "v2":
+                tensor = {"name": "embeddings", "shape": list(x.shape), "datatype": "FP32"}
+                tensor["parameters"] = {"binary_data_size": x.nbytes}
+                header = json.dumps({"inputs": [tensor]}).encode()
+                r = client.post(
+                    "/v2/models/encoder/infer",
+                    content=header + x.tobytes(),
+                    headers={"Inference-Header-Content-Length": str(len(header))},
+                )
+                answer.update(status=r.status_code, doc=r.json() if r.status_code == 200 else r.text)
+            else:
+                headers = {"content-type": "application/octet-stream", "x-shape": "1,4096,32"}
+                r = client.post("/v1/encode", content=x.tobytes(), headers=headers)
+                answer.update(status=r.status_code, doc=r.json() if r.status_code == 200 else r.text)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        assert held.wait(30), "the decode never started"
+        shutil.copytree(versions["2"], repo / "encoder" / "2")
+        assert client.post("/v2/repository/models/encoder/load").status_code == 200
+        second = models.get("encoder")
+        assert second is not first and second.version == "2"
+        release.set()
+        sender.join(60)
+    assert answer["status"] == 200, answer
+    doc = answer["doc"]
+    if protocol == "v2":
+        assert manifests == [first.engine.manifest]  # not the manifest of the version swapped in meanwhile
+        assert doc["model_version"] == "1"
+        got = np.array(doc["outputs"][0]["data"], np.float32).reshape(x.shape)
+        version = "1"
+    else:
+        got = np.array(doc["encoded"], np.float32)
+        version = "2"
+    want = ort.InferenceSession(str(versions[version] / "model.onnx"), providers=["CPUExecutionProvider"])
+    expected = want.run(["encoded"], {"embeddings": x, "mask": np.zeros(x.shape[:2], bool)})[0]
+    np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-4, atol=1e-4)

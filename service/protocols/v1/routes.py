@@ -15,7 +15,7 @@ from service.guard import Known
 from service.live_parity import judged
 from service.protocols.common import error_docs, http_call, read_body, timing_headers
 from service.protocols.v1 import codec
-from service.state import KnownModels, Models, ServingModel
+from service.state import KnownModels, ServingModel
 
 router = APIRouter(prefix="/v1", tags=["v1"])
 
@@ -133,9 +133,9 @@ async def handle_encode(request: Request, loaded: KnownModels, params: dict[str,
     output = codec.output_param(request.query_params.get(codec.OUTPUT))
     body = await read_body(request, settings.max_body_bytes)
 
-    def decode(models: Models) -> codec.EncodeRequest:
+    def decode(resolve: inference.Resolve) -> codec.EncodeRequest:
         content_type = request.headers.get("content-type", "")
-        d_model = lambda name: models.get(name).engine.d_model  # noqa: E731
+        d_model = lambda name: resolve(name).engine.d_model  # noqa: E731
         return codec.decode(content_type, body, request.headers, d_model, settings.max_elements, named)
 
     def encode(req: codec.EncodeRequest, model: ServingModel, outputs: Outputs) -> tuple[bytes, dict]:

@@ -25,7 +25,7 @@ from service.guard import Guard
 from service.protocols.v2 import codec, grpc_codec, model_config
 from service.protocols.v2 import inference_pb2 as pb
 from service.settings import VERSION
-from service.state import READY, KnownModels, ModelController, Models, ServiceState, ServingModel
+from service.state import READY, KnownModels, ModelController, ServiceState, ServingModel
 
 SERVICE = "inference.GRPCInferenceService"
 # What the guard reads for this transport (service/protocols/__init__.py gathers them): methods are paths.
@@ -100,8 +100,8 @@ class InferenceService:
         codec.check_version(loaded.models, name, request.model_version)
         max_elements = loaded.settings.max_elements
 
-        def decode(models: Models) -> codec.InferRequest:
-            return grpc_codec.decode_infer(request, models.get(name).engine.manifest, max_elements)
+        def decode(resolve: inference.Resolve) -> codec.InferRequest:
+            return grpc_codec.decode_infer(request, resolve(name).engine.manifest, max_elements)
 
         def encode(req: codec.InferRequest, model: ServingModel, outputs: Outputs) -> bytes:
             return grpc_codec.encode_infer(req, model.name, outputs, model.version)

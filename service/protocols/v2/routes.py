@@ -17,7 +17,7 @@ from service.guard import Known
 from service.protocols.common import error_docs, http_call, read_body, timing_headers
 from service.protocols.v2 import codec
 from service.settings import VERSION
-from service.state import KnownModels, Models, ServingModel, State
+from service.state import KnownModels, ServingModel, State
 from service.validation import parse_json
 
 router = APIRouter(prefix="/v2", tags=["v2 (Open Inference Protocol)"])
@@ -264,11 +264,9 @@ async def handle_infer(request: Request, loaded: KnownModels, params: dict[str, 
     settings = loaded.settings
     body = await read_body(request, settings.max_body_bytes)
 
-    def decode(models: Models) -> codec.InferRequest:
+    def decode(resolve: inference.Resolve) -> codec.InferRequest:
         header_length = request.headers.get(codec.HEADER_LENGTH)
-        return codec.decode_infer(
-            body, header_length, models.get(name).engine.manifest, settings.max_elements
-        )
+        return codec.decode_infer(body, header_length, resolve(name).engine.manifest, settings.max_elements)
 
     def encode(req: codec.InferRequest, model: ServingModel, outputs: Outputs) -> tuple[bytes, dict]:
         return codec.encode_infer(req, model.name, outputs, model.version)
