@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import os
-import signal
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI
@@ -20,14 +17,12 @@ from service.control import ModelControl
 from service.fastpath import FastPath
 from service.guard import Guard, GuardMiddleware
 from service.live_parity import LiveParity
-from service.loading import load_models
+from service.loading import load_models, load_then_watch
 from service.middleware import RequestContext, install_error_handlers
 from service.protocols import health
 from service.settings import VERSION, Settings
-from service.state import READY, UNAVAILABLE, ServiceState
+from service.state import ServiceState
 from service.tracing import TRACING
-
-log = logging.getLogger("addnorm.service")
 
 
 def create_app(
@@ -37,8 +32,8 @@ def create_app(
     is 503 until all have. ``load_before_serving`` makes start-up itself wait for them and fail when one cannot
     load: for hosts that count an instance as serving once its start-up ends (Ray Serve replicas,
     service/ray_serve.py). With ``grpc_port`` set, the gRPC service starts with the app, on its event loop.
-    ``exit_on_error`` (addnorm-serve's process, never an app hosted in another one): with model control off,
-    the process stops itself (SIGTERM) when no model could be loaded.
+    ``exit_on_error``: with model control off, the process stops itself when no model could be loaded
+    (``loading.load_then_watch``).
     """
     if settings is None:  # factory mode (uvicorn --factory, several workers): configure from the environment
         settings = Settings()
@@ -47,15 +42,7 @@ def create_app(
     TRACING.configure()  # on only when the OTEL_EXPORTER_OTLP_* variables ask for it
     state = ServiceState(settings)
     state.control = ModelControl(state)
-    state.live = LiveParity(
-        settings.live_parity_rate,
-        settings.live_parity_budget,
-        settings.live_parity_action,
-        settings.live_parity_failures,
-        settings.live_parity_window_s,
-        state.metrics,
-        unready=lambda name, reason: _mark_unready(state, name, reason),
-    )
+    state.live = LiveParity.from_settings(settings, state.metrics, unready=state.mark_unready)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -67,7 +54,7 @@ def create_app(
         # readiness answers false until they are. Each may decline (its port set to 0).
         state.live.start(asyncio.get_running_loop())
         listeners = [lst for t in protocols.LISTENERS if (lst := await t.listen(state)) is not None]
-        loader = None if load_before_serving else asyncio.create_task(_load(state, exit_on_error))
+        loader = None if load_before_serving else asyncio.create_task(load_then_watch(state, exit_on_error))
         try:
             yield
         finally:
@@ -75,10 +62,8 @@ def create_app(
                 loader.cancel()
             await state.control.close()
             state.live.stop()
-            for listener in listeners:
-                await listener.stop(
-                    settings.request_timeout_s
-                )  # in-flight calls finish, new ones are refused
+            for listener in listeners:  # in-flight calls finish, new ones are refused
+                await listener.stop(settings.request_timeout_s)
             if state.loaded is not None:
                 for model in state.loaded.models:
                     await model.batcher.stop()
@@ -106,30 +91,6 @@ def create_app(
         access_log=settings.access_log,
     )
     return app
-
-
-def _mark_unready(state: ServiceState, name: str, reason: str) -> None:
-    """Live parity's action ``unready`` (on the event loop): the model answers 503 with the reason, and the index,
-    /health/ready and gRPC ModelReady say so, until it is loaded again."""
-    slot = state.loaded.models.slots.get(name) if state.loaded is not None else None
-    if slot is not None and slot.state == READY:
-        slot.state, slot.reason = UNAVAILABLE, reason
-        log.error("model %s is now UNAVAILABLE: %s", name, reason)
-
-
-async def _load(state: ServiceState, exit_on_error: bool) -> None:
-    """Load the models; then, with model control off, stop the server when none could be (Triton's
-    exit-on-error: a server that can never answer should not look alive); in poll mode, watch the repository."""
-    await load_models(state)
-    settings = state.settings
-    if settings.model_control_mode == "none" and exit_on_error:
-        loaded = state.loaded
-        if state.load_error or (loaded is not None and not any(True for _ in loaded.models)):
-            state.fatal = state.not_ready_reason() or "no model could be loaded"
-            log.error("no model can be served, stopping (--model-control-mode none): %s", state.fatal)
-            os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful stop; the CLI then exits 1
-    elif settings.model_control_mode == "poll":
-        await state.control.watch()
 
 
 class _App(FastAPI):

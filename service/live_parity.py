@@ -97,6 +97,19 @@ class _Weights:
 class LiveParity:
     """The sampler (``offer``, on the event loop) and its checker thread; one per server."""
 
+    @classmethod
+    def from_settings(cls, settings, metrics, unready: Callable[[str, str], None]) -> LiveParity:
+        """The checker the ``--live-parity-*`` settings describe."""
+        return cls(
+            settings.live_parity_rate,
+            settings.live_parity_budget,
+            settings.live_parity_action,
+            settings.live_parity_failures,
+            settings.live_parity_window_s,
+            metrics,
+            unready,
+        )
+
     def __init__(
         self,
         rate: float,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 from pathlib import Path
 
 from model.artifact import ArtifactError, Manifest
@@ -140,3 +142,19 @@ def _accept(v: Verification, mode: str, name: str) -> bool:
         return False
     log.warning("golden check %s for %s: %s", v.status.upper(), name, v.message)
     return True
+
+
+async def load_then_watch(state: ServiceState, exit_on_error: bool) -> None:
+    """Load the models; then, with model control off, stop the server when none could be (Triton's
+    exit-on-error: a server that can never answer should not look alive; ``exit_on_error``: only addnorm-serve's
+    own process, never an app hosted in another); in poll mode, watch the repository."""
+    await load_models(state)
+    settings = state.settings
+    if settings.model_control_mode == "none" and exit_on_error:
+        loaded = state.loaded
+        if state.load_error or (loaded is not None and not any(True for _ in loaded.models)):
+            state.fatal = state.not_ready_reason() or "no model could be loaded"
+            log.error("no model can be served, stopping (--model-control-mode none): %s", state.fatal)
+            os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful stop; the CLI then exits 1
+    elif settings.model_control_mode == "poll":
+        await state.control.watch()

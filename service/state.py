@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +85,7 @@ class ServingModel:
         return self.engine.name
 
 
+log = logging.getLogger("addnorm.service")
 LOADING, READY, UNAVAILABLE = "LOADING", "READY", "UNAVAILABLE"  # the repository index's states
 UNLOADED = "unloaded"  # the reason of a model model control unloaded
 
@@ -184,6 +186,14 @@ class ServiceState:
     def __post_init__(self) -> None:
         self.api_keys = tuple(key.encode() for key in self.settings.api_keys())
         self.cores = CoreBudget(self.settings.thread_budget or default_threads(self.settings.workers))
+
+    def mark_unready(self, name: str, reason: str) -> None:
+        """Live parity's action ``unready`` (on the event loop): the model answers 503 with the reason, and the
+        index, /health/ready and gRPC ModelReady say so, until it is loaded again."""
+        slot = self.loaded.models.slots.get(name) if self.loaded is not None else None
+        if slot is not None and slot.state == READY:
+            slot.state, slot.reason = UNAVAILABLE, reason
+            log.error("model %s is now UNAVAILABLE: %s", name, reason)
 
     def not_ready_reason(self) -> str | None:
         """None when every model is loaded; otherwise why not."""

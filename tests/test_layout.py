@@ -145,3 +145,10 @@ def test_every_module_is_listed_in_the_architecture_doc():
         and path.name not in doc
     ]
     assert not missing, f"modules docs/architecture.md does not name: {missing}"
+
+
+def test_the_app_only_assembles():
+    """service/app.py builds the app from the other modules (at most 120 lines): a state change, a policy or a
+    process-wide step goes to the module that owns it (state.py, loading.py, ...)."""
+    lines = (ROOT / "service" / "app.py").read_text().splitlines()
+    assert len(lines) <= 120, len(lines)
