@@ -1,4 +1,4 @@
-"""The encoder block in numpy float64: a second oracle that shares no code with torch (issue 26).
+"""The encoder block in numpy float64: a second oracle that shares no code with torch.
 
 ``forward(config, weights, embeddings, mask)`` computes what ``model.encoder.Encoder`` computes, from the same
 state_dict (``weights.safetensors``: ``layers.{i}.self_attn.in_proj_weight``, ``linear1``, ``norm1``, ... and the

@@ -1,4 +1,4 @@
-"""The server's CPU thread budget (issue 28): every model's onnxruntime runs draw from one budget of threads.
+"""The server's CPU thread budget: every model's onnxruntime runs draw from one budget of threads.
 
 Each model's session has its own intra-op pool (``--intra-op-threads``, or its ``--model-threads NAME=N``); a
 run holds that many of the budget's threads (``--thread-budget``, default the physical cores) while it runs. Two

@@ -1,4 +1,4 @@
-"""Live parity (issue 26): a sample of served answers recomputed in float64 and judged by the gate's own rule.
+"""Live parity: a sample of served answers recomputed in float64 and judged by the gate's own rule.
 
 The request core (``inference.run``) offers each answered request with probability ``--live-parity-rate``: its
 input and the answer it was sent are copied to a bounded queue, or dropped and counted when the queue is full; the
