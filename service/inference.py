@@ -25,9 +25,6 @@ from service.tracing import TRACING, Carrier, RequestSpan
 from service.transport import Disconnect
 
 OFFLOAD_BYTES = 256 * 1024  # below this, decoding or encoding is cheaper than a thread hop
-TRIM_AFTER_BYTES = (
-    1 << 20
-)  # after a request this large, answered or refused, free heap pages go back to the OS
 
 
 class Decoded(Protocol):
