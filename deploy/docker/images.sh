@@ -4,9 +4,10 @@
 #
 #   deploy/docker/images.sh [TARGET ...]     (default: api ray export; run as root)
 #
-# PYTHON_IMAGE: the base (default localhost/addnorm-python:3.11-bookworm, made when missing). CA_BUNDLE (default
-# PIP_CERT, else SSL_CERT_FILE, where set): a CA bundle pip must trust in the build container, behind a
-# TLS-intercepting proxy; its folder is mounted read-only for the build only. TORCH_WHEELS: a folder holding
+# PYTHON_IMAGE: the base (default localhost/addnorm-python:3.11-bookworm, made when missing). CA_BUNDLE: the CA
+# bundle pip trusts in the build container (default PIP_CERT, else SSL_CERT_FILE, else the host's own
+# /etc/ssl/certs/ca-certificates.crt: behind a TLS-intercepting proxy its CA is there); its folder is mounted
+# read-only for the build only; CA_BUNDLE= (empty) leaves pip its own. TORCH_WHEELS: a folder holding
 # torch's CPU wheel for the export image (default: /opt/wheels where one lies there; else the image takes it from
 # download.pytorch.org's CPU index). The podman flags are the ones a VM without CAP_SYS_RESOURCE and with hybrid
 # cgroups needs (runc, cgroupfs, explicit ulimits); PODMAN overrides them.
@@ -15,7 +16,10 @@ set -eu
 cd "$(dirname "$0")/../.."
 PODMAN=${PODMAN:-podman --runtime runc --cgroup-manager cgroupfs}
 PYTHON_IMAGE=${PYTHON_IMAGE:-localhost/addnorm-python:3.11-bookworm}
-CA_BUNDLE=${CA_BUNDLE:-${PIP_CERT:-${SSL_CERT_FILE:-}}}
+if [ -z "${CA_BUNDLE+set}" ]; then
+    CA_BUNDLE=${PIP_CERT:-${SSL_CERT_FILE:-}}
+    [ -n "$CA_BUNDLE" ] || [ ! -r /etc/ssl/certs/ca-certificates.crt ] || CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt
+fi
 if [ -z "${TORCH_WHEELS+set}" ]; then
     TORCH_WHEELS=""
     for wheel in /opt/wheels/torch-2.13.0+cpu-*.whl; do [ -e "$wheel" ] && TORCH_WHEELS=/opt/wheels; done
