@@ -106,7 +106,7 @@ def unpadded_limit(artifact: Path, xs: list[np.ndarray]) -> float:
     return sum(x.shape[1] for x in xs) / (time.perf_counter() - start)
 
 
-def _padding(port: int) -> tuple[float, float]:
+def padding_counts(port: int) -> tuple[float, float]:
     """(requested, padding) positions the server's models computed so far."""
     text = urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=5).read().decode()
     got = {"requested": 0.0, "padding": 0.0}
@@ -219,9 +219,9 @@ def measure(s, rounds: int, clients: tuple[int, ...] = (1, 8, 32)) -> dict:
                 }
                 for transport, (load, port, requests) in loads.items():
                     for c in clients:
-                        before = _padding(srv.port)
+                        before = padding_counts(srv.port)
                         result, tokens = load(port, requests, c, s.seconds)
-                        after = _padding(srv.port)
+                        after = padding_counts(srv.port)
                         requested, padding = after[0] - before[0], after[1] - before[1]
                         if result.errors:
                             raise RuntimeError(f"{policy} {transport} {c} clients: {result.errors} errors")

@@ -133,9 +133,7 @@ class Batcher:
         fixed_cost: float = 32.0,
     ) -> None:
         self.model = model
-        self.merge = (
-            merge  # "cost" or "pad": how requests of different lengths are merged (service/merging.py)
-        )
+        self.merge = merge  # "cost" or "pad": how requests of different lengths merge (service/merging.py)
         self.fixed_cost = fixed_cost  # a run's fixed cost in token-positions (merging.run_cost)
         self.cores = cores  # the server's CPU thread budget: each run holds the model's threads of it
         self._threads = getattr(
@@ -290,15 +288,14 @@ class Batcher:
                     }
                 )
                 row = end
-            requested = sum(item.rows * item.seq for item in batch)
             run = Run(
-                x.shape[0],
-                len(batch),
-                ran - merged,
-                merged - started,
-                time.perf_counter() - ran,
-                x.size // x.shape[2],
-                requested,
+                rows=x.shape[0],
+                requests=len(batch),
+                seconds=ran - merged,
+                merge_s=merged - started,
+                split_s=time.perf_counter() - ran,
+                positions=x.shape[0] * x.shape[1],
+                requested=sum(item.rows * item.seq for item in batch),
             )
             done = (batch, rows, run)
             if self.max_delay > 0:
@@ -358,11 +355,11 @@ class Batcher:
             head = self._pop()
             if head.solo:
                 return [head]
+            live = [i for i in self._queue if not i.future.done()]  # the others are dropped as they come up
             if self.merge == "cost":
-                live = [i for i in self._queue if not i.future.done() and not i.solo]
                 chosen = merging.by_cost(head, live, self._fits, self.fixed_cost)
             else:
-                chosen = merging.in_order(head, self._queue, self._fits)
+                chosen = merging.in_order(head, live, self._fits)
             if chosen:
                 taken = {id(i) for i in chosen}
                 kept = [i for i in self._queue if id(i) not in taken]

@@ -17,7 +17,6 @@ or a lock: the batcher hands in the queue's head and the requests behind it.
 from __future__ import annotations
 
 import time
-from asyncio import Future
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -31,7 +30,6 @@ class Request(Protocol):
     mask: np.ndarray | None  # (rows, seq), true where a position is padding
     padded: bool  # its own mask marks some padding
     solo: bool  # it must run alone (an all-padding row)
-    future: Future  # done: timed out or its client gone
 
     @property
     def rows(self) -> int: ...
@@ -49,13 +47,11 @@ def run_cost(fixed: float, rows: int, seq: int, e: int) -> float:
 
 
 def in_order(head: Request, queued: Sequence[Request], fits: Fits) -> list[Request]:
-    """``--merge-lengths pad``: the live requests that follow ``head`` in the queue, in order, while the run
-    ``fits`` (shorter ones padded), up to the first that must run alone."""
+    """``--merge-lengths pad``: the requests that follow ``head`` in the queue, in order, while the run ``fits``
+    (shorter ones padded), up to the first that must run alone."""
     rows, seq, padded = head.rows, head.seq, head.padded
     chosen: list[Request] = []
     for item in queued:
-        if item.future.done():  # timed out or its client gone: the batcher drops it
-            continue
         new_rows, new_seq = rows + item.rows, max(seq, item.seq)
         new_padded = padded or item.padded or item.seq != seq
         if item.solo or not fits(new_rows, new_seq, new_padded):
@@ -71,6 +67,7 @@ def by_cost(head: Request, queued: Sequence[Request], fits: Fits, fixed: float) 
     rows up to the batch's length or the batch up to its length, against ``fixed``) and the run ``fits``."""
     rows, seq, padded = head.rows, head.seq, head.padded
     e = head.x.shape[2]
+    queued = [i for i in queued if not i.solo]  # each of those runs alone when its turn comes
     below = sorted((i for i in queued if i.seq <= seq), key=lambda i: -i.seq)  # nearest first, stable
     above = sorted((i for i in queued if i.seq > seq), key=lambda i: i.seq)
     chosen: list[Request] = []
@@ -82,11 +79,11 @@ def by_cost(head: Request, queued: Sequence[Request], fits: Fits, fixed: float) 
         return merged - run_cost(fixed, item.rows, item.seq, e)
 
     while below or above:
-        side = min((s for s in (below, above) if s), key=lambda s: extra(s[0], rows, seq))
+        cost, side = min(((extra(s[0], rows, seq), s) for s in (below, above) if s), key=lambda c: c[0])
         item = side[0]
         new_rows, new_seq = rows + item.rows, max(seq, item.seq)
         new_padded = padded or item.padded or item.seq != seq
-        if extra(item, rows, seq) > 0 or not fits(new_rows, new_seq, new_padded):
+        if cost > 0 or not fits(new_rows, new_seq, new_padded):
             break
         side.pop(0)
         chosen.append(item)

@@ -167,7 +167,7 @@ def test_mixed_lengths_load_counts_the_tokens_answered_and_the_table_reads(tiny_
             assert result.requests > 0 and result.errors == 0
             # each client cycles through its share: between the shortest and the longest request per request
             assert 3 * result.requests <= tokens <= 11 * result.requests
-        requested, padding = mixed._padding(srv.port)
+        requested, padding = mixed.padding_counts(srv.port)
     assert requested > 0 and padding >= 0
     row = {"tokens_per_s": 500.0, "requests_per_s": 10.0, "p50_ms": 1.0, "p99_ms": 2.0, "padding_share": 0.5}
     res = {

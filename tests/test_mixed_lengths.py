@@ -11,6 +11,7 @@ import pytest
 import tritonclient.grpc as tg
 import tritonclient.http as th
 
+from bench.mixed import padding_counts
 from model.contract import EMBEDDINGS, ENCODED, MASK
 from service.engine import Engine
 from tests.conftest import start_server
@@ -52,14 +53,6 @@ def _v2(module, client, x: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
     return client.infer("encoder", inputs).as_numpy(ENCODED)
 
 
-def _positions(base: str) -> dict[str, float]:
-    got = {"requested": 0.0, "padding": 0.0}
-    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
-        if line.startswith("addnorm_batch_positions_total{"):
-            got[line.split('kind="', 1)[1].split('"', 1)[0]] += float(line.rsplit(" ", 1)[1])
-    return got
-
-
 def _serve_together(tiny_artifact, merge: str) -> tuple[list[np.ndarray], dict[str, float]]:
     """Every request of _requests() over each transport at once (a 1 s queue delay gathers them into the
     queue together), on a server merging by ``merge``; the answers in order, and the positions it computed."""
@@ -76,10 +69,10 @@ def _serve_together(tiny_artifact, merge: str) -> tuple[list[np.ndarray], dict[s
         calls += [lambda x=x, m=m: _v2(tg, grpc, x, m) for x, m in reqs]
         with ThreadPoolExecutor(len(calls)) as pool:
             answers = list(pool.map(lambda call: call(), calls))
-        positions = _positions(srv.base)
+        requested, padding = padding_counts(srv.port)
         http.close()
         grpc.close()
-    return answers, positions
+    return answers, {"requested": requested, "padding": padding}
 
 
 @pytest.mark.parametrize("merge", ["cost", "pad"])
