@@ -7,7 +7,10 @@ chosen on the calibration inputs, activations per row around their mean) with on
 - ``weight_levels``: 63 (7 bits, the scheme's: exact in onnxruntime's u8 x s8 kernel on every x86 CPU) or 127;
 - ``kernel``: MatMulInteger's operand types: u8s8 (the scheme's), u8u8 (weights stored around 128 too) or s8s8
   (activations int8 around 0);
-- ``float_channels``: whether the float channels are kept at all.
+- ``float_channels``: whether the float channels are kept at all;
+- ``block_size``: instead of all the above, onnxruntime's own block-wise scheme (``MatMulNBits``, 8-bit weights
+  with a scale per block of ``block_size`` input channels, ``accuracy_level`` 4: activations quantized to int8 per
+  row and block inside the kernel, products summed in int32 per block, blocks summed in float).
 
 Nothing here is an export variant: it measures candidates; docs/parity.md keeps the table and the choice.
 """
@@ -29,11 +32,12 @@ class Option:
     float_channels: bool = True
     weight_levels: int = 63
     kernel: str = "u8s8"  # u8s8, u8u8 or s8s8
+    block_size: int = 0  # > 0: MatMulNBits, 8 bits per block of this many input channels (the rest unused)
 
     @property
     def probe(self) -> str:
         """Its kernel's name in KERNEL_PROBE."""
-        return f"{self.kernel}-{self.weight_levels}"
+        return "nbits8" if self.block_size else f"{self.kernel}-{self.weight_levels}"
 
 
 OPTIONS = (  # 8 float channels with 7-bit weights, u8s8, is export/int8.py's scheme (the int8 row of the table)
@@ -41,6 +45,8 @@ OPTIONS = (  # 8 float channels with 7-bit weights, u8s8, is export/int8.py's sc
     Option("8 float channels, 8+8 bits u8u8", True, 127, "u8u8"),
     Option("8 float channels, 8+8 bits s8s8", True, 127, "s8s8"),
     Option("8+8 bits u8u8, no float channels", False, 127, "u8u8"),
+    Option("MatMulNBits 8 bits, blocks of 32", block_size=32),
+    Option("MatMulNBits 8 bits, blocks of 64", block_size=64),
 )
 
 
@@ -51,12 +57,33 @@ def build(pre: onnx.ModelProto, encoder, x: np.ndarray, mask: np.ndarray, option
 
     model = onnx.ModelProto()
     model.CopyFrom(pre)
+    if option.block_size:
+        return _blockwise(model, option.block_size)
     channels_of = None
     if option.float_channels:
         state = {k: v.detach().float().numpy() for k, v in encoder.state_dict().items()}
         channels_of = int8.owner_channels(state, int8.float_channels(encoder, [(x, mask)]))
     int8.quantize_graph(model, channels_of, option.weight_levels, option.kernel)
     return model
+
+
+def _blockwise(model: onnx.ModelProto, block_size: int) -> onnx.ModelProto:
+    """onnxruntime's MatMulNBits quantizer: every constant-weight MatMul, 8-bit symmetric weights per block,
+    int8 compute (accuracy_level 4)."""
+    import logging
+
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    logger = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+    level, logger.level = logger.level, logging.WARNING  # it logs every node it visits at INFO
+    try:
+        quantizer = MatMulNBitsQuantizer(
+            model, bits=8, block_size=block_size, is_symmetric=True, accuracy_level=4
+        )
+        quantizer.process()
+    finally:
+        logger.setLevel(level)
+    return quantizer.model.model
 
 
 # One MatMulInteger per operand pair, with products that saturate a pair sum in int16 (VPMADDUBSW: u8 x s8 on
@@ -80,6 +107,21 @@ for name, (ta, tb, a, b, zb) in cases.items():
     y = s.run(None, {"a": A, "b": B})[0]
     want = (A.astype(np.int64) - za) @ (B.astype(np.int64) - zb)
     print(name, "exact" if (y == want).all() else "saturates")
+# MatMulNBits, 8 bits, int8 compute: activations and weights at +-127 with scale 1 quantize exactly, so the sum
+# of 384 products of 127 x 127 (6.2e6, exact in float32) comes out exact unless a pair sum saturates.
+from onnx import numpy_helper
+K, N = 384, 8
+node = helper.make_node("MatMulNBits", ["a", "b", "s"], ["y"], domain="com.microsoft", K=K, N=N, bits=8,
+                        block_size=32, accuracy_level=4)
+g = helper.make_graph([node], "g", [helper.make_tensor_value_info("a", T.FLOAT, [4, K])],
+    [helper.make_tensor_value_info("y", T.FLOAT, [4, N])],
+    [numpy_helper.from_array(np.full((N, K // 32, 32), 255, np.uint8), "b"),
+     numpy_helper.from_array(np.ones(N * K // 32, np.float32), "s")])
+m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+                      ir_version=9)
+s = ort.InferenceSession(m.SerializeToString(), o, providers=["CPUExecutionProvider"])
+y = s.run(None, {"a": np.full((4, K), 127, np.float32)})[0]
+print("nbits8", "exact" if (y == K * 127 * 127).all() else "saturates")
 """
 
 
