@@ -12,13 +12,13 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service import docs_pages, logs, memory, openapi, protocols
+from service import docs, logs, protocols
 from service.control import ModelControl
-from service.fastpath import FastPath
+from service.engine import limit_arenas
 from service.guard import Guard, GuardMiddleware
 from service.live_parity import LiveParity
 from service.loading import load_models, load_then_watch
-from service.middleware import RequestContext, install_error_handlers
+from service.middleware import FastPath, RequestContext, install_error_handlers
 from service.protocols import health
 from service.settings import VERSION, Settings
 from service.state import ServiceState
@@ -38,7 +38,7 @@ def create_app(
     if settings is None:  # factory mode (uvicorn --factory, several workers): configure from the environment
         settings = Settings()
         logs.configure(settings.log_level, settings.log_json)
-    memory.limit_arenas()  # before the inference and offload threads start (service/memory.py)
+    limit_arenas()  # before the inference and offload threads start (service/engine.py)
     TRACING.configure()  # on only when the OTEL_EXPORTER_OTLP_* variables ask for it
     state = ServiceState(settings)
     state.control = ModelControl(state)
@@ -60,13 +60,11 @@ def create_app(
         finally:
             if loader is not None:
                 loader.cancel()
-            await state.control.close()
             state.live.stop()
             for listener in listeners:  # in-flight calls finish, new ones are refused
                 await listener.stop(settings.request_timeout_s)
-            if state.loaded is not None:
-                for model in state.loaded.models:
-                    await model.batcher.stop()
+            if state.loaded is not None:  # replaced models drain, then every batcher stops
+                await state.loaded.models.close()
             TRACING.shutdown()
 
     app = _App(
@@ -76,11 +74,11 @@ def create_app(
         'tensor extension, for tritonclient and other KServe V2 clients. Errors are always `{"error": "..."}`.',
         version=VERSION,
         lifespan=lifespan,
-        docs_url=None,  # service/docs_pages.py: the same pages from installed assets, not a CDN
+        docs_url=None,  # service/docs.py: the same pages from installed assets, not a CDN
         redoc_url=None,
     )
     app.state.addnorm = state
-    for router in (*protocols.ROUTERS, docs_pages.router):
+    for router in (*protocols.ROUTERS, docs.router):
         app.include_router(router)
     install_error_handlers(app)
     public = protocols.PUBLIC_PATHS | ({health.METRICS_PATH} if settings.metrics_public else set())
@@ -109,8 +107,8 @@ class _App(FastAPI):
             await super().__call__(scope, receive, send)
 
     def openapi(self) -> dict:
-        """FastAPI's schema, true to this server (service/openapi.py): no 422s, examples for the served model."""
-        return openapi.finish(super().openapi(), self.state.addnorm.loaded)
+        """FastAPI's schema, true to this server (service/docs.py): no 422s, examples for the served model."""
+        return docs.finish(super().openapi(), self.state.addnorm.loaded)
 
     def add_outer_middleware(self, middleware: Callable[[ASGIApp], ASGIApp]) -> None:
         """Wrap the whole front (``add_middleware`` adds inside FastAPI's stack, which fast routes never enter)."""

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         # but absent.
         import onnxruntime as ort
 
-        from service.loading import read_manifests
+        from service.registry import read_manifests
 
         if settings.model_control_mode != "none" and settings.workers > 1:
             raise ValueError("model control loads models in one process: use --workers 1 with it")

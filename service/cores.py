@@ -1,4 +1,6 @@
-"""The server's CPU thread budget: every model's onnxruntime runs draw from one budget of threads.
+"""The server's thread policy, in one place: how many threads a worker has (physical cores, capped by the
+container's CPU quota, split among workers: ``default_threads``), each model's share of them (``threads_for``), and
+the budget every model's onnxruntime runs draw from.
 
 Each model's session has its own intra-op pool (``--intra-op-threads``, or its ``--model-threads NAME=N``); a
 run holds that many of the budget's threads (``--thread-budget``, default the physical cores) while it runs. Two
@@ -12,8 +14,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
+import os
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 
 class CoreBudget:
@@ -52,3 +57,73 @@ class CoreBudget:
     def waiting(self) -> int:
         """How many runs wait for their threads."""
         return len(self._waiting)
+
+
+def physical_cores(cpuinfo: str | None = None, allowed: set[int] | None = None) -> int:
+    """Physical cores this process may run on (hyper-threads share a core's GEMM units).
+
+    ``cpuinfo`` (the text of /proc/cpuinfo) and ``allowed`` (the CPU affinity) default to this machine's.
+    """
+    if allowed is None:
+        try:
+            allowed = os.sched_getaffinity(0)
+        except AttributeError:  # not Linux
+            return os.cpu_count() or 1
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as fh:
+                cpuinfo = fh.read()
+        except OSError:
+            cpuinfo = ""
+    cores = set()
+    cpu, phys = None, "0"
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key, value = key.strip(), value.strip()
+        if key == "processor":
+            cpu = int(value) if value.isdigit() else None
+        elif key == "physical id":
+            phys = value
+        elif key == "core id" and cpu in allowed:
+            cores.add((phys, value))
+    return max(1, min(len(cores) or len(allowed), len(allowed)))
+
+
+def cpu_quota(cgroup_root: str | Path = "/sys/fs/cgroup") -> float | None:
+    """CPUs this container may use by its cgroup CPU quota (cgroup v2 cpu.max, or v1 cfs_quota_us); None = none."""
+    root = Path(cgroup_root)
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]  # v2: "max 100000" or "200000 100000"
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    for v1 in ("cpu", "cpu,cpuacct"):
+        try:
+            quota_us = int((root / v1 / "cpu.cfs_quota_us").read_text())
+            period_us = int((root / v1 / "cpu.cfs_period_us").read_text())
+        except (OSError, ValueError):
+            continue
+        return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
+    return None
+
+
+def default_threads(workers: int = 1, cores: int | None = None, quota: float | None = -1.0) -> int:
+    """Intra-op threads per worker: physical cores, capped by the container's CPU quota, split among workers.
+
+    A container limited to 2 CPUs on a 64-core host must not start 64 threads: they would be throttled.
+    """
+    cores = physical_cores() if cores is None else cores
+    quota = cpu_quota() if quota == -1.0 else quota
+    if quota is not None:
+        cores = min(cores, max(1, math.ceil(quota)))
+    return max(1, cores // max(1, workers))
+
+
+def threads_for(settings, name: str, budget: int, models: int = 1) -> int:
+    """The intra-op threads of model ``name``: its --model-threads entry, else --intra-op-threads, else an equal
+    share of the budget among the ``models`` served (at least one thread). ``settings``: service.settings.Settings."""
+    for item in settings.model_threads:
+        key, _, n = item.partition("=")
+        if key.strip() == name:
+            return int(n)
+    return settings.intra_op_threads or max(1, budget // max(1, models))

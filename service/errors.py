@@ -1,14 +1,17 @@
 """Domain errors: what went wrong with a request, in words a protocol front end can map to its own codes.
 
-Nothing here knows HTTP or gRPC. The batcher, the engine, the guard and the codecs raise these; ``CODES`` is the one
-table that turns them into each transport's status: an HTTP status and a gRPC status code name.
+The batcher, the engine, the guard and the codecs raise these, knowing no transport; ``CODES`` is the one table
+that turns them into each transport's status: an HTTP status and a gRPC status code name. Their HTTP shape, shared
+by every layer that answers, is here too (``from_error``): ``{"error": "..."}`` with its status.
 """
 
 from __future__ import annotations
 
+import logging
 import reprlib
 
-# characters: no error a client gets back is longer (a gRPC status must fit in its metadata, 8 KiB by default)
+from starlette.responses import JSONResponse
+
 MAX_MESSAGE = 1024
 _REPR = reprlib.Repr()  # (keyword arguments need Python 3.12)
 _REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxlong = 2, 8, 8, 60
@@ -148,3 +151,32 @@ def http_status(exc: ServiceError) -> int:
 def grpc_code(exc: ServiceError) -> str:
     """The gRPC status code name (``grpc.StatusCode[name]``) of a domain error."""
     return _codes(exc)[1]
+
+
+log = logging.getLogger("addnorm.service")
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The one shape of every error the API returns (its message bounded, as a domain error's is)."""
+    return JSONResponse({"error": bounded(message)}, status_code=status, headers=headers)
+
+
+def from_error(exc: ServiceError) -> JSONResponse:
+    """A domain error as HTTP, through the one table (service.errors.CODES)."""
+    status = http_status(exc)
+    headers = {}
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(exc.retry_after)
+    if status == 401:  # RFC 9110: a 401 says how to authenticate
+        headers["WWW-Authenticate"] = 'Bearer realm="addnorm"'
+    if (
+        status == 413
+    ):  # the refused body may still be on its way: don't read it, close the connection after this
+        headers["Connection"] = "close"
+    return error_response(status, exc.message, headers or None)
+
+
+def unexpected_error(exc: Exception, method: str, path: str) -> JSONResponse:
+    """A bug, not the client's fault: log it with its traceback, answer a JSON 500."""
+    log.error("unhandled error on %s %s", method, path, exc_info=exc)
+    return error_response(500, f"internal error ({type(exc).__name__}); see the server log")

@@ -18,8 +18,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.errors import NotReady, ServiceError, Unauthenticated
-from service.responses import from_error
+from service.errors import NotReady, ServiceError, Unauthenticated, from_error
 from service.state import KnownModels, ServiceState
 
 SCOPE_KEY = "addnorm.loaded"  # where the guard leaves the KnownModels for the routes past it

@@ -19,7 +19,8 @@ from starlette.concurrency import run_in_threadpool
 
 from service.batcher import Outputs, Timings
 from service.errors import ClientDeadline, ClientGone, ServiceError, TimedOut
-from service.state import KnownModels, ServingModel
+from service.registry import ServingModel
+from service.state import KnownModels
 from service.statistics import RequestTimer
 from service.tracing import TRACING, Carrier, RequestSpan
 from service.transport import Disconnect

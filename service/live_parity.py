@@ -34,7 +34,7 @@ from model import reference, schemes
 from model.artifact import Manifest, read_weights
 from model.contract import positional
 from model.verdict import Tolerance, compare
-from service import logs, memory
+from service import engine, logs
 
 log = logging.getLogger("addnorm.live_parity")
 QUEUE = 8  # samples waiting for the checker; more are dropped (and counted)
@@ -183,7 +183,7 @@ class LiveParity:
             except Exception:  # never the thread
                 log.exception("live parity check failed to run")
             if sample.embeddings.size >= TRIM_AFTER_ELEMENTS:
-                memory.trim()  # the reference's float64 temporaries: give their pages back
+                engine.trim()  # the reference's float64 temporaries: give their pages back
             busy = time.perf_counter() - start
             if self.budget < 1:  # rest so that busy / (busy + rest) <= budget
                 time.sleep(busy * (1 / self.budget - 1))

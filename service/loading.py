@@ -1,44 +1,36 @@
 """Loading the models a server is given: every manifest first (names known, so model routes can answer 404 and
-503 by name), then each model in parallel (engine, golden check, batcher), each ending READY or UNAVAILABLE with
-its reason."""
+503 by name), then each model in parallel, each ending READY or UNAVAILABLE with its reason (the registry's
+``load_all``). What one load builds: the engine, its golden check on this server's provider (``verify_engine``),
+the batcher (``serving_model``, the registry's ``build``).
+
+The golden check is parity where it is served: the artifact's golden inputs run through this server's own
+session, on the provider it serves with, judged by the export gate's rule (model.verdict) under the variant's
+tolerance. The sha256 proves the file is the one exported; this proves the runtime here computes what was checked
+there (another onnxruntime build, another CPU, the CUDA provider's kernels).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import logging
 import os
 import signal
 from pathlib import Path
 
-from model.artifact import ArtifactError, Manifest
+from model.golden import Verification, load_golden, verify
+from model.runtime import CPU, VNNI_FLAGS, cpu_flags
+from model.verdict import Tolerance
 from service.batcher import Batcher, Observers
-from service.engine import CPU, Engine
+from service.cores import threads_for
+from service.engine import Engine
 from service.merging import measure_fixed_cost
-from service.settings import Settings, version_of
-from service.state import READY, UNAVAILABLE, KnownModels, Models, ServiceState, ServingModel, Slot
+from service.registry import LoadFailed, Registry, ServingModel, read_manifests
+from service.state import KnownModels, ServiceState
 from service.statistics import ModelStatistics
-from service.verification import Verification, verify_engine
 
 log = logging.getLogger("addnorm.service")
-
-
-def read_manifests(settings: Settings) -> list[Slot]:
-    """Every model to serve, named by its manifest, in order. Raises ValueError (with every directory involved)
-    for an unreadable manifest, a missing repository or two models of one name."""
-    slots: list[Slot] = []
-    for directory in settings.model_dirs():
-        try:
-            name = Manifest.load(directory).name
-        except (ArtifactError, OSError) as exc:
-            raise ValueError(str(exc) if str(directory) in str(exc) else f"{directory}: {exc}") from None
-        same = [s.directory for s in slots if s.name == name]
-        if same:
-            raise ValueError(
-                f"two models are named {name!r}: {same[0]} and {directory}; give one another name "
-                "(addnorm-export --name) or serve them from different servers"
-            )
-        slots.append(Slot(name, Path(directory), version=version_of(Path(directory))))
-    return slots
 
 
 async def load_models(state: ServiceState) -> None:
@@ -56,24 +48,12 @@ async def load_models(state: ServiceState) -> None:
         if unknown:
             log.error("--load-model: no model %s in the repository", ", ".join(sorted(unknown)))
         slots = [s for s in slots if s.name in settings.load_model]
-    models = Models(slots, allow_empty=settings.model_control_mode != "none")
+    build = functools.partial(serving_model, state)
+    models = Registry(slots, build, allow_empty=settings.model_control_mode != "none")
     state.loaded = KnownModels(settings, models, state.live)
-    await asyncio.gather(*(_load_one(state, slot) for slot in slots))
+    await models.load_all()
     if state.not_ready_reason() is None:
         log.info("ready: %s", ", ".join(f"{s.name} on {s.serving.engine.providers}" for s in slots))
-
-
-async def _load_one(state: ServiceState, slot: Slot) -> None:
-    try:
-        slot.serving = await serving_model(state, slot.name, slot.directory, slot.version)
-        slot.state = READY
-    except LoadFailed as exc:
-        slot.state, slot.reason = UNAVAILABLE, str(exc)
-        log.error("model %s failed to load: %s", slot.name, exc)
-
-
-class LoadFailed(Exception):
-    """A model could not be loaded: the reason, in words."""
 
 
 async def serving_model(state: ServiceState, name: str, directory: Path, version: str = "1") -> ServingModel:
@@ -81,7 +61,7 @@ async def serving_model(state: ServiceState, name: str, directory: Path, version
     LoadFailed."""
     s = state.settings
     models = len(state.loaded.models.slots) if state.loaded is not None else 1
-    threads = s.threads_for(name, state.cores.threads, models)
+    threads = threads_for(s, name, state.cores.threads, models)
     try:
         engine = await asyncio.to_thread(Engine, directory, s.providers, threads)
     except Exception as exc:  # any failure keeps the model (and /health/ready) unavailable, with the reason
@@ -142,6 +122,36 @@ def _accept(v: Verification, mode: str, name: str) -> bool:
         return False
     log.warning("golden check %s for %s: %s", v.status.upper(), name, v.message)
     return True
+
+
+def verify_engine(engine: Engine, mode: str) -> Verification:
+    """``mode`` strict or warn: run the check (the caller decides what a failure means); off: skip it."""
+    provider = engine.providers[0]
+    if mode == "off":
+        return Verification("skipped", provider, "verification at load is off (ADDNORM_VERIFY_ON_LOAD=off)")
+    if not engine.manifest.golden_sha256:
+        return Verification(
+            "unverifiable",
+            provider,
+            "the artifact has no golden data (exported before addnorm stored it); re-export it to verify at load",
+        )
+    golden = load_golden(engine.golden)  # the bytes whose sha256 the engine checked, read once
+    tol = Tolerance(**engine.manifest.parity["tolerance"])
+    result = verify(engine.run, golden, tol, provider)
+    if result.status == "failed" and engine.manifest.variant == "int8" and provider == CPU:
+        result = dataclasses.replace(result, message=result.message + int8_cpu_hint(cpu_flags()))
+    return result
+
+
+def int8_cpu_hint(flags: frozenset[str]) -> str:
+    """Why an int8 graph can fail on this CPU kind ("" where it has VNNI): appended to a failed check's message."""
+    if flags & VNNI_FLAGS:
+        return ""
+    return (
+        f"; this CPU has no VNNI ({', '.join(sorted(flags)) or 'no AVX2'}), where onnxruntime's u8 x s8 "
+        "kernels add pairs of products in int16 and saturate on 8-bit weights: re-export it with this "
+        "addnorm (addnorm-export --variant int8 writes 7-bit weights, exact on every CPU kind)"
+    )
 
 
 async def load_then_watch(state: ServiceState, exit_on_error: bool) -> None:

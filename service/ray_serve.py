@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from model.artifact import MANIFEST_FILE
 from service import logs
 from service.app import create_app
+from service.registry import model_dirs
 from service.settings import Settings, explain
 
 log = logging.getLogger("addnorm.ray")
@@ -105,13 +106,13 @@ class AddNormReplica:
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
         self.settings = replica_settings(overrides or {}, cpus)
         logs.configure(self.settings.log_level, self.settings.log_json)
-        for directory in self.settings.model_dirs():
+        for directory in model_dirs(self.settings):
             check_readable(directory)
         self.fastapi_app = create_app(self.settings, load_before_serving=True)
         self.fastapi_app.add_outer_middleware(_ProxyRequestId)
         log.info(
             "replica starting: %s, %s onnxruntime threads",
-            ", ".join(map(str, self.settings.model_dirs())),
+            ", ".join(map(str, model_dirs(self.settings))),
             cpus,
         )
 

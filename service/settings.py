@@ -9,8 +9,6 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from model.artifact import MANIFEST_FILE
-
 DEFAULT_MODEL_DIR = Path("artifacts/default")
 try:  # the version pyproject.toml gives, as installed: the server's metadata on every transport and /docs
     VERSION = metadata.version("addnorm")
@@ -179,15 +177,6 @@ class Settings(BaseSettings):
                 raise ValueError(f"{item!r} is not NAME=N with N a positive whole number of threads")
         return items
 
-    def threads_for(self, name: str, budget: int, models: int = 1) -> int:
-        """The intra-op threads of model ``name``: its --model-threads entry, else --intra-op-threads, else an
-        equal share of the budget among the ``models`` served (at least one thread)."""
-        for item in self.model_threads:
-            key, _, n = item.partition("=")
-            if key.strip() == name:
-                return int(n)
-        return self.intra_op_threads or max(1, budget // max(1, models))
-
     @field_validator("load_model", mode="before")
     @classmethod
     def _names(cls, value: object) -> object:
@@ -207,24 +196,6 @@ class Settings(BaseSettings):
         if isinstance(value, (list, tuple)):
             return tuple(Path(p.strip()) for v in value for p in str(v).split(",") if p.strip())
         return value
-
-    def model_dirs(self) -> tuple[Path, ...]:
-        """Every artifact directory to serve, in order: --model-dir's, then the repository's (each of its
-        directories holding a manifest, or numbered version directories (Triton's ``name/1/``, ``name/2/``) of
-        which the highest holding one is served; by name; hidden ones skipped; one already given is not repeated). Raises ValueError for a repository that is not a directory."""
-        dirs = list(self.model_dir)
-        if self.model_repository is not None:
-            repo = self.model_repository
-            if not repo.is_dir():
-                raise ValueError(f"model repository {repo} is not a directory")
-            found = sorted(d for d in map(latest_version, repo.iterdir()) if d is not None)
-            if not found:
-                raise ValueError(
-                    f"model repository {repo} holds no artifact directory (none has {MANIFEST_FILE})"
-                )
-            given = {d.resolve() for d in dirs}
-            dirs += [d for d in found if d.resolve() not in given]  # one directory named both ways: once
-        return tuple(dirs) or (DEFAULT_MODEL_DIR,)
 
     def api_keys(self) -> tuple[str, ...]:
         """Every configured key: --api-key's comma-separated list, then the key file's lines (blank lines and
@@ -253,22 +224,6 @@ class Settings(BaseSettings):
                 value = ",".join(str(v) for v in value)
             env[f"ADDNORM_{name.upper()}"] = str(value)
         return env
-
-
-def latest_version(entry: Path) -> Path | None:
-    """A repository entry's artifact: the entry itself when it holds a manifest, else its highest numbered
-    version directory that does (the version policy: latest); None for anything else (hidden, a file)."""
-    if entry.name.startswith(".") or not entry.is_dir():
-        return None
-    if (entry / MANIFEST_FILE).is_file():
-        return entry
-    versions = [d for d in entry.iterdir() if d.name.isdigit() and (d / MANIFEST_FILE).is_file()]
-    return max(versions, key=lambda d: int(d.name), default=None)
-
-
-def version_of(directory: Path) -> str:
-    """The version an artifact directory serves: its name when it is a numbered version directory, else 1."""
-    return str(int(directory.name)) if directory.name.isdigit() else "1"
 
 
 def explain(exc: ValidationError, by_field: bool = False) -> str:

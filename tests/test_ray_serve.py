@@ -25,6 +25,7 @@ from fastapi.testclient import TestClient
 from ray import serve
 
 from service.app import create_app
+from service.cores import threads_for
 from service.ray_serve import DEPLOYMENT, ArtifactUnreadable, build, check_readable, replica_settings
 from service.settings import Settings
 from tests.helpers import skew_gamma, wait_until
@@ -251,7 +252,7 @@ def test_replica_threads_follow_its_cpus_unless_set(monkeypatch):
     monkeypatch.delenv("ADDNORM_THREAD_BUDGET", raising=False)
     assert replica_settings({}, 3.0).thread_budget == 3  # its models share the replica's CPUs
     assert replica_settings({"thread_budget": 1}, 3.0).thread_budget == 1
-    assert replica_settings({"intra_op_threads": 1}, 3.0).threads_for("encoder", 3) == 1
+    assert threads_for(replica_settings({"intra_op_threads": 1}, 3.0), "encoder", 3) == 1
     monkeypatch.setenv("ADDNORM_MAX_BATCH_SIZE", "7")  # the Serve config's runtime_env reaches replicas
     assert replica_settings({}, None).max_batch_size == 7
 

@@ -307,7 +307,7 @@ def export_cli_full(out):
 
 def _verified_at_load(artifact) -> str:
     from service.engine import Engine
-    from service.verification import verify_engine
+    from service.loading import verify_engine
 
     return verify_engine(Engine(artifact, "cpu"), "strict").status
 

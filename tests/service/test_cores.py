@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from service.cores import CoreBudget
+from service.cores import CoreBudget, threads_for
 from service.settings import Settings
 from tests.helpers import wait_until
 
@@ -67,8 +67,8 @@ def test_a_run_wanting_more_than_the_budget_holds_all_of_it():
 
 def test_model_threads_setting():
     s = Settings(model_threads="a=1, b=3", intra_op_threads=0)
-    assert s.threads_for("a", 4) == 1 and s.threads_for("b", 4) == 3 and s.threads_for("c", 4) == 4
-    assert Settings(intra_op_threads=2).threads_for("c", 4) == 2
+    assert threads_for(s, "a", 4) == 1 and threads_for(s, "b", 4) == 3 and threads_for(s, "c", 4) == 4
+    assert threads_for(Settings(intra_op_threads=2), "c", 4) == 2
     for bad in ("a", "a=0", "=2", "a=x"):
         with pytest.raises(ValueError, match="NAME=N"):
             Settings(model_threads=bad)

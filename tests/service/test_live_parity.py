@@ -212,10 +212,10 @@ def test_a_request_too_big_for_the_checker_is_not_sampled(tiny_artifact, monkeyp
 def test_the_heap_is_trimmed_only_after_a_large_sample(tiny_artifact, monkeypatch):
     """malloc_trim walks and locks every malloc arena the request path allocates from: the checker calls it only
     after a sample whose float64 temporaries are worth giving back (TRIM_AFTER_ELEMENTS), not after every one."""
-    from service import live_parity, memory
+    from service import engine, live_parity
 
     trims = []
-    monkeypatch.setattr(memory, "trim", lambda: trims.append(1))
+    monkeypatch.setattr(engine, "trim", lambda: trims.append(1))
     monkeypatch.setattr(live_parity, "TRIM_AFTER_ELEMENTS", 6 * E)  # [1, 6, 32] and larger
     with TestClient(_app(tiny_artifact)) as client:
         wait_until_ready(client)

@@ -19,7 +19,7 @@ import orjson
 from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, positional
 from service.batcher import Outputs
 from service.errors import BadInput, NotAcceptable, UnsupportedMediaType, quote
-from service.validation import check_batch, holds_literal, parse_json
+from service.protocols.common import check_batch, holds_literal, parse_json
 
 MODEL = "model"
 OUTPUT = "output"  # the query parameter naming the output a binary answer carries

@@ -19,9 +19,9 @@ from model.artifact import Manifest
 from model.contract import EMBEDDINGS, MASK, api_specs
 from service.batcher import Outputs
 from service.errors import BadInput, NotFound, TooLarge, quote
+from service.protocols.common import check_batch, holds_literal, parse_json
 from service.protocols.v2 import model_config
-from service.state import READY, Models, ServingModel
-from service.validation import check_batch, holds_literal, parse_json
+from service.registry import READY, Registry, ServingModel
 
 HEADER_LENGTH = "inference-header-content-length"
 PLATFORM = model_config.PLATFORM
@@ -320,14 +320,14 @@ def _v2_name(dtype: np.dtype) -> str:
     return _NUMPY_TO_V2.get(str(dtype), str(dtype))
 
 
-def check_version(models: Models, name: str, version: str | None) -> None:
+def check_version(models: Registry, name: str, version: str | None) -> None:
     """404 for an unknown model, or any version but the one it serves (empty or absent means that one)."""
     served = models.slot(name).version
     if version not in (None, "", served):
         raise NotFound(f"unknown version {quote(version)} of model {quote(name)}; available: [{served!r}]")
 
 
-def repository_index(models: Models, ready_only: bool = False) -> list[dict]:
+def repository_index(models: Registry, ready_only: bool = False) -> list[dict]:
     """Every configured model with its state (READY, LOADING, UNAVAILABLE) and, when not ready, why."""
     return [
         {"name": s.name, "version": s.version, "state": s.state, "reason": s.reason}
@@ -336,7 +336,7 @@ def repository_index(models: Models, ready_only: bool = False) -> list[dict]:
     ]
 
 
-def statistics(models: Models, name: str | None, version: str | None, live=None) -> dict:
+def statistics(models: Registry, name: str | None, version: str | None, live=None) -> dict:
     """The statistics extension's answer: one model's (404 unknown, 503 not loaded), or every loaded model's;
     with ``live`` (service.live_parity.LiveParity), each carries its live parity counts (an extra field Triton's
     clients ignore)."""

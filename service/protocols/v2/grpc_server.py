@@ -1,7 +1,7 @@
 """The Open Inference Protocol over gRPC: ``inference.GRPCInferenceService``, as tritonclient.grpc calls it.
 
 It runs on the app's own event loop (``start`` is called from the app's lifespan) and reaches the models the HTTP
-routes reach: the same ``Models``, the same batchers, statistics and metrics. The same guard decides every call
+routes reach: the same ``Registry``, the same batchers, statistics and metrics. The same guard decides every call
 (``GuardInterceptor``, before the method): ServerLive and ServerReady are open like the health probes; every other
 call needs an API key when keys are set (the ``authorization`` metadata, ``Bearer <key>``) and the models'
 manifests read. Domain errors become status codes through ``errors.CODES``; the body-size limit is the receive
@@ -24,8 +24,9 @@ from service.errors import BadInput, ClientDeadline, ServiceError, grpc_code
 from service.guard import Guard
 from service.protocols.v2 import codec, grpc_codec, model_config
 from service.protocols.v2 import inference_pb2 as pb
+from service.registry import READY, ServingModel
 from service.settings import VERSION
-from service.state import READY, KnownModels, ModelController, ServiceState, ServingModel
+from service.state import KnownModels, ModelController, ServiceState
 
 SERVICE = "inference.GRPCInferenceService"
 # What the guard reads for this transport (service/protocols/__init__.py gathers them): methods are paths.

@@ -12,13 +12,13 @@ from model.contract import EMBEDDINGS, ENCODED, INPUT_NAMES
 from service import control, inference
 from service.batcher import Outputs
 from service.errors import BadInput
-from service.fastpath import FastRoute
 from service.guard import Known
-from service.protocols.common import error_docs, http_call, read_body, timing_headers
+from service.middleware import FastRoute
+from service.protocols.common import error_docs, http_call, parse_json, read_body, timing_headers
 from service.protocols.v2 import codec
+from service.registry import ServingModel
 from service.settings import VERSION
-from service.state import KnownModels, ServingModel, State
-from service.validation import parse_json
+from service.state import KnownModels, State
 
 router = APIRouter(prefix="/v2", tags=["v2 (Open Inference Protocol)"])
 
@@ -292,7 +292,7 @@ async def model_version_infer(name: str, version: str, request: Request, loaded:
 
 
 def examples(model: str, d_model: int) -> dict[tuple[str, str], dict]:
-    """The inference request example for the served model (service/openapi.py): [1, 2, d_model] in JSON."""
+    """The inference request example for the served model (service/docs.py): [1, 2, d_model] in JSON."""
     example = {
         "id": "42",
         "inputs": [
@@ -306,7 +306,7 @@ def examples(model: str, d_model: int) -> dict[tuple[str, str], dict]:
     }
 
 
-# Hot routes for the lean dispatcher (service.fastpath); the guard checks everything under these prefixes.
+# Hot routes for the lean dispatcher (service.middleware.FastPath); the guard checks everything under these prefixes.
 _INFER_PATH = re.compile(r"^/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?/infer$")
 FAST_ROUTES = (FastRoute("POST", _INFER_PATH, "/v2/models/{name}/infer", handle_infer),)
 MODEL_PREFIXES = ("/v2/models/", "/v2/repository/")

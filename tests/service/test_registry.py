@@ -1,0 +1,116 @@
+"""service/registry.py: every change of a served model's state, in-process, with a stand-in for what a load builds
+(the real loads are tests/test_model_control.py's and tests/service/test_models.py's)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from service.errors import NotFound, NotReady
+from service.registry import READY, UNAVAILABLE, LoadFailed, Registry, ServingModel, Slot, version_of
+
+pytestmark = pytest.mark.unit
+
+
+class FakeBuild:
+    """``build`` for the registry: a ServingModel whose engine is named as asked (``names`` can lie, as a
+    manifest changed between scan and load does) and whose batcher records its stop; ``fail``: directories that
+    do not load."""
+
+    def __init__(self) -> None:
+        self.fail: set[Path] = set()
+        self.names: dict[Path, str] = {}
+        self.stopped: list[tuple[str, str]] = []
+
+    async def __call__(self, name: str, directory: Path, version: str) -> ServingModel:
+        if directory in self.fail:
+            raise LoadFailed(f"{directory} is broken")
+        served = self.names.get(directory, name)
+        stopped = self.stopped
+
+        class Batcher:
+            async def stop(self) -> None:
+                stopped.append((served, version))
+
+        return ServingModel(SimpleNamespace(name=served), Batcher(), None, None, version)
+
+
+def test_the_first_load_leaves_each_model_ready_or_unavailable_with_its_reason(tmp_path):
+    build = FakeBuild()
+    build.fail.add(tmp_path / "b")
+    models = Registry([Slot("a", tmp_path / "a"), Slot("b", tmp_path / "b")], build)
+    asyncio.run(models.load_all())
+    assert models.get("a").name == "a" and models.default.name == "a"
+    with pytest.raises(NotReady, match="model 'b' failed to load: .*broken"):
+        models.get("b")
+    with pytest.raises(NotFound, match="unknown model 'c'"):
+        models.get("c")
+    assert models.not_ready_reason() == f"model 'b' failed to load: {tmp_path / 'b'} is broken"
+
+
+def test_a_swap_serves_the_new_version_at_once_and_stops_the_old_after_its_last_request(tmp_path):
+    async def scenario() -> None:
+        build = FakeBuild()
+        models = Registry([Slot("a", tmp_path / "a" / "1", version="1")], build)
+        await models.load_all()
+        old = models.get("a")
+        with old.inflight:  # a request on version 1 while version 2 loads
+            await models.load("a", tmp_path / "a" / "2")
+            assert models.get("a").version == "2" and models.slot("a").state == READY
+            await asyncio.sleep(0.05)
+            assert build.stopped == []  # version 1 still answers its request
+        await asyncio.sleep(0.05)
+        assert build.stopped == [("a", "1")]
+        await models.close()
+        assert build.stopped == [("a", "1"), ("a", "2")]
+
+    asyncio.run(scenario())
+
+
+def test_a_version_that_fails_to_load_never_takes_traffic_and_the_index_says_why(tmp_path):
+    async def scenario() -> None:
+        build = FakeBuild()
+        build.fail.add(tmp_path / "a" / "3")
+        build.names[tmp_path / "a" / "4"] = "renamed"
+        models = Registry([Slot("a", tmp_path / "a" / "2", version="2")], build)
+        await models.load_all()
+        with pytest.raises(LoadFailed, match="version 3 .* was not loaded"):
+            await models.load("a", tmp_path / "a" / "3")
+        slot = models.slot("a")
+        assert models.get("a").version == "2" and slot.state == READY
+        assert "version 2 still serves" in slot.reason
+        with pytest.raises(LoadFailed, match="now holds model 'renamed', not 'a'"):
+            await models.load("a", tmp_path / "a" / "4")
+        assert build.stopped == [("renamed", "4")] and models.get("a").version == "2"
+
+    asyncio.run(scenario())
+
+
+def test_unready_and_unload_take_a_model_out_with_their_reasons(tmp_path):
+    async def scenario() -> None:
+        models = Registry(
+            [Slot("a", tmp_path / "a"), Slot("b", tmp_path / "b")], FakeBuild(), allow_empty=True
+        )
+        await models.load_all()
+        models.mark_unready("a", "live parity failed")
+        with pytest.raises(NotReady, match="model 'a' is unavailable: live parity failed"):
+            models.get("a")
+        await models.unload("b")
+        slot = models.slot("b")
+        assert slot.state == UNAVAILABLE and slot.serving is None
+        with pytest.raises(NotReady, match="model 'b' is unloaded"):
+            models.get("b")
+        assert (
+            models.not_ready_reason() == "model 'a' is unavailable: live parity failed"
+        )  # unloaded: asked for
+        with pytest.raises(NotFound):
+            await models.unload("c")
+
+    asyncio.run(scenario())
+
+
+def test_a_version_is_its_numbered_directory():
+    assert version_of(Path("repo/a/12")) == "12" and version_of(Path("repo/a")) == "1"
