@@ -39,10 +39,12 @@ def main() -> None:
             RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=lo,
             RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=hi,
         )
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     cpus = max(args.replicas * args.num_cpus, os.cpu_count() or 1)
     ray.init(num_cpus=cpus, include_dashboard=False, _node_ip_address=HOST, log_to_driver=False)
+    # After ray.init, which installs its own SIGTERM handler: that one exits from wherever the driver waits, and
+    # the driver then aborted (SIGABRT, a core file in the repository root) waiting on Serve's dead controller.
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": HOST, "port": args.port})
         app = build({"model_dir": args.artifact, "replicas": args.replicas, "num_cpus": args.num_cpus})
@@ -53,8 +55,8 @@ def main() -> None:
             staged.write_text(json.dumps(ports))
             staged.rename(args.ports_file)
         stop.wait()
-    finally:
-        serve.shutdown()
+    finally:  # the local Ray this driver started, Serve's actors with it (serve.shutdown's graceful drain of
+        # every replica took over 10 s, and a load generator is done with them)
         ray.shutdown()
 
 

@@ -336,7 +336,7 @@ def test_direct_ingress_replicas_answer_tritonclient_without_rays_proxy(tiny_art
     from bench.scaleout import _written, ray_server
 
     x, mask, want = data
-    with ray_server(tiny_artifact, 2, 1, "30400:30499", tmp_path / "ports.json"):
+    with ray_server(tiny_artifact, 2, 1, "30400:30499", tmp_path / "ports.json") as driver:
         ports = _written(tmp_path / "ports.json")
         assert len(ports) == 2 and all(30400 <= p <= 30499 for p in ports)
         for port in ports:
@@ -351,3 +351,6 @@ def test_direct_ingress_replicas_answer_tritonclient_without_rays_proxy(tiny_art
                 )
             finally:
                 client.close()
+    # SIGTERM stops Serve, then Ray, and the driver exits 0 (Ray's own SIGTERM handler exited 1 mid-wait, and under
+    # load the driver then aborted waiting on its dead controller)
+    assert driver.proc.returncode == 0, f"the driver exited {driver.proc.returncode}"
