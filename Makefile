@@ -53,9 +53,11 @@ export: $(VENV)/.installed
 parity: $(VENV)/.installed $(ARTIFACT)/manifest.json
 	$(BIN)/addnorm-parity $(ARTIFACT) --report $(ARTIFACT)/report
 
-# pytest exits 5 when it collects no test, so an empty run fails here too.
+# pytest exits 5 when it collects no test, so an empty run fails here too. TEST_WORKERS processes (pytest-xdist)
+# take whole test files (each file's fixtures export and start servers once); 0 runs in this process.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: $(VENV)/.installed
 	$(BIN)/python -m pytest -m unit -q
