@@ -154,7 +154,13 @@ async def encode(request: Request, loaded: Known) -> Response:
     return await handle_encode(request, loaded, {})
 
 
-@router.get("/model", summary="A served model (the default, or ?model=NAME): manifest, providers in use")
+@router.get(
+    "/model",
+    summary="A served model (the default, or ?model=NAME): manifest, providers in use",
+    responses=error_docs(
+        {401: "missing or invalid API key", 404: "unknown model", 503: "model not loaded yet"}
+    ),
+)
 async def model(loaded: Known, model: str | None = None) -> dict:
     served = loaded.models.get(model)
     live = None

@@ -127,11 +127,12 @@ _INFER_DOC = {
                 400: "bad request",
                 401: "missing or invalid API key",
                 404: "unknown model or version",
+                408: "not answered within the request's own timeout parameter",
                 413: "request above the size limits",
                 415: "unsupported Content-Encoding",
                 429: "queue full",
                 503: "model not loaded yet",
-                504: "not answered in time",
+                504: "not answered within the server's request timeout",
             }
         ),
     },
