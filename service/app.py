@@ -13,10 +13,8 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service import docs, logs, protocols
-from service.control import ModelControl
 from service.engine import limit_arenas
 from service.guard import Guard, GuardMiddleware
-from service.live_parity import LiveParity
 from service.loading import load_models, load_then_watch
 from service.middleware import FastPath, RequestContext, install_error_handlers
 from service.protocols import health
@@ -41,8 +39,8 @@ def create_app(
     limit_arenas()  # before the inference and offload threads start (service/engine.py)
     TRACING.configure()  # on only when the OTEL_EXPORTER_OTLP_* variables ask for it
     state = ServiceState(settings)
-    state.control = ModelControl(state)
-    state.live = LiveParity.from_settings(settings, state.metrics, unready=state.mark_unready)
+    public = protocols.PUBLIC_PATHS | ({health.METRICS_PATH} if settings.metrics_public else set())
+    guard = Guard(state, public_paths=public, model_prefixes=protocols.MODEL_PREFIXES)  # HTTP's and gRPC's
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -53,7 +51,7 @@ def create_app(
         # Transports with their own listener (gRPC), before the models load unless they already have: their
         # readiness answers false until they are. Each may decline (its port set to 0).
         state.live.start(asyncio.get_running_loop())
-        listeners = [lst for t in protocols.LISTENERS if (lst := await t.listen(state)) is not None]
+        listeners = [lst for t in protocols.LISTENERS if (lst := await t.listen(state, guard)) is not None]
         loader = None if load_before_serving else asyncio.create_task(load_then_watch(state, exit_on_error))
         try:
             yield
@@ -81,10 +79,8 @@ def create_app(
     for router in (*protocols.ROUTERS, docs.router):
         app.include_router(router)
     install_error_handlers(app)
-    public = protocols.PUBLIC_PATHS | ({health.METRICS_PATH} if settings.metrics_public else set())
-    state.guard = Guard(state, public_paths=public, model_prefixes=protocols.MODEL_PREFIXES)
     app.front = RequestContext(
-        GuardMiddleware(FastPath(app.fastapi_call, routes=protocols.FAST_ROUTES), state.guard),
+        GuardMiddleware(FastPath(app.fastapi_call, routes=protocols.FAST_ROUTES), guard),
         state=state,
         access_log=settings.access_log,
     )

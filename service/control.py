@@ -14,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from service.errors import BadInput, ControlOff, LoadRefused, NotFound, ServiceError, quote
 from service.registry import LoadFailed, Registry, repository_models
-from service.state import ServiceState
+from service.settings import Settings
 
 log = logging.getLogger("addnorm.control")
 
@@ -26,9 +27,10 @@ log = logging.getLogger("addnorm.control")
 class ModelControl:
     """What the load/unload routes, the gRPC methods and the poller call; one per server (``state.control``)."""
 
-    def __init__(self, state: ServiceState) -> None:
-        self.state = state
-        self.mode = state.settings.model_control_mode
+    def __init__(self, settings: Settings, models: Callable[[], Registry | None]) -> None:
+        self.settings = settings
+        self.models = models  # the registry, None until the manifests are read
+        self.mode = settings.model_control_mode
         self._refused: dict[str, tuple[Path, str]] = {}  # name -> (directory, model sha256) not to retry
 
     def _allowed(self) -> None:
@@ -37,9 +39,10 @@ class ModelControl:
             raise ControlOff(f"explicit model load / unload is not allowed here: {how}")
 
     def _models(self) -> Registry:
-        if self.state.loaded is None:
+        models = self.models()
+        if models is None:
             raise ControlOff("the server is still reading its models' manifests")
-        return self.state.loaded.models
+        return models
 
     async def load(self, name: str) -> None:
         """Load (or reload) ``name`` from the repository; raises NotFound, LoadRefused or ControlOff."""
@@ -52,9 +55,9 @@ class ModelControl:
         await self._models().unload(name)
 
     async def _load(self, name: str) -> None:
-        entry = repository_models(self.state.settings.model_repository).get(name)
+        entry = repository_models(self.settings.model_repository).get(name)
         if entry is None:
-            raise NotFound(f"no model {quote(name)} in the repository {self.state.settings.model_repository}")
+            raise NotFound(f"no model {quote(name)} in the repository {self.settings.model_repository}")
         directory, manifest = entry
         try:
             await self._models().load(name, directory)
@@ -65,13 +68,13 @@ class ModelControl:
 
     async def poll(self) -> None:
         """One look at the repository (mode poll): load what is new or changed, unload what is gone."""
-        loaded = self.state.loaded
-        if loaded is None:
+        models = self.models()
+        if models is None:
             return
-        repo = self.state.settings.model_repository
+        repo = self.settings.model_repository
         found = repository_models(repo)
         for name, (directory, manifest) in found.items():
-            slot = loaded.models.slots.get(name)
+            slot = models.slots.get(name)
             sha = manifest.model_sha256
             if self._refused.get(name) == (directory, sha):
                 continue  # refused as it is: tried again once it changes
@@ -84,15 +87,15 @@ class ModelControl:
                 continue
             with contextlib.suppress(ServiceError):  # refusals are logged and in the index
                 await self._load(name)
-        for name, slot in list(loaded.models.slots.items()):
+        for name, slot in list(models.slots.items()):
             from_repo = repo is not None and slot.directory.is_relative_to(repo)  # not a --model-dir's
             if name not in found and from_repo and slot.serving is not None:
-                await loaded.models.unload(name)
+                await models.unload(name)
 
     async def watch(self) -> None:
         """The poller: every ``--repository-poll-secs`` until cancelled."""
         while True:
-            await asyncio.sleep(self.state.settings.repository_poll_secs)
+            await asyncio.sleep(self.settings.repository_poll_secs)
             try:
                 await self.poll()
             except Exception:  # never the poller

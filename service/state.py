@@ -3,33 +3,17 @@ models it serves (service/registry.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Protocol
+from typing import Annotated
 
 from fastapi import Depends, Request
 
+from service.control import ModelControl
 from service.cores import CoreBudget, default_threads
 from service.live_parity import LiveParity
 from service.metrics import Metrics
 from service.registry import Registry
 from service.settings import Settings
-
-
-class RequestGuard(Protocol):
-    """What ``ServiceState.guard`` holds (service.guard.Guard), without state importing guard."""
-
-    def check(self, path: str, credentials: Callable[[], Sequence[bytes]]) -> KnownModels | None: ...
-
-
-class ModelController(Protocol):
-    """What ``ServiceState.control`` holds (service.control.ModelControl), without state importing control."""
-
-    async def load(self, name: str) -> None: ...
-
-    async def unload(self, name: str) -> None: ...
-
-    async def watch(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -44,20 +28,29 @@ class KnownModels:
 
 @dataclass
 class ServiceState:
+    """Built whole: what lives as long as the server (the parsed API keys, the thread budget, live parity, model
+    control) is made here, once; what changes while it serves is the registry once the manifests are read
+    (``loaded``) and why nothing can be served (``load_error``, ``fatal``)."""
+
     settings: Settings
     metrics: Metrics = field(default_factory=Metrics)
     loaded: KnownModels | None = None  # set once every model's manifest is read (names known)
     load_error: str | None = None  # the manifests could not be read: nothing is served
-    api_keys: tuple[bytes, ...] = field(init=False)  # parsed once, for the guard of every transport
-    guard: RequestGuard | None = None  # set by create_app; the gRPC server's interceptor asks the same one
-    control: ModelController | None = None  # service.control.ModelControl, set by create_app
     fatal: str | None = None  # why the server stopped itself (no model loadable with model control off)
-    live: LiveParity | None = None  # set by create_app
+    api_keys: tuple[bytes, ...] = field(init=False)  # parsed once, for the guard of every transport
     cores: CoreBudget = field(init=False)  # the CPU thread budget every model's runs draw from (settings')
+    live: LiveParity = field(
+        init=False
+    )  # a sample of answers recomputed in float64 (its thread starts with the app)
+    control: ModelControl = field(init=False)  # load / unload / poll (HTTP routes, gRPC methods, the poller)
 
     def __post_init__(self) -> None:
         self.api_keys = tuple(key.encode() for key in self.settings.api_keys())
         self.cores = CoreBudget(self.settings.thread_budget or default_threads(self.settings.workers))
+        self.live = LiveParity.from_settings(self.settings, self.metrics, unready=self.mark_unready)
+        self.control = ModelControl(
+            self.settings, lambda: self.loaded.models if self.loaded is not None else None
+        )
 
     def mark_unready(self, name: str, reason: str) -> None:
         """Live parity's action ``unready`` (service.registry.Registry.mark_unready)."""

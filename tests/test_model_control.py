@@ -270,17 +270,13 @@ def test_control_refusals_over_http_and_unload_by_http(tmp_path, versions):
 
 def test_control_is_refused_before_the_manifests_are_read(tmp_path, versions):
     import asyncio
-    from types import SimpleNamespace
 
     from service.control import ModelControl
     from service.errors import ControlOff
     from service.settings import Settings
 
     repo = repository(tmp_path, versions, "1")
-    state = SimpleNamespace(
-        settings=Settings(model_repository=repo, model_control_mode="explicit"), loaded=None
-    )
-    control = ModelControl(state)
+    control = ModelControl(Settings(model_repository=repo, model_control_mode="explicit"), lambda: None)
     for call in (control.load, control.unload):
         with pytest.raises(ControlOff, match="still reading its models' manifests"):
             asyncio.run(call("encoder"))

@@ -1,6 +1,6 @@
 """The protocols the server speaks, gathered in one place. Each HTTP protocol is a module (or package) with a
 FastAPI ``router`` and its hot ``FAST_ROUTES`` for the lean dispatcher; a transport with its own listener (gRPC)
-has ``listen(state)``, which the app's lifespan awaits; every way in names the ``MODEL_PREFIXES`` the guard must
+has ``listen(state, guard)``, which the app's lifespan awaits; every way in names the ``MODEL_PREFIXES`` the guard must
 check for readiness and the ``PUBLIC_PATHS`` (health probes) it lets through.
 Adding a protocol is one line here. Inference routes come first: the router tries routes in order.
 """
@@ -13,7 +13,7 @@ from service.protocols.v2 import routes as v2
 PROTOCOLS = (v2, v1, health)  # over HTTP
 LISTENERS = (
     grpc_server,
-)  # with a listener of their own: ``await listen(state)`` -> None or ``.stop(grace)``
+)  # with a listener of their own: ``await listen(state, guard)`` -> None or ``.stop(grace)``
 TRANSPORTS = (*PROTOCOLS, *LISTENERS)  # every way in, for the one guard
 
 ROUTERS = tuple(p.router for p in PROTOCOLS)

@@ -225,8 +225,8 @@ def test_unavailable_while_loading_and_port_in_use():
 
     async def main() -> None:
         state = ServiceState(Settings(model_dir="nowhere", grpc_port=free_port()))
-        state.guard = Guard(state, PUBLIC_PATHS, MODEL_PREFIXES)  # what create_app gives it
-        server = await grpc_server.start(state)
+        guard = Guard(state, PUBLIC_PATHS, MODEL_PREFIXES)  # what create_app gives it
+        server = await grpc_server.start(state, guard)
         try:
             async with tga.InferenceServerClient(f"127.0.0.1:{state.settings.grpc_port}") as c:
                 assert await c.is_server_live() and not await c.is_server_ready()
@@ -237,7 +237,7 @@ def test_unavailable_while_loading_and_port_in_use():
                 assert info.value.status() == "StatusCode.UNAVAILABLE"
                 assert "loading" in info.value.message()
             with pytest.raises(OSError, match="is the port in use"):
-                await grpc_server.start(state)
+                await grpc_server.start(state, guard)
         finally:
             await server.stop(None)
 

@@ -26,7 +26,7 @@ from service.protocols.v2 import codec, grpc_codec, model_config
 from service.protocols.v2 import inference_pb2 as pb
 from service.registry import READY, ServingModel
 from service.settings import VERSION
-from service.state import KnownModels, ModelController, ServiceState
+from service.state import KnownModels, ServiceState
 
 SERVICE = "inference.GRPCInferenceService"
 # What the guard reads for this transport (service/protocols/__init__.py gathers them): methods are paths.
@@ -127,20 +127,15 @@ class InferenceService:
         self, request: pb.RepositoryModelLoadRequest, context
     ) -> pb.RepositoryModelLoadResponse:
         control.check_parameters(list(request.parameters))
-        await self._control().load(request.model_name)
+        await self.state.control.load(request.model_name)
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest, context
     ) -> pb.RepositoryModelUnloadResponse:
         control.check_parameters(list(request.parameters), unload=True)
-        await self._control().unload(request.model_name)
+        await self.state.control.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
-
-    def _control(self) -> ModelController:
-        if self.state.control is None:
-            raise RuntimeError("the app's model control is made by create_app")
-        return self.state.control
 
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context
@@ -256,15 +251,15 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
         return await continuation(details)
 
 
-async def listen(state: ServiceState) -> grpc.aio.Server | None:
+async def listen(state: ServiceState, guard: Guard) -> grpc.aio.Server | None:
     """The app's lifespan hook (service/protocols/__init__.py LISTENERS): the gRPC service on ``--grpc-port``,
     or None when it is 0."""
-    return await start(state) if state.settings.grpc_port else None
+    return await start(state, guard) if state.settings.grpc_port else None
 
 
-async def start(state: ServiceState) -> grpc.aio.Server:
-    """Start the gRPC service on ``settings.grpc_port`` on the running event loop; raises OSError when the port
-    cannot be bound."""
+async def start(state: ServiceState, guard: Guard) -> grpc.aio.Server:
+    """Start the gRPC service on ``settings.grpc_port`` on the running event loop, behind the app's ``guard``;
+    raises OSError when the port cannot be bound."""
     s = state.settings
     options = [
         ("grpc.max_receive_message_length", s.max_body_bytes),
@@ -275,10 +270,8 @@ async def start(state: ServiceState) -> grpc.aio.Server:
         ("grpc.server_handshake_timeout_ms", int(s.header_timeout_s * 1000)),
         *HTTP2_LIMITS.items(),
     ]
-    if state.guard is None:
-        raise RuntimeError("the gRPC server starts with the app's guard (create_app makes it)")
     server = grpc.aio.server(
-        interceptors=[GuardInterceptor(state.guard, state)],
+        interceptors=[GuardInterceptor(guard, state)],
         options=options,
         maximum_concurrent_rpcs=s.max_connections,
     )
