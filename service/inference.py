@@ -82,12 +82,12 @@ async def run(
         with TRACING.request(call.protocol, call.carrier) as span:
             if call.named is None:  # the payload names it: reading and decoding count as its input stage
                 req, model = await _decode_unnamed(loaded, decode, size)
-                with model.inflight, model.statistics.request(call.started) as timer:
+                with model.request(call.started) as timer:
                     return await _serve(loaded, call, model, req, timer, span, encode, encode_cost)
             # The model is counted in flight from the moment it is looked up (no await between the two), so
             # model control stops a replaced or unloaded one only after its last request (service/control.py).
             model = loaded.models.get(call.named)
-            with model.inflight, model.statistics.request(call.started) as timer:  # a failed decode counts
+            with model.request(call.started) as timer:  # a failed decode counts
                 req = await offload(size, decode, lambda _name: model)
                 return await _serve(loaded, call, model, req, timer, span, encode, encode_cost)
     finally:
@@ -152,7 +152,8 @@ def deadline(loaded: KnownModels, call: Call, req: Decoded) -> float:
 async def _queue(
     loaded: KnownModels, call: Call, model: ServingModel, req: Decoded, timer: RequestTimer
 ) -> tuple[Outputs, Timings]:
-    """The batcher, with the request's deadline; the client going away cancels the wait (and so the queued work)."""
+    """The model's run (``ServingModel.infer``: its batcher and statistics), within the request's deadline; the
+    client going away cancels the wait (and so the queued work)."""
     handler = asyncio.current_task()
     if handler is None:  # not reachable from a request; keeps the type checker honest
         raise RuntimeError("run() must be awaited inside a request's task")
@@ -161,7 +162,7 @@ async def _queue(
     call.gone.notify(handler.cancel)
     limit = deadline(loaded, call, req)
     try:
-        outputs, timings = await model.batcher.infer(req.embeddings, req.mask, limit)
+        outputs, timings = await model.infer(req.embeddings, req.mask, limit, timer)
     except TimedOut:
         if limit >= loaded.settings.request_timeout_s:
             raise
@@ -175,7 +176,6 @@ async def _queue(
         raise
     finally:
         call.gone.notify(None)
-    timer.inferred(timings, req.embeddings.shape[0])
     return outputs, timings
 
 

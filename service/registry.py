@@ -11,46 +11,25 @@ service/loading.py's (the registry's ``build``); model control (service/control.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from model.artifact import MANIFEST_FILE, ArtifactError, Manifest
 from model.golden import Verification
-from service.batcher import Batcher
+from service.batcher import Batcher, Outputs, Timings
 from service.engine import Engine
 from service.errors import NotFound, NotReady, quote
 from service.settings import DEFAULT_MODEL_DIR, Settings
-from service.statistics import ModelStatistics
+from service.statistics import InFlight, ModelStatistics, RequestTimer
 
 log = logging.getLogger("addnorm.service")
 LOADING, READY, UNAVAILABLE = "LOADING", "READY", "UNAVAILABLE"  # the repository index's states
 UNLOADED = "unloaded"  # the reason of a model model control unloaded
-
-
-class InFlight:
-    """The requests using a model right now (``with model.inflight:`` in the request core), so that a model
-    being replaced or unloaded is stopped only once the last of them is answered (``idle``)."""
-
-    __slots__ = ("count", "_idle")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._idle: asyncio.Event | None = None
-
-    def __enter__(self) -> None:
-        self.count += 1
-
-    def __exit__(self, *exc: object) -> None:
-        self.count -= 1
-        if self.count == 0 and self._idle is not None:
-            self._idle.set()
-
-    async def idle(self) -> None:
-        while self.count:
-            self._idle = asyncio.Event()
-            await self._idle.wait()
 
 
 @dataclass(frozen=True)
@@ -64,6 +43,21 @@ class ServingModel:
     statistics: ModelStatistics
     version: str = "1"
     inflight: InFlight = field(default_factory=InFlight, compare=False)
+
+    @contextlib.contextmanager
+    def request(self, started: float) -> Iterator[RequestTimer]:
+        """One request on this model, from its lookup to its answer: counted in flight (a replaced or unloaded
+        model stops after its last) and timed in its statistics (a failed decode counts against it)."""
+        with self.inflight, self.statistics.request(started) as timer:
+            yield timer
+
+    async def infer(
+        self, x: np.ndarray, mask: np.ndarray | None, timeout: float, timer: RequestTimer
+    ) -> tuple[Outputs, Timings]:
+        """A decoded (B, S, E) batch through the batcher within ``timeout`` seconds, its run in the statistics."""
+        outputs, timings = await self.batcher.infer(x, mask, timeout)
+        timer.inferred(timings, x.shape[0])
+        return outputs, timings
 
     def describe(self) -> dict:
         """The manifest, what runs it, and how it verified (GET /v1/model)."""

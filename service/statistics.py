@@ -4,11 +4,13 @@ Counts and nanoseconds since start-up, per request (``success``/``fail`` end to 
 ``compute_input`` = decoding its tensors, ``compute_infer`` = the run it was part of, ``compute_output`` = encoding
 its outputs) and per model run (``batch_stats`` by batch size in rows: merging the batch, the run, cutting each
 request's rows). ``inference_count`` counts rows answered, ``execution_count`` model runs. Everything is updated on
-the event loop (request handlers and the batcher's scheduler), so nothing here takes a lock.
+the event loop (request handlers and the batcher's scheduler), so nothing here takes a lock. And ``InFlight``: the
+requests using a model right now, which model control waits for before it stops a replaced one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from types import TracebackType
 
@@ -132,3 +134,27 @@ class RequestTimer:
         stages["compute_infer"].add(self.timings.infer_s)
         stages["compute_output"].add(end - self.inferred_at)
         self.stats.inference_count += self.rows
+
+
+class InFlight:
+    """The requests using a model right now (``with model.inflight:`` in the request core), so that a model
+    being replaced or unloaded is stopped only once the last of them is answered (``idle``)."""
+
+    __slots__ = ("count", "_idle")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle: asyncio.Event | None = None
+
+    def __enter__(self) -> None:
+        self.count += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.count -= 1
+        if self.count == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def idle(self) -> None:
+        while self.count:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
