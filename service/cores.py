@@ -20,6 +20,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from service.settings import Settings
+
 
 class CoreBudget:
     """A counting semaphore of threads with first-come, first-served waiting."""
@@ -119,9 +121,9 @@ def default_threads(workers: int = 1, cores: int | None = None, quota: float | N
     return max(1, cores // max(1, workers))
 
 
-def threads_for(settings, name: str, budget: int, models: int = 1) -> int:
+def threads_for(settings: Settings, name: str, budget: int, models: int = 1) -> int:
     """The intra-op threads of model ``name``: its --model-threads entry, else --intra-op-threads, else an equal
-    share of the budget among the ``models`` served (at least one thread). ``settings``: service.settings.Settings."""
+    share of the budget among the ``models`` served (at least one thread)."""
     for item in settings.model_threads:
         key, _, n = item.partition("=")
         if key.strip() == name:

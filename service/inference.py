@@ -85,7 +85,7 @@ async def run(
                 with model.request(call.started) as timer:
                     return await _serve(loaded, call, model, req, timer, span, encode, encode_cost)
             # The model is counted in flight from the moment it is looked up (no await between the two), so
-            # model control stops a replaced or unloaded one only after its last request (service/control.py).
+            # the registry stops a replaced or unloaded one only after its last request (service/registry.py).
             model = loaded.models.get(call.named)
             with model.request(call.started) as timer:  # a failed decode counts
                 req = await offload(size, decode, lambda _name: model)

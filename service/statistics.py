@@ -137,7 +137,7 @@ class RequestTimer:
 
 
 class InFlight:
-    """The requests using a model right now (``with model.inflight:`` in the request core), so that a model
+    """The requests using a model right now (``ServingModel.request`` in the request core), so that a model
     being replaced or unloaded is stopped only once the last of them is answered (``idle``)."""
 
     __slots__ = ("count", "_idle")
