@@ -16,15 +16,12 @@ import numpy as np
 import orjson
 
 from model.artifact import Manifest
-from model.contract import EMBEDDINGS, MASK, api_specs
+from model.contract import EMBEDDINGS, MASK
 from service.batcher import Outputs
-from service.errors import BadInput, NotFound, TooLarge, quote
+from service.errors import BadInput, TooLarge, quote
 from service.protocols.common import check_batch, holds_literal, parse_json
-from service.protocols.v2 import model_config
-from service.registry import READY, Registry, ServingModel
 
 HEADER_LENGTH = "inference-header-content-length"
-PLATFORM = model_config.PLATFORM
 EXTENSIONS = ["binary_tensor_data", "statistics"]
 
 # V2 datatype -> numpy dtype (the ones this model's tensors can take)
@@ -289,64 +286,5 @@ def encode_infer(
     }
 
 
-def model_metadata(manifest: Manifest, version: str = "1") -> dict:
-    """Inputs and outputs as the API speaks them (batch-first, whatever the graph's layout); -1 = variable."""
-
-    def tensor(spec) -> dict:
-        return {
-            "name": spec.name,
-            "datatype": _NUMPY_TO_V2.get(spec.dtype, spec.dtype.upper()),
-            "shape": [d if isinstance(d, int) else -1 for d in spec.shape],
-        }
-
-    inputs, outputs = api_specs(manifest.config)
-    return {
-        "name": manifest.name,
-        "versions": [version],
-        "platform": PLATFORM,
-        "inputs": [tensor(s) for s in inputs],
-        "outputs": [tensor(s) for s in outputs],
-    }
-
-
-def model_configuration(model: ServingModel) -> dict:
-    """Triton's ModelConfig for a served model (GET .../config, gRPC ModelConfig): its batcher's real limits."""
-    b = model.batcher
-    gpu = model.engine.providers[0] == "CUDAExecutionProvider"
-    return model_config.served(model.engine.manifest, b.max_batch_size, b.max_delay, b.max_queue_size, gpu)
-
-
 def _v2_name(dtype: np.dtype) -> str:
     return _NUMPY_TO_V2.get(str(dtype), str(dtype))
-
-
-def check_version(models: Registry, name: str, version: str | None) -> None:
-    """404 for an unknown model, or any version but the one it serves (empty or absent means that one)."""
-    served = models.slot(name).version
-    if version not in (None, "", served):
-        raise NotFound(f"unknown version {quote(version)} of model {quote(name)}; available: [{served!r}]")
-
-
-def repository_index(models: Registry, ready_only: bool = False) -> list[dict]:
-    """Every configured model with its state (READY, LOADING, UNAVAILABLE) and, when not ready, why."""
-    return [
-        {"name": s.name, "version": s.version, "state": s.state, "reason": s.reason}
-        for s in models.slots.values()
-        if s.state == READY or not ready_only
-    ]
-
-
-def statistics(models: Registry, name: str | None, version: str | None, live=None) -> dict:
-    """The statistics extension's answer: one model's (404 unknown, 503 not loaded), or every loaded model's;
-    with ``live`` (service.live_parity.LiveParity), each carries its live parity counts (an extra field Triton's
-    clients ignore)."""
-    if name:
-        check_version(models, name, version)
-        chosen = [models.get(name)]
-    else:
-        chosen = list(models)
-    docs = [m.statistics.to_dict() for m in chosen]
-    if live is not None:
-        for doc, m in zip(docs, chosen, strict=True):
-            doc["live_parity"] = live.counts[m.name].to_dict()
-    return {"model_stats": docs}

@@ -22,7 +22,7 @@ from service import control, inference, logs
 from service.batcher import Outputs
 from service.errors import BadInput, ClientDeadline, ServiceError, grpc_code
 from service.guard import Guard
-from service.protocols.v2 import codec, grpc_codec, model_config
+from service.protocols.v2 import codec, grpc_codec, metadata, model_config
 from service.protocols.v2 import inference_pb2 as pb
 from service.registry import READY, ServingModel
 from service.settings import VERSION
@@ -77,28 +77,28 @@ class InferenceService:
     async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
         models = self._loaded().models
         slot = models.slot(request.name)
-        codec.check_version(models, request.name, request.version)
+        metadata.check_version(models, request.name, request.version)
         return pb.ModelReadyResponse(ready=slot.state == READY)
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context) -> pb.ModelMetadataResponse:
         models = self._loaded().models
         model = models.get(request.name)
-        codec.check_version(models, request.name, request.version)
+        metadata.check_version(models, request.name, request.version)
         return grpc_codec.from_dict(
-            codec.model_metadata(model.engine.manifest, model.version), pb.ModelMetadataResponse
+            metadata.model_metadata(model.engine.manifest, model.version), pb.ModelMetadataResponse
         )
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context) -> pb.ModelConfigResponse:
         models = self._loaded().models
         model = models.get(request.name)
-        codec.check_version(models, request.name, request.version)
-        return pb.ModelConfigResponse(config=model_config.as_message(codec.model_configuration(model)))
+        metadata.check_version(models, request.name, request.version)
+        return pb.ModelConfigResponse(config=model_config.as_message(metadata.model_configuration(model)))
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context) -> bytes:
         loaded = self._loaded()
         name = request.model_name
         loaded.models.get(name)  # 404 or 503 before the version (as over HTTP)
-        codec.check_version(loaded.models, name, request.model_version)
+        metadata.check_version(loaded.models, name, request.model_version)
         max_elements = loaded.settings.max_elements
 
         def decode(resolve: inference.Resolve) -> codec.InferRequest:
@@ -120,7 +120,7 @@ class InferenceService:
         self, request: pb.ModelStatisticsRequest, context
     ) -> pb.ModelStatisticsResponse:
         models = self._loaded().models
-        doc = codec.statistics(models, request.name, request.version)
+        doc = metadata.statistics(models, request.name, request.version)
         return grpc_codec.from_dict(doc, pb.ModelStatisticsResponse)
 
     async def RepositoryModelLoad(
@@ -142,7 +142,7 @@ class InferenceService:
     ) -> pb.RepositoryIndexResponse:
         models = self._loaded().models
         return grpc_codec.from_dict(
-            {"models": codec.repository_index(models, request.ready)}, pb.RepositoryIndexResponse
+            {"models": metadata.repository_index(models, request.ready)}, pb.RepositoryIndexResponse
         )
 
 
@@ -234,9 +234,9 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         def credentials() -> list[bytes]:
-            metadata = details.invocation_metadata or ()
+            pairs = details.invocation_metadata or ()
             return [
-                v.encode("latin-1") if isinstance(v, str) else v for k, v in metadata if k == "authorization"
+                v.encode("latin-1") if isinstance(v, str) else v for k, v in pairs if k == "authorization"
             ]
 
         try:

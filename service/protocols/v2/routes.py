@@ -15,7 +15,7 @@ from service.errors import BadInput
 from service.guard import Known
 from service.middleware import FastRoute
 from service.protocols.common import error_docs, http_call, parse_json, read_body, timing_headers
-from service.protocols.v2 import codec
+from service.protocols.v2 import codec, metadata
 from service.registry import ServingModel
 from service.settings import VERSION
 from service.state import KnownModels, State
@@ -142,7 +142,7 @@ _INFER_DOC = {
 def _model(loaded: KnownModels, name: str, version: str | None) -> ServingModel:
     """The model a path names: 404 for an unknown model or version, 503 while it loads or when it failed to."""
     model = loaded.models.get(name)
-    codec.check_version(loaded.models, name, version)
+    metadata.check_version(loaded.models, name, version)
     return model
 
 
@@ -177,7 +177,7 @@ async def ready(state: State) -> Response:
     "/models/{name}/versions/{version}/stats", summary="Statistics of one model version", responses=_ERRORS
 )
 async def model_statistics(loaded: Known, name: str | None = None, version: str | None = None) -> dict:
-    return codec.statistics(loaded.models, name, version, loaded.live)
+    return metadata.statistics(loaded.models, name, version, loaded.live)
 
 
 @router.get("/models/{name}", summary="Model metadata", responses=_ERRORS)
@@ -185,7 +185,7 @@ async def model_statistics(loaded: Known, name: str | None = None, version: str 
 async def model_metadata(name: str, loaded: Known, version: str | None = None) -> dict:
     model = _model(loaded, name, version)
     return {
-        **codec.model_metadata(model.engine.manifest, model.version),
+        **metadata.model_metadata(model.engine.manifest, model.version),
         "parameters": {"verification": model.verification.to_dict()},
     }
 
@@ -197,7 +197,7 @@ async def model_metadata(name: str, loaded: Known, version: str | None = None) -
     responses=_ERRORS,
 )
 async def model_configuration(name: str, loaded: Known, version: str | None = None) -> dict:
-    return codec.model_configuration(_model(loaded, name, version))
+    return metadata.model_configuration(_model(loaded, name, version))
 
 
 @router.get("/models/{name}/ready", summary="Model readiness", responses=_ERRORS)
@@ -222,7 +222,7 @@ async def repository_index(request: Request, loaded: Known) -> Response:
         ready_only = doc.get("ready", False) if isinstance(doc, dict) else None
         if not isinstance(ready_only, bool):
             raise BadInput('the body must be empty or {"ready": true|false}')
-    return JSONResponse(codec.repository_index(loaded.models, ready_only))
+    return JSONResponse(metadata.repository_index(loaded.models, ready_only))
 
 
 async def _control_parameters(request: Request, unload: bool = False) -> None:
