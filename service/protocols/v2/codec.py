@@ -26,7 +26,7 @@ EXTENSIONS = ["binary_tensor_data", "statistics"]
 
 # V2 datatype -> numpy dtype (the ones this model's tensors can take)
 DTYPES = {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2"), "FP64": np.dtype("<f8"), "BOOL": np.dtype("?")}
-_NUMPY_TO_V2 = {"float32": "FP32", "float16": "FP16", "bool": "BOOL"}
+NUMPY_TO_V2 = {"float32": "FP32", "float16": "FP16", "bool": "BOOL"}
 
 
 @dataclass
@@ -287,4 +287,4 @@ def encode_infer(
 
 
 def _v2_name(dtype: np.dtype) -> str:
-    return _NUMPY_TO_V2.get(str(dtype), str(dtype))
+    return NUMPY_TO_V2.get(str(dtype), str(dtype))

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from model.artifact import Manifest
 from model.contract import api_specs
+from model.runtime import CUDA
 from service.errors import NotFound, quote
 from service.protocols.v2 import model_config
-from service.protocols.v2.codec import _NUMPY_TO_V2
+from service.protocols.v2.codec import NUMPY_TO_V2
 from service.registry import READY, Registry, ServingModel
 
 
@@ -19,7 +20,7 @@ def model_metadata(manifest: Manifest, version: str = "1") -> dict:
     def tensor(spec) -> dict:
         return {
             "name": spec.name,
-            "datatype": _NUMPY_TO_V2.get(spec.dtype, spec.dtype.upper()),
+            "datatype": NUMPY_TO_V2.get(spec.dtype, spec.dtype.upper()),
             "shape": [d if isinstance(d, int) else -1 for d in spec.shape],
         }
 
@@ -36,7 +37,7 @@ def model_metadata(manifest: Manifest, version: str = "1") -> dict:
 def model_configuration(model: ServingModel) -> dict:
     """Triton's ModelConfig for a served model (GET .../config, gRPC ModelConfig): its batcher's real limits."""
     b = model.batcher
-    gpu = model.engine.providers[0] == "CUDAExecutionProvider"
+    gpu = model.engine.providers[0] == CUDA
     return model_config.served(model.engine.manifest, b.max_batch_size, b.max_delay, b.max_queue_size, gpu)
 
 
