@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.server import free_port
     from model.artifact import Manifest
-    from service.triton_repo import write_repository
+    from service.protocols.v2.triton_repo import write_repository
 
     args = argv if argv is not None else sys.argv[1:]
     artifact = Path(args[0] if args else "artifacts/default")

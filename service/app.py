@@ -12,14 +12,12 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service import docs, logs, protocols
+from service import logs, protocols
 from service.engine import limit_arenas
-from service.guard import Guard, GuardMiddleware
-from service.loading import load_models, load_then_watch
-from service.middleware import FastPath, RequestContext, install_error_handlers
-from service.protocols import health
+from service.guard import FastPath, Guard, GuardMiddleware, RequestContext, install_error_handlers
+from service.protocols import docs, health
 from service.settings import VERSION, Settings
-from service.state import ServiceState
+from service.state import ServiceState, load_models, load_then_watch
 from service.tracing import TRACING
 
 
@@ -31,7 +29,7 @@ def create_app(
     load: for hosts that count an instance as serving once its start-up ends (Ray Serve replicas,
     service/ray_serve.py). With ``grpc_port`` set, the gRPC service starts with the app, on its event loop.
     ``exit_on_error``: with model control off, the process stops itself when no model could be loaded
-    (``loading.load_then_watch``).
+    (``state.load_then_watch``).
     """
     if settings is None:  # factory mode (uvicorn --factory, several workers): configure from the environment
         settings = Settings()
@@ -72,7 +70,7 @@ def create_app(
         'tensor extension, for tritonclient and other KServe V2 clients. Errors are always `{"error": "..."}`.',
         version=VERSION,
         lifespan=lifespan,
-        docs_url=None,  # service/docs.py: the same pages from installed assets, not a CDN
+        docs_url=None,  # service/protocols/docs.py: the same pages from installed assets, not a CDN
         redoc_url=None,
     )
     app.state.addnorm = state
@@ -103,7 +101,7 @@ class _App(FastAPI):
             await super().__call__(scope, receive, send)
 
     def openapi(self) -> dict:
-        """FastAPI's schema, true to this server (service/docs.py): no 422s, examples for the served model."""
+        """FastAPI's schema, true to this server (service/protocols/docs.py): no 422s, examples for the served model."""
         return docs.finish(super().openapi(), self.state.addnorm.loaded)
 
     def add_outer_middleware(self, middleware: Callable[[ASGIApp], ASGIApp]) -> None:

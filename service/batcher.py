@@ -1,15 +1,11 @@
 """Runs inference off the event loop, merging concurrent requests into one batch (dynamic batching).
 
 One dedicated inference thread takes requests from a bounded queue, merges them along the batch dimension (which
-requests, by their lengths: service/merging.py; within ``max_batch_size`` rows, ``max_batch_tokens`` batch x seq
-positions and ``max_batch_attention`` elements of the seq x seq tensors the artifact's attention form holds:
-``model.attention.score_elements``; shorter sequences padded and masked), runs the batch, cuts each request's own
-rows out of it and hands them to the event loop. The thread takes its next batch the moment a run ends, without
+requests, within which limits, padded and cut how: service/merging.py), runs the batch and hands each request its
+own rows on the event loop. The thread takes its next batch the moment a run ends, without
 waiting for the event loop. With the default ``max_queue_delay_ms=0`` a batch is whatever queued up while the
 previous one ran (no request waits for company while the model is idle); a positive delay waits that long for
-more. ``max_batch_size=1`` turns merging off. Every output is batch-major, with the sequence second where it has
-one (model.contract.positional): each request's rows of each output are cut the same way, and its own positions
-of a positional one.
+more. ``max_batch_size=1`` turns merging off.
 """
 
 from __future__ import annotations
@@ -21,93 +17,23 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
-from model.attention import score_elements
-from model.contract import positional
 from service import merging
 from service.cores import CoreBudget
-from service.errors import InferenceFailed, Overloaded, ServiceError, ShuttingDown, TimedOut, TooLarge
+from service.errors import InferenceFailed, Overloaded, ServiceError, ShuttingDown, TimedOut
+from service.merging import BatchObserver, Outputs, Request, Run, Timings
 
 log = logging.getLogger("addnorm.batcher")
 # After this long without work following a run, the model may give back the memory its runs held (its ``release``,
 # when it has one: ``Engine.release`` decides whether there is any to give).
 RELEASE_IDLE_S = 1.0
 
-Outputs = dict[str, np.ndarray]  # output name -> (B, S, ...) array, or (B, ...) without a sequence axis
-
 
 class Model(Protocol):
     def run(self, embeddings: np.ndarray, mask: np.ndarray | None = None) -> Outputs: ...
-
-
-@dataclass(frozen=True)
-class Run:
-    """One model run, as its observers are told of it (on the event loop): its rows and requests, the seconds
-    spent merging, running and cutting it, and its positions: ``positions`` computed (rows x the batch's seq),
-    ``requested`` the requests' own (each request's rows x its seq); the rest is padding added by merging."""
-
-    rows: int
-    requests: int
-    seconds: float
-    merge_s: float
-    split_s: float
-    positions: int
-    requested: int
-
-
-class BatchObserver(Protocol):
-    """Told of each model run; called on the event loop. (The queue's depth is read when asked for:
-    ``Batcher.depth``.)"""
-
-    def batch_done(self, run: Run) -> None: ...
-
-
-class Observers:
-    """Several observers as one (a model's metrics and its statistics)."""
-
-    def __init__(self, *observers: BatchObserver) -> None:
-        self.observers = observers
-
-    def batch_done(self, run: Run) -> None:
-        for o in self.observers:
-            o.batch_done(run)
-
-
-@dataclass
-class Timings:
-    queue_s: float = 0.0
-    infer_s: float = 0.0
-    batch_rows: int = 0  # rows of the batch it ran in
-
-
-@dataclass
-class _Item:
-    x: np.ndarray  # (b, s, E)
-    mask: np.ndarray | None  # (b, s)
-    future: asyncio.Future
-    padded: bool = False  # its mask marks some padding
-    enqueued: float = field(default_factory=time.perf_counter)
-    timings: Timings = field(default_factory=Timings)
-
-    @property
-    def rows(self) -> int:
-        return self.x.shape[0]
-
-    @property
-    def seq(self) -> int:
-        return self.x.shape[1]
-
-    solo: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        # A row that is all padding attends uniformly over its padding, so its (defined, meaningless) output
-        # depends on the padded length: such a request runs alone so that batching never changes its answer.
-        # Computed once: the scheduler asks for every item it considers, and for the batch's first each time.
-        self.solo = self.padded and bool(self.mask.all(axis=1).any())
 
 
 class Batcher:
@@ -139,16 +65,12 @@ class Batcher:
         self._threads = getattr(
             model, "threads", cores.threads if cores else 1
         )  # its session's intra-op pool
-        self.max_batch_size = max_batch_size
-        self.max_batch_tokens = max_batch_tokens
-        self.max_batch_attention = max_batch_attention  # elements of seq x seq tensors held at once
-        self.heads = heads
-        self.attention = attention  # the artifact's attention form (model.attention)
+        self.limits = merging.Limits(max_batch_size, max_batch_tokens, max_batch_attention, heads, attention)
         self.max_delay = max_queue_delay_ms / 1000.0
         self.max_queue_size = max_queue_size
         self.max_queue_bytes = max_queue_bytes
         self.observer = observer
-        self._queue: collections.deque[_Item] = collections.deque()
+        self._queue: collections.deque[Request] = collections.deque()
         self._queued_bytes = 0
         # The queue is shared by the event loop (adding) and the inference thread (taking): both under this lock.
         self._ready = threading.Condition()
@@ -177,14 +99,13 @@ class Batcher:
             if not item.future.done():
                 item.future.set_exception(ShuttingDown("server is shutting down"))
 
-    def _pop(self) -> _Item:
+    def _pop(self) -> Request:
         item = self._queue.popleft()
         self._queued_bytes -= item.x.nbytes
         return item
 
     def attention_cost(self, rows: int, seq: int, padded: bool) -> int:
-        """Elements of seq x seq tensors a run of ``rows`` x ``seq`` holds: it grows with seq squared."""
-        return score_elements(self.attention, rows, self.heads, seq, padded)
+        return self.limits.attention_cost(rows, seq, padded)
 
     @property
     def depth(self) -> int:
@@ -200,16 +121,9 @@ class Batcher:
         if self._closed:
             raise ShuttingDown("server is shutting down")
         padded = mask is not None and bool(mask.any())
-        cost = self.attention_cost(x.shape[0], x.shape[1], padded)
-        if self.max_batch_attention is not None and cost > self.max_batch_attention:
-            raise TooLarge(
-                f"a [{x.shape[0]}, {x.shape[1]}] request needs an attention working set of {cost} elements "
-                f"(batch x heads x seq^2 x {self.attention} attention's copies), above this server's limit of "
-                f"{self.max_batch_attention} "
-                "(ADDNORM_MAX_BATCH_ATTENTION); send fewer or shorter sequences"
-            )
+        self.limits.check(x.shape[0], x.shape[1], padded)
         loop = asyncio.get_running_loop()
-        item = _Item(x, mask, loop.create_future(), padded=padded)
+        item = Request(x, mask, loop.create_future(), padded=padded)
         with self._ready:
             if len(self._queue) >= self.max_queue_size:
                 raise Overloaded(
@@ -274,20 +188,10 @@ class Batcher:
                 self._post(_fail, batch, InferenceFailed(f"inference failed: {type(exc).__name__}"))
                 continue
             ran = time.perf_counter()
-            rows, row = [], 0
             for item in batch:
                 item.timings.infer_s = ran - merged
                 item.timings.batch_rows = x.shape[0]
-                # Its own rows, contiguous: a shorter request's slice of the padded batch is a strided view that
-                # codecs writing raw buffers cannot take (and that would keep the whole batch alive).
-                end = row + item.rows
-                rows.append(
-                    {
-                        k: np.ascontiguousarray(v[row:end, : item.seq] if positional(k) else v[row:end])
-                        for k, v in out.items()
-                    }
-                )
-                row = end
+            rows = merging.split(batch, out)
             run = Run(
                 rows=x.shape[0],
                 requests=len(batch),
@@ -318,7 +222,7 @@ class Batcher:
         except RuntimeError:
             log.warning("event loop closed: a finished batch of inference was not delivered")
 
-    def _deliver(self, batch: list[_Item], rows: list[Outputs], run: Run) -> None:
+    def _deliver(self, batch: list[Request], rows: list[Outputs], run: Run) -> None:
         """On the event loop: each request's rows to its future (unless it timed out or its client left)."""
         for item, result in zip(batch, rows, strict=True):
             if not item.future.done():
@@ -326,7 +230,7 @@ class Batcher:
         if self.observer is not None:
             self.observer.batch_done(run)
 
-    def _take(self, wait: bool = True) -> list[_Item] | None:
+    def _take(self, wait: bool = True) -> list[Request] | None:
         """Wait for a first request (``wait``; else return [] when none is queued; [] too after RELEASE_IDLE_S
         without one following a run), then up to max_delay for more, and take what fits; None once stopped."""
         with self._ready:
@@ -341,9 +245,9 @@ class Batcher:
                 return None
             if not self._queue:
                 return []
-            if self.max_batch_size > 1 and self.max_delay > 0:
+            if self.limits.max_batch_size > 1 and self.max_delay > 0:
                 deadline = time.perf_counter() + self.max_delay
-                while sum(i.rows for i in self._queue) < self.max_batch_size and not self._closed:
+                while sum(i.rows for i in self._queue) < self.limits.max_batch_size and not self._closed:
                     left = deadline - time.perf_counter()
                     if left <= 0:
                         break
@@ -356,10 +260,7 @@ class Batcher:
             if head.solo:
                 return [head]
             live = [i for i in self._queue if not i.future.done()]  # the others are dropped as they come up
-            if self.merge == "cost":
-                chosen = merging.by_cost(head, live, self._fits, self.fixed_cost)
-            else:
-                chosen = merging.in_order(head, live, self._fits)
+            chosen = merging.choose(self.merge, head, live, self.limits, self.fixed_cost)
             if chosen:
                 taken = {id(i) for i in chosen}
                 kept = [i for i in self._queue if id(i) not in taken]
@@ -368,26 +269,15 @@ class Batcher:
                 self._queued_bytes -= sum(i.x.nbytes for i in chosen)
             return [head, *chosen]
 
-    def _fits(self, rows: int, seq: int, padded: bool) -> bool:
-        """Whether a run of ``rows`` x ``seq`` stays within the batch limits."""
-        return (
-            rows <= self.max_batch_size
-            and rows * seq <= self.max_batch_tokens
-            and (
-                self.max_batch_attention is None
-                or self.attention_cost(rows, seq, padded) <= self.max_batch_attention
-            )
-        )
 
-
-def _expire(item: _Item, timeout: float) -> None:
+def _expire(item: Request, timeout: float) -> None:
     if not item.future.done():
         item.future.set_exception(
             TimedOut(f"request not answered within {timeout:g} s (ADDNORM_REQUEST_TIMEOUT_S)")
         )
 
 
-def _fail(batch: list[_Item], exc: Exception) -> None:
+def _fail(batch: list[Request], exc: Exception) -> None:
     for item in batch:
         if not item.future.done():
             item.future.set_exception(exc)

@@ -1,4 +1,8 @@
-"""The inference engine: one onnxruntime session over a verified artifact, with explicit provider choice.
+"""The inference engine: one onnxruntime session over a verified artifact, with explicit provider choice, and its
+golden check at load (``verify_engine``): parity where it is served. The artifact's golden inputs run through this
+server's own session, on the provider it serves with, judged by the export gate's rule (model.verdict) under the
+variant's tolerance. The sha256 proves the file is the one exported; this proves the runtime here computes what was
+checked there (another onnxruntime build, another CPU, the CUDA provider's kernels).
 
 And the C heap (glibc) it allocates from: ``trim()`` gives freed memory back, ``limit_arenas()`` keeps one malloc
 arena per thread from growing without bound. Measured under the soak (docs/reliability.md): with glibc's default of up to 8 arenas per core, resident memory
@@ -9,6 +13,7 @@ long sequences, ``trim()`` returns the pages their buffers used. Elsewhere than 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -18,7 +23,9 @@ import onnxruntime as ort
 from model.artifact import ArtifactError, Manifest, load_verified, read_verified
 from model.attention import score_elements
 from model.contract import EMBEDDINGS, MASK, positional
-from model.runtime import CPU, CUDA, with_options
+from model.golden import Verification, load_golden, verify
+from model.runtime import CPU, CUDA, VNNI_FLAGS, cpu_flags, with_options
+from model.verdict import Tolerance
 from service.cores import default_threads
 
 log = logging.getLogger("addnorm.engine")
@@ -201,3 +208,56 @@ def trim() -> None:
     """Give the C heap's free pages back to the OS (glibc keeps them after large buffers are freed)."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
+
+
+def verify_engine(engine: Engine, mode: str) -> Verification:
+    """``mode`` strict or warn: run the check (the caller decides what a failure means); off: skip it."""
+    provider = engine.providers[0]
+    if mode == "off":
+        return Verification("skipped", provider, "verification at load is off (ADDNORM_VERIFY_ON_LOAD=off)")
+    if not engine.manifest.golden_sha256:
+        return Verification(
+            "unverifiable",
+            provider,
+            "the artifact has no golden data (exported before addnorm stored it); re-export it to verify at load",
+        )
+    golden = load_golden(engine.golden)  # the bytes whose sha256 the engine checked, read once
+    tol = Tolerance(**engine.manifest.parity["tolerance"])
+    result = verify(engine.run, golden, tol, provider)
+    if result.status == "failed" and engine.manifest.variant == "int8" and provider == CPU:
+        result = dataclasses.replace(result, message=result.message + int8_cpu_hint(cpu_flags()))
+    return result
+
+
+def int8_cpu_hint(flags: frozenset[str]) -> str:
+    """Why an int8 graph can fail on this CPU kind ("" where it has VNNI): appended to a failed check's message."""
+    if flags & VNNI_FLAGS:
+        return ""
+    return (
+        f"; this CPU has no VNNI ({', '.join(sorted(flags)) or 'no AVX2'}), where onnxruntime's u8 x s8 "
+        "kernels add pairs of products in int16 and saturate on 8-bit weights: re-export it with this "
+        "addnorm (addnorm-export --variant int8 writes 7-bit weights, exact on every CPU kind)"
+    )
+
+
+def accept(v: Verification, mode: str, name: str) -> bool:
+    """Log the load-time check (``verify_engine``) in one line; False when it failed under strict (the model is not served)."""
+    if v.status == "passed":
+        log.info(
+            "golden check passed for %s on %s: max abs err %.3e (%d cases, %.2f s)",
+            name,
+            v.provider,
+            v.max_abs_err,
+            v.cases,
+            v.seconds,
+        )
+        return True
+    if v.status == "failed" and mode == "strict":
+        log.error(
+            "golden check FAILED for %s, refusing to serve (ADDNORM_VERIFY_ON_LOAD=strict): %s",
+            name,
+            v.message,
+        )
+        return False
+    log.warning("golden check %s for %s: %s", v.status.upper(), name, v.message)
+    return True

@@ -102,7 +102,7 @@ class InferenceFailed(ServiceError):
 
 
 class ControlOff(ServiceError):
-    """Model control is not enabled on this server, or not for this operation (service/control.py)."""
+    """Model control is not enabled on this server, or not for this operation (service/state.py)."""
 
 
 class LoadRefused(ServiceError):

@@ -17,11 +17,11 @@ from typing import Protocol, TypeVar
 import numpy as np
 from starlette.concurrency import run_in_threadpool
 
-from service.batcher import Outputs, Timings
 from service.errors import ClientDeadline, ClientGone, ServiceError, TimedOut
+from service.merging import Outputs, Timings
+from service.metrics import RequestTimer
 from service.registry import ServingModel
 from service.state import KnownModels
-from service.statistics import RequestTimer
 from service.tracing import TRACING, Carrier, RequestSpan
 from service.transport import Disconnect
 

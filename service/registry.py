@@ -5,7 +5,7 @@
 not ready), and makes every change of a model's state: the first load, a verified swap to another version, marking
 one unavailable, unloading, and draining a replaced or unloaded model after its last request in flight. Where models
 come from is read here too (``model_dirs``, ``read_manifests``, ``repository_models``). What a load builds is
-service/loading.py's (the registry's ``build``); model control (service/control.py) decides when to load and unload.
+service/state.py's ``serving_model`` (the registry's ``build``), which also decides when to load and unload.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ import numpy as np
 
 from model.artifact import MANIFEST_FILE, ArtifactError, Manifest
 from model.golden import Verification
-from service.batcher import Batcher, Outputs, Timings
+from service.batcher import Batcher
 from service.engine import Engine
 from service.errors import NotFound, NotReady, quote
+from service.merging import Outputs, Timings
+from service.metrics import InFlight, ModelStatistics, RequestTimer
 from service.settings import DEFAULT_MODEL_DIR, Settings
-from service.statistics import InFlight, ModelStatistics, RequestTimer
 
 log = logging.getLogger("addnorm.service")
 LOADING, READY, UNAVAILABLE = "LOADING", "READY", "UNAVAILABLE"  # the repository index's states
@@ -39,7 +40,7 @@ class ServingModel:
 
     engine: Engine
     batcher: Batcher
-    verification: Verification  # the load-time golden check (service.loading.verify_engine)
+    verification: Verification  # the load-time golden check (service.engine.verify_engine)
     statistics: ModelStatistics
     version: str = "1"
     inflight: InFlight = field(default_factory=InFlight, compare=False)
@@ -90,7 +91,7 @@ Build = Callable[[str, Path, str], Awaitable[ServingModel]]  # (name, directory,
 
 class Registry:
     """The configured models by name, in the order given; the first is the default. ``build`` makes a verified
-    ServingModel (service.loading.serving_model) or raises LoadFailed."""
+    ServingModel (service.state.serving_model) or raises LoadFailed."""
 
     def __init__(self, slots: list[Slot], build: Build | None = None, allow_empty: bool = False) -> None:
         if not slots and not allow_empty:

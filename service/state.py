@@ -1,19 +1,138 @@
-"""What a running server holds: its settings, metrics, the CPU thread budget, and once the manifests are read the
-models it serves (service/registry.py)."""
+"""What a running server holds (its settings, metrics, the CPU thread budget, and once the manifests are read the
+models it serves: service/registry.py), and when its models load: at start-up and by model control.
+
+At start-up (``load_models``) every manifest is read first (names known, so model routes can answer 404 and 503 by
+name), then each model loads in parallel, each ending READY or UNAVAILABLE with its reason (the registry's
+``load_all``). What one load builds is ``serving_model`` (the registry's ``build``): the engine, its golden check
+on this server's provider (service/engine.py's ``verify_engine``), the batcher. ``load_then_watch`` is the
+start-up policy: stop a server that can serve nothing, or watch the repository.
+
+Model control (Triton's model repository extension): load, unload and reload the repository's models while
+serving, on every transport (HTTP ``POST /v2/repository/models/{name}/load|unload``, gRPC RepositoryModelLoad /
+RepositoryModelUnload) and by watching the repository (``--model-control-mode poll``). ``ModelControl`` decides
+when (the mode, what a poll finds changed, a refused version not retried until it changes); the registry does it:
+a verified swap, where a new or changed model loads beside the one serving, passes its sha256 and golden check on
+this provider and only then takes the name's traffic, the old one draining; a version that fails never takes
+traffic, the index saying why. Loads and unloads of one name run one at a time.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, Request
 
-from service.control import ModelControl
-from service.cores import CoreBudget, default_threads
+from model.runtime import CPU
+from service.batcher import Batcher
+from service.cores import CoreBudget, default_threads, threads_for
+from service.engine import Engine, accept, verify_engine
+from service.errors import BadInput, ControlOff, LoadRefused, NotFound, ServiceError, quote
 from service.live_parity import LiveParity
-from service.metrics import Metrics
-from service.registry import Registry
+from service.merging import Observers, measure_fixed_cost
+from service.metrics import Metrics, ModelStatistics
+from service.registry import LoadFailed, Registry, ServingModel, read_manifests, repository_models
 from service.settings import Settings
+
+log = logging.getLogger("addnorm.service")
+
+
+class ModelControl:
+    """What the load/unload routes, the gRPC methods and the poller call; one per server (``state.control``)."""
+
+    def __init__(self, settings: Settings, models: Callable[[], Registry | None]) -> None:
+        self.settings = settings
+        self.models = models  # the registry, None until the manifests are read
+        self.mode = settings.model_control_mode
+        self._refused: dict[str, tuple[Path, str]] = {}  # name -> (directory, model sha256) not to retry
+
+    def _allowed(self) -> None:
+        if self.mode != "explicit":
+            how = "--model-control-mode explicit" if self.mode == "none" else "the poller (mode poll) does it"
+            raise ControlOff(f"explicit model load / unload is not allowed here: {how}")
+
+    def _models(self) -> Registry:
+        models = self.models()
+        if models is None:
+            raise ControlOff("the server is still reading its models' manifests")
+        return models
+
+    async def load(self, name: str) -> None:
+        """Load (or reload) ``name`` from the repository; raises NotFound, LoadRefused or ControlOff."""
+        self._allowed()
+        await self._load(name)
+
+    async def unload(self, name: str) -> None:
+        """Stop serving ``name`` once its requests in flight are answered; raises NotFound or ControlOff."""
+        self._allowed()
+        await self._models().unload(name)
+
+    async def _load(self, name: str) -> None:
+        entry = repository_models(self.settings.model_repository).get(name)
+        if entry is None:
+            raise NotFound(f"no model {quote(name)} in the repository {self.settings.model_repository}")
+        directory, manifest = entry
+        try:
+            await self._models().load(name, directory)
+        except LoadFailed as exc:
+            self._refused[name] = (directory, manifest.model_sha256)
+            raise LoadRefused(f"model {quote(name)}: {exc}") from None
+        self._refused.pop(name, None)
+
+    async def poll(self) -> None:
+        """One look at the repository (mode poll): load what is new or changed, unload what is gone."""
+        models = self.models()
+        if models is None:
+            return
+        repo = self.settings.model_repository
+        found = repository_models(repo)
+        for name, (directory, manifest) in found.items():
+            slot = models.slots.get(name)
+            sha = manifest.model_sha256
+            if self._refused.get(name) == (directory, sha):
+                continue  # refused as it is: tried again once it changes
+            serving = slot.serving if slot is not None else None
+            if (
+                serving is not None
+                and slot.directory == directory
+                and serving.engine.manifest.model_sha256 == sha
+            ):
+                continue
+            with contextlib.suppress(ServiceError):  # refusals are logged and in the index
+                await self._load(name)
+        for name, slot in list(models.slots.items()):
+            from_repo = repo is not None and slot.directory.is_relative_to(repo)  # not a --model-dir's
+            if name not in found and from_repo and slot.serving is not None:
+                await models.unload(name)
+
+    async def watch(self) -> None:
+        """The poller: every ``--repository-poll-secs`` until cancelled."""
+        while True:
+            await asyncio.sleep(self.settings.repository_poll_secs)
+            try:
+                await self.poll()
+            except Exception:  # never the poller
+                log.exception("reading the model repository failed")
+
+
+def check_parameters(names: list[str], unload: bool = False) -> None:
+    """A load's or unload's parameters. Triton's ``config`` override and ``file:`` uploads are not taken (the
+    repository on disk is what loads, verified); an unload's ``unload_dependents`` (which tritonclient always
+    sends) is accepted, as no model here depends on another; anything else is refused rather than ignored."""
+    unknown = sorted(set(names) - ({"unload_dependents"} if unload else set()))
+    if unknown:
+        raise BadInput(
+            f"{'unload' if unload else 'load'} parameters {quote(unknown, 200)} are not supported here: put the "
+            "model's files in the repository and load it by name"
+        )
 
 
 @dataclass(frozen=True)
@@ -72,3 +191,87 @@ async def get_state(request: Request) -> ServiceState:
 
 
 State = Annotated[ServiceState, Depends(get_state)]
+
+
+async def load_models(state: ServiceState) -> None:
+    """Read every manifest (names known: model routes answer 404/503 by name from here on), then load the
+    models in parallel; each becomes READY or UNAVAILABLE with its reason."""
+    settings = state.settings
+    try:
+        slots = read_manifests(settings)
+    except ValueError as exc:
+        state.load_error = str(exc)
+        log.error("cannot serve: %s", exc)
+        return
+    if settings.model_control_mode == "explicit" and "*" not in settings.load_model:  # only those asked for
+        unknown = set(settings.load_model) - {s.name for s in slots}
+        if unknown:
+            log.error("--load-model: no model %s in the repository", ", ".join(sorted(unknown)))
+        slots = [s for s in slots if s.name in settings.load_model]
+    build = functools.partial(serving_model, state)
+    models = Registry(slots, build, allow_empty=settings.model_control_mode != "none")
+    state.loaded = KnownModels(settings, models, state.live)
+    await models.load_all()
+    if state.not_ready_reason() is None:
+        log.info("ready: %s", ", ".join(f"{s.name} on {s.serving.engine.providers}" for s in slots))
+
+
+async def serving_model(state: ServiceState, name: str, directory: Path, version: str = "1") -> ServingModel:
+    """The model ``name`` (its manifest's) in ``directory``, verified and with its batcher started; raises
+    LoadFailed."""
+    s = state.settings
+    models = len(state.loaded.models.slots) if state.loaded is not None else 1
+    threads = threads_for(s, name, state.cores.threads, models)
+    try:
+        engine = await asyncio.to_thread(Engine, directory, s.providers, threads)
+    except Exception as exc:  # any failure keeps the model (and /health/ready) unavailable, with the reason
+        raise LoadFailed(str(exc)) from None
+    try:
+        verification = await asyncio.to_thread(verify_engine, engine, s.verify_on_load)
+    except Exception as exc:  # unreadable golden data: not ready, with the reason
+        raise LoadFailed(f"golden check could not run: {type(exc).__name__}: {exc}") from None
+    state.metrics.verification(engine.name, verification)
+    if not accept(verification, s.verify_on_load, engine.name):
+        raise LoadFailed(f"golden check failed on {verification.provider}: {verification.message}")
+    fixed_cost = 0.0
+    if s.merge_lengths == "cost" and s.max_batch_size > 1:
+        fixed_cost = await asyncio.to_thread(measure_fixed_cost, engine, engine.manifest.config.d_model)
+        log.info("%s: a run's fixed cost is %.0f token-positions (merging by cost)", engine.name, fixed_cost)
+    statistics = ModelStatistics(engine.name, version)
+    # The queue-depth gauge reads the batcher (made just below) at each scrape.
+    metrics = state.metrics.model(engine.name, queue_depth=lambda: batcher.depth)
+    batcher = Batcher(
+        engine,
+        max_batch_size=s.max_batch_size,
+        max_batch_tokens=s.max_batch_tokens,
+        max_queue_delay_ms=s.max_queue_delay_ms,
+        max_queue_size=s.max_queue_size,
+        observer=Observers(metrics, statistics),
+        max_batch_attention=s.max_batch_attention,
+        heads=engine.manifest.config.nhead,
+        attention=engine.attention,
+        max_queue_bytes=s.max_queue_bytes,
+        cores=state.cores
+        if engine.providers[0] == CPU
+        else None,  # a GPU run holds no CPU threads to speak of
+        merge=s.merge_lengths,
+        fixed_cost=fixed_cost,
+    )
+    batcher.start()
+    return ServingModel(engine, batcher, verification, statistics, version)
+
+
+async def load_then_watch(state: ServiceState, exit_on_error: bool) -> None:
+    """Load the models; then, with model control off, stop the server when none could be (Triton's
+    exit-on-error: a server that can never answer should not look alive; ``exit_on_error``: only addnorm-serve's
+    own process, never an app hosted in another); in poll mode, watch the repository."""
+    await load_models(state)
+    settings = state.settings
+    if settings.model_control_mode == "none" and exit_on_error:
+        loaded = state.loaded
+        if state.load_error or (loaded is not None and not any(True for _ in loaded.models)):
+            state.fatal = state.not_ready_reason() or "no model could be loaded"
+            log.error("no model can be served, stopping (--model-control-mode none): %s", state.fatal)
+            os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful stop; the CLI then exits 1
+    elif settings.model_control_mode == "poll":
+        await state.control.watch()

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from service.batcher import Timings
 from service.errors import ServiceError
+from service.merging import Timings
 
 log = logging.getLogger("addnorm.tracing")
 PROTOCOLS = ("http/protobuf", "grpc")

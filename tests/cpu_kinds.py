@@ -25,7 +25,7 @@ CHECK = textwrap.dedent(
     import numpy as np
     from model.golden import load_golden
     from service.engine import Engine
-    from service.loading import verify_engine
+    from service.engine import verify_engine
     directory, out = sys.argv[1], sys.argv[2]
     engine = Engine(directory, providers="cpu")
     v = verify_engine(engine, "strict")

@@ -149,6 +149,6 @@ def test_every_module_is_listed_in_the_architecture_doc():
 
 def test_the_app_only_assembles():
     """service/app.py builds the app from the other modules (at most 120 lines): a state change, a policy or a
-    process-wide step goes to the module that owns it (state.py, loading.py, ...)."""
+    process-wide step goes to the module that owns it (state.py, registry.py, ...)."""
     lines = (ROOT / "service" / "app.py").read_text().splitlines()
     assert len(lines) <= 120, len(lines)

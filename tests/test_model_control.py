@@ -271,9 +271,9 @@ def test_control_refusals_over_http_and_unload_by_http(tmp_path, versions):
 def test_control_is_refused_before_the_manifests_are_read(tmp_path, versions):
     import asyncio
 
-    from service.control import ModelControl
     from service.errors import ControlOff
     from service.settings import Settings
+    from service.state import ModelControl
 
     repo = repository(tmp_path, versions, "1")
     control = ModelControl(Settings(model_repository=repo, model_control_mode="explicit"), lambda: None)

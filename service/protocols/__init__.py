@@ -23,7 +23,7 @@ PUBLIC_PATHS = frozenset(path for p in TRANSPORTS for path in p.PUBLIC_PATHS)
 
 
 def examples(model: str, d_model: int) -> dict[tuple[str, str], dict]:
-    """Every protocol's request examples for a served model, by (OpenAPI path, method) (service/docs.py)."""
+    """Every protocol's request examples for a served model, by (OpenAPI path, method) (service/protocols/docs.py)."""
     return {
         key: value
         for p in PROTOCOLS

@@ -13,9 +13,9 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from model.contract import EMBEDDINGS, MASK
-from service.batcher import Timings
 from service.errors import BadInput, ClientGone, TooLarge, UnsupportedMediaType, quote
 from service.inference import OFFLOAD_BYTES, Call
+from service.merging import Timings
 from service.transport import DISCONNECT, Disconnect
 
 _CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}

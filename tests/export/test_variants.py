@@ -306,8 +306,7 @@ def export_cli_full(out):
 
 
 def _verified_at_load(artifact) -> str:
-    from service.engine import Engine
-    from service.loading import verify_engine
+    from service.engine import Engine, verify_engine
 
     return verify_engine(Engine(artifact, "cpu"), "strict").status
 

@@ -187,7 +187,7 @@ def test_a_directory_rewritten_while_it_loads_is_never_served_as_another_version
     import threading
 
     from model.artifact import GOLDEN_FILE, MODEL_FILE
-    from service.loading import verify_engine
+    from service.engine import verify_engine
 
     root, artifact, theirs, x, want, shutil = two_versions
     directory = root / "rewritten"

@@ -11,7 +11,7 @@ import pytest
 import tritonclient.http as th
 from fastapi.testclient import TestClient
 
-from service import cli, create_app, loading
+from service import cli, create_app, state
 from service.settings import Settings
 from tests.conftest import REPO_KEY
 
@@ -121,13 +121,13 @@ def test_one_model_failing_leaves_the_other_serving(tiny_artifact, tmp_path):
 def test_models_load_in_parallel(model_repository, monkeypatch):
     """Each load waits at a barrier for the other: loaded one after the other, neither would get past it."""
     barrier = threading.Barrier(2, timeout=20)
-    real = loading.Engine
+    real = state.Engine
 
     def engine(*args, **kwargs):
         barrier.wait()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(loading, "Engine", engine)
+    monkeypatch.setattr(state, "Engine", engine)
     client = started(Settings(model_repository=model_repository))
     try:
         assert client.get("/health/ready").status_code == 200

@@ -14,7 +14,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from model.artifact import Manifest, sha256_file
-from service.triton_repo import main
+from service.protocols.v2.triton_repo import main
 from tests.conftest import TINY, export_to
 
 ORT_TO_TRITON = {"tensor(float)": mc.TYPE_FP32, "tensor(bool)": mc.TYPE_BOOL, "tensor(float16)": mc.TYPE_FP16}

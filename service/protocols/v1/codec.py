@@ -17,8 +17,8 @@ import numpy as np
 import orjson
 
 from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, positional
-from service.batcher import Outputs
 from service.errors import BadInput, NotAcceptable, UnsupportedMediaType, quote
+from service.merging import Outputs
 from service.protocols.common import check_batch, holds_literal, parse_json
 
 MODEL = "model"

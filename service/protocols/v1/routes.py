@@ -9,10 +9,9 @@ from fastapi import APIRouter, Request, Response
 
 from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, POOLED
 from service import inference
-from service.batcher import Outputs
-from service.guard import Known
+from service.guard import FastRoute, Known
 from service.live_parity import judged
-from service.middleware import FastRoute
+from service.merging import Outputs
 from service.protocols.common import error_docs, http_call, read_body, timing_headers
 from service.protocols.v1 import codec
 from service.registry import ServingModel
@@ -170,11 +169,11 @@ async def model(loaded: Known, model: str | None = None) -> dict:
 
 
 def examples(model: str, d_model: int) -> dict[tuple[str, str], dict]:
-    """The request example for the served model (service/docs.py): two positions of its d_model."""
+    """The request example for the served model (service/protocols/docs.py): two positions of its d_model."""
     return {("/v1/encode", "post"): {EMBEDDINGS: [[0.1] * d_model, [0.2] * d_model], "model": model}}
 
 
-# Hot routes for the lean dispatcher (service.middleware.FastPath); the guard checks everything under these prefixes.
+# Hot routes for the lean dispatcher (service.guard.FastPath); the guard checks everything under these prefixes.
 FAST_ROUTES = (FastRoute("POST", re.compile(r"^/v1/encode$"), "/v1/encode", handle_encode),)
 MODEL_PREFIXES = ("/v1/",)
 PUBLIC_PATHS: tuple[str, ...] = ()

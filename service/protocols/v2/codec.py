@@ -17,8 +17,8 @@ import orjson
 
 from model.artifact import Manifest
 from model.contract import EMBEDDINGS, MASK
-from service.batcher import Outputs
 from service.errors import BadInput, TooLarge, quote
+from service.merging import Outputs
 from service.protocols.common import check_batch, holds_literal, parse_json
 
 HEADER_LENGTH = "inference-header-content-length"

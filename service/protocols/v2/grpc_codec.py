@@ -13,8 +13,8 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from model.artifact import Manifest
-from service.batcher import Outputs
 from service.errors import BadInput
+from service.merging import Outputs
 from service.protocols.v2 import codec
 from service.protocols.v2 import inference_pb2 as pb
 

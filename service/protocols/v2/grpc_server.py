@@ -18,15 +18,15 @@ from collections.abc import Awaitable, Callable
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from service import control, inference, logs
-from service.batcher import Outputs
+from service import inference, logs
 from service.errors import BadInput, ClientDeadline, ServiceError, grpc_code
 from service.guard import Guard
+from service.merging import Outputs
 from service.protocols.v2 import codec, grpc_codec, metadata, model_config
 from service.protocols.v2 import inference_pb2 as pb
 from service.registry import READY, ServingModel
 from service.settings import VERSION
-from service.state import KnownModels, ServiceState
+from service.state import KnownModels, ServiceState, check_parameters
 
 SERVICE = "inference.GRPCInferenceService"
 # What the guard reads for this transport (service/protocols/__init__.py gathers them): methods are paths.
@@ -126,14 +126,14 @@ class InferenceService:
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context
     ) -> pb.RepositoryModelLoadResponse:
-        control.check_parameters(list(request.parameters))
+        check_parameters(list(request.parameters))
         await self.state.control.load(request.model_name)
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest, context
     ) -> pb.RepositoryModelUnloadResponse:
-        control.check_parameters(list(request.parameters), unload=True)
+        check_parameters(list(request.parameters), unload=True)
         await self.state.control.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 

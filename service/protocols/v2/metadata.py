@@ -38,7 +38,9 @@ def model_configuration(model: ServingModel) -> dict:
     """Triton's ModelConfig for a served model (GET .../config, gRPC ModelConfig): its batcher's real limits."""
     b = model.batcher
     gpu = model.engine.providers[0] == CUDA
-    return model_config.served(model.engine.manifest, b.max_batch_size, b.max_delay, b.max_queue_size, gpu)
+    return model_config.served(
+        model.engine.manifest, b.limits.max_batch_size, b.max_delay, b.max_queue_size, gpu
+    )
 
 
 def check_version(models: Registry, name: str, version: str | None) -> None:

@@ -9,16 +9,15 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from model.contract import EMBEDDINGS, ENCODED, INPUT_NAMES
-from service import control, inference
-from service.batcher import Outputs
+from service import inference
 from service.errors import BadInput
-from service.guard import Known
-from service.middleware import FastRoute
+from service.guard import FastRoute, Known
+from service.merging import Outputs
 from service.protocols.common import error_docs, http_call, parse_json, read_body, timing_headers
 from service.protocols.v2 import codec, metadata
 from service.registry import ServingModel
 from service.settings import VERSION
-from service.state import KnownModels, State
+from service.state import KnownModels, State, check_parameters
 
 router = APIRouter(prefix="/v2", tags=["v2 (Open Inference Protocol)"])
 
@@ -226,13 +225,13 @@ async def repository_index(request: Request, loaded: Known) -> Response:
 
 
 async def _control_parameters(request: Request, unload: bool = False) -> None:
-    """Triton's load/unload body: empty, or {"parameters": {...}} (none taken: control.check_parameters)."""
+    """Triton's load/unload body: empty, or {"parameters": {...}} (none taken: check_parameters)."""
     body = await read_body(request, 65536)
     doc = parse_json(body, 0) if body.strip() else {}
     params = doc.get("parameters") if isinstance(doc, dict) else None
     if not isinstance(doc, dict) or not isinstance(params, dict | None):
         raise BadInput('the body must be empty or {"parameters": {...}}')
-    control.check_parameters(list(params or ()), unload)
+    check_parameters(list(params or ()), unload)
 
 
 @router.post(
@@ -293,7 +292,7 @@ async def model_version_infer(name: str, version: str, request: Request, loaded:
 
 
 def examples(model: str, d_model: int) -> dict[tuple[str, str], dict]:
-    """The inference request example for the served model (service/docs.py): [1, 2, d_model] in JSON."""
+    """The inference request example for the served model (service/protocols/docs.py): [1, 2, d_model] in JSON."""
     example = {
         "id": "42",
         "inputs": [
@@ -307,7 +306,7 @@ def examples(model: str, d_model: int) -> dict[tuple[str, str], dict]:
     }
 
 
-# Hot routes for the lean dispatcher (service.middleware.FastPath); the guard checks everything under these prefixes.
+# Hot routes for the lean dispatcher (service.guard.FastPath); the guard checks everything under these prefixes.
 _INFER_PATH = re.compile(r"^/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?/infer$")
 FAST_ROUTES = (FastRoute("POST", _INFER_PATH, "/v2/models/{name}/infer", handle_infer),)
 MODEL_PREFIXES = ("/v2/models/", "/v2/repository/")
