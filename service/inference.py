@@ -36,8 +36,9 @@ class Decoded(Protocol):
     timeout_s: float | None  # the protocol's own timeout parameter (V2's ``timeout``), None if it has none
 
 
+P = TypeVar("P")  # a payload as its transport delivers it: an HTTP body's bytes, a gRPC message
 R = TypeVar("R", bound=Decoded)
-T = TypeVar("T")
+T = TypeVar("T")  # an encoded answer
 
 
 @dataclass
@@ -63,33 +64,40 @@ class Call:
 Resolve = Callable[[str | None], ServingModel]  # a model name (None: the default) -> the model that serves it
 
 
+class Codec(Protocol[P, R, T]):
+    """A protocol's reading and writing of one request, made by its route from what the transport says of it
+    (headers, query, path: the media types, the model named, an output asked for). ``decode`` reads the payload
+    against its model's manifest, which it gets from ``resolve`` (by the name the payload or the call gives);
+    ``encode`` writes that model's outputs. Either may raise the domain errors (errors.py)."""
+
+    encode_cost: int  # bytes of work encoding one output byte is (JSON's text: about 3), for ``offload``
+
+    def decode(self, payload: P, resolve: Resolve) -> R: ...
+
+    def encode(self, req: R, model: ServingModel, outputs: Outputs) -> T: ...
+
+
 async def run(
-    loaded: KnownModels,
-    call: Call,
-    decode: Callable[[Resolve], R],
-    encode: Callable[[R, ServingModel, Outputs], T],
-    size: int,
-    encode_cost: int = 1,
+    loaded: KnownModels, call: Call, codec: Codec[P, R, T], payload: P, size: int
 ) -> tuple[T, Timings]:
-    """Decode (``size`` bytes of payload), queue on the model's batcher, encode: ``(encoded, timings)``.
-    ``decode(resolve)`` reads its model's manifest through ``resolve``: the model the request is then served by
-    (looked up once; a model swapped by model control meanwhile serves it to its end). ``encode_cost``: how many
-    bytes of work encoding one output byte is (JSON's text: about 3), for ``offload``.
+    """Decode ``payload`` (``size`` bytes) with ``codec``, queue on the model's batcher, encode: ``(encoded,
+    timings)``. The model the payload is decoded against is the one that serves it (looked up once; a model
+    swapped by model control meanwhile serves it to its end).
 
     Raises the domain errors of each step (errors.CODES maps them for every transport).
     """
     try:
         with TRACING.request(call.protocol, call.carrier) as span:
             if call.named is None:  # the payload names it: reading and decoding count as its input stage
-                req, model = await _decode_unnamed(loaded, decode, size)
+                req, model = await _decode_unnamed(loaded, codec, payload, size)
                 with model.request(call.started) as timer:
-                    return await _serve(loaded, call, model, req, timer, span, encode, encode_cost)
+                    return await _serve(loaded, call, model, req, timer, span, codec)
             # The model is counted in flight from the moment it is looked up (no await between the two), so
             # the registry stops a replaced or unloaded one only after its last request (service/registry.py).
             model = loaded.models.get(call.named)
             with model.request(call.started) as timer:  # a failed decode counts
-                req = await offload(size, decode, lambda _name: model)
-                return await _serve(loaded, call, model, req, timer, span, encode, encode_cost)
+                req = await offload(size, codec.decode, payload, lambda _name: model)
+                return await _serve(loaded, call, model, req, timer, span, codec)
     finally:
         if call.watch is not None:
             call.watch.cancel()
@@ -108,13 +116,13 @@ class _FirstLookup:
 
 
 async def _decode_unnamed(
-    loaded: KnownModels, decode: Callable[[Resolve], R], size: int
+    loaded: KnownModels, codec: Codec[P, R, T], payload: P, size: int
 ) -> tuple[R, ServingModel]:
     """A payload that names its own model: decoded against the model its name resolves to, and that model, the
     one serving now (decoded again in the rare case model control swapped it during the decode)."""
     while True:
         lookup = _FirstLookup(loaded)
-        req = await offload(size, decode, lookup)
+        req = await offload(size, codec.decode, payload, lookup)
         model = loaded.models.get(getattr(req, "model", None))
         if lookup.model is None or lookup.model is model:
             return req, model
@@ -127,8 +135,7 @@ async def _serve(
     req: R,
     timer: RequestTimer,
     span: RequestSpan,
-    encode: Callable[[R, ServingModel, Outputs], T],
-    encode_cost: int,
+    codec: Codec[P, R, T],
 ) -> tuple[T, Timings]:
     """A decoded request, on its model: queue (deadline, cancellation), then encode."""
     timer.decoded()
@@ -139,7 +146,7 @@ async def _serve(
         loaded.live.offer(model, req.embeddings, req.mask, outputs)
     nbytes = sum(out.nbytes for out in outputs.values())
     with span.encoding():
-        return await offload(nbytes * encode_cost, encode, req, model, outputs), timings
+        return await offload(nbytes * codec.encode_cost, codec.encode, req, model, outputs), timings
 
 
 def deadline(loaded: KnownModels, call: Call, req: Decoded) -> float:

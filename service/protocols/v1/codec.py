@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import orjson
@@ -20,6 +21,10 @@ from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, positional
 from service.errors import BadInput, NotAcceptable, UnsupportedMediaType, quote
 from service.merging import Outputs
 from service.protocols.common import check_batch, holds_literal, parse_json
+
+if TYPE_CHECKING:
+    from service.inference import Resolve
+    from service.registry import ServingModel
 
 MODEL = "model"
 OUTPUT = "output"  # the query parameter naming the output a binary answer carries
@@ -332,3 +337,26 @@ def encode_binary(result: np.ndarray, media: str) -> bytes:
         np.save(buf, result.astype("<f4", copy=False), allow_pickle=False)
         return buf.getvalue()
     return result.astype("<f4", copy=False).tobytes()
+
+
+@dataclass(frozen=True)
+class EncodeCodec:
+    """/v1/encode's codec for one request (service.inference.Codec): its body's Content-Type and headers, the
+    model ``?model=`` names (or None), the media type Accept chose and the output ``?output=`` names."""
+
+    content_type: str
+    headers: Mapping[str, str]
+    named: str | None
+    media: str
+    output: str | None
+    max_elements: int
+    encode_cost: int = 3  # JSON's text: about 3 bytes of work per output byte
+
+    def decode(self, body: bytes, resolve: Resolve) -> EncodeRequest:
+        d_model = lambda name: resolve(name).engine.d_model  # noqa: E731
+        return decode(self.content_type, body, self.headers, d_model, self.max_elements, self.named)
+
+    def encode(
+        self, req: EncodeRequest, model: ServingModel, outputs: Outputs
+    ) -> tuple[bytes, dict[str, str]]:
+        return encode(req, outputs, self.media, model.name, self.output)

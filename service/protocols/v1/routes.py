@@ -11,10 +11,8 @@ from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, POOLED
 from service import inference
 from service.guard import FastRoute, Known
 from service.live_parity import judged
-from service.merging import Outputs
 from service.protocols.common import error_docs, http_call, read_body, timing_headers
 from service.protocols.v1 import codec
-from service.registry import ServingModel
 from service.state import KnownModels
 
 router = APIRouter(prefix="/v1", tags=["v1"])
@@ -132,18 +130,11 @@ async def handle_encode(request: Request, loaded: KnownModels, params: dict[str,
     named = request.query_params.get(codec.MODEL)
     output = codec.output_param(request.query_params.get(codec.OUTPUT))
     body = await read_body(request, settings.max_body_bytes)
-
-    def decode(resolve: inference.Resolve) -> codec.EncodeRequest:
-        content_type = request.headers.get("content-type", "")
-        d_model = lambda name: resolve(name).engine.d_model  # noqa: E731
-        return codec.decode(content_type, body, request.headers, d_model, settings.max_elements, named)
-
-    def encode(req: codec.EncodeRequest, model: ServingModel, outputs: Outputs) -> tuple[bytes, dict]:
-        return codec.encode(req, outputs, media, model.name, output)
-
+    content_type = request.headers.get("content-type", "")
+    how = codec.EncodeCodec(content_type, request.headers, named, media, output, settings.max_elements)
     # The model is named in the payload (or ?model=), so reading and decoding count as its input stage.
     call = http_call(request, "v1", start)
-    (payload, headers), timings = await inference.run(loaded, call, decode, encode, len(body), encode_cost=3)
+    (payload, headers), timings = await inference.run(loaded, call, how, body, len(body))
     headers.update(timing_headers(timings, time.perf_counter() - start))
     return Response(payload, media_type=media, headers=headers)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import orjson
@@ -20,6 +21,10 @@ from model.contract import EMBEDDINGS, MASK
 from service.errors import BadInput, TooLarge, quote
 from service.merging import Outputs
 from service.protocols.common import check_batch, holds_literal, parse_json
+
+if TYPE_CHECKING:
+    from service.inference import Resolve
+    from service.registry import ServingModel
 
 HEADER_LENGTH = "inference-header-content-length"
 EXTENSIONS = ["binary_tensor_data", "statistics"]
@@ -288,3 +293,22 @@ def encode_infer(
 
 def _v2_name(dtype: np.dtype) -> str:
     return NUMPY_TO_V2.get(str(dtype), str(dtype))
+
+
+@dataclass(frozen=True)
+class InferCodec:
+    """V2 infer's codec over HTTP for one request (service.inference.Codec): the model its path names and the
+    ``Inference-Header-Content-Length`` of a binary body."""
+
+    name: str
+    header_length: str | None
+    max_elements: int
+    encode_cost: int = 1
+
+    def decode(self, body: bytes, resolve: Resolve) -> InferRequest:
+        return decode_infer(body, self.header_length, resolve(self.name).engine.manifest, self.max_elements)
+
+    def encode(
+        self, req: InferRequest, model: ServingModel, outputs: Outputs
+    ) -> tuple[bytes, dict[str, str]]:
+        return encode_infer(req, model.name, outputs, model.version)

@@ -8,6 +8,9 @@ typed ``contents``; both end in the HTTP codec's checks (``codec.tensor_type``, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import numpy as np
 from google.protobuf import json_format
 from google.protobuf.message import Message
@@ -17,6 +20,10 @@ from service.errors import BadInput
 from service.merging import Outputs
 from service.protocols.v2 import codec
 from service.protocols.v2 import inference_pb2 as pb
+
+if TYPE_CHECKING:
+    from service.inference import Resolve
+    from service.registry import ServingModel
 
 # datatype -> the typed contents field that carries it (FP16 has none: it travels raw)
 _TYPED = {"FP32": "fp32_contents", "FP64": "fp64_contents", "BOOL": "bool_contents"}
@@ -112,3 +119,19 @@ def encode_infer(req: codec.InferRequest, model: str, results: Outputs, version:
 def from_dict(doc: dict, message: type[Message]) -> Message:
     """A JSON-shaped answer the HTTP routes also give (metadata, statistics, index) as its gRPC message."""
     return json_format.ParseDict(doc, message(), ignore_unknown_fields=True)
+
+
+@dataclass(frozen=True)
+class GrpcInferCodec:
+    """ModelInfer's codec for one call (service.inference.Codec): the model its request names; the answer is the
+    response message's serialized bytes."""
+
+    name: str
+    max_elements: int
+    encode_cost: int = 1
+
+    def decode(self, request: pb.ModelInferRequest, resolve: Resolve) -> codec.InferRequest:
+        return decode_infer(request, resolve(self.name).engine.manifest, self.max_elements)
+
+    def encode(self, req: codec.InferRequest, model: ServingModel, outputs: Outputs) -> bytes:
+        return encode_infer(req, model.name, outputs, model.version)

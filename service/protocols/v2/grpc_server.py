@@ -21,10 +21,9 @@ from google.protobuf.message import DecodeError, Message
 from service import inference, logs
 from service.errors import BadInput, ClientDeadline, ServiceError, grpc_code
 from service.guard import Guard
-from service.merging import Outputs
 from service.protocols.v2 import codec, grpc_codec, metadata, model_config
 from service.protocols.v2 import inference_pb2 as pb
-from service.registry import READY, ServingModel
+from service.registry import READY
 from service.settings import VERSION
 from service.state import KnownModels, ServiceState, check_parameters
 
@@ -99,13 +98,6 @@ class InferenceService:
         name = request.model_name
         loaded.models.get(name)  # 404 or 503 before the version (as over HTTP)
         metadata.check_version(loaded.models, name, request.model_version)
-        max_elements = loaded.settings.max_elements
-
-        def decode(resolve: inference.Resolve) -> codec.InferRequest:
-            return grpc_codec.decode_infer(request, resolve(name).engine.manifest, max_elements)
-
-        def encode(req: codec.InferRequest, model: ServingModel, outputs: Outputs) -> bytes:
-            return grpc_codec.encode_infer(req, model.name, outputs, model.version)
 
         # A call its client cancels needs no Disconnect: grpc.aio cancels this task, which drops the queued
         # work as a gone HTTP client's does (tests/service/test_inference.py).
@@ -113,7 +105,8 @@ class InferenceService:
             return next((v for k, v in context.invocation_metadata() or () if k == key), None)
 
         call = inference.Call("grpc", named=name, deadline_s=context.time_remaining(), carrier=carrier)
-        answer, _ = await inference.run(loaded, call, decode, encode, request.ByteSize())
+        how = grpc_codec.GrpcInferCodec(name, loaded.settings.max_elements)
+        answer, _ = await inference.run(loaded, call, how, request, request.ByteSize())
         return answer
 
     async def ModelStatistics(

@@ -12,7 +12,6 @@ from model.contract import EMBEDDINGS, ENCODED, INPUT_NAMES
 from service import inference
 from service.errors import BadInput
 from service.guard import FastRoute, Known
-from service.merging import Outputs
 from service.protocols.common import error_docs, http_call, parse_json, read_body, timing_headers
 from service.protocols.v2 import codec, metadata
 from service.registry import ServingModel
@@ -263,16 +262,9 @@ async def handle_infer(request: Request, loaded: KnownModels, params: dict[str, 
     _model(loaded, name, version)  # 404 or 503 before the body is read
     settings = loaded.settings
     body = await read_body(request, settings.max_body_bytes)
-
-    def decode(resolve: inference.Resolve) -> codec.InferRequest:
-        header_length = request.headers.get(codec.HEADER_LENGTH)
-        return codec.decode_infer(body, header_length, resolve(name).engine.manifest, settings.max_elements)
-
-    def encode(req: codec.InferRequest, model: ServingModel, outputs: Outputs) -> tuple[bytes, dict]:
-        return codec.encode_infer(req, model.name, outputs, model.version)
-
+    how = codec.InferCodec(name, request.headers.get(codec.HEADER_LENGTH), settings.max_elements)
     call = http_call(request, "v2", start, named=name)
-    (payload, headers), timings = await inference.run(loaded, call, decode, encode, len(body))
+    (payload, headers), timings = await inference.run(loaded, call, how, body, len(body))
     headers.update(timing_headers(timings, time.perf_counter() - start))
     return Response(payload, headers=headers, media_type=headers.pop("Content-Type"))
 
