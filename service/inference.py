@@ -23,7 +23,6 @@ from service.metrics import RequestTimer
 from service.registry import ServingModel
 from service.state import KnownModels
 from service.tracing import TRACING, Carrier, RequestSpan
-from service.transport import Disconnect
 
 OFFLOAD_BYTES = 256 * 1024  # below this, decoding or encoding is cheaper than a thread hop
 
@@ -39,6 +38,26 @@ class Decoded(Protocol):
 P = TypeVar("P")  # a payload as its transport delivers it: an HTTP body's bytes, a gRPC message
 R = TypeVar("R", bound=Decoded)
 T = TypeVar("T")  # an encoded answer
+
+
+class Disconnect:
+    """Whether a request's client has gone away, and who to tell when it does (one callback at a time)."""
+
+    __slots__ = ("gone", "_callback")
+
+    def __init__(self) -> None:
+        self.gone = False
+        self._callback: Callable[[], object] | None = None
+
+    def notify(self, callback: Callable[[], object] | None) -> None:
+        """Call ``callback`` when the client goes away (None: no longer)."""
+        self._callback = callback
+
+    def fire(self) -> None:
+        self.gone = True
+        callback, self._callback = self._callback, None
+        if callback is not None:
+            callback()
 
 
 @dataclass

@@ -29,19 +29,13 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable
 
-import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from service.errors import raw_error
+from service.inference import Disconnect
 from service.settings import Settings
 
-_REASONS = {
-    400: b"Bad Request",
-    408: b"Request Timeout",
-    431: b"Request Header Fields Too Large",
-    503: b"Service Unavailable",
-}
 LINGER_S = 2.0
 # A request's head (request line and header fields) may be this long, and so may a chunked body's trailer section;
 # beyond it 431 (400 for a trailer) and the connection closes. nginx allows 4 x 8 KiB by default, Go 1 MiB.
@@ -52,40 +46,6 @@ _NO_UPGRADE = (
     "this server speaks HTTP/1.1 and does not switch protocols: send the request without 'Connection: "
     "Upgrade' (curl: --http1.1 instead of --http2; gRPC has its own port)"
 )
-
-
-class Disconnect:
-    """Whether a request's client has gone away, and who to tell when it does (one callback at a time)."""
-
-    __slots__ = ("gone", "_callback")
-
-    def __init__(self) -> None:
-        self.gone = False
-        self._callback: Callable[[], object] | None = None
-
-    def notify(self, callback: Callable[[], object] | None) -> None:
-        """Call ``callback`` when the client goes away (None: no longer)."""
-        self._callback = callback
-
-    def fire(self) -> None:
-        self.gone = True
-        callback, self._callback = self._callback, None
-        if callback is not None:
-            callback()
-
-
-def raw_error(status: int, message: str, retry_after: int | None = None) -> bytes:
-    """A complete HTTP/1.1 error response with the API's JSON body, for answers written before any app runs."""
-    body = orjson.dumps({"error": message})
-    head = [
-        b"HTTP/1.1 %d %s" % (status, _REASONS[status]),
-        b"content-type: application/json",
-        b"content-length: %d" % len(body),
-        b"connection: close",
-    ]
-    if retry_after is not None:
-        head.append(b"retry-after: %d" % retry_after)
-    return b"\r\n".join(head) + b"\r\n\r\n" + body
 
 
 class HttpConnection(HttpToolsProtocol):

@@ -14,9 +14,9 @@ from starlette.requests import ClientDisconnect
 
 from model.contract import EMBEDDINGS, MASK
 from service.errors import BadInput, ClientGone, TooLarge, UnsupportedMediaType, quote
-from service.inference import OFFLOAD_BYTES, Call
+from service.inference import OFFLOAD_BYTES, Call, Disconnect
 from service.merging import Timings
-from service.transport import DISCONNECT, Disconnect
+from service.transport import DISCONNECT
 
 _CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
@@ -174,6 +174,24 @@ def check_batch(x: np.ndarray, mask: np.ndarray | None, d_model: int, max_elemen
         raise BadInput(
             f"{MASK} shape {list(mask.shape)} does not match {EMBEDDINGS} [batch, seq] {list(x.shape[:2])}"
         )
+
+
+def json_object(doc: dict, key: str, where: str) -> dict:
+    """``doc[key]`` as an object; absent or null is an empty one."""
+    value = doc.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadInput(f"{where}.{key} must be an object, got {quote(value)}")
+    return value
+
+
+def json_bool(params: dict, key: str, where: str, default: bool) -> bool:
+    """A JSON boolean: the string "false" is not false."""
+    value = params.get(key, default)
+    if not isinstance(value, bool):
+        raise BadInput(f"{where}.{key} must be true or false, got {quote(value)}")
+    return value
 
 
 def holds_literal(data: list) -> bool:

@@ -8,8 +8,6 @@ own length). The model is the JSON's ``"model"`` or the ``?model=`` query (any b
 
 from __future__ import annotations
 
-import io
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -21,6 +19,8 @@ from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, positional
 from service.errors import BadInput, NotAcceptable, UnsupportedMediaType, quote
 from service.merging import Outputs
 from service.protocols.common import check_batch, holds_literal, parse_json
+from service.protocols.v1 import binary
+from service.protocols.v1.binary import NPY, OCTET
 
 if TYPE_CHECKING:
     from service.inference import Resolve
@@ -31,6 +31,12 @@ OUTPUT = "output"  # the query parameter naming the output a binary answer carri
 _FIELDS = {EMBEDDINGS, MASK, MODEL}
 DModel = int | Callable[[str | None], int]  # the model's width, or the width of the model a request names
 _LITERALS = (b"true", b"false", b"null")
+JSON = "application/json"
+MEDIA = (
+    JSON,
+    OCTET,
+    NPY,
+)  # what /v1/encode reads (Content-Type) and answers (Accept); its OpenAPI is built from it
 
 
 @dataclass
@@ -194,18 +200,6 @@ def _kind_name(dtype: np.dtype) -> str:
     return {"b": "booleans", "U": "strings", "S": "bytes"}.get(dtype.kind, f"values of type {dtype}")
 
 
-# --- binary bodies (curl users): raw float32 with the shape in a header, or a .npy file ----------------------
-
-SHAPE_HEADER = "x-shape"  # e.g. "2,128,768"
-LENGTHS_HEADER = "x-lengths"  # optional: each row's valid length; positions past it are padding
-JSON, OCTET, NPY = "application/json", "application/octet-stream", "application/x-npy"
-MEDIA = (
-    JSON,
-    OCTET,
-    NPY,
-)  # what /v1/encode reads (Content-Type) and answers (Accept); its OpenAPI is built from it
-
-
 def decode(
     content_type: str,
     body: bytes,
@@ -221,74 +215,17 @@ def decode(
     if media in (JSON, "text/json", "text/plain", "application/x-www-form-urlencoded", ""):
         return decode_json(body, d_model, max_elements, model)
     if media == OCTET:
-        x = _decode_raw(body, headers.get(SHAPE_HEADER))
+        x = binary.decode_raw(body, headers.get(binary.SHAPE_HEADER))
     elif media == NPY:
-        x = _decode_npy(body)
+        x = binary.decode_npy(body)
     else:
         raise UnsupportedMediaType(f"unsupported Content-Type {quote(media)}; use {JSON}, {OCTET} or {NPY}")
     squeeze = x.ndim == 2
     if squeeze:
         x = x[None]
-    mask = _lengths_mask(headers.get(LENGTHS_HEADER), x.shape) if x.ndim == 3 else None
+    mask = binary.lengths_mask(headers.get(binary.LENGTHS_HEADER), x.shape) if x.ndim == 3 else None
     check_batch(x, mask, _width(d_model, model), max_elements)
     return EncodeRequest(x, mask, squeeze=squeeze, model=model)
-
-
-def _decode_raw(body: bytes, shape_header: str | None) -> np.ndarray:
-    if not shape_header:
-        raise BadInput(
-            f"{OCTET} bodies need an X-Shape header, e.g. 'X-Shape: 2,128,768' ([batch,] seq, d_model)"
-        )
-    try:
-        shape = tuple(int(d) for d in shape_header.split(","))
-    except ValueError:
-        raise BadInput(f"X-Shape must be comma-separated integers, got {quote(shape_header)}") from None
-    if len(shape) not in (2, 3) or min(shape) <= 0:
-        raise BadInput(f"X-Shape must be 2 or 3 positive integers ([batch,] seq, d_model), got {list(shape)}")
-    expected = math.prod(shape) * 4
-    if len(body) != expected:
-        raise BadInput(f"body has {len(body)} bytes but X-Shape {list(shape)} of float32 needs {expected}")
-    return np.frombuffer(body, dtype="<f4").reshape(shape)  # zero-copy view
-
-
-def _npy_problem(body: bytes, exc: Exception) -> str:
-    """What is wrong with a .npy body, in words: numpy's own message can hold the repr of its parser's objects
-    (``<ast.Call object at 0x...>``, for a header holding an expression), which no error may show."""
-    if not body.startswith(b"\x93NUMPY"):
-        return "it does not start with the .npy magic string (\\x93NUMPY)"
-    text = (str(exc).splitlines() or [""])[0]
-    if not text or " at 0x" in text or "header" in text.lower() or isinstance(exc, SyntaxError):
-        return (
-            "its header must be a dict literal of 'descr', 'fortran_order' and 'shape' (np.save writes one)"
-        )
-    return text[:200]
-
-
-def _decode_npy(body: bytes) -> np.ndarray:
-    try:
-        arr = np.load(io.BytesIO(body), allow_pickle=False)
-    except Exception as exc:  # numpy raises ValueError/OSError/EOFError/SyntaxError for bad .npy data
-        raise BadInput(f"body is not a valid .npy array: {_npy_problem(body, exc)}") from None
-    if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iuf":
-        raise BadInput(f".npy array must hold numbers, got dtype {getattr(arr, 'dtype', type(arr))}")
-    if arr.ndim not in (2, 3):
-        raise BadInput(
-            f".npy array must be [seq, d_model] or [batch, seq, d_model], got shape {list(arr.shape)}"
-        )
-    return arr.astype(np.float32, copy=False)
-
-
-def _lengths_mask(header: str | None, shape: tuple[int, ...]) -> np.ndarray | None:
-    if not header:
-        return None
-    try:
-        lengths = np.array([int(n) for n in header.split(",")])
-    except ValueError:
-        raise BadInput(f"X-Lengths must be comma-separated integers, got {quote(header)}") from None
-    b, s = shape[0], shape[1]
-    if lengths.shape != (b,) or (lengths < 1).any() or (lengths > s).any():
-        raise BadInput(f"X-Lengths must give {b} length(s), each in 1..{s}, got {quote(header)}")
-    return np.arange(s)[None, :] >= lengths[:, None]
 
 
 def negotiate(accept: str | None) -> str:
@@ -328,15 +265,7 @@ def encode(
     headers = {"X-Shape": ",".join(map(str, tensor.shape))}
     if req.lengths is not None and positional(output):
         headers["X-Lengths"] = ",".join(map(str, req.lengths))
-    return encode_binary(tensor, media), headers
-
-
-def encode_binary(result: np.ndarray, media: str) -> bytes:
-    if media == NPY:
-        buf = io.BytesIO()
-        np.save(buf, result.astype("<f4", copy=False), allow_pickle=False)
-        return buf.getvalue()
-    return result.astype("<f4", copy=False).tobytes()
+    return binary.encode(tensor, media), headers
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,12 @@ import time
 
 from fastapi import APIRouter, Request, Response
 
-from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, POOLED
+from model.contract import EMBEDDINGS, ENCODED, OUTPUT_NAMES
 from service import inference
 from service.guard import FastRoute, Known
 from service.live_parity import judged
 from service.protocols.common import error_docs, http_call, read_body, timing_headers
-from service.protocols.v1 import codec
+from service.protocols.v1 import codec, schema
 from service.state import KnownModels
 
 router = APIRouter(prefix="/v1", tags=["v1"])
@@ -39,32 +39,7 @@ _ENCODE_DOC = {
         "required": True,
         "content": {
             codec.JSON: {
-                "schema": {
-                    "type": "object",
-                    "required": [EMBEDDINGS],
-                    "properties": {
-                        EMBEDDINGS: {
-                            "description": "[seq, d_model], [batch, seq, d_model], or a list of [seq_i, d_model] "
-                            "sequences of different lengths (padded and masked by the server)",
-                            "type": "array",
-                            "items": {"type": "array"},
-                        },
-                        "model": {
-                            "type": "string",
-                            "description": "the model to run (default: the server's first); or ?model=NAME",
-                        },
-                        MASK: {
-                            "description": "optional [seq] or [batch, seq] booleans, true = padding",
-                            "type": "array",
-                            "items": {
-                                "anyOf": [
-                                    {"type": "boolean"},
-                                    {"type": "array", "items": {"type": "boolean"}},
-                                ]
-                            },
-                        },
-                    },
-                },
+                "schema": schema.REQUEST,
                 "example": {EMBEDDINGS: [[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]]},
             },
             codec.OCTET: {
@@ -79,26 +54,7 @@ _ENCODE_DOC = {
             "description": "encoded tensor as JSON {encoded, shape, model}, or binary per the Accept header",
             "content": {
                 codec.JSON: {
-                    "schema": {
-                        "type": "object",
-                        "required": [ENCODED, "shape", "model"],
-                        "properties": {
-                            ENCODED: {
-                                "type": "array",
-                                "description": "like embeddings; one per ragged sequence",
-                            },
-                            "shape": {
-                                "type": "array",
-                                "description": "the encoded shape, or one per sequence",
-                            },
-                            "model": {"type": "string"},
-                            POOLED: {
-                                "type": "array",
-                                "description": "[batch, d_model] (one sequence: [d_model]): the sentence embeddings "
-                                "of a model exported with --pooling",
-                            },
-                        },
-                    },
+                    "schema": schema.ANSWER,
                     "example": {ENCODED: [[0.1, 0.2, 0.3]], "shape": [1, 3], "model": "encoder"},
                 },
                 codec.OCTET: {},

@@ -20,7 +20,7 @@ from model.artifact import Manifest
 from model.contract import EMBEDDINGS, MASK
 from service.errors import BadInput, TooLarge, quote
 from service.merging import Outputs
-from service.protocols.common import check_batch, holds_literal, parse_json
+from service.protocols.common import check_batch, holds_literal, json_bool, json_object, parse_json
 
 if TYPE_CHECKING:
     from service.inference import Resolve
@@ -75,7 +75,7 @@ def decode_infer(
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise BadInput(f"inference request needs a non-empty 'inputs' array, got {quote(inputs)}")
-    params = _object(doc, "parameters", "request")
+    params = json_object(doc, "parameters", "request")
     known = [s.name for s in manifest.inputs]
     tensors: dict[str, np.ndarray] = {}
     offset = 0
@@ -152,7 +152,7 @@ def _decode_tensor(
     name = spec["name"]
     shape, datatype = spec.get("shape"), spec.get("datatype")
     dtype, count = tensor_type(name, shape, datatype, max_elements)
-    size = _object(spec, "parameters", f"input {name!r}").get("binary_data_size")
+    size = json_object(spec, "parameters", f"input {name!r}").get("binary_data_size")
     if size is not None:
         if "data" in spec:
             raise BadInput(f"input {name!r} has both 'data' and binary_data_size")
@@ -192,7 +192,7 @@ def _json_tensor(
 
 
 def _requested_outputs(outputs: object, params: dict, names: list[str]) -> list[RequestedOutput]:
-    default_binary = _bool(params, "binary_data_output", "parameters", False)
+    default_binary = json_bool(params, "binary_data_output", "parameters", False)
     if outputs is None:
         return [RequestedOutput(n, default_binary) for n in names]
     if not isinstance(outputs, list):
@@ -200,9 +200,9 @@ def _requested_outputs(outputs: object, params: dict, names: list[str]) -> list[
     chosen: list[RequestedOutput] = []
     for i, entry in enumerate(outputs):
         out, name = _named(entry, f"outputs[{i}]", "output", names, [c.name for c in chosen])
-        p = _object(out, "parameters", f"outputs[{i}]")
+        p = json_object(out, "parameters", f"outputs[{i}]")
         chosen.append(
-            RequestedOutput(name, _bool(p, "binary_data", f"outputs[{i}].parameters", default_binary))
+            RequestedOutput(name, json_bool(p, "binary_data", f"outputs[{i}].parameters", default_binary))
         )
     return chosen
 
@@ -227,24 +227,6 @@ def checked_name(
     if name in seen:
         raise BadInput(f"{again}{kind} {name!r} is given twice")
     return name
-
-
-def _object(doc: dict, key: str, where: str) -> dict:
-    """``doc[key]`` as an object; absent or null is an empty one."""
-    value = doc.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise BadInput(f"{where}.{key} must be an object, got {quote(value)}")
-    return value
-
-
-def _bool(params: dict, key: str, where: str, default: bool) -> bool:
-    """A JSON boolean: the string "false" is not false."""
-    value = params.get(key, default)
-    if not isinstance(value, bool):
-        raise BadInput(f"{where}.{key} must be true or false, got {quote(value)}")
-    return value
 
 
 def _request_id(value: object) -> str | None:

@@ -8,12 +8,12 @@ import time
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from model.contract import EMBEDDINGS, ENCODED, INPUT_NAMES
+from model.contract import EMBEDDINGS, ENCODED
 from service import inference
 from service.errors import BadInput
 from service.guard import FastRoute, Known
 from service.protocols.common import error_docs, http_call, parse_json, read_body, timing_headers
-from service.protocols.v2 import codec, metadata
+from service.protocols.v2 import codec, metadata, schema
 from service.registry import ServingModel
 from service.settings import VERSION
 from service.state import KnownModels, State, check_parameters
@@ -23,77 +23,12 @@ router = APIRouter(prefix="/v2", tags=["v2 (Open Inference Protocol)"])
 _ERRORS = error_docs(
     {401: "missing or invalid API key", 404: "unknown model or version", 503: "model not loaded yet"}
 )
-_TENSOR_PARAMS = {"type": "object", "properties": {"binary_data_size": {"type": "integer", "minimum": 0}}}
-# The Open Inference Protocol's REST request and response, as this server reads and writes them.
-_INFER_REQUEST = {
-    "type": "object",
-    "required": ["inputs"],
-    "properties": {
-        "id": {"type": "string"},
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "timeout": {"type": "integer", "minimum": 1, "description": "microseconds"},
-                "binary_data_output": {"type": "boolean"},
-            },
-        },
-        "inputs": {
-            "type": "array",
-            "minItems": 1,
-            "items": {
-                "type": "object",
-                "required": ["name", "shape", "datatype"],
-                "properties": {
-                    "name": {"type": "string", "enum": list(INPUT_NAMES)},
-                    "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-                    "datatype": {"type": "string", "enum": sorted(codec.DTYPES)},
-                    "parameters": _TENSOR_PARAMS,
-                    "data": {"type": "array", "description": "row-major, flat or nested"},
-                },
-            },
-        },
-        "outputs": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["name"],
-                "properties": {
-                    "name": {"type": "string"},
-                    "parameters": {"type": "object", "properties": {"binary_data": {"type": "boolean"}}},
-                },
-            },
-        },
-    },
-}
-_INFER_RESPONSE = {
-    "type": "object",
-    "required": ["model_name", "outputs"],
-    "properties": {
-        "model_name": {"type": "string"},
-        "model_version": {"type": "string"},
-        "id": {"type": "string"},
-        "outputs": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["name", "datatype", "shape"],
-                "properties": {
-                    "name": {"type": "string"},
-                    "datatype": {"type": "string"},
-                    "shape": {"type": "array", "items": {"type": "integer"}},
-                    "data": {"type": "array", "items": {"type": "number"}},
-                    "parameters": _TENSOR_PARAMS,
-                },
-            },
-        },
-    },
-}
 _INFER_DOC = {
     "requestBody": {
         "required": True,
         "content": {
             "application/json": {
-                "schema": _INFER_REQUEST,
+                "schema": schema.REQUEST,
                 "example": {
                     "id": "42",
                     "inputs": [
@@ -118,7 +53,7 @@ _INFER_DOC = {
         "200": {
             "description": "V2 inference response; with binary outputs, a JSON header of "
             "Inference-Header-Content-Length bytes followed by the raw output tensors",
-            "content": {"application/json": {"schema": _INFER_RESPONSE}, "application/octet-stream": {}},
+            "content": {"application/json": {"schema": schema.ANSWER}, "application/octet-stream": {}},
         },
         **error_docs(
             {

@@ -1,0 +1,131 @@
+"""The JSON shapes each protocol documents (service/protocols/*/schema.py, from which /openapi.json is built) are the
+ones its codec reads and writes: every field a request may carry is read, no field is read that is not
+documented, and an answer writes every documented field and nothing else. The codec reads through recording JSON
+objects here, so a field added to one side only fails this test. (schemathesis checks the served answers against
+the same document: tests/test_schemathesis.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import orjson
+import pytest
+
+from model.artifact import Manifest
+from model.contract import EMBEDDINGS, ENCODED, MASK, POOLED
+from service.protocols.v1 import codec as v1
+from service.protocols.v1 import schema as v1_schema
+from service.protocols.v2 import codec as v2
+from service.protocols.v2 import schema as v2_schema
+
+Path = tuple[str, ...]  # keys from the document's root, "[]" for any item of an array
+
+
+def documented(schema: dict, path: Path = ()) -> set[Path]:
+    """Every object key a JSON schema declares, by its path."""
+    keys: set[Path] = set()
+    for name, sub in schema.get("properties", {}).items():
+        keys |= {path + (name,)} | documented(sub, path + (name,))
+    if "items" in schema:
+        keys |= documented(schema["items"], path + ("[]",))
+    for sub in schema.get("anyOf", ()):
+        keys |= documented(sub, path)
+    return keys
+
+
+def written(doc: object, path: Path = ()) -> set[Path]:
+    """Every object key a JSON document holds, by its path."""
+    if isinstance(doc, dict):
+        return {path + (k,) for k in doc} | {p for k, v in doc.items() for p in written(v, path + (k,))}
+    if isinstance(doc, list):
+        return {p for item in doc for p in written(item, path + ("[]",))}
+    return set()
+
+
+class Recording(dict):
+    """A JSON object that notes in ``reads`` the path of every key looked up in it (present or not)."""
+
+    def __init__(self, data: dict, path: Path, reads: set[Path]) -> None:
+        super().__init__({k: _wrap(v, path + (k,), reads) for k, v in data.items()})
+        self.path, self.reads = path, reads
+
+    def __getitem__(self, key):
+        self.reads.add(self.path + (key,))
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.reads.add(self.path + (key,))
+        return super().get(key, default)
+
+    def __contains__(self, key) -> bool:
+        self.reads.add(self.path + (key,))
+        return super().__contains__(key)
+
+
+def _wrap(value: object, path: Path, reads: set[Path]) -> object:
+    if isinstance(value, dict):
+        return Recording(value, path, reads)
+    if isinstance(value, list) and value and isinstance(value[0], dict | list):
+        return [_wrap(v, path + ("[]",), reads) for v in value]
+    return value
+
+
+@pytest.fixture
+def reads(monkeypatch) -> set[Path]:
+    """The keys the codecs read from every request decoded while the test runs."""
+    seen: set[Path] = set()
+    for module in (v1, v2):
+        parse = module.parse_json
+        monkeypatch.setattr(
+            module, "parse_json", lambda body, limit, parse=parse: _wrap(parse(body, limit), (), seen)
+        )
+    return seen
+
+
+@pytest.fixture(scope="module")
+def manifest(tiny_artifact) -> Manifest:
+    return Manifest.load(tiny_artifact)
+
+
+def test_v1_reads_exactly_the_documented_request_fields(reads):
+    width = 4
+    full = {EMBEDDINGS: [[[0.5] * width] * 2], MASK: [[False, True]], "model": "encoder"}
+    v1.decode(v1.JSON, json.dumps(full).encode(), None, width, 10_000)
+    assert reads == documented(v1_schema.REQUEST)
+
+
+def test_v1_answers_exactly_the_documented_fields():
+    x = np.ones((2, 3, 4), np.float32)
+    req = v1.EncodeRequest(x, None)
+    body, _ = v1.encode(req, {ENCODED: x, POOLED: np.ascontiguousarray(x[:, 0])}, v1.JSON, "encoder")
+    assert written(orjson.loads(body)) == documented(v1_schema.ANSWER)
+
+
+def test_v2_reads_exactly_the_documented_request_fields(reads, manifest):
+    e = manifest.config.d_model
+    mask = {"name": MASK, "shape": [1, 2], "datatype": "BOOL", "data": [False, False]}
+    as_json = {
+        "id": "1",
+        "parameters": {"timeout": 5_000_000, "binary_data_output": False},
+        "inputs": [{"name": EMBEDDINGS, "shape": [1, 2, e], "datatype": "FP32", "data": [0.5] * 2 * e}, mask],
+        "outputs": [{"name": ENCODED, "parameters": {"binary_data": True}}],
+    }
+    v2.decode_infer(json.dumps(as_json).encode(), None, manifest, 10_000)
+    binary = {"inputs": [{"name": EMBEDDINGS, "shape": [1, 2, e], "datatype": "FP32",
+                          "parameters": {"binary_data_size": 8 * e}}]}  # fmt: skip
+    header = json.dumps(binary).encode()
+    v2.decode_infer(header + bytes(8 * e), str(len(header)), manifest, 10_000)
+    assert reads == documented(v2_schema.REQUEST)
+
+
+def test_v2_answers_exactly_the_documented_fields():
+    x = np.ones((1, 2, 4), np.float32)
+    answers = set()
+    for binary in (False, True):
+        req = v2.InferRequest("7", x, None, [v2.RequestedOutput(ENCODED, binary)])
+        body, headers = v2.encode_infer(req, "encoder", {ENCODED: x})
+        answers |= written(
+            orjson.loads(body[: int(headers.get("Inference-Header-Content-Length", len(body)))])
+        )
+    assert answers == documented(v2_schema.ANSWER)
