@@ -1,9 +1,11 @@
 """The request core: what happens to an inference request between its protocol's decode and its encode, the same
 for every way in (/v1, V2 over HTTP, V2 over gRPC).
 
-It owns the model lookup, the request's statistics, the deadline, cancellation when the client goes away, and the
-batcher; a protocol only reads its payload, decodes and encodes. Something every request shares (tracing, live
-parity sampling, a rate limit per model) is one edit here, in ``run``, and holds for every transport.
+It owns the model lookup (once per request), the deadline, cancellation when the client goes away, and the trace;
+the model it looks up does the rest (``ServingModel.request`` and ``infer``: in flight, statistics, batcher, live
+parity sampling). A protocol only gives it a codec (``Codec``). Something every request shares (tracing, a rate
+limit per client) is one edit here, in ``run``; something every model run shares (live parity sampling, a rate
+limit per model), one in ``ServingModel.infer`` (service/registry.py): either holds for every transport.
 """
 
 from __future__ import annotations
@@ -161,8 +163,6 @@ async def _serve(
     span.model(model.name, req.embeddings.shape[0])
     outputs, timings = await _queue(loaded, call, model, req, timer)
     span.ran(timings)
-    if loaded.live is not None:  # a sample of answers is recomputed in float64, off the request path
-        loaded.live.offer(model, req.embeddings, req.mask, outputs)
     nbytes = sum(out.nbytes for out in outputs.values())
     with span.encoding():
         return await offload(nbytes * codec.encode_cost, codec.encode, req, model, outputs), timings

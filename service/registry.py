@@ -24,6 +24,7 @@ from model.golden import Verification
 from service.batcher import Batcher
 from service.engine import Engine
 from service.errors import NotFound, NotReady, quote
+from service.live_parity import LiveParity
 from service.merging import Outputs, Timings
 from service.metrics import InFlight, ModelStatistics, RequestTimer
 from service.settings import DEFAULT_MODEL_DIR, Settings
@@ -35,8 +36,9 @@ UNLOADED = "unloaded"  # the reason of a model model control unloaded
 
 @dataclass(frozen=True)
 class ServingModel:
-    """One loaded model: its engine, the batcher in front of it, its load-time check, its statistics and the
-    version it serves (its numbered directory in a repository, else "1")."""
+    """One loaded model: its engine, the batcher in front of it, its load-time check, its statistics, the
+    version it serves (its numbered directory in a repository, else "1") and the server's live parity sampler
+    (service/live_parity.py; None in bare tests), which every answer it gives is offered to."""
 
     engine: Engine
     batcher: Batcher
@@ -44,6 +46,7 @@ class ServingModel:
     statistics: ModelStatistics
     version: str = "1"
     inflight: InFlight = field(default_factory=InFlight, compare=False)
+    live: LiveParity | None = field(default=None, compare=False)
 
     @contextlib.contextmanager
     def request(self, started: float) -> Iterator[RequestTimer]:
@@ -55,10 +58,17 @@ class ServingModel:
     async def infer(
         self, x: np.ndarray, mask: np.ndarray | None, timeout: float, timer: RequestTimer
     ) -> tuple[Outputs, Timings]:
-        """A decoded (B, S, E) batch through the batcher within ``timeout`` seconds, its run in the statistics."""
+        """A decoded (B, S, E) batch through the batcher within ``timeout`` seconds, its run in the statistics; a
+        sample of answers is recomputed in float64 by live parity, off the request path."""
         outputs, timings = await self.batcher.infer(x, mask, timeout)
         timer.inferred(timings, x.shape[0])
+        if self.live is not None:
+            self.live.offer(self, x, mask, outputs)
         return outputs, timings
+
+    def live_parity(self) -> dict | None:
+        """Its live parity counts (None without a sampler)."""
+        return None if self.live is None else self.live.counts[self.name].to_dict()
 
     def describe(self) -> dict:
         """The manifest, what runs it, and how it verified (GET /v1/model)."""
@@ -185,11 +195,7 @@ class Registry:
             old, slot.serving = slot.serving, None
             slot.state, slot.reason = UNAVAILABLE, UNLOADED
             if old is not None:
-                log.info(
-                    "model %s: unloading once its %d request(s) in flight are answered",
-                    name,
-                    old.inflight.count,
-                )
+                log.info("model %s: unloading after its %d request(s) in flight", name, old.inflight.count)
                 await self._drain(old)
 
     def mark_unready(self, name: str, reason: str) -> None:

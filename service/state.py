@@ -137,12 +137,10 @@ def check_parameters(names: list[str], unload: bool = False) -> None:
 
 @dataclass(frozen=True)
 class KnownModels:
-    """What routes past the guard get once every manifest is read: the settings, the models by name, and the
-    live parity sampler every answered request is offered to (service/live_parity.py; None in bare tests)."""
+    """What routes past the guard get once every manifest is read: the settings and the models by name."""
 
     settings: Settings
     models: Registry
-    live: LiveParity | None = None
 
 
 @dataclass
@@ -210,7 +208,7 @@ async def load_models(state: ServiceState) -> None:
         slots = [s for s in slots if s.name in settings.load_model]
     build = functools.partial(serving_model, state)
     models = Registry(slots, build, allow_empty=settings.model_control_mode != "none")
-    state.loaded = KnownModels(settings, models, state.live)
+    state.loaded = KnownModels(settings, models)
     await models.load_all()
     if state.not_ready_reason() is None:
         log.info("ready: %s", ", ".join(f"{s.name} on {s.serving.engine.providers}" for s in slots))
@@ -258,7 +256,7 @@ async def serving_model(state: ServiceState, name: str, directory: Path, version
         fixed_cost=fixed_cost,
     )
     batcher.start()
-    return ServingModel(engine, batcher, verification, statistics, version)
+    return ServingModel(engine, batcher, verification, statistics, version, live=state.live)
 
 
 async def load_then_watch(state: ServiceState, exit_on_error: bool) -> None:

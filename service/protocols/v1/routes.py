@@ -109,9 +109,9 @@ async def encode(request: Request, loaded: Known) -> Response:
 )
 async def model(loaded: Known, model: str | None = None) -> dict:
     served = loaded.models.get(model)
-    live = None
-    if loaded.live is not None:
-        live = {**loaded.live.counts[served.name].to_dict(), "judged": judged(served.engine.manifest)}
+    live = served.live_parity()
+    if live is not None:
+        live["judged"] = judged(served.engine.manifest)
     return {**served.describe(), "live_parity": live}
 
 

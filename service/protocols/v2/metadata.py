@@ -59,17 +59,17 @@ def repository_index(models: Registry, ready_only: bool = False) -> list[dict]:
     ]
 
 
-def statistics(models: Registry, name: str | None, version: str | None, live=None) -> dict:
+def statistics(models: Registry, name: str | None, version: str | None, live_parity: bool = False) -> dict:
     """The statistics extension's answer: one model's (404 unknown, 503 not loaded), or every loaded model's;
-    with ``live`` (service.live_parity.LiveParity), each carries its live parity counts (an extra field Triton's
-    clients ignore)."""
+    with ``live_parity`` (over HTTP: its message has no field for them), each carries its live parity counts (an
+    extra field Triton's clients ignore)."""
     if name:
         check_version(models, name, version)
         chosen = [models.get(name)]
     else:
         chosen = list(models)
     docs = [m.statistics.to_dict() for m in chosen]
-    if live is not None:
-        for doc, m in zip(docs, chosen, strict=True):
-            doc["live_parity"] = live.counts[m.name].to_dict()
+    for doc, m in zip(docs, chosen, strict=True):
+        if live_parity and (counts := m.live_parity()) is not None:
+            doc["live_parity"] = counts
     return {"model_stats": docs}

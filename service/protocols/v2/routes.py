@@ -110,7 +110,7 @@ async def ready(state: State) -> Response:
     "/models/{name}/versions/{version}/stats", summary="Statistics of one model version", responses=_ERRORS
 )
 async def model_statistics(loaded: Known, name: str | None = None, version: str | None = None) -> dict:
-    return metadata.statistics(loaded.models, name, version, loaded.live)
+    return metadata.statistics(loaded.models, name, version, live_parity=True)
 
 
 @router.get("/models/{name}", summary="Model metadata", responses=_ERRORS)
