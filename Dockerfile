@@ -51,14 +51,15 @@ COPY README.md ./
 COPY model ./model
 COPY export ./export
 COPY service ./service
+COPY deploy/docker/healthcheck.py ./
 RUN --mount=type=cache,target=/root/.cache/pip pip install --no-deps . \
  && python -c "import importlib.util as u; assert u.find_spec('torch') is None"
 USER addnorm
 # HOME on the tmpfs: the root filesystem is read-only (onnxruntime keeps a file under HOME)
 ENV HOME=/tmp ADDNORM_MODEL_DIR=/artifacts/default ADDNORM_HOST=0.0.0.0 ADDNORM_PORT=8000 ADDNORM_GRPC_PORT=8001
 EXPOSE 8000 8001
-# service/healthcheck.py: /health/ready on ADDNORM_PORT, wherever it is moved
-HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 CMD ["python", "-m", "service.healthcheck"]
+# deploy/docker/healthcheck.py: /health/ready on ADDNORM_PORT, wherever it is moved
+HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 CMD ["python", "/app/healthcheck.py"]
 ENTRYPOINT ["addnorm-serve"]
 
 FROM base AS ray
@@ -69,6 +70,7 @@ COPY README.md ./
 COPY model ./model
 COPY export ./export
 COPY service ./service
+COPY deploy/docker/healthcheck.py ./
 COPY deploy ./deploy
 RUN --mount=type=cache,target=/root/.cache/pip pip install --no-deps . \
  && python -c "import importlib.util as u; assert u.find_spec('torch') is None"
@@ -78,7 +80,7 @@ USER addnorm
 # healthcheck's argument with it).
 ENV HOME=/tmp ADDNORM_MODEL_DIR=/artifacts/default RAY_SERVE_DEFAULT_HTTP_HOST=0.0.0.0
 EXPOSE 8000
-HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 CMD ["python", "-m", "service.healthcheck", "8000"]
+HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 CMD ["python", "/app/healthcheck.py", "8000"]
 # `serve run` shuts Serve down gracefully on SIGINT and exits 0; SIGTERM kills it outright (measured with podman:
 # exit 15 in 3 s, or past a 10 s grace period and SIGKILLed under load).
 STOPSIGNAL SIGINT
@@ -101,6 +103,7 @@ COPY README.md ./
 COPY model ./model
 COPY export ./export
 COPY service ./service
+COPY deploy/docker/healthcheck.py ./
 RUN --mount=type=cache,target=/root/.cache/pip pip install --no-deps . \
  && python -c "import onnxruntime as o; assert 'CUDAExecutionProvider' in o.get_available_providers()"
 USER addnorm
@@ -108,5 +111,5 @@ USER addnorm
 ENV HOME=/tmp ADDNORM_MODEL_DIR=/artifacts/default ADDNORM_HOST=0.0.0.0 ADDNORM_PORT=8000 ADDNORM_GRPC_PORT=8001 \
     ADDNORM_PROVIDERS=cuda
 EXPOSE 8000 8001
-HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 CMD ["python", "-m", "service.healthcheck"]
+HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 CMD ["python", "/app/healthcheck.py"]
 ENTRYPOINT ["addnorm-serve"]

@@ -1,7 +1,7 @@
 """onnxruntime + FastAPI serving of an addnorm artifact. Never imports torch, nor export/.
 
-``create_app`` and ``Settings`` are imported on first use, so a light entry point (``python -m
-service.healthcheck``, a container's healthcheck every few seconds) does not load onnxruntime and FastAPI.
+``create_app`` and ``Settings`` are imported on first use, so importing one light module of the package
+(``service.cores`` for the benchmarks' thread count, say) does not load onnxruntime and FastAPI.
 """
 
 import os

@@ -30,7 +30,7 @@ def test_compose_file_is_valid_and_wires_export_api_gpu_and_ray():
         svc = services[name]
         for export in ("export", "export-int8"):
             assert svc["depends_on"][export]["condition"] == "service_completed_successfully"
-        assert "service.healthcheck" in " ".join(svc["healthcheck"]["test"])  # follows the port (issue 27)
+        assert "/app/healthcheck.py" in " ".join(svc["healthcheck"]["test"])  # follows the port (issue 27)
         assert name == "ray" or "8000" not in " ".join(svc["healthcheck"]["test"])  # Ray's proxy: fixed 8000
         assert any(":ro" in str(v) or (isinstance(v, dict) and v.get("read_only")) for v in svc["volumes"])
     assert services["api"]["environment"]["ADDNORM_PROVIDERS"] == "cpu"
@@ -136,19 +136,38 @@ def test_requirements_for_the_image_layers_come_from_pyproject():
         requirements(ROOT / "pyproject.toml", ["nope"], [])
 
 
+HEALTHCHECK = ROOT / "deploy" / "docker" / "healthcheck.py"
+
+
+def _healthcheck():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("healthcheck", HEALTHCHECK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_healthcheck_loads_neither_onnxruntime_nor_fastapi():
-    """The containers run it every 10 s: the standard library only (the service package imports its app on
-    first use; importing onnxruntime and FastAPI took 0.5 s of CPU per check)."""
+    """The containers run it every 10 s: the standard library only (importing onnxruntime and FastAPI took 0.5 s
+    of CPU per check), and every serving image copies it where its HEALTHCHECK runs it."""
     import subprocess
     import sys
 
-    code = "import sys, service.healthcheck; print(sorted({'onnxruntime', 'fastapi', 'numpy'} & set(sys.modules)))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    code = (
+        "import runpy, sys; runpy.run_path(sys.argv[1]); "
+        "print(sorted({'onnxruntime', 'fastapi', 'numpy', 'service'} & set(sys.modules)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(HEALTHCHECK)], capture_output=True, text=True, check=True
+    )
     assert done.stdout.strip() == "[]", done.stdout
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert dockerfile.count("COPY deploy/docker/healthcheck.py ./") == dockerfile.count("HEALTHCHECK ") == 3
 
 
 def test_the_healthcheck_follows_the_port(server, monkeypatch):
-    from service import healthcheck
+    healthcheck = _healthcheck()
 
     port = server.rsplit(":", 1)[1]
     assert healthcheck.main([port]) == 0

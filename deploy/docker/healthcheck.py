@@ -1,7 +1,9 @@
-"""``python -m service.healthcheck [PORT]``: exit 0 when the server on this host answers /health/ready with 200.
+"""``python /app/healthcheck.py [PORT]`` in the images: exit 0 when the server on this host answers /health/ready
+with 200.
 
-The containers' healthcheck (Dockerfile, docker-compose.yml): the port is the argument, else ``ADDNORM_PORT``,
-else 8000, so moving the server's port moves its healthcheck with it. Standard library only; 3 s at most.
+The containers' healthcheck (Dockerfile, docker-compose.yml), copied into each serving image beside the package,
+not part of it: the port is the argument, else ``ADDNORM_PORT``, else 8000, so moving the server's port moves its
+healthcheck with it. Standard library only (it runs every 10 s); 3 s at most.
 """
 
 from __future__ import annotations
