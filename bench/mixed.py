@@ -11,6 +11,9 @@ were padding (from the server's ``addnorm_batch_positions`` counter). Against **
 requests each run alone in-process, their tokens over their summed time (no padding, no batching). Servers with
 each ``--merge-lengths`` policy run one after the other, the in-process limit measured between them; ``--rounds``
 rounds, medians.
+
+``python -m bench.mixed --ceiling``: what a padding-free (packed) run could gain over the unpadded limit, in-process
+(``packed_ceiling``).
 """
 
 from __future__ import annotations
@@ -97,7 +100,11 @@ def unpadded_limit(artifact: Path, xs: list[np.ndarray]) -> float:
     """Tokens per second of the requests each run alone in-process (after one warm-up pass)."""
     from service.engine import Engine
 
-    engine = Engine(artifact, "cpu")
+    return unpadded_limit_of(Engine(artifact, "cpu"), xs)
+
+
+def unpadded_limit_of(engine, xs: list[np.ndarray]) -> float:
+    """``unpadded_limit`` on an engine already made."""
     for x in xs[:32]:
         engine.run(x)
     start = time.perf_counter()
@@ -274,6 +281,50 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def packed_ceiling(artifact: Path, rounds: int = 3, runs: tuple[int, ...] = (256, 512, 1024)) -> str:
+    """The unpadded limit against the ceiling of a padding-free run of the same tokens, in-process, alternating,
+    medians of ``rounds``. A packed run computes every per-token product of ``T`` tokens at once and attention per
+    sequence; attention is ``seq / 6E`` of a position's work (0.7% at the draw's mean of 33 tokens, E = 768), so
+    the block's throughput on ``T`` tokens of 8-long sequences (``[T/8, 8, E]``, attention negligible) bounds it
+    from above: ``T`` = 256, 512, 1024 is 8, 16, 32 merged requests of the draw's mean length."""
+    from service.engine import Engine
+
+    engine = Engine(artifact, "cpu")
+    e = engine.d_model
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((1, int(s), e), dtype=np.float32) for s in draw(REQUESTS)]
+    tokens = sum(x.shape[1] for x in xs)
+
+    def packed(t: int) -> float:
+        x = rng.standard_normal((t // 8, 8, e), dtype=np.float32)
+        n = max(3, tokens // t)
+        start = time.perf_counter()
+        for _ in range(n):
+            engine.run(x)
+        return n * t / (time.perf_counter() - start)
+
+    rows: dict[str, list[float]] = {
+        "alone (the unpadded limit)": [],
+        **{f"packed, T = {t}": [] for t in runs},
+    }
+    for _ in range(rounds):
+        rows["alone (the unpadded limit)"].append(unpadded_limit_of(engine, xs))
+        for t in runs:
+            rows[f"packed, T = {t}"].append(packed(t))
+    base = statistics.median(rows["alone (the unpadded limit)"])
+    lines = [
+        f"{len(xs)} requests, {tokens} tokens, [1, s, {e}]; tokens/s, median of {rounds} (the rounds); vs alone"
+    ]
+    for label, values in rows.items():
+        m = statistics.median(values)
+        lines.append(f"{label:<28} {m:>8,.0f} ({', '.join(f'{v:,.0f}' for v in values)})  {m / base:.2f}x")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     if "--fit" in sys.argv:
         print(fit())
+    elif "--ceiling" in sys.argv:
+        from bench.server import ROOT
+
+        print(packed_ceiling(ROOT / "artifacts" / "default"))
