@@ -45,96 +45,6 @@ from service.settings import Settings
 log = logging.getLogger("addnorm.service")
 
 
-class ModelControl:
-    """What the load/unload routes, the gRPC methods and the poller call; one per server (``state.control``)."""
-
-    def __init__(self, settings: Settings, models: Callable[[], Registry | None]) -> None:
-        self.settings = settings
-        self.models = models  # the registry, None until the manifests are read
-        self.mode = settings.model_control_mode
-        self._refused: dict[str, tuple[Path, str]] = {}  # name -> (directory, model sha256) not to retry
-
-    def _allowed(self) -> None:
-        if self.mode != "explicit":
-            how = "--model-control-mode explicit" if self.mode == "none" else "the poller (mode poll) does it"
-            raise ControlOff(f"explicit model load / unload is not allowed here: {how}")
-
-    def _models(self) -> Registry:
-        models = self.models()
-        if models is None:
-            raise ControlOff("the server is still reading its models' manifests")
-        return models
-
-    async def load(self, name: str) -> None:
-        """Load (or reload) ``name`` from the repository; raises NotFound, LoadRefused or ControlOff."""
-        self._allowed()
-        await self._load(name)
-
-    async def unload(self, name: str) -> None:
-        """Stop serving ``name`` once its requests in flight are answered; raises NotFound or ControlOff."""
-        self._allowed()
-        await self._models().unload(name)
-
-    async def _load(self, name: str) -> None:
-        entry = repository_models(self.settings.model_repository).get(name)
-        if entry is None:
-            raise NotFound(f"no model {quote(name)} in the repository {self.settings.model_repository}")
-        directory, manifest = entry
-        try:
-            await self._models().load(name, directory)
-        except LoadFailed as exc:
-            self._refused[name] = (directory, manifest.model_sha256)
-            raise LoadRefused(f"model {quote(name)}: {exc}") from None
-        self._refused.pop(name, None)
-
-    async def poll(self) -> None:
-        """One look at the repository (mode poll): load what is new or changed, unload what is gone."""
-        models = self.models()
-        if models is None:
-            return
-        repo = self.settings.model_repository
-        found = repository_models(repo)
-        for name, (directory, manifest) in found.items():
-            slot = models.slots.get(name)
-            sha = manifest.model_sha256
-            if self._refused.get(name) == (directory, sha):
-                continue  # refused as it is: tried again once it changes
-            serving = slot.serving if slot is not None else None
-            if (
-                serving is not None
-                and slot.directory == directory
-                and serving.engine.manifest.model_sha256 == sha
-            ):
-                continue
-            with contextlib.suppress(ServiceError):  # refusals are logged and in the index
-                await self._load(name)
-        for name, slot in list(models.slots.items()):
-            from_repo = repo is not None and slot.directory.is_relative_to(repo)  # not a --model-dir's
-            if name not in found and from_repo and slot.serving is not None:
-                await models.unload(name)
-
-    async def watch(self) -> None:
-        """The poller: every ``--repository-poll-secs`` until cancelled."""
-        while True:
-            await asyncio.sleep(self.settings.repository_poll_secs)
-            try:
-                await self.poll()
-            except Exception:  # never the poller
-                log.exception("reading the model repository failed")
-
-
-def check_parameters(names: list[str], unload: bool = False) -> None:
-    """A load's or unload's parameters. Triton's ``config`` override and ``file:`` uploads are not taken (the
-    repository on disk is what loads, verified); an unload's ``unload_dependents`` (which tritonclient always
-    sends) is accepted, as no model here depends on another; anything else is refused rather than ignored."""
-    unknown = sorted(set(names) - ({"unload_dependents"} if unload else set()))
-    if unknown:
-        raise BadInput(
-            f"{'unload' if unload else 'load'} parameters {quote(unknown, 200)} are not supported here: put the "
-            "model's files in the repository and load it by name"
-        )
-
-
 @dataclass(frozen=True)
 class KnownModels:
     """What routes past the guard get once every manifest is read: the settings and the models by name."""
@@ -273,3 +183,93 @@ async def load_then_watch(state: ServiceState, exit_on_error: bool) -> None:
             os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful stop; the CLI then exits 1
     elif settings.model_control_mode == "poll":
         await state.control.watch()
+
+
+class ModelControl:
+    """What the load/unload routes, the gRPC methods and the poller call; one per server (``state.control``)."""
+
+    def __init__(self, settings: Settings, models: Callable[[], Registry | None]) -> None:
+        self.settings = settings
+        self.models = models  # the registry, None until the manifests are read
+        self.mode = settings.model_control_mode
+        self._refused: dict[str, tuple[Path, str]] = {}  # name -> (directory, model sha256) not to retry
+
+    def _allowed(self) -> None:
+        if self.mode != "explicit":
+            how = "--model-control-mode explicit" if self.mode == "none" else "the poller (mode poll) does it"
+            raise ControlOff(f"explicit model load / unload is not allowed here: {how}")
+
+    def _models(self) -> Registry:
+        models = self.models()
+        if models is None:
+            raise ControlOff("the server is still reading its models' manifests")
+        return models
+
+    async def load(self, name: str) -> None:
+        """Load (or reload) ``name`` from the repository; raises NotFound, LoadRefused or ControlOff."""
+        self._allowed()
+        await self._load(name)
+
+    async def unload(self, name: str) -> None:
+        """Stop serving ``name`` once its requests in flight are answered; raises NotFound or ControlOff."""
+        self._allowed()
+        await self._models().unload(name)
+
+    async def _load(self, name: str) -> None:
+        entry = repository_models(self.settings.model_repository).get(name)
+        if entry is None:
+            raise NotFound(f"no model {quote(name)} in the repository {self.settings.model_repository}")
+        directory, manifest = entry
+        try:
+            await self._models().load(name, directory)
+        except LoadFailed as exc:
+            self._refused[name] = (directory, manifest.model_sha256)
+            raise LoadRefused(f"model {quote(name)}: {exc}") from None
+        self._refused.pop(name, None)
+
+    async def poll(self) -> None:
+        """One look at the repository (mode poll): load what is new or changed, unload what is gone."""
+        models = self.models()
+        if models is None:
+            return
+        repo = self.settings.model_repository
+        found = repository_models(repo)
+        for name, (directory, manifest) in found.items():
+            slot = models.slots.get(name)
+            sha = manifest.model_sha256
+            if self._refused.get(name) == (directory, sha):
+                continue  # refused as it is: tried again once it changes
+            serving = slot.serving if slot is not None else None
+            if (
+                serving is not None
+                and slot.directory == directory
+                and serving.engine.manifest.model_sha256 == sha
+            ):
+                continue
+            with contextlib.suppress(ServiceError):  # refusals are logged and in the index
+                await self._load(name)
+        for name, slot in list(models.slots.items()):
+            from_repo = repo is not None and slot.directory.is_relative_to(repo)  # not a --model-dir's
+            if name not in found and from_repo and slot.serving is not None:
+                await models.unload(name)
+
+    async def watch(self) -> None:
+        """The poller: every ``--repository-poll-secs`` until cancelled."""
+        while True:
+            await asyncio.sleep(self.settings.repository_poll_secs)
+            try:
+                await self.poll()
+            except Exception:  # never the poller
+                log.exception("reading the model repository failed")
+
+
+def check_parameters(names: list[str], unload: bool = False) -> None:
+    """A load's or unload's parameters. Triton's ``config`` override and ``file:`` uploads are not taken (the
+    repository on disk is what loads, verified); an unload's ``unload_dependents`` (which tritonclient always
+    sends) is accepted, as no model here depends on another; anything else is refused rather than ignored."""
+    unknown = sorted(set(names) - ({"unload_dependents"} if unload else set()))
+    if unknown:
+        raise BadInput(
+            f"{'unload' if unload else 'load'} parameters {quote(unknown, 200)} are not supported here: put the "
+            "model's files in the repository and load it by name"
+        )

@@ -205,7 +205,7 @@ async def handle_infer(request: Request, loaded: KnownModels, params: dict[str, 
 
 
 # Two functions, not one with an optional ``version``: that would document a ``?version=`` query parameter on the
-# first path, which the fast path (service/fastpath.py) never reads.
+# first path, which the fast path (service.guard.FastPath) never reads.
 @router.post("/models/{name}/infer", summary="Inference", openapi_extra=_INFER_DOC)
 async def model_infer(name: str, request: Request, loaded: Known) -> Response:
     return await handle_infer(request, loaded, {"name": name})
