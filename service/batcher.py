@@ -120,10 +120,14 @@ class Batcher:
         """
         if self._closed:
             raise ShuttingDown("server is shutting down")
+        if timeout is not None and timeout <= 0:  # its deadline passed before it reached the queue
+            raise _timed_out(timeout)
         padded = mask is not None and bool(mask.any())
         self.limits.check(x.shape[0], x.shape[1], padded)
         loop = asyncio.get_running_loop()
         item = Request(x, mask, loop.create_future(), padded=padded)
+        if timeout is not None:  # the thread skips it once due, even before the loop runs its timer
+            item.deadline = item.enqueued + timeout
         with self._ready:
             if len(self._queue) >= self.max_queue_size:
                 raise Overloaded(
@@ -252,14 +256,17 @@ class Batcher:
                     if left <= 0:
                         break
                     self._ready.wait(left)
-            while self._queue[0].future.done():  # timed out or client gone before it ran: dropped
+            now = time.perf_counter()
+            while self._queue[0].dropped(
+                now
+            ):  # timed out or client gone before it ran (its timer answers it)
                 self._pop()
                 if not self._queue:
                     return []
             head = self._pop()
             if head.solo:
                 return [head]
-            live = [i for i in self._queue if not i.future.done()]  # the others are dropped as they come up
+            live = [i for i in self._queue if not i.dropped(now)]  # the others are dropped as they come up
             chosen = merging.choose(self.merge, head, live, self.limits, self.fixed_cost)
             if chosen:
                 taken = {id(i) for i in chosen}
@@ -270,11 +277,13 @@ class Batcher:
             return [head, *chosen]
 
 
+def _timed_out(timeout: float) -> TimedOut:
+    return TimedOut(f"request not answered within {timeout:g} s (ADDNORM_REQUEST_TIMEOUT_S)")
+
+
 def _expire(item: Request, timeout: float) -> None:
     if not item.future.done():
-        item.future.set_exception(
-            TimedOut(f"request not answered within {timeout:g} s (ADDNORM_REQUEST_TIMEOUT_S)")
-        )
+        item.future.set_exception(_timed_out(timeout))
 
 
 def _fail(batch: list[Request], exc: Exception) -> None:

@@ -84,6 +84,7 @@ class Request:
     padded: bool = False  # its own mask marks some padding
     enqueued: float = field(default_factory=time.perf_counter)
     timings: Timings = field(default_factory=Timings)
+    deadline: float | None = None  # ``time.perf_counter()`` past which it is not run
     solo: bool = field(init=False)  # it must run alone
 
     @property
@@ -93,6 +94,10 @@ class Request:
     @property
     def seq(self) -> int:
         return self.x.shape[1]
+
+    def dropped(self, now: float) -> bool:
+        """Answered already (timed out, its client gone) or past its deadline: not to be run."""
+        return self.future.done() or (self.deadline is not None and now >= self.deadline)
 
     def __post_init__(self) -> None:
         # A row that is all padding attends uniformly over its padding, so its (defined, meaningless) output

@@ -182,6 +182,36 @@ def test_timeout_gives_504_and_the_request_is_dropped_before_it_runs(engine):
     assert (1, 9, 32) not in model.shapes  # timed out while queued: never ran
 
 
+def test_a_request_past_its_deadline_is_never_run_even_before_its_timer_fires(engine):
+    """The event loop answers a timed-out request (its timer); the inference thread does not wait for that: once a
+    request's deadline has passed it is skipped, even while the loop is busy (here: blocked) and its timer has not
+    run. And a deadline already past is refused before the queue (a gRPC call that arrives after its deadline)."""
+    gate = threading.Event()
+    model = Recorder(engine, gate)
+
+    async def main():
+        batcher = Batcher(model, max_batch_size=1, max_queue_delay_ms=0)
+        batcher.start()
+        blocker = asyncio.ensure_future(batcher.infer(np.zeros((1, 2, 32), np.float32), None))
+        await until(model.entered.is_set)
+        late = asyncio.ensure_future(batcher.infer(np.zeros((1, 9, 32), np.float32), None, timeout=0.05))
+        await until(lambda: batcher.depth == 1)
+        time.sleep(0.1)  # the event loop blocked: the late request's timer cannot run
+        gate.set()  # the thread ends the blocked run and takes the queue's next, due already
+        deadline = time.monotonic() + 10
+        while batcher.depth and time.monotonic() < deadline:  # still blocking the loop: wait for the thread
+            time.sleep(0.001)
+        await blocker
+        with pytest.raises(TimedOut):
+            await late
+        with pytest.raises(TimedOut):
+            await batcher.infer(np.zeros((1, 5, 32), np.float32), None, timeout=0.0)
+        await batcher.stop()
+
+    run(main())
+    assert (1, 9, 32) not in model.shapes and (1, 5, 32) not in model.shapes
+
+
 def test_cancelled_request_is_not_run(engine):
     gate = threading.Event()
     model = Recorder(engine, gate)
