@@ -7,6 +7,7 @@ the same document: tests/test_schemathesis.py.)"""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import orjson
@@ -95,6 +96,29 @@ def test_v1_reads_exactly_the_documented_request_fields(reads):
     assert reads == documented(v1_schema.REQUEST)
 
 
+class RecordingHeaders(dict):
+    """Request headers that note every name looked up."""
+
+    def __init__(self, data: dict, reads: set[str]) -> None:
+        super().__init__(data)
+        self.reads = reads
+
+    def get(self, key, default=None):
+        self.reads.add(key)
+        return super().get(key, default)
+
+
+def test_v1_reads_exactly_the_documented_headers_and_query():
+    width, read = 4, set()
+    body = np.zeros((2, 3, width), np.float32).tobytes()
+    headers = RecordingHeaders({"x-shape": f"2,3,{width}", "x-lengths": "3,2"}, read)
+    codec = v1.EncodeCodec(v1.OCTET, headers, None, v1.JSON, None, 10_000)
+    req = codec.decode(body, lambda name: SimpleNamespace(engine=SimpleNamespace(d_model=width)))
+    assert req.mask is not None and read == v1_schema.HEADERS
+    query = {p["name"] for p in v1_schema.PARAMETERS if p["in"] == "query"}
+    assert query == {v1.MODEL, v1.OUTPUT}  # what handle_encode reads of the query, by the codec's names
+
+
 def test_v1_answers_exactly_the_documented_fields():
     x = np.ones((2, 3, 4), np.float32)
     req = v1.EncodeRequest(x, None)
@@ -117,6 +141,10 @@ def test_v2_reads_exactly_the_documented_request_fields(reads, manifest):
     header = json.dumps(binary).encode()
     v2.decode_infer(header + bytes(8 * e), str(len(header)), manifest, 10_000)
     assert reads == documented(v2_schema.REQUEST)
+
+
+def test_v2_documents_the_one_header_it_reads():
+    assert {v2.HEADER_LENGTH} == v2_schema.HEADERS  # read by routes.handle_infer for InferCodec
 
 
 def test_v2_answers_exactly_the_documented_fields():

@@ -7,7 +7,7 @@ import time
 
 from fastapi import APIRouter, Request, Response
 
-from model.contract import EMBEDDINGS, ENCODED, OUTPUT_NAMES
+from model.contract import EMBEDDINGS, ENCODED
 from service import inference
 from service.guard import FastRoute, Known
 from service.live_parity import judged
@@ -18,23 +18,7 @@ from service.state import KnownModels
 router = APIRouter(prefix="/v1", tags=["v1"])
 
 _ENCODE_DOC = {
-    "parameters": [
-        {
-            "name": "model",
-            "in": "query",
-            "required": False,
-            "schema": {"type": "string"},
-            "description": "the model to run, for any body (default: the server's first model)",
-        },
-        {
-            "name": codec.OUTPUT,
-            "in": "query",
-            "required": False,
-            "schema": {"type": "string", "enum": list(OUTPUT_NAMES)},
-            "description": "the one output the answer carries (pooled: the sentence embeddings [batch, d_model] of "
-            "a model exported with --pooling); without it JSON answers carry every output, binary ones encoded",
-        },
-    ],
+    "parameters": schema.PARAMETERS,
     "requestBody": {
         "required": True,
         "content": {

@@ -1,8 +1,9 @@
-"""The JSON bodies /v1/encode reads and writes, declared once: the OpenAPI document is built from them (routes.py),
-and tests/service/test_schemas.py holds the codec to them (every field declared is read or written, and nothing
-else is)."""
+"""What /v1/encode reads and writes, declared once: its JSON bodies, its query and header parameters. The OpenAPI
+document is built from them (routes.py), and tests/service/test_schemas.py holds the codec to them (every field and
+header declared is read or written, and nothing else is)."""
 
-from model.contract import EMBEDDINGS, ENCODED, MASK, POOLED
+from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, POOLED
+from service.protocols.v1.codec import MODEL, OUTPUT
 
 REQUEST = {
     "type": "object",
@@ -51,3 +52,36 @@ ANSWER = {
         },
     },
 }
+
+PARAMETERS = [
+    {
+        "name": MODEL,
+        "in": "query",
+        "required": False,
+        "schema": {"type": "string"},
+        "description": "the model to run, for any body (default: the server's first model)",
+    },
+    {
+        "name": OUTPUT,
+        "in": "query",
+        "required": False,
+        "schema": {"type": "string", "enum": list(OUTPUT_NAMES)},
+        "description": "the one output the answer carries (pooled: the sentence embeddings [batch, d_model] of "
+        "a model exported with --pooling); without it JSON answers carry every output, binary ones encoded",
+    },
+    {
+        "name": "X-Shape",
+        "in": "header",
+        "required": False,
+        "schema": {"type": "string", "pattern": "^[0-9]+(,[0-9]+){1,2}$"},
+        "description": "application/octet-stream bodies: their [batch,] seq, d_model, e.g. 2,128,768",
+    },
+    {
+        "name": "X-Lengths",
+        "in": "header",
+        "required": False,
+        "schema": {"type": "string", "pattern": "^[0-9]+(,[0-9]+)*$"},
+        "description": "binary bodies: each row's own length; positions past it are padding",
+    },
+]
+HEADERS = {p["name"].lower() for p in PARAMETERS if p["in"] == "header"}  # as the codec reads them

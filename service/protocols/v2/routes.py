@@ -24,6 +24,7 @@ _ERRORS = error_docs(
     {401: "missing or invalid API key", 404: "unknown model or version", 503: "model not loaded yet"}
 )
 _INFER_DOC = {
+    "parameters": schema.PARAMETERS,
     "requestBody": {
         "required": True,
         "content": {

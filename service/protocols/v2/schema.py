@@ -70,3 +70,14 @@ ANSWER = {
         },
     },
 }
+
+PARAMETERS = [
+    {
+        "name": "Inference-Header-Content-Length",
+        "in": "header",
+        "required": False,
+        "schema": {"type": "integer", "minimum": 1},
+        "description": "binary tensor extension: the length of the body's JSON header, before the raw tensors",
+    }
+]
+HEADERS = {p["name"].lower() for p in PARAMETERS if p["in"] == "header"}
