@@ -44,6 +44,18 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _every_worker_ready(base: str, in_a_row: int = 16, timeout: float = 60.0) -> None:
+    """The server is ready once one worker is: wait until ``in_a_row`` probes on new connections in a row (the
+    kernel spreads them over the workers; all on one of two workers by chance: 2**-15) answer 200, so that no
+    request below meets a worker still loading its model (503, "is loading")."""
+    deadline, ok = time.monotonic() + timeout, 0
+    while ok < in_a_row:
+        assert time.monotonic() < deadline, "the workers never all became ready"
+        ok = ok + 1 if httpx.get(f"{base}/health/ready", timeout=10).status_code == 200 else 0
+        if not ok:
+            time.sleep(0.1)
+
+
 def test_two_workers_serve_with_the_settings_they_were_given(tiny_artifact):
     """Two worker processes, each with the API key and the model: unauthenticated requests are refused, an
     authenticated one is answered as in-process onnxruntime answers it, whichever worker takes it."""
@@ -53,6 +65,7 @@ def test_two_workers_serve_with_the_settings_they_were_given(tiny_artifact):
     with start_server(tiny_artifact, "--workers", "2", "--api-key", "sekrit") as srv:
         workers = [c for c in _children(srv.proc.pid) if Path(f"/proc/{c}/cmdline").read_bytes()]
         assert len(workers) >= 2, workers  # (uvicorn may add a helper process of its own)
+        _every_worker_ready(srv.base)
         body = {"embeddings": x.tolist()}
         with httpx.Client(base_url=srv.base, timeout=30) as client:
             for _ in range(8):  # new connections: the kernel spreads them over the workers
@@ -77,8 +90,7 @@ def test_each_worker_shares_its_thread_budget_among_its_models(tiny_artifact, tm
     (other / "manifest.json").write_text(manifest)
     flags = ["--workers", "2", "--thread-budget", "4", "--model-dir", str(other)]
     with start_server(tiny_artifact, *flags) as srv:
-        with httpx.Client(base_url=srv.base, timeout=30) as client:
-            assert client.get("/health/ready").status_code == 200
+        _every_worker_ready(srv.base)
         deadline = time.monotonic() + 60
         while srv.output().count("intra-op threads") < 4:  # two models in each of two workers
             assert time.monotonic() < deadline, srv.output()[-3000:]
