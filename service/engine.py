@@ -241,7 +241,8 @@ def int8_cpu_hint(flags: frozenset[str]) -> str:
 
 
 def accept(v: Verification, mode: str, name: str) -> bool:
-    """Log the load-time check (``verify_engine``) in one line; False when it failed under strict (the model is not served)."""
+    """Log the load-time check (``verify_engine``) in one line; False when it failed under strict (the model is
+    not served)."""
     if v.status == "passed":
         log.info(
             "golden check passed for %s on %s: max abs err %.3e (%d cases, %.2f s)",
