@@ -162,15 +162,22 @@ def test_full_queue_answers_429_with_retry_after(engine):
     assert http_status(err) == 429 and err.retry_after == 1
 
 
+async def _running_one_blocked(model: Recorder) -> tuple[Batcher, asyncio.Future]:
+    """A started one-row batcher whose first request is in its run, held at ``model``'s gate: what is queued next
+    waits behind it."""
+    batcher = Batcher(model, max_batch_size=1, max_queue_delay_ms=0)
+    batcher.start()
+    blocker = asyncio.ensure_future(batcher.infer(np.zeros((1, 2, 32), np.float32), None))
+    await until(model.entered.is_set)
+    return batcher, blocker
+
+
 def test_timeout_gives_504_and_the_request_is_dropped_before_it_runs(engine):
     gate = threading.Event()
     model = Recorder(engine, gate)
 
     async def main():
-        batcher = Batcher(model, max_batch_size=1, max_queue_delay_ms=0)
-        batcher.start()
-        blocker = asyncio.ensure_future(batcher.infer(np.zeros((1, 2, 32), np.float32), None))
-        await until(model.entered.is_set)
+        batcher, blocker = await _running_one_blocked(model)
         with pytest.raises(TimedOut):
             await batcher.infer(np.zeros((1, 9, 32), np.float32), None, timeout=0.05)
         gate.set()
@@ -190,10 +197,7 @@ def test_a_request_past_its_deadline_is_never_run_even_before_its_timer_fires(en
     model = Recorder(engine, gate)
 
     async def main():
-        batcher = Batcher(model, max_batch_size=1, max_queue_delay_ms=0)
-        batcher.start()
-        blocker = asyncio.ensure_future(batcher.infer(np.zeros((1, 2, 32), np.float32), None))
-        await until(model.entered.is_set)
+        batcher, blocker = await _running_one_blocked(model)
         late = asyncio.ensure_future(batcher.infer(np.zeros((1, 9, 32), np.float32), None, timeout=0.05))
         await until(lambda: batcher.depth == 1)
         time.sleep(0.1)  # the event loop blocked: the late request's timer cannot run
@@ -217,10 +221,7 @@ def test_cancelled_request_is_not_run(engine):
     model = Recorder(engine, gate)
 
     async def main():
-        batcher = Batcher(model, max_batch_size=1, max_queue_delay_ms=0)
-        batcher.start()
-        blocker = asyncio.ensure_future(batcher.infer(np.zeros((1, 2, 32), np.float32), None))
-        await until(model.entered.is_set)
+        batcher, blocker = await _running_one_blocked(model)
         gone = asyncio.ensure_future(batcher.infer(np.zeros((1, 7, 32), np.float32), None))
         await until(lambda: batcher.depth == 1)
         gone.cancel()  # what the request core does when the client disconnects
