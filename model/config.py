@@ -28,7 +28,9 @@ class EncoderConfig:
     Field names follow ``torch.nn.TransformerEncoderLayer`` so a config reads the same as the layer it mirrors;
     ``num_layers`` is the depth of the stack and ``norm`` picks LayerNorm (default) or RMSNorm. ``pooling`` adds a
     sentence embedding output (model.contract.POOLED) as sentence-transformers computes it: ``mean`` over each
-    sequence's real tokens or its first (``cls``) token, L2-normalized with ``normalize_pooled``.
+    sequence's real tokens or its first (``cls``) token, L2-normalized with ``normalize_pooled``. ``packed``: the
+    exported graph takes sequences of different lengths end to end, without padding (model/packing.py); the
+    torch module is the same.
     """
 
     d_model: int = 768
@@ -43,6 +45,7 @@ class EncoderConfig:
     norm: str = "layer"
     pooling: str = "none"
     normalize_pooled: bool = False
+    packed: bool = False
 
     def __post_init__(self) -> None:
         for name in ("d_model", "nhead", "dim_feedforward", "num_layers"):
@@ -69,11 +72,13 @@ class EncoderConfig:
             raise ConfigError(f"layer_norm_eps must be a number in (0, 1), got {eps!r}")
         if self.pooling not in POOLINGS:
             raise ConfigError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
-        for name in ("norm_first", "batch_first", "normalize_pooled"):
+        for name in ("norm_first", "batch_first", "normalize_pooled", "packed"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.normalize_pooled and self.pooling == "none":
             raise ConfigError("normalize_pooled needs a pooling ('mean' or 'cls'): there is no pooled output")
+        if self.packed and not self.batch_first:
+            raise ConfigError("packed needs batch_first: a packed graph's tokens have no batch axis to order")
 
     @property
     def head_dim(self) -> int:

@@ -17,12 +17,24 @@ MASK = "mask"  # bool (batch, seq), true = padding
 ENCODED = "encoded"  # float32, the embeddings' shape
 POOLED = "pooled"  # float32 (batch, d_model): the sentence embedding, in graphs exported with a pooling
 INPUT_NAMES = (EMBEDDINGS, MASK)
+# A packed graph (config.packed) takes sequences of different lengths laid end to end, no padding, in the
+# layout of Triton's ragged batching: ``embeddings`` float32 (tokens x d_model,), the tokens concatenated;
+# ``mask`` bool (tokens,); and two inputs that say where each sequence lies:
+OFFSETS = "offsets"  # int32 (batch + 1,): each sequence's first element of embeddings, then the total, from 0
+LONGEST = "longest"  # int32 (the longest sequence's elements,): only its shape is read
+PACKED_INPUT_NAMES = (EMBEDDINGS, MASK, OFFSETS, LONGEST)
 OUTPUT_NAMES = (
     ENCODED,
     POOLED,
 )  # every output a graph may have, in graph order; output_names(config): its own
 STEP_OUTPUT = "add_norm_{}"  # debug graphs only: one extra output per Add & Norm step, never served
 BATCH, SEQ = "batch", "seq"  # the symbolic dims
+ELEMENTS, TOKENS, STARTS, LONGEST_ELEMENTS = (
+    "elements",
+    "tokens",
+    "starts",
+    "longest_elements",
+)  # a packed graph's
 
 
 @dataclass(frozen=True)
@@ -52,8 +64,23 @@ def positional(name: str) -> bool:
     return name != POOLED
 
 
+def input_names(config: EncoderConfig) -> tuple[str, ...]:
+    """The inputs of the graph exported for ``config``, in graph order."""
+    return PACKED_INPUT_NAMES if config.packed else INPUT_NAMES
+
+
 def io_specs(config: EncoderConfig) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-    """(inputs, outputs) of the graph exported for ``config``, in graph order."""
+    """(inputs, outputs) of the graph exported for ``config``, in graph order. A packed graph's outputs are
+    padded (batch, seq, ...), as a padded graph's, with zeros beyond each sequence's length."""
+    if config.packed:
+        _, outputs = io_specs(EncoderConfig.from_dict({**config.to_dict(), "packed": False}))
+        inputs = (
+            TensorSpec(EMBEDDINGS, "float32", (ELEMENTS,)),
+            TensorSpec(MASK, "bool", (TOKENS,)),
+            TensorSpec(OFFSETS, "int32", (STARTS,)),
+            TensorSpec(LONGEST, "int32", (LONGEST_ELEMENTS,)),
+        )
+        return inputs, outputs
     if config.batch_first:
         emb_shape: tuple[int | str, ...] = (BATCH, SEQ, config.d_model)
     else:
@@ -66,7 +93,14 @@ def io_specs(config: EncoderConfig) -> tuple[tuple[TensorSpec, ...], tuple[Tenso
 
 
 def api_specs(config: EncoderConfig) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-    """What the APIs speak: always batch-first, whatever the graph's layout (the engine transposes)."""
-    if config.batch_first:
+    """What the APIs speak: always batch-first and padded, whatever the graph's layout (the engine transposes or
+    packs: model/packing.py)."""
+    if config.batch_first and not config.packed:
         return io_specs(config)
-    return io_specs(EncoderConfig.from_dict({**config.to_dict(), "batch_first": True}))
+    return io_specs(EncoderConfig.from_dict({**config.to_dict(), "batch_first": True, "packed": False}))
+
+
+def client_inputs(config: EncoderConfig) -> list[str]:
+    """The inputs a client may send: the API's, whatever the graph's layout (a packed graph's offsets are the
+    server's to compute)."""
+    return [s.name for s in api_specs(config)[0]]

@@ -88,6 +88,36 @@ def attend(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, nhe
     return (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(B, S, E)
 
 
+class Packing:
+    """Sequences of different lengths laid end to end as packed tokens (1, T, E), and where each token sits in
+    the padded (B, S) batch attention needs: the per-token work (projections, feed-forward, residual adds, norms)
+    runs on real tokens only, attention on them padded (``pad``) and back (``unpad``).
+
+    ``starts`` (B,) each sequence's first token, ``lengths`` (B,), ``seq`` the longest length, ``token_mask`` (T,)
+    true where a token is a client's own padding. ``mask`` (B, S): the key padding mask of the padded batch (a
+    client's padding, and every position beyond a sequence's length).
+    """
+
+    def __init__(self, starts: Tensor, lengths: Tensor, seq: Tensor | int, token_mask: Tensor) -> None:
+        tokens = torch.arange(token_mask.shape[0])
+        grid = torch.arange(seq)
+        valid = grid[None, :] < lengths[:, None]  # (B, S)
+        # (B, S): the token at each padded position; T (one past the last token) where there is none
+        self.gather = torch.where(valid, starts[:, None] + grid[None, :], token_mask.shape[0])
+        self.mask = torch.cat([token_mask, token_mask.new_ones(1)])[self.gather]
+        row = (tokens[:, None] >= starts[None, 1:]).sum(1)  # (T,) the sequence each token belongs to
+        self.scatter = row * seq + tokens - starts[row]  # (T,) its position in the flattened (B * S)
+
+    def pad(self, t: Tensor) -> Tensor:
+        """(1, T, C) -> (B, S, C), zeros beyond each sequence's length."""
+        flat = t[0]
+        return torch.cat([flat, flat.new_zeros(1, flat.shape[1])])[self.gather]
+
+    def unpad(self, p: Tensor) -> Tensor:
+        """(B, S, C) -> (1, T, C)."""
+        return p.reshape(-1, p.shape[-1])[self.scatter][None]
+
+
 class SelfAttention(nn.Module):
     """Multi-head self-attention with a key padding mask, laid out like ``nn.MultiheadAttention``.
 
@@ -106,7 +136,10 @@ class SelfAttention(nn.Module):
         nn.init.xavier_uniform_(self.in_proj_weight)  # as nn.MultiheadAttention does
         nn.init.zeros_(self.out_proj.bias)
 
-    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, key_padding_mask: Tensor | None = None, packing: Packing | None = None
+    ) -> Tensor:
+        """x (B, S, E), or with ``packing`` the packed tokens (1, T, E): attention then runs on them padded."""
         E = x.shape[-1]
         w, b = self.in_proj_weight, self.in_proj_bias
         # Three projections on slices of the stacked weight: the slices fold into constants at export, and no
@@ -114,7 +147,10 @@ class SelfAttention(nn.Module):
         q = F.linear(x, w[:E], b[:E])
         k = F.linear(x, w[E : 2 * E], b[E : 2 * E])
         v = F.linear(x, w[2 * E :], b[2 * E :])
-        return self.out_proj(self.attend(q, k, v, key_padding_mask, self.nhead))
+        if packing is None:
+            return self.out_proj(self.attend(q, k, v, key_padding_mask, self.nhead))
+        q, k, v = (packing.pad(t) for t in (q, k, v))
+        return self.out_proj(packing.unpad(self.attend(q, k, v, packing.mask, self.nhead)))
 
 
 class EncoderBlock(nn.Module):
@@ -141,10 +177,15 @@ class EncoderBlock(nn.Module):
         return self.linear2(self.dropout(self.activation(self.linear1(x))))
 
     def forward(
-        self, x: Tensor, key_padding_mask: Tensor | None = None, steps: list[Tensor] | None = None
+        self,
+        x: Tensor,
+        key_padding_mask: Tensor | None = None,
+        steps: list[Tensor] | None = None,
+        packing: Packing | None = None,
     ) -> Tensor:
-        """x (B, S, E) -> (B, S, E). Appends each Add & Norm result to ``steps`` when given."""
-        x = self.norm1(x, lambda h: self.dropout1(self.self_attn(h, key_padding_mask)))
+        """x (B, S, E) -> (B, S, E), or packed tokens (1, T, E) with ``packing`` (every per-token step on them,
+        attention padded). Appends each Add & Norm result to ``steps`` when given."""
+        x = self.norm1(x, lambda h: self.dropout1(self.self_attn(h, key_padding_mask, packing)))
         if steps is not None:
             steps.append(x)
         x = self.norm2(x, lambda h: self.dropout2(self.feed_forward(h)))
@@ -191,6 +232,27 @@ class Encoder(nn.Module):
             ENCODED: encoded,
             POOLED: pool(tokens, mask, self.config.pooling, self.config.normalize_pooled),
         }
+
+    def packed_outputs(
+        self, tokens: Tensor, packing: Packing, steps: list[Tensor] | None = None
+    ) -> dict[str, Tensor]:
+        """``outputs`` of packed tokens (1, T, E) (batch-first stacks only): every per-token step on the tokens,
+        attention padded; the outputs padded to (B, S, E), zeros beyond each sequence's length, as are ``steps``."""
+        packed_steps: list[Tensor] | None = None if steps is None else []
+        x = tokens
+        for layer in self.layers:
+            x = layer(x, None, packed_steps, packing)
+        if self.norm is not None:
+            x = self.norm(x)
+            if packed_steps is not None:
+                packed_steps.append(x)
+        if steps is not None:
+            steps.extend(packing.pad(t) for t in packed_steps or [])
+        encoded = packing.pad(x)
+        if self.config.pooling == "none":
+            return {ENCODED: encoded}
+        pooled = pool(encoded, packing.mask, self.config.pooling, self.config.normalize_pooled)
+        return {ENCODED: encoded, POOLED: pooled}
 
 
 def pool(tokens: Tensor, mask: Tensor | None, how: str, normalize: bool) -> Tensor:
