@@ -11,7 +11,7 @@ from export import attention as attn
 from export.onnx_export import MIN_OPSET, opset_of
 from export.variants import get_variant, norm_op
 from model.config import EncoderConfig
-from model.contract import EMBEDDINGS, INPUT_NAMES, MASK, output_names
+from model.contract import EMBEDDINGS, MASK, input_names, output_names
 
 # ONNX elem types the artifact allows for embeddings/encoded (fp16 artifacts take fp16 or fp32).
 _FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16}
@@ -78,7 +78,7 @@ def check_graph(
 
 def _check_io(model: onnx.ModelProto, config: EncoderConfig) -> None:
     inputs = {i.name: i for i in model.graph.input}
-    missing = [n for n in INPUT_NAMES if n not in inputs]
+    missing = [n for n in input_names(config) if n not in inputs]
     if missing:
         raise GraphCheckError(f"graph inputs {sorted(inputs)} lack {missing}")
     emb = inputs[EMBEDDINGS].type.tensor_type
@@ -89,9 +89,14 @@ def _check_io(model: onnx.ModelProto, config: EncoderConfig) -> None:
     if inputs[MASK].type.tensor_type.elem_type != onnx.TensorProto.BOOL:
         raise GraphCheckError(f"input {MASK!r} must be bool")
     dims = emb.shape.dim
-    if len(dims) != 3:
+    if config.packed:  # every input flat and of any length (model.contract)
+        for name in input_names(config):
+            shape = inputs[name].type.tensor_type.shape.dim
+            if len(shape) != 1 or shape[0].HasField("dim_value"):
+                raise GraphCheckError(f"packed graph input {name!r} must be rank 1 of symbolic length")
+    elif len(dims) != 3:
         raise GraphCheckError(f"input {EMBEDDINGS!r} must be rank 3, is rank {len(dims)}")
-    fixed = [i for i in (0, 1) if dims[i].HasField("dim_value")]
+    fixed = [] if config.packed else [i for i in (0, 1) if dims[i].HasField("dim_value")]
     if fixed:
         raise GraphCheckError(
             f"embeddings dim(s) {fixed} were specialized to fixed sizes; batch and sequence must be symbolic"

@@ -35,7 +35,7 @@ _CONFIG_FLAGS = {
     "dropout": float,
     "norm": str,
 }
-_SWITCHES = ("norm_first", "batch_first", "pooling", "normalize_pooled")  # the flags without a type
+_SWITCHES = ("norm_first", "batch_first", "pooling", "normalize_pooled", "packed")  # the flags without a type
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,6 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="embeddings as [batch, seq, d_model] (default) or [seq, batch, d_model] with --no-batch-first",
+    )
+    g.add_argument(
+        "--packed",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a padding-free graph: sequences of different lengths end to end, the per-token work on real tokens "
+        "only and attention padded per sequence (the server merges any lengths without computing padding; "
+        "Triton's ragged batching, addnorm-triton); its answers are the padded graph's (default: padded)",
     )
     p.add_argument(
         "--if-missing",

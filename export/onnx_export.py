@@ -13,9 +13,9 @@ import torch
 from torch import Tensor, nn
 
 from export import attention as attn
-from model.contract import BATCH, INPUT_NAMES, SEQ, STEP_OUTPUT
+from model.contract import BATCH, ELEMENTS, LONGEST_ELEMENTS, SEQ, STARTS, STEP_OUTPUT, TOKENS, input_names
 from model.contract import output_names as contract_outputs
-from model.encoder import Encoder
+from model.encoder import Encoder, Packing
 
 MIN_OPSET = 17  # LayerNormalization entered the standard in opset 17
 RMS_MIN_OPSET = 23  # RMSNormalization entered the standard in opset 23
@@ -42,14 +42,36 @@ class _GraphModule(nn.Module):
         self.dtype = next(encoder.parameters()).dtype
 
     def forward(self, embeddings: Tensor, mask: Tensor) -> Tensor | tuple[Tensor, ...]:
-        x = embeddings.to(self.dtype)
         steps: list[Tensor] | None = [] if self.with_steps else None
-        named = self.encoder.outputs(x, mask, steps)
+        return self.graph_outputs(self.encoder.outputs(embeddings.to(self.dtype), mask, steps), steps)
+
+    def graph_outputs(
+        self, named: dict[str, Tensor], steps: list[Tensor] | None
+    ) -> Tensor | tuple[Tensor, ...]:
+        """The contract's outputs in graph order, then every Add & Norm result, float32."""
         outs = tuple(
             t.float()
             for t in (*(named[name] for name in contract_outputs(self.encoder.config)), *(steps or []))
         )
         return outs[0] if len(outs) == 1 else outs
+
+
+class _PackedGraphModule(_GraphModule):
+    """What is traced for a packed graph (model.contract, model/packing.py): (embeddings (T x E,), mask (T,),
+    offsets (B + 1,), longest (S x E,)) -> the same outputs as a padded graph's, (B, S, ...)."""
+
+    def forward(  # type: ignore[override]
+        self, embeddings: Tensor, mask: Tensor, offsets: Tensor, longest: Tensor
+    ) -> Tensor | tuple[Tensor, ...]:
+        width = self.encoder.config.d_model
+        # (1, T, E): the token axis where a batch's is, so every weight product stays a MatMul over (rows, E)
+        tokens = embeddings.reshape(1, -1, width).to(self.dtype)
+        bounds = offsets.to(torch.int64) // width
+        # max(1, ...): a padded length the tracer can prove positive (torch.cond refuses strides holding Max(1, seq))
+        seq = torch.sym_max(longest.shape[0] // width, 1)
+        packing = Packing(bounds[:-1], bounds[1:] - bounds[:-1], seq, mask)
+        steps: list[Tensor] | None = [] if self.with_steps else None
+        return self.graph_outputs(self.encoder.packed_outputs(tokens, packing, steps), steps)
 
 
 def output_names(encoder: Encoder, with_steps: bool) -> list[str]:
@@ -90,19 +112,31 @@ def export_onnx(
         example = torch.randn(EXAMPLE_SEQ, EXAMPLE_BATCH, cfg.d_model)
         emb_dims = {0: seq, 1: batch}
     mask = torch.zeros(EXAMPLE_BATCH, EXAMPLE_SEQ, dtype=torch.bool)
-    module = _GraphModule(encoder.eval(), with_steps)
-    names = (list(INPUT_NAMES), output_names(encoder, with_steps))
+    args: tuple[Tensor, ...] = (example, mask)
+    dims: tuple[dict, ...] = (emb_dims, {0: batch, 1: seq})
+    module: nn.Module = _GraphModule(encoder.eval(), with_steps)
+    if cfg.packed:
+        args, dims = _packed_example(cfg.d_model)
+        module = _PackedGraphModule(encoder.eval(), with_steps)
+    names = (list(input_names(cfg)), output_names(encoder, with_steps))
     with attn.spelled(encoder, form):
-        export_module(
-            module,
-            (example, mask),
-            Path(path),
-            names,
-            (emb_dims, {0: batch, 1: seq}),
-            opset,
-            attn.TRANSLATIONS,
-        )
+        export_module(module, args, Path(path), names, dims, opset, attn.TRANSLATIONS)
     return load_checked(path, opset)
+
+
+def _packed_example(width: int) -> tuple[tuple[Tensor, ...], tuple[dict, ...]]:
+    """A packed graph's example inputs (sequences of 5 and 2 tokens: every size distinct, none 1) and dims."""
+    lengths = (EXAMPLE_SEQ, 2)
+    tokens = sum(lengths)
+    offsets = torch.tensor([0, lengths[0] * width, tokens * width], dtype=torch.int32)
+    args = (
+        torch.randn(tokens * width),
+        torch.zeros(tokens, dtype=torch.bool),
+        offsets,
+        torch.zeros(EXAMPLE_SEQ * width, dtype=torch.int32),
+    )
+    dims = tuple({0: torch.export.Dim(name)} for name in (ELEMENTS, TOKENS, STARTS, LONGEST_ELEMENTS))
+    return args, dims
 
 
 def export_module(

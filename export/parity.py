@@ -21,7 +21,7 @@ import onnxruntime as ort
 import torch
 
 from export.cases import Case, Given, default_cases
-from model import reference
+from model import packing, reference
 from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, STEP_OUTPUT, output_names, positional
 from model.encoder import Encoder
 from model.golden import REPRESENTATIVE
@@ -169,7 +169,7 @@ def make_session(
     model_path: str | Path, graph_optimization: str = "all", providers: list[str] | None = None
 ) -> ort.InferenceSession:
     """A session on ``providers`` (CPU by default). Asking for CUDA and not getting it is an error, never a
-    silent run on CPU."""
+    silent run on CPU. A packed graph's session takes padded feeds like any other (model.packing.PaddedFeeds)."""
     opts = ort.SessionOptions()
     opts.graph_optimization_level = GRAPH_OPT_LEVELS[graph_optimization]
     opts.log_severity_level = 3
@@ -179,7 +179,7 @@ def make_session(
     session = ort.InferenceSession(str(model_path), opts, providers=with_options(wanted))
     if session.get_providers()[0] != wanted[0]:
         raise RuntimeError(f"{wanted[0]} is not usable here: the session runs on {session.get_providers()}")
-    return session
+    return packing.PaddedFeeds(session) if packing.is_packed(session) else session
 
 
 def run_parity(
