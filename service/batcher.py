@@ -33,6 +33,9 @@ RELEASE_IDLE_S = 1.0
 
 
 class Model(Protocol):
+    """What the batcher runs (service.engine.Engine). One with ``packed`` true also takes ``run(x, mask,
+    lengths)``: each row computed to its own length only (model/packing.py)."""
+
     def run(self, embeddings: np.ndarray, mask: np.ndarray | None = None) -> Outputs: ...
 
 
@@ -56,11 +59,12 @@ class Batcher:
         attention: str = "decomposed",
         cores: CoreBudget | None = None,
         merge: str = "cost",
-        fixed_cost: float = 32.0,
+        costs: merging.Costs | None = None,
     ) -> None:
         self.model = model
         self.merge = merge  # "cost" or "pad": how requests of different lengths merge (service/merging.py)
-        self.fixed_cost = fixed_cost  # a run's fixed cost in token-positions (merging.run_cost)
+        self.packed = bool(getattr(model, "packed", False))  # computes real positions only (model/packing.py)
+        self.costs = costs or merging.Costs(packed=self.packed)  # its cost model (merging.measure_costs)
         self.cores = cores  # the server's CPU thread budget: each run holds the model's threads of it
         self._threads = getattr(
             model, "threads", cores.threads if cores else 1
@@ -183,7 +187,8 @@ class Batcher:
             self._ran_since_release = True
             try:
                 with self.cores.hold(self._threads) if self.cores else contextlib.nullcontext():
-                    out = self.model.run(x, mask)
+                    lengths = (merging.lengths(batch),) if self.packed else ()
+                    out = self.model.run(x, mask, *lengths)
             except ServiceError as exc:
                 self._post(_fail, batch, exc)
                 continue
@@ -196,14 +201,15 @@ class Batcher:
                 item.timings.infer_s = ran - merged
                 item.timings.batch_rows = x.shape[0]
             rows = merging.split(batch, out)
+            requested = sum(item.rows * item.seq for item in batch)
             run = Run(
                 rows=x.shape[0],
                 requests=len(batch),
                 seconds=ran - merged,
                 merge_s=merged - started,
                 split_s=time.perf_counter() - ran,
-                positions=x.shape[0] * x.shape[1],
-                requested=sum(item.rows * item.seq for item in batch),
+                positions=requested if self.packed else x.shape[0] * x.shape[1],
+                requested=requested,
             )
             done = (batch, rows, run)
             if self.max_delay > 0:
@@ -267,7 +273,7 @@ class Batcher:
             if head.solo:
                 return [head]
             live = [i for i in self._queue if not i.dropped(now)]  # the others are dropped as they come up
-            chosen = merging.choose(self.merge, head, live, self.limits, self.fixed_cost)
+            chosen = merging.choose(self.merge, head, live, self.limits, self.costs)
             if chosen:
                 taken = {id(i) for i in chosen}
                 kept = [i for i in self._queue if id(i) not in taken]

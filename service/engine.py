@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from model import packing
 from model.artifact import ArtifactError, Manifest, load_verified, read_verified
 from model.attention import score_elements
 from model.contract import EMBEDDINGS, MASK, positional
@@ -98,6 +99,7 @@ class Engine:
         self.input_dtype = np.dtype(np.float16 if spec.dtype == "float16" else np.float32)
         self.d_model = self.manifest.config.d_model
         self.batch_first = self.manifest.config.batch_first
+        self.packed = self.manifest.config.packed  # per-token work on real tokens only (model/packing.py)
         self.output_names = [o.name for o in self.manifest.outputs]
         self.heads = self.manifest.config.nhead
         self.attention = self.manifest.attention
@@ -137,25 +139,36 @@ class Engine:
         if not self._grown:
             return False
         self._grown = False
-        feed = {EMBEDDINGS: np.zeros((1, 1, self.d_model), self.input_dtype), MASK: np.zeros((1, 1), bool)}
-        if not self.batch_first:
-            feed[EMBEDDINGS] = feed[EMBEDDINGS].transpose(1, 0, 2)
-        self.session.run(self.output_names, feed, self._shrink)
+        self.session.run(self.output_names, self._feed(np.zeros((1, 1, self.d_model)), None), self._shrink)
         trim()
         return True
 
-    def run(self, embeddings: np.ndarray, mask: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        """embeddings (B, S, E) batch-first -> every output by name, batch-first float32 (padding included)."""
+    def _feed(
+        self, embeddings: np.ndarray, mask: np.ndarray | None, lengths: np.ndarray | None = None
+    ) -> dict[str, np.ndarray]:
+        """The graph's inputs for a batch-first (B, S, E) batch, in its layout: transposed, or packed."""
         b, s, _ = embeddings.shape
         if mask is None:
             mask = np.zeros((b, s), dtype=bool)
-        working = self.working_bytes(b, s, bool(mask.any()))
-        big = working > SHRINK_EACH_ABOVE_BYTES
-        self._grown = self._grown or working > RELEASE_ABOVE_BYTES
         x = embeddings.astype(self.input_dtype, copy=False)
+        if self.packed:
+            return packing.feed(x, mask, lengths)
         if not self.batch_first:
             x = x.transpose(1, 0, 2)  # the graph takes (S, B, E)
-        feed = {EMBEDDINGS: np.ascontiguousarray(x), MASK: mask}
+        return {EMBEDDINGS: np.ascontiguousarray(x), MASK: mask}
+
+    def run(
+        self, embeddings: np.ndarray, mask: np.ndarray | None = None, lengths: np.ndarray | None = None
+    ) -> dict[str, np.ndarray]:
+        """embeddings (B, S, E) batch-first -> every output by name, batch-first float32 (padding included).
+        ``lengths`` (B,): how much of each row to compute, for a packed graph (the rest is padding merging added,
+        answered as zeros); every position when None. A padded graph computes every position anyway."""
+        b, s, _ = embeddings.shape
+        padded = mask is not None and bool(mask.any())
+        working = self.working_bytes(b, s, padded)
+        big = working > SHRINK_EACH_ABOVE_BYTES
+        self._grown = self._grown or working > RELEASE_ABOVE_BYTES
+        feed = self._feed(embeddings, mask, lengths)
         outs = self.session.run(self.output_names, feed, self._shrink if big else None)
         if big:
             trim()

@@ -1,18 +1,17 @@
 """What one run of the batcher takes: which queued requests (``--merge-lengths``), within which limits
 (``Limits``), stacked padded into one batch (``stack``) and cut back into each request's rows (``split``).
 
-A merged run pads every request to its longest, and the weight products, feed-forward layers and norms (over 90%
-of a layer's arithmetic at 128 positions) then run on the padding too: with lengths spread like real text, the
-longest of 16 requests is several times their mean, and merging whatever fits left two thirds of the computed
-positions padding (docs/benchmarks.md, "Mixed lengths"). Running every request apart costs each run its fixed
+A merged run pads every request to its longest, and the weight products, feed-forward layers and norms then run
+on the padding too (with lengths spread like real text, merging whatever fits left two thirds of the computed
+positions padding: docs/benchmarks.md, "Mixed lengths"); running every request apart costs each run its fixed
 overhead instead. ``by_cost`` weighs the two by a cost model of a run, in token-positions:
 
-    run_cost(rows, seq) = fixed + rows x seq x (1 + seq / 6E)
+    Costs.run = fixed + tokens + w x rows x seq^2 / 6E     (tokens: rows x seq; a packed graph's, its own)
 
 (each position's weight products, 12 E^2 multiply-adds, plus its attention, 2 x seq x E), with ``fixed`` measured
-on the model at load (``measure_fixed_cost``: 5-9 positions for the default 768-wide block on a 2-core EPYC).
-``in_order`` is ``--merge-lengths pad``: whatever follows the head while it fits. Nothing here touches the queue
-or a lock: the batcher (service/batcher.py) hands in the queue's head and the live requests behind it.
+on the model at load (``measure_costs``: 5-9 positions, default block, 2-core EPYC). A packed graph
+(model/packing.py) computes no padding's products, so there merging costs only attention's padding, whose weight
+``w`` is measured at load too (1.4-2.1 for the default packed graph; 1 on a padded graph). ``in_order`` is ``--merge-lengths pad``. Nothing here touches the queue or a lock.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ class Timings:
 @dataclass(frozen=True)
 class Run:
     """One model run, as its observers are told of it (on the event loop): its rows and requests, the seconds
-    spent merging, running and cutting it, and its positions: ``positions`` computed (rows x the batch's seq),
+    spent merging, running and cutting it, and its positions: ``positions`` computed (rows x the batch's seq; on a packed graph the requests' own),
     ``requested`` the requests' own (each request's rows x its seq); the rest is padding added by merging."""
 
     rows: int
@@ -148,18 +147,28 @@ class Limits:
 Fits = Callable[[int, int, bool], bool]  # (rows, seq, padded) -> whether a run that size is within the limits
 
 
+@dataclass(frozen=True)
+class Costs:
+    """The cost model's terms for one model: a run's ``fixed`` cost in token-positions, whether its graph is
+    ``packed`` (it computes only the requests' own positions), and ``attention``, the weight of attention's term."""
+
+    fixed: float = 32.0
+    packed: bool = False
+    attention: float = 1.0
+
+    def run(self, rows: int, seq: int, e: int, tokens: int | None = None) -> float:
+        """A run of ``rows`` x ``seq`` (``tokens`` the requests' own positions) on a model ``e`` wide."""
+        per_token = tokens if self.packed and tokens is not None else rows * seq
+        return self.fixed + per_token + self.attention * rows * seq * seq / (6.0 * e)
+
+
 def choose(
-    merge: str, head: Request, queued: Sequence[Request], limits: Limits, fixed: float
+    merge: str, head: Request, queued: Sequence[Request], limits: Limits, costs: Costs
 ) -> list[Request]:
     """The requests to run with ``head`` by the policy ``merge`` ("cost": ``by_cost``; "pad": ``in_order``)."""
     if merge == "cost":
-        return by_cost(head, queued, limits.fits, fixed)
+        return by_cost(head, queued, limits.fits, costs)
     return in_order(head, queued, limits.fits)
-
-
-def run_cost(fixed: float, rows: int, seq: int, e: int) -> float:
-    """A run of ``rows`` x ``seq`` on a model ``e`` wide, in token-positions (the module's cost model)."""
-    return fixed + rows * seq * (1.0 + seq / (6.0 * e))
 
 
 def in_order(head: Request, queued: Sequence[Request], fits: Fits) -> list[Request]:
@@ -177,25 +186,32 @@ def in_order(head: Request, queued: Sequence[Request], fits: Fits) -> list[Reque
     return chosen
 
 
-def by_cost(head: Request, queued: Sequence[Request], fits: Fits, fixed: float) -> list[Request]:
+def by_cost(head: Request, queued: Sequence[Request], fits: Fits, costs: Costs) -> list[Request]:
     """The requests of ``queued`` (in queue order) to run with ``head``, in the order chosen: nearest length
     first, each one taken while merging it costs no more than a run of its own would (the padding it adds, its
-    rows up to the batch's length or the batch up to its length, against ``fixed``) and the run ``fits``."""
+    rows up to the batch's length or the batch up to its length, against the fixed cost; on a packed graph only
+    attention's padding) and the run ``fits``."""
     rows, seq, padded = head.rows, head.seq, head.padded
+    tokens = head.rows * head.seq
     e = head.x.shape[2]
     queued = [i for i in queued if not i.solo]  # each of those runs alone when its turn comes
     below = sorted((i for i in queued if i.seq <= seq), key=lambda i: -i.seq)  # nearest first, stable
     above = sorted((i for i in queued if i.seq > seq), key=lambda i: i.seq)
     chosen: list[Request] = []
 
-    def extra(item: Request, rows: int, seq: int) -> float:
-        """What merging ``item`` into a run of ``rows`` x ``seq`` costs beyond a run of its own (negative:
-        merging saves)."""
-        merged = run_cost(fixed, rows + item.rows, max(seq, item.seq), e) - run_cost(fixed, rows, seq, e)
-        return merged - run_cost(fixed, item.rows, item.seq, e)
+    def extra(item: Request, rows: int, seq: int, tokens: int) -> float:
+        """What merging ``item`` into a run of ``rows`` x ``seq`` (``tokens`` its requests' own positions) costs
+        beyond a run of its own (negative: merging saves)."""
+        own = item.rows * item.seq
+        merged = costs.run(rows + item.rows, max(seq, item.seq), e, tokens + own) - costs.run(
+            rows, seq, e, tokens
+        )
+        return merged - costs.run(item.rows, item.seq, e, own)
 
     while below or above:
-        cost, side = min(((extra(s[0], rows, seq), s) for s in (below, above) if s), key=lambda c: c[0])
+        cost, side = min(
+            ((extra(s[0], rows, seq, tokens), s) for s in (below, above) if s), key=lambda c: c[0]
+        )
         item = side[0]
         new_rows, new_seq = rows + item.rows, max(seq, item.seq)
         new_padded = padded or item.padded or item.seq != seq
@@ -204,29 +220,40 @@ def by_cost(head: Request, queued: Sequence[Request], fits: Fits, fixed: float) 
         side.pop(0)
         chosen.append(item)
         rows, seq, padded = new_rows, new_seq, new_padded
+        tokens += item.rows * item.seq
     return chosen
 
 
-def measure_fixed_cost(model, e: int, repeats: int = 5) -> float:
-    """A run's fixed cost (beyond its positions: per-operator overhead, small products' lower efficiency) in
-    token-positions: the fastest of ``repeats`` runs of one 8- and one 128-long sequence on ``model`` (anything
-    with ``run(x)``), fitted to ``run_cost``; at least 1."""
-
-    def fastest(seq: int) -> float:
-        x = np.zeros((1, seq, e), np.float32)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            model.run(x)
-            times.append(time.perf_counter() - start)
-        return min(times)
-
+def measure_costs(model, e: int, packed: bool = False, repeats: int = 5, seq: int = 256) -> Costs:
+    """``model``'s Costs (anything with ``run(x)``; a packed one also ``run(x, mask, lengths)``), from the fastest
+    of ``repeats`` runs each. ``fixed``, beyond its positions (per-operator overhead, small products' lower
+    efficiency): one 8- and one 128-long sequence fitted to ``Costs.run``; at least 1. A packed graph's attention
+    weight: what merging an 8-long sequence into a ``seq``-long one's run costs beyond its own positions, over the
+    padded attention counted for it (``seq^2 / 6E``); 1 to 64."""
     short, long = 8, 128
-    t_short, t_long = fastest(short), fastest(long)
-    per_position = (t_long - t_short) / (run_cost(0.0, 1, long, e) - run_cost(0.0, 1, short, e))
+    t_short = _fastest(lambda: model.run(np.zeros((1, short, e), np.float32)), repeats)
+    t_long = _fastest(lambda: model.run(np.zeros((1, long, e), np.float32)), repeats)
+    positions = Costs(0.0).run
+    per_position = (t_long - t_short) / (positions(1, long, e) - positions(1, short, e))
     if per_position <= 0:
-        return 1.0
-    return max(1.0, (t_short - per_position * run_cost(0.0, 1, short, e)) / per_position)
+        return Costs(1.0, packed)
+    fixed = max(1.0, (t_short - per_position * positions(1, short, e)) / per_position)
+    if not packed:  # a padded graph's merging is dominated by its padding's products
+        return Costs(fixed)
+    x, mask = np.zeros((2, seq, e), np.float32), np.zeros((2, seq), bool)
+    mask[1, short:] = True
+    merged = _fastest(lambda: model.run(x, mask, np.array([seq, short])), repeats)
+    extra = (merged - _fastest(lambda: model.run(x[:1]), repeats)) / per_position - short
+    return Costs(fixed, True, float(min(64.0, max(1.0, extra / (seq * seq / (6.0 * e))))))
+
+
+def _fastest(run: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def stack(batch: Sequence[Request]) -> tuple[np.ndarray, np.ndarray | None]:
@@ -246,6 +273,11 @@ def stack(batch: Sequence[Request]) -> tuple[np.ndarray, np.ndarray | None]:
         mask[r : r + i.rows, : i.seq] = False if i.mask is None else i.mask
         r += i.rows
     return x, mask
+
+
+def lengths(batch: Sequence[Request]) -> np.ndarray:
+    """Each row's own length in ``stack(batch)``: what a packed graph computes of it (model/packing.py)."""
+    return np.repeat(np.array([i.seq for i in batch]), [i.rows for i in batch])
 
 
 def split(batch: Sequence[Request], out: Outputs) -> list[Outputs]:

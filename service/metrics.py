@@ -63,7 +63,7 @@ class Metrics:
         self.positions = Counter(
             "addnorm_batch_positions",
             "sequence positions computed by model runs: kind=requested (the requests' own, their padding "
-            "included) or kind=padding (added to merge requests of different lengths)",
+            "included) or kind=padding (added to merge requests of different lengths; none on a packed graph)",
             ["model", "kind"],
             registry=r,
         )

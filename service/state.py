@@ -37,7 +37,7 @@ from service.cores import CoreBudget, default_threads, threads_for
 from service.engine import Engine, accept, verify_engine
 from service.errors import BadInput, ControlOff, LoadRefused, NotFound, ServiceError, quote
 from service.live_parity import LiveParity
-from service.merging import Observers, measure_fixed_cost
+from service.merging import Costs, Observers, measure_costs
 from service.metrics import Metrics, ModelStatistics
 from service.registry import LoadFailed, Registry, ServingModel, read_manifests, repository_models
 from service.settings import Settings
@@ -141,10 +141,10 @@ async def serving_model(state: ServiceState, name: str, directory: Path, version
     state.metrics.verification(engine.name, verification)
     if not accept(verification, s.verify_on_load, engine.name):
         raise LoadFailed(f"golden check failed on {verification.provider}: {verification.message}")
-    fixed_cost = 0.0
+    costs = Costs(0.0, engine.packed)
     if s.merge_lengths == "cost" and s.max_batch_size > 1:
-        fixed_cost = await asyncio.to_thread(measure_fixed_cost, engine, engine.manifest.config.d_model)
-        log.info("%s: a run's fixed cost is %.0f token-positions (merging by cost)", engine.name, fixed_cost)
+        costs = await asyncio.to_thread(measure_costs, engine, engine.manifest.config.d_model, engine.packed)
+        log.info("%s: merging by cost, measured: %s", engine.name, costs)
     statistics = ModelStatistics(engine.name, version)
     # The queue-depth gauge reads the batcher (made just below) at each scrape.
     metrics = state.metrics.model(engine.name, queue_depth=lambda: batcher.depth)
@@ -163,7 +163,7 @@ async def serving_model(state: ServiceState, name: str, directory: Path, version
         if engine.providers[0] == CPU
         else None,  # a GPU run holds no CPU threads to speak of
         merge=s.merge_lengths,
-        fixed_cost=fixed_cost,
+        costs=costs,
     )
     batcher.start()
     return ServingModel(engine, batcher, verification, statistics, version, live=state.live)

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+from service import merging
 from service.batcher import Batcher
 from service.engine import Engine
 from service.errors import Overloaded, ShuttingDown, TimedOut, TooLarge, http_status
@@ -468,7 +469,9 @@ def test_merge_by_cost_groups_requests_of_near_lengths(engine):
         ("pad", [(1, 1, 32), (7, 40, 32)], [1, sum(lengths)]),
     ):
         model, observer = Recorder(engine, threading.Event()), RunLog()
-        answers = _queued_then_released(model, xs, masks, merge=merge, fixed_cost=8.0, observer=observer)
+        answers = _queued_then_released(
+            model, xs, masks, merge=merge, costs=merging.Costs(8.0), observer=observer
+        )
         runs = observer.runs
         assert model.shapes == want, merge
         # every run tells its observer its positions: computed, and the requests' own (the rest is padding)
@@ -490,7 +493,7 @@ def test_merge_by_cost_weighs_padding_against_the_fixed_cost(engine):
         (2.0, [(1, 1, 32), (2, 20, 32), (2, 24, 32)]),
     ):
         model = Recorder(engine, threading.Event())
-        _queued_then_released(model, xs, merge="cost", fixed_cost=fixed_cost)
+        _queued_then_released(model, xs, merge="cost", costs=merging.Costs(fixed_cost))
         assert model.shapes == want, fixed_cost
 
 
@@ -515,7 +518,7 @@ def test_merge_by_cost_keeps_the_limits(engine):
 
 
 def test_a_runs_fixed_cost_is_measured_from_the_model(monkeypatch):
-    """merging.measure_fixed_cost fits fixed + positions x (1 + seq / 6E) to a model's run times: a model whose runs
+    """merging.measure_costs fits fixed + positions x (1 + seq / 6E) to a model's run times: a model whose runs
     cost (a + b x that) comes out at a / b, its slowest runs (here: every other one, twice as long) ignored.
     The clock is the model's own: no real time is measured."""
     from service import merging as module
@@ -530,4 +533,4 @@ def test_a_runs_fixed_cost_is_measured_from_the_model(monkeypatch):
             return {"encoded": x}
 
     monkeypatch.setattr(module.time, "perf_counter", lambda: clock[0])
-    assert module.measure_fixed_cost(Timed(), e, repeats=3) == pytest.approx(20.0)
+    assert module.measure_costs(Timed(), e, repeats=3) == module.Costs(pytest.approx(20.0))

@@ -52,11 +52,15 @@ VARIANTS = ("fused", "fp16", "int8")
 
 @pytest.fixture(scope="module")
 def every_variant(tiny_artifact, tmp_path_factory):
-    """A repository of the tiny block in every variant: "encoder" (fp32) and "encoder-fused", "-fp16", "-int8"."""
+    """A repository of the tiny block in every variant: "encoder" (fp32) and "encoder-fused", "-fp16", "-int8",
+    and its packed graph, "encoder-packed" (model/packing.py)."""
+    import dataclasses
+
     repo = tmp_path_factory.mktemp("variants")
     shutil.copytree(tiny_artifact, repo / "fp32")
     for variant in VARIANTS:
         export_to(repo / variant, TINY, name=f"encoder-{variant}", variant=variant)
+    export_to(repo / "packed", dataclasses.replace(TINY, packed=True), name="encoder-packed")
     return repo
 
 
@@ -71,7 +75,7 @@ def test_a_healthy_model_raises_no_failure_over_hundreds_of_requests_in_every_va
 
     monkeypatch.setattr(live_parity, "QUEUE", 1000)  # as every_sample_kept
     app = create_app(Settings(model_repository=every_variant, live_parity_rate=1.0, live_parity_budget=1.0))
-    sent = {"encoder": 240, **{f"encoder-{v}": 60 for v in VARIANTS}}
+    sent = {"encoder": 240, **{f"encoder-{v}": 60 for v in (*VARIANTS, "packed")}}
     with TestClient(app) as client:
         wait_until_ready(client)
         for model, n in sent.items():
@@ -115,10 +119,10 @@ def skewed(tiny_artifact, tmp_path_factory):
     return skew_gamma(tiny_artifact, tmp_path_factory.mktemp("skewed") / "artifact")
 
 
-@pytest.mark.parametrize("variant", ["int8", "fp16"])
+@pytest.mark.parametrize("variant", ["int8", "fp16", "packed"])
 def test_a_skewed_gamma_is_caught_in_a_lossy_variant_too(every_variant, tmp_path, variant, every_sample_kept):
     """The lossy variants' allowance is their own arithmetic's error, not a blank cheque: a 5% gamma is caught
-    in each within 20 requests."""
+    in each within 20 requests; and in a packed graph."""
     art = skew_gamma(every_variant / variant, tmp_path / "artifact")
     with TestClient(_app(art, verify_on_load="warn")) as client:
         wait_until_ready(client)

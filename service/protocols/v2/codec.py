@@ -17,7 +17,7 @@ import numpy as np
 import orjson
 
 from model.artifact import Manifest
-from model.contract import EMBEDDINGS, MASK
+from model.contract import EMBEDDINGS, MASK, client_inputs
 from service.errors import BadInput, TooLarge, quote
 from service.merging import Outputs
 from service.protocols.common import check_batch, holds_literal, json_bool, json_object, parse_json
@@ -76,7 +76,7 @@ def decode_infer(
     if not isinstance(inputs, list) or not inputs:
         raise BadInput(f"inference request needs a non-empty 'inputs' array, got {quote(inputs)}")
     params = json_object(doc, "parameters", "request")
-    known = [s.name for s in manifest.inputs]
+    known = client_inputs(manifest.config)
     tensors: dict[str, np.ndarray] = {}
     offset = 0
     literals = b"true" in header or b"false" in header  # else no numeric data can hold one: no scan

@@ -16,6 +16,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from model.artifact import Manifest
+from model.contract import client_inputs
 from service.errors import BadInput
 from service.merging import Outputs
 from service.protocols.v2 import codec
@@ -37,7 +38,7 @@ def decode_infer(req: pb.ModelInferRequest, manifest: Manifest, max_elements: in
         raise BadInput(
             f"raw_input_contents has {len(raw)} entries for {len(req.inputs)} inputs; send one per input"
         )
-    known = [s.name for s in manifest.inputs]
+    known = client_inputs(manifest.config)
     tensors: dict[str, np.ndarray] = {}
     for i, tensor in enumerate(req.inputs):
         name = codec.checked_name(tensor.name, "input", known, tensors)

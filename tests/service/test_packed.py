@@ -1,0 +1,190 @@
+"""The packed graph served (model/packing.py): each request computed on its own positions only, merged with any
+others without computing padding, answering as the padded graph of the same weights does, on every way in."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+
+import numpy as np
+import pytest
+
+from model.config import EncoderConfig
+from model.verdict import float32_floor
+from service import merging
+from service.batcher import Batcher
+from service.engine import Engine
+from tests.conftest import SMALL, export_to, start_server
+
+PACKED = dataclasses.replace(SMALL, num_layers=2, pooling="mean", activation="gelu", packed=True)
+LENGTHS = (3, 9, 1, 6)
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory) -> tuple:
+    """The same weights (seed 0) exported packed and padded."""
+    root = tmp_path_factory.mktemp("packed")
+    packed = export_to(root / "packed", PACKED)
+    padded = export_to(root / "padded", dataclasses.replace(PACKED, packed=False))
+    return packed, padded
+
+
+def _ragged(rng: np.random.Generator, lengths=LENGTHS) -> list[np.ndarray]:
+    return [rng.standard_normal((1, n, SMALL.d_model)).astype(np.float32) for n in lengths]
+
+
+def _close(got: np.ndarray, want: np.ndarray) -> None:
+    np.testing.assert_allclose(got, want, rtol=0, atol=float32_floor(want.astype(np.float64)))
+
+
+def test_a_packed_batch_computes_each_row_to_its_own_length_and_answers_as_the_padded_graph(artifacts):
+    packed, padded = Engine(artifacts[0], "cpu"), Engine(artifacts[1], "cpu")
+    assert packed.packed and not padded.packed
+    rng = np.random.default_rng(0)
+    x = np.zeros((len(LENGTHS), max(LENGTHS), SMALL.d_model), np.float32)
+    mask = np.ones(x.shape[:2], bool)
+    for i, n in enumerate(LENGTHS):
+        x[i, :n] = rng.standard_normal((n, SMALL.d_model))
+        mask[i, :n] = False
+    mask[1, 4] = True  # a client's own padding inside a row: still computed, still masked
+    out = packed.run(x, mask, np.array(LENGTHS))
+    reference = padded.run(x, mask)
+    for i, n in enumerate(LENGTHS):
+        _close(out["encoded"][i, :n], reference["encoded"][i, :n])
+        assert not out["encoded"][i, n:].any(), "a position merging added was computed"
+        alone = packed.run(x[i : i + 1, :n], mask[i : i + 1, :n])
+        _close(out["encoded"][i, :n], alone["encoded"][0])
+        _close(out["pooled"][i], alone["pooled"][0])
+    _close(out["pooled"], reference["pooled"])
+
+
+def test_the_batcher_merges_any_lengths_into_one_packed_run_and_counts_no_padding(artifacts):
+    engine = Engine(artifacts[0], "cpu")
+    runs: list[merging.Run] = []
+    gate = threading.Event()
+    calls: list[tuple] = []
+
+    class Held:  # the engine, its first run held until every request is queued
+        packed = True
+        threads = engine.threads
+
+        def run(self, x, mask=None, lengths=None):
+            calls.append((x.shape, None if lengths is None else list(lengths)))
+            gate.wait(10)
+            return engine.run(x, mask, lengths)
+
+    class Observer:
+        def batch_done(self, run: merging.Run) -> None:
+            runs.append(run)
+
+    requests = _ragged(np.random.default_rng(1), (40, 3, 17, 1, 29, 8))
+
+    async def main():
+        batcher = Batcher(Held(), max_batch_size=16, observer=Observer(), costs=merging.Costs(8.0, True))
+        batcher.start()
+        first = asyncio.ensure_future(batcher.infer(requests[0], None))
+        while not calls:
+            await asyncio.sleep(0.005)
+        rest = [asyncio.ensure_future(batcher.infer(r, None)) for r in requests[1:]]
+        while batcher.depth < len(rest):
+            await asyncio.sleep(0.005)
+        gate.set()
+        answers = [(await f)[0] for f in (first, *rest)]
+        await batcher.stop()
+        return answers
+
+    answers = asyncio.run(main())
+    merged = [r for r in runs if r.requests > 1]
+    assert merged, f"nothing was merged: {calls}"
+    assert all(r.positions == r.requested for r in runs), runs
+    assert any(c[1] is not None and len(set(c[1])) > 1 for c in calls), calls  # lengths handed to the graph
+    for x, answer in zip(requests, answers, strict=True):
+        alone = engine.run(x)
+        _close(answer["encoded"], alone["encoded"])
+
+
+def test_merging_by_cost_on_a_packed_graph_pays_only_for_attentions_padding():
+    """A 64-long head and an 8-long request: padded, merging costs 56 positions of every weight product (more
+    than a run's fixed cost); packed, only the attention's padding."""
+
+    def request(seq: int) -> merging.Request:
+        return merging.Request(np.zeros((1, seq, 768), np.float32), None, asyncio.Future(loop=loop))
+
+    loop = asyncio.new_event_loop()
+    try:
+        head, short = request(64), request(8)
+        fits = merging.Limits().fits
+        assert merging.by_cost(head, [short], fits, merging.Costs(8.0)) == []
+        assert merging.by_cost(head, [short], fits, merging.Costs(8.0, packed=True)) == [short]
+        # attention's padding still counts (at a weight measured on the default packed graph): a 4-long request
+        # beside a 512-long one runs alone
+        long, tiny = request(512), request(4)
+        assert merging.by_cost(long, [tiny], fits, merging.Costs(8.0, packed=True, attention=2.0)) == []
+    finally:
+        loop.close()
+
+
+def test_every_way_in_answers_a_packed_model_as_its_padded_twin(artifacts):
+    """/v1 ragged lists, V2 requests of different lengths from different clients (one with a mask), gRPC."""
+    import json
+    import urllib.request
+
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    padded = Engine(artifacts[1], "cpu")
+    rng = np.random.default_rng(2)
+    requests = _ragged(rng, (5, 31, 2, 12, 7, 19, 1, 26))
+    masked = rng.standard_normal((2, 6, SMALL.d_model)).astype(np.float32)
+    mask = np.zeros((2, 6), bool)
+    mask[1, 4:] = True
+    with start_server(artifacts[0], "--max-queue-delay-ms", "20", grpc=True) as srv:
+        http = httpclient.InferenceServerClient(srv.base.removeprefix("http://"), concurrency=8)
+        grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{srv.grpc_port}")
+
+        def inputs(x, m=None, mod=httpclient):
+            tensors = [mod.InferInput("embeddings", list(x.shape), "FP32")]
+            tensors[0].set_data_from_numpy(x)
+            if m is not None:
+                tensors.append(mod.InferInput("mask", list(m.shape), "BOOL"))
+                tensors[1].set_data_from_numpy(m)
+            return tensors
+
+        def v2(x, m=None, client=http, mod=httpclient):
+            return client.infer("encoder", inputs(x, m, mod)).as_numpy("encoded")
+
+        # concurrent requests of different lengths (tritonclient.http's own concurrency): merged, packed
+        handles = [http.async_infer("encoder", inputs(x)) for x in requests]
+        answers = [h.get_result().as_numpy("encoded") for h in handles]
+        for x, got in zip(requests, answers, strict=True):
+            _close(got, padded.run(x)["encoded"])
+        stats = http.get_inference_statistics("encoder")["model_stats"][0]
+        assert stats["execution_count"] < stats["inference_count"], "nothing was merged: nothing was tested"
+        want = padded.run(masked, mask)["encoded"]
+        _close(v2(masked, mask), want)
+        _close(v2(masked, mask, grpc, grpcclient), want)
+        body = json.dumps({"embeddings": [r[0].tolist() for r in requests[:3]]}).encode()
+        req = urllib.request.Request(f"{srv.base}/v1/encode", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            ragged = json.loads(r.read())["encoded"]
+        for x, got in zip(requests[:3], ragged, strict=True):
+            _close(np.array(got, np.float32), padded.run(x)["encoded"][0])
+        with urllib.request.urlopen(f"{srv.base}/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+        padding = _metric(metrics, "addnorm_batch_positions_total", 'kind="padding"')
+        requested = _metric(metrics, "addnorm_batch_positions_total", 'kind="requested"')
+        assert padding == 0 and requested > 0, (padding, requested)
+
+
+def _metric(text: str, name: str, label: str) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and label in line
+    )
+
+
+def test_a_packed_graph_needs_batch_first():
+    with pytest.raises(ValueError, match="packed needs batch_first"):
+        EncoderConfig(batch_first=False, packed=True)
