@@ -114,3 +114,62 @@ def test_a_graph_that_needs_its_mask_keeps_it_required(tmp_path):
     written = tmp_path / "repo" / "encoder" / "1" / "model.onnx"
     assert sha256_file(written) == Manifest.load(art).model_sha256
     check_against_graph(config, written, batched=True)
+
+
+def triton_ragged_feed(requests: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+    """What Triton's onnxruntime backend feeds a model configured for ragged batching: each ragged input's
+    requests concatenated flat, BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO of embeddings as int32, and
+    BATCH_MAX_ELEMENT_COUNT_AS_SHAPE as a tensor of that shape (its values never written)."""
+    counts = [x.size for x, _ in requests]
+    return {
+        "embeddings": np.concatenate([x.ravel() for x, _ in requests]),
+        "mask": np.concatenate([m.ravel() for _, m in requests]),
+        "offsets": np.array([0, *np.cumsum(counts)], np.int32),
+        "longest": np.empty(max(counts), np.int32),
+    }
+
+
+def test_a_packed_graph_is_declared_for_triton_ragged_batching_and_answers_each_request_as_alone(tmp_path):
+    """Ragged embeddings and mask (the mask required: Triton refuses an optional ragged input), offsets and longest
+    as batch inputs of embeddings; fed as Triton's backend feeds it, each request's rows of the batched answer are
+    its answer alone, zeros beyond its length."""
+    import dataclasses
+
+    artifact = export_to(tmp_path / "a", dataclasses.replace(TINY, packed=True, pooling="mean"))
+    assert main([str(artifact), str(tmp_path / "repo")]) == 0
+    config = parse(tmp_path / "repo" / "encoder" / "config.pbtxt")
+    assert config.max_batch_size == 32
+    assert [(i.name, i.allow_ragged_batch, i.optional, list(i.dims)) for i in config.input] == [
+        ("embeddings", True, False, [-1, TINY.d_model]),
+        ("mask", True, False, [-1]),
+    ]
+    assert [
+        (mc.BatchInput.Kind.Name(b.kind), list(b.target_name), b.data_type, list(b.source_input))
+        for b in config.batch_input
+    ] == [
+        ("BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO", ["offsets"], mc.TYPE_INT32, ["embeddings"]),
+        ("BATCH_MAX_ELEMENT_COUNT_AS_SHAPE", ["longest"], mc.TYPE_INT32, ["embeddings"]),
+    ]
+    assert [(o.name, list(o.dims)) for o in config.output] == [
+        ("encoded", [-1, TINY.d_model]),
+        ("pooled", [TINY.d_model]),
+    ]
+    sess = ort.InferenceSession(
+        str(tmp_path / "repo" / "encoder" / "1" / "model.onnx"), providers=["CPUExecutionProvider"]
+    )
+    # the backend checks a ragged input is [-1] in the graph
+    assert {i.name: i.shape for i in sess.get_inputs()}["embeddings"] == ["elements"]
+    rng = np.random.default_rng(0)
+    requests = []
+    for n in (4, 11, 1, 7):
+        mask = np.zeros((1, n), bool)
+        mask[0, n - 1 :] = n > 2  # a client's own padding in some
+        requests.append((rng.standard_normal((1, n, TINY.d_model)).astype(np.float32), mask))
+    encoded, pooled = sess.run(None, triton_ragged_feed(requests))
+    assert encoded.shape == (4, 11, TINY.d_model) and pooled.shape == (4, TINY.d_model)
+    for i, request in enumerate(requests):
+        alone_encoded, alone_pooled = sess.run(None, triton_ragged_feed([request]))
+        n = request[0].shape[1]
+        np.testing.assert_allclose(encoded[i, :n], alone_encoded[0], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(pooled[i], alone_pooled[0], rtol=0, atol=1e-5)
+        assert not encoded[i, n:].any()

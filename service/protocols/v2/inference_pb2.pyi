@@ -469,6 +469,32 @@ class ModelInput(_message.Message):
     optional: bool
     def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., format: _Optional[_Union[ModelInput.Format, str]] = ..., dims: _Optional[_Iterable[int]] = ..., is_shape_tensor: bool = ..., allow_ragged_batch: bool = ..., optional: bool = ...) -> None: ...
 
+class BatchInput(_message.Message):
+    __slots__ = ("kind", "target_name", "data_type", "source_input")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        BATCH_ELEMENT_COUNT: _ClassVar[BatchInput.Kind]
+        BATCH_ACCUMULATED_ELEMENT_COUNT: _ClassVar[BatchInput.Kind]
+        BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO: _ClassVar[BatchInput.Kind]
+        BATCH_MAX_ELEMENT_COUNT_AS_SHAPE: _ClassVar[BatchInput.Kind]
+        BATCH_ITEM_SHAPE: _ClassVar[BatchInput.Kind]
+        BATCH_ITEM_SHAPE_FLATTEN: _ClassVar[BatchInput.Kind]
+    BATCH_ELEMENT_COUNT: BatchInput.Kind
+    BATCH_ACCUMULATED_ELEMENT_COUNT: BatchInput.Kind
+    BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO: BatchInput.Kind
+    BATCH_MAX_ELEMENT_COUNT_AS_SHAPE: BatchInput.Kind
+    BATCH_ITEM_SHAPE: BatchInput.Kind
+    BATCH_ITEM_SHAPE_FLATTEN: BatchInput.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TARGET_NAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_INPUT_FIELD_NUMBER: _ClassVar[int]
+    kind: BatchInput.Kind
+    target_name: _containers.RepeatedScalarFieldContainer[str]
+    data_type: DataType
+    source_input: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kind: _Optional[_Union[BatchInput.Kind, str]] = ..., target_name: _Optional[_Iterable[str]] = ..., data_type: _Optional[_Union[DataType, str]] = ..., source_input: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class ModelOutput(_message.Message):
     __slots__ = ("name", "data_type", "dims", "label_filename", "is_shape_tensor")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -536,7 +562,7 @@ class ModelInstanceGroup(_message.Message):
     def __init__(self, name: _Optional[str] = ..., count: _Optional[int] = ..., gpus: _Optional[_Iterable[int]] = ..., kind: _Optional[_Union[ModelInstanceGroup.Kind, str]] = ...) -> None: ...
 
 class ModelConfig(_message.Message):
-    __slots__ = ("name", "platform", "version_policy", "max_batch_size", "input", "output", "instance_group", "default_model_filename", "dynamic_batching", "backend")
+    __slots__ = ("name", "platform", "version_policy", "max_batch_size", "input", "output", "instance_group", "default_model_filename", "dynamic_batching", "backend", "batch_input")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     VERSION_POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -547,6 +573,7 @@ class ModelConfig(_message.Message):
     DEFAULT_MODEL_FILENAME_FIELD_NUMBER: _ClassVar[int]
     DYNAMIC_BATCHING_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INPUT_FIELD_NUMBER: _ClassVar[int]
     name: str
     platform: str
     version_policy: ModelVersionPolicy
@@ -557,4 +584,5 @@ class ModelConfig(_message.Message):
     default_model_filename: str
     dynamic_batching: ModelDynamicBatching
     backend: str
-    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., version_policy: _Optional[_Union[ModelVersionPolicy, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., instance_group: _Optional[_Iterable[_Union[ModelInstanceGroup, _Mapping]]] = ..., default_model_filename: _Optional[str] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ..., backend: _Optional[str] = ...) -> None: ...
+    batch_input: _containers.RepeatedCompositeFieldContainer[BatchInput]
+    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., version_policy: _Optional[_Union[ModelVersionPolicy, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., instance_group: _Optional[_Iterable[_Union[ModelInstanceGroup, _Mapping]]] = ..., default_model_filename: _Optional[str] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ..., backend: _Optional[str] = ..., batch_input: _Optional[_Iterable[_Union[BatchInput, _Mapping]]] = ...) -> None: ...

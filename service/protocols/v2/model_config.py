@@ -13,12 +13,31 @@ from collections.abc import Collection, Sequence
 from google.protobuf import json_format, text_format
 
 from model.artifact import Manifest
-from model.contract import MASK, TensorSpec, api_specs
+from model.contract import EMBEDDINGS, LONGEST, MASK, OFFSETS, TensorSpec, api_specs
 from service.protocols.v2 import inference_pb2 as pb
 
 PLATFORM, BACKEND = "onnxruntime_onnx", "onnxruntime"
 # model_config.proto's DataType for each dtype a manifest names
 TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "float64": "TYPE_FP64", "bool": "TYPE_BOOL"}
+
+
+# A packed graph (model/packing.py) under Triton's ragged batching: its tokens arrive concatenated and flat, and
+# Triton computes the two inputs that say where each request's sequence lies (one sequence per request).
+RAGGED = (EMBEDDINGS, MASK)
+PACKED_BATCH_INPUTS = [
+    {
+        "kind": "BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO",
+        "target_name": [OFFSETS],
+        "data_type": "TYPE_INT32",
+        "source_input": [EMBEDDINGS],
+    },
+    {
+        "kind": "BATCH_MAX_ELEMENT_COUNT_AS_SHAPE",
+        "target_name": [LONGEST],
+        "data_type": "TYPE_INT32",
+        "source_input": [EMBEDDINGS],
+    },
+]
 
 
 def _dims(spec: TensorSpec, batched: bool) -> list[int]:
@@ -44,9 +63,11 @@ def build(
     kind: str = "KIND_CPU",
     optional: Collection[str] = (),
     dynamic_batching: dict | None = None,
+    ragged: bool = False,
 ) -> dict:
-    """The configuration; ``max_batch_size`` 0 means the model does not batch (dims are then whole), and
-    ``optional`` names the inputs a request may leave out."""
+    """The configuration; ``max_batch_size`` 0 means the model does not batch (dims are then whole),
+    ``optional`` names the inputs a request may leave out, and ``ragged`` declares Triton's ragged batching of a
+    packed graph (``RAGGED`` inputs, ``PACKED_BATCH_INPUTS``)."""
     batched = max_batch_size > 0
     config: dict = {
         "name": name,
@@ -61,6 +82,7 @@ def build(
                 "format": "FORMAT_NONE",
                 "dims": _dims(s, batched),
                 "optional": s.name in optional,
+                **({"allow_ragged_batch": True} if ragged and s.name in RAGGED else {}),
             }
             for s in inputs
         ],
@@ -70,6 +92,8 @@ def build(
     }
     if batched and dynamic_batching is not None:
         config["dynamic_batching"] = dynamic_batching
+    if ragged:
+        config["batch_input"] = PACKED_BATCH_INPUTS
     return config
 
 

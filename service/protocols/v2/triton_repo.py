@@ -5,10 +5,14 @@
 writes ``REPO/<name>/config.pbtxt`` (onnxruntime backend, the graph's inputs and outputs, dynamic batching, an
 instance group), ``REPO/<name>/1/model.onnx`` and, beside it, the artifact's ``manifest.json`` for provenance.
 
-Triton's dynamic batcher merges only requests whose shapes are equal (ragged batching needs a graph that takes
-its batch flattened, which this one does not: it takes padded ``[batch, seq, d_model]`` with a padding mask). So
-requests of different sequence lengths run separately; clients that pad to a few bucket lengths, marking the
-padding in ``mask``, get batched together and the same results on their real positions.
+Triton's dynamic batcher merges only requests whose shapes are equal, unless the graph takes its batch flattened:
+a padded graph (``[batch, seq, d_model]`` with a padding mask) runs requests of different sequence lengths
+separately, and clients that pad to a few bucket lengths, marking the padding in ``mask``, get batched together
+and the same results on their real positions. A packed graph (``addnorm-export --packed``, model/packing.py) is
+declared for Triton's ragged batching: ``embeddings`` and ``mask`` ragged (each request one sequence, ``[1, S,
+d_model]`` and ``[1, S]``; the mask required, as Triton's onnxruntime backend wants of a ragged input), the
+graph's ``offsets`` and ``longest`` computed by Triton (``batch_input``), and each request answered ``[1, S_max,
+...]``: its own positions, then zeros up to the longest request it was batched with.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import sys
 from pathlib import Path
 
 from model.artifact import MANIFEST_FILE, ArtifactError, Manifest, load_verified
-from model.contract import EMBEDDINGS, MASK
+from model.contract import EMBEDDINGS, MASK, api_specs
 from service.protocols.v2 import model_config
 from service.protocols.v2.grpc_codec import varint
 
@@ -38,17 +42,21 @@ def config_pbtxt(
     """The model's config.pbtxt, from the builder a running addnorm-serve answers ``/config`` with. Triton feeds
     the graph as it is: a seq-first graph (--no-batch-first) cannot be batched by Triton (its batch dim is not
     first), so max_batch_size is 0 and dims are written whole; ``mask`` is optional only when the repository's
-    graph has a default for it (``with_mask_default``)."""
+    graph has a default for it (``with_mask_default``). A packed graph is declared for ragged batching, its inputs
+    as clients send them (``api_specs``)."""
+    packed = manifest.config.packed
     batched = manifest.config.batch_first and max_batch_size > 0
+    inputs, outputs = api_specs(manifest.config) if packed else (manifest.inputs, manifest.outputs)
     config = model_config.build(
         manifest.name,
-        manifest.inputs,
-        manifest.outputs,
+        inputs,
+        outputs,
         max_batch_size=max_batch_size if batched else 0,
         instances=instances,
         kind=KINDS[kind],
         optional=(MASK,) if mask_optional else (),
-        dynamic_batching={},  # merges requests of equal shape only (see the module docstring)
+        dynamic_batching={},  # merges requests of equal shape only, or of any length packed (the docstring)
+        ragged=packed and batched,
     )
     head = (
         f"# addnorm-triton: {manifest.name} ({manifest.variant}, opset {manifest.opset}), "
@@ -147,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="addnorm-triton",
         description="Write a Triton Inference Server model repository (onnxruntime backend) for an addnorm "
         "artifact: REPO_DIR/<name>/config.pbtxt and REPO_DIR/<name>/1/model.onnx with the manifest beside it. "
-        "Triton batches only requests of equal shape: pad to a few sequence lengths (README 'Scaling out').",
+        "Triton batches only requests of equal shape: pad to a few sequence lengths (README 'Scaling out'), or "
+        "export with --packed, which this declares for Triton's ragged batching (one sequence per request).",
     )
     p.add_argument("artifact_dir", type=Path, help="artifact directory from addnorm-export")
     p.add_argument("repo_dir", type=Path, help="model repository to write into (created if missing)")
