@@ -12,8 +12,9 @@ requests each run alone in-process, their tokens over their summed time (no padd
 each ``--merge-lengths`` policy run one after the other, the in-process limit measured between them; ``--rounds``
 rounds, medians.
 
-``python -m bench.mixed --ceiling``: what a padding-free (packed) run could gain over the unpadded limit, in-process
-(``packed_ceiling``).
+The third policy, ``packed``, serves the artifact's packed twin (``packed_twin``: its own weights exported with
+``--packed``) merging by cost. ``python -m bench.mixed --ceiling``: what a padding-free (packed) run could gain
+over the unpadded limit, in-process (``packed_ceiling``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ from bench.server import HOST, serve
 MIXTURE = ((0.5, 2.729, 0.600), (0.5, 3.646, 0.683))
 SHORTEST, LONGEST = 4, 512
 REQUESTS = 512  # drawn requests; each client cycles through its share
-POLICIES = ("pad", "cost")
+# how the server runs mixed lengths: --merge-lengths pad and cost on the artifact, and cost on its packed twin (the
+# same weights exported with --packed: no per-token work on padding)
+POLICIES = ("pad", "cost", "packed")
 
 
 def draw(n: int, seed: int = 0) -> np.ndarray:
@@ -212,10 +215,12 @@ def measure(s, rounds: int, clients: tuple[int, ...] = (1, 8, 32)) -> dict:
     xs = [rng.standard_normal((1, int(n), e)).astype(np.float32) for n in lengths]
     cells: dict = {}
     limits: list[float] = []
+    twin = packed_twin(s.artifact)
     for _ in range(rounds):
         limits.append(unpadded_limit(s.artifact, xs))
         for policy in POLICIES:
-            with serve(s.artifact, "--merge-lengths", policy, grpc=True) as srv:
+            artifact, merge = (twin, "cost") if policy == "packed" else (s.artifact, policy)
+            with serve(artifact, "--merge-lengths", merge, grpc=True) as srv:
                 loads = {
                     "http": (
                         http_load,
@@ -255,6 +260,30 @@ def measure(s, rounds: int, clients: tuple[int, ...] = (1, 8, 32)) -> dict:
         "cells": median,
         "rounds": rounds,
     }
+
+
+def packed_twin(artifact: Path) -> Path:
+    """The artifact's packed twin, exported (and gated) once beside it: its config with ``packed``, its weights,
+    variant and attention form."""
+    import json
+    import subprocess
+
+    out = artifact.parent / f"{artifact.name}-packed"
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    config = out.with_suffix(".config.json")
+    config.write_text(json.dumps({**manifest["config"], "packed": True}))
+    args = ["--out", str(out), "--config", str(config), "--checkpoint", str(artifact / "weights.safetensors")]
+    args += [
+        "--variant",
+        manifest["variant"],
+        "--attention",
+        manifest["attention"],
+        "--opset",
+        str(manifest["opset"]),
+    ]
+    args += ["--name", manifest["name"], "--if-missing", "-q"]
+    subprocess.run([sys.executable, "-m", "export", *args], check=True)
+    return out
 
 
 def table(res: dict) -> str:
