@@ -11,7 +11,8 @@ overhead instead. ``by_cost`` weighs the two by a cost model of a run, in token-
 (each position's weight products, 12 E^2 multiply-adds, plus its attention, 2 x seq x E), with ``fixed`` measured
 on the model at load (``measure_costs``: 5-9 positions, default block, 2-core EPYC). A packed graph
 (model/packing.py) computes no padding's products, so there merging costs only attention's padding, whose weight
-``w`` is measured at load too (1.4-2.1 for the default packed graph; 1 on a padded graph). ``in_order`` is ``--merge-lengths pad``. Nothing here touches the queue or a lock.
+``w`` is measured at load too (1.4-2.1 for the default packed graph; 1 on a padded graph). ``in_order`` is
+``--merge-lengths pad``. Nothing here touches the queue or a lock.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ class Timings:
 @dataclass(frozen=True)
 class Run:
     """One model run, as its observers are told of it (on the event loop): its rows and requests, the seconds
-    spent merging, running and cutting it, and its positions: ``positions`` computed (rows x the batch's seq; on a packed graph the requests' own),
-    ``requested`` the requests' own (each request's rows x its seq); the rest is padding added by merging."""
+    spent merging, running and cutting it, and its positions: ``positions`` computed (rows x the batch's seq; on a
+    packed graph the requests' own), ``requested`` the requests' own (each request's rows x its seq); the rest is
+    padding added by merging."""
 
     rows: int
     requests: int

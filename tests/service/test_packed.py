@@ -125,6 +125,28 @@ def test_merging_by_cost_on_a_packed_graph_pays_only_for_attentions_padding():
         loop.close()
 
 
+def test_attentions_weight_is_measured_from_a_packed_model(monkeypatch):
+    """merging.measure_costs on a packed model whose runs cost a + b x (its own positions + k x rows x seq^2 / 6E),
+    k 1 alone and 2 when merged (masked): fixed a / b = 20, and merging an 8-long sequence into a 256-long one's
+    run costs (2 x 2 - 1) = 3 of the padded attention counted for it. The clock is the model's own."""
+    e, clock = 64, [0.0]
+
+    class Timed:
+        def run(self, x, mask=None, lengths=None):
+            rows, seq = x.shape[:2]
+            tokens = rows * seq if lengths is None else int(np.sum(lengths))
+            k = 2.0 if mask is not None and mask.any() else 1.0
+            clock[0] += 0.002 + 0.0001 * (tokens + k * rows * seq * seq / (6 * e))
+            return {"encoded": x}
+
+    monkeypatch.setattr(merging.time, "perf_counter", lambda: clock[0])
+    costs = merging.measure_costs(Timed(), e, packed=True, repeats=2)
+    assert costs == merging.Costs(pytest.approx(20.0), True, pytest.approx(3.0))
+    assert merging.measure_costs(Timed(), e, repeats=2) == merging.Costs(
+        pytest.approx(20.0)
+    )  # padded: weight 1
+
+
 def test_every_way_in_answers_a_packed_model_as_its_padded_twin(artifacts):
     """/v1 ragged lists, V2 requests of different lengths from different clients (one with a mask), gRPC."""
     import json
