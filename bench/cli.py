@@ -161,8 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--lengths",
         choices=["real"],
         help="instead of the ratios: requests of mixed lengths drawn like real text (bench/mixed.py), 1, 8 and 32 "
-        "clients over V2 binary and gRPC, each --merge-lengths policy, against the unpadded limit; writes "
-        "bench/results/mixed.json",
+        "clients over V2 binary and gRPC, each --merge-lengths policy and the artifact's packed twin (exported "
+        "beside it with --packed), against the unpadded limit; writes bench/results/mixed.json",
     )
     p.add_argument(
         "--real",
