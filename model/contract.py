@@ -7,6 +7,7 @@ the one place they are spelled.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,12 +30,8 @@ OUTPUT_NAMES = (
 )  # every output a graph may have, in graph order; output_names(config): its own
 STEP_OUTPUT = "add_norm_{}"  # debug graphs only: one extra output per Add & Norm step, never served
 BATCH, SEQ = "batch", "seq"  # the symbolic dims
-ELEMENTS, TOKENS, STARTS, LONGEST_ELEMENTS = (
-    "elements",
-    "tokens",
-    "starts",
-    "longest_elements",
-)  # a packed graph's
+# a packed graph's symbolic dims
+ELEMENTS, TOKENS, STARTS, LONGEST_ELEMENTS = "elements", "tokens", "starts", "longest_elements"
 
 
 @dataclass(frozen=True)
@@ -100,7 +97,8 @@ def api_specs(config: EncoderConfig) -> tuple[tuple[TensorSpec, ...], tuple[Tens
     return io_specs(EncoderConfig.from_dict({**config.to_dict(), "batch_first": True, "packed": False}))
 
 
-def client_inputs(config: EncoderConfig) -> list[str]:
+@functools.cache
+def client_inputs(config: EncoderConfig) -> tuple[str, ...]:
     """The inputs a client may send: the API's, whatever the graph's layout (a packed graph's offsets are the
-    server's to compute)."""
-    return [s.name for s in api_specs(config)[0]]
+    server's to compute). Every V2 request asks: worked out once per config."""
+    return tuple(s.name for s in api_specs(config)[0])

@@ -9,7 +9,7 @@ read with ``np.frombuffer`` (no copy, no Python lists) and written with ``tobyte
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -207,7 +207,9 @@ def _requested_outputs(outputs: object, params: dict, names: list[str]) -> list[
     return chosen
 
 
-def _named(entry: object, where: str, kind: str, known: list[str], seen: Collection[str]) -> tuple[dict, str]:
+def _named(
+    entry: object, where: str, kind: str, known: Sequence[str], seen: Collection[str]
+) -> tuple[dict, str]:
     """An ``inputs``/``outputs`` entry: an object whose string ``name`` is one of ``known`` and not in ``seen``."""
     if not isinstance(entry, dict):
         raise BadInput(f"{where} must be an object, got {quote(entry)}")
@@ -218,7 +220,7 @@ def _named(entry: object, where: str, kind: str, known: list[str], seen: Collect
 
 
 def checked_name(
-    name: str, kind: str, known: list[str], seen: Collection[str], where: str = "", again: str = ""
+    name: str, kind: str, known: Sequence[str], seen: Collection[str], where: str = "", again: str = ""
 ) -> str:
     """An input's or output's name: one the model has (``where`` prefixes that error) and not given before
     (``again`` prefixes that one). The gRPC codec checks its names here too."""
