@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -64,7 +65,8 @@ class Batcher:
         self.model = model
         self.merge = merge  # "cost" or "pad": how requests of different lengths merge (service/merging.py)
         self.packed = bool(getattr(model, "packed", False))  # computes real positions only (model/packing.py)
-        self.costs = costs or merging.Costs(packed=self.packed)  # its cost model (merging.measure_costs)
+        # its cost model (merging.measure_costs), of the layout the model has
+        self.costs = dataclasses.replace(costs or merging.Costs(), packed=self.packed)
         self.cores = cores  # the server's CPU thread budget: each run holds the model's threads of it
         self._threads = getattr(
             model, "threads", cores.threads if cores else 1
