@@ -1,36 +1,42 @@
 """The int8 variant's scheme: int8 weights, activations quantized per row; accurate and equal on every x86 CPU kind,
-and batch invariant. ``quantize_graph`` writes it into an ONNX graph; ``simulated`` computes it in torch; model/schemes.py holds its
-numbers and computes it in numpy (the server's live parity).
+and batch invariant. ``quantize_graph`` writes it into an ONNX graph; ``simulated`` computes it in torch;
+model/schemes.py holds its numbers and computes it in numpy (the server's live parity). The manifest's ``scheme``
+names its form (``model.schemes.Form``); what follows is today's, "pairs8" weights and "minmax" rows.
 
 Each MatMul whose right operand is a constant (E, N) weight ``W`` becomes, in standard ONNX operators:
 
-    c = mean(x, -1), p = max(|x - c|, -1)              (B, S, 1)  each row's own centre and reach
-    q = uint8(round((x - c) * 127 / p) + 128)          (B, S, E)  8 bits per row, zero point 128
-    y = ((q - 128) @ Wq) * (p / 127) * w_scale + [x[F], c] @ [W[F]; colsum(W')]     (B, S, N)
+    [x[F], c] = x @ [one-hot(F), keep / |keep|]       (B, S, |F| + 1)  the float channels; the others' mean
+    d = (x - c) * keep                                 (B, S, E)  each row around its mean, float channels 0
+    s = (max(d) - min(d)) / 254, z = round(-min(d) / s)   (B, S, 1)  its own step and zero point
+    q = uint8(round(d / s) + z)                        (B, S, E)  QuantizeLinear per axis over the rows
+    y = ((q - 128) @ Wq) * s * w_scale + [x[F], c, (128 - z) s, 1] @ [W[F]; colsum(W'); colsum(Wq'); b]
 
 ``F``: a few input channels (``model.schemes.float_channel_count``: 8 on a 384-wide input) with the largest peaks
-on representative inputs, chosen at export (``float_channels``) and named in the manifest's ``scheme``; they are
-left out of the row's deviation (its reach and its 8 bits) and multiplied in float. ``W'`` is ``W`` with the rows
-of ``F`` zeroed; ``Wq`` is ``W'`` in int8 per output column, symmetric, in [-63, 63] (7 bits); ``colsum(W')`` is
-its float column sum, so a row's mean passes through exactly and only its deviation is quantized. onnxruntime
-fuses MatMulInteger -> Cast -> Mul(Mul(row scale, column scale)) into one MatMulIntegerToFloat kernel.
+on representative inputs, chosen at export (``float_channels``) and named in the manifest's ``scheme``; they leave
+the row's span and are multiplied in float. ``W'`` is ``W`` with the rows of ``F`` zeroed; ``Wq`` is ``W'`` in 8
+bits per output column, every pair of input channels bounded (below), ``Wq'`` its dequantized value; the mean
+``c`` passes through the float weights exactly, so only each value's distance from it is quantized. The Linear's
+bias ``b`` is folded into the float side. onnxruntime fuses MatMulInteger -> Cast -> Mul(Mul(row scale, column
+scale)) into one MatMulIntegerToFloat kernel.
 
 Why (docs/parity.md has the measurements):
 - A scale per row, never per tensor: a request's answer does not depend on what it was batched with
   (onnxruntime's ``quantize_dynamic`` takes one activation scale per run, i.e. per batch).
-- 7-bit weights: on CPUs without VNNI (AVX2, AVX-512 without VNNI) onnxruntime's u8 x s8 kernel adds pairs of
-  products in int16 (VPMADDUBSW), which saturates once 2 x 255 x 127 > 32767. With |w| <= 63 a pair is at most
-  2 x 255 x 63 = 32130: the int32 sums are exact on every kind, so every kind computes the same answer.
-- The exact mean term keeps rows with a large offset accurate (the adversarial suite's 1e2..1e4 offsets): it
-  is not spent of the 8 bits.
+- Pair-bounded 8-bit weights: on CPUs without VNNI (AVX2, AVX-512 without VNNI) onnxruntime's u8 x s8 kernel adds
+  the products of input channels 2k and 2k + 1 in int16 (VPMADDUBSW), which saturates past 32767 = 255 x 128.5.
+  Each column's scale keeps every such pair's same-sign levels within 128 (``quantize_weight_pairs``): the int32
+  sums are exact on every kind, so every kind computes the same answer, with 8-bit weights where plain ones would
+  saturate and 7-bit ones (the first form's) lose a bit.
+- Rows over their own least to largest value (the first form: +-their reach from the mean, half of it unused on a
+  skewed row such as a GELU output), around their mean: a row's offset costs none of its bits (the adversarial
+  suite's 1e2..1e4 offsets), and the weights' rounding meets only each value's distance from it.
 - The float channels: a trained BERT has a few hidden dimensions 5-20x larger than the rest (all-MiniLM-L6-v2:
-  28 against a median of 1.5 at a feed-forward input); one of them sets a row's reach and every other channel
-  loses 3-4 of its 8 bits. On that model's real sentences they take the least sentence cosine against
-  transformers from 0.9933 to 0.9984 for 5-11% of the speed (docs/parity.md, "int8 on the real model").
-- The offset term is its own Add: onnxruntime 1.32's MatMulIntegerToFloat multiplies a fused bias by a
-  per-row scale, so nothing here may let the optimizer fuse a bias Add into it.
+  28 against a median of 1.5 at a feed-forward input); one of them would set a row's span and every other channel
+  lose 3-4 of its 8 bits. On that model's real sentences the least sentence cosine against transformers is
+  0.9995 with them, 0.998 without (docs/parity.md, "int8 on the real model").
+- The bias and the float side are one small MatMul and one Add: onnxruntime 1.32's MatMulIntegerToFloat
+  multiplies a fused bias by a per-row scale, so nothing here may let the optimizer fuse a bias into it.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -41,11 +47,13 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from model.schemes import (  # the scheme's numbers, shared with the server
+    DEFAULT_FORM,
     HALF,
+    STEPS,
     TINY,
-    WEIGHT_MAX,
     ZERO_POINT,
     Exact,
+    Form,
     float_channel_count,
     quantize_weight,
 )
@@ -56,18 +64,22 @@ ChannelsOf = Callable[[np.ndarray], np.ndarray]  # a graph weight (E, N) -> its 
 def quantize_graph(
     model: onnx.ModelProto,
     channels_of: ChannelsOf | None = None,
-    weight_levels: int = WEIGHT_MAX,
+    form: Form = DEFAULT_FORM,
     kernel: str = "u8s8",
+    weight_levels: int | None = None,
 ) -> int:
     """Rewrite every float MatMul with a constant 2-D weight in ``model.graph`` in place; returns how many.
     ``channels_of(W)``: the input channels of weight ``W`` (E, N) to keep in float (``owner_channels``); none
-    without it. ``weight_levels`` and ``kernel`` (MatMulInteger's operands: u8s8, the scheme's; u8u8 with
-    weights stored around 128; s8s8 with activations around 0) exist for bench/int8_options.py's study of
-    other schemes: the int8 variant and the schemes of model/schemes.py are the defaults'.
+    without it. ``form``: the scheme's form (model.schemes.Form: the weights' and the rows' quantization).
+    ``weight_levels`` (symmetric weights of that many levels instead of the form's) and ``kernel``
+    (MatMulInteger's operands: u8s8, the scheme's; u8u8 with weights stored around 128; s8s8 with "mean" rows
+    around 0) exist for bench/int8_options.py's study of other schemes.
 
     An activation read by several MatMuls with the same float channels (q, k and v read the same input) is
     quantized once.
     """
+    if kernel == "s8s8" and form.rows != "mean":
+        raise ValueError("the s8s8 kernel takes rows around their mean only")
     graph = model.graph
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     inits = {t.name: t for t in graph.initializer}
@@ -75,12 +87,17 @@ def quantize_graph(
         "int8_axes": np.array([-1], np.int64),
         "int8_tiny": np.array(TINY, np.float32),
         "int8_half": np.array(HALF, np.float32),
+        "int8_steps": np.array(STEPS, np.float32),
+        "int8_flat": np.array([-1], np.int64),
+        "int8_minus": np.array(-1.0, np.float32),
+        "int8_centre": np.array(ZERO_POINT, np.float32),
         "int8_one": np.array(1.0, np.float32),
         "int8_zp": np.array(0, np.int8) if kernel == "s8s8" else np.array(ZERO_POINT, np.uint8),
+        "int8_zero": np.array(0, np.uint8),  # "minmax" rows are stored 0..255
         "int8_w_zp": np.array(ZERO_POINT, np.uint8),  # u8u8's weights
     }
     new_inits = [numpy_helper.from_array(v, k) for k, v in consts.items()]
-    rows: dict[tuple[str, tuple[int, ...]], tuple[str, str, str]] = {}  # -> (q, row scale, float side)
+    rows: dict[tuple[str, tuple[int, ...]], tuple[str, str, str]] = {}  # -> (q, row step, float side)
     nodes: list[onnx.NodeProto] = []
     replaced: set[str] = set()
 
@@ -90,34 +107,92 @@ def quantize_graph(
         return helper.make_node(op, [x], [out], axes=[-1], keepdims=1)
 
     def quantized_rows(x: str, idx: np.ndarray, width: int) -> tuple[str, str, str]:
+        """model.schemes.Form.rows_of in graph operators: (levels as uint8, step, the float side's input:
+        the float channels, then base and centre ("minmax") or the mean ("mean"))."""
         key = (x, tuple(int(i) for i in idx))
-        if key not in rows:
-            p = f"{x}_rows{len(rows) or ''}"
+        if key in rows:
+            return rows[key]
+        p = f"{x}_rows{len(rows) or ''}"
+        floats: list[str] = []
+        keep = np.ones(width, np.float32)
+        keep[idx] = 0.0
+        if form.rows == "minmax":
+            # One small GEMM gives the float channels exactly (x @ one-hot columns) and the mean of the other
+            # channels (x @ keep / their count): several times faster than a Gather on the last axis.
+            pick = np.zeros((width, len(idx) + 1), np.float32)
+            pick[idx, np.arange(len(idx))] = 1.0
+            pick[:, -1] = keep / keep.sum()
+            new_inits.extend(
+                [
+                    numpy_helper.from_array(pick, f"{p}_pick"),
+                    numpy_helper.from_array(np.array([len(idx)], np.int64), f"{p}_at"),
+                    numpy_helper.from_array(np.array([len(idx) + 1], np.int64), f"{p}_end"),
+                    numpy_helper.from_array(keep, f"{p}_keep"),
+                    numpy_helper.from_array(np.array([-1, width], np.int64), f"{p}_2d"),
+                ]
+            )
+            nodes.extend(
+                [
+                    helper.make_node("MatMul", [x, f"{p}_pick"], [f"{p}_float"]),
+                    helper.make_node(
+                        "Slice", [f"{p}_float", f"{p}_at", f"{p}_end", "int8_axes"], [f"{p}_centre"]
+                    ),
+                    helper.make_node("Sub", [x, f"{p}_centre"], [f"{p}_centred"]),
+                    helper.make_node(
+                        "Mul", [f"{p}_centred", f"{p}_keep"], [f"{p}_kept"]
+                    ),  # float channels: 0
+                    reduce("ReduceMin", f"{p}_kept", f"{p}_lo"),
+                    reduce("ReduceMax", f"{p}_kept", f"{p}_hi"),
+                    helper.make_node("Sub", [f"{p}_hi", f"{p}_lo"], [f"{p}_width"]),
+                    helper.make_node("Max", [f"{p}_width", "int8_tiny"], [f"{p}_span"]),
+                    helper.make_node("Div", [f"{p}_span", "int8_steps"], [f"{p}_scale"]),
+                    helper.make_node("Div", [f"{p}_lo", f"{p}_scale"], [f"{p}_below"]),
+                    # the row's zero point, round(-lo / step): round half to even, saturate to 0..255
+                    helper.make_node(
+                        "QuantizeLinear", [f"{p}_below", "int8_minus", "int8_zero"], [f"{p}_zp"]
+                    ),
+                    # each row with its own scale and zero point: per axis 0 of a 2-D view
+                    helper.make_node("Shape", [x], [f"{p}_shape"]),
+                    helper.make_node("Reshape", [f"{p}_kept", f"{p}_2d"], [f"{p}_rows"]),
+                    helper.make_node("Reshape", [f"{p}_scale", "int8_flat"], [f"{p}_scales1"]),
+                    helper.make_node("Reshape", [f"{p}_zp", "int8_flat"], [f"{p}_zps1"]),
+                    helper.make_node(
+                        "QuantizeLinear", [f"{p}_rows", f"{p}_scales1", f"{p}_zps1"], [f"{p}_q2"], axis=0
+                    ),
+                    helper.make_node("Reshape", [f"{p}_q2", f"{p}_shape"], [f"{p}_q"]),
+                    # the value level 128 stands for (the product takes the levels around it)
+                    helper.make_node("Cast", [f"{p}_zp"], [f"{p}_zpf"], to=TensorProto.FLOAT),
+                    helper.make_node("Sub", ["int8_centre", f"{p}_zpf"], [f"{p}_lift"]),
+                    helper.make_node("Mul", [f"{p}_lift", f"{p}_scale"], [f"{p}_base"]),
+                    helper.make_node("Div", [f"{p}_span", f"{p}_span"], [f"{p}_one"]),  # 1 exactly
+                    helper.make_node(
+                        "Concat", [f"{p}_float", f"{p}_base", f"{p}_one"], [f"{p}_side"], axis=-1
+                    ),
+                ]
+            )
+        else:
             nodes.extend(
                 [
                     reduce("ReduceMean", x, f"{p}_mean"),
                     helper.make_node("Sub", [x, f"{p}_mean"], [f"{p}_dev"]),
                 ]
             )
-            dev, side = f"{p}_dev", f"{p}_mean"
+            dev = f"{p}_dev"
             if len(idx):  # the float channels leave the deviation and join the mean on the float side
-                keep = np.ones(width, np.float32)
-                keep[idx] = 0.0
+                pick = np.zeros((width, len(idx)), np.float32)
+                pick[idx, np.arange(len(idx))] = 1.0
+                new_inits.append(numpy_helper.from_array(pick, f"{p}_pick"))
                 new_inits.append(numpy_helper.from_array(keep, f"{p}_keep"))
-                new_inits.append(numpy_helper.from_array(idx, f"{p}_channels"))
-                nodes.extend(
-                    [
-                        helper.make_node("Mul", [dev, f"{p}_keep"], [f"{p}_kept"]),
-                        helper.make_node("Gather", [x, f"{p}_channels"], [f"{p}_float"], axis=-1),
-                        helper.make_node("Concat", [f"{p}_float", f"{p}_mean"], [f"{p}_side"], axis=-1),
-                    ]
-                )
-                dev, side = f"{p}_kept", f"{p}_side"
+                nodes.append(helper.make_node("MatMul", [x, f"{p}_pick"], [f"{p}_float"]))
+                nodes.append(helper.make_node("Mul", [dev, f"{p}_keep"], [f"{p}_kept"]))
+                dev, floats = f"{p}_kept", [f"{p}_float"]
             nodes.extend(
                 [
                     helper.make_node("Abs", [dev], [f"{p}_abs"]),
                     reduce("ReduceMax", f"{p}_abs", f"{p}_reach"),
                     helper.make_node("Max", [f"{p}_reach", "int8_tiny"], [f"{p}_peak"]),
+                    helper.make_node("Div", [f"{p}_peak", f"{p}_peak"], [f"{p}_one"]),  # 1 exactly
+                    helper.make_node("Concat", [*floats, f"{p}_mean", f"{p}_one"], [f"{p}_side"], axis=-1),
                     helper.make_node("Div", [f"{p}_peak", "int8_half"], [f"{p}_scale"]),
                     helper.make_node("Div", ["int8_half", f"{p}_peak"], [f"{p}_inv"]),
                     helper.make_node("Mul", [dev, f"{p}_inv"], [f"{p}_levels"]),
@@ -125,11 +200,14 @@ def quantize_graph(
                     helper.make_node("QuantizeLinear", [f"{p}_levels", "int8_one", "int8_zp"], [f"{p}_q"]),
                 ]
             )
-            rows[key] = (f"{p}_q", f"{p}_scale", side)
+        rows[key] = (f"{p}_q", f"{p}_scale", f"{p}_side")
         return rows[key]
 
     w_zp = ["int8_w_zp"] if kernel == "u8u8" else []
+    biases = _bias_adds(graph, inits)
     for node in graph.node:
+        if node.name in biases.folded:
+            continue
         w = inits.get(node.input[1]) if node.op_type == "MatMul" else None
         if w is None or w.data_type != TensorProto.FLOAT or len(w.dims) != 2:
             nodes.append(node)
@@ -138,10 +216,17 @@ def quantize_graph(
         idx = np.sort(np.asarray(channels_of(weight) if channels_of else [], np.int64))
         rest = weight.astype(np.float64)
         rest[idx] = 0.0
-        wq, w_scale = quantize_weight(rest, weight_levels)
+        wq, w_scale = form.quantize(rest) if weight_levels is None else quantize_weight(rest, weight_levels)
+        deq = wq.astype(np.float64) * w_scale.astype(np.float64)
         if kernel == "u8u8":
             wq = (wq.astype(np.int16) + ZERO_POINT).astype(np.uint8)
-        side_w = np.concatenate([weight[idx].astype(np.float64), rest.sum(axis=0, keepdims=True)])
+        # the float side: the float channels, the row's centre (carried by the float weights), for "minmax" the
+        # value level 128 stands for (by the quantized ones), then 1 (the bias)
+        carried = [rest.sum(axis=0)] if form.rows == "mean" else [rest.sum(axis=0), deq.sum(axis=0)]
+        add = biases.of.get(node.output[0])  # the bias Add after this MatMul, folded into the float side
+        bias = numpy_helper.to_array(inits[add.input[1]]) if add else np.zeros(weight.shape[1])
+        side_w = np.concatenate([weight[idx].astype(np.float64), np.stack([*carried, bias])])
+        output = add.output[0] if add else node.output[0]
         p = f"{node.name or node.output[0]}_int8"
         new_inits += [
             numpy_helper.from_array(wq, f"{p}_w"),
@@ -154,8 +239,10 @@ def quantize_graph(
             helper.make_node("Cast", [f"{p}_acc"], [f"{p}_accf"], to=TensorProto.FLOAT),
             helper.make_node("Mul", [scale, f"{p}_w_scale"], [f"{p}_scales"]),  # (row scale, column scale)
             helper.make_node("Mul", [f"{p}_accf", f"{p}_scales"], [f"{p}_deviation"]),
-            helper.make_node("MatMul", [side, f"{p}_side_w"], [f"{p}_offset"]),  # float channels + mean term
-            helper.make_node("Add", [f"{p}_deviation", f"{p}_offset"], [node.output[0]]),
+            helper.make_node(
+                "MatMul", [side, f"{p}_side_w"], [f"{p}_offset"]
+            ),  # float channels + carried terms
+            helper.make_node("Add", [f"{p}_deviation", f"{p}_offset"], [output]),
         ]
         replaced.add(w.name)
     read = {i for n in nodes for i in n.input}
@@ -165,6 +252,36 @@ def quantize_graph(
     del graph.node[:]
     graph.node.extend(nodes)
     return len(replaced)
+
+
+class _Biases:
+    """The bias Adds a rewrite folds: ``of`` a MatMul's output -> the Add that is its one reader and adds a
+    constant vector to it; ``folded``: those Adds' names, left out of the graph."""
+
+    def __init__(self) -> None:
+        self.of: dict[str, onnx.NodeProto] = {}
+        self.folded: set[str] = set()
+
+
+def _bias_adds(graph: onnx.GraphProto, inits: Mapping[str, onnx.TensorProto]) -> _Biases:
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+    found = _Biases()
+    for i, node in enumerate(graph.node):
+        if node.op_type != "MatMul" or node.output[0] in outputs:
+            continue
+        after = readers.get(node.output[0], [])
+        add = after[0] if len(after) == 1 else None
+        bias = inits.get(add.input[1]) if add is not None and add.op_type == "Add" else None
+        if bias is None or add.input[0] != node.output[0] or len(bias.dims) != 1:
+            continue
+        add.name = add.name or f"int8_bias_add_{i}"
+        found.of[node.output[0]] = add
+        found.folded.add(add.name)
+    return found
 
 
 def input_peaks(encoder, inputs: list[tuple[np.ndarray, np.ndarray]], real_only: bool = True) -> dict:
@@ -220,11 +337,13 @@ def owner_channels(state: Mapping[str, np.ndarray], channels: Mapping[str, list[
 
 
 @contextlib.contextmanager
-def simulated(module=None, channels: Mapping[str, list[int]] | None = None) -> Iterator[None]:
-    """Inside, every ``F.linear`` (the encoder's six weight products per layer) computes the int8 scheme exactly,
-    in the dtype of its inputs (export.variants runs it in float64: what this variant can do at best);
-    ``channels``: the float channels by weight name of ``module``'s parameters (a view of one, as q of in_proj,
-    is found by its storage)."""
+def simulated(
+    module=None, channels: Mapping[str, list[int]] | None = None, form: Form = DEFAULT_FORM
+) -> Iterator[None]:
+    """Inside, every ``F.linear`` (the encoder's six weight products per layer) computes the int8 scheme of
+    ``form`` exactly, in the dtype of its inputs (export.variants runs it in float64: what this variant can do at
+    best); ``channels``: the float channels by weight name of ``module``'s parameters (a view of one, as q of
+    in_proj, is found by its storage). model.schemes.Int8 is its numpy twin."""
     import torch
     import torch.nn.functional as F
 
@@ -237,19 +356,41 @@ def simulated(module=None, channels: Mapping[str, list[int]] | None = None) -> I
             if name in channels
         }
 
+    def rows_of(x, idx):  # model.schemes.Form.rows_of
+        if form.rows == "mean":
+            centre = x.mean(-1, keepdim=True)
+            dev = x - centre
+            dev[..., idx] = 0.0
+            reach = dev.abs().amax(-1, keepdim=True).clamp_min(TINY)
+            levels = torch.round(dev * (HALF / reach)).clamp(
+                -HALF, HALF
+            )  # round half to even, as QuantizeLinear
+            return levels, reach / HALF, torch.zeros_like(centre), centre
+        keep = torch.ones(x.shape[-1], dtype=torch.bool)
+        keep[idx] = False
+        centre = x[..., keep].mean(-1, keepdim=True)
+        dev = x - centre
+        dev[..., idx] = 0.0
+        lo = dev.amin(-1, keepdim=True)
+        step = (dev.amax(-1, keepdim=True) - lo).clamp_min(TINY) / STEPS
+        zero = torch.round(-(lo / step)).clamp(0, 255)
+        levels = (torch.round(dev / step) + zero).clamp(0, 255) - ZERO_POINT
+        levels[..., idx] = 0.0
+        return levels, step, (ZERO_POINT - zero) * step, centre
+
     def int8_linear(x, weight, bias=None):
         idx = by_storage.get(weight.untyped_storage().data_ptr(), torch.zeros(0, dtype=torch.long))
         rest = weight.detach().T.double().numpy().copy()  # ONNX's (E, N)
         rest[idx.numpy()] = 0.0
-        wq, w_scale = quantize_weight(rest)
-        w_deq = torch.from_numpy(wq.astype(np.float64) * w_scale.astype(np.float64)).to(x.dtype)
-        colsum = torch.from_numpy(rest.sum(axis=0)).to(x.dtype)
-        mean = x.mean(-1, keepdim=True)
-        dev = x - mean
-        dev[..., idx] = 0.0
-        peak = dev.abs().amax(-1, keepdim=True).clamp_min(TINY)
-        q = torch.round(dev * (HALF / peak)).clamp(-HALF, HALF)  # round half to even, as QuantizeLinear
-        y = (q @ w_deq) * (peak / HALF) + (mean * colsum + x[..., idx] @ weight.T[idx].to(x.dtype))
+        wq, w_scale = form.quantize(rest)
+        deq = wq.astype(np.float64) * w_scale.astype(np.float64)
+        w_deq, base_w, centre_w = (
+            torch.from_numpy(a).to(x.dtype) for a in (deq, deq.sum(axis=0), rest.sum(axis=0))
+        )
+        levels, step, base, centre = rows_of(x, idx)
+        y = (levels @ w_deq) * step + (
+            base * base_w + centre * centre_w + x[..., idx] @ weight.T[idx].to(x.dtype)
+        )
         return y if bias is None else y + bias
 
     F.linear = int8_linear

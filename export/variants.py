@@ -22,7 +22,7 @@ from export.onnx_export import DEFAULT_OPSET, ExportError, export_onnx
 from export.parity import torch_outputs
 from model.config import EncoderConfig
 from model.encoder import Encoder
-from model.schemes import FLOAT_CHANNELS_KEY
+from model.schemes import FLOAT_CHANNELS_KEY, Form
 from model.verdict import Tolerance
 
 # (encoder, path, opset, with_steps, attention form: export/attention.py); a variant with a plan takes it as plan=
@@ -96,7 +96,7 @@ def _export_int8(
     channels = (plan or {}).get(FLOAT_CHANNELS_KEY)
     state = {k: v.detach().float().numpy() for k, v in encoder.state_dict().items()}
     try:
-        int8.quantize_graph(model, int8.owner_channels(state, channels) if channels else None)
+        int8.quantize_graph(model, int8.owner_channels(state, channels) if channels else None, _form(plan))
     except ValueError as exc:
         raise ExportError(f"int8: {exc}") from None
     _toposort(model.graph)
@@ -120,13 +120,19 @@ def _int8_scheme(
 ) -> dict[str, np.ndarray]:
     """export/int8.py's arithmetic, exactly (float64)."""
     double = copy.deepcopy(encoder).double()
-    with int8.simulated(double, (plan or {}).get(FLOAT_CHANNELS_KEY)):
+    with int8.simulated(double, (plan or {}).get(FLOAT_CHANNELS_KEY), _form(plan)):
         return torch_outputs(double, x.astype(np.float64), mask, with_steps)
 
 
+def _form(plan: dict | None) -> Form:
+    """The int8 form a plan names; without a plan (a graph built outside an export), the default form. A plan
+    that names none is an artifact of the first form (model.schemes.Form.of)."""
+    return Form() if plan is None else Form.of(plan)
+
+
 def _int8_plan(encoder: Encoder, inputs: list[tuple[np.ndarray, np.ndarray]]) -> dict:
-    """int8's float channels, chosen on representative inputs (export/int8.py)."""
-    return {FLOAT_CHANNELS_KEY: int8.float_channels(encoder, inputs)}
+    """int8's form and its float channels, chosen on representative inputs (export/int8.py)."""
+    return {**Form().to_plan(), FLOAT_CHANNELS_KEY: int8.float_channels(encoder, inputs)}
 
 
 def _toposort(graph: onnx.GraphProto) -> None:
@@ -193,8 +199,9 @@ def _export_fused(
 
 
 def _int8_ops(config: EncoderConfig) -> dict[str, int]:
-    # Per layer: 6 weight MatMuls reading 4 distinct activations (q, k and v share theirs), each quantized once.
-    return {**_norms(config), "MatMulInteger": 6 * config.num_layers, "ReduceMean": 4 * config.num_layers}
+    # Per layer: 6 weight MatMuls reading 4 distinct activations (q, k and v share theirs), each quantized once
+    # (today's form: the least and largest value of each row).
+    return {**_norms(config), "MatMulInteger": 6 * config.num_layers, "ReduceMin": 4 * config.num_layers}
 
 
 def _fused_ops(config: EncoderConfig) -> dict[str, int]:
@@ -204,14 +211,23 @@ def _fused_ops(config: EncoderConfig) -> dict[str, int]:
 
 # fp16 computes in half precision with LayerNorm statistics in float32 (stash_type 1). Both are lossy: judged
 # per row, for quality against torch fp32 on representative inputs and for implementation against their scheme
-# (model.verdict), with no float64 rescue (oracle_factor 0). int8's bounds (docs/parity.md, "int8"): its measured
-# worst row over the gate's ordinary cases, 0.7-1.2% relative RMS, with room for deeper stacks, and below what a
-# LayerNorm gamma off by 5% does to its rows (5%).
+# (model.verdict), with no float64 rescue (oracle_factor 0). int8's quality bounds were measured on a real trained
+# model (all-MiniLM-L6-v2, real sentences; docs/parity.md, "int8 on the real model"): what a retrieval user needs,
+# each sentence embedding within cosine 0.999 of fp32, and token rows bounded at about twice their spread there
+# (worst 6% relative RMS, least cosine 0.9987, worst element 0.24 x its row's RMS). The first int8 scheme (0.9985
+# per sentence, token rows to 11% and cosine 0.9947) fails them. A graph that does not compute its scheme (a
+# LayerNorm gamma off by 5% on the seeded block) fails the implementation verdict.
 FP16_TOLERANCE = Tolerance(
     atol=None, rtol=0.0, oracle_factor=0.0, row_rel_rms=0.01, row_cosine=0.9999, row_peak=0.05
 )
 INT8_TOLERANCE = Tolerance(
-    atol=None, rtol=0.0, oracle_factor=0.0, row_rel_rms=0.03, row_cosine=0.9995, row_peak=0.15
+    atol=None,
+    rtol=0.0,
+    oracle_factor=0.0,
+    row_rel_rms=0.15,
+    row_cosine=0.995,
+    row_peak=0.5,
+    sentence_cosine=0.999,
 )
 VARIANTS: dict[str, Variant] = {
     v.name: v

@@ -19,6 +19,7 @@ from typing import Any
 
 from model.config import ConfigError, EncoderConfig
 from model.contract import TensorSpec
+from model.schemes import Form
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.onnx"
@@ -145,7 +146,8 @@ class Manifest:
 
 
 def _scheme(data: Any) -> dict[str, Any]:
-    """The manifest's ``scheme``: an object; int8's ``float_channels`` maps weight names to channel indices."""
+    """The manifest's ``scheme``: an object; int8's ``float_channels`` maps weight names to channel indices, its
+    ``weights`` and ``rows`` name a known form (model.schemes.Form)."""
     if not isinstance(data, dict):
         raise ArtifactError(f"manifest scheme must be an object, got {type(data).__name__}")
     channels = data.get("float_channels", {})
@@ -156,6 +158,10 @@ def _scheme(data: Any) -> dict[str, Any]:
         raise ArtifactError(
             "manifest scheme.float_channels must map weight names to lists of channel indices"
         )
+    try:
+        Form.of(data)
+    except ValueError as exc:
+        raise ArtifactError(f"manifest scheme: {exc}") from None
     return dict(data)
 
 

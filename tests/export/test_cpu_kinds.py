@@ -100,3 +100,44 @@ def test_a_failed_int8_check_on_a_cpu_without_vnni_names_the_cause(tmp_path):
     vnni = tmp_path / "vnni"
     vnni.write_text("flags\t\t: avx2 avx512f avx512bw avx512_vnni\n")
     assert int8_cpu_hint(cpu_flags(str(vnni))) == ""
+
+
+@needs_qemu
+def test_pair_bounded_8_bit_weights_are_exact_on_avx2_where_plain_8_bit_ones_saturate(tmp_path):
+    """int8's weights (model.schemes.quantize_weight_pairs): up to 127 levels, and no two input channels 2k, 2k + 1
+    of a column whose same-sign levels sum past 128. Against activations at 255 (the largest u8), on weights made
+    to be hard (columns of equal values, and columns with one large value per pair): the emulated AVX2 CPU's
+    int32 sums are exact with them, and saturate with plain 8-bit weights of the same matrix."""
+    from model.schemes import quantize_weight, quantize_weight_pairs
+
+    rng = np.random.default_rng(3)
+    k, n = 96, 16
+    w = rng.standard_normal((k, n))
+    w[:, :4] = 1.0  # every pair at the column's peak
+    w[:, 4:8] = -1.0
+    w[0::2, 8:12] *= 8.0  # one large member per pair
+    bounded, _ = quantize_weight_pairs(w)
+    plain, _ = quantize_weight(w, 127)
+    assert np.abs(bounded).max() == 127
+    code = (
+        "import sys, numpy as np, onnxruntime as ort; "
+        "s = ort.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider']); "
+        f"np.save(sys.argv[2], s.run(None, {{'a': np.full((3, {k}), 255, np.uint8)}})[0])"
+    )
+    for label, q in (("bounded", bounded), ("plain", plain)):
+        graph = helper.make_graph(
+            [helper.make_node("MatMulInteger", ["a", "w", "za"], ["y"])],
+            "g",
+            [helper.make_tensor_value_info("a", TensorProto.UINT8, [3, k])],
+            [helper.make_tensor_value_info("y", TensorProto.INT32, [3, n])],
+            [numpy_helper.from_array(q, "w"), numpy_helper.from_array(np.array(128, np.uint8), "za")],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = 8
+        onnx.save(model, str(tmp_path / f"{label}.onnx"))
+        run(emulated("-c", code, str(tmp_path / f"{label}.onnx"), str(tmp_path / f"{label}.npy")))
+        got, want = np.load(tmp_path / f"{label}.npy"), np.full((3, k), 127) @ q.astype(np.int64)
+        if label == "bounded":
+            np.testing.assert_array_equal(got, want)
+        else:
+            assert (got != want).any()

@@ -60,6 +60,8 @@ def test_manifest_is_plain_json(tiny_artifact):
         ({"float_channels": {"layers.0.linear1.weight": [1, -2]}}, "lists of channel indices"),
         ({"float_channels": {"layers.0.linear1.weight": "3"}}, "lists of channel indices"),
         ({"float_channels": [[1]]}, "lists of channel indices"),
+        ({"weights": "4bit", "rows": "minmax"}, "unknown int8 form"),
+        ({"rows": "absmax"}, "unknown int8 form"),
     ],
 )
 def test_a_malformed_scheme_is_named(tiny_artifact, scheme, message):

@@ -67,13 +67,14 @@ def test_seq_first_layout_and_an_artifacts_own_weights(tiny_artifact):
 
 
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post", "pre"])
-@pytest.mark.parametrize("planned", [False, True], ids=["no-float-channels", "float-channels"])
+@pytest.mark.parametrize("planned", ["first-form", "no-float-channels", "float-channels"])
 def test_the_int8_scheme_in_numpy_equals_its_torch_twin(norm_first, planned):
     """model/schemes.py's Int8 (what live parity uses, no torch) computes export/int8.py's scheme as its torch
     twin does (the export gate's), in float64, padded or not, with the float channels an export plans (q, k and
-    v are views of one in_proj weight in torch) or without (artifacts from before them)."""
+    v are views of one in_proj weight in torch) or without, in the form an export writes today or in the first
+    form (an artifact whose manifest names no form)."""
     from export.variants import get_variant
-    from model.schemes import FLOAT_CHANNELS_KEY, Int8
+    from model.schemes import FLOAT_CHANNELS_KEY, Form, Int8, for_variant
 
     config = EncoderConfig(
         d_model=32, nhead=4, dim_feedforward=48, dropout=0.0, norm_first=norm_first, num_layers=2
@@ -85,14 +86,18 @@ def test_the_int8_scheme_in_numpy_equals_its_torch_twin(norm_first, planned):
     mask = np.zeros((2, 6), bool)
     mask[1, 4:] = True
     variant = get_variant("int8")
-    plan = variant.plan(enc, [(x, mask)]) if planned else {}
+    plan = {
+        "first-form": {},
+        "no-float-channels": Form().to_plan(),
+        "float-channels": variant.plan(enc, [(x, mask)]),
+    }[planned]
     want = variant.scheme(enc, x, mask, False, plan=plan)["encoded"]
-    got = forward(config, weights, x, mask, Int8(plan.get(FLOAT_CHANNELS_KEY), weights))
+    got = forward(config, weights, x, mask, for_variant("int8", plan, weights))
     assert np.abs(got - want).max() < 1e-10
     exact = forward(config, weights, x, mask)
     assert np.abs(got - exact).max() > 1e-4  # and it is not the exact block
     # width // 16 float channels (2 of 32; 3 of linear2's 48), chosen per weight; they change the answer
-    if planned:
+    if planned == "float-channels":
         assert sorted(len(v) for v in plan[FLOAT_CHANNELS_KEY].values()) == [2] * 6 + [3] * 2
         assert len(plan[FLOAT_CHANNELS_KEY]) == 4 * config.num_layers
         assert np.abs(got - forward(config, weights, x, mask, Int8())).max() > 1e-6
