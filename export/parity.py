@@ -138,6 +138,7 @@ class ParityReport:
                 "cases": len({r.case for r, _ in judged}),
                 "worst_row_rel_rms": max((c.row_rel_rms for _, c in judged), default=None),
                 "least_row_cosine": min((c.row_cosine for _, c in judged), default=None),
+                "least_sentence_cosine": min((c.sentence_cosine for _, c in judged), default=None),
             },
             "implementation": {
                 "passed": all(c.implementation for c in impl) if impl else None,
@@ -252,6 +253,7 @@ def run_parity(
                     spread.get(name),
                     quality=case.representative,
                     real=_real(cfg, name, mask, served),
+                    sequence_axis=0 if not cfg.batch_first and name in served else 1,
                 )
                 for name in names
             ]

@@ -91,7 +91,8 @@ def decided(report: ParityReport) -> str:
             "not judged (no representative case)"
             if q["passed"] is None
             else f"{'passed' if q['passed'] else 'FAILED'} on {q['cases']} representative cases (worst row "
-            f"relative RMS {q['worst_row_rel_rms']:.3e}, least row cosine {q['least_row_cosine']:.5f} vs fp32)"
+            f"relative RMS {q['worst_row_rel_rms']:.3e}, least row cosine {q['least_row_cosine']:.5f}, least "
+            f"sentence cosine {q['least_sentence_cosine']:.5f} vs fp32)"
         )
         impl = (
             "not judged (no scheme)"

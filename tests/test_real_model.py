@@ -8,6 +8,7 @@ BertModel is the reference. Every variant and attention form is exported from th
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import shutil
 import time
@@ -25,7 +26,6 @@ from export import cli as export_cli
 from export import hf
 from export.calibration import calibration_cases
 from export.cases import Case, default_cases
-from export.gate import ParityError
 from export.parity import float32_yardstick, make_session, run_parity
 from export.pipeline import export_artifact, prepare_encoder
 from export.variants import build_graph, get_variant
@@ -40,6 +40,8 @@ SENTENCES = [*hf.SENTENCES, *MORE[:8], PASSAGE * 30]
 # Served answers against transformers: fp32 graphs within the float32 floor of the output's scale on real tokens
 # (measured 2.6e-6 against a floor of 2.2e-5); lossy ones by their sentence embeddings.
 FP16_SENTENCE_COSINE = 0.9999
+INT8_SENTENCE_COSINE = 0.999  # what retrieval wants (issue 34); int8 measured 0.9995 on these sentences
+SENTENCE_COSINE = {"fp16": FP16_SENTENCE_COSINE, "int8": INT8_SENTENCE_COSINE}
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +75,16 @@ def encoder(minilm: Path):
     return prepare_encoder(config, where.weights, from_bert=True, state=state).eval()
 
 
-# (name, variant, attention, opset): every attention form in fp32, the fused graph, fp16. int8 is refused (below).
+# (name, variant, attention, opset): every attention form in fp32, the fused graph, fp16 and int8.
 FORMS = {
     "fp32-mha": ("fp32", "mha", 17),
     "fp32-decomposed": ("fp32", "decomposed", 17),
     "fp32-onnx": ("fp32", "onnx", 23),
     "fused": ("fused", "mha", 17),
     "fp16": ("fp16", "mha", 17),
+    "int8": ("int8", "mha", 17),
 }
+LOSSY = ("fp16", "int8")
 
 
 def _short_synthetic() -> list[Case]:
@@ -122,9 +126,9 @@ def test_every_form_exports_passes_and_says_what_its_inputs_were(artifacts):
         assert parity["passed"] and parity["inputs"] == "given", name
         ref = parity["reference"]
         assert ref["torch"]["max_abs"] <= 1e-5, (name, ref)  # the conversion computes BertModel's arithmetic
-        if name.startswith("fp16"):
+        if name in LOSSY:
             assert parity["quality"]["passed"] and parity["implementation"]["passed"], parity
-            assert ref["graph"]["min_sentence_cosine"] >= FP16_SENTENCE_COSINE, ref
+            assert ref["graph"]["min_sentence_cosine"] >= SENTENCE_COSINE[name], ref
         else:
             assert ref["graph"]["max_abs"] <= 1e-4 and ref["graph"]["spearman"] > 0.9999, (name, ref)
 
@@ -167,38 +171,41 @@ def test_a_flag_that_contradicts_config_json_is_an_error(minilm, tmp_path, capsy
         assert code == 2 and "--nhead 8 (config.json: 12)" in err, err
 
 
-def test_int8_float_channels_bring_the_sentence_embeddings_within_0_998(encoder, real, tmp_path):
-    """int8 keeps each weight product's few largest input channels (this model's outlier dimensions, chosen on
-    calibration sentences) in float: on 19 real sentences, 11 of them never seen by the choice, the least sentence
-    cosine against transformers goes from ~0.993 without them to ~0.998 (docs/parity.md, "int8 on the real
-    model"); still under the 0.999 retrieval wants, which 7-bit weights cannot reach."""
+def test_int8_is_within_0_999_per_sentence_and_the_gate_refuses_its_first_form(encoder, real, tmp_path):
+    """int8 today (8-bit pair-bounded weights, rows from their least to their largest value around their mean, a
+    few float channels chosen on 8 calibration sentences): on 19 real sentences, 11 of them never seen by the
+    choice, the least sentence cosine against transformers is >= 0.999 and the ranking of their similarities is
+    kept (docs/parity.md, "int8 on the real model"); its gate passes on 16 of them. The first form (7-bit weights,
+    rows +-their reach from their mean) stays near 0.998, and its gate fails on quality, however faithfully the
+    graph computes its scheme (no rescue); the report names both verdicts and the least sentence cosine."""
     import onnxruntime as ort
 
+    from export.report import decided
+    from model.schemes import FLOAT_CHANNELS_KEY, LEGACY, Form
+
     x, mask, want = real
-    plan = get_variant("int8").plan(encoder, [(x[:8], mask[:8])])
-    agree = {}
-    for label, p in (("float channels", plan), ("none", None)):
+    variant = get_variant("int8")
+    plan = variant.plan(encoder, [(x[:8], mask[:8])])
+    assert Form.of(plan) == Form()
+    given = _given(real, slice(0, 16))
+    for label, p in (
+        ("today", plan),
+        ("first", {**LEGACY.to_plan(), FLOAT_CHANNELS_KEY: plan[FLOAT_CHANNELS_KEY]}),
+    ):
         path = tmp_path / f"{label}.onnx"
         build_graph(encoder, path, "int8", attention="mha", plan=p)
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        agree[label] = hf.agreement(session.run(["encoded"], {"embeddings": x, "mask": mask})[0], want, mask)
-    assert agree["float channels"].min_sentence_cosine >= 0.998, agree
-    assert agree["float channels"].spearman >= 0.997, agree
-    assert agree["none"].min_sentence_cosine < 0.995, agree
-
-
-def test_int8_is_refused_on_quality_and_the_report_says_both_verdicts(encoder, real, tmp_path):
-    """int8 is closer to fp32 with its float channels, but some token rows of this model's real sentences stay
-    several % from fp32 (worst ~7-10% relative RMS, against 3% allowed): the gate refuses it on quality, however
-    faithfully the graph computes its scheme (no rescue)."""
-    x, mask, _ = real
-    given = calibration_cases(x[:16], mask[:16], x.shape[-1])
-    with pytest.raises(ParityError) as failed:
-        export_artifact(encoder, tmp_path / "i", variant="int8", cases=_short_synthetic(), given=given)
-    message = str(failed.value)
-    assert "quality FAILED" in message and "implementation passed" in message, message
-    assert "calibration" in message
-    assert not (tmp_path / "i" / "manifest.json").exists()
+        agree = hf.agreement(session.run(["encoded"], {"embeddings": x, "mask": mask})[0], want, mask)
+        scheme = functools.partial(variant.scheme, plan=p)
+        report = run_parity(encoder, make_session(path), given, tol=variant.tolerance, scheme=scheme)
+        message = decided(report)
+        assert "least sentence cosine" in message, message
+        if label == "today":
+            assert agree.min_sentence_cosine >= INT8_SENTENCE_COSINE and agree.spearman >= 0.995, agree
+            assert report.passed, message
+        else:
+            assert agree.min_sentence_cosine < INT8_SENTENCE_COSINE, agree
+            assert "quality FAILED" in message and "implementation passed" in message, message
 
 
 def _gamma_skewed(model, which: int):
@@ -353,9 +360,10 @@ def test_served_answers_equal_transformers_on_real_tokens(served, real, minilm):
             result = client.infer(name, inputs)
             answers[key], pooled[key] = result.as_numpy("encoded"), result.as_numpy("pooled")
         for how, got in answers.items():
-            if name == "fp16":
+            if name in LOSSY:
                 cos = hf.sentence_cosines(got, want, mask).min()
-                assert cos >= FP16_SENTENCE_COSINE and hf.ranking_spearman(got, want, mask) > 0.999, (
+                assert cos >= SENTENCE_COSINE[name] and hf.ranking_spearman(got, want, mask) > 0.995, (
+                    name,
                     how,
                     cos,
                 )
@@ -363,7 +371,7 @@ def test_served_answers_equal_transformers_on_real_tokens(served, real, minilm):
                 err = float(np.abs(got - want)[~mask].max())
                 assert err <= floor, (name, how, err, floor)
         for how, got in pooled.items():
-            if name == "fp16":
-                assert (got * sentences).sum(1).min() >= FP16_SENTENCE_COSINE, (how, got @ sentences.T)
+            if name in LOSSY:
+                assert (got * sentences).sum(1).min() >= SENTENCE_COSINE[name], (name, how, got @ sentences.T)
             else:
                 np.testing.assert_allclose(got, sentences, atol=1e-6, err_msg=f"{name} over {how}")
