@@ -1,16 +1,20 @@
 """int8 schemes a graph could compute, built and timed side by side on a real model (``python -m bench --real``).
 
-The study behind issue 34 item 5: what would bring int8 to a sentence cosine >= 0.999 on a trained model, and what
+The study behind issue 34 item 5: what brings int8 to a sentence cosine >= 0.999 on a trained model, and what
 that costs in speed with onnxruntime's own CPU kernels. Each option is export/int8.py's graph (float channels
-chosen on the calibration inputs, activations per row around their mean) with one thing changed:
+chosen on the calibration inputs) with one thing changed, or one of onnxruntime's own quantizers:
 
-- ``weight_levels``: 63 (7 bits, the scheme's: exact in onnxruntime's u8 x s8 kernel on every x86 CPU) or 127;
-- ``kernel``: MatMulInteger's operand types: u8s8 (the scheme's), u8u8 (weights stored around 128 too) or s8s8
-  (activations int8 around 0);
+- ``form``: the int8 variant's form (model.schemes.Form): today's (8-bit pair-bounded weights, rows from their
+  least to their largest value around their mean) is the variant's row of the table; the first form (7-bit
+  weights, rows +-their reach from their mean) is an option here;
+- ``weight_levels``: plain symmetric weights of that many levels (127: 8 bits, unbounded pairs, which saturate
+  VPMADDUBSW on CPUs without VNNI) instead of the form's;
 - ``float_channels``: whether the float channels are kept at all;
 - ``block_size``: instead of all the above, onnxruntime's own block-wise scheme (``MatMulNBits``, 8-bit weights
   with a scale per block of ``block_size`` input channels, ``accuracy_level`` 4: activations quantized to int8 per
-  row and block inside the kernel, products summed in int32 per block, blocks summed in float).
+  row and block inside the kernel, products summed in int32 per block, blocks summed in float);
+- ``static``: onnxruntime's ``quantize_static`` (QDQ, per-channel 8-bit weights, per-tensor activation scales
+  calibrated on the real sentences with MinMax; u8 activations, s8 weights, reduce_range for AVX2).
 
 Nothing here is an export variant: it measures candidates; docs/parity.md keeps the table and the choice.
 """
@@ -20,31 +24,39 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
+
+from model.schemes import LEGACY, Form
 
 
 @dataclass(frozen=True)
 class Option:
     name: str
     float_channels: bool = True
-    weight_levels: int = 63
-    kernel: str = "u8s8"  # u8s8, u8u8 or s8s8
+    weight_levels: int | None = None
+    form: Form = field(default_factory=Form)
     block_size: int = 0  # > 0: MatMulNBits, 8 bits per block of this many input channels (the rest unused)
+    static: bool = False  # onnxruntime's quantize_static, calibrated on the real sentences
 
     @property
     def probe(self) -> str:
         """Its kernel's name in KERNEL_PROBE."""
-        return "nbits8" if self.block_size else f"{self.kernel}-{self.weight_levels}"
+        if self.block_size:
+            return "nbits8"
+        if self.static:
+            return "u8s8-63"  # reduce_range: 7-bit weights
+        levels = self.weight_levels or {"pairs8": 0, "7bit": 63}[self.form.weights]
+        return f"u8s8-{levels}" if levels else "u8s8-pairs"
 
 
-OPTIONS = (  # 8 float channels with 7-bit weights, u8s8, is export/int8.py's scheme (the int8 row of the table)
-    Option("8 float channels, 8+8 bits u8s8", True, 127),
-    Option("8 float channels, 8+8 bits u8u8", True, 127, "u8u8"),
-    Option("8 float channels, 8+8 bits s8s8", True, 127, "s8s8"),
-    Option("8+8 bits u8u8, no float channels", False, 127, "u8u8"),
+OPTIONS = (  # the int8 variant itself (today's form, float channels) is the int8 row of the table
+    Option("int8, first form (7-bit, around the mean)", form=LEGACY),
+    Option("int8, no float channels", float_channels=False),
+    Option("8 float channels, plain 8-bit weights", weight_levels=127),
+    Option("static QDQ (quantize_static, MinMax)", float_channels=False, static=True),
     Option("MatMulNBits 8 bits, blocks of 32", block_size=32),
     Option("MatMulNBits 8 bits, blocks of 64", block_size=64),
 )
@@ -52,19 +64,58 @@ OPTIONS = (  # 8 float channels with 7-bit weights, u8s8, is export/int8.py's sc
 
 def build(pre: onnx.ModelProto, encoder, x: np.ndarray, mask: np.ndarray, option: Option) -> onnx.ModelProto:
     """``option``'s graph from ``pre`` (the fp32 graph after onnxruntime's pre-processing), its float channels
-    chosen on (x, mask) as an export with them as --calibration chooses them."""
+    chosen on (x, mask) as an export with them as --calibration chooses them (and a static one calibrated on
+    them)."""
     from export import int8
 
     model = onnx.ModelProto()
     model.CopyFrom(pre)
     if option.block_size:
         return _blockwise(model, option.block_size)
+    if option.static:
+        return _static(model, x, mask)
     channels_of = None
     if option.float_channels:
         state = {k: v.detach().float().numpy() for k, v in encoder.state_dict().items()}
         channels_of = int8.owner_channels(state, int8.float_channels(encoder, [(x, mask)]))
-    int8.quantize_graph(model, channels_of, option.weight_levels, option.kernel)
+    int8.quantize_graph(model, channels_of, option.form, weight_levels=option.weight_levels)
     return model
+
+
+def _static(model: onnx.ModelProto, x: np.ndarray, mask: np.ndarray) -> onnx.ModelProto:
+    """onnxruntime's static QDQ quantization, its activation ranges calibrated on (x, mask) a sentence at a time."""
+    import tempfile
+    from pathlib import Path
+
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    class Sentences(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.rows = iter(range(len(x)))
+
+        def get_next(self) -> dict | None:
+            i = next(self.rows, None)
+            if i is None:
+                return None
+            n = int((~mask[i]).sum())
+            return {"embeddings": x[i : i + 1, :n], "mask": mask[i : i + 1, :n]}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        source, out = Path(tmp) / "pre.onnx", Path(tmp) / "static.onnx"
+        onnx.save(model, str(source))
+        quantize_static(
+            str(source),
+            str(out),
+            Sentences(),
+            quant_format=QuantFormat.QDQ,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+            per_channel=True,
+            reduce_range=True,
+            op_types_to_quantize=["MatMul"],
+            extra_options={"MatMulConstBOnly": True},
+        )
+        return onnx.load(str(out))
 
 
 def _blockwise(model: onnx.ModelProto, block_size: int) -> onnx.ModelProto:
@@ -107,6 +158,15 @@ for name, (ta, tb, a, b, zb) in cases.items():
     y = s.run(None, {"a": A, "b": B})[0]
     want = (A.astype(np.int64) - za) @ (B.astype(np.int64) - zb)
     print(name, "exact" if (y == want).all() else "saturates")
+# int8's pair-bounded 8-bit weights at their bound: 127 and 1 in each pair of input channels (2k, 2k + 1)
+g = helper.make_graph([helper.make_node("MatMulInteger", ["a", "b", "za"], ["y"])], "g",
+    [helper.make_tensor_value_info("a", T.UINT8, [4, 64]), helper.make_tensor_value_info("b", T.INT8, [64, 8])],
+    [helper.make_tensor_value_info("y", T.INT32, [4, 8])], [helper.make_tensor("za", T.UINT8, [], [128])])
+m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+s = ort.InferenceSession(m.SerializeToString(), o, providers=["CPUExecutionProvider"])
+A, B = np.full((4, 64), 255, np.uint8), np.tile(np.array([[127], [1]], np.int8), (32, 8))
+y = s.run(None, {"a": A, "b": B})[0]
+print("u8s8-pairs", "exact" if (y == (A.astype(np.int64) - 128) @ B.astype(np.int64)).all() else "saturates")
 # MatMulNBits, 8 bits, int8 compute: activations and weights at +-127 with scale 1 quantize exactly, so the sum
 # of 384 products of 127 x 127 (6.2e6, exact in float32) comes out exact unless a pair sum saturates.
 from onnx import numpy_helper

@@ -106,6 +106,11 @@ def main(rounds: int = 3, seconds: float = 1.0) -> int:
         sessions["quantize_dynamic"] = _quantize_dynamic(encoder, Path(tmp), opts)
         rows.append(("quantize_dynamic", "not gated (onnxruntime's, per-channel, reduce_range)"))
         kernels = int8_options.kernel_exactness(None), int8_options.kernel_exactness(AVX2_ONLY)
+        pairs = "/".join(k.get("u8s8-pairs", "?") for k in kernels)
+        rows = [
+            (n, f"{v}; u8s8-pairs here/emulated AVX2: {pairs}" if n.startswith("int8") else v)
+            for n, v in rows
+        ]
         sessions.update(_int8_options(encoder, x, mask, Path(tmp), opts))
         for option in int8_options.OPTIONS:
             exact = "/".join(k.get(option.probe, "?") for k in kernels)
@@ -224,7 +229,7 @@ def _int8_study(config, encoder, x: np.ndarray, mask: np.ndarray) -> None:
     from export import hf
     from export.int8 import float_channels, input_peaks
     from model import reference
-    from model.schemes import HALF, TINY, WEIGHT_MAX, Exact, Int8, quantize_weight
+    from model.schemes import HALF, LEGACY, TINY, WEIGHT_MAX, Exact, Form, Int8, quantize_weight
 
     weights = {k: v.detach().double().numpy() for k, v in encoder.state_dict().items()}
     names = {id(v): k for k, v in weights.items()}
@@ -260,23 +265,29 @@ def _int8_study(config, encoder, x: np.ndarray, mask: np.ndarray) -> None:
         k: np.clip(np.sqrt(peaks[k]) / np.sqrt(np.maximum(np.abs(weights[k]).max(0), 1e-5)), 1e-2, 1e3)
         for k in peaks
     }
+    channels = float_channels(encoder, [(x, mask)])
     schemes = {
-        "int8 (export/int8.py)": Int8(float_channels(encoder, [(x, mask)]), weights),
-        "int8, no float channels": Int8(),
-        "weights only (7 bit)": Scheme(act=False),
-        "activations only": Scheme(weights_q=False),
-        "8-bit weights": Scheme(wmax=127),
-        "SmoothQuant a=0.5": Scheme(smooth=smooth),
-        "q/k/v in float": Scheme(skip=("in_proj",)),
-        "FFN out in float": Scheme(skip=("linear2",)),
+        "int8 (export/int8.py)": Int8(channels, weights, Form()),
+        "int8, no float channels": Int8(form=Form()),
+        "8-bit pairs, rows around mean": Int8(channels, weights, Form("pairs8", "mean")),
+        "7-bit, rows least to largest": Int8(channels, weights, Form("7bit", "minmax")),
+        "first form (7-bit, mean)": Int8(channels, weights, LEGACY),
+        "first form, no float chan.": Int8(form=LEGACY),
+        # the first form's anatomy, without float channels (Scheme: rows around their mean)
+        "  7-bit weights only": Scheme(act=False),
+        "  activations only (mean)": Scheme(weights_q=False),
+        "  8-bit weights": Scheme(wmax=127),
+        "  SmoothQuant a=0.5": Scheme(smooth=smooth),
+        "  q/k/v in float": Scheme(skip=("in_proj",)),
+        "  FFN out in float": Scheme(skip=("linear2",)),
     }
-    print(f"{'scheme':<24} {'worst token row':>16} {'least cosine':>13} {'Spearman':>9}")
+    print(f"{'scheme':<30} {'worst token row':>16} {'least cosine':>13} {'Spearman':>9}")
     keep = ~mask
     for label, arithmetic in schemes.items():
         got = reference.forward(config, weights, x64, mask, arithmetic)
         rows = np.sqrt(((got - want) ** 2).mean(-1)) / np.sqrt((want**2).mean(-1))
         agree = hf.agreement(got, want, mask)
         print(
-            f"{label:<24} {rows[keep].max():16.3f} {agree.min_sentence_cosine:13.5f} {agree.spearman:9.4f}",
+            f"{label:<30} {rows[keep].max():16.3f} {agree.min_sentence_cosine:13.5f} {agree.spearman:9.4f}",
             flush=True,
         )
