@@ -37,6 +37,7 @@ Why (docs/parity.md has the measurements):
 - The bias and the float side are one small MatMul and one Add: onnxruntime 1.32's MatMulIntegerToFloat
   multiplies a fused bias by a per-row scale, so nothing here may let the optimizer fuse a bias into it.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -200,8 +200,8 @@ def _export_fused(
 
 def _int8_ops(config: EncoderConfig) -> dict[str, int]:
     # Per layer: 6 weight MatMuls reading 4 distinct activations (q, k and v share theirs), each quantized once
-    # (today's form: the least and largest value of each row).
-    return {**_norms(config), "MatMulInteger": 6 * config.num_layers, "ReduceMin": 4 * config.num_layers}
+    # (today's form: two QuantizeLinear per activation, its rows' zero points and its levels).
+    return {**_norms(config), "MatMulInteger": 6 * config.num_layers, "QuantizeLinear": 8 * config.num_layers}
 
 
 def _fused_ops(config: EncoderConfig) -> dict[str, int]:
