@@ -89,6 +89,8 @@ def _static(model: onnx.ModelProto, x: np.ndarray, mask: np.ndarray) -> onnx.Mod
 
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
+    from model.contract import EMBEDDINGS, MASK
+
     class Sentences(CalibrationDataReader):
         def __init__(self) -> None:
             self.rows = iter(range(len(x)))
@@ -98,7 +100,7 @@ def _static(model: onnx.ModelProto, x: np.ndarray, mask: np.ndarray) -> onnx.Mod
             if i is None:
                 return None
             n = int((~mask[i]).sum())
-            return {"embeddings": x[i : i + 1, :n], "mask": mask[i : i + 1, :n]}
+            return {EMBEDDINGS: x[i : i + 1, :n], MASK: mask[i : i + 1, :n]}
 
     with tempfile.TemporaryDirectory() as tmp:
         source, out = Path(tmp) / "pre.onnx", Path(tmp) / "static.onnx"

@@ -206,8 +206,9 @@ def quantize_graph(
 
     w_zp = ["int8_w_zp"] if kernel == "u8u8" else []
     biases = _bias_adds(graph, inits)
+    folded = {add.name for add in biases.values()}
     for node in graph.node:
-        if node.name in biases.folded:
+        if node.name in folded:
             continue
         w = inits.get(node.input[1]) if node.op_type == "MatMul" else None
         if w is None or w.data_type != TensorProto.FLOAT or len(w.dims) != 2:
@@ -224,7 +225,7 @@ def quantize_graph(
         # the float side: the float channels, the row's centre (carried by the float weights), for "minmax" the
         # value level 128 stands for (by the quantized ones), then 1 (the bias)
         carried = [rest.sum(axis=0)] if form.rows == "mean" else [rest.sum(axis=0), deq.sum(axis=0)]
-        add = biases.of.get(node.output[0])  # the bias Add after this MatMul, folded into the float side
+        add = biases.get(node.output[0])  # the bias Add after this MatMul, folded into the float side
         bias = numpy_helper.to_array(inits[add.input[1]]) if add else np.zeros(weight.shape[1])
         side_w = np.concatenate([weight[idx].astype(np.float64), np.stack([*carried, bias])])
         output = add.output[0] if add else node.output[0]
@@ -255,33 +256,22 @@ def quantize_graph(
     return len(replaced)
 
 
-class _Biases:
-    """The bias Adds a rewrite folds: ``of`` a MatMul's output -> the Add that is its one reader and adds a
-    constant vector to it; ``folded``: those Adds' names, left out of the graph."""
-
-    def __init__(self) -> None:
-        self.of: dict[str, onnx.NodeProto] = {}
-        self.folded: set[str] = set()
-
-
-def _bias_adds(graph: onnx.GraphProto, inits: Mapping[str, onnx.TensorProto]) -> _Biases:
+def _bias_adds(graph: onnx.GraphProto, inits: Mapping[str, onnx.TensorProto]) -> dict[str, onnx.NodeProto]:
+    """The bias Adds a rewrite folds into the float side: a MatMul's output -> the Add that is its one reader and
+    adds a constant vector to it (each given a name if it had none)."""
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in node.input:
             readers.setdefault(name, []).append(node)
     outputs = {o.name for o in graph.output}
-    found = _Biases()
+    found = {}
     for i, node in enumerate(graph.node):
-        if node.op_type != "MatMul" or node.output[0] in outputs:
-            continue
-        after = readers.get(node.output[0], [])
-        add = after[0] if len(after) == 1 else None
+        after = readers.get(node.output[0], []) if node.op_type == "MatMul" else []
+        add = after[0] if len(after) == 1 and node.output[0] not in outputs else None
         bias = inits.get(add.input[1]) if add is not None and add.op_type == "Add" else None
-        if bias is None or add.input[0] != node.output[0] or len(bias.dims) != 1:
-            continue
-        add.name = add.name or f"int8_bias_add_{i}"
-        found.of[node.output[0]] = add
-        found.folded.add(add.name)
+        if bias is not None and add.input[0] == node.output[0] and len(bias.dims) == 1:
+            add.name = add.name or f"int8_bias_add_{i}"
+            found[node.output[0]] = add
     return found
 
 
