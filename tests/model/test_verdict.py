@@ -92,3 +92,43 @@ def test_the_ratio_is_over_one_exactly_when_the_verdict_fails():
             out = oracle + noise * rng.standard_normal(oracle.shape)
             c = compare("y", out, ref, oracle, tol)
             assert c.passed == (c.ratio <= 1), (tol, noise, c.ratio, c.passed)
+
+
+def test_a_sentence_bound_reads_each_sequence_mean_over_its_real_tokens_only():
+    """``sentence_cosine``: token rows 5% off in random directions keep each sentence (their mean) close; the same
+    4% shift on every token of one sentence passes every row bound and moves that sentence past the bound; padded
+    positions count for nothing, and a sequence-first output is pooled over its first axis."""
+    from model.verdict import sentence_cosine
+
+    sentences = Tolerance(
+        atol=None,
+        rtol=0.0,
+        oracle_factor=0.0,
+        row_rel_rms=0.15,
+        row_cosine=0.99,
+        row_peak=1.0,
+        sentence_cosine=0.999,
+    )
+    rows_only = Tolerance(
+        atol=None, rtol=0.0, oracle_factor=0.0, row_rel_rms=0.15, row_cosine=0.99, row_peak=1.0
+    )
+    rng = np.random.default_rng(1)
+    ref = rng.standard_normal((3, 40, 64)) + 1.0  # a shared direction, as trained embeddings have
+    real = np.ones((3, 40), bool)
+    real[2, 30:] = False
+    scale = np.sqrt((ref**2).mean(-1, keepdims=True))
+    noisy = ref + 0.05 * rng.standard_normal(ref.shape) * scale
+    assert sentence_cosine(noisy, ref, real) > 0.999
+    assert compare("y", noisy, ref, ref, sentences, real=real).passed
+    shifted = ref.copy()
+    shifted[1] += 0.04 * rng.standard_normal(64) * scale[1]  # one direction for every token of sentence 1
+    assert compare("y", shifted, ref, ref, rows_only, real=real).passed
+    assert sentence_cosine(shifted, ref, real) < 0.999
+    assert not compare("y", shifted, ref, ref, sentences, real=real).passed
+    padded = noisy.copy()
+    padded[2, 35] = -1e3  # a padded position: no one reads it
+    assert compare("y", padded, ref, ref, sentences, real=real).passed
+    swapped, ref_sf = (np.ascontiguousarray(a.transpose(1, 0, 2)) for a in (shifted, ref))  # (S, B, E)
+    assert sentence_cosine(swapped, ref_sf, real.T, sequence_axis=0) == sentence_cosine(shifted, ref, real)
+    # judged only where quality is: an adversarial input's answer is not held to it
+    assert compare("y", shifted, ref, ref, sentences, real=real, quality=False).passed
