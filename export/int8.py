@@ -114,7 +114,6 @@ def quantize_graph(
         if key in rows:
             return rows[key]
         p = f"{x}_rows{len(rows) or ''}"
-        floats: list[str] = []
         keep = np.ones(width, np.float32)
         keep[idx] = 0.0
         if form.rows == "minmax":
@@ -139,9 +138,8 @@ def quantize_graph(
                         "Slice", [f"{p}_float", f"{p}_at", f"{p}_end", "int8_axes"], [f"{p}_centre"]
                     ),
                     helper.make_node("Sub", [x, f"{p}_centre"], [f"{p}_centred"]),
-                    helper.make_node(
-                        "Mul", [f"{p}_centred", f"{p}_keep"], [f"{p}_kept"]
-                    ),  # float channels: 0
+                    # the float channels at 0, the row's centre: out of its span
+                    helper.make_node("Mul", [f"{p}_centred", f"{p}_keep"], [f"{p}_kept"]),
                     reduce("ReduceMin", f"{p}_kept", f"{p}_lo"),
                     reduce("ReduceMax", f"{p}_kept", f"{p}_hi"),
                     helper.make_node("Sub", [f"{p}_hi", f"{p}_lo"], [f"{p}_width"]),
@@ -178,7 +176,7 @@ def quantize_graph(
                     helper.make_node("Sub", [x, f"{p}_mean"], [f"{p}_dev"]),
                 ]
             )
-            dev = f"{p}_dev"
+            dev, floats = f"{p}_dev", []
             if len(idx):  # the float channels leave the deviation and join the mean on the float side
                 pick = np.zeros((width, len(idx)), np.float32)
                 pick[idx, np.arange(len(idx))] = 1.0
