@@ -66,21 +66,17 @@ def quantize_graph(
     model: onnx.ModelProto,
     channels_of: ChannelsOf | None = None,
     form: Form = DEFAULT_FORM,
-    kernel: str = "u8s8",
     weight_levels: int | None = None,
 ) -> int:
     """Rewrite every float MatMul with a constant 2-D weight in ``model.graph`` in place; returns how many.
     ``channels_of(W)``: the input channels of weight ``W`` (E, N) to keep in float (``owner_channels``); none
     without it. ``form``: the scheme's form (model.schemes.Form: the weights' and the rows' quantization).
-    ``weight_levels`` (symmetric weights of that many levels instead of the form's) and ``kernel``
-    (MatMulInteger's operands: u8s8, the scheme's; u8u8 with weights stored around 128; s8s8 with "mean" rows
-    around 0) exist for bench/int8_options.py's study of other schemes.
+    ``weight_levels`` (plain symmetric weights of that many levels instead of the form's) exists for
+    bench/int8_options.py's study of other schemes.
 
     An activation read by several MatMuls with the same float channels (q, k and v read the same input) is
     quantized once.
     """
-    if kernel == "s8s8" and form.rows != "mean":
-        raise ValueError("the s8s8 kernel takes rows around their mean only")
     graph = model.graph
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     inits = {t.name: t for t in graph.initializer}
@@ -93,9 +89,8 @@ def quantize_graph(
         "int8_minus": np.array(-1.0, np.float32),
         "int8_centre": np.array(ZERO_POINT, np.float32),
         "int8_one": np.array(1.0, np.float32),
-        "int8_zp": np.array(0, np.int8) if kernel == "s8s8" else np.array(ZERO_POINT, np.uint8),
+        "int8_zp": np.array(ZERO_POINT, np.uint8),
         "int8_zero": np.array(0, np.uint8),  # "minmax" rows are stored 0..255
-        "int8_w_zp": np.array(ZERO_POINT, np.uint8),  # u8u8's weights
     }
     new_inits = [numpy_helper.from_array(v, k) for k, v in consts.items()]
     rows: dict[tuple[str, tuple[int, ...]], tuple[str, str, str]] = {}  # -> (q, row step, float side)
@@ -202,7 +197,6 @@ def quantize_graph(
         rows[key] = (f"{p}_q", f"{p}_scale", f"{p}_side")
         return rows[key]
 
-    w_zp = ["int8_w_zp"] if kernel == "u8u8" else []
     biases = _bias_adds(graph, inits)
     folded = {add.name for add in biases.values()}
     for node in graph.node:
@@ -218,8 +212,6 @@ def quantize_graph(
         rest[idx] = 0.0
         wq, w_scale = form.quantize(rest) if weight_levels is None else quantize_weight(rest, weight_levels)
         deq = wq.astype(np.float64) * w_scale.astype(np.float64)
-        if kernel == "u8u8":
-            wq = (wq.astype(np.int16) + ZERO_POINT).astype(np.uint8)
         # the float side: the float channels, the row's centre (carried by the float weights), for "minmax" the
         # value level 128 stands for (by the quantized ones), then 1 (the bias)
         carried = [rest.sum(axis=0)] if form.rows == "mean" else [rest.sum(axis=0), deq.sum(axis=0)]
@@ -235,7 +227,7 @@ def quantize_graph(
         ]
         q, scale, side = quantized_rows(node.input[0], idx, weight.shape[0])
         nodes += [
-            helper.make_node("MatMulInteger", [q, f"{p}_w", "int8_zp", *w_zp], [f"{p}_acc"]),
+            helper.make_node("MatMulInteger", [q, f"{p}_w", "int8_zp"], [f"{p}_acc"]),
             helper.make_node("Cast", [f"{p}_acc"], [f"{p}_accf"], to=TensorProto.FLOAT),
             helper.make_node("Mul", [scale, f"{p}_w_scale"], [f"{p}_scales"]),  # (row scale, column scale)
             helper.make_node("Mul", [f"{p}_accf", f"{p}_scales"], [f"{p}_deviation"]),
