@@ -49,12 +49,14 @@ def gate(
             debug_path = Path(tmp) / "debug.onnx"
             build_graph(encoder, debug_path, variant, opset, with_steps=True, attention=attention, plan=plan)
             debug = make_session(debug_path, graph_optimization, providers)
+        v = get_variant(variant)
         return run_parity(
             encoder,
             session,
             cases,
-            tol=get_variant(variant).tolerance,
-            scheme=_with_plan(get_variant(variant).scheme, plan),
+            tol=v.tolerance,
+            scheme=_with_plan(v.scheme, plan),
+            scheme_ulp=v.input_precision,
             seed=seed,
             graph_optimization=graph_optimization,
             debug_session=debug,

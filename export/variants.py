@@ -52,6 +52,11 @@ class Variant:
     scheme: Scheme | None = None
     plan: Planner | None = None
 
+    @property
+    def input_precision(self) -> type:
+        """What the scheme rounds its input to: its spread is measured one ulp of it away (export.parity)."""
+        return np.float16 if self.precision == "fp16" else np.float32
+
 
 def norm_op(config: EncoderConfig) -> str:
     return "LayerNormalization" if config.norm == "layer" else "RMSNormalization"

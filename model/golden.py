@@ -4,7 +4,7 @@ Torch-free: the service reads and checks it; export writes it (export.golden).
 
 Layout: for each case ``C``, the arrays ``C/embeddings`` (B, S, E) float32, ``C/mask`` (B, S) bool, and for every
 output ``O`` of the contract (model.contract.OUTPUT_NAMES) ``C/oracle.O`` float64 and ``C/torch.O`` float32; since
-the gate keeps them (its own cases, its own rule), ``C/spread.O`` (float32's spread on the case, a scalar),
+the gate keeps them (its own cases, its own rule), ``C/spread.O`` (float32's spread on the case, or a lossy scheme's: a scalar),
 ``C/scheme.O`` (a lossy variant's scheme, float64) and ``C/representative`` (whether its quality is judged).
 Everything is batch-first, as the service speaks. Files written before outputs were named hold ``C/oracle`` and
 ``C/torch``: they read as ``oracle.encoded`` and ``torch.encoded``.

@@ -75,15 +75,22 @@ def encoder(minilm: Path):
     return prepare_encoder(config, where.weights, from_bert=True, state=state).eval()
 
 
-# (name, variant, attention, opset): every attention form in fp32, the fused graph, fp16 and int8.
+# (name, variant, attention, opset): every attention form in fp32, the fused graph, fp16 (with onnxruntime's
+# attention and ONNX's) and int8.
 FORMS = {
     "fp32-mha": ("fp32", "mha", 17),
     "fp32-decomposed": ("fp32", "decomposed", 17),
     "fp32-onnx": ("fp32", "onnx", 23),
     "fused": ("fused", "mha", 17),
     "fp16": ("fp16", "mha", 17),
+    "fp16-onnx": ("fp16", "onnx", 23),
     "int8": ("int8", "mha", 17),
 }
+# Gated on the whole synthetic suite (the others on two of its cases): fp16 x ONNX's Attention was refused there
+# at 1.27x its allowance on 'random b4 s64 masked' while fp16's scheme, its yardstick, was one lucky sample
+# (3.2e-3 from fp32 at layer 4; 5e-3 to 2.2e-2 on inputs one half-precision ulp away); the scheme's spread now
+# counts (export.parity.scheme_spread).
+FULL_SUITE = ("fp16-onnx",)
 LOSSY = ("fp16", "int8")
 
 
@@ -112,7 +119,7 @@ def artifacts(encoder, reference, real, tmp_path_factory) -> dict[str, Path]:
             opset=opset,
             variant=variant,
             attention=attention,
-            cases=_short_synthetic(),
+            cases=default_cases() if name in FULL_SUITE else _short_synthetic(),
             given=given,
             check=check,
         )
@@ -126,9 +133,9 @@ def test_every_form_exports_passes_and_says_what_its_inputs_were(artifacts):
         assert parity["passed"] and parity["inputs"] == "given", name
         ref = parity["reference"]
         assert ref["torch"]["max_abs"] <= 1e-5, (name, ref)  # the conversion computes BertModel's arithmetic
-        if name in LOSSY:
+        if FORMS[name][0] in LOSSY:
             assert parity["quality"]["passed"] and parity["implementation"]["passed"], parity
-            assert ref["graph"]["min_sentence_cosine"] >= SENTENCE_COSINE[name], ref
+            assert ref["graph"]["min_sentence_cosine"] >= SENTENCE_COSINE[FORMS[name][0]], ref
         else:
             assert ref["graph"]["max_abs"] <= 1e-4 and ref["graph"]["spearman"] > 0.9999, (name, ref)
 
@@ -336,7 +343,7 @@ def test_served_answers_equal_transformers_on_real_tokens(served, real, minilm):
     http = th.InferenceServerClient(f"127.0.0.1:{served.port}")
     grpc = tg.InferenceServerClient(f"127.0.0.1:{served.grpc_port}")
     floor = float32_floor(want.astype(np.float64))
-    for name in FORMS:
+    for name, (variant, _, _) in FORMS.items():
         answers = {}
         v1 = _json(
             served.base + "/v1/encode",
@@ -360,9 +367,9 @@ def test_served_answers_equal_transformers_on_real_tokens(served, real, minilm):
             result = client.infer(name, inputs)
             answers[key], pooled[key] = result.as_numpy("encoded"), result.as_numpy("pooled")
         for how, got in answers.items():
-            if name in LOSSY:
+            if variant in LOSSY:
                 cos = hf.sentence_cosines(got, want, mask).min()
-                assert cos >= SENTENCE_COSINE[name] and hf.ranking_spearman(got, want, mask) > 0.995, (
+                assert cos >= SENTENCE_COSINE[variant] and hf.ranking_spearman(got, want, mask) > 0.995, (
                     name,
                     how,
                     cos,
@@ -371,7 +378,11 @@ def test_served_answers_equal_transformers_on_real_tokens(served, real, minilm):
                 err = float(np.abs(got - want)[~mask].max())
                 assert err <= floor, (name, how, err, floor)
         for how, got in pooled.items():
-            if name in LOSSY:
-                assert (got * sentences).sum(1).min() >= SENTENCE_COSINE[name], (name, how, got @ sentences.T)
+            if variant in LOSSY:
+                assert (got * sentences).sum(1).min() >= SENTENCE_COSINE[variant], (
+                    name,
+                    how,
+                    got @ sentences.T,
+                )
             else:
                 np.testing.assert_allclose(got, sentences, atol=1e-6, err_msg=f"{name} over {how}")
