@@ -57,6 +57,7 @@ def gate(
             tol=v.tolerance,
             scheme=_with_plan(v.scheme, plan),
             scheme_ulp=v.input_precision,
+            scheme_model=_with_plan(v.scheme_model, plan),
             seed=seed,
             graph_optimization=graph_optimization,
             debug_session=debug,

@@ -18,15 +18,22 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
-import torch
 
 from export.cases import Case, Given, default_cases
+from export.yardsticks import (  # noqa: F401  torch_outputs and float32_yardstick: export.parity's API too
+    SchemeModel,
+    float32_spread,
+    float32_yardstick,
+    scheme_spread,
+    teacher_forced,
+    torch_outputs,
+)
 from model import packing, reference
-from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, STEP_OUTPUT, output_names, positional
+from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, output_names, positional
 from model.encoder import Encoder
 from model.golden import REPRESENTATIVE
 from model.runtime import CPU, CUDA, with_options
-from model.verdict import Comparison, Tolerance, compare, worst_row
+from model.verdict import Comparison, Tolerance, compare
 
 # Two float64 computations of one block differ by rounding (~1e-14 here); far above that, one of them is wrong.
 ORACLES_AGREE = 1e-9
@@ -195,6 +202,7 @@ def run_parity(
     scheme: Callable[[Encoder, np.ndarray, np.ndarray, bool], dict[str, np.ndarray]] | None = None,
     keep: frozenset[str] = frozenset(),
     scheme_ulp: type = np.float32,
+    scheme_model: SchemeModel | None = None,
 ) -> ParityReport:
     """Run every case through torch fp32, onnxruntime and torch float64, and compare under ``tol`` (the
     variant's, from export.variants; fp32's by default). The numpy float64 reference (model/reference.py) runs
@@ -204,8 +212,10 @@ def run_parity(
     step is then compared with torch's, so a drift names its sublayer. ``scheme`` (a lossy variant's, from
     export.variants) computes that variant's own arithmetic in torch: the graph's implementation is judged
     against it, and where one evaluation of it does not pass, also its evaluation on the input moved by one ulp
-    of ``scheme_ulp`` (the precision the scheme rounds its input to: ``scheme_spread``). ``keep``: names of cases whose inputs and reference outputs the report keeps (``report.kept``: the
-    artifact's golden data, so the server's check at load applies this rule to these very cases).
+    of ``scheme_ulp`` (the precision the scheme rounds its input to: ``scheme_spread``). ``scheme_model``: the
+    scheme as a module; with it a lossy graph's steps are judged step by step (export.yardsticks.teacher_forced).
+    ``keep``: names of cases whose inputs and reference outputs the report keeps (``report.kept``: the artifact's
+    golden data, so the server's check at load applies this rule to these very cases).
     """
     tol = tol or Tolerance()
     cases = cases if cases is not None else default_cases()
@@ -239,6 +249,12 @@ def run_parity(
         onnx_outs = dict(zip(served, session.run(served, feed), strict=True))
         if debug_session is not None:
             onnx_outs.update(zip(step_names, debug_session.run(step_names, feed), strict=True))
+        # a lossy graph's steps: its scheme and fp32 on the graph's own previous step (the rest: end to end), the
+        # scheme's distance at least its precision's rounding of the step (a 1e4-scale residual stream in fp16)
+        forced: tuple[dict, dict] = ({}, {})
+        roundoff = float(np.finfo(scheme_ulp).eps) / 2
+        if tol.lossy and scheme_model is not None and step_names:
+            forced = teacher_forced(scheme_model, encoder, x, mask, [onnx_outs[n] for n in step_names])
 
         # A spread costs runs (float32's two, a lossy scheme's one): measured where one sample does not pass the
         # case, and on every case kept as golden data (the server's check judges it on another machine)
@@ -251,11 +267,12 @@ def run_parity(
                     torch_outs[name],
                     oracle_outs[name],
                     tol,
-                    scheme_outs.get(name),
-                    spread.get(name),
+                    forced[0].get(name, scheme_outs.get(name)),
+                    roundoff if name in forced[0] else spread.get(name),
                     quality=case.representative,
                     real=_real(cfg, name, mask, served),
                     sequence_axis=0 if not cfg.batch_first and name in served else 1,
+                    scheme_ref=forced[1].get(name),
                 )
                 for name in names
             ]
@@ -293,68 +310,6 @@ def run_parity(
     return report
 
 
-def scheme_spread(
-    scheme: Callable[[Encoder, np.ndarray, np.ndarray, bool], dict[str, np.ndarray]],
-    encoder: Encoder,
-    x: np.ndarray,
-    mask: np.ndarray,
-    torch_outs: dict[str, np.ndarray],
-    real: dict[str, np.ndarray | None],
-    with_steps: bool,
-    rng: np.random.Generator,
-    precision: type,
-) -> dict[str, float]:
-    """What a lossy scheme's arithmetic does on this input, per output: the worst row's relative RMS vs torch fp32
-    (rows ``real`` selects) of the scheme on the input moved one ulp of ``precision`` up or down (half precision's
-    for fp16: inputs that are one number to it). One evaluation's distance is luck, as float32's is."""
-    away = np.where(rng.random(x.shape) < 0.5, -np.inf, np.inf).astype(precision)
-    moved = np.nextafter(x.astype(precision), away).astype(x.dtype)
-    outs = scheme(encoder, moved, mask, with_steps)
-    return {name: worst_row(out, torch_outs[name], real[name]) for name, out in outs.items() if name in real}
-
-
-def float32_spread(
-    encoder: Encoder,
-    weights32: dict[str, np.ndarray],
-    x: np.ndarray,
-    mask: np.ndarray,
-    oracle_outs: dict[str, np.ndarray],
-    with_steps: bool,
-    rng: np.random.Generator,
-) -> dict[str, float]:
-    """What float32 can do on this input, per output: the largest error against float64 of two more float32
-    evaluations besides torch's: the numpy float32 reference (another summation order; every output), and
-    torch on the input with every element moved one ulp up or down (how far float32's own rounding of the input
-    moves the answer: grows with depth and length as the block's conditioning does)."""
-    away = np.where(rng.random(x.shape) < 0.5, -np.inf, np.inf).astype(np.float32)
-    moved = torch_outputs(encoder, np.nextafter(x, away), mask, with_steps)
-    spread = {name: _max_err(out, oracle_outs[name]) for name, out in moved.items() if name in oracle_outs}
-    steps: list[np.ndarray] = []
-    numpy32 = reference.outputs(encoder.config, weights32, x, mask, steps=steps)
-    numpy32.update((STEP_OUTPUT.format(i), step) for i, step in enumerate(steps))
-    for name, out in numpy32.items():
-        if name in spread:
-            spread[name] = max(spread[name], _max_err(out, oracle_outs[name]))
-    return spread
-
-
-def float32_yardstick(encoder: Encoder, x: np.ndarray, mask: np.ndarray, seed: int = 0) -> float:
-    """float32's spread on the encoded output of one input, measured in full (the gate measures it only where
-    torch's own error does not pass a case): the largest error against float64 of torch fp32, the numpy float32
-    reference and torch on the input moved one ulp."""
-    encoder = encoder.eval().float()
-    oracle = torch_outputs(copy.deepcopy(encoder).double(), x.astype(np.float64), mask, False)
-    weights32 = {k: v.detach().numpy() for k, v in encoder.state_dict().items()}
-    own = _max_err(torch_outputs(encoder, x, mask, False)[ENCODED], oracle[ENCODED])
-    spread = float32_spread(encoder, weights32, x, mask, oracle, False, np.random.default_rng(seed))
-    return max(own, spread[ENCODED])
-
-
-def _max_err(a: np.ndarray, b: np.ndarray) -> float:
-    d = np.abs(np.asarray(a, np.float64) - b)
-    return float(d.max()) if d.size and np.isfinite(d).all() else 0.0
-
-
 def _real(cfg, name: str, mask: np.ndarray, served: list[str]) -> np.ndarray | None:
     """Which rows of an output hold real tokens: the positions of a positional one in its layout (a served output
     of a --no-batch-first graph is (S, B, E); the steps are (B, S, E)), None (every row) for a pooled one."""
@@ -385,16 +340,3 @@ def _golden_arrays(cfg, x, mask, torch_outs, oracle_outs, scheme_outs, spread, r
 def _sample(out: np.ndarray, ref: np.ndarray, rng: np.random.Generator, n: int = 4096) -> np.ndarray:
     diff = np.abs(out.astype(np.float64) - ref).ravel()
     return diff if diff.size <= n else rng.choice(diff, n, replace=False)
-
-
-def torch_outputs(
-    encoder: Encoder, x: np.ndarray, mask: np.ndarray, with_steps: bool
-) -> dict[str, np.ndarray]:
-    """Every output of the contract by name, and with ``with_steps`` every Add & Norm result (``add_norm_{i}``)."""
-    steps: list[torch.Tensor] | None = [] if with_steps else None
-    with torch.no_grad():
-        named = encoder.outputs(torch.from_numpy(x), torch.from_numpy(mask), steps)
-    return {
-        **{name: t.numpy() for name, t in named.items()},
-        **{STEP_OUTPUT.format(i): t.numpy() for i, t in enumerate(steps or [])},
-    }

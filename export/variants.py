@@ -16,10 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import torch
 
 from export import int8
 from export.onnx_export import DEFAULT_OPSET, ExportError, export_onnx
-from export.parity import torch_outputs
+from export.yardsticks import SchemeModel, torch_outputs
 from model.config import EncoderConfig
 from model.encoder import Encoder
 from model.schemes import FLOAT_CHANNELS_KEY, Form
@@ -51,6 +52,7 @@ class Variant:
     expected_ops: Callable[[EncoderConfig], dict[str, int]]
     scheme: Scheme | None = None
     plan: Planner | None = None
+    scheme_model: SchemeModel | None = None  # the scheme as a module, for its steps (export.yardsticks)
 
     @property
     def input_precision(self) -> type:
@@ -109,24 +111,27 @@ def _export_int8(
     return model
 
 
-def _fp16_scheme(
-    encoder: Encoder, x: np.ndarray, mask: np.ndarray, with_steps: bool
-) -> dict[str, np.ndarray]:
+def _fp16_model(encoder: Encoder, plan: dict | None = None):
     """torch in half precision: what fp16 arithmetic itself gives (a pre-norm stack's residual stream, say)."""
-    half = copy.deepcopy(encoder).half()
-    return {
-        k: o.astype(np.float64)
-        for k, o in torch_outputs(half, x.astype(np.float16), mask, with_steps).items()
-    }
+    return copy.deepcopy(encoder).half(), torch.float16, contextlib.nullcontext()
 
 
-def _int8_scheme(
-    encoder: Encoder, x: np.ndarray, mask: np.ndarray, with_steps: bool, plan: dict | None = None
-) -> dict[str, np.ndarray]:
+def _int8_model(encoder: Encoder, plan: dict | None = None):
     """export/int8.py's arithmetic, exactly (float64)."""
     double = copy.deepcopy(encoder).double()
-    with int8.simulated(double, (plan or {}).get(FLOAT_CHANNELS_KEY), _form(plan)):
-        return torch_outputs(double, x.astype(np.float64), mask, with_steps)
+    return double, torch.float64, int8.simulated(double, (plan or {}).get(FLOAT_CHANNELS_KEY), _form(plan))
+
+
+def _scheme_of(model: SchemeModel) -> Scheme:
+    """A scheme model's outputs on whole inputs, float64."""
+
+    def scheme(encoder, x, mask, with_steps, plan=None) -> dict[str, np.ndarray]:
+        module, dtype, context = model(encoder, plan)
+        with context:
+            outs = torch_outputs(module, torch.from_numpy(x).to(dtype).numpy(), mask, with_steps)
+        return {k: o.astype(np.float64) for k, o in outs.items()}
+
+    return scheme
 
 
 def _form(plan: dict | None) -> Form:
@@ -245,7 +250,8 @@ VARIANTS: dict[str, Variant] = {
             FP16_TOLERANCE,
             _export_fp16,
             _norms,
-            _fp16_scheme,
+            _scheme_of(_fp16_model),
+            scheme_model=_fp16_model,
         ),
         Variant(
             "int8",
@@ -254,8 +260,9 @@ VARIANTS: dict[str, Variant] = {
             INT8_TOLERANCE,
             _export_int8,
             _int8_ops,
-            _int8_scheme,
+            _scheme_of(_int8_model),
             _int8_plan,
+            _int8_model,
         ),
         Variant(
             "fused",

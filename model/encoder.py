@@ -176,6 +176,16 @@ class EncoderBlock(nn.Module):
         """(B, S, E) -> (B, S, F) -> (B, S, E)."""
         return self.linear2(self.dropout(self.activation(self.linear1(x))))
 
+    def attention_step(
+        self, x: Tensor, key_padding_mask: Tensor | None = None, packing: Packing | None = None
+    ) -> Tensor:
+        """The first Add & Norm step: self-attention, residual add, norm."""
+        return self.norm1(x, lambda h: self.dropout1(self.self_attn(h, key_padding_mask, packing)))
+
+    def feed_forward_step(self, x: Tensor) -> Tensor:
+        """The second Add & Norm step: feed-forward, residual add, norm."""
+        return self.norm2(x, lambda h: self.dropout2(self.feed_forward(h)))
+
     def forward(
         self,
         x: Tensor,
@@ -185,10 +195,10 @@ class EncoderBlock(nn.Module):
     ) -> Tensor:
         """x (B, S, E) -> (B, S, E), or packed tokens (1, T, E) with ``packing`` (every per-token step on them,
         attention padded). Appends each Add & Norm result to ``steps`` when given."""
-        x = self.norm1(x, lambda h: self.dropout1(self.self_attn(h, key_padding_mask, packing)))
+        x = self.attention_step(x, key_padding_mask, packing)
         if steps is not None:
             steps.append(x)
-        x = self.norm2(x, lambda h: self.dropout2(self.feed_forward(h)))
+        x = self.feed_forward_step(x)
         if steps is not None:
             steps.append(x)
         return x

@@ -158,6 +158,7 @@ def compare(
     quality: bool = True,
     real: np.ndarray | None = None,
     sequence_axis: int = 1,
+    scheme_ref: np.ndarray | None = None,
 ) -> Comparison:
     """Compare one output array of ONNX against torch fp32 and both against the float64 oracle.
 
@@ -171,6 +172,8 @@ def compare(
     is not judged. ``real``: which rows (positions: the output's leading dims) hold real tokens; a lossy
     variant's two verdicts read only those (a padded position's answer is read by no one). ``sequence_axis``: a
     positional output's sequence axis (0 for a sequence-first graph's), over which sentences are pooled.
+    ``scheme_ref``: what the scheme's own distance is measured against when it is not ``ref`` (a step judged
+    given the graph's previous step: torch fp32 given it too).
     """
     onnx_out = onnx_out.astype(np.float64)
     ref = ref.astype(np.float64)
@@ -198,15 +201,26 @@ def compare(
         within = within and sentences >= tol.sentence_cosine
     torch_f64 = _max_err(ref, oracle)
     onnx_f64 = _max_err(onnx_out, oracle)
-    scheme_f64 = _max_err(scheme.astype(np.float64), oracle) if scheme is not None else None
+    # (a step judged on the graph's previous step has no float64 run on that input)
+    scheme_f64 = (
+        _max_err(scheme.astype(np.float64), oracle) if scheme is not None and scheme_ref is None else None
+    )
     scheme_f64 = scheme_f64 if scheme_f64 is not None and math.isfinite(scheme_f64) else None
     floor = float32_floor(oracle)
     lossy: dict = {}
     if tol.lossy:
-        scheme_rows = scheme if scheme is None or sel is None else scheme[sel]
+        scheme_rows, own_ref = (
+            (a if a is None or sel is None else a[sel])
+            for a in (scheme, ref if scheme_ref is None else scheme_ref)
+        )
         scheme_spread = spread if spread is not None and math.isfinite(spread) else 0.0
         lossy = _lossy_verdicts(
-            out_rows, ref_rows, scheme_rows, finite, within if quality else None, scheme_spread
+            out_rows,
+            own_ref.astype(np.float64),
+            scheme_rows,
+            finite,
+            within if quality else None,
+            scheme_spread,
         )
         spread = torch_f64
         passed = finite and lossy["implementation"] is not False and lossy["quality"] is not False
@@ -278,9 +292,9 @@ def _lossy_verdicts(
     quality: bool | None,
     spread: float = 0.0,
 ) -> dict:
-    """A lossy graph's two verdicts: ``quality`` as judged by the row bounds (None: not judged on this input),
-    and ``implementation``: the graph's worst row against its scheme, over the scheme's worst row against fp32
-    (the larger of this evaluation's and ``spread``, its other one's)."""
+    """A lossy graph's ``implementation`` verdict (``quality``: as judged by the row bounds, None: not judged on
+    this input): the graph's worst row against its scheme, over the scheme's worst row against fp32 (``ref``; the
+    larger of this evaluation's and ``spread``, its other one's)."""
     result: dict = {"quality": quality, "implementation": None, "ratio": 0.0}
     if scheme is None:
         return result
