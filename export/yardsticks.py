@@ -58,6 +58,12 @@ def _steps(
     return {STEP_OUTPUT.format(i): t.double().numpy() for i, t in enumerate(out)}
 
 
+def one_ulp_away(x: np.ndarray, rng: np.random.Generator, precision: type) -> np.ndarray:
+    """``x`` in ``precision`` with every element moved one ulp of it up or down, at random."""
+    away = np.where(rng.random(x.shape) < 0.5, -np.inf, np.inf).astype(precision)
+    return np.nextafter(x.astype(precision), away)
+
+
 def scheme_spread(
     scheme: Callable[[Encoder, np.ndarray, np.ndarray, bool], dict[str, np.ndarray]],
     encoder: Encoder,
@@ -72,8 +78,7 @@ def scheme_spread(
     """What a lossy scheme's arithmetic does on this input, per output: the worst row's relative RMS vs torch fp32
     (rows ``real`` selects) of the scheme on the input moved one ulp of ``precision`` up or down (half precision's
     for fp16: inputs that are one number to it). One evaluation's distance is luck, as float32's is."""
-    away = np.where(rng.random(x.shape) < 0.5, -np.inf, np.inf).astype(precision)
-    moved = np.nextafter(x.astype(precision), away).astype(x.dtype)
+    moved = one_ulp_away(x, rng, precision).astype(x.dtype)
     outs = scheme(encoder, moved, mask, with_steps)
     return {name: worst_row(out, torch_outs[name], real[name]) for name, out in outs.items() if name in real}
 
@@ -91,8 +96,7 @@ def float32_spread(
     evaluations besides torch's: the numpy float32 reference (another summation order; every output), and
     torch on the input with every element moved one ulp up or down (how far float32's own rounding of the input
     moves the answer: grows with depth and length as the block's conditioning does)."""
-    away = np.where(rng.random(x.shape) < 0.5, -np.inf, np.inf).astype(np.float32)
-    moved = torch_outputs(encoder, np.nextafter(x, away), mask, with_steps)
+    moved = torch_outputs(encoder, one_ulp_away(x, rng, np.float32), mask, with_steps)
     spread = {name: _max_err(out, oracle_outs[name]) for name, out in moved.items() if name in oracle_outs}
     steps: list[np.ndarray] = []
     numpy32 = reference.outputs(encoder.config, weights32, x, mask, steps=steps)
