@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--grpc",
         action="store_true",
-        help="instead of the ratios: only V2 over gRPC against V2 binary over HTTP (also part of the full run)",
+        help="instead of the ratios: only V2 over gRPC (a call per request, and a stream per client) against V2 binary over HTTP (also part of the full run)",
     )
     p.add_argument(
         "--models",
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--lengths",
         choices=["real"],
         help="instead of the ratios: requests of mixed lengths drawn like real text (bench/mixed.py), 1, 8 and 32 "
-        "clients over V2 binary and gRPC, each --merge-lengths policy and the artifact's packed twin (exported "
+        "clients over V2 binary, gRPC and a gRPC stream, each --merge-lengths policy and the artifact's packed twin (exported "
         "beside it with --packed), against the unpadded limit; writes bench/results/mixed.json",
     )
     p.add_argument(

@@ -3,7 +3,8 @@
 1. V2 binary [8,128,E], one keep-alive client, against in-process onnxruntime on the same array (the limit for
    one request at a time): in-process call and server request alternate one by one;
 2. 32 keep-alive clients x V2 binary [1,16,E] with batching on, against the perfect-batching limit (in-process
-   batches of 32 such requests, per request).
+   batches of 32 such requests, per request); the same load over gRPC with each client's requests on one
+   ModelStreamInfer stream (``/stream``) beside it, against the same limit.
 
 Each round alternates the in-process limit with every server (one per configuration: the defaults, and any
 ``--against`` settings): call by call for the single client, in ``SLICES`` slices for the 32 clients, so that the
@@ -20,6 +21,7 @@ import time
 
 import numpy as np
 
+from bench.grpc_load import grpc_request
 from bench.measure import (
     CLIENTS,
     Setup,
@@ -133,19 +135,22 @@ def measure_limits(s: Setup, configs: dict[str, dict[str, str]], rounds: int = 3
     out: dict = {"rounds": [], "servers": {}}
     with contextlib.ExitStack() as stack:
         servers = {
-            label: stack.enter_context(serve(s.artifact, env={"ADDNORM_MAX_BATCH_SIZE": str(CLIENTS), **env}))
+            label: stack.enter_context(
+                serve(s.artifact, grpc=True, env={"ADDNORM_MAX_BATCH_SIZE": str(CLIENTS), **env})
+            )
             for label, env in configs.items()
         }
         requests = {
             label: (v2_request(srv.port, s.name, s.x_big), v2_request(srv.port, s.name, s.x_small))
             for label, srv in servers.items()
         }
+        streamed = grpc_request(s.name, s.x_small)
         for _ in range(rounds):
             big = alternate_one_by_one(
                 engine, s.x_big, servers, {k: v[0] for k, v in requests.items()}, s.seconds * len(servers)
             )
             perfect_ms, perfect_cpu_s = [], 0.0
-            slices: dict = {label: {"small": [], "runs": 0.0, "rows": 0.0} for label in servers}
+            slices: dict = {label: {"small": [], "stream": [], "runs": 0.0, "rows": 0.0} for label in servers}
             for _ in range(SLICES):
                 cpu0 = time.process_time()  # this process: the engine's threads, nothing else running
                 perfect_ms.append(timed(lambda: engine.run(x32), s.seconds / SLICES, min_runs=2))
@@ -158,6 +163,9 @@ def measure_limits(s: Setup, configs: dict[str, dict[str, str]], rounds: int = 3
                     after = batch_histogram(srv.port)
                     slices[label]["runs"] += after["count"] - before["count"]
                     slices[label]["rows"] += after["sum"] - before["sum"]
+                    slices[label]["stream"].append(
+                        load_with_cpu(srv, streamed, CLIENTS, s.seconds / SLICES, stream=True)
+                    )
             calls = sum(
                 len(ms) + 2 for ms in perfect_ms
             )  # timed() makes two warm-up calls before its timed ones
@@ -170,17 +178,24 @@ def measure_limits(s: Setup, configs: dict[str, dict[str, str]], rounds: int = 3
                 r[f"{label}/big"] = big[label]
                 r[f"{label}/small"] = combine(sl["small"])
                 r[f"{label}/small"]["mean_rows_per_run"] = sl["rows"] / sl["runs"] if sl["runs"] else 0.0
+                r[f"{label}/stream"] = combine(sl["stream"])
             out["rounds"].append(r)
     for label in configs:
         big = [r[f"{label}/big"]["throughput_rps"] / r["inproc_big"] for r in out["rounds"]]
         small = [r[f"{label}/small"]["throughput_rps"] / r["perfect"] for r in out["rounds"]]
+        stream = [r[f"{label}/stream"]["throughput_rps"] / r["perfect"] for r in out["rounds"]]
         out["servers"][label] = {
             "settings": configs[label],
             "v2_binary_vs_inproc": big,
             "batching_vs_perfect": small,
+            "stream_vs_perfect": stream,
             "median": {
                 "v2_binary_vs_inproc": statistics.median(big),
                 "batching_vs_perfect": statistics.median(small),
+                "stream_vs_perfect": statistics.median(stream),
+                "server_cpu_ms_stream": statistics.median(
+                    r[f"{label}/stream"]["server_cpu_ms_per_request"] for r in out["rounds"]
+                ),
                 "rows_per_run": statistics.median(
                     r[f"{label}/small"]["mean_rows_per_run"] for r in out["rounds"]
                 ),
@@ -201,8 +216,9 @@ def limits_table(res: dict, big: str, small: str) -> list[str]:
     lines = [
         f"| server (alternating with in-process, median of {n}) | V2 binary [{big}] / in-process (each round) "
         f"| {CLIENTS} x [{small}] batching / perfect limit (each round) | rows per run | server CPU ms/request "
-        "| perfect limit CPU ms/request | event-loop ms/request |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| perfect limit CPU ms/request | event-loop ms/request | the same over gRPC streams / perfect limit "
+        "| server CPU ms/request |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for label, r in res["servers"].items():
         m = r["median"]
@@ -211,6 +227,16 @@ def limits_table(res: dict, big: str, small: str) -> list[str]:
         lines.append(
             f"| {name} | {m['v2_binary_vs_inproc']:.2f}x ({each('v2_binary_vs_inproc')}) "
             f"| {m['batching_vs_perfect']:.2f}x ({each('batching_vs_perfect')}) | {m['rows_per_run']:.1f} "
-            f"| {m['server_cpu_ms_small']:.2f} | {m['perfect_cpu_ms']:.2f} | {m['loop_cpu_ms_small']:.3f} |"
+            f"| {m['server_cpu_ms_small']:.2f} | {m['perfect_cpu_ms']:.2f} | {m['loop_cpu_ms_small']:.3f} "
+            f"| {_stream(r)} |"
         )
     return lines
+
+
+def _stream(r: dict) -> str:
+    """The gRPC stream's cells (results from before it was measured have none)."""
+    m = r["median"]
+    if "stream_vs_perfect" not in m:
+        return "- | -"
+    each = ", ".join(f"{v:.2f}" for v in r["stream_vs_perfect"])
+    return f"{m['stream_vs_perfect']:.2f}x ({each}) | {m['server_cpu_ms_stream']:.2f}"

@@ -3,8 +3,9 @@
 Lengths (tokens) are drawn from a fixed mixture of two log-normals, half "queries" and half "passages", 4 to 512,
 fitted to real text tokenized by all-MiniLM-L6-v2's own tokenizer: the summary lines (queries) and the later
 paragraphs (passages) of the Python standard library's docstrings (``fit()`` re-fits them: ``python -m
-bench.mixed --fit``). Each request is one sequence ``[1, s, E]`` over V2 binary (HTTP) and gRPC, from 1, 8 and 32
-closed-loop clients, each cycling through its own share of the drawn requests.
+bench.mixed --fit``). Each request is one sequence ``[1, s, E]`` over V2 binary (HTTP), gRPC (a ModelInfer call
+per request) and a gRPC stream (``grpc-stream``: each client's requests on one ModelStreamInfer call), from 1, 8
+and 32 closed-loop clients, each cycling through its own share of the drawn requests.
 
 Per load: real tokens per second, requests per second, p50/p99 latency, and the share of computed positions that
 were padding (from the server's ``addnorm_batch_positions`` counter). Against **the unpadded limit**: the same
@@ -25,6 +26,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -178,26 +180,17 @@ def http_load(port: int, requests: list[tuple[int, bytes]], clients: int, second
     return _load(connect_for, clients, seconds)
 
 
-def grpc_load(port: int, requests: list[tuple[int, bytes]], clients: int, seconds: float):
-    import grpc
-
-    from bench.grpc_load import INFER
+def grpc_load(
+    port: int, requests: list[tuple[int, bytes]], clients: int, seconds: float, stream: bool = False
+):
+    """``stream``: each client's requests on one ModelStreamInfer call (bench.grpc_load.grpc_sender)."""
+    from bench.grpc_load import grpc_sender
 
     shares = _shares(requests, clients + 4)
-    options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 
     @contextlib.asynccontextmanager
     async def connect_for(index: int):
-        async with grpc.aio.insecure_channel(f"{HOST}:{port}", options=options) as channel:
-            call = channel.unary_unary(INFER)
-
-            async def send_one(request: bytes) -> bool:
-                try:
-                    await call(request)
-                except grpc.aio.AioRpcError:
-                    return False
-                return True
-
+        async with grpc_sender(port, stream) as send_one:
             yield send_one, shares[index % len(shares)]
 
     return _load(connect_for, clients, seconds)
@@ -221,13 +214,15 @@ def measure(s, rounds: int, clients: tuple[int, ...] = (1, 8, 32)) -> dict:
         for policy in POLICIES:
             artifact, merge = (twin, "cost") if policy == "packed" else (s.artifact, policy)
             with serve(artifact, "--merge-lengths", merge, grpc=True) as srv:
+                grpc_requests = [(x.shape[1], grpc_request(s.name, x)) for x in xs]
                 loads = {
                     "http": (
                         http_load,
                         srv.port,
                         [(x.shape[1], v2_request(srv.port, s.name, x)) for x in xs],
                     ),
-                    "grpc": (grpc_load, srv.grpc_port, [(x.shape[1], grpc_request(s.name, x)) for x in xs]),
+                    "grpc": (grpc_load, srv.grpc_port, grpc_requests),
+                    "grpc-stream": (partial(grpc_load, stream=True), srv.grpc_port, grpc_requests),
                 }
                 for transport, (load, port, requests) in loads.items():
                     for c in clients:
@@ -294,7 +289,7 @@ def table(res: dict) -> str:
         f"max {lengths['max']} tokens; the unpadded limit {limit:,.0f} tokens/s (each request alone in-process; "
         f"rounds: {', '.join(f'{v:,.0f}' for v in res['unpadded_limits'])})",
         "",
-        f"{'merge':<6} {'transport':<9} {'clients':>7} {'tokens/s':>10} {'vs limit':>9} {'vs pad':>7} "
+        f"{'merge':<6} {'transport':<11} {'clients':>7} {'tokens/s':>10} {'vs limit':>9} {'vs pad':>7} "
         f"{'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'padding':>8}",
     ]
     cells = res["cells"]
@@ -302,7 +297,7 @@ def table(res: dict) -> str:
         policy, transport, clients = key.split("/")
         pad = cells.get(f"pad/{transport}/{clients}", row)
         lines.append(
-            f"{policy:<6} {transport:<9} {clients:>7} {row['tokens_per_s']:>10,.0f} "
+            f"{policy:<6} {transport:<11} {clients:>7} {row['tokens_per_s']:>10,.0f} "
             f"{row['tokens_per_s'] / limit:>8.2f}x {row['tokens_per_s'] / pad['tokens_per_s']:>6.2f}x "
             f"{row['requests_per_s']:>8.0f} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} "
             f"{row['padding_share']:>7.0%}"

@@ -1,4 +1,5 @@
-"""NVIDIA's perf_analyzer against addnorm-serve, unmodified, over HTTP and gRPC, beside addnorm's own load generator.
+"""NVIDIA's perf_analyzer against addnorm-serve, unmodified, over HTTP, gRPC and gRPC streams (its ``--streaming``),
+beside addnorm's own load generator.
 
 perf_analyzer ships in the ``perf-analyzer`` wheels on PyPI, tagged manylinux_2_38: on an older glibc (Debian 12
 has 2.36) pip quietly installs the 0.1.0 placeholder, which has no binary. So ``binary()`` fetches the 2.60.0
@@ -207,9 +208,15 @@ def measure(artifact: Path, seconds: float = 3.0) -> dict:
             ours = run_load(HOST, srv.port, v2_request(srv.port, manifest.name, x), level, seconds)
             row = {"shape": f"[{batch},{seq},{e}]", "concurrency": level, "loadgen_http_rps": ours.throughput,
                    "loadgen_http_p50_ms": ours.pct(50)}  # fmt: skip
-            for protocol, url in (("http", f"{HOST}:{srv.port}"), ("grpc", f"{HOST}:{srv.grpc_port}")):
-                [pa] = run(command, url, protocol, manifest.name, batch, seq, e, [level], int(seconds * 1000))
-                row[f"pa_{protocol}_rps"], row[f"pa_{protocol}_p50_ms"] = pa["requests_per_s"], pa["p50_ms"]
+            for label, protocol, url, extra in (
+                ("http", "http", f"{HOST}:{srv.port}", ()),
+                ("grpc", "grpc", f"{HOST}:{srv.grpc_port}", ()),
+                ("stream", "grpc", f"{HOST}:{srv.grpc_port}", ("--streaming",)),  # ModelStreamInfer
+            ):
+                [pa] = run(
+                    command, url, protocol, manifest.name, batch, seq, e, [level], int(seconds * 1000), extra
+                )
+                row[f"pa_{label}_rps"], row[f"pa_{label}_p50_ms"] = pa["requests_per_s"], pa["p50_ms"]
             rows.append(row)
     return {"command": command[-1], "rows": rows}
 
@@ -217,14 +224,17 @@ def measure(artifact: Path, seconds: float = 3.0) -> dict:
 def table(res: dict) -> str:
     lines = [
         "| request | clients | loadgen HTTP req/s | perf_analyzer HTTP req/s | perf_analyzer gRPC req/s | "
-        "p50 ms: loadgen / PA HTTP / PA gRPC |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "perf_analyzer gRPC --streaming req/s | p50 ms: loadgen / PA HTTP / PA gRPC / PA stream |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in res["rows"]:
+        stream, stream_p50 = "-", "-"  # results from before the stream was measured have none
+        if "pa_stream_rps" in r:
+            stream, stream_p50 = f"{r['pa_stream_rps']:.1f}", f"{r['pa_stream_p50_ms']:.2f}"
         lines.append(
             f"| {r['shape']} | {r['concurrency']} | {r['loadgen_http_rps']:.1f} | {r['pa_http_rps']:.1f} | "
-            f"{r['pa_grpc_rps']:.1f} | {r['loadgen_http_p50_ms']:.2f} / {r['pa_http_p50_ms']:.2f} / "
-            f"{r['pa_grpc_p50_ms']:.2f} |"
+            f"{r['pa_grpc_rps']:.1f} | {stream} | {r['loadgen_http_p50_ms']:.2f} / "
+            f"{r['pa_http_p50_ms']:.2f} / {r['pa_grpc_p50_ms']:.2f} / {stream_p50} |"
         )
     return "\n".join(lines)
 

@@ -1,5 +1,7 @@
 """The benchmark's own parts work (no timing is asserted: speed is shown by `make bench`, not by tests)."""
 
+from functools import partial
+
 import numpy as np
 import pytest
 
@@ -135,10 +137,11 @@ def test_grpc_load_generator_gets_real_answers_and_the_table_reads(tiny_artifact
 
     x = np.ones((1, 3, 32), np.float32)
     with start_server(tiny_artifact, grpc=True) as srv:
-        res = run_grpc_load(srv.grpc_port, grpc_request("encoder", x), 4, 30.0, max_requests=40)
-        bad = run_grpc_load(srv.grpc_port, grpc_request("nope", x), 1, 30.0, max_requests=3)
-    assert res.requests == 40 and res.errors == 0
-    assert bad.requests == 3 and bad.errors == 3  # errors are counted, not hidden
+        for stream in (False, True):  # a call per request; each client's requests on one stream
+            res = run_grpc_load(srv.grpc_port, grpc_request("encoder", x), 4, 30.0, 40, stream=stream)
+            bad = run_grpc_load(srv.grpc_port, grpc_request("nope", x), 1, 30.0, 3, stream=stream)
+            assert res.requests == 40 and res.errors == 0
+            assert bad.requests == 3 and bad.errors == 3  # errors are counted, not hidden
     row = {"throughput_rps": 10.0, "server_cpu_ms_per_request": 1.0}
     pair = {"http": row, "grpc": row, "grpc_vs_http": 1.0, "ratios": [1.0, 0.9, 1.1]}
     lines = grpc_table({"big": pair, "small": pair}, "8x128x32", "1x16x32", 32)
@@ -162,6 +165,7 @@ def test_mixed_lengths_load_counts_the_tokens_answered_and_the_table_reads(tiny_
         for load, port, requests in (
             (mixed.http_load, srv.port, http),
             (mixed.grpc_load, srv.grpc_port, grpc),
+            (partial(mixed.grpc_load, stream=True), srv.grpc_port, grpc),
         ):
             result, tokens = load(port, requests, 2, 0.5)
             assert result.requests > 0 and result.errors == 0
@@ -177,8 +181,8 @@ def test_mixed_lengths_load_counts_the_tokens_answered_and_the_table_reads(tiny_
         "cells": {"pad/http/32": row, "cost/http/32": {**row, "tokens_per_s": 900.0, "padding_share": 0.05}},
     }
     text = mixed.table(res)
-    assert "pad    http           32        500     0.50x   1.00x" in text
-    assert "cost   http           32        900     0.90x   1.80x" in text and "5%" in text
+    assert "pad    http             32        500     0.50x   1.00x" in text
+    assert "cost   http             32        900     0.90x   1.80x" in text and "5%" in text
 
 
 def test_ab_compares_two_checkouts_phase_by_phase(tiny_artifact, capsys):
@@ -225,8 +229,10 @@ def test_limits_alternate_in_process_with_each_server(tiny_artifact):
         assert r["inproc_big"] > 0 and r["perfect"] > 0 and r["perfect_cpu_ms_per_request"] > 0
         for label in ("defaults", "unbatched"):
             assert r[f"{label}/big"]["requests"] > 0 and r[f"{label}/small"]["requests"] > 0
+            assert r[f"{label}/stream"]["requests"] > 0  # the same load on gRPC streams
     assert res["servers"]["unbatched"]["median"]["rows_per_run"] == 1.0
     assert res["servers"]["defaults"]["median"]["rows_per_run"] >= 1.0
     assert len(res["servers"]["defaults"]["batching_vs_perfect"]) == 2
     text = "\n".join(limits_table(res, "8x128x32", "1x16x32"))
     assert "| defaults |" in text and "| ADDNORM_MAX_BATCH_SIZE=1 |" in text
+    assert text.count("x (") == 6  # each server: three ratios with their rounds (V2 binary, batching, stream)

@@ -1,4 +1,4 @@
-"""NVIDIA's perf_analyzer, unmodified, against a plain addnorm-serve over HTTP and gRPC (issue 25).
+"""NVIDIA's perf_analyzer, unmodified, against a plain addnorm-serve over HTTP, gRPC and gRPC streams (issue 25).
 
 The binary comes from PyPI's perf-analyzer wheel, with a newer C runtime from Debian beside it when this glibc is
 older than it needs (bench/perf_analyzer.py fetches both into ~/.cache/addnorm on first use). Where neither PyPI
@@ -24,8 +24,8 @@ def command() -> list[str]:
 
 def test_perf_analyzer_measures_addnorm_over_http_and_grpc(command, tiny_artifact):
     """Its start-up reads the model configuration (GET .../config, gRPC ModelConfig), its load runs at two
-    concurrencies with batch 2 (HTTP with binary tensors and with JSON ones, gRPC; no shared memory), and its
-    server-side columns come from our statistics API."""
+    concurrencies with batch 2 (HTTP with binary tensors and with JSON ones, gRPC with a call per request and with
+    its --streaming; no shared memory), and its server-side columns come from our statistics API."""
     e = Manifest.load(tiny_artifact).config.d_model
     # Any window counts as stable: a busy CI machine must not turn a measurement's noise into a failure.
     stable = ("--stability-percentage", "1000")
@@ -35,6 +35,7 @@ def test_perf_analyzer_measures_addnorm_over_http_and_grpc(command, tiny_artifac
             ("http", srv.port, stable),
             ("http", srv.port, stable + json_tensors),  # without the binary tensor extension
             ("grpc", srv.grpc_port, stable),
+            ("grpc", srv.grpc_port, stable + ("--streaming",)),  # ModelStreamInfer
         ]
         for protocol, port, extra in runs:
             url = f"127.0.0.1:{port}"

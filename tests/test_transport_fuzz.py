@@ -459,3 +459,44 @@ def test_grpc_mutations_never_get_internal_or_unknown_and_the_next_call_is_answe
         f"codes {dict(codes)}"
     )
     assert len(classes) == 10 and codes["OK"] and codes["INVALID_ARGUMENT"]
+
+
+def test_grpc_stream_mutations_are_refused_on_the_stream_and_the_stream_goes_on(fuzz_server):
+    """ModelStreamInfer: mutated ModelInferRequests on one stream, each followed by the valid one. A mutation is
+    answered on the stream (a refusal naming why, never the internal error) and the stream goes on: the valid
+    request after it gets the unary call's answer."""
+    import queue
+
+    rng = random.Random(SEED + 1)
+    seed = _grpc_seeds()["ModelInfer"]
+    metadata = [("authorization", f"Bearer {KEY}")]
+    sent: queue.Queue = queue.Queue()
+    codes = Counter()
+    with grpc.insecure_channel(f"127.0.0.1:{fuzz_server.grpc_port}") as channel:
+        expected = pb.ModelInferResponse.FromString(
+            channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")(
+                seed, metadata=metadata, timeout=10
+            )
+        )
+        stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+        answers = stream(iter(sent.get, None), metadata=metadata, timeout=300)
+
+        def exchange(data: bytes) -> pb.ModelStreamInferResponse:
+            sent.put(data)
+            return pb.ModelStreamInferResponse.FromString(next(answers))
+
+        for case in range(CASES // 4):
+            kind, data = _mutate_message(rng, seed)
+            data = data or b""  # "no message": an empty one (a stream carries messages, not their absence)
+            if len(data) > 100_000:  # above the receive limit: it would end the stream (RESOURCE_EXHAUSTED)
+                continue
+            where = f"seed {SEED + 1}, case {case} ({kind}): {data[:200]!r}"
+            got = exchange(data)
+            codes["refused" if got.error_message else "answered"] += 1
+            assert "internal error" not in got.error_message, f"{where}: {got.error_message}"
+            again = exchange(seed)
+            assert again.error_message == "" and again.infer_response == expected, where
+        sent.put(None)
+        assert list(answers) == []  # the stream ends when the client ends its side
+    assert fuzz_server.proc.poll() is None
+    assert codes["refused"] and codes["answered"], codes

@@ -122,7 +122,7 @@ def test_a_failing_guard_stops_every_grpc_method(grpc_app, monkeypatch):
         raise Refused(f"refused by the guard: {path}")
 
     monkeypatch.setattr(Guard, "check", refuse)
-    for method in [*grpc_server._METHODS, "RepositoryModelLoad"]:
+    for method in [*grpc_server._METHODS, "ModelStreamInfer", "RepositoryModelLoad"]:
         got = _call(target, method, metadata=[("authorization", "Bearer k1")])
         assert isinstance(got, grpc.RpcError), method
         assert (

@@ -5,7 +5,8 @@ routes reach: the same ``Registry``, the same batchers, statistics and metrics. 
 (``GuardInterceptor``, before the method): ServerLive and ServerReady are open like the health probes; every other
 call needs an API key when keys are set (the ``authorization`` metadata, ``Bearer <key>``) and the models'
 manifests read. Domain errors become status codes through ``errors.CODES``; the body-size limit is the receive
-limit. Methods not listed in ``_METHODS`` answer UNIMPLEMENTED (after the guard, as an unknown HTTP path would).
+limit. ModelStreamInfer (many requests on one call) is grpc_stream.py's. Methods not listed in ``_METHODS`` and not
+that one answer UNIMPLEMENTED (after the guard, as an unknown HTTP path would).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from google.protobuf.message import DecodeError, Message
 from service import inference, logs
 from service.errors import BadInput, ClientDeadline, ServiceError, grpc_code
 from service.guard import Guard
-from service.protocols.v2 import codec, grpc_codec, metadata, model_config
+from service.protocols.v2 import codec, grpc_codec, grpc_stream, metadata, model_config
 from service.protocols.v2 import inference_pb2 as pb
 from service.registry import READY
 from service.settings import VERSION
@@ -276,6 +277,10 @@ async def start(state: ServiceState, guard: Guard) -> grpc.aio.Server:
         )
         for name, request_type in _METHODS.items()
     }
+    stream = f"/{SERVICE}/{grpc_stream.NAME}"  # many ModelInfer requests on one call (grpc_stream.py)
+    handlers[grpc_stream.NAME] = grpc.stream_stream_rpc_method_handler(
+        grpc_stream.handler(service, state, stream)
+    )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     host = f"[{s.host}]" if ":" in s.host else s.host
     try:

@@ -255,6 +255,14 @@ class ModelInferResponse(_message.Message):
     raw_output_contents: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., id: _Optional[str] = ..., parameters: _Optional[_Mapping[str, InferParameter]] = ..., outputs: _Optional[_Iterable[_Union[ModelInferResponse.InferOutputTensor, _Mapping]]] = ..., raw_output_contents: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
+class ModelStreamInferResponse(_message.Message):
+    __slots__ = ("error_message", "infer_response")
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    INFER_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    error_message: str
+    infer_response: ModelInferResponse
+    def __init__(self, error_message: _Optional[str] = ..., infer_response: _Optional[_Union[ModelInferResponse, _Mapping]] = ...) -> None: ...
+
 class StatisticDuration(_message.Message):
     __slots__ = ("count", "ns")
     COUNT_FIELD_NUMBER: _ClassVar[int]
