@@ -99,7 +99,11 @@ class _Stream:
         """The next message (or EOF); ends an idle stream (``ClientDeadline``: DEADLINE_EXCEEDED)."""
         read = asyncio.ensure_future(self.context.read())
         while True:
-            done, _ = await asyncio.wait({read}, timeout=IDLE_S)
+            try:
+                done, _ = await asyncio.wait({read}, timeout=IDLE_S)
+            except asyncio.CancelledError:  # the call is over: its read with it
+                read.cancel()
+                raise
             if done:
                 return read.result()
             if not self.tasks and time.monotonic() - self.last_answer >= IDLE_S:
