@@ -9,7 +9,7 @@ overhead instead. ``by_cost`` weighs the two by a cost model of a run, in token-
     Costs.run = fixed + tokens + w x rows x seq^2 / 6E     (tokens: rows x seq; a packed graph's, its own)
 
 (each position's weight products, 12 E^2 multiply-adds, plus its attention, 2 x seq x E), with ``fixed`` measured
-on the model at load (``measure_costs``: 5-9 positions, default block, 2-core EPYC). A packed graph
+on the model at load (``measure_costs``: 6-9 positions, default block, 2-core EPYC). A packed graph
 (model/packing.py) computes no padding's products, so there merging costs only attention's padding, whose weight
 ``w`` is measured at load too (1.4-2.1 for the default packed graph; 1 on a padded graph). ``in_order`` is
 ``--merge-lengths pad``. Nothing here touches the queue or a lock.
@@ -226,36 +226,37 @@ def by_cost(head: Request, queued: Sequence[Request], fits: Fits, costs: Costs) 
     return chosen
 
 
-def measure_costs(model, e: int, packed: bool = False, repeats: int = 5, seq: int = 256) -> Costs:
+def measure_costs(model, e: int, packed: bool = False, repeats: int = 15, seq: int = 256) -> Costs:
     """``model``'s Costs (anything with ``run(x)``; a packed one also ``run(x, mask, lengths)``), from the fastest
-    of ``repeats`` runs each. ``fixed``, beyond its positions (per-operator overhead, small products' lower
-    efficiency): one 8- and one 128-long sequence fitted to ``Costs.run``; at least 1. A packed graph's attention
-    weight: what merging an 8-long sequence into a ``seq``-long one's run costs beyond its own positions, over the
-    padded attention counted for it (``seq^2 / 6E``); 1 to 64."""
-    short, long = 8, 128
-    t_short = _fastest(lambda: model.run(np.zeros((1, short, e), np.float32)), repeats)
-    t_long = _fastest(lambda: model.run(np.zeros((1, long, e), np.float32)), repeats)
+    of ``repeats`` runs each, taking turns so that a busy machine's drift slows both alike (default block, loaded
+    2-core machine, 15 fits: ``fixed`` 1.0-17.8 from 5 runs in a row, 4.5-10.2 from 15 turns). ``fixed``, beyond
+    its positions (per-operator overhead, small products' lower efficiency): an 8- and a 128-long sequence fitted to
+    ``Costs.run``; at least 1. A packed graph's attention weight: what merging an 8-long sequence into a ``seq``-long
+    one's run costs beyond its own positions over its padded attention (``seq^2 / 6E``); 1 to 64."""
+    short, long = (np.zeros((1, n, e), np.float32) for n in (8, 128))  # the lengths fitted
+    t_short, t_long = _fastest((lambda: model.run(short), lambda: model.run(long)), repeats)
     positions = Costs(0.0).run
-    per_position = (t_long - t_short) / (positions(1, long, e) - positions(1, short, e))
+    per_position = (t_long - t_short) / (positions(1, 128, e) - positions(1, 8, e))
     if per_position <= 0:
         return Costs(1.0, packed)
-    fixed = max(1.0, (t_short - per_position * positions(1, short, e)) / per_position)
+    fixed = max(1.0, (t_short - per_position * positions(1, 8, e)) / per_position)
     if not packed:  # a padded graph's merging is dominated by its padding's products
         return Costs(fixed)
-    x, mask = np.zeros((2, seq, e), np.float32), np.zeros((2, seq), bool)
-    mask[1, short:] = True
-    merged = _fastest(lambda: model.run(x, mask, np.array([seq, short])), repeats)
-    extra = (merged - _fastest(lambda: model.run(x[:1]), repeats)) / per_position - short
+    x, mask = np.zeros((2, seq, e), np.float32), np.arange(seq)[None, :] >= np.array([[seq], [8]])
+    lengths = np.array([seq, 8])
+    merged, alone = _fastest((lambda: model.run(x, mask, lengths), lambda: model.run(x[:1])), repeats)
+    extra = (merged - alone) / per_position - 8
     return Costs(fixed, True, float(min(64.0, max(1.0, extra / (seq * seq / (6.0 * e))))))
 
 
-def _fastest(run: Callable[[], object], repeats: int) -> float:
-    times = []
+def _fastest(runs: Sequence[Callable[[], object]], repeats: int) -> list[float]:
+    times: list[list[float]] = [[] for _ in runs]  # each run's, over ``repeats`` rounds of all in turn
     for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for run, took in zip(runs, times, strict=True):
+            start = time.perf_counter()
+            run()
+            took.append(time.perf_counter() - start)
+    return [min(took) for took in times]
 
 
 def stack(batch: Sequence[Request]) -> tuple[np.ndarray, np.ndarray | None]:

@@ -519,18 +519,21 @@ def test_merge_by_cost_keeps_the_limits(engine):
 
 def test_a_runs_fixed_cost_is_measured_from_the_model(monkeypatch):
     """merging.measure_costs fits fixed + positions x (1 + seq / 6E) to a model's run times: a model whose runs
-    cost (a + b x that) comes out at a / b, its slowest runs (here: every other one, twice as long) ignored.
-    The clock is the model's own: no real time is measured."""
+    cost (a + b x that) comes out at a / b, its slowest runs (here: every third one, twice as long) ignored, the
+    two lengths taking turns (a machine's drift slows both alike). The clock is the model's own: no real time is
+    measured."""
     from service import merging as module
 
-    e, clock, calls = 64, [0.0], [0]
+    e, clock, seqs = 64, [0.0], []
 
     class Timed:
         def run(self, x, mask=None):
             s = x.shape[1]
-            calls[0] += 1
-            clock[0] += (0.002 + 0.0001 * s * (1 + s / (6 * e))) * (2 if calls[0] % 2 else 1)  # a / b = 20
+            seqs.append(s)
+            slow = 2 if len(seqs) % 3 == 0 else 1
+            clock[0] += (0.002 + 0.0001 * s * (1 + s / (6 * e))) * slow  # a / b = 20
             return {"encoded": x}
 
     monkeypatch.setattr(module.time, "perf_counter", lambda: clock[0])
     assert module.measure_costs(Timed(), e, repeats=3) == module.Costs(pytest.approx(20.0))
+    assert seqs == [8, 128] * 3
