@@ -226,3 +226,35 @@ def test_an_idle_stream_ends_and_a_cancelled_one_drops_its_requests(monkeypatch)
 
     service = asyncio.run(cancelled())
     assert service.cancelled == 3 and service.running == 0
+
+
+def test_a_client_cancelling_its_stream_leaves_the_server_serving(repo_server, model_repository):
+    """A stream cancelled with requests in progress (a client gone mid-stream, on the real server): the server
+    drops them and answers the next stream and the next call as before."""
+    x = np.random.default_rng(6).standard_normal((4, 64, E)).astype(np.float32)
+    raw = _request("encoder", x, "c").SerializeToString()
+    target = f"127.0.0.1:{repo_server.grpc_port}"
+
+    async def cancel_mid_stream():
+        async with grpc.aio.insecure_channel(target) as channel:
+            call = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")(
+                metadata=tuple(AUTH.items())
+            )
+            for _ in range(20):
+                await call.write(raw)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call.read()
+
+    for _ in range(3):
+        asyncio.run(cancel_mid_stream())
+    with grpc.insecure_channel(target) as channel:
+        stub = triton_grpc.GRPCInferenceServiceStub(channel)
+        [answer] = stub.ModelStreamInfer(
+            iter([_request("encoder", x, "after")]), metadata=tuple(AUTH.items())
+        )
+        single = stub.ModelInfer(_request("encoder", x, "call"), metadata=tuple(AUTH.items()))
+    want = reference(model_repository / "a-fp32", x)
+    np.testing.assert_allclose(_encoded(answer.infer_response), want, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(_encoded(single), want, rtol=0, atol=1e-6)
+    assert repo_server.proc.poll() is None
