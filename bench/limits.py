@@ -18,10 +18,11 @@ import contextlib
 import socket
 import statistics
 import time
+from functools import partial
 
 import numpy as np
 
-from bench.grpc_load import grpc_request
+from bench.grpc_load import grpc_request, run_grpc_load
 from bench.measure import (
     CLIENTS,
     Setup,
@@ -164,7 +165,7 @@ def measure_limits(s: Setup, configs: dict[str, dict[str, str]], rounds: int = 3
                     slices[label]["runs"] += after["count"] - before["count"]
                     slices[label]["rows"] += after["sum"] - before["sum"]
                     slices[label]["stream"].append(
-                        load_with_cpu(srv, streamed, CLIENTS, s.seconds / SLICES, stream=True)
+                        load_with_cpu(srv, streamed, CLIENTS, s.seconds / SLICES, partial(_stream, srv))
                     )
             calls = sum(
                 len(ms) + 2 for ms in perfect_ms
@@ -211,6 +212,11 @@ def measure_limits(s: Setup, configs: dict[str, dict[str, str]], rounds: int = 3
     return out
 
 
+def _stream(srv, request: bytes, clients: int, seconds: float):
+    """``clients`` closed-loop gRPC clients, each sending ``request`` on one ModelStreamInfer call."""
+    return run_grpc_load(srv.grpc_port, request, clients, seconds, stream=True)
+
+
 def limits_table(res: dict, big: str, small: str) -> list[str]:
     n = len(res["rounds"])
     lines = [
@@ -228,12 +234,12 @@ def limits_table(res: dict, big: str, small: str) -> list[str]:
             f"| {name} | {m['v2_binary_vs_inproc']:.2f}x ({each('v2_binary_vs_inproc')}) "
             f"| {m['batching_vs_perfect']:.2f}x ({each('batching_vs_perfect')}) | {m['rows_per_run']:.1f} "
             f"| {m['server_cpu_ms_small']:.2f} | {m['perfect_cpu_ms']:.2f} | {m['loop_cpu_ms_small']:.3f} "
-            f"| {_stream(r)} |"
+            f"| {_stream_cells(r)} |"
         )
     return lines
 
 
-def _stream(r: dict) -> str:
+def _stream_cells(r: dict) -> str:
     """The gRPC stream's cells (results from before it was measured have none)."""
     m = r["median"]
     if "stream_vs_perfect" not in m:

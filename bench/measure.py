@@ -78,17 +78,15 @@ def process_cpu_s(pid: int, tid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def load_with_cpu(srv, request: bytes, clients: int, seconds: float, stream: bool = False) -> dict:
-    """run_load, plus the server's CPU per request: the whole process and its event-loop (main) thread;
-    ``stream``: ``request`` is a serialized ModelInferRequest, each client's sent on one gRPC stream."""
-    from bench.grpc_load import run_grpc_load
-
+def load_with_cpu(srv, request: bytes, clients: int, seconds: float, load=None) -> dict:
+    """run_load (or ``load(request, clients, seconds)``, another transport's), plus the server's CPU per request:
+    the whole process and its event-loop (main) thread."""
     pid = srv.proc.pid
     total0, loop0 = process_cpu_s(pid), process_cpu_s(pid, pid)
-    if stream:
-        row = run_grpc_load(srv.grpc_port, request, clients, seconds, stream=True).row()
-    else:
+    if load is None:
         row = run_load(HOST, srv.port, request, clients, seconds).row()
+    else:
+        row = load(request, clients, seconds).row()
     total1, loop1 = process_cpu_s(pid), process_cpu_s(pid, pid)
     n = max(row["requests"], 1)
     row["server_cpu_ms_per_request"] = (total1 - total0) * 1e3 / n

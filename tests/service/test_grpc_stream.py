@@ -188,7 +188,7 @@ def test_the_stream_reads_no_more_than_its_in_flight_limit_and_answers_all_befor
 
     async def main():
         service, context = _Service(), _Context([*_messages("m", "m", "bad", "m", "m"), b"\xff garbage"])
-        task = asyncio.create_task(grpc_stream.handler(service, _State, "/r")(None, context))
+        task = asyncio.create_task(grpc_stream.handler(service.ModelInfer, _State, "/r")(None, context))
         await asyncio.sleep(0.05)
         assert service.most == 2 and len(context.messages) == 4  # two read, in progress; the rest waits
         service.release.set()
@@ -207,7 +207,7 @@ def test_an_idle_stream_ends_and_a_cancelled_one_drops_its_requests(monkeypatch)
 
     async def idle():
         context = _Context([], hold=True)
-        await asyncio.wait_for(grpc_stream.handler(_Service(), _State, "/r")(None, context), 5)
+        await asyncio.wait_for(grpc_stream.handler(_Service().ModelInfer, _State, "/r")(None, context), 5)
         return context
 
     context = asyncio.run(idle())
@@ -215,7 +215,7 @@ def test_an_idle_stream_ends_and_a_cancelled_one_drops_its_requests(monkeypatch)
 
     async def cancelled():
         service, context = _Service(), _Context(_messages("m", "m", "m"), hold=True)
-        task = asyncio.create_task(grpc_stream.handler(service, _State, "/r")(None, context))
+        task = asyncio.create_task(grpc_stream.handler(service.ModelInfer, _State, "/r")(None, context))
         await asyncio.sleep(0.2)  # longer than IDLE_S: a stream with requests in progress is not idle
         assert service.running == 3 and not task.done()
         task.cancel()

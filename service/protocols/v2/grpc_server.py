@@ -279,7 +279,7 @@ async def start(state: ServiceState, guard: Guard) -> grpc.aio.Server:
     }
     stream = f"/{SERVICE}/{grpc_stream.NAME}"  # many ModelInfer requests on one call (grpc_stream.py)
     handlers[grpc_stream.NAME] = grpc.stream_stream_rpc_method_handler(
-        grpc_stream.handler(service, state, stream)
+        grpc_stream.handler(service.ModelInfer, state, stream)
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     host = f"[{s.host}]" if ":" in s.host else s.host

@@ -2,8 +2,8 @@
 
 Triton's streaming inference (tritonclient.grpc's ``start_stream`` / ``async_stream_infer``, perf_analyzer's
 ``--streaming``). Each request on the stream is a ModelInfer call in all but the call: the same guard (once, for
-the stream), the same ``InferenceService.ModelInfer`` (the request core, the batcher, the model's statistics), an
-access line and the request metrics per request. What the stream changes:
+the stream), the same ``InferenceService.ModelInfer``, given to ``handler`` (the request core, the batcher, the
+model's statistics), an access line and the request metrics per request. What the stream changes:
 
 - the requests of one stream run concurrently, so they batch with each other and with everyone else's, and each
   answer is written as soon as it is done: answers come in the order they finish, each with its request's ``id``;
@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -35,8 +36,10 @@ from service.protocols.v2 import inference_pb2 as pb
 from service.protocols.v2.grpc_codec import varint
 
 if TYPE_CHECKING:
-    from service.protocols.v2.grpc_server import InferenceService
     from service.state import ServiceState
+
+# one request's ModelInfer (grpc_server.InferenceService.ModelInfer): its answer, a serialized ModelInferResponse
+Infer = Callable[[pb.ModelInferRequest, grpc.aio.ServicerContext], Awaitable[bytes]]
 
 NAME = "ModelStreamInfer"
 IN_FLIGHT = (
@@ -54,11 +57,12 @@ _FINAL = pb.ModelInferResponse(
 log = logging.getLogger("addnorm.grpc")
 
 
-def handler(service: InferenceService, state: ServiceState, route: str):
-    """The RPC's behaviour (raw messages in and out) for ``grpc.stream_stream_rpc_method_handler``."""
+def handler(infer: Infer, state: ServiceState, route: str):
+    """The RPC's behaviour (raw messages in and out) for ``grpc.stream_stream_rpc_method_handler``: each request
+    on the stream answered by ``infer``."""
 
     async def call(_requests: object, context: grpc.aio.ServicerContext) -> None:
-        stream = _Stream(service, state, context, route)
+        stream = _Stream(infer, state, context, route)
         try:
             await stream.serve()
         except ServiceError as exc:  # the stream itself ended (idle): its status says why
@@ -74,9 +78,9 @@ class _Stream:
     """One ModelStreamInfer call: reads requests, runs each in its own task, writes each answer when it is done."""
 
     def __init__(
-        self, service: InferenceService, state: ServiceState, context: grpc.aio.ServicerContext, route: str
+        self, infer: Infer, state: ServiceState, context: grpc.aio.ServicerContext, route: str
     ) -> None:
-        self.service, self.state, self.context, self.route = service, state, context, route
+        self.infer, self.state, self.context, self.route = infer, state, context, route
         self.slots = asyncio.Semaphore(IN_FLIGHT)
         self.writing = asyncio.Lock()  # grpc.aio takes one write at a time
         self.tasks: set[asyncio.Task] = set()
@@ -123,7 +127,7 @@ class _Stream:
                     f"a {NAME} message is not a valid ModelInferRequest: {str(exc)[:200]}"
                 ) from None
             request_id = request.id
-            answer = await self.service.ModelInfer(request, self.context)
+            answer = await self.infer(request, self.context)
             if _asks_final(request):
                 answer += _FINAL
             message = _INFER_RESPONSE_TAG + varint(len(answer)) + answer  # one copy (50 KB for [1,16,768])
