@@ -42,12 +42,10 @@ if TYPE_CHECKING:
 Infer = Callable[[pb.ModelInferRequest, grpc.aio.ServicerContext], Awaitable[bytes]]
 
 NAME = "ModelStreamInfer"
-IN_FLIGHT = (
-    128  # requests of one stream in progress at once: a connection's calls (grpc.max_concurrent_streams)
-)
-IDLE_S = (
-    300.0  # a stream with nothing in progress and no request for this long ends (grpc.max_connection_idle_ms)
-)
+# requests of one stream in progress at once: as many as a connection's calls (grpc.max_concurrent_streams)
+IN_FLIGHT = 128
+# a stream with nothing in progress and no request for this long ends, as an idle connection does
+IDLE_S = 300.0
 # ModelStreamInferResponse's field 2, infer_response (a message): its tag, length-delimited wire type
 _INFER_RESPONSE_TAG = bytes([2 << 3 | 2])
 # Appended to a serialized ModelInferResponse, protobuf merges it in: the answer's parameters gain this one.
@@ -66,7 +64,8 @@ def handler(infer: Infer, state: ServiceState, route: str):
         try:
             await stream.serve()
         except ServiceError as exc:  # the stream itself ended (idle): its status says why
-            logs.access("GRPC %s stream %s", NAME, grpc_code(exc))
+            if state.settings.access_log:
+                logs.access("GRPC %s stream %s", NAME, grpc_code(exc))
             await context.abort(grpc.StatusCode[grpc_code(exc)], exc.message)
         finally:
             stream.cancel()
