@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from export import attention as attn
+from export import traces
 from model.contract import BATCH, ELEMENTS, LONGEST_ELEMENTS, SEQ, STARTS, STEP_OUTPUT, TOKENS, input_names
 from model.contract import output_names as contract_outputs
 from model.encoder import Encoder, Packing
@@ -114,14 +115,38 @@ def export_onnx(
     mask = torch.zeros(EXAMPLE_BATCH, EXAMPLE_SEQ, dtype=torch.bool)
     args: tuple[Tensor, ...] = (example, mask)
     dims: tuple[dict, ...] = (emb_dims, {0: batch, 1: seq})
+    traced = traces.cache()
+    if traced is None:  # outside export.traces.reusing(): trace what was asked
+        _trace(encoder, Path(path), opset, with_steps, form, args, dims)
+        return load_checked(path, opset)
+    key = traces.key(encoder.eval(), opset, form, str(next(encoder.parameters()).dtype))
+    if key not in traced:  # trace with the step outputs once; the served graph is that trace without them
+        _trace(encoder, Path(path), opset, True, form, args, dims)
+        traced[key] = Path(path).read_bytes()
+    model = onnx.ModelProto.FromString(traced[key])
+    if not with_steps:
+        model = traces.without_steps(model, output_names(encoder, False))
+    onnx.save(model, str(path))
+    return load_checked(path, opset)
+
+
+def _trace(
+    encoder: Encoder,
+    path: Path,
+    opset: int,
+    with_steps: bool,
+    form: str,
+    args: tuple[Tensor, ...],
+    dims: tuple[dict, ...],
+) -> None:
+    cfg = encoder.config
     module: nn.Module = _GraphModule(encoder.eval(), with_steps)
     if cfg.packed:
         args, dims = _packed_example(cfg.d_model)
         module = _PackedGraphModule(encoder.eval(), with_steps)
     names = (list(input_names(cfg)), output_names(encoder, with_steps))
     with attn.spelled(encoder, form):
-        export_module(module, args, Path(path), names, dims, opset, attn.TRANSLATIONS)
-    return load_checked(path, opset)
+        export_module(module, args, path, names, dims, opset, attn.TRANSLATIONS)
 
 
 def _packed_example(width: int) -> tuple[tuple[Tensor, ...], tuple[dict, ...]]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from export import traces
 from export.attention import AttentionError
 from export.attention import resolve as resolve_attention
 from export.bert import bert_to_encoder_state
@@ -70,6 +71,7 @@ def prepare_encoder(
     return load_state(encoder, state, checkpoint)
 
 
+@traces.reusing()  # the gate's debug graph and the served graph: one trace (export/traces.py)
 def export_artifact(
     encoder: Encoder,
     out_dir: str | Path,

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from bench.real import MORE, PASSAGE
 from bench.server import ServerProcess
 from export import cli as export_cli
-from export import hf
+from export import hf, traces
 from export.calibration import calibration_cases
 from export.cases import Case, default_cases
 from export.parity import float32_yardstick, make_session, run_parity
@@ -42,6 +42,15 @@ SENTENCES = [*hf.SENTENCES, *MORE[:8], PASSAGE * 30]
 FP16_SENTENCE_COSINE = 0.9999
 INT8_SENTENCE_COSINE = 0.999  # what retrieval wants (issue 34); int8 measured 0.9995 on these sentences
 SENTENCE_COSINE = {"fp16": FP16_SENTENCE_COSINE, "int8": INT8_SENTENCE_COSINE}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_trace_per_model() -> Iterator[None]:
+    """Every graph of one model, dtype and attention form in this module comes from one torch trace
+    (export/traces.py): the forms the artifacts share (fp32-mha, fused and int8) and the tests' own graphs of the
+    encoder. A test here that changes a model changes its weights or a module's attribute, both in a trace's key."""
+    with traces.reusing():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +121,7 @@ def artifacts(encoder, reference, real, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("real")
     out = {}
     check = hf.reference_check(encoder, reference, given, encoder.config, quiet=True)  # the torch side: once
+    # fp32-mha, fused and int8: one trace of the encoder (_one_trace_per_model)
     for name, (variant, attention, opset) in FORMS.items():
         export_artifact(
             encoder,

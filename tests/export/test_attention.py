@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export import cli, parity_cli
+from export import cli, parity_cli, traces
 from export.attention import AUTO, resolve, spelled
 from export.checks import GraphCheckError, check_graph, op_counts
 from export.onnx_export import ExportError, export_onnx
@@ -44,6 +44,7 @@ def export(out, *flags) -> dict:
         ),
     ],
 )
+@traces.reusing()  # addnorm-parity's debug graph below: the export's own trace (export/traces.py)
 def test_each_form_exports_counts_its_nodes_and_passes_the_adversarial_gate(tmp_path, flags, form, ops):
     manifest = export(tmp_path / "a", *flags)
     assert manifest["attention"] == form and manifest["parity"]["passed"]

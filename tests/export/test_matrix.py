@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from bench.server import ServerProcess
-from export import parity_cli
+from export import parity_cli, traces
 from export.checks import op_counts
 from export.parity import make_session
 from model.config import EncoderConfig
@@ -152,31 +152,34 @@ def matrix(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequ
         wanted |= {c.id for c in _batch_invariance_models()}
     repo = tmp_path_factory.mktemp("matrix")
     exports: dict[str, Exported] = {}
-    for combo in selected():
-        if skip_reason(combo) or combo.id not in wanted:
-            continue
-        out = repo / combo.id
-        try:
-            export_to(
-                out,
-                combo.config,
-                name=combo.id,
-                variant=combo.variant,
-                attention=combo.attention,
-                opset=combo.opset,
-            )
-            exports[combo.id] = Exported(out)
-        except Exception as exc:  # reported by that combination's test, not by every test of the module
-            shutil.rmtree(out, ignore_errors=True)
-            exports[combo.id] = Exported(None, f"{type(exc).__name__}: {exc}")
-    # live, not ready: a model that fails its golden check stays UNAVAILABLE and the server is never "ready"
-    server = ServerProcess(
-        ["-m", "service", "--model-repository", str(repo), "--max-queue-delay-ms", "20"],
-        ready_path="/health/live",
-    )
-    with server:
-        _wait_loaded(server.base, timeout=120)
-        yield exports, server
+    # Each test's check_artifact rebuilds its combination's debug graph from the saved weights: the export's trace,
+    # kept for the module (export/traces.py; nothing here changes a model after its export).
+    with traces.reusing():
+        for combo in selected():
+            if skip_reason(combo) or combo.id not in wanted:
+                continue
+            out = repo / combo.id
+            try:
+                export_to(
+                    out,
+                    combo.config,
+                    name=combo.id,
+                    variant=combo.variant,
+                    attention=combo.attention,
+                    opset=combo.opset,
+                )
+                exports[combo.id] = Exported(out)
+            except Exception as exc:  # reported by that combination's test, not by every test of the module
+                shutil.rmtree(out, ignore_errors=True)
+                exports[combo.id] = Exported(None, f"{type(exc).__name__}: {exc}")
+        # live, not ready: a model that fails its golden check stays UNAVAILABLE and the server is never "ready"
+        server = ServerProcess(
+            ["-m", "service", "--model-repository", str(repo), "--max-queue-delay-ms", "20"],
+            ready_path="/health/live",
+        )
+        with server:
+            _wait_loaded(server.base, timeout=120)
+            yield exports, server
 
 
 def _wait_loaded(base: str, timeout: float) -> None:

@@ -1,0 +1,74 @@
+"""One trace per graph (export/traces.py): the served graph cut from the debug graph's trace is the graph a trace
+without step outputs gives, and the scope never hands one model's trace to another."""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import numpy as np
+import onnx
+import torch.nn.functional as F
+
+import export.onnx_export as onnx_export
+from export import traces
+from export.onnx_export import export_onnx, output_names
+from export.parity import make_session
+from model.config import EncoderConfig
+from model.contract import STEP_OUTPUT
+from model.encoder import build_encoder
+
+# post-norm: the last step is also the final output (the trace copies it with an Identity), pooled: two outputs
+CONFIG = EncoderConfig(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, num_layers=2, pooling="mean")
+
+
+def _run(path) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 7, CONFIG.d_model)).astype(np.float32)
+    mask = np.zeros((3, 7), bool)
+    mask[1, 4:] = True
+    return make_session(path).run(None, {"embeddings": x, "mask": mask})
+
+
+def test_the_served_graph_cut_from_the_debug_trace_is_the_direct_export(tmp_path, monkeypatch):
+    encoder = build_encoder(CONFIG, seed=3).eval()
+    direct = export_onnx(encoder, tmp_path / "direct.onnx", attention="mha")
+    calls = []
+    trace = onnx_export._trace
+    monkeypatch.setattr(onnx_export, "_trace", lambda *a, **k: calls.append(a[3]) or trace(*a, **k))
+    with traces.reusing():
+        served = export_onnx(encoder, tmp_path / "served.onnx", attention="mha")
+        debug = export_onnx(encoder, tmp_path / "debug.onnx", attention="mha", with_steps=True)
+    assert calls == [True]  # one trace, with the step outputs
+    assert [o.name for o in served.graph.output] == output_names(encoder, False) == ["encoded", "pooled"]
+    assert [o.name for o in debug.graph.output][-1] == STEP_OUTPUT.format(CONFIG.num_norms - 1)
+    ops = [collections.Counter(n.op_type for n in m.graph.node) for m in (direct, served)]
+    assert ops[0] == ops[1], ops
+    assert len(served.graph.initializer) == len(direct.graph.initializer)
+    for want, got in zip(_run(tmp_path / "direct.onnx"), _run(tmp_path / "served.onnx"), strict=True):
+        np.testing.assert_array_equal(got, want)
+    onnx.checker.check_model(served, full_check=True)
+
+
+def test_a_trace_is_keyed_by_weights_code_dtype_and_form():
+    encoder = build_encoder(CONFIG, seed=3).eval()
+    key = traces.key(encoder, 17, "mha")
+    assert traces.key(copy.deepcopy(encoder), 17, "mha") == key  # the same model, another object
+    assert traces.key(encoder, 17, "decomposed") != key
+    assert traces.key(copy.deepcopy(encoder).half(), 17, "mha") != key
+    skewed = copy.deepcopy(encoder)
+    skewed.layers[1].norm2.weight.data[0] += 1e-3
+    assert traces.key(skewed, 17, "mha") != key
+    patched = copy.deepcopy(encoder)
+    for layer in patched.layers:
+        layer.activation = lambda x: F.gelu(x, approximate="tanh")
+    assert traces.key(patched, 17, "mha") != key
+
+
+def test_outside_a_scope_nothing_is_kept():
+    assert traces.cache() is None
+    with traces.reusing():
+        outer = traces.cache()
+        with traces.reusing():
+            assert traces.cache() is outer  # nested scopes share the outermost one
+    assert traces.cache() is None
