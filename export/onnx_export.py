@@ -105,23 +105,13 @@ def export_onnx(
             f"--norm rms exports as ONNX RMSNormalization, which needs opset {RMS_MIN_OPSET}; at opset {opset} the "
             f"exporter would spell it out op by op. Use --opset {RMS_MIN_OPSET}"
         )
-    batch, seq = torch.export.Dim(BATCH), torch.export.Dim(SEQ)
-    if cfg.batch_first:
-        example = torch.randn(EXAMPLE_BATCH, EXAMPLE_SEQ, cfg.d_model)
-        emb_dims = {0: batch, 1: seq}
-    else:
-        example = torch.randn(EXAMPLE_SEQ, EXAMPLE_BATCH, cfg.d_model)
-        emb_dims = {0: seq, 1: batch}
-    mask = torch.zeros(EXAMPLE_BATCH, EXAMPLE_SEQ, dtype=torch.bool)
-    args: tuple[Tensor, ...] = (example, mask)
-    dims: tuple[dict, ...] = (emb_dims, {0: batch, 1: seq})
     traced = traces.cache()
     if traced is None:  # outside export.traces.reusing(): trace what was asked
-        _trace(encoder, Path(path), opset, with_steps, form, args, dims)
+        _trace(encoder, Path(path), opset, with_steps, form)
         return load_checked(path, opset)
     key = traces.key(encoder.eval(), opset, form, str(next(encoder.parameters()).dtype))
     if key not in traced:  # trace with the step outputs once; the served graph is that trace without them
-        _trace(encoder, Path(path), opset, True, form, args, dims)
+        _trace(encoder, Path(path), opset, True, form)
         traced[key] = Path(path).read_bytes()
     model = onnx.ModelProto.FromString(traced[key])
     if not with_steps:
@@ -130,23 +120,31 @@ def export_onnx(
     return load_checked(path, opset)
 
 
-def _trace(
-    encoder: Encoder,
-    path: Path,
-    opset: int,
-    with_steps: bool,
-    form: str,
-    args: tuple[Tensor, ...],
-    dims: tuple[dict, ...],
-) -> None:
+def _trace(encoder: Encoder, path: Path, opset: int, with_steps: bool, form: str) -> None:
+    """torch.onnx.export of ``encoder``'s graph module (padded or packed) into ``path``."""
     cfg = encoder.config
-    module: nn.Module = _GraphModule(encoder.eval(), with_steps)
     if cfg.packed:
         args, dims = _packed_example(cfg.d_model)
-        module = _PackedGraphModule(encoder.eval(), with_steps)
+        module: nn.Module = _PackedGraphModule(encoder.eval(), with_steps)
+    else:
+        args, dims = _padded_example(cfg.d_model, cfg.batch_first)
+        module = _GraphModule(encoder.eval(), with_steps)
     names = (list(input_names(cfg)), output_names(encoder, with_steps))
     with attn.spelled(encoder, form):
         export_module(module, args, path, names, dims, opset, attn.TRANSLATIONS)
+
+
+def _padded_example(width: int, batch_first: bool) -> tuple[tuple[Tensor, ...], tuple[dict, ...]]:
+    """A padded graph's example inputs (embeddings, mask) and their symbolic batch and sequence dims."""
+    batch, seq = torch.export.Dim(BATCH), torch.export.Dim(SEQ)
+    if batch_first:
+        example = torch.randn(EXAMPLE_BATCH, EXAMPLE_SEQ, width)
+        emb_dims = {0: batch, 1: seq}
+    else:
+        example = torch.randn(EXAMPLE_SEQ, EXAMPLE_BATCH, width)
+        emb_dims = {0: seq, 1: batch}
+    mask = torch.zeros(EXAMPLE_BATCH, EXAMPLE_SEQ, dtype=torch.bool)
+    return (example, mask), (emb_dims, {0: batch, 1: seq})
 
 
 def _packed_example(width: int) -> tuple[tuple[Tensor, ...], tuple[dict, ...]]:
