@@ -77,7 +77,7 @@ def without_steps(model: onnx.ModelProto, keep: list[str]) -> onnx.ModelProto:
     for node in reversed(graph.node):
         if any(out in needed for out in node.output if out):
             live.append(node)
-            needed |= _reads(node)
+            needed |= reads(node)
     live.reverse()
     _fold_identities(live, set(keep))
     del graph.node[:]
@@ -97,7 +97,7 @@ def _fold_identities(nodes: list[onnx.NodeProto], outputs: set[str]) -> None:
     producer = {out: node for node in nodes for out in node.output if out}
     readers: dict[str, int] = {}
     for node in nodes:
-        for name in _reads(node):
+        for name in reads(node):
             readers[name] = readers.get(name, 0) + 1
     for node in list(nodes):
         if node.op_type != "Identity" or node.output[0] not in outputs:
@@ -109,11 +109,11 @@ def _fold_identities(nodes: list[onnx.NodeProto], outputs: set[str]) -> None:
             nodes.remove(node)
 
 
-def _reads(node: onnx.NodeProto) -> set[str]:
+def reads(node: onnx.NodeProto) -> set[str]:
     """Every value ``node`` reads, those its subgraphs (an If's branches) read from the enclosing graph included."""
     names = {n for n in node.input if n}
     for attr in node.attribute:
         for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
             for inner in sub.node:
-                names |= _reads(inner)
+                names |= reads(inner)
     return names

@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 import torch
 
-from export import int8
+from export import int8, traces
 from export.onnx_export import DEFAULT_OPSET, ExportError, export_onnx
 from export.yardsticks import SchemeModel, torch_outputs
 from model.config import EncoderConfig
@@ -150,18 +150,10 @@ def _toposort(graph: onnx.GraphProto) -> None:
     enclosing graph included (onnxruntime's pre-processing and transformer optimizer sort without those and
     place an If before its values)."""
 
-    def reads(node: onnx.NodeProto) -> set[str]:
-        names = set(node.input)
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                for inner in sub.node:
-                    names |= reads(inner)
-        return names
-
     # "" marks an absent optional input or output, never a value
     producer = {out: i for i, node in enumerate(graph.node) for out in node.output if out}
     nodes = list(graph.node)
-    deps = [{producer[n] for n in reads(node) if n in producer} - {i} for i, node in enumerate(nodes)]
+    deps = [{producer[n] for n in traces.reads(node) if n in producer} - {i} for i, node in enumerate(nodes)]
     ordered: list[int] = []
     placed: set[int] = set()
     for root in range(len(nodes)):  # depth-first, iteratively: a deep stack of layers is a long chain
