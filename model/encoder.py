@@ -105,7 +105,9 @@ class Packing:
         # (B, S): the token at each padded position; T (one past the last token) where there is none
         self.gather = torch.where(valid, starts[:, None] + grid[None, :], token_mask.shape[0])
         self.mask = torch.cat([token_mask, token_mask.new_ones(1)])[self.gather]
-        row = (tokens[:, None] >= starts[None, 1:]).sum(1)  # (T,) the sequence each token belongs to
+        # (T,) the sequence each token belongs to: how many sequences start at or before it, less one (starts[0] is
+        # 0). Not a sum over starts[1:]: with one sequence that reduces an empty axis, which CUDA's ReduceSum refuses.
+        row = (tokens[:, None] >= starts[None, :]).sum(1) - 1
         self.scatter = row * seq + tokens - starts[row]  # (T,) its position in the flattened (B * S)
 
     def pad(self, t: Tensor) -> Tensor:

@@ -55,6 +55,7 @@ class Counts:
     checked: int = 0
     failed: int = 0
     dropped: int = 0
+    errors: int = 0  # samples the checker could not check (its weights unreadable, say): logged each time
     worst_ratio: float = 0.0  # the largest error over the verdict's allowance seen
     recent_failures: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
 
@@ -63,6 +64,7 @@ class Counts:
             "checked": self.checked,
             "failed": self.failed,
             "dropped": self.dropped,
+            "errors": self.errors,
             # 4 significant digits, not 4 decimals: an int8 graph is 1e-5 of its allowance from its scheme
             "worst_ratio": float(f"{self.worst_ratio:.4g}"),
         }
@@ -180,8 +182,10 @@ class LiveParity:
             start = time.perf_counter()  # wall time: numpy's BLAS threads work for it too
             try:
                 self.check(sample)
-            except Exception:  # never the thread
-                log.exception("live parity check failed to run")
+            except Exception:  # never the thread; counted, so checked 0 and failed 0 cannot read as all well
+                log.exception("live parity check of %s failed to run", sample.model.name)
+                self.counts[sample.model.name].errors += 1
+                self.metrics.live_parity(sample.model.name, "errors")
             if sample.embeddings.size >= TRIM_AFTER_ELEMENTS:
                 engine.trim()  # the reference's float64 temporaries: give their pages back
             busy = time.perf_counter() - start

@@ -82,6 +82,7 @@ class Metrics:
                 ("checked", "checked"),
                 ("failed", "that failed"),
                 ("dropped", "dropped (queue full)"),
+                ("errors", "that could not be checked (the checker failed: see the log)"),
             )
         }
         self.parity_ratio = Histogram(
@@ -112,7 +113,7 @@ class Metrics:
             self.golden_err.labels(model).set(v.max_abs_err)
 
     def live_parity(self, model: str, kind: str, ratio: float | None = None) -> None:
-        """A live parity event (service/live_parity.py): checked (with its ratio), failed or dropped."""
+        """A live parity event (service/live_parity.py): checked (with its ratio), failed, dropped or errors."""
         self.parity[kind].labels(model).inc()
         if ratio is not None:
             self.parity_ratio.labels(model).observe(ratio)

@@ -208,6 +208,7 @@ def test_a_request_too_big_for_the_checker_is_not_sampled(tiny_artifact, monkeyp
             "checked": 1,
             "failed": 0,
             "dropped": 0,
+            "errors": 0,
             "worst_ratio": 0,
             "judged": True,
         }
@@ -228,3 +229,22 @@ def test_the_heap_is_trimmed_only_after_a_large_sample(tiny_artifact, monkeypatc
             assert client.post("/v1/encode", json=body).status_code == 200
         wait_until(lambda: _counts(client)["checked"] == 4, 300, "four samples checked")
     assert len(trims) == 1
+
+
+def test_a_checker_that_cannot_run_counts_errors_and_says_why(tiny_artifact, tmp_path, caplog):
+    """Without the weights (the artifact copied without weights.safetensors) the checker cannot recompute an
+    answer: each sample is counted as an error, in /v1/model and /metrics, and logged, so that checked 0 and
+    failed 0 never read as all well (seen on a GPU machine, where the weights had not been copied)."""
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_artifact, bare)
+    (bare / "weights.safetensors").unlink()
+    with TestClient(_app(bare)) as client:
+        wait_until_ready(client)  # serving needs no weights
+        x = np.zeros((1, 3, E)).tolist()
+        for _ in range(3):
+            assert client.post("/v1/encode", json={"embeddings": x}).status_code == 200
+        wait_until(lambda: _counts(client)["errors"] == 3, 300, "three errors counted")
+        assert _counts(client)["checked"] == 0 and _counts(client)["failed"] == 0
+        assert 'addnorm_live_parity_errors_total{model="encoder"} 3.0' in client.get("/metrics").text
+    lines = [r.getMessage() for r in caplog.records if "failed to run" in r.getMessage()]
+    assert lines and "encoder" in lines[0]

@@ -210,3 +210,25 @@ def _metric(text: str, name: str, label: str) -> float:
 def test_a_packed_graph_needs_batch_first():
     with pytest.raises(ValueError, match="packed needs batch_first"):
         EncoderConfig(batch_first=False, packed=True)
+
+
+def test_no_reduction_of_the_packed_graph_sees_an_empty_axis_with_one_sequence(artifacts):
+    """onnxruntime's CUDA ReduceSum refuses to reduce an axis of length 0, where its CPU kernel returns zeros: a
+    packed graph that summed over ``starts[1:]`` failed every one-sequence batch on an H100 (its golden check at
+    load, every lone request). Here on CPU: every reduction's input is made an output too, and a run of one
+    sequence shows their shapes; none may have a 0."""
+    import onnx
+    import onnxruntime as ort
+
+    from model import packing
+    from model.artifact import MODEL_FILE
+
+    model = onnx.load(str(artifacts[0] / MODEL_FILE))
+    reductions = {n.input[0]: n.name for n in model.graph.node if n.op_type.startswith("Reduce")}
+    assert reductions, "a packed graph without a reduction: the test would check nothing"
+    model.graph.output.extend(onnx.ValueInfoProto(name=name) for name in reductions)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).standard_normal((1, 5, SMALL.d_model)).astype(np.float32)
+    outputs = session.run(list(reductions), packing.feed(x, np.zeros((1, 5), bool)))
+    empty = {reductions[name]: a.shape for name, a in zip(reductions, outputs, strict=True) if 0 in a.shape}
+    assert not empty, f"reductions over an empty axis (CUDA refuses them): {empty}"
