@@ -72,3 +72,33 @@ def test_outside_a_scope_nothing_is_kept():
         with traces.reusing():
             assert traces.cache() is outer  # nested scopes share the outermost one
     assert traces.cache() is None
+
+
+def test_the_gates_torch_side_is_computed_once_per_model_and_input_in_a_scope(tmp_path, monkeypatch):
+    """torch fp32, the float64 oracles and float32's spread depend on the model and the input, never on the graph:
+    a second gate of the same model in a scope computes none of them again and judges alike; another model's
+    weights are never answered from the first one's."""
+    import export.parity as parity
+    from export.cases import default_cases
+
+    encoder = build_encoder(CONFIG, seed=3).eval()
+    path = tmp_path / "m.onnx"
+    export_onnx(encoder, path, attention="mha")
+    calls = collections.Counter()
+    for name in ("torch_outputs", "float32_spread"):
+        real = getattr(parity, name)
+        monkeypatch.setattr(parity, name, lambda *a, _f=real, _n=name: calls.update([_n]) or _f(*a))
+    cases = default_cases()[:3]
+    with traces.reusing():
+        first = parity.run_parity(encoder, make_session(path), cases)
+        once = dict(calls)
+        again = parity.run_parity(copy.deepcopy(encoder), make_session(path), cases)
+        assert dict(calls) == once and once["torch_outputs"] == 2 * len(cases)  # torch fp32 and float64, once
+        assert again.summary() == first.summary()
+        skewed = copy.deepcopy(encoder)
+        skewed.layers[1].norm2.weight.data *= 1.05
+        refused = parity.run_parity(skewed, make_session(path), cases)
+    assert calls["torch_outputs"] == 4 * len(cases) and not refused.passed and first.passed
+    with traces.reusing():
+        (kept,) = traces.remembered("k", lambda: {"a": np.zeros(2)}).values()
+    assert not kept.flags.writeable  # a remembered array cannot be changed by one of its readers
