@@ -12,22 +12,14 @@ import textwrap
 from pathlib import Path
 
 from bench.server import ROOT
+from model.runtime import cpu_flags
 
 QEMU = shutil.which("qemu-x86_64")
 AVX2_ONLY = "Haswell-v4"  # AVX2 and FMA; no AVX-512, no VNNI
 CAN_EMULATE = QEMU is not None and platform.machine() == "x86_64"
 
-
-def _host_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
 # This machine is itself the AVX2-only kind (AVX2, no AVX-512): what runs here natively is what the emulation shows
-HOST_IS_AVX2_ONLY = {"avx2", "fma"} <= _host_flags() and "avx512f" not in _host_flags()
+HOST_IS_AVX2_ONLY = "avx2" in cpu_flags() and "avx512f" not in cpu_flags()
 WHY_NOT = "needs qemu-x86_64 (Debian's qemu-user; .ci/run installs it) on an x86-64 host"
 
 # The golden check as the server runs it at load, torch-free; prints its verdict and where it wrote the answers.
