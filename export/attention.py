@@ -126,6 +126,12 @@ def _mha_unmasked_onnx(q, k, v, nhead: int):
 def _attend_mha(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, nhead: int) -> Tensor:
     if key_padding_mask is None:
         return _mha_unmasked(q, k, v, nhead)
+    if not (torch.compiler.is_exporting() or torch.compiler.is_compiling()):
+        # Run eagerly (the gate's torch side): torch.cond would compile both branches with dynamo on each new
+        # shape and dtype, 2 s the first time and 0.1-0.2 s each after.
+        if key_padding_mask.any():
+            return _mha(q, k, v, key_padding_mask, nhead)
+        return _mha_unmasked(q, k, v, nhead)
     # The sum, not any(): any() exports a ReduceMax attribute that opset 17 lacks.
     return torch.cond(
         key_padding_mask.to(torch.int32).sum() > 0,

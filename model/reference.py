@@ -74,12 +74,16 @@ def _attention(
     d = e // heads
     qkv = a.linear(x, weights[f"{p}.in_proj_weight"], weights[f"{p}.in_proj_bias"])  # (B, S, 3E): q, k, v
     q, k, v = (qkv[..., i * e : (i + 1) * e].reshape(b, s, heads, d).transpose(0, 2, 1, 3) for i in range(3))
-    scores = a.cast((q @ k.transpose(0, 1, 3, 2)) / math.sqrt(d))  # (B, H, S, S)
+    # In place on the (B, H, S, S) scores, the largest arrays here: the same arithmetic with no copy per step.
+    scores = q @ k.transpose(0, 1, 3, 2)  # (B, H, S, S)
+    scores /= math.sqrt(d)
+    scores = a.cast(scores)
     if mask is not None:  # the most negative finite value of the dtype, as the torch block fills
-        scores = np.where(mask[:, None, None, :], np.finfo(scores.dtype).min, scores)
-    scores = scores - scores.max(axis=-1, keepdims=True)
-    probs = np.exp(scores)
-    probs = a.cast(probs / probs.sum(axis=-1, keepdims=True))
+        np.copyto(scores, np.finfo(scores.dtype).min, where=mask[:, None, None, :])
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores, out=scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    probs = a.cast(probs)
     out = a.cast(probs @ v).transpose(0, 2, 1, 3).reshape(b, s, e)
     return a.linear(out, weights[f"{p}.out_proj.weight"], weights[f"{p}.out_proj.bias"])
 

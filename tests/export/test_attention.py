@@ -91,6 +91,24 @@ def test_spelled_swaps_the_kernel_only_inside_the_block_and_keeps_eager_results(
     assert encoder.layers[0].self_attn.attend.__name__ == "attend"
 
 
+def test_mha_runs_eagerly_without_torch_cond_and_traces_one(monkeypatch, tmp_path):
+    """Eager (the gate's torch side): one branch in Python, never torch.cond, which compiles both branches with
+    dynamo on every new shape and dtype (2 s the first time); traced: the If the graph is counted for above."""
+    encoder = build_encoder(CFG)
+    x = torch.randn(2, 5, 64, dtype=torch.float64)
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[1, 3:] = True
+    with torch.no_grad(), spelled(encoder.double(), "mha"):
+        want = [encoder(x, m) for m in (mask, torch.zeros_like(mask))]
+        calls: list[str] = []
+        real_cond = torch.cond
+        monkeypatch.setattr(torch, "cond", lambda *a, **k: calls.append("cond") or real_cond(*a, **k))
+        got = [encoder(x, m) for m in (mask, torch.zeros_like(mask))]
+    assert calls == [] and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    export_onnx(build_encoder(CFG), tmp_path / "m.onnx", attention="mha")
+    assert calls and op_counts(onnx.load(str(tmp_path / "m.onnx")))["If"] == CFG.num_layers
+
+
 def test_choices_resolve_and_refuse_what_cannot_be_exported(tmp_path):
     assert resolve("auto", 17) == AUTO == "mha"
     assert resolve("decomposed", 17) == "decomposed"
