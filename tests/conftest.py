@@ -92,6 +92,18 @@ def pytest_report_header() -> str:
     return f"CPU flags: {' '.join(sorted(cpu_flags())) or 'unknown'}"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker's share of the cores for torch's OpenMP and numpy's BLAS (which read
+    OMP_NUM_THREADS when they start; the workers inherit it), unless OMP_NUM_THREADS is set. Two workers of two
+    threads each on two cores spend much of their time in OpenMP's spin-waits: test_real_model and test_matrix side
+    by side took 412 s with it, 287 s with one thread each (2-core AVX2 EPYC, 2026-11-27)."""
+    workers = getattr(config.option, "numprocesses", None)
+    cores = len(os.sched_getaffinity(0))
+    workers = cores if workers in ("auto", "logical") else workers
+    if isinstance(workers, int) and workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // workers))
+
+
 LANES = {"model": "unit", "service": "unit", "export": "export"}  # tests/<dir>/...; top-level files: server
 
 
