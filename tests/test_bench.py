@@ -236,3 +236,21 @@ def test_limits_alternate_in_process_with_each_server(tiny_artifact):
     text = "\n".join(limits_table(res, "8x128x32", "1x16x32"))
     assert "| defaults |" in text and "| ADDNORM_MAX_BATCH_SIZE=1 |" in text
     assert text.count("x (") == 6  # each server: three ratios with their rounds (V2 binary, batching, stream)
+
+
+def test_int8_profile_sums_each_operators_kernel_time_per_run(tmp_path):
+    """bench/int8_profile.py's table: onnxruntime's profiler events summed by operator type, per measured run."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from bench.int8_profile import _profile
+
+    nodes = [helper.make_node("Relu", ["x"], ["h"]), helper.make_node("Relu", ["h"], ["y"])]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [64, 64]) for n in ("x", "y")]
+    model = helper.make_model(
+        helper.make_graph(nodes, "g", io[:1], io[1:]), opset_imports=[helper.make_opsetid("", 17)]
+    )
+    onnx.save(model, tmp_path / "m.onnx")
+    wall, ops = _profile(tmp_path / "m.onnx", {"x": np.ones((64, 64), np.float32)}, 4, 1, tmp_path / "p")
+    (op, (ms, count)), *rest = ops
+    assert op == "Relu" and count == 2 and 0 < ms < wall * 1000 and not rest
