@@ -54,10 +54,11 @@ parity: $(VENV)/.installed $(ARTIFACT)/manifest.json
 	$(BIN)/addnorm-parity $(ARTIFACT) --report $(ARTIFACT)/report
 
 # pytest exits 5 when it collects no test, so an empty run fails here too. TEST_WORKERS processes (pytest-xdist)
-# take whole test files (each file's fixtures export and start servers once); 0 runs in this process.
+# take whole test files (each file's fixtures export and start servers once), the longest first (tests/conftest.py,
+# LONGEST_FIRST); 0 runs in this process.
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-fast: $(VENV)/.installed
 	$(BIN)/python -m pytest -m unit -q
