@@ -22,12 +22,12 @@ from pathlib import Path
 import numpy as np
 
 SHAPE = (8, 128, 384)
+WARMUP = 3
 
 
 def main(argv: list[str] | None = None) -> int:
-    import onnxruntime as ort
 
-    from bench.real import MORE, _quantize_dynamic, real_model
+    from bench.real import MORE, quantize_dynamic_graph, real_model
     from export import hf
     from export.calibration import calibration_cases
     from export.pipeline import plan_for
@@ -56,11 +56,13 @@ def main(argv: list[str] | None = None) -> int:
         build_graph(
             encoder, tmp / "int8.onnx", "int8", attention="mha", plan=plan_for(encoder, "int8", given)
         )
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        _quantize_dynamic(encoder, tmp, opts)  # writes qd.onnx
-        for name, file in (("fp32", "fp32"), ("int8", "int8"), ("quantize_dynamic", "qd")):
-            per_run, ops = _profile(tmp / f"{file}.onnx", feed, args.runs, args.threads, tmp / name)
+        graphs = {
+            "fp32": tmp / "fp32.onnx",
+            "int8": tmp / "int8.onnx",
+            "quantize_dynamic": quantize_dynamic_graph(encoder, tmp),
+        }
+        for name, path in graphs.items():
+            per_run, ops = _profile(path, feed, args.runs, args.threads, tmp / name)
             print(f"\n{name}: {per_run * 1000:.1f} ms per run (wall, profiler on)")
             for op, (ms, nodes) in ops[:14]:
                 print(f"  {op:26s} {ms:8.2f} ms  {nodes:3d} nodes")
@@ -77,7 +79,7 @@ def _profile(path: Path, feed: dict, runs: int, threads: int, prefix: Path) -> t
     opts.enable_profiling = True
     opts.profile_file_prefix = str(prefix)
     session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    for _ in range(3):
+    for _ in range(WARMUP):
         session.run(None, feed)
     start = time.perf_counter()
     for _ in range(runs):
@@ -89,7 +91,7 @@ def _profile(path: Path, feed: dict, runs: int, threads: int, prefix: Path) -> t
         if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
             micros[e["args"]["op_name"]] += e["dur"]
             nodes[e["args"]["op_name"]] += 1
-    total = runs + 3  # the profiler records the warm-up runs too
+    total = runs + WARMUP  # the profiler records the warm-up runs too
     return wall, [(op, (us / total / 1000, nodes[op] // total)) for op, us in micros.most_common()]
 
 

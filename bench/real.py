@@ -96,7 +96,9 @@ def main(rounds: int = 3, seconds: float = 1.0) -> int:
             print(f"  exported {name} in {time.perf_counter() - start:.0f} s: {verdict}", flush=True)
             sessions[name] = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
             rows.append((name, verdict))
-        sessions["quantize_dynamic"] = _quantize_dynamic(encoder, Path(tmp), opts)
+        sessions["quantize_dynamic"] = ort.InferenceSession(
+            str(quantize_dynamic_graph(encoder, Path(tmp))), opts, providers=["CPUExecutionProvider"]
+        )
         rows.append(("quantize_dynamic", "not gated (onnxruntime's, per-channel, reduce_range)"))
         kernels = int8_options.kernel_exactness(None), int8_options.kernel_exactness(AVX2_ONLY)
         pairs = "/".join(k.get("u8s8-pairs", "?") for k in kernels)
@@ -154,9 +156,9 @@ def real_model():
     return config, encoder, hf.Reference(directory)
 
 
-def _quantize_dynamic(encoder, tmp: Path, opts):
+def quantize_dynamic_graph(encoder, tmp: Path) -> Path:
+    """onnxruntime's quantize_dynamic (per-channel, reduce_range) of the encoder's fp32 mha graph: tmp/qd.onnx."""
     import onnx
-    import onnxruntime as ort
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
@@ -176,11 +178,11 @@ def _quantize_dynamic(encoder, tmp: Path, opts):
     model = onnx.load(str(tmp / "qd.onnx"))
     _toposort(model.graph)
     onnx.save(model, str(tmp / "qd.onnx"))
-    return ort.InferenceSession(str(tmp / "qd.onnx"), opts, providers=["CPUExecutionProvider"])
+    return tmp / "qd.onnx"
 
 
 def _int8_options(encoder, x: np.ndarray, mask: np.ndarray, tmp: Path, opts) -> dict:
-    """bench/int8_options.py's candidates, built from the pre-processed fp32 graph _quantize_dynamic wrote."""
+    """bench/int8_options.py's candidates, built from the pre-processed fp32 graph quantize_dynamic_graph wrote."""
     import onnx
     import onnxruntime as ort
 
