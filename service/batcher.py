@@ -83,6 +83,7 @@ class Batcher:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        self._hurry = False  # stop() or drain(): no request waits for company any more
         self._release = getattr(model, "release", None)
         self._ran_since_release = False
         self._idle_due = False  # _take waited RELEASE_IDLE_S for work after a run, and none came
@@ -95,15 +96,19 @@ class Batcher:
     async def stop(self) -> None:
         """Refuse new requests, let a run in progress finish and answer, fail what is still queued."""
         with self._ready:
-            self._closed = True
+            self._closed = self._hurry = True
             self._ready.notify_all()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
         with self._ready:
             left = [self._pop() for _ in range(len(self._queue))]
-        for item in left:
-            if not item.future.done():
-                item.future.set_exception(ShuttingDown("server is shutting down"))
+        _fail(left, ShuttingDown("server is shutting down"))
+
+    def drain(self) -> None:
+        """No new requests will come (unloaded or replaced): run what is queued without waiting for company."""
+        with self._ready:
+            self._hurry = True
+            self._ready.notify_all()
 
     def _pop(self) -> Request:
         item = self._queue.popleft()
@@ -258,16 +263,13 @@ class Batcher:
             if not self._queue:
                 return []
             if self.limits.max_batch_size > 1 and self.max_delay > 0:
-                deadline = time.perf_counter() + self.max_delay
-                while sum(i.rows for i in self._queue) < self.limits.max_batch_size and not self._closed:
-                    left = deadline - time.perf_counter()
-                    if left <= 0:
-                        break
-                    self._ready.wait(left)
+                self._ready.wait_for(
+                    lambda: self._hurry or sum(i.rows for i in self._queue) >= self.limits.max_batch_size,
+                    self.max_delay,
+                )
+            # skip what timed out or whose client left before it ran (its timer answers it)
             now = time.perf_counter()
-            while self._queue[0].dropped(
-                now
-            ):  # timed out or client gone before it ran (its timer answers it)
+            while self._queue[0].dropped(now):
                 self._pop()
                 if not self._queue:
                     return []
@@ -278,9 +280,7 @@ class Batcher:
             chosen = merging.choose(self.merge, head, live, self.limits, self.costs)
             if chosen:
                 taken = {id(i) for i in chosen}
-                kept = [i for i in self._queue if id(i) not in taken]
-                self._queue.clear()
-                self._queue.extend(kept)
+                self._queue = collections.deque(i for i in self._queue if id(i) not in taken)
                 self._queued_bytes -= sum(i.x.nbytes for i in chosen)
             return [head, *chosen]
 
@@ -290,8 +290,7 @@ def _timed_out(timeout: float) -> TimedOut:
 
 
 def _expire(item: Request, timeout: float) -> None:
-    if not item.future.done():
-        item.future.set_exception(_timed_out(timeout))
+    _fail([item], _timed_out(timeout))
 
 
 def _fail(batch: list[Request], exc: Exception) -> None:

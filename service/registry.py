@@ -215,6 +215,7 @@ class Registry:
 
     @staticmethod
     async def _drain(model: ServingModel) -> None:
+        model.batcher.drain()  # no traffic reaches it any more: its queue runs without waiting for company
         await model.inflight.idle()
         await model.batcher.stop()
 

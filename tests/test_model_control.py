@@ -156,8 +156,10 @@ def test_a_reload_under_load_swaps_versions_with_no_failed_request_and_refuses_a
 
 def test_unload_drains_and_load_brings_it_back(tmp_path, versions):
     repo = repository(tmp_path, versions, "1")
-    # requests wait in the queue for company: in flight when the unload comes
-    flags = ["--load-model", "encoder", "--max-queue-delay-ms", "300"]
+    # Requests wait in the queue for company (for two minutes, far beyond the test's timeouts) until five rows
+    # fill a batch: all four are in flight when the unload comes, however slowly they arrive, and the unload runs
+    # them at once (Batcher.drain) instead of after the wait. (A 300 ms wait failed when they arrived slower.)
+    flags = ["--load-model", "encoder", "--max-queue-delay-ms", "120000", "--max-batch-size", "5"]
     with control_server(repo, "explicit", *flags, grpc=True) as srv:
         grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{srv.grpc_port}")
         doc = {
@@ -177,7 +179,7 @@ def test_unload_drains_and_load_brings_it_back(tmp_path, versions):
             t.start()
         wait_until(lambda: "addnorm_queue_depth{model=\"encoder\"} 4.0" in httpx.get(f"{srv.base}/metrics").text,
                    30, "4 requests queued")  # fmt: skip
-        grpc.unload_model("encoder")  # returns once the 4 in flight are answered
+        grpc.unload_model("encoder", client_timeout=30)  # returns once the 4 in flight are answered
         for t in askers:
             t.join(30)
         assert results == [200] * 4
@@ -187,7 +189,10 @@ def test_unload_drains_and_load_brings_it_back(tmp_path, versions):
             _index(srv)["state"] == "UNAVAILABLE" and httpx.get(f"{srv.base}/health/ready").status_code == 200
         )
         grpc.load_model("encoder")
-        assert httpx.post(f"{srv.base}/v2/models/encoder/infer", json=doc, timeout=30).status_code == 200
+        five = np.repeat(X, 5, axis=0)  # a full batch: runs without waiting for company
+        full = {"inputs": [{"name": "embeddings", "shape": list(five.shape), "datatype": "FP32",
+                            "data": five.ravel().tolist()}]}  # fmt: skip
+        assert httpx.post(f"{srv.base}/v2/models/encoder/infer", json=full, timeout=30).status_code == 200
         with pytest.raises(InferenceServerException, match="no model 'nope' in the repository"):
             grpc.load_model("nope")
 

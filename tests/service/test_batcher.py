@@ -110,6 +110,32 @@ def test_token_budget_splits_batches(engine):
     assert all(b * s <= 16 for b, s, _ in model.shapes) and sum(b for b, _, _ in model.shapes) == 4
 
 
+def test_drain_runs_what_waits_for_company_at_once(engine):
+    """An unloaded or replaced model (registry._drain) gets no new requests: what waits in its queue for company
+    runs at once instead of after max_queue_delay_ms (here ten minutes: without drain the requests would still
+    be waiting when ``until`` gives up), as one batch."""
+    model = Recorder(engine)
+
+    async def main():
+        batcher = Batcher(model, max_batch_size=64, max_queue_delay_ms=600_000)
+        batcher.start()
+        tasks = [
+            asyncio.ensure_future(batcher.infer(np.ones((1, 3, 32), np.float32), None)) for _ in range(2)
+        ]
+        await until(lambda: batcher.depth == 2)
+        assert not model.entered.is_set()  # waiting for company
+        batcher.drain()
+        await until(lambda: all(t.done() for t in tasks))
+        await batcher.stop()
+        return [t.result()[0]["encoded"] for t in tasks]
+
+    outs = run(main())
+    assert model.shapes == [(2, 3, 32)]
+    alone = engine.run(np.ones((1, 3, 32), np.float32))["encoded"]
+    for out in outs:
+        np.testing.assert_allclose(out, alone, atol=FP32_ATOL, rtol=FP32_RTOL)
+
+
 @pytest.mark.parametrize(
     "merge, shapes", [("pad", [(2, 4, 32), (1, 4, 32), (2, 4, 32)]), ("cost", [(4, 4, 32), (1, 4, 32)])]
 )

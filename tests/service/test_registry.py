@@ -17,21 +17,25 @@ pytestmark = pytest.mark.unit
 
 class FakeBuild:
     """``build`` for the registry: a ServingModel whose engine is named as asked (``names`` can lie, as a
-    manifest changed between scan and load does) and whose batcher records its stop; ``fail``: directories that
+    manifest changed between scan and load does) and whose batcher records its drain and stop; ``fail``: directories that
     do not load."""
 
     def __init__(self) -> None:
         self.fail: set[Path] = set()
         self.names: dict[Path, str] = {}
         self.stopped: list[tuple[str, str]] = []
+        self.drained: list[tuple[str, str]] = []  # told no new requests will come (before the last one is done)
 
     async def __call__(self, name: str, directory: Path, version: str) -> ServingModel:
         if directory in self.fail:
             raise LoadFailed(f"{directory} is broken")
         served = self.names.get(directory, name)
-        stopped = self.stopped
+        stopped, drained = self.stopped, self.drained
 
         class Batcher:
+            def drain(self) -> None:
+                drained.append((served, version))
+
             async def stop(self) -> None:
                 stopped.append((served, version))
 
@@ -62,6 +66,7 @@ def test_a_swap_serves_the_new_version_at_once_and_stops_the_old_after_its_last_
             assert models.get("a").version == "2" and models.slot("a").state == READY
             await asyncio.sleep(0.05)
             assert build.stopped == []  # version 1 still answers its request
+            assert build.drained == [("a", "1")]  # what it has queued runs without waiting for company
         await asyncio.sleep(0.05)
         assert build.stopped == [("a", "1")]
         await models.close()
