@@ -24,7 +24,7 @@ class FakeBuild:
         self.fail: set[Path] = set()
         self.names: dict[Path, str] = {}
         self.stopped: list[tuple[str, str]] = []
-        self.drained: list[tuple[str, str]] = []  # told no new requests will come (before the last one is done)
+        self.drained: list[tuple[str, str]] = []  # told no more requests will come (before the last ends)
 
     async def __call__(self, name: str, directory: Path, version: str) -> ServingModel:
         if directory in self.fail:
