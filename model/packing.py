@@ -9,7 +9,8 @@ concatenated, flat, and where each sequence starts (``offsets``, in elements) an
 
 Everything else speaks padded batches: the engine, the gate, the golden check. ``feed`` turns one into a packed
 graph's inputs, each row computed to its own length (``lengths``; the whole row by default, which is what makes
-a packed graph's answers comparable position by position with torch's on the same padded batch).
+a packed graph's answers comparable position by position with torch's on the same padded batch). The server
+computes each row to ``real_lengths``: neither the padding merging adds nor a request's own trailing padding.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ def feed(x: np.ndarray, mask: np.ndarray, lengths: np.ndarray | None = None) -> 
         OFFSETS: offsets,
         LONGEST: np.empty(seq * width, np.int32),  # never read: its shape says the padded length
     }
+
+
+def real_lengths(mask: np.ndarray) -> np.ndarray:
+    """Each row's length less its trailing padding (``mask`` (B, S), true = padding; a tokenizer pads on the right):
+    what a packed graph need compute of it. A row of padding only keeps its whole length."""
+    return mask.shape[1] - np.argmax(~mask[:, ::-1], axis=1)
 
 
 def is_packed(session: Any) -> bool:

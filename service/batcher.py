@@ -208,7 +208,7 @@ class Batcher:
                 item.timings.infer_s = ran - merged
                 item.timings.batch_rows = x.shape[0]
             rows = merging.split(batch, out)
-            requested = sum(item.rows * item.seq for item in batch)
+            requested = sum(item.tokens if self.packed else item.rows * item.seq for item in batch)
             run = Run(
                 rows=x.shape[0],
                 requests=len(batch),

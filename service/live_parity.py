@@ -33,6 +33,7 @@ import numpy as np
 from model import reference, schemes
 from model.artifact import Manifest, read_weights
 from model.contract import positional
+from model.packing import real_lengths
 from model.verdict import Tolerance, compare
 from service import engine, logs
 
@@ -203,6 +204,12 @@ class LiveParity:
             scheme = {}
             if w.scheme_weights is not None:
                 scheme = reference.outputs(config, w.scheme_weights, s.embeddings, s.mask, w.scheme)
+        # a packed graph does not compute a row's trailing padding (model/packing.py): it answers zeros there
+        if config.packed and s.mask is not None:
+            beyond = np.arange(s.mask.shape[1]) >= real_lengths(np.asarray(s.mask, bool))[:, None]
+            for out in (*x64.items(), *x32.items(), *scheme.items()):
+                if positional(out[0]):
+                    out[1][beyond] = 0.0
         tol = Tolerance(**manifest.parity["tolerance"])
         real = None if s.mask is None else ~np.asarray(s.mask, bool)  # a lossy answer: its real tokens
         # A lossy answer is judged on its implementation (the graph computes its scheme): its quality against fp32

@@ -8,11 +8,10 @@ overhead instead. ``by_cost`` weighs the two by a cost model of a run, in token-
 
     Costs.run = fixed + tokens + w x rows x seq^2 / 6E     (tokens: rows x seq; a packed graph's, its own)
 
-(each position's weight products, 12 E^2 multiply-adds, plus its attention, 2 x seq x E), with ``fixed`` measured
-on the model at load (``measure_costs``: 6-9 positions, default block, 2-core EPYC). A packed graph
-(model/packing.py) computes no padding's products, so there merging costs only attention's padding, whose weight
-``w`` is measured at load too (1.4-2.1 for the default packed graph; 1 on a padded graph). ``in_order`` is
-``--merge-lengths pad``. Nothing here touches the queue or a lock.
+(each position's weight products, 12 E^2 multiply-adds, plus its attention, 2 x seq x E), ``fixed`` measured on the
+model at load (``measure_costs``: 6-9 positions, default block, 2-core EPYC). A packed graph (model/packing.py)
+computes no padding's products (nor a request's trailing padding): merging costs only attention's padding, of a
+weight ``w`` measured at load too (1.4-2.1, default packed graph; 1 padded). ``in_order``: ``--merge-lengths pad``.
 """
 
 from __future__ import annotations
@@ -21,12 +20,14 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol
 
 import numpy as np
 
 from model.attention import score_elements
 from model.contract import positional
+from model.packing import real_lengths
 from service.errors import TooLarge
 
 Outputs = dict[str, np.ndarray]  # output name -> (B, S, ...) array, or (B, ...) without a sequence axis
@@ -45,8 +46,9 @@ class Timings:
 class Run:
     """One model run, as its observers are told of it (on the event loop): its rows and requests, the seconds
     spent merging, running and cutting it, and its positions: ``positions`` computed (rows x the batch's seq; on a
-    packed graph the requests' own), ``requested`` the requests' own (each request's rows x its seq); the rest is
-    padding added by merging."""
+    packed graph the requests' own), ``requested`` the requests' own (each request's rows x its seq; on a packed
+    graph less their trailing padding, which it does not compute: ``Request.tokens``); the rest is padding added by
+    merging."""
 
     rows: int
     requests: int
@@ -96,6 +98,16 @@ class Request:
     def seq(self) -> int:
         return self.x.shape[1]
 
+    @cached_property
+    def lengths(self) -> np.ndarray:
+        """(rows,) what a packed graph computes of each row: its length less its trailing padding."""
+        return real_lengths(self.mask) if self.padded else np.full(self.rows, self.seq)
+
+    @cached_property
+    def tokens(self) -> int:
+        """The positions a packed graph computes of it (the cost model's and the metrics' own positions)."""
+        return int(self.lengths.sum())
+
     def dropped(self, now: float) -> bool:
         """Answered already (timed out, its client gone) or past its deadline: not to be run."""
         return self.future.done() or (self.deadline is not None and now >= self.deadline)
@@ -125,14 +137,10 @@ class Limits:
 
     def fits(self, rows: int, seq: int, padded: bool) -> bool:
         """Whether a run of ``rows`` x ``seq`` stays within the limits."""
-        return (
-            rows <= self.max_batch_size
-            and rows * seq <= self.max_batch_tokens
-            and (
-                self.max_batch_attention is None
-                or self.attention_cost(rows, seq, padded) <= self.max_batch_attention
-            )
-        )
+        if rows > self.max_batch_size or rows * seq > self.max_batch_tokens:
+            return False
+        limit = self.max_batch_attention
+        return limit is None or self.attention_cost(rows, seq, padded) <= limit
 
     def check(self, rows: int, seq: int, padded: bool) -> None:
         """Raise TooLarge for a request whose attention alone is above the limit (the others merge less)."""
@@ -193,8 +201,7 @@ def by_cost(head: Request, queued: Sequence[Request], fits: Fits, costs: Costs) 
     first, each one taken while merging it costs no more than a run of its own would (the padding it adds, its
     rows up to the batch's length or the batch up to its length, against the fixed cost; on a packed graph only
     attention's padding) and the run ``fits``."""
-    rows, seq, padded = head.rows, head.seq, head.padded
-    tokens = head.rows * head.seq
+    rows, seq, padded, tokens = head.rows, head.seq, head.padded, head.tokens
     e = head.x.shape[2]
     queued = [i for i in queued if not i.solo]  # each of those runs alone when its turn comes
     below = sorted((i for i in queued if i.seq <= seq), key=lambda i: -i.seq)  # nearest first, stable
@@ -204,11 +211,8 @@ def by_cost(head: Request, queued: Sequence[Request], fits: Fits, costs: Costs) 
     def extra(item: Request, rows: int, seq: int, tokens: int) -> float:
         """What merging ``item`` into a run of ``rows`` x ``seq`` (``tokens`` its requests' own positions) costs
         beyond a run of its own (negative: merging saves)."""
-        own = item.rows * item.seq
-        merged = costs.run(rows + item.rows, max(seq, item.seq), e, tokens + own) - costs.run(
-            rows, seq, e, tokens
-        )
-        return merged - costs.run(item.rows, item.seq, e, own)
+        merged = costs.run(rows + item.rows, max(seq, item.seq), e, tokens + item.tokens)
+        return merged - costs.run(rows, seq, e, tokens) - costs.run(item.rows, item.seq, e, item.tokens)
 
     while below or above:
         cost, side = min(
@@ -222,7 +226,7 @@ def by_cost(head: Request, queued: Sequence[Request], fits: Fits, costs: Costs) 
         side.pop(0)
         chosen.append(item)
         rows, seq, padded = new_rows, new_seq, new_padded
-        tokens += item.rows * item.seq
+        tokens += item.tokens
     return chosen
 
 
@@ -280,7 +284,7 @@ def stack(batch: Sequence[Request]) -> tuple[np.ndarray, np.ndarray | None]:
 
 def lengths(batch: Sequence[Request]) -> np.ndarray:
     """Each row's own length in ``stack(batch)``: what a packed graph computes of it (model/packing.py)."""
-    return np.repeat(np.array([i.seq for i in batch]), [i.rows for i in batch])
+    return np.concatenate([i.lengths for i in batch])
 
 
 def split(batch: Sequence[Request], out: Outputs) -> list[Outputs]:
@@ -290,11 +294,7 @@ def split(batch: Sequence[Request], out: Outputs) -> list[Outputs]:
     rows, row = [], 0
     for item in batch:
         end = row + item.rows
-        rows.append(
-            {
-                k: np.ascontiguousarray(v[row:end, : item.seq] if positional(k) else v[row:end])
-                for k, v in out.items()
-            }
-        )
+        cut = {k: v[row:end, : item.seq] if positional(k) else v[row:end] for k, v in out.items()}
+        rows.append({k: np.ascontiguousarray(v) for k, v in cut.items()})
         row = end
     return rows

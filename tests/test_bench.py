@@ -185,6 +185,37 @@ def test_mixed_lengths_load_counts_the_tokens_answered_and_the_table_reads(tiny_
     assert "cost   http             32        900     0.90x   1.80x" in text and "5%" in text
 
 
+def test_client_batched_requests_are_padded_right_and_answered_and_the_table_reads(tiny_artifact):
+    """bench.batched: each request is N drawn sentences padded to their longest on the right (zeros, masked), sent
+    over V2 binary with the mask as a BOOL input and answered; only real tokens are counted; the table's ratios."""
+    from bench import batched, mixed
+    from tests.conftest import start_server
+
+    requests = batched.batches(32, 8)
+    assert len(requests) == mixed.REQUESTS // 8
+    for x, mask in requests:
+        own = (~mask).sum(axis=1)
+        assert x.shape == (8, own.max(), 32) and (mask == (np.arange(own.max()) >= own[:, None])).all()
+        assert not x[mask].any() and x[~mask].all()
+    with start_server(tiny_artifact) as srv:
+        load = [(int((~m).sum()), batched.v2_masked(srv.port, "encoder", x, m)) for x, m in requests[:3]]
+        result, tokens = mixed.http_load(srv.port, load, 2, 0.5, warmup=0)
+    assert result.requests > 0 and result.errors == 0
+    real = sorted(t for t, _ in load)
+    assert real[0] * result.requests <= tokens <= real[-1] * result.requests
+    row = {"tokens_per_s": 500.0, "p50_ms": 1.0, "p99_ms": 2.0, "not_real_share": 0.6}
+    res = {
+        "sentences": 8,
+        "client_padding_share": 0.6,
+        "unpadded_limit_tokens_per_s": 1000.0,
+        "unpadded_limits": [1000.0],
+        "cells": {"padded/32": row, "packed/32": {**row, "tokens_per_s": 1100.0, "not_real_share": 0.0}},
+    }
+    text = batched.table(res)
+    assert "60% of the positions sent are padding" in text
+    assert "packed              32      1,100     1.10x      2.20x" in text
+
+
 def test_ab_compares_two_checkouts_phase_by_phase(tiny_artifact, capsys):
     """bench.ab against two copies of this checkout (the same code): every phase printed, both sides answered."""
     from bench import ab

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from model.config import EncoderConfig
+from model.packing import real_lengths
 from model.verdict import float32_floor
 from service import merging
 from service.batcher import Batcher
@@ -104,6 +105,59 @@ def test_the_batcher_merges_any_lengths_into_one_packed_run_and_counts_no_paddin
         _close(answer["encoded"], alone["encoded"])
 
 
+def test_real_lengths_drop_only_a_rows_trailing_padding():
+    mask = np.array(
+        [
+            [0, 0, 0, 0, 0, 0],  # none
+            [0, 0, 0, 1, 1, 1],  # right-padded, as a tokenizer pads: 3
+            [0, 1, 0, 0, 1, 1],  # padding inside stays (masked in attention): 4
+            [1, 1, 0, 0, 0, 0],  # left-padded: the whole row
+            [1, 1, 1, 1, 1, 1],  # padding only (it runs alone): the whole row
+        ],
+        bool,
+    )
+    assert real_lengths(mask).tolist() == [6, 3, 4, 6, 6]
+
+
+def test_a_clients_own_trailing_padding_is_not_computed(artifacts):
+    """A request padded by its client (a tokenizer's batch: each sentence padded to the longest, with a mask) is
+    computed to each row's real length, as merging's padding is: the engine is handed those lengths, the run counts
+    those positions, real tokens answer as the padded twin's and the trailing padding as zeros."""
+    engine, padded = Engine(artifacts[0], "cpu"), Engine(artifacts[1], "cpu")
+    runs: list[merging.Run] = []
+    calls: list = []
+
+    class Recorded:
+        packed, threads = True, engine.threads
+
+        def run(self, x, mask=None, lengths=None):
+            calls.append(None if lengths is None else lengths.tolist())
+            return engine.run(x, mask, lengths)
+
+    class Observer:
+        def batch_done(self, run: merging.Run) -> None:
+            runs.append(run)
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((4, 12, SMALL.d_model)).astype(np.float32)
+    mask = np.arange(12)[None, :] >= np.array([12, 5, 2, 9])[:, None]
+    mask[3, 1] = True  # the client's padding inside a row: computed and masked
+
+    async def main():
+        batcher = Batcher(Recorded(), observer=Observer(), costs=merging.Costs(8.0, True))
+        batcher.start()
+        answer, _ = await batcher.infer(x, mask)
+        await batcher.stop()
+        return answer["encoded"]
+
+    got = asyncio.run(main())
+    assert calls == [[12, 5, 2, 9]] and runs[0].positions == runs[0].requested == 28, (calls, runs)
+    want = padded.run(x, mask)["encoded"]
+    want[np.arange(12)[None, :] >= np.array([12, 5, 2, 9])[:, None]] = 0.0
+    _close(got, want)
+    assert not got[1, 5:].any() and got[3, 1].any()
+
+
 def test_merging_by_cost_on_a_packed_graph_pays_only_for_attentions_padding():
     """A 64-long head and an 8-long request: padded, merging costs 56 positions of every weight product (more
     than a run's fixed cost); packed, only the attention's padding."""
@@ -184,6 +238,7 @@ def test_every_way_in_answers_a_packed_model_as_its_padded_twin(artifacts):
         stats = http.get_inference_statistics("encoder")["model_stats"][0]
         assert stats["execution_count"] < stats["inference_count"], "nothing was merged: nothing was tested"
         want = padded.run(masked, mask)["encoded"]
+        want[mask] = 0.0  # its own trailing padding: not computed, answered as zeros
         _close(v2(masked, mask), want)
         _close(v2(masked, mask, grpc, grpcclient), want)
         body = json.dumps({"embeddings": [r[0].tolist() for r in requests[:3]]}).encode()

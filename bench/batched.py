@@ -1,0 +1,152 @@
+"""python -m bench.batched: requests as a client's tokenizer batches them, against the unpadded limit.
+
+A client that embeds its documents N at a time sends each batch padded to its longest sentence with a mask (a
+tokenizer's ``padding=True``: padding on the right). Here each request is ``--sentences`` sentences whose lengths
+are drawn like real text (``bench.mixed.draw``), ``[N, longest, E]`` with the mask ``[N, longest]`` as a BOOL
+input over V2 binary (HTTP), from each ``--clients`` count of closed-loop clients. Servers, one at a time: the
+artifact (padded graph, merging by cost), its packed twin (``bench.mixed.packed_twin``), and with ``--before
+DIR`` the packed twin served by another checkout (``PYTHONPATH`` = DIR: ``git worktree add DIR <commit>``), the
+unpadded limit measured in-process between rounds. Printed per server and client count, medians of ``--rounds``:
+real tokens per second, against the limit (every sentence alone in-process: its tokens over their summed time)
+and against the padded graph, p50/p99 latency, and the share of computed positions (the server's
+``addnorm_batch_positions``, merging's and the client's padding alike) that were not real tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from bench.ab import start
+from bench.loadgen import build_request
+from bench.mixed import REQUESTS, draw, http_load, packed_twin, padding_counts, unpadded_limit
+from bench.server import HOST, ROOT
+from model.artifact import Manifest
+from model.contract import EMBEDDINGS, MASK
+
+
+def batches(e: int, sentences: int, seed: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
+    """REQUESTS sentence lengths in requests of ``sentences``, each padded to its longest: (x, mask) pairs."""
+    lengths, rng = draw(REQUESTS), np.random.default_rng(seed)
+    out = []
+    for first in range(0, len(lengths) - sentences + 1, sentences):
+        own = lengths[first : first + sentences]
+        mask = np.arange(own.max())[None, :] >= own[:, None]  # (N, longest), true = padding
+        x = rng.standard_normal((sentences, int(own.max()), e)).astype(np.float32) * ~mask[..., None]
+        out.append((x, mask))
+    return out
+
+
+def v2_masked(port: int, model: str, x: np.ndarray, mask: np.ndarray) -> bytes:
+    """A V2 binary request with the embeddings and the mask (BOOL, one byte each) as binary data."""
+    inputs = [
+        {"name": name, "shape": list(a.shape), "datatype": kind, "parameters": {"binary_data_size": a.nbytes}}
+        for name, a, kind in ((EMBEDDINGS, x, "FP32"), (MASK, mask, "BOOL"))
+    ]
+    header = json.dumps({"inputs": inputs, "parameters": {"binary_data_output": True}}).encode()
+    return build_request(
+        HOST,
+        port,
+        f"/v2/models/{model}/infer",
+        header + x.tobytes() + mask.tobytes(),
+        {"Inference-Header-Content-Length": str(len(header))},
+    )
+
+
+def measure(
+    artifact: Path, sentences: int, clients: tuple[int, ...], rounds: int, seconds: float, before: Path | None
+) -> dict:
+    """Every server x client count, ``rounds`` times, servers one at a time; per cell the median row."""
+    manifest = Manifest.load(artifact)
+    requests = batches(manifest.config.d_model, sentences)
+    alone = [x[i : i + 1, : int((~m[i]).sum())] for x, m in requests for i in range(sentences)]
+    twin = packed_twin(artifact).resolve()
+    servers = {"padded": (artifact.resolve(), ROOT), "packed": (twin, ROOT)}
+    if before is not None:
+        servers["packed before"] = (twin, before.resolve())
+    cells: dict[str, list[dict]] = {}
+    limits = []
+    for r in range(rounds):
+        limits.append(unpadded_limit(artifact, alone))
+        for name, (served, tree) in servers.items():
+            proc, port, _ = start(tree, served, {})  # served by its own checkout's code
+            try:
+                load = [(int((~m).sum()), v2_masked(port, manifest.name, x, m)) for x, m in requests]
+                for c in clients:
+                    http_load(port, load, c, 1.0)  # warm-up, not counted: the window's positions are its own
+                    counted = padding_counts(port)
+                    result, tokens = http_load(port, load, c, seconds, warmup=0)
+                    computed = sum(padding_counts(port)) - sum(counted)
+                    if result.errors:
+                        raise RuntimeError(f"{name}, {c} clients: {result.errors} errors")
+                    cells.setdefault(f"{name}/{c}", []).append(
+                        {
+                            "tokens_per_s": tokens / result.seconds,
+                            "p50_ms": result.pct(50),
+                            "p99_ms": result.pct(99),
+                            "not_real_share": 1.0 - min(1.0, tokens / max(computed, 1.0)),
+                        }
+                    )
+            finally:
+                proc.terminate()
+                proc.wait(60)
+            print(f"  round {r + 1}: {name} done", file=sys.stderr, flush=True)
+    real = np.array([int((~m).sum()) for _, m in requests])
+    positions = np.array([m.size for _, m in requests])
+    return {
+        "sentences": sentences,
+        "client_padding_share": float(1 - real.sum() / positions.sum()),
+        "unpadded_limit_tokens_per_s": statistics.median(limits),
+        "unpadded_limits": limits,
+        "cells": {k: {f: statistics.median(row[f] for row in v) for f in v[0]} for k, v in cells.items()},
+        "rounds": rounds,
+    }
+
+
+def table(res: dict) -> str:
+    limit = res["unpadded_limit_tokens_per_s"]
+    lines = [
+        f"{res['sentences']} sentences per request, padded to their longest: {res['client_padding_share']:.0%} of "
+        f"the positions sent are padding; the unpadded limit {limit:,.0f} tokens/s (rounds: "
+        f"{', '.join(f'{v:,.0f}' for v in res['unpadded_limits'])})",
+        "",
+        f"{'server':<14} {'clients':>7} {'tokens/s':>10} {'vs limit':>9} {'vs padded':>10} {'p50 ms':>8} "
+        f"{'p99 ms':>8} {'not real':>9}",
+    ]
+    for key, row in res["cells"].items():
+        name, clients = key.split("/")
+        base = res["cells"][f"padded/{clients}"]["tokens_per_s"]
+        lines.append(
+            f"{name:<14} {clients:>7} {row['tokens_per_s']:>10,.0f} {row['tokens_per_s'] / limit:>8.2f}x "
+            f"{row['tokens_per_s'] / base:>9.2f}x {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} "
+            f"{row['not_real_share']:>9.0%}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.batched", description=__doc__.split("\n\n")[0])
+    p.add_argument("--artifact", type=Path, default=Path("artifacts/default"), help="an exported artifact")
+    p.add_argument("--sentences", type=int, default=8, help="sentences per request (default 8)")
+    p.add_argument("--clients", type=int, nargs="+", default=[8, 32], help="client counts (default 8 32)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, medians reported (default 3)")
+    p.add_argument("--seconds", type=float, default=4.0, help="seconds per load (default 4)")
+    p.add_argument("--before", type=Path, help="another checkout: its server on the packed twin too")
+    p.add_argument("--results", type=Path, default=Path("bench/results"), help="where batched.json goes")
+    args = p.parse_args(argv)
+    if not (args.artifact / "manifest.json").exists():
+        p.error(f"{args.artifact} holds no artifact: export one (addnorm-export --out {args.artifact})")
+    res = measure(args.artifact, args.sentences, tuple(args.clients), args.rounds, args.seconds, args.before)
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "batched.json").write_text(json.dumps(res, indent=2) + "\n")
+    print(table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
