@@ -41,9 +41,10 @@ def test_an_engine_failure_answers_a_json_500_and_the_next_request_succeeds(tiny
 
 
 def test_sigterm_drains_requests_in_flight_then_exits_0(tiny_artifact):
-    # A batch of up to 20 rows waits 3 s for company: the four 4-row requests (16 rows) sit queued for those 3 s,
-    # a state the test waits for (runs of a few hundred ms one after another were a transient a poll could miss).
-    srv = start_server(tiny_artifact, "--max-batch-size", "20", "--max-queue-delay-ms", "3000")
+    # A batch of up to 20 rows waits two minutes for company: the four 4-row requests (16 rows) sit queued, a state
+    # the test waits for, however slowly they arrive (a 3 s wait was a window a busy machine could miss). SIGTERM
+    # runs them at once (the batchers drain when shutdown begins): with the wait, they would time out (504 at 30 s).
+    srv = start_server(tiny_artifact, "--max-batch-size", "20", "--max-queue-delay-ms", "120000")
     with srv:
         x = np.random.default_rng(0).standard_normal((4, 2048, 32)).astype("<f4")  # a few hundred ms each
         headers = {"content-type": "application/octet-stream", "x-shape": "4,2048,32",
