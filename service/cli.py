@@ -89,12 +89,22 @@ def _drained(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
-def _drain_batchers() -> None:
-    """Shutdown has begun (SIGTERM): no more requests will come, so what waits in a batcher's queue for company
-    (--max-queue-delay-ms) runs at once instead of after its wait, while uvicorn waits for the requests in flight."""
-    loaded = _SERVING[0].state.addnorm.loaded if _SERVING else None
-    for model in loaded.models if loaded is not None else ():
-        model.batcher.drain()
+def _run(app: typing.Any, **options: typing.Any) -> bool:
+    """uvicorn.run for one process, whose shutdown (SIGTERM) first tells every model's batcher that no more
+    requests will come: what waits for company (--max-queue-delay-ms) runs at once instead of after its wait, while
+    uvicorn waits for the requests in flight. Whether the server started."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: list | None = None) -> None:
+            loaded = app.state.addnorm.loaded
+            for model in loaded.models if loaded is not None else ():
+                model.batcher.drain()
+            await super().shutdown(sockets)
+
+    server = Server(uvicorn.Config(app, **options))
+    server.run()
+    return server.started
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,15 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         HttpConnection.configure(settings)
         app = create_app(settings, exit_on_error=True)
         _SERVING.append(app)
-
-        class Server(uvicorn.Server):  # uvicorn.run's, draining the batchers when shutdown begins
-            async def shutdown(self, sockets: list | None = None) -> None:
-                _drain_batchers()
-                await super().shutdown(sockets)
-
-        server = Server(uvicorn.Config(app, http=HttpConnection, **common))
-        server.run()
-        if not server.started:  # as uvicorn.run: the app did not start (its lifespan said why)
+        started = _run(app, http=HttpConnection, **common)
+        if not started:  # as uvicorn.run: it did not start (the log says why)
             return 3
         if app.state.addnorm.fatal:
             return 1

@@ -75,7 +75,8 @@ def test_unreadable_or_empty_key_file_refuses_to_start(tiny_artifact, tmp_path, 
 def test_start_up_warns_loudly_without_a_key_off_loopback(tiny_artifact, monkeypatch, capsys):
     import uvicorn
 
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)  # stop short of binding
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)  # stop short of binding (--workers > 1)
+    monkeypatch.setattr(cli, "_run", lambda *a, **kw: True)  # and one process's server
 
     def stderr_of(*args: str) -> str:
         assert cli.main(["--model-dir", str(tiny_artifact), *args]) == 0
