@@ -162,7 +162,8 @@ class Engine:
     ) -> dict[str, np.ndarray]:
         """embeddings (B, S, E) batch-first -> every output by name, batch-first float32 (padding included).
         ``lengths`` (B,): how much of each row to compute, for a packed graph (the rest is padding merging added or
-        a request's own trailing padding, answered as zeros); every position when None. A padded graph computes every position anyway."""
+        a request's own trailing padding, answered as zeros); every position when None. A padded graph computes
+        every position anyway."""
         b, s, _ = embeddings.shape
         padded = mask is not None and bool(mask.any())
         working = self.working_bytes(b, s, padded)
