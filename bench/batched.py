@@ -23,11 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from bench.ab import start
-from bench.loadgen import build_request
+from bench.measure import v2_request
 from bench.mixed import REQUESTS, draw, http_load, packed_twin, padding_counts, unpadded_limit
-from bench.server import HOST, ROOT
+from bench.server import ROOT
 from model.artifact import Manifest
-from model.contract import EMBEDDINGS, MASK
 
 
 def batches(e: int, sentences: int, seed: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -42,28 +41,13 @@ def batches(e: int, sentences: int, seed: int = 1) -> list[tuple[np.ndarray, np.
     return out
 
 
-def v2_masked(port: int, model: str, x: np.ndarray, mask: np.ndarray) -> bytes:
-    """A V2 binary request with the embeddings and the mask (BOOL, one byte each) as binary data."""
-    inputs = [
-        {"name": name, "shape": list(a.shape), "datatype": kind, "parameters": {"binary_data_size": a.nbytes}}
-        for name, a, kind in ((EMBEDDINGS, x, "FP32"), (MASK, mask, "BOOL"))
-    ]
-    header = json.dumps({"inputs": inputs, "parameters": {"binary_data_output": True}}).encode()
-    return build_request(
-        HOST,
-        port,
-        f"/v2/models/{model}/infer",
-        header + x.tobytes() + mask.tobytes(),
-        {"Inference-Header-Content-Length": str(len(header))},
-    )
-
-
 def measure(
     artifact: Path, sentences: int, clients: tuple[int, ...], rounds: int, seconds: float, before: Path | None
 ) -> dict:
     """Every server x client count, ``rounds`` times, servers one at a time; per cell the median row."""
     manifest = Manifest.load(artifact)
     requests = batches(manifest.config.d_model, sentences)
+    real = [int((~m).sum()) for _, m in requests]  # each request's real tokens
     alone = [x[i : i + 1, : int((~m[i]).sum())] for x, m in requests for i in range(sentences)]
     twin = packed_twin(artifact).resolve()
     servers = {"padded": (artifact.resolve(), ROOT), "packed": (twin, ROOT)}
@@ -76,7 +60,10 @@ def measure(
         for name, (served, tree) in servers.items():
             proc, port, _ = start(tree, served, {})  # served by its own checkout's code
             try:
-                load = [(int((~m).sum()), v2_masked(port, manifest.name, x, m)) for x, m in requests]
+                load = [
+                    (n, v2_request(port, manifest.name, x, m))
+                    for n, (x, m) in zip(real, requests, strict=True)
+                ]
                 for c in clients:
                     http_load(port, load, c, 1.0)  # warm-up, not counted: the window's positions are its own
                     counted = padding_counts(port)
@@ -96,11 +83,10 @@ def measure(
                 proc.terminate()
                 proc.wait(60)
             print(f"  round {r + 1}: {name} done", file=sys.stderr, flush=True)
-    real = np.array([int((~m).sum()) for _, m in requests])
-    positions = np.array([m.size for _, m in requests])
+    positions = sum(m.size for _, m in requests)
     return {
         "sentences": sentences,
-        "client_padding_share": float(1 - real.sum() / positions.sum()),
+        "client_padding_share": 1 - sum(real) / positions,
         "unpadded_limit_tokens_per_s": statistics.median(limits),
         "unpadded_limits": limits,
         "cells": {k: {f: statistics.median(row[f] for row in v) for f in v[0]} for k, v in cells.items()},

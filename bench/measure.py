@@ -150,25 +150,19 @@ def gemm_roof(e: int, f: int, tokens: int, threads: int, seconds: float) -> floa
     return gemm / (ms / 1e3) / 1e9
 
 
-def v2_request(port: int, model: str, x: np.ndarray) -> bytes:
-    header = json.dumps(
-        {
-            "inputs": [
-                {
-                    "name": EMBEDDINGS,
-                    "shape": list(x.shape),
-                    "datatype": "FP32",
-                    "parameters": {"binary_data_size": x.nbytes},
-                }
-            ],
-            "parameters": {"binary_data_output": True},
-        }
-    ).encode()
+def v2_request(port: int, model: str, x: np.ndarray, mask: np.ndarray | None = None) -> bytes:
+    """A V2 binary request: the embeddings, and the mask if given (BOOL, a byte each), as binary data."""
+    tensors = [(EMBEDDINGS, x, "FP32")] + ([] if mask is None else [(MASK, mask, "BOOL")])
+    inputs = [
+        {"name": name, "shape": list(a.shape), "datatype": kind, "parameters": {"binary_data_size": a.nbytes}}
+        for name, a, kind in tensors
+    ]
+    header = json.dumps({"inputs": inputs, "parameters": {"binary_data_output": True}}).encode()
     return build_request(
         HOST,
         port,
         f"/v2/models/{model}/infer",
-        header + x.tobytes(),
+        header + b"".join(a.tobytes() for _, a, _ in tensors),
         {"Inference-Header-Content-Length": str(len(header))},
     )
 

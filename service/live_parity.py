@@ -207,9 +207,10 @@ class LiveParity:
         # a packed graph does not compute a row's trailing padding (model/packing.py): it answers zeros there
         if config.packed and s.mask is not None:
             beyond = np.arange(s.mask.shape[1]) >= real_lengths(np.asarray(s.mask, bool))[:, None]
-            for out in (*x64.items(), *x32.items(), *scheme.items()):
-                if positional(out[0]):
-                    out[1][beyond] = 0.0
+            for outputs in (x64, x32, scheme):
+                for name, out in outputs.items():
+                    if positional(name):
+                        out[beyond] = 0.0
         tol = Tolerance(**manifest.parity["tolerance"])
         real = None if s.mask is None else ~np.asarray(s.mask, bool)  # a lossy answer: its real tokens
         # A lossy answer is judged on its implementation (the graph computes its scheme): its quality against fp32

@@ -198,7 +198,7 @@ def test_client_batched_requests_are_padded_right_and_answered_and_the_table_rea
         assert x.shape == (8, own.max(), 32) and (mask == (np.arange(own.max()) >= own[:, None])).all()
         assert not x[mask].any() and x[~mask].all()
     with start_server(tiny_artifact) as srv:
-        load = [(int((~m).sum()), batched.v2_masked(srv.port, "encoder", x, m)) for x, m in requests[:3]]
+        load = [(int((~m).sum()), v2_request(srv.port, "encoder", x, m)) for x, m in requests[:3]]
         result, tokens = mixed.http_load(srv.port, load, 2, 0.5, warmup=0)
     assert result.requests > 0 and result.errors == 0
     real = sorted(t for t, _ in load)
