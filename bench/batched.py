@@ -5,7 +5,7 @@ tokenizer's ``padding=True``: padding on the right). Here each request is ``--se
 are drawn like real text (``bench.mixed.draw``), ``[N, longest, E]`` with the mask ``[N, longest]`` as a BOOL
 input over V2 binary (HTTP), from each ``--clients`` count of closed-loop clients. Servers, one at a time: the
 artifact (padded graph, merging by cost), its packed twin (``bench.mixed.packed_twin``), and with ``--before
-DIR`` the packed twin served by another checkout (``PYTHONPATH`` = DIR: ``git worktree add DIR <commit>``), the
+DIR`` the artifact served by another checkout (``PYTHONPATH`` = DIR: ``git worktree add DIR <commit>``), the
 unpadded limit measured in-process between rounds. Printed per server and client count, medians of ``--rounds``:
 real tokens per second, against the limit (every sentence alone in-process: its tokens over their summed time)
 and against the padded graph, p50/p99 latency, and the share of computed positions (the server's
@@ -52,7 +52,7 @@ def measure(
     twin = packed_twin(artifact).resolve()
     servers = {"padded": (artifact.resolve(), ROOT), "packed": (twin, ROOT)}
     if before is not None:
-        servers["packed before"] = (twin, before.resolve())
+        servers["padded before"] = (artifact.resolve(), before.resolve())
     cells: dict[str, list[dict]] = {}
     limits = []
     for r in range(rounds):
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, nargs="+", default=[8, 32], help="client counts (default 8 32)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, medians reported (default 3)")
     p.add_argument("--seconds", type=float, default=4.0, help="seconds per load (default 4)")
-    p.add_argument("--before", type=Path, help="another checkout: its server on the packed twin too")
+    p.add_argument("--before", type=Path, help="another checkout: its server on the artifact too")
     p.add_argument("--results", type=Path, default=Path("bench/results"), help="where batched.json goes")
     args = p.parse_args(argv)
     if not (args.artifact / "manifest.json").exists():

@@ -23,6 +23,7 @@ from bench.loadgen import build_request
 from bench.server import HOST, serve
 from model.artifact import Manifest
 from model.contract import EMBEDDINGS, ENCODED, MASK
+from model.packing import answered
 
 ATOL, RTOL = 1e-4, 1e-3  # batching pads and merges: equal to an unbatched run within float32 reordering
 
@@ -94,7 +95,7 @@ def make_probes(
         if i % 3 == 0 and s > 1:
             mask = np.zeros((b, s), bool)
             mask[:, s - int(rng.integers(1, s)) :] = True
-        want = engine.run(x, mask)[ENCODED]
+        want = answered(engine.run(x, mask)[ENCODED], mask)  # a row's trailing padding answers zeros
         kind = ("v1-json", "v1-binary", "v2-json", "v2-binary")[i % 4]
         if kind == "v1-json":
             doc = {EMBEDDINGS: x.tolist(), **({MASK: mask.tolist()} if mask is not None else {})}
@@ -110,7 +111,7 @@ def make_probes(
             if mask is not None:
                 headers["X-Lengths"] = ",".join(str(int((~m).sum())) for m in mask)
                 mask = np.arange(s)[None, :] >= (~mask).sum(1)[:, None]
-                want = engine.run(x, mask)[ENCODED]
+                want = answered(engine.run(x, mask)[ENCODED], mask)
             req = build_request(HOST, port, "/v1/encode", x.tobytes(), headers)
         elif kind == "v2-json":
             inputs = [
@@ -300,17 +301,19 @@ def burst(
     padded: bool = False,
 ) -> dict:
     """Resident memory before, at the peak of, and after ``n`` concurrent [1, seq, d_model] requests (``padded``:
-    each with its last position masked, which makes every attention form hold its seq x seq tensors)."""
-    e = Manifest.load(artifact).config.d_model
-    x = np.random.default_rng(0).standard_normal((1, seq, e)).astype("<f4")
-    headers = {
-        "Content-Type": "application/octet-stream",
-        "X-Shape": f"1,{seq},{e}",
-        "Accept": "application/octet-stream",
-        **({"X-Lengths": str(seq - 1)} if padded else {}),
-    }
+    each over V2 with its first position masked, which makes every attention form hold its seq x seq tensors; a
+    row's trailing padding would be cut off, never computed)."""
+    manifest = Manifest.load(artifact)
+    x = np.random.default_rng(0).standard_normal((1, seq, manifest.config.d_model)).astype("<f4")
+    headers = {"Content-Type": "application/octet-stream", "X-Shape": ",".join(map(str, x.shape))}
     with serve(artifact, "--request-timeout-s", "600", *flags) as srv:
-        pid, request = srv.proc.pid, build_request(HOST, srv.port, "/v1/encode", x.tobytes(), headers)
+        pid = srv.proc.pid
+        if padded:
+            request = _v2_binary(srv.port, manifest.name, x, np.arange(seq)[None, :] == 0)
+        else:
+            request = build_request(
+                HOST, srv.port, "/v1/encode", x.tobytes(), {**headers, "Accept": "application/octet-stream"}
+            )
         out = {"before_mb": proc_rss_mb(pid), "statuses": Counter()}
         peak = out["before_mb"]
 

@@ -10,7 +10,9 @@ concatenated, flat, and where each sequence starts (``offsets``, in elements) an
 Everything else speaks padded batches: the engine, the gate, the golden check. ``feed`` turns one into a packed
 graph's inputs, each row computed to its own length (``lengths``; the whole row by default, which is what makes
 a packed graph's answers comparable position by position with torch's on the same padded batch). The server
-computes each row to ``real_lengths``: neither the padding merging adds nor a request's own trailing padding.
+computes each row to ``real_lengths``: neither the padding merging adds nor a request's own trailing padding. On a
+padded graph it does so by queueing a request's rows cut to their real lengths (``pieces``, ``joined``); either way
+those positions answer zeros (``answered``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from model.contract import EMBEDDINGS, LONGEST, MASK, OFFSETS
+from model.contract import EMBEDDINGS, LONGEST, MASK, OFFSETS, positional
 
 
 def feed(x: np.ndarray, mask: np.ndarray, lengths: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -65,3 +67,42 @@ class PaddedFeeds:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.session, name)
+
+
+Piece = tuple[int, int, int]  # rows [first, end) of a request, all of one real length
+
+
+def pieces(mask: np.ndarray) -> list[Piece] | None:
+    """A padded request (``mask`` (B, S)) cut where its rows' real lengths change, each piece to its length: what a
+    padded graph computes of it, queued apart (the batcher regroups rows of near lengths by cost). None when no
+    row has trailing padding."""
+    lengths = real_lengths(mask)
+    if bool((lengths == mask.shape[1]).all()):
+        return None
+    cuts = [0, *(np.flatnonzero(np.diff(lengths)) + 1).tolist(), len(lengths)]
+    return [(a, b, int(lengths[a])) for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
+def joined(
+    rows: int, seq: int, parts: list[Piece], answers: list[dict[str, np.ndarray]]
+) -> dict[str, np.ndarray]:
+    """The answer to a request of ``rows`` x ``seq`` from its ``pieces``' answers: zeros beyond each row's length."""
+    out = {}
+    for name, first in answers[0].items():
+        if positional(name):
+            out[name] = np.zeros((rows, seq, *first.shape[2:]), first.dtype)
+            for (a, b, n), answer in zip(parts, answers, strict=True):
+                out[name][a:b, :n] = answer[name]
+        else:
+            out[name] = np.concatenate([answer[name] for answer in answers])
+    return out
+
+
+def answered(out: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """A positional output (B, S, ...) of a padded run as the server answers it (a copy): zeros beyond each row's
+    real length, the trailing padding no graph computes there (``pieces``, ``feed``)."""
+    if mask is None:
+        return out
+    out = np.array(out)
+    out[np.arange(mask.shape[1]) >= real_lengths(np.asarray(mask, bool))[:, None]] = 0
+    return out

@@ -2,8 +2,7 @@
 
 One dedicated inference thread takes requests from a bounded queue, merges them along the batch dimension (which
 requests, within which limits, padded and cut how: service/merging.py), runs the batch and hands each request its
-own rows on the event loop. The thread takes its next batch the moment a run ends, without
-waiting for the event loop. With the default ``max_queue_delay_ms=0`` a batch is whatever queued up while the
+own rows on the event loop. The thread takes its next batch the moment a run ends, without waiting for the loop. With the default ``max_queue_delay_ms=0`` a batch is whatever queued up while the
 previous one ran (no request waits for company while the model is idle); a positive delay waits that long for
 more. ``max_batch_size=1`` turns merging off.
 """
@@ -22,6 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
+from model import packing
 from service import merging
 from service.cores import CoreBudget
 from service.errors import InferenceFailed, Overloaded, ServiceError, ShuttingDown, TimedOut
@@ -41,10 +41,7 @@ class Model(Protocol):
 
 
 class Batcher:
-    """``await batcher.infer(x, mask)`` -> ({output name: its rows}, timings).
-
-    Start with ``start()``, stop with ``stop()``.
-    """
+    """``await batcher.infer(x, mask)`` -> ({output name: its rows}, timings). ``start()``, then ``stop()``."""
 
     def __init__(
         self,
@@ -68,9 +65,7 @@ class Batcher:
         # its cost model (merging.measure_costs), of the layout the model has
         self.costs = dataclasses.replace(costs or merging.Costs(), packed=self.packed)
         self.cores = cores  # the server's CPU thread budget: each run holds the model's threads of it
-        self._threads = getattr(
-            model, "threads", cores.threads if cores else 1
-        )  # its session's intra-op pool
+        self._threads = getattr(model, "threads", cores.threads if cores else 1)  # its intra-op pool
         self.limits = merging.Limits(max_batch_size, max_batch_tokens, max_batch_attention, heads, attention)
         self.max_delay = max_queue_delay_ms / 1000.0
         self.max_queue_size = max_queue_size
@@ -78,6 +73,7 @@ class Batcher:
         self.observer = observer
         self._queue: collections.deque[Request] = collections.deque()
         self._queued_bytes = 0
+        self.depth = 0  # requests queued: one is until the last of its pieces leaves
         # The queue is shared by the event loop (adding) and the inference thread (taking): both under this lock.
         self._ready = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -111,21 +107,21 @@ class Batcher:
             self._ready.notify_all()
 
     def _pop(self) -> Request:
-        item = self._queue.popleft()
-        self._queued_bytes -= item.x.nbytes
+        self._left([item := self._queue.popleft()])
         return item
 
-    def attention_cost(self, rows: int, seq: int, padded: bool) -> int:
-        return self.limits.attention_cost(rows, seq, padded)
-
-    @property
-    def depth(self) -> int:
-        return len(self._queue)
+    def _left(self, items: list[Request]) -> None:
+        for item in items:
+            self._queued_bytes -= item.x.nbytes
+            item.queued[0] -= 1
+            self.depth -= item.queued[0] == 0
 
     async def infer(
         self, x: np.ndarray, mask: np.ndarray | None, timeout: float | None = None
     ) -> tuple[Outputs, Timings]:
-        """Queue one (b, s, E) request and wait for its rows of every output.
+        """Queue one (b, s, E) request and wait for its rows of every output. A row's trailing padding is never
+        computed (it answers zeros): a packed graph skips it, and on a padded one the request is queued as pieces
+        cut to their rows' real lengths (``packing.pieces``), merged like requests.
 
         Raises Overloaded, TimedOut, ShuttingDown or InferenceFailed.
         """
@@ -136,32 +132,37 @@ class Batcher:
         padded = mask is not None and bool(mask.any())
         self.limits.check(x.shape[0], x.shape[1], padded)
         loop = asyncio.get_running_loop()
-        item = Request(x, mask, loop.create_future(), padded=padded)
-        if timeout is not None:  # the thread skips it once due, even before the loop runs its timer
-            item.deadline = item.enqueued + timeout
+        parts = packing.pieces(mask) if padded and not self.packed else None
+        cuts = [(x, mask)] if parts is None else [(x[a:b, :n], mask[a:b, :n]) for a, b, n in parts]
+        items = [Request(px, pm, loop.create_future(), padded=padded and bool(pm.any())) for px, pm in cuts]
+        size = sum(item.x.nbytes for item in items)
         with self._ready:
-            if len(self._queue) >= self.max_queue_size:
-                raise Overloaded(
-                    f"server is at capacity ({self.max_queue_size} requests queued); retry shortly"
-                )
-            if self.max_queue_bytes is not None and self._queued_bytes + x.nbytes > self.max_queue_bytes:
-                raise Overloaded(
-                    f"server is at capacity ({self._queued_bytes} bytes of requests queued, limit "
-                    f"{self.max_queue_bytes}: ADDNORM_MAX_QUEUE_BYTES); retry shortly"
-                )
-            self._queue.append(item)
-            self._queued_bytes += x.nbytes
+            if self.depth >= self.max_queue_size:
+                raise Overloaded.by(f"{self.max_queue_size} requests queued")
+            if self.max_queue_bytes is not None and self._queued_bytes + size > self.max_queue_bytes:
+                limit = f"limit {self.max_queue_bytes}: ADDNORM_MAX_QUEUE_BYTES"
+                raise Overloaded.by(f"{self._queued_bytes} bytes of requests queued, {limit}")
+            for item in items:  # the thread skips one once due, even before the loop runs its timer
+                item.deadline = None if timeout is None else item.enqueued + timeout
+                item.queued = items[0].queued  # one count, of its pieces still queued
+            items[0].queued[0] = len(items)
+            self._queue.extend(items)
+            self._queued_bytes += size
+            self.depth += 1
             self._ready.notify()
         # A timer instead of asyncio.wait_for: no extra task per request. Timing out before the run makes the
-        # inference thread skip the item; during the run, its rows are dropped. If the awaiting task is cancelled
-        # (the client went away), awaiting the future directly cancels it too, so it is skipped the same way.
-        timer = None if timeout is None else loop.call_later(timeout, _expire, item, timeout)
+        # inference thread skip the items; during the run, their rows are dropped. If the awaiting task is cancelled
+        # (the client went away) or a piece fails, the others are cancelled too, so they are skipped the same way.
+        timer = None if timeout is None else loop.call_later(timeout, _expire, items, timeout)
         try:
-            result = await item.future
+            answers = [await item.future for item in items]
         finally:
             if timer is not None:
                 timer.cancel()
-        return result, item.timings
+            for item in items:
+                item.future.cancel()  # none if all were answered
+        timings = max((i.timings for i in items), key=lambda t: t.queue_s + t.infer_s)
+        return (answers[0] if parts is None else packing.joined(*x.shape[:2], parts, answers)), timings
 
     # --- the inference thread ---
 
@@ -208,10 +209,10 @@ class Batcher:
                 item.timings.infer_s = ran - merged
                 item.timings.batch_rows = x.shape[0]
             rows = merging.split(batch, out)
-            requested = sum(item.tokens if self.packed else item.rows * item.seq for item in batch)
+            requested = sum(item.tokens for item in batch)  # a piece of a padded graph is its tokens
             run = Run(
                 rows=x.shape[0],
-                requests=len(batch),
+                requests=len({id(item.queued) for item in batch}),
                 seconds=ran - merged,
                 merge_s=merged - started,
                 split_s=time.perf_counter() - ran,
@@ -281,7 +282,7 @@ class Batcher:
             if chosen:
                 taken = {id(i) for i in chosen}
                 self._queue = collections.deque(i for i in self._queue if id(i) not in taken)
-                self._queued_bytes -= sum(i.x.nbytes for i in chosen)
+                self._left(chosen)
             return [head, *chosen]
 
 
@@ -289,8 +290,8 @@ def _timed_out(timeout: float) -> TimedOut:
     return TimedOut(f"request not answered within {timeout:g} s (ADDNORM_REQUEST_TIMEOUT_S)")
 
 
-def _expire(item: Request, timeout: float) -> None:
-    _fail([item], _timed_out(timeout))
+def _expire(items: list[Request], timeout: float) -> None:
+    _fail(items, _timed_out(timeout))
 
 
 def _fail(batch: list[Request], exc: Exception) -> None:

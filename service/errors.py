@@ -75,9 +75,13 @@ class NotAcceptable(ServiceError):
 
 
 class Overloaded(ServiceError):
-    """The queue is full."""
+    """The queue is full: ``Overloaded.by(what)`` says by what."""
 
     retry_after = 1
+
+    @classmethod
+    def by(cls, what: str) -> Overloaded:
+        return cls(f"server is at capacity ({what}); retry shortly")
 
 
 class NotReady(ServiceError):

@@ -33,7 +33,7 @@ import numpy as np
 from model import reference, schemes
 from model.artifact import Manifest, read_weights
 from model.contract import positional
-from model.packing import real_lengths
+from model.packing import answered
 from model.verdict import Tolerance, compare
 from service import engine, logs
 
@@ -204,13 +204,9 @@ class LiveParity:
             scheme = {}
             if w.scheme_weights is not None:
                 scheme = reference.outputs(config, w.scheme_weights, s.embeddings, s.mask, w.scheme)
-        # a packed graph does not compute a row's trailing padding (model/packing.py): it answers zeros there
-        if config.packed and s.mask is not None:
-            beyond = np.arange(s.mask.shape[1]) >= real_lengths(np.asarray(s.mask, bool))[:, None]
-            for outputs in (x64, x32, scheme):
-                for name, out in outputs.items():
-                    if positional(name):
-                        out[beyond] = 0.0
+        # no graph computes a row's trailing padding (service/batcher.py): it answers zeros there
+        for outputs in (x64, x32, scheme):
+            outputs.update({k: answered(v, s.mask) for k, v in outputs.items() if positional(k)})
         tol = Tolerance(**manifest.parity["tolerance"])
         real = None if s.mask is None else ~np.asarray(s.mask, bool)  # a lossy answer: its real tokens
         # A lossy answer is judged on its implementation (the graph computes its scheme): its quality against fp32

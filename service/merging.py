@@ -1,5 +1,5 @@
-"""What one run of the batcher takes: which queued requests (``--merge-lengths``), within which limits
-(``Limits``), stacked padded into one batch (``stack``) and cut back into each request's rows (``split``).
+"""What one run of the batcher takes: which queued requests (``--merge-lengths``), within which limits (``Limits``),
+stacked padded into one batch (``stack``) and cut back into each request's rows (``split``).
 
 A merged run pads every request to its longest, and the weight products, feed-forward layers and norms then run
 on the padding too (with lengths spread like real text, merging whatever fits left two thirds of the computed
@@ -89,6 +89,7 @@ class Request:
     timings: Timings = field(default_factory=Timings)
     deadline: float | None = None  # ``time.perf_counter()`` past which it is not run
     solo: bool = field(init=False)  # it must run alone
+    queued: list[int] = field(default_factory=lambda: [1])  # of its request's pieces, how many are queued
 
     @property
     def rows(self) -> int:
@@ -113,9 +114,8 @@ class Request:
         return self.future.done() or (self.deadline is not None and now >= self.deadline)
 
     def __post_init__(self) -> None:
-        # A row that is all padding attends uniformly over its padding, so its (defined, meaningless) output
-        # depends on the padded length: such a request runs alone so that batching never changes its answer.
-        # Computed once: the scheduler asks for every item it considers, and for the batch's first each time.
+        # A row that is all padding attends uniformly over its padding, so its (defined, meaningless) output depends
+        # on the padded length: it runs alone so that batching never changes its answer (computed once: it is asked often).
         self.solo = self.padded and bool(self.mask.all(axis=1).any())
 
 

@@ -62,8 +62,8 @@ class Metrics:
         )
         self.positions = Counter(
             "addnorm_batch_positions",
-            "sequence positions computed by model runs: kind=requested (the requests' own, their padding "
-            "included; a packed graph computes no trailing padding) or kind=padding (added to merge requests of "
+            "sequence positions computed by model runs: kind=requested (the requests' own, less each row's "
+            "trailing padding, which is never computed) or kind=padding (added to merge requests of "
             "different lengths; none on a packed graph)",
             ["model", "kind"],
             registry=r,

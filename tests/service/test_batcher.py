@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+from model.packing import answered
 from service import merging
 from service.batcher import Batcher
 from service.engine import Engine
@@ -73,7 +74,8 @@ def test_concurrent_requests_are_merged_and_each_gets_its_own_rows(engine):
     for (x, m), (out, timings) in zip(reqs, results, strict=True):
         alone = engine.run(x, m)
         assert out.keys() == alone.keys() and out["encoded"].shape == x.shape
-        np.testing.assert_allclose(out["encoded"], alone["encoded"], atol=FP32_ATOL, rtol=FP32_RTOL)
+        want = answered(alone["encoded"], m)  # its own trailing padding answers zeros
+        np.testing.assert_allclose(out["encoded"], want, atol=FP32_ATOL, rtol=FP32_RTOL)
         assert out["encoded"].flags.c_contiguous  # regression: a strided view made orjson fail (a 500 in /v1)
         assert timings.infer_s > 0
 
@@ -312,7 +314,7 @@ def test_attention_budget_follows_the_attention_forms_working_set(engine):
     heads = 4
     long = np.zeros((1, 64, 32), np.float32)
     padded = np.ones((1, 64), bool)
-    padded[0, :10] = False
+    padded[0, -10:] = False  # padded on the left: computed whole (a row's trailing padding would be cut off)
 
     async def main():
         batcher = Batcher(model, max_batch_size=64, max_batch_tokens=10_000, max_queue_delay_ms=50,
@@ -328,7 +330,7 @@ def test_attention_budget_follows_the_attention_forms_working_set(engine):
             await batcher.infer(np.zeros((2, 64, 32), np.float32), np.tile(padded, (2, 1)))
         await batcher.stop()
         decomposed = Batcher(model, max_batch_attention=heads * 64 * 64, heads=heads)
-        assert decomposed.attention_cost(1, 64, False) == 3 * heads * 64 * 64
+        assert decomposed.limits.attention_cost(1, 64, False) == 3 * heads * 64 * 64
 
     run(main())
     # three unpadded runs merge into one; each padded one runs alone (one score tensor fills the budget)
@@ -489,10 +491,10 @@ def test_merge_by_cost_groups_requests_of_near_lengths(engine):
     xs = [rng.standard_normal((1, n, 32)).astype(np.float32) for n in lengths]
     masks = [None] * len(xs)
     masks[2] = np.zeros((1, 38), bool)
-    masks[2][0, 30:] = True  # its own padding merges like any request's
+    masks[2][0, 30:] = True  # its trailing padding is never computed: it queues as a 30-long request
     for merge, want, requested in (
-        ("cost", [(1, 1, 32), (4, 40, 32), (3, 5, 32)], [1, 40 + 38 + 40 + 39, 3 + 4 + 5]),
-        ("pad", [(1, 1, 32), (7, 40, 32)], [1, sum(lengths)]),
+        ("cost", [(1, 1, 32), (3, 40, 32), (3, 5, 32), (1, 30, 32)], [1, 40 + 40 + 39, 3 + 4 + 5, 30]),
+        ("pad", [(1, 1, 32), (7, 40, 32)], [1, sum(lengths) - 8]),
     ):
         model, observer = Recorder(engine, threading.Event()), RunLog()
         answers = _queued_then_released(
@@ -505,9 +507,8 @@ def test_merge_by_cost_groups_requests_of_near_lengths(engine):
             (b * s, n) for (b, s, _), n in zip(want, requested, strict=True)
         ]
         for x, m, out in zip(xs, masks, answers, strict=True):
-            np.testing.assert_allclose(
-                out["encoded"], engine.run(x, m)["encoded"], atol=FP32_ATOL, rtol=FP32_RTOL
-            )
+            want = answered(engine.run(x, m)["encoded"], m)
+            np.testing.assert_allclose(out["encoded"], want, atol=FP32_ATOL, rtol=FP32_RTOL)
 
 
 def test_merge_by_cost_weighs_padding_against_the_fixed_cost(engine):

@@ -17,6 +17,7 @@ from tritonclient.grpc import service_pb2_grpc as triton_grpc
 from tritonclient.utils import InferenceServerException
 
 from bench.server import free_port
+from model.packing import answered
 from service.guard import Guard
 from service.protocols import MODEL_PREFIXES, PUBLIC_PATHS
 from service.protocols.v2 import grpc_server
@@ -37,10 +38,11 @@ def client(repo_server):
 
 
 def reference(model_dir: Path, x: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
-    """In-process onnxruntime on the artifact's graph: what every answer must equal."""
+    """In-process onnxruntime on the artifact's graph: what every answer must equal (zeros where a row's trailing
+    padding is, which the server does not compute)."""
     sess = ort.InferenceSession(str(model_dir / "model.onnx"), providers=["CPUExecutionProvider"])
     feeds = {"embeddings": x, "mask": np.zeros(x.shape[:2], bool) if mask is None else mask}
-    return sess.run(["encoded"], feeds)[0]
+    return answered(sess.run(["encoded"], feeds)[0], mask)
 
 
 def _input(x: np.ndarray, name: str = "embeddings", datatype: str = "FP32") -> tg.InferInput:
