@@ -1,8 +1,9 @@
 """python -m bench.batched: requests as a client's tokenizer batches them, against the unpadded limit.
 
 A client that embeds its documents N at a time sends each batch padded to its longest sentence with a mask (a
-tokenizer's ``padding=True``: padding on the right). Here each request is ``--sentences`` sentences whose lengths
-are drawn like real text (``bench.mixed.draw``), ``[N, longest, E]`` with the mask ``[N, longest]`` as a BOOL
+tokenizer's ``padding=True``: padding on the right), or to a fixed length (``padding="max_length"``, ``--pad-to``:
+what clients of servers that batch only equal shapes do). Here each request is ``--sentences`` sentences whose
+lengths are drawn like real text (``bench.mixed.draw``), ``[N, longest, E]`` with the mask ``[N, longest]`` as a BOOL
 input over V2 binary (HTTP), from each ``--clients`` count of closed-loop clients. Servers, one at a time: the
 artifact (padded graph, merging by cost), its packed twin (``bench.mixed.packed_twin``), and with ``--before
 DIR`` the artifact served by another checkout (``PYTHONPATH`` = DIR: ``git worktree add DIR <commit>``), the
@@ -29,24 +30,36 @@ from bench.server import ROOT
 from model.artifact import Manifest
 
 
-def batches(e: int, sentences: int, seed: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
-    """REQUESTS sentence lengths in requests of ``sentences``, each padded to its longest: (x, mask) pairs."""
+def batches(
+    e: int, sentences: int, seed: int = 1, pad_to: int | None = None
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """REQUESTS sentence lengths in requests of ``sentences``, each padded to its longest (or to ``pad_to``, the
+    longer ones cut to it, as a tokenizer's truncation does): (x, mask) pairs."""
     lengths, rng = draw(REQUESTS), np.random.default_rng(seed)
+    if pad_to is not None:
+        lengths = np.minimum(lengths, pad_to)
     out = []
     for first in range(0, len(lengths) - sentences + 1, sentences):
         own = lengths[first : first + sentences]
-        mask = np.arange(own.max())[None, :] >= own[:, None]  # (N, longest), true = padding
-        x = rng.standard_normal((sentences, int(own.max()), e)).astype(np.float32) * ~mask[..., None]
+        seq = int(own.max()) if pad_to is None else pad_to
+        mask = np.arange(seq)[None, :] >= own[:, None]  # (N, seq), true = padding
+        x = rng.standard_normal((sentences, seq, e)).astype(np.float32) * ~mask[..., None]
         out.append((x, mask))
     return out
 
 
 def measure(
-    artifact: Path, sentences: int, clients: tuple[int, ...], rounds: int, seconds: float, before: Path | None
+    artifact: Path,
+    sentences: int,
+    clients: tuple[int, ...],
+    rounds: int,
+    seconds: float,
+    before: Path | None,
+    pad_to: int | None = None,
 ) -> dict:
     """Every server x client count, ``rounds`` times, servers one at a time; per cell the median row."""
     manifest = Manifest.load(artifact)
-    requests = batches(manifest.config.d_model, sentences)
+    requests = batches(manifest.config.d_model, sentences, pad_to=pad_to)
     real = [int((~m).sum()) for _, m in requests]  # each request's real tokens
     alone = [x[i : i + 1, : int((~m[i]).sum())] for x, m in requests for i in range(sentences)]
     twin = packed_twin(artifact).resolve()
@@ -86,6 +99,7 @@ def measure(
     positions = sum(m.size for _, m in requests)
     return {
         "sentences": sentences,
+        "pad_to": pad_to,
         "client_padding_share": 1 - sum(real) / positions,
         "unpadded_limit_tokens_per_s": statistics.median(limits),
         "unpadded_limits": limits,
@@ -97,7 +111,7 @@ def measure(
 def table(res: dict) -> str:
     limit = res["unpadded_limit_tokens_per_s"]
     lines = [
-        f"{res['sentences']} sentences per request, padded to their longest: {res['client_padding_share']:.0%} of "
+        f"{res['sentences']} sentences per request, padded to {_padded_to(res)}: {res['client_padding_share']:.0%} of "
         f"the positions sent are padding; the unpadded limit {limit:,.0f} tokens/s (rounds: "
         f"{', '.join(f'{v:,.0f}' for v in res['unpadded_limits'])})",
         "",
@@ -115,10 +129,19 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _padded_to(res: dict) -> str:
+    return "their longest" if res.get("pad_to") is None else f"{res['pad_to']} positions"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.batched", description=__doc__.split("\n\n")[0])
     p.add_argument("--artifact", type=Path, default=Path("artifacts/default"), help="an exported artifact")
     p.add_argument("--sentences", type=int, default=8, help="sentences per request (default 8)")
+    p.add_argument(
+        "--pad-to",
+        type=int,
+        help="pad every request to this many positions (default: to its longest sentence)",
+    )
     p.add_argument("--clients", type=int, nargs="+", default=[8, 32], help="client counts (default 8 32)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, medians reported (default 3)")
     p.add_argument("--seconds", type=float, default=4.0, help="seconds per load (default 4)")
@@ -127,7 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not (args.artifact / "manifest.json").exists():
         p.error(f"{args.artifact} holds no artifact: export one (addnorm-export --out {args.artifact})")
-    res = measure(args.artifact, args.sentences, tuple(args.clients), args.rounds, args.seconds, args.before)
+    if args.pad_to is not None and args.pad_to < 1:
+        p.error("--pad-to must be at least 1")
+    res = measure(
+        args.artifact,
+        args.sentences,
+        tuple(args.clients),
+        args.rounds,
+        args.seconds,
+        args.before,
+        args.pad_to,
+    )
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "batched.json").write_text(json.dumps(res, indent=2) + "\n")
     print(table(res))

@@ -212,7 +212,13 @@ def test_client_batched_requests_are_padded_right_and_answered_and_the_table_rea
         "cells": {"padded/32": row, "packed/32": {**row, "tokens_per_s": 1100.0, "not_real_share": 0.0}},
     }
     text = batched.table(res)
-    assert "60% of the positions sent are padding" in text
+    assert "padded to their longest: 60% of the positions sent are padding" in text
+    assert "padded to 256 positions: 60%" in batched.table({**res, "pad_to": 256})
+    fixed = batched.batches(
+        32, 2, pad_to=40
+    )  # a tokenizer's max_length: every request 40 long, longer ones cut
+    assert {x.shape for x, _ in fixed} == {(2, 40, 32)} and all(not x[m].any() for x, m in fixed)
+    assert max(int((~m).sum(axis=1).max()) for _, m in fixed) == 40
     assert "packed              32      1,100     1.10x      2.20x" in text
 
 
