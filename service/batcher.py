@@ -121,20 +121,19 @@ class Batcher:
     ) -> tuple[Outputs, Timings]:
         """Queue one (b, s, E) request and wait for its rows of every output. A row's trailing padding is never
         computed (it answers zeros): a packed graph skips it, and on a padded one the request is queued as pieces
-        cut to their rows' real lengths (``packing.pieces``), merged like requests.
-
-        Raises Overloaded, TimedOut, ShuttingDown or InferenceFailed.
-        """
+        cut to their rows' real lengths (``packing.pieces``), merged like requests, each within the attention budget.
+        Raises TooLarge, Overloaded, TimedOut, ShuttingDown or InferenceFailed."""
         if self._closed:
             raise ShuttingDown("server is shutting down")
         if timeout is not None and timeout <= 0:  # its deadline passed before it reached the queue
             raise _timed_out(timeout)
         padded = mask is not None and bool(mask.any())
-        self.limits.check(x.shape[0], x.shape[1], padded)
         loop = asyncio.get_running_loop()
         parts = packing.pieces(mask) if padded and not self.packed else None
         cuts = [(x, mask)] if parts is None else [(x[a:b, :n], mask[a:b, :n]) for a, b, n in parts]
         items = [Request(px, pm, loop.create_future(), padded=padded and bool(pm.any())) for px, pm in cuts]
+        for item in items:  # what runs: each piece alone must fit
+            self.limits.check(item.rows, item.seq, item.padded)
         size = sum(item.x.nbytes for item in items)
         with self._ready:
             if self.depth >= self.max_queue_size:

@@ -147,7 +147,7 @@ class Limits:
         cost = self.attention_cost(rows, seq, padded)
         if self.max_batch_attention is not None and cost > self.max_batch_attention:
             raise TooLarge(
-                f"a [{rows}, {seq}] request needs an attention working set of {cost} elements "
+                f"a [{rows}, {seq}] request (less trailing padding) needs an attention working set of {cost} elements "
                 f"(batch x heads x seq^2 x {self.attention} attention's copies), above this server's limit of "
                 f"{self.max_batch_attention} "
                 "(ADDNORM_MAX_BATCH_ATTENTION); send fewer or shorter sequences"

@@ -10,13 +10,14 @@ import threading
 import numpy as np
 import pytest
 
+from model.attention import score_elements
 from model.config import EncoderConfig
 from model.packing import real_lengths
 from model.verdict import float32_floor
 from service import merging
 from service.batcher import Batcher
 from service.engine import Engine
-from service.errors import Overloaded, TimedOut
+from service.errors import Overloaded, TimedOut, TooLarge
 from tests.conftest import SMALL, export_to, start_server
 
 PACKED = dataclasses.replace(SMALL, num_layers=2, pooling="mean", activation="gelu", packed=True)
@@ -249,6 +250,27 @@ def test_a_piece_that_times_out_fails_its_request_and_no_other_piece_runs(artifa
 
     assert asyncio.run(main()) == 0
     assert model.shapes == [(1, 1), (1, 6)]
+
+
+def test_the_attention_budget_holds_for_what_runs_a_clients_padding_left_out(artifacts):
+    """A request is held to ``max_batch_attention`` by what runs of it: padded to 16 its two rows would be over a
+    budget of one 16-long row, but its second row is 4 long and runs apart, so it is served; two 16-long rows are
+    refused, naming the rows that would run."""
+    engine = Engine(artifacts[1], "cpu")
+    x = np.ones((2, 16, SMALL.d_model), np.float32)
+    mask = np.arange(16)[None, :] >= np.array([16, 4])[:, None]
+
+    async def main():
+        batcher = Batcher(engine, max_batch_attention=score_elements("decomposed", 1, 1, 16, True), heads=1)
+        batcher.start()
+        answer, _ = await batcher.infer(x, mask)
+        with pytest.raises(TooLarge, match=r"a \[2, 16\] request"):
+            await batcher.infer(x, np.zeros((2, 16), bool))
+        await batcher.stop()
+        return answer["encoded"]
+
+    got = asyncio.run(main())
+    assert got.shape == x.shape and not got[1, 4:].any() and got[1, :4].all()
 
 
 def test_merging_by_cost_on_a_packed_graph_pays_only_for_attentions_padding():
