@@ -99,8 +99,8 @@ def joined(
 
 
 def answered(out: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
-    """A positional output (B, S, ...) of a padded run as the server answers it (a copy): zeros beyond each row's
-    real length, the trailing padding no graph computes there (``pieces``, ``feed``)."""
+    """A positional output (B, S, ...) of a padded run as the server answers it (a copy if masked): zeros beyond
+    each row's real length, the trailing padding no graph computes there (``pieces``, ``feed``)."""
     if mask is None:
         return out
     out = np.array(out)

@@ -2,9 +2,10 @@
 
 One dedicated inference thread takes requests from a bounded queue, merges them along the batch dimension (which
 requests, within which limits, padded and cut how: service/merging.py), runs the batch and hands each request its
-own rows on the event loop. The thread takes its next batch the moment a run ends, without waiting for the loop. With the default ``max_queue_delay_ms=0`` a batch is whatever queued up while the
-previous one ran (no request waits for company while the model is idle); a positive delay waits that long for
-more. ``max_batch_size=1`` turns merging off.
+own rows on the event loop. The thread takes its next batch the moment a run ends, without waiting for the loop.
+With the default ``max_queue_delay_ms=0`` a batch is whatever queued up while the previous one ran (no request waits
+for company while the model is idle); a positive delay waits that long for more. ``max_batch_size=1`` turns merging
+off.
 """
 
 from __future__ import annotations

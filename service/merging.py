@@ -115,7 +115,7 @@ class Request:
 
     def __post_init__(self) -> None:
         # A row that is all padding attends uniformly over its padding, so its (defined, meaningless) output depends
-        # on the padded length: it runs alone so that batching never changes its answer (computed once: it is asked often).
+        # on the padded length: it runs alone, so that batching never changes its answer (computed once: asked often).
         self.solo = self.padded and bool(self.mask.all(axis=1).any())
 
 
