@@ -69,32 +69,46 @@ class PaddedFeeds:
         return getattr(self.session, name)
 
 
-Piece = tuple[int, int, int]  # rows [first, end) of a request, all of one real length
+MAX_PIECES = (
+    8  # a request's rows queue in at most this many pieces (the scheduler's work grows with the queue)
+)
+Piece = tuple[np.ndarray, int]  # a request's rows (their indices) and the length they are cut to
 
 
-def pieces(mask: np.ndarray) -> list[Piece] | None:
-    """A padded request (``mask`` (B, S)) cut where its rows' real lengths change, each piece to its length: what a
-    padded graph computes of it, queued apart (the batcher regroups rows of near lengths by cost). None when no
-    row has trailing padding."""
+def pieces(mask: np.ndarray, most: int = MAX_PIECES) -> list[Piece] | None:
+    """A padded request (``mask`` (B, S)) as pieces, its rows grouped by real length, each cut to its group's
+    longest: what a padded graph computes of it, queued apart (the batcher merges near lengths by cost). Rows of one
+    length share a piece; past ``most`` lengths, runs of near lengths do (cut at the widest gaps between them; a
+    shorter row's own padding in such a piece is computed, masked). None when no row has trailing padding."""
     lengths = real_lengths(mask)
     if bool((lengths == mask.shape[1]).all()):
         return None
-    cuts = [0, *(np.flatnonzero(np.diff(lengths)) + 1).tolist(), len(lengths)]
-    return [(a, b, int(lengths[a])) for a, b in zip(cuts, cuts[1:], strict=False)]
+    tops = np.unique(lengths)  # ascending; each group's longest, once grouped
+    if len(tops) > most:
+        widest = np.sort(np.argsort(-np.diff(tops), kind="stable")[: most - 1])
+        tops = np.append(tops[widest], tops[-1])
+    group = np.searchsorted(tops, lengths)  # each row's: the shortest top that holds it
+    return [
+        (np.flatnonzero(group == g), int(tops[g])) for g in range(len(tops) - 1, -1, -1) if (group == g).any()
+    ]
 
 
 def joined(
-    rows: int, seq: int, parts: list[Piece], answers: list[dict[str, np.ndarray]]
+    mask: np.ndarray, parts: list[Piece], answers: list[dict[str, np.ndarray]]
 ) -> dict[str, np.ndarray]:
-    """The answer to a request of ``rows`` x ``seq`` from its ``pieces``' answers: zeros beyond each row's length."""
+    """The answer to a request with ``mask`` (B, S) from its ``pieces``' answers: zeros beyond each row's length."""
     out = {}
     for name, first in answers[0].items():
-        if positional(name):
-            out[name] = np.zeros((rows, seq, *first.shape[2:]), first.dtype)
-            for (a, b, n), answer in zip(parts, answers, strict=True):
-                out[name][a:b, :n] = answer[name]
-        else:
-            out[name] = np.concatenate([answer[name] for answer in answers])
+        positional_out = positional(name)
+        shape = (*mask.shape, *first.shape[2:]) if positional_out else (mask.shape[0], *first.shape[1:])
+        out[name] = np.zeros(shape, first.dtype)
+        for (rows, n), answer in zip(parts, answers, strict=True):
+            if positional_out:
+                out[name][rows, :n] = answer[name]
+            else:
+                out[name][rows] = answer[name]
+        if positional_out and len(parts) < len(np.unique(real_lengths(mask))):  # rows padded within a piece
+            out[name] = answered(out[name], mask)
     return out
 
 

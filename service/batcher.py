@@ -131,7 +131,7 @@ class Batcher:
         padded = mask is not None and bool(mask.any())
         loop = asyncio.get_running_loop()
         parts = packing.pieces(mask) if padded and not self.packed else None
-        cuts = [(x, mask)] if parts is None else [(x[a:b, :n], mask[a:b, :n]) for a, b, n in parts]
+        cuts = [(x, mask)] if parts is None else [(x[rows, :n], mask[rows, :n]) for rows, n in parts]
         items = [Request(px, pm, loop.create_future(), padded=padded and bool(pm.any())) for px, pm in cuts]
         for item in items:  # what runs: each piece alone must fit
             self.limits.check(item.rows, item.seq, item.padded)
@@ -162,7 +162,7 @@ class Batcher:
             for item in items:
                 item.future.cancel()  # none if all were answered
         timings = max((i.timings for i in items), key=lambda t: t.queue_s + t.infer_s)
-        return (answers[0] if parts is None else packing.joined(*x.shape[:2], parts, answers)), timings
+        return (answers[0] if parts is None else packing.joined(mask, parts, answers)), timings
 
     # --- the inference thread ---
 

@@ -22,32 +22,41 @@ def masks(draw) -> np.ndarray:
 
 
 @settings(max_examples=300, deadline=None)
-@given(mask=masks())
-def test_pieces_cover_the_rows_in_order_each_cut_to_its_rows_real_length(mask):
+@given(mask=masks(), most=st.integers(1, 8))
+def test_pieces_hold_each_row_once_cut_to_their_longest_and_no_more_than_most(mask, most):
     lengths = real_lengths(mask)
-    parts = pieces(mask)
+    parts = pieces(mask, most)
     if parts is None:  # nothing to cut: every row keeps its whole length
         assert (lengths == mask.shape[1]).all()
         return
-    assert parts[0][0] == 0 and parts[-1][1] == mask.shape[0]
-    for (a, b, n), after in zip(parts, [*parts[1:], None], strict=True):
-        assert a < b and (lengths[a:b] == n).all() and 1 <= n <= mask.shape[1]
-        for r in range(a, b):
-            assert mask[r, n:].all()  # only padding is cut off
-            assert not mask[r, n - 1] or mask[r].all()  # and all of it (a row of padding only stays whole)
-        if after is not None:
-            assert after[0] == b and after[2] != n  # a new piece only where the length changes
+    rows = np.concatenate([r for r, _ in parts])
+    assert sorted(rows.tolist()) == list(range(mask.shape[0])) and len(parts) <= most
+    assert [n for _, n in parts] == sorted({n for _, n in parts}, reverse=True)  # longest first, one each
+    for r, n in parts:
+        assert lengths[r].max() == n  # cut to its longest row: only padding is cut off, and none is computed
+    if len(np.unique(lengths)) <= most:  # every row with its own length's rows
+        assert all((lengths[r] == n).all() for r, n in parts)
+    for r in range(mask.shape[0]):
+        assert mask[r, lengths[r] :].all() and (not mask[r, lengths[r] - 1] or mask[r].all())
+
+
+def test_past_most_lengths_near_ones_share_a_piece():
+    lengths = np.array([3, 50, 4, 48, 5, 20, 49])
+    mask = np.arange(60)[None, :] >= lengths[:, None]
+    got = [(r.tolist(), n) for r, n in pieces(mask, 3)]
+    assert got == [([1, 3, 6], 50), ([5], 20), ([0, 2, 4], 5)]  # cut at the two widest gaps, 20->48 and 5->20
 
 
 @settings(max_examples=300, deadline=None)
-@given(mask=masks(), width=st.integers(1, 3))
-def test_the_joined_answer_is_each_rows_own_and_zeros_beyond_its_length(mask, width):
+@given(mask=masks(), width=st.integers(1, 3), most=st.integers(1, 8))
+def test_the_joined_answer_is_each_rows_own_and_zeros_beyond_its_length(mask, width, most):
     """With a model that answers its input (and a per-row output), the joined answer of the pieces is the request
-    with zeros beyond each row's real length: what ``answered`` says the server answers."""
+    with zeros beyond each row's real length (a shorter row's padding within a piece too): what ``answered`` says
+    the server answers."""
     x = np.random.default_rng(0).standard_normal((*mask.shape, width)).astype(np.float32) + 5.0  # never 0
-    parts = pieces(mask) or [(0, mask.shape[0], mask.shape[1])]
-    answers = [{"encoded": x[a:b, :n], "pooled": x[a:b, 0]} for a, b, n in parts]
-    got = joined(*mask.shape, parts, answers)
+    parts = pieces(mask, most) or [(np.arange(mask.shape[0]), mask.shape[1])]
+    answers = [{"encoded": x[r, :n], "pooled": x[r, 0]} for r, n in parts]
+    got = joined(mask, parts, answers)
     want = answered(x, mask)
     np.testing.assert_array_equal(got["encoded"], want)
     np.testing.assert_array_equal(got["pooled"], x[:, 0])
