@@ -69,9 +69,8 @@ class PaddedFeeds:
         return getattr(self.session, name)
 
 
-MAX_PIECES = (
-    8  # a request's rows queue in at most this many pieces (the scheduler's work grows with the queue)
-)
+# A request's rows queue in at most this many pieces (the scheduler's work grows with the queue).
+MAX_PIECES = 8
 Piece = tuple[np.ndarray, int]  # a request's rows (their indices) and the length they are cut to
 
 
@@ -96,19 +95,19 @@ def pieces(mask: np.ndarray, most: int = MAX_PIECES) -> list[Piece] | None:
 def joined(
     mask: np.ndarray, parts: list[Piece], answers: list[dict[str, np.ndarray]]
 ) -> dict[str, np.ndarray]:
-    """The answer to a request with ``mask`` (B, S) from its ``pieces``' answers: zeros beyond each row's length."""
+    """The answer to a request with ``mask`` (B, S) from its ``pieces``' answers: zeros beyond each row's length
+    (a shorter row's padding computed within a piece set to zero too)."""
+    lengths = real_lengths(mask)
+    shared = any(bool((lengths[rows] < n).any()) for rows, n in parts)  # rows of several lengths in a piece
     out = {}
     for name, first in answers[0].items():
-        positional_out = positional(name)
-        shape = (*mask.shape, *first.shape[2:]) if positional_out else (mask.shape[0], *first.shape[1:])
-        out[name] = np.zeros(shape, first.dtype)
+        cut = positional(name)  # (B, S, ...); else (B, ...)
+        whole = np.zeros((*mask.shape[: 2 if cut else 1], *first.shape[2 if cut else 1 :]), first.dtype)
         for (rows, n), answer in zip(parts, answers, strict=True):
-            if positional_out:
-                out[name][rows, :n] = answer[name]
-            else:
-                out[name][rows] = answer[name]
-        if positional_out and len(parts) < len(np.unique(real_lengths(mask))):  # rows padded within a piece
-            out[name] = answered(out[name], mask)
+            whole[(rows, slice(0, n)) if cut else rows] = answer[name]
+        if cut and shared:
+            whole[np.arange(mask.shape[1]) >= lengths[:, None]] = 0
+        out[name] = whole
     return out
 
 

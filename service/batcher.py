@@ -209,7 +209,7 @@ class Batcher:
                 item.timings.infer_s = ran - merged
                 item.timings.batch_rows = x.shape[0]
             rows = merging.split(batch, out)
-            requested = sum(item.tokens for item in batch)  # a piece of a padded graph is its tokens
+            requested = sum(item.tokens for item in batch)  # theirs less trailing padding
             run = Run(
                 rows=x.shape[0],
                 requests=len({id(item.queued) for item in batch}),

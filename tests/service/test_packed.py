@@ -19,6 +19,7 @@ from service.batcher import Batcher
 from service.engine import Engine
 from service.errors import Overloaded, TimedOut, TooLarge
 from tests.conftest import SMALL, export_to, start_server
+from tests.service.test_batcher import Recorder, RunLog, until
 
 PACKED = dataclasses.replace(SMALL, num_layers=2, pooling="mean", activation="gelu", packed=True)
 LENGTHS = (3, 9, 1, 6)
@@ -160,55 +161,29 @@ def test_a_clients_own_trailing_padding_is_not_computed(artifacts):
     assert not got[1, 5:].any() and got[3, 1].any()
 
 
-class Held:
-    """A padded engine whose runs wait for ``gate`` (so that requests queue), each run's shape recorded."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine, self.threads, self.shapes = engine, engine.threads, []
-        self.entered, self.gate = threading.Event(), threading.Event()
-
-    def run(self, x, mask=None):
-        self.entered.set()
-        assert self.gate.wait(30)
-        self.shapes.append(x.shape[:2])
-        return self.engine.run(x, mask)
-
-
-async def _until(condition) -> None:
-    for _ in range(10_000):
-        if condition():
-            return
-        await asyncio.sleep(0.001)
-    raise AssertionError("the batcher never reached the state waited for")
-
-
 def test_a_padded_graph_queues_a_clients_rows_by_their_real_lengths(artifacts):
     """On a padded graph a request padded by its client is queued as pieces, runs of its rows cut to their real
     length, which merge like requests (by cost): no run computes its trailing padding, each row answers as it would
     alone and zeros beyond its length (the pooled output too: its real tokens'), interior padding is still computed,
     and it counts as one request (the queue's bound and depth, a run's requests)."""
     engine = Engine(artifacts[1], "cpu")
-    model, runs = Held(engine), []
+    model, observer = Recorder(engine, threading.Event()), RunLog()
     lengths = [12, 5, 5, 2, 9]
     rng = np.random.default_rng(6)
     x = rng.standard_normal((5, 12, SMALL.d_model)).astype(np.float32)
     mask = np.arange(12)[None, :] >= np.array(lengths)[:, None]
     mask[4, 1] = True  # inside a row: computed and masked
 
-    class Observer:
-        def batch_done(self, run: merging.Run) -> None:
-            runs.append(run)
-
     async def main():
-        batcher = Batcher(model, observer=Observer(), costs=merging.Costs(8.0), max_queue_size=2)
+        batcher = Batcher(model, observer=observer, costs=merging.Costs(8.0), max_queue_size=2)
         batcher.start()
         first = asyncio.ensure_future(batcher.infer(x[:1, :1], None))
-        await _until(model.entered.is_set)
+        await until(model.entered.is_set)
         client = asyncio.ensure_future(batcher.infer(x, mask))
-        await _until(lambda: len(batcher._queue) == 4)  # rows 0 | 1-2 | 3 | 4
+        await until(lambda: len(batcher._queue) == 4)  # rows 0 | 1-2 | 3 | 4
         assert batcher.depth == 1
         other = asyncio.ensure_future(batcher.infer(x[:1, :3], None))
-        await _until(lambda: batcher.depth == 2)
+        await until(lambda: batcher.depth == 2)
         with pytest.raises(Overloaded):  # two requests queued, five pieces
             await batcher.infer(x[:1, :3], None)
         model.gate.set()
@@ -220,8 +195,12 @@ def test_a_padded_graph_queues_a_clients_rows_by_their_real_lengths(artifacts):
     got = asyncio.run(main())
     # the 9-long piece merges into the 12-long one's run (3 positions of padding are cheaper than a run), the 2-long
     # one and the other 3-long request into the 5-long pair's
-    assert model.shapes == [(1, 1), (2, 12), (4, 5)]
-    assert [(r.requests, r.positions, r.requested) for r in runs] == [(1, 1, 1), (1, 24, 21), (2, 20, 15)]
+    assert [shape[:2] for shape in model.shapes] == [(1, 1), (2, 12), (4, 5)]
+    assert [(r.requests, r.positions, r.requested) for r in observer.runs] == [
+        (1, 1, 1),
+        (1, 24, 21),
+        (2, 20, 15),
+    ]
     for i, n in enumerate(lengths):
         alone = engine.run(x[i : i + 1, :n], mask[i : i + 1, :n])
         _close(got["encoded"][i : i + 1, :n], alone["encoded"])
@@ -231,7 +210,7 @@ def test_a_padded_graph_queues_a_clients_rows_by_their_real_lengths(artifacts):
 
 
 def test_a_piece_that_times_out_fails_its_request_and_no_other_piece_runs(artifacts):
-    model = Held(Engine(artifacts[1], "cpu"))
+    model = Recorder(Engine(artifacts[1], "cpu"), threading.Event())
     x = np.ones((3, 8, SMALL.d_model), np.float32)
     mask = np.arange(8)[None, :] >= np.array([8, 4, 2])[:, None]
 
@@ -239,7 +218,7 @@ def test_a_piece_that_times_out_fails_its_request_and_no_other_piece_runs(artifa
         batcher = Batcher(model)
         batcher.start()
         first = asyncio.ensure_future(batcher.infer(x[:1, :1], None))
-        await _until(model.entered.is_set)
+        await until(model.entered.is_set)
         with pytest.raises(TimedOut):
             await batcher.infer(x, mask, timeout=0.05)
         model.gate.set()
@@ -249,7 +228,7 @@ def test_a_piece_that_times_out_fails_its_request_and_no_other_piece_runs(artifa
         return batcher.depth
 
     assert asyncio.run(main()) == 0
-    assert model.shapes == [(1, 1), (1, 6)]
+    assert [shape[:2] for shape in model.shapes] == [(1, 1), (1, 6)]
 
 
 def test_the_attention_budget_holds_for_what_runs_a_clients_padding_left_out(artifacts):
