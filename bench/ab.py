@@ -15,6 +15,7 @@ contains the text (``--only clients``: the 32-client phase alone, for more round
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -22,7 +23,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,17 @@ def start(tree: Path, artifact: Path, env: dict[str, str]) -> tuple[subprocess.P
             time.sleep(0.1)
     proc.kill()
     raise RuntimeError(f"the server from {tree} did not become ready")
+
+
+@contextlib.contextmanager
+def started(tree: Path, artifact: Path, env: dict[str, str]) -> Iterator[int]:
+    """``start``'s server, stopped on leaving; yields its HTTP port."""
+    proc, port, _ = start(tree, artifact, env)
+    try:
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
 
 def phase(proc: subprocess.Popen, load: Callable[[], LoadResult]) -> dict:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.ab import start
+from bench.ab import started
 from bench.measure import v2_request
 from bench.mixed import REQUESTS, draw, http_load, packed_twin, padding_counts, unpadded_limit
 from bench.server import ROOT
@@ -71,8 +71,7 @@ def measure(
     for r in range(rounds):
         limits.append(unpadded_limit(artifact, alone))
         for name, (served, tree) in servers.items():
-            proc, port, _ = start(tree, served, {})  # served by its own checkout's code
-            try:
+            with started(tree, served, {}) as port:  # served by its own checkout's code
                 load = [
                     (n, v2_request(port, manifest.name, x, m))
                     for n, (x, m) in zip(real, requests, strict=True)
@@ -92,9 +91,6 @@ def measure(
                             "not_real_share": 1.0 - min(1.0, tokens / max(computed, 1.0)),
                         }
                     )
-            finally:
-                proc.terminate()
-                proc.wait(60)
             print(f"  round {r + 1}: {name} done", file=sys.stderr, flush=True)
     positions = sum(m.size for _, m in requests)
     return {

@@ -222,6 +222,45 @@ def test_client_batched_requests_are_padded_right_and_answered_and_the_table_rea
     assert "packed              32      1,100     1.10x      2.20x" in text
 
 
+def test_open_loop_arrivals_are_poisson_and_a_full_queue_sheds_instead_of_failing(tiny_artifact):
+    """bench.openloop: arrivals a seeded Poisson process at the rate asked; a load within the server's reach is all
+    answered, its real tokens counted and its latency from each request's due time; an overload past the queue's
+    bound is shed (429, counted apart), the rest answered; the table reads."""
+    from bench import openloop
+    from tests.conftest import start_server
+
+    times = openloop.arrivals(200.0, 5.0, seed=3)
+    assert (openloop.arrivals(200.0, 5.0, seed=3) == times).all() and (np.diff(times) > 0).all()
+    assert times[0] >= 0 and times[-1] < 5.0 and 850 <= len(times) <= 1150  # 1000 +- 5 sigma
+    assert 0.8 < np.std(np.diff(times)) / np.mean(np.diff(times)) < 1.2  # exponential gaps: std = mean
+    xs = [np.ones((1, n, 32), np.float32) for n in (3, 7)]
+    with start_server(tiny_artifact) as srv:
+        load = [(x.shape[1], v2_request(srv.port, "encoder", x)) for x in xs]
+        res = openloop.open_load(srv.port, load, 40.0, 1.0, seed=1)
+        offered = len(openloop.arrivals(40.0, 1.0, seed=1))
+        assert res.offered == offered == res.statuses[200] and res.unanswered == 0
+        assert res.tokens == sum(load[i % 2][0] for i in range(offered))
+        assert 0 < res.pct(50) <= res.pct(99) and res.row()["failed"] == 0
+    # requests wait for company for 3 s in a queue of 4: the fifth and on arrive to a full queue
+    with start_server(tiny_artifact, "--max-queue-delay-ms", "3000", "--max-queue-size", "4") as srv:
+        load = [(3, v2_request(srv.port, "encoder", xs[0]))]
+        row = openloop.open_load(srv.port, load, 30.0, 1.0, seed=2).row()
+    assert row["shed"] > 0 and row["answered_rps"] > 0 and row["failed"] == 0
+    cell = {**row, "tokens_per_s": 900.0, "p50_ms": 10.0, "p90_ms": 20.0, "p99_ms": 30.0}
+    text = openloop.table(
+        {
+            "sentences": 1,
+            "mean_tokens": 30.0,
+            "unpadded_limit_tokens_per_s": 1000.0,
+            "unpadded_limits": [1000.0],
+            "seconds": 6.0,
+            "cells": {"cost/0.75": cell},
+        }
+    )
+    assert "the unpadded limit 1,000 tokens/s, 33.3 requests/s" in text
+    assert "cost     0.75x" in text and "900    0.90x     10.0     20.0     30.0" in text
+
+
 def test_ab_compares_two_checkouts_phase_by_phase(tiny_artifact, capsys):
     """bench.ab against two copies of this checkout (the same code): every phase printed, both sides answered."""
     from bench import ab
