@@ -195,7 +195,7 @@ class Batcher:
             self._ran_since_release = True
             try:
                 with self.cores.hold(self._threads) if self.cores else contextlib.nullcontext():
-                    lengths = (merging.lengths(batch),) if self.packed else ()
+                    lengths = (np.concatenate([i.lengths for i in batch]),) if self.packed else ()
                     out = self.model.run(x, mask, *lengths)
             except ServiceError as exc:
                 self._post(_fail, batch, exc)
@@ -277,7 +277,7 @@ class Batcher:
             head = self._pop()
             if head.solo:
                 return [head]
-            live = [i for i in self._queue if not i.dropped(now)]  # the others are dropped as they come up
+            live = (i for i in self._queue if not i.dropped(now))  # the others are dropped as they come up
             chosen = merging.choose(self.merge, head, live, self.limits, self.costs)
             if chosen:
                 taken = {id(i) for i in chosen}

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol
@@ -60,8 +60,7 @@ class Run:
 
 
 class BatchObserver(Protocol):
-    """Told of each model run; called on the event loop. (The queue's depth is read when asked for:
-    ``Batcher.depth``.)"""
+    """Told of each model run, on the event loop (the queue's depth is read when asked: ``Batcher.depth``)."""
 
     def batch_done(self, run: Run) -> None: ...
 
@@ -173,12 +172,21 @@ class Costs:
 
 
 def choose(
-    merge: str, head: Request, queued: Sequence[Request], limits: Limits, costs: Costs
+    merge: str, head: Request, queued: Iterable[Request], limits: Limits, costs: Costs
 ) -> list[Request]:
-    """The requests to run with ``head`` by the policy ``merge`` ("cost": ``by_cost``; "pad": ``in_order``)."""
+    """The requests to run with ``head`` by the policy ``merge`` ("cost": ``by_cost``; "pad": ``in_order``), among
+    the pieces of the oldest 2 x max_batch_size requests queued: in a long queue (an overload) newer ones of a
+    handier length do not overtake a request without end (docs/benchmarks.md, "Requests that arrive on their own")."""
+    oldest: list[Request] = []
+    reach: set[int] = set()
+    for item in queued:
+        reach.add(id(item.queued))  # its request's: the pieces of one request share it
+        if len(reach) > 2 * limits.max_batch_size:
+            break
+        oldest.append(item)
     if merge == "cost":
-        return by_cost(head, queued, limits.fits, costs)
-    return in_order(head, queued, limits.fits)
+        return by_cost(head, oldest, limits.fits, costs)
+    return in_order(head, oldest, limits.fits)
 
 
 def in_order(head: Request, queued: Sequence[Request], fits: Fits) -> list[Request]:
@@ -201,8 +209,7 @@ def by_cost(head: Request, queued: Sequence[Request], fits: Fits, costs: Costs) 
     first, each one taken while merging it costs no more than a run of its own would (the padding it adds, its
     rows up to the batch's length or the batch up to its length, against the fixed cost; on a packed graph only
     attention's padding) and the run ``fits``."""
-    rows, seq, padded, tokens = head.rows, head.seq, head.padded, head.tokens
-    e = head.x.shape[2]
+    rows, seq, padded, tokens, e = head.rows, head.seq, head.padded, head.tokens, head.x.shape[2]
     queued = [i for i in queued if not i.solo]  # each of those runs alone when its turn comes
     below = sorted((i for i in queued if i.seq <= seq), key=lambda i: -i.seq)  # nearest first, stable
     above = sorted((i for i in queued if i.seq > seq), key=lambda i: i.seq)
@@ -267,9 +274,7 @@ def stack(batch: Sequence[Request]) -> tuple[np.ndarray, np.ndarray | None]:
     """Stack requests along the batch dim, padding shorter sequences and masking the padding."""
     if len(batch) == 1:
         return batch[0].x, batch[0].mask
-    seq = max(i.seq for i in batch)
-    rows = sum(i.rows for i in batch)
-    e = batch[0].x.shape[2]
+    seq, rows, e = max(i.seq for i in batch), sum(i.rows for i in batch), batch[0].x.shape[2]
     if all(i.seq == seq for i in batch) and all(i.mask is None for i in batch):
         return np.concatenate([i.x for i in batch]), None
     x = np.zeros((rows, seq, e), dtype=batch[0].x.dtype)
@@ -280,11 +285,6 @@ def stack(batch: Sequence[Request]) -> tuple[np.ndarray, np.ndarray | None]:
         mask[r : r + i.rows, : i.seq] = False if i.mask is None else i.mask
         r += i.rows
     return x, mask
-
-
-def lengths(batch: Sequence[Request]) -> np.ndarray:
-    """Each row's own length in ``stack(batch)``: what a packed graph computes of it (model/packing.py)."""
-    return np.concatenate([i.lengths for i in batch])
 
 
 def split(batch: Sequence[Request], out: Outputs) -> list[Outputs]:

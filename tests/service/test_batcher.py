@@ -544,6 +544,32 @@ def test_merge_by_cost_keeps_the_limits(engine):
     assert model.shapes == [(1, 1, 32), (2, 6, 32), (2, 6, 32), (1, 6, 32)]
 
 
+def test_a_run_takes_from_the_oldest_requests_only():
+    """Merging looks at the oldest 2 x max_batch_size queued requests past the head (a request's pieces count
+    once): one of the head's own length further back waits for its turn instead of overtaking those of other
+    lengths (under an overload, ever newer requests of convenient lengths kept a request waiting up to 2.5x the
+    queue's length in time)."""
+    loop = asyncio.new_event_loop()
+    try:
+
+        def request(seq: int) -> merging.Request:
+            return merging.Request(np.zeros((1, seq, 32), np.float32), None, loop.create_future())
+
+        head, near = request(8), request(8)
+        for max_batch_size in (2, 3):
+            limits = merging.Limits(max_batch_size=max_batch_size)
+            far = [request(100) for _ in range(2 * max_batch_size)]  # padding 8 to 100 costs more than a run
+            assert merging.choose("cost", head, [*far, near], limits, merging.Costs(8.0)) == []
+            within = [*far[:-1], near]
+            assert merging.choose("cost", head, within, limits, merging.Costs(8.0)) == [near]
+            pieces = [request(100) for _ in range(4 * max_batch_size)]  # of one request: one in reach
+            for piece in pieces:
+                piece.queued = pieces[0].queued
+            assert merging.choose("cost", head, [*pieces, near], limits, merging.Costs(8.0)) == [near]
+    finally:
+        loop.close()
+
+
 def test_a_runs_fixed_cost_is_measured_from_the_model(monkeypatch):
     """merging.measure_costs fits fixed + positions x (1 + seq / 6E) to a model's run times: a model whose runs
     cost (a + b x that) comes out at a / b, its slowest runs (here: every third one, twice as long) ignored, the
