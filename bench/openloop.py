@@ -106,16 +106,17 @@ async def _open_load(port: int, requests: list, times: np.ndarray, seconds: floa
 
     async def one(due: float, tokens: int, request: bytes) -> None:
         async with slots:
-            while (
-                idle and time.perf_counter() - idle[0][2] > IDLE_S
-            ):  # the oldest first: the server may close them
+            # the oldest idle connections first: the server may be about to close them
+            while idle and time.perf_counter() - idle[0][2] > IDLE_S:
                 idle.pop(0)[1].close()
-            reader, writer, _ = idle.pop() if idle else (*await asyncio.open_connection(HOST, port), 0.0)
+            writer = None
             try:
+                reader, writer, _ = idle.pop() if idle else (*await asyncio.open_connection(HOST, port), 0.0)
                 writer.write(request)
                 status, _ = await _read_response(reader)
             except (OSError, asyncio.IncompleteReadError):
-                writer.close()
+                if writer is not None:
+                    writer.close()
                 res.statuses[0] += 1
                 return
             res.statuses[status] += 1
