@@ -99,9 +99,14 @@ def measure(
         "client_padding_share": 1 - sum(real) / positions,
         "unpadded_limit_tokens_per_s": statistics.median(limits),
         "unpadded_limits": limits,
-        "cells": {k: {f: statistics.median(row[f] for row in v) for f in v[0]} for k, v in cells.items()},
+        "cells": medians(cells),
         "rounds": rounds,
     }
+
+
+def medians(cells: dict[str, list[dict]]) -> dict[str, dict]:
+    """Each cell's rows (one per round) as one row: every field's median."""
+    return {k: {f: statistics.median(row[f] for row in v) for f in v[0]} for k, v in cells.items()}
 
 
 def table(res: dict) -> str:

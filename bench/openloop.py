@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.ab import started
-from bench.batched import batches
+from bench.batched import batches, medians
 from bench.loadgen import _read_response
 from bench.measure import v2_request
 from bench.mixed import REQUESTS, draw, packed_twin, unpadded_limit
@@ -164,7 +164,7 @@ def measure(
         sent = [(rng.standard_normal((1, int(n), e)).astype(np.float32), None) for n in draw(REQUESTS)]
     else:
         sent = batches(e, sentences)
-    real = [x.shape[1] if m is None else int((~m).sum()) for x, m in sent]
+    real = [sum(_lengths(x, m)) for x, m in sent]
     alone = [x[i : i + 1, :n] for x, m in sent for i, n in enumerate(_lengths(x, m))]
     servers: dict[str, tuple[Path, Path, dict[str, str]]] = {
         "cost": (artifact.resolve(), ROOT, {}),
@@ -196,7 +196,7 @@ def measure(
         "unpadded_limit_tokens_per_s": statistics.median(limits),
         "unpadded_limits": limits,
         "seconds": seconds,
-        "cells": {k: {f: statistics.median(row[f] for row in v) for f in v[0]} for k, v in cells.items()},
+        "cells": medians(cells),
         "rounds": rounds,
     }
 
