@@ -120,13 +120,22 @@ def unpadded_limit_of(engine, xs: list[np.ndarray]) -> float:
 
 def padding_counts(port: int) -> tuple[float, float]:
     """(requested, padding) positions the server's models computed so far."""
+    got = served(port)
+    return got["requested"], got["padding"]
+
+
+def served(port: int) -> dict[str, float]:
+    """What the server's models have run so far, from its /metrics: positions ``requested`` (real tokens, a client's
+    padding included) and ``padding`` (added by merging), and ``requests`` (``addnorm_batch_requests``' sum)."""
     text = urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=5).read().decode()
-    got = {"requested": 0.0, "padding": 0.0}
+    got = {"requested": 0.0, "padding": 0.0, "requests": 0.0}
     for line in text.splitlines():
         if line.startswith("addnorm_batch_positions_total{"):
             kind = line.split('kind="', 1)[1].split('"', 1)[0]
             got[kind] += float(line.rsplit(" ", 1)[1])
-    return got["requested"], got["padding"]
+        elif line.startswith("addnorm_batch_requests_sum{"):
+            got["requests"] += float(line.rsplit(" ", 1)[1])
+    return got
 
 
 def _load(connect_for, clients: int, seconds: float, warmup: int = 2) -> tuple[LoadResult, int]:
@@ -155,7 +164,11 @@ def _load(connect_for, clients: int, seconds: float, warmup: int = 2) -> tuple[L
 
 
 def _shares(requests: list, clients: int) -> list[list]:
-    return [requests[i::clients] or requests for i in range(clients)]
+    """Each client's order: every request, from its own offset (spread evenly), so that any client's window sends a
+    fair sample of them. (Before 2026-11-28 each took every ``clients``-th request: with few requests per client, a
+    client's share could be all short or all long ones, and at one client only a fifth of them was ever sent.)"""
+    starts = [i * len(requests) // clients for i in range(clients)]
+    return [requests[start:] + requests[:start] for start in starts]
 
 
 def http_load(port: int, requests: list[tuple[int, bytes]], clients: int, seconds: float, warmup: int = 2):

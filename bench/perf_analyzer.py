@@ -29,6 +29,8 @@ WHEEL = "perf-analyzer==2.60.0"
 NEEDS_GLIBC = (2, 38)
 DEBIAN_NEXT = "deb http://deb.debian.org/debian trixie main"
 RUNTIME = ("libc6", "libstdc++6", "libgcc-s1")
+# (label, perf_analyzer's protocol, its flags): HTTP, gRPC with a call per request, and a ModelStreamInfer stream
+TRANSPORTS = (("http", "http", ()), ("grpc", "grpc", ()), ("stream", "grpc", ("--streaming",)))
 
 
 class Unavailable(RuntimeError):
@@ -145,19 +147,19 @@ def run(
     protocol: str,
     model: str,
     batch: int,
-    seq: int,
-    d_model: int,
+    data: list[str],
     concurrency: list[int],
     interval_ms: int = 3000,
     extra: tuple[str, ...] = (),
 ) -> list[dict]:
-    """perf_analyzer at each concurrency; one row per level from its CSV: throughput (inferences/s; requests/s
-    is that over ``batch``), client latencies (us), and the server's own split read from the statistics API."""
+    """perf_analyzer at each concurrency on ``data`` (``zeros(seq, d_model)``, or ``["--input-data", FILE]``:
+    ``bench.perf_analyzer_real.real_lengths``); one row per level from its CSV: throughput (inferences/s;
+    requests/s is that over ``batch``), client latencies (us), and the server's own split read from the statistics
+    API."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "pa.csv"
         cmd = [
-            *command, "-m", model, "-u", url, "-i", protocol, "-b", str(batch),
-            "--shape", f"{EMBEDDINGS}:{seq},{d_model}", "--shape", f"{MASK}:{seq}", "--input-data", "zero",
+            *command, "-m", model, "-u", url, "-i", protocol, "-b", str(batch), *data,
             "--concurrency-range", "1:1",
             "--measurement-interval", str(interval_ms), "-f", str(out), "--verbose-csv", *extra,
         ]  # fmt: skip
@@ -172,6 +174,11 @@ def run(
             with out.open() as f:
                 rows.extend(_row(r, batch) for r in csv.DictReader(f))
     return rows
+
+
+def zeros(seq: int, d_model: int) -> list[str]:
+    """perf_analyzer's arguments for requests of zeros, ``[batch, seq, d_model]`` and their mask."""
+    return ["--shape", f"{EMBEDDINGS}:{seq},{d_model}", "--shape", f"{MASK}:{seq}", "--input-data", "zero"]
 
 
 def _row(r: dict, batch: int) -> dict:
@@ -208,14 +215,10 @@ def measure(artifact: Path, seconds: float = 3.0) -> dict:
             ours = run_load(HOST, srv.port, v2_request(srv.port, manifest.name, x), level, seconds)
             row = {"shape": f"[{batch},{seq},{e}]", "concurrency": level, "loadgen_http_rps": ours.throughput,
                    "loadgen_http_p50_ms": ours.pct(50)}  # fmt: skip
-            for label, protocol, url, extra in (
-                ("http", "http", f"{HOST}:{srv.port}", ()),
-                ("grpc", "grpc", f"{HOST}:{srv.grpc_port}", ()),
-                ("stream", "grpc", f"{HOST}:{srv.grpc_port}", ("--streaming",)),  # ModelStreamInfer
-            ):
-                [pa] = run(
-                    command, url, protocol, manifest.name, batch, seq, e, [level], int(seconds * 1000), extra
-                )
+            for label, protocol, extra in TRANSPORTS:
+                url = f"{HOST}:{srv.port if protocol == 'http' else srv.grpc_port}"
+                data, window = zeros(seq, e), int(seconds * 1000)
+                [pa] = run(command, url, protocol, manifest.name, batch, data, [level], window, extra)
                 row[f"pa_{label}_rps"], row[f"pa_{label}_p50_ms"] = pa["requests_per_s"], pa["p50_ms"]
             rows.append(row)
     return {"command": command[-1], "rows": rows}
@@ -241,7 +244,8 @@ def table(res: dict) -> str:
 
 def main() -> int:
     """``python -m bench.perf_analyzer``: the table for the default artifact (``python -m bench --perf-analyzer``
-    also exports it when missing and keeps the figures)."""
+    also exports it when missing and keeps the figures); requests of mixed lengths: ``python -m
+    bench.perf_analyzer_real``."""
     from bench.server import ROOT
 
     try:

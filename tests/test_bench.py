@@ -158,7 +158,12 @@ def test_mixed_lengths_load_counts_the_tokens_answered_and_the_table_reads(tiny_
     lengths = mixed.draw(2000)
     assert lengths.min() >= 4 and lengths.max() <= 512 and (mixed.draw(2000) == lengths).all()
     assert 15 < np.median(lengths) < 40  # half queries (median 15), half passages (median 38)
+    shares = mixed._shares(list(range(10)), 4)  # every client sends every request, from its own offset
+    assert [share[0] for share in shares] == [0, 2, 5, 7] and all(
+        sorted(s) == list(range(10)) for s in shares
+    )
     xs = [np.ones((1, n, 32), np.float32) for n in (3, 7, 11)]
+    answered = 0
     with start_server(tiny_artifact, grpc=True) as srv:
         http = [(x.shape[1], v2_request(srv.port, "encoder", x)) for x in xs]
         grpc = [(x.shape[1], grpc_request("encoder", x)) for x in xs]
@@ -169,10 +174,13 @@ def test_mixed_lengths_load_counts_the_tokens_answered_and_the_table_reads(tiny_
         ):
             result, tokens = load(port, requests, 2, 0.5)
             assert result.requests > 0 and result.errors == 0
-            # each client cycles through its share: between the shortest and the longest request per request
+            answered += result.requests
+            # each client cycles through the requests: between the shortest and the longest request per request
             assert 3 * result.requests <= tokens <= 11 * result.requests
         requested, padding = mixed.padding_counts(srv.port)
-    assert requested > 0 and padding >= 0
+        counted = mixed.served(srv.port)
+    assert requested > 0 and padding >= 0 and counted["requested"] == requested
+    assert counted["requests"] >= answered  # the three loads' requests (and their warm-ups') the server ran
     row = {"tokens_per_s": 500.0, "requests_per_s": 10.0, "p50_ms": 1.0, "p99_ms": 2.0, "padding_share": 0.5}
     res = {
         "lengths": {"mean": 30.0, "median": 24.0, "p90": 64.0, "max": 200},

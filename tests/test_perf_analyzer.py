@@ -39,8 +39,47 @@ def test_perf_analyzer_measures_addnorm_over_http_and_grpc(command, tiny_artifac
         ]
         for protocol, port, extra in runs:
             url = f"127.0.0.1:{port}"
-            rows = pa.run(command, url, protocol, "encoder", 2, 8, e, [1, 4], interval_ms=500, extra=extra)
+            rows = pa.run(
+                command, url, protocol, "encoder", 2, pa.zeros(8, e), [1, 4], interval_ms=500, extra=extra
+            )
             assert [r["concurrency"] for r in rows] == [1, 4], rows
             for r in rows:
                 assert r["infer_per_s"] > 0 and r["p50_ms"] > 0, (protocol, extra, r)
                 assert r["server_infer_ms"] > 0, (protocol, r)  # read from /v2/models/encoder/stats
+
+
+def test_perf_analyzer_sends_requests_of_mixed_lengths_from_a_data_file(command, tiny_artifact, tmp_path):
+    """``--lengths real``'s data file (bench.perf_analyzer_real): each entry its own shape, the embeddings in base64
+    as written, and perf_analyzer sends them all, unmodified, over HTTP, gRPC and a stream: the server counts the
+    real tokens of the requests it ran, whose mean lies strictly between the shortest and the longest entry."""
+    import base64
+    import json
+
+    import numpy as np
+
+    from bench import perf_analyzer_real as real
+    from bench.mixed import served
+
+    e = Manifest.load(tiny_artifact).config.d_model
+    data = tmp_path / "real.json"
+    xs = real.real_lengths(data, e, count=12)
+    entries = json.loads(data.read_text())["data"]
+    assert [entry["embeddings"]["shape"] for entry in entries] == [list(x.shape[1:]) for x in xs]
+    first = np.frombuffer(base64.b64decode(entries[0]["embeddings"]["b64"]), np.float32)
+    np.testing.assert_array_equal(first, xs[0].ravel())
+    assert entries[0]["mask"] == {"content": [False] * xs[0].shape[1], "shape": [xs[0].shape[1]]}
+    lengths = sorted(x.shape[1] for x in xs)
+    assert lengths[0] < lengths[-1], lengths
+    stable = ("--stability-percentage", "1000")
+    with start_server(tiny_artifact, grpc=True) as srv:
+        for label, protocol, extra in pa.TRANSPORTS:
+            before = served(srv.port)
+            url = f"127.0.0.1:{srv.port if protocol == 'http' else srv.grpc_port}"
+            [row] = pa.run(
+                command, url, protocol, "encoder", 1, ["--input-data", str(data)], [3], 500, stable + extra
+            )
+            assert row["infer_per_s"] > 0, (label, row)
+            after = served(srv.port)
+            tokens, requests = (after[k] - before[k] for k in ("requested", "requests"))
+            assert requests > 2 * len(xs), (label, requests)  # every entry sent, more than once
+            assert lengths[0] < tokens / requests < lengths[-1], (label, tokens, requests, lengths)

@@ -1,0 +1,160 @@
+"""``python -m bench.perf_analyzer_real``: NVIDIA's perf_analyzer, unmodified, on requests of mixed
+lengths drawn like real text (``bench.mixed.draw``), over HTTP, gRPC and a gRPC stream, beside bench.loadgen on the
+same requests, against the unpadded limit (the same requests each run alone in-process).
+
+perf_analyzer reads the requests from an ``--input-data`` JSON file, each entry with its own shape, and sends them
+round-robin; its client is C++, so on a machine it shares with the server it takes less of the cores than ours.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from bench.perf_analyzer import TRANSPORTS, Unavailable, binary, run
+from model.contract import EMBEDDINGS, MASK
+
+REAL_REQUESTS = 64  # requests in perf_analyzer's data file (base64: 2.4 MB at d_model 384)
+
+
+def real_lengths(path: Path, d_model: int, count: int = REAL_REQUESTS, seed: int = 1) -> list[np.ndarray]:
+    """Write perf_analyzer's ``--input-data`` file of ``count`` one-sequence requests whose lengths are drawn like
+    real text (``bench.mixed.draw``), standard normal values in base64 and a mask of no padding, each entry with its
+    own shape (perf_analyzer sends them round-robin); returns the requests' arrays, ``(1, s, d_model)`` each."""
+    from bench.mixed import draw
+
+    rng = np.random.default_rng(seed)
+    xs = [rng.standard_normal((1, int(n), d_model)).astype(np.float32) for n in draw(count)]
+    data = [
+        {
+            EMBEDDINGS: {"b64": base64.b64encode(x.tobytes()).decode(), "shape": list(x.shape[1:])},
+            MASK: {"content": [False] * x.shape[1], "shape": [x.shape[1]]},
+        }
+        for x in xs
+    ]
+    path.write_text(json.dumps({"data": data}))
+    return xs
+
+
+def measure_real(artifact: Path, clients: tuple[int, ...], rounds: int, seconds: float) -> dict:
+    """perf_analyzer on requests of mixed lengths (``real_lengths``) over each of TRANSPORTS,
+    beside bench.loadgen over HTTP on the same requests, against the unpadded limit (the same requests each run
+    alone in-process, ``bench.mixed.unpadded_limit``); a server at its defaults per round, the limit measured
+    before it; per cell the median over ``rounds``. perf_analyzer's tokens per second are its requests per second
+    times the real tokens per request the server counted over its run (``addnorm_batch_positions`` over the
+    requests of ``addnorm_batch_requests``): the requests it sent, not the data file's mean."""
+    from bench.measure import v2_request
+    from bench.mixed import http_load, served, unpadded_limit
+    from bench.server import HOST, ServerProcess
+    from model.artifact import Manifest
+
+    command = binary()
+    manifest = Manifest.load(artifact)
+    cells: dict[str, list[dict]] = {}
+    limits: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "real.json"
+        xs = real_lengths(data, manifest.config.d_model)
+        for _ in range(rounds):
+            limits.append(unpadded_limit(artifact, xs))
+            with ServerProcess(["-m", "service", "--model-dir", str(artifact)], grpc=True) as srv:
+                ours = [(x.shape[1], v2_request(srv.port, manifest.name, x)) for x in xs]
+                for c in clients:
+                    result, tokens = http_load(srv.port, ours, c, seconds)
+                    if result.errors:
+                        raise RuntimeError(f"bench.loadgen, {c} clients: {result.errors} errors")
+                    row = {"tokens_per_s": tokens / result.seconds, "p50_ms": result.pct(50)}
+                    cells.setdefault(f"loadgen/{c}", []).append({**row, "p99_ms": result.pct(99)})
+                    for label, protocol, extra in TRANSPORTS:
+                        port = srv.port if protocol == "http" else srv.grpc_port
+                        before = served(srv.port)
+                        stable = (
+                            "--stability-percentage",
+                            "1000",
+                        )  # three windows; the rounds give the median
+                        flags, window = ["--input-data", str(data)], int(seconds * 1000)
+                        url = f"{HOST}:{port}"
+                        [pa] = run(
+                            command, url, protocol, manifest.name, 1, flags, [c], window, (*stable, *extra)
+                        )
+                        after = served(srv.port)
+                        tokens, requests = (after[k] - before[k] for k in ("requested", "requests"))
+                        per_request = tokens / max(requests, 1)
+                        row = {"tokens_per_s": pa["requests_per_s"] * per_request, "p50_ms": pa["p50_ms"]}
+                        cells.setdefault(f"{label}/{c}", []).append({**row, "p99_ms": pa["p99_ms"]})
+            print(f"  round {len(limits)} done", file=sys.stderr, flush=True)
+    median = {key: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for key, rows in cells.items()}
+    lengths = [x.shape[1] for x in xs]
+    return {
+        "command": command[-1],
+        "artifact": str(artifact),
+        "lengths": {"requests": len(lengths), "mean": float(np.mean(lengths)), "max": int(max(lengths))},
+        "unpadded_limit_tokens_per_s": statistics.median(limits),
+        "unpadded_limits": limits,
+        "clients": list(clients),
+        "cells": median,
+        "rounds": rounds,
+    }
+
+
+def table_real(res: dict) -> str:
+    limit = res["unpadded_limit_tokens_per_s"]
+    lines = [
+        f"Unpadded limit {limit:,.0f} tokens/s (rounds: {', '.join(f'{v:,.0f}' for v in res['unpadded_limits'])});"
+        f" {res['lengths']['requests']} requests, {res['lengths']['mean']:.1f} tokens on average, the longest "
+        f"{res['lengths']['max']}. Tokens/s (x the limit), p99 ms:",
+        "",
+        "| clients | bench.loadgen HTTP | perf_analyzer HTTP | perf_analyzer gRPC | perf_analyzer gRPC --streaming |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for c in res["clients"]:
+        cells = [res["cells"][f"{label}/{c}"] for label in ("loadgen", *(t[0] for t in TRANSPORTS))]
+        text = [
+            f"{r['tokens_per_s']:,.0f} ({r['tokens_per_s'] / limit:.2f}x), p99 {r['p99_ms']:.0f}"
+            for r in cells
+        ]
+        lines.append(f"| {c} | " + " | ".join(text) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from bench.server import ROOT
+
+    p = argparse.ArgumentParser(
+        prog="python -m bench.perf_analyzer_real", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--artifact", type=Path, default=ROOT / "artifacts" / "default", help="an exported artifact"
+    )
+    p.add_argument(
+        "--clients", type=int, nargs="+", default=[1, 8, 32], help="client counts (default 1 8 32)"
+    )
+    p.add_argument("--rounds", type=int, default=3, help="rounds, medians reported (default 3)")
+    p.add_argument(
+        "--seconds", type=float, default=3.0, help="perf_analyzer's measurement window (default 3)"
+    )
+    p.add_argument("--results", type=Path, default=ROOT / "bench" / "results", help="where the JSON goes")
+    args = p.parse_args(argv)
+    if not (args.artifact / "manifest.json").exists():
+        p.error(f"{args.artifact} holds no artifact: export one (addnorm-export --out {args.artifact})")
+    try:
+        res = measure_real(args.artifact, tuple(args.clients), args.rounds, args.seconds)
+    except Unavailable as exc:
+        print(f"perf_analyzer is not available here: {exc}", file=sys.stderr)
+        return 1
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "perf_analyzer_real.json").write_text(json.dumps(res, indent=2) + "\n")
+    print(table_real(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
