@@ -138,7 +138,7 @@ class Batcher:
         size = sum(item.x.nbytes for item in items)
         with self._ready:
             if self.depth >= self.max_queue_size:
-                raise Overloaded.by(f"{self.max_queue_size} requests queued")
+                raise Overloaded.by(f"{self.max_queue_size} requests queued: ADDNORM_MAX_QUEUE_SIZE")
             if self.max_queue_bytes is not None and self._queued_bytes + size > self.max_queue_bytes:
                 limit = f"limit {self.max_queue_bytes}: ADDNORM_MAX_QUEUE_BYTES"
                 raise Overloaded.by(f"{self._queued_bytes} bytes of requests queued, {limit}")

@@ -180,7 +180,7 @@ def test_full_queue_answers_429_with_retry_after(engine):
         )  # the first is running (blocked on the gate); two more fill the queue
         queued = [asyncio.ensure_future(batcher.infer(x, None)) for _ in range(2)]
         await until(lambda: batcher.depth == 2)
-        with pytest.raises(Overloaded) as info:
+        with pytest.raises(Overloaded, match=r"2 requests queued: ADDNORM_MAX_QUEUE_SIZE\); retry") as info:
             await batcher.infer(x, None)
         gate.set()
         await asyncio.gather(first, *queued)
