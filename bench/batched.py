@@ -16,7 +16,6 @@ and against the padded graph, p50/p99 latency, and the share of computed positio
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ import numpy as np
 from bench.ab import started
 from bench.measure import v2_request
 from bench.mixed import REQUESTS, draw, http_load, packed_twin, padding_counts, unpadded_limit
+from bench.report import artifact_given, save
 from bench.server import ROOT
 from model.artifact import Manifest
 
@@ -149,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--before", type=Path, help="another checkout: its server on the artifact too")
     p.add_argument("--results", type=Path, default=Path("bench/results"), help="where batched.json goes")
     args = p.parse_args(argv)
-    if not (args.artifact / "manifest.json").exists():
-        p.error(f"{args.artifact} holds no artifact: export one (addnorm-export --out {args.artifact})")
+    artifact_given(p, args.artifact)
     if args.pad_to is not None and args.pad_to < 1:
         p.error("--pad-to must be at least 1")
     res = measure(
@@ -162,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         args.before,
         args.pad_to,
     )
-    args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "batched.json").write_text(json.dumps(res, indent=2) + "\n")
+    save(res, args.results, "batched.json")
     print(table(res))
     return 0
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ from bench.batched import batches, medians
 from bench.loadgen import _read_response
 from bench.measure import v2_request
 from bench.mixed import REQUESTS, draw, packed_twin, unpadded_limit
+from bench.report import artifact_given, save
 from bench.server import HOST, ROOT
 from model.artifact import Manifest
 
@@ -262,8 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--before", type=Path, help="another checkout: its server on the artifact too")
     p.add_argument("--results", type=Path, default=Path("bench/results"), help="where openloop.json goes")
     args = p.parse_args(argv)
-    if not (args.artifact / "manifest.json").exists():
-        p.error(f"{args.artifact} holds no artifact: export one (addnorm-export --out {args.artifact})")
+    artifact_given(p, args.artifact)
     if args.sentences < 1 or args.rounds < 1 or args.seconds <= 0 or min(args.load) <= 0:
         p.error("--sentences and --rounds must be at least 1, --seconds and every --load above 0")
     res = measure(
@@ -275,8 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         args.before,
         packed=not args.no_packed,
     )
-    args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "openloop.json").write_text(json.dumps(res, indent=2) + "\n")
+    save(res, args.results, "openloop.json")
     print(table(res))
     return 0
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.perf_analyzer import TRANSPORTS, Unavailable, binary, run
+from bench.report import artifact_given, save
 from model.contract import EMBEDDINGS, MASK
 
 REAL_REQUESTS = 64  # requests in perf_analyzer's data file (base64: 2.4 MB at d_model 384)
@@ -143,15 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--results", type=Path, default=ROOT / "bench" / "results", help="where the JSON goes")
     args = p.parse_args(argv)
-    if not (args.artifact / "manifest.json").exists():
-        p.error(f"{args.artifact} holds no artifact: export one (addnorm-export --out {args.artifact})")
+    artifact_given(p, args.artifact)
     try:
         res = measure_real(args.artifact, tuple(args.clients), args.rounds, args.seconds)
     except Unavailable as exc:
         print(f"perf_analyzer is not available here: {exc}", file=sys.stderr)
         return 1
-    args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "perf_analyzer_real.json").write_text(json.dumps(res, indent=2) + "\n")
+    save(res, args.results, "perf_analyzer_real.json")
     print(table_real(res))
     return 0
 

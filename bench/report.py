@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 
 TARGETS = {  # name -> (ratio key, minimum)
@@ -165,3 +167,15 @@ def update_docs(doc: Path, res: dict) -> None:
     else:
         text += "\n" + block + "\n"
     doc.write_text(text)
+
+
+def artifact_given(parser: argparse.ArgumentParser, artifact: Path) -> None:
+    """A bench's usage error when ``artifact`` holds no exported artifact."""
+    if not (artifact / "manifest.json").exists():
+        parser.error(f"{artifact} holds no artifact: export one (addnorm-export --out {artifact})")
+
+
+def save(res: dict, results: Path, name: str) -> None:
+    """A bench's figures as ``results/name`` (JSON; the directory made when missing)."""
+    results.mkdir(parents=True, exist_ok=True)
+    (results / name).write_text(json.dumps(res, indent=2) + "\n")

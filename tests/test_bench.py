@@ -230,6 +230,25 @@ def test_client_batched_requests_are_padded_right_and_answered_and_the_table_rea
     assert "packed              32      1,100     1.10x      2.20x" in text
 
 
+def test_against_serves_the_same_requests_to_the_hand_written_app_and_to_addnorm(tiny_artifact, monkeypatch):
+    """bench.against: the hand-written FastAPI + torch app and addnorm (/v1 JSON, V2 binary) each answer the same
+    real-length requests without an error, and the table puts each against the hand-written app."""
+    from bench import against
+
+    monkeypatch.setattr(against, "REQUESTS", 6)
+    res = against.measure(tiny_artifact, (2,), rounds=1, seconds=0.5)
+    assert res["lengths"]["requests"] == 6 and res["unpadded_limit_tokens_per_s"] > 0
+    assert set(res["cells"]) == {f"{server}/2" for server in against.SERVERS}
+    assert all(
+        cell["tokens_per_s"] > 0 and cell["p99_ms"] >= cell["p50_ms"] for cell in res["cells"].values()
+    )
+    text = against.table(res)
+    naive = res["cells"]["naive JSON/2"]["tokens_per_s"]
+    assert f"| 2 | {naive:,.0f} (1.00x)" in text
+    binary = res["cells"]["addnorm V2 binary/2"]["tokens_per_s"]
+    assert f"{binary:,.0f} ({binary / naive:.2f}x)" in text
+
+
 def test_open_loop_arrivals_are_poisson_and_a_full_queue_sheds_instead_of_failing(tiny_artifact):
     """bench.openloop: arrivals a seeded Poisson process at the rate asked; a load within the server's reach is all
     answered, its real tokens counted and its latency from each request's due time; an overload past the queue's
