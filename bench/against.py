@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.batched import medians
 from bench.measure import json_request, v2_request
 from bench.mixed import draw, http_load, unpadded_limit
 from bench.report import artifact_given, save
@@ -60,9 +61,7 @@ def measure(artifact: Path, clients: tuple[int, ...], rounds: int, seconds: floa
         "unpadded_limit_tokens_per_s": statistics.median(limits),
         "unpadded_limits": limits,
         "clients": list(clients),
-        "cells": {
-            k: {m: statistics.median(r[m] for r in rows) for m in rows[0]} for k, rows in cells.items()
-        },
+        "cells": medians(cells),
         "rounds": rounds,
     }
 

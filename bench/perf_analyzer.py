@@ -151,21 +151,25 @@ def run(
     concurrency: list[int],
     interval_ms: int = 3000,
     extra: tuple[str, ...] = (),
+    rates: list[float] | None = None,
 ) -> list[dict]:
     """perf_analyzer at each concurrency on ``data`` (``zeros(seq, d_model)``, or ``["--input-data", FILE]``:
-    ``bench.perf_analyzer_real.real_lengths``); one row per level from its CSV: throughput (inferences/s;
-    requests/s is that over ``batch``), client latencies (us), and the server's own split read from the statistics
-    API."""
+    ``bench.perf_analyzer_real.real_lengths``), or with ``rates`` (requests/s) instead, open loop at each rate:
+    Poisson arrivals (``--request-distribution poisson``), asynchronous, up to 64 threads; one row per level from
+    its CSV: throughput (inferences/s; requests/s is that over ``batch``), client latencies (us), and the server's
+    own split read from the statistics API."""
+    flag, levels = ("--concurrency-range", concurrency) if rates is None else ("--request-rate-range", rates)
+    if rates is not None:
+        extra = ("--request-distribution", "poisson", "--async", "--max-threads", "64", *extra)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "pa.csv"
         cmd = [
-            *command, "-m", model, "-u", url, "-i", protocol, "-b", str(batch), *data,
-            "--concurrency-range", "1:1",
+            *command, "-m", model, "-u", url, "-i", protocol, "-b", str(batch), *data, flag, "1:1",
             "--measurement-interval", str(interval_ms), "-f", str(out), "--verbose-csv", *extra,
         ]  # fmt: skip
         rows = []
-        for level in concurrency:  # one level per run: --concurrency-range steps linearly
-            cmd[cmd.index("--concurrency-range") + 1] = f"{level}:{level}"
+        for level in levels:  # one level per run: a range steps linearly
+            cmd[cmd.index(flag) + 1] = f"{level}:{level}"
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             if proc.returncode != 0:
                 raise RuntimeError(
@@ -184,7 +188,11 @@ def zeros(seq: int, d_model: int) -> list[str]:
 def _row(r: dict, batch: int) -> dict:
     us = lambda key: float(r[key])  # noqa: E731
     return {
-        "concurrency": int(r["Concurrency"]),
+        **(
+            {"concurrency": int(r["Concurrency"])}
+            if "Concurrency" in r
+            else {"rate": float(r["Request Rate"])}
+        ),
         "infer_per_s": float(r["Inferences/Second"]),
         "requests_per_s": float(r["Inferences/Second"]) / batch,
         "p50_ms": us("p50 latency") / 1e3,

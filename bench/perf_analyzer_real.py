@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.batched import medians
 from bench.perf_analyzer import TRANSPORTS, Unavailable, binary, run
 from bench.report import artifact_given, save
 from model.contract import EMBEDDINGS, MASK
@@ -90,17 +91,22 @@ def measure_real(artifact: Path, clients: tuple[int, ...], rounds: int, seconds:
                         row = {"tokens_per_s": pa["requests_per_s"] * per_request, "p50_ms": pa["p50_ms"]}
                         cells.setdefault(f"{label}/{c}", []).append({**row, "p99_ms": pa["p99_ms"]})
             print(f"  round {len(limits)} done", file=sys.stderr, flush=True)
-    median = {key: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for key, rows in cells.items()}
     lengths = [x.shape[1] for x in xs]
+    lengths_seen = {"requests": len(lengths), "mean": float(np.mean(lengths)), "max": int(max(lengths))}
+    return _result(command, artifact, limits, cells, lengths=lengths_seen, clients=list(clients))
+
+
+def _result(command: list[str], artifact: Path, limits: list[float], cells: dict, **own: object) -> dict:
+    """A run's figures: perf_analyzer and the artifact, the unpadded limit (median and rounds), each cell's median
+    over the rounds, and the mode's ``own`` fields."""
     return {
         "command": command[-1],
         "artifact": str(artifact),
-        "lengths": {"requests": len(lengths), "mean": float(np.mean(lengths)), "max": int(max(lengths))},
         "unpadded_limit_tokens_per_s": statistics.median(limits),
         "unpadded_limits": limits,
-        "clients": list(clients),
-        "cells": median,
-        "rounds": rounds,
+        "cells": medians(cells),
+        "rounds": len(limits),
+        **own,
     }
 
 
@@ -124,6 +130,58 @@ def table_real(res: dict) -> str:
     return "\n".join(lines)
 
 
+def measure_rates(artifact: Path, loads: tuple[float, ...], rounds: int, seconds: float) -> dict:
+    """Open loop: perf_analyzer's own Poisson arrivals (``run(..., rates=...)``) at ``loads`` fractions of the
+    unpadded limit's request rate (its tokens/s over the requests' mean length), over each of TRANSPORTS, on the
+    same requests; per cell the median over ``rounds`` of the answered rate as a fraction of the offered one, and
+    perf_analyzer's p50/p99 (from each request's send)."""
+    from bench.mixed import unpadded_limit
+    from bench.server import HOST, ServerProcess
+    from model.artifact import Manifest
+
+    command = binary()
+    manifest = Manifest.load(artifact)
+    cells: dict[str, list[dict]] = {}
+    limits: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "real.json"
+        xs = real_lengths(data, manifest.config.d_model)
+        mean = float(np.mean([x.shape[1] for x in xs]))
+        for _ in range(rounds):
+            limits.append(unpadded_limit(artifact, xs))
+            with ServerProcess(["-m", "service", "--model-dir", str(artifact)], grpc=True) as srv:
+                for load in loads:
+                    rate = round(load * limits[-1] / mean, 1)
+                    for label, protocol, extra in TRANSPORTS:
+                        url = f"{HOST}:{srv.port if protocol == 'http' else srv.grpc_port}"
+                        flags, window = ["--input-data", str(data)], int(seconds * 1000)
+                        extra = ("--stability-percentage", "1000", *extra)
+                        [pa] = run(
+                            command, url, protocol, manifest.name, 1, flags, [], window, extra, rates=[rate]
+                        )
+                        row = {"answered": pa["requests_per_s"] / rate, "p50_ms": pa["p50_ms"]}
+                        cells.setdefault(f"{label}/{load}", []).append({**row, "p99_ms": pa["p99_ms"]})
+            print(f"  round {len(limits)} done", file=sys.stderr, flush=True)
+    return _result(command, artifact, limits, cells, mean_tokens=mean, loads=list(loads))
+
+
+def table_rates(res: dict) -> str:
+    limit = res["unpadded_limit_tokens_per_s"]
+    lines = [
+        f"Unpadded limit {limit:,.0f} tokens/s, {limit / res['mean_tokens']:.1f} requests/s of "
+        f"{res['mean_tokens']:.1f} tokens (rounds: {', '.join(f'{v:,.0f}' for v in res['unpadded_limits'])}). "
+        "Offered as a fraction of that rate; answered / offered, p50 / p99 ms:",
+        "",
+        "| offered | " + " | ".join(f"perf_analyzer {label}" for label, _, _ in TRANSPORTS) + " |",
+        "| --- |" + " --- |" * len(TRANSPORTS),
+    ]
+    for load in res["loads"]:
+        cells = [res["cells"][f"{label}/{load}"] for label, _, _ in TRANSPORTS]
+        text = [f"{r['answered']:.2f}, {r['p50_ms']:.0f} / {r['p99_ms']:.0f}" for r in cells]
+        lines.append(f"| {load:g}x | " + " | ".join(text) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -142,10 +200,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--seconds", type=float, default=3.0, help="perf_analyzer's measurement window (default 3)"
     )
+    p.add_argument(
+        "--loads",
+        type=float,
+        nargs="+",
+        help="instead of closed-loop clients: open loop, Poisson arrivals at these fractions of the unpadded "
+        "limit's request rate (e.g. 0.5 0.75 1.0)",
+    )
     p.add_argument("--results", type=Path, default=ROOT / "bench" / "results", help="where the JSON goes")
     args = p.parse_args(argv)
     artifact_given(p, args.artifact)
     try:
+        if args.loads:
+            res = measure_rates(args.artifact, tuple(args.loads), args.rounds, args.seconds)
+            save(res, args.results, "perf_analyzer_rates.json")
+            print(table_rates(res))
+            return 0
         res = measure_real(args.artifact, tuple(args.clients), args.rounds, args.seconds)
     except Unavailable as exc:
         print(f"perf_analyzer is not available here: {exc}", file=sys.stderr)

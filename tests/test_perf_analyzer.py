@@ -83,3 +83,18 @@ def test_perf_analyzer_sends_requests_of_mixed_lengths_from_a_data_file(command,
             tokens, requests = (after[k] - before[k] for k in ("requested", "requests"))
             assert requests > 2 * len(xs), (label, requests)  # every entry sent, more than once
             assert lengths[0] < tokens / requests < lengths[-1], (label, tokens, requests, lengths)
+        # open loop (bench.perf_analyzer_real --loads): perf_analyzer's own Poisson arrivals at a fixed rate
+        before = served(srv.port)
+        flags = ["--input-data", str(data)]
+        [row] = pa.run(
+            command, f"127.0.0.1:{srv.port}", "http", "encoder", 1, flags, [], 500, stable, rates=[40.0]
+        )
+        assert row["rate"] == 40.0 and 0 < row["requests_per_s"] < 80, row
+        answered = served(srv.port)["requests"] - before["requests"]
+        assert answered >= 20, answered  # three windows of 0.5 s: about 60 expected
+    cells = {
+        f"{label}/1.0": {"answered": 0.9, "p50_ms": 10.0, "p99_ms": 50.0} for label, _, _ in pa.TRANSPORTS
+    }
+    res = {"unpadded_limit_tokens_per_s": 3000.0, "unpadded_limits": [3000.0], "mean_tokens": 30.0}
+    text = real.table_rates({**res, "loads": [1.0], "cells": cells})
+    assert "100.0 requests/s of 30.0 tokens" in text and "| 1x | 0.90, 10 / 50 | 0.90, 10 / 50 |" in text
