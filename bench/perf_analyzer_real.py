@@ -13,13 +13,16 @@ import json
 import statistics
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from bench.batched import medians
 from bench.perf_analyzer import TRANSPORTS, Unavailable, binary, run
 from bench.report import artifact_given, save
+from bench.server import HOST, ServerProcess
 from model.contract import EMBEDDINGS, MASK
 
 REAL_REQUESTS = 64  # requests in perf_analyzer's data file (base64: 2.4 MB at d_model 384)
@@ -44,6 +47,33 @@ def real_lengths(path: Path, d_model: int, count: int = REAL_REQUESTS, seed: int
     return xs
 
 
+class _Round(NamedTuple):
+    """One round: a server at its defaults (gRPC on), the requests and their data file, the limit measured."""
+
+    srv: ServerProcess
+    model: str
+    data: Path
+    xs: list[np.ndarray]
+    limit: float
+
+
+def _rounds(artifact: Path, rounds: int) -> Iterator[_Round]:
+    """``rounds`` rounds over one data file of ``real_lengths``: each measures the unpadded limit in-process, then
+    starts a server for the round's loads."""
+    from bench.mixed import unpadded_limit
+    from model.artifact import Manifest
+
+    manifest = Manifest.load(artifact)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "real.json"
+        xs = real_lengths(data, manifest.config.d_model)
+        for r in range(rounds):
+            limit = unpadded_limit(artifact, xs)
+            with ServerProcess(["-m", "service", "--model-dir", str(artifact)], grpc=True) as srv:
+                yield _Round(srv, manifest.name, data, xs, limit)
+            print(f"  round {r + 1} done", file=sys.stderr, flush=True)
+
+
 def measure_real(artifact: Path, clients: tuple[int, ...], rounds: int, seconds: float) -> dict:
     """perf_analyzer on requests of mixed lengths (``real_lengths``) over each of TRANSPORTS,
     beside bench.loadgen over HTTP on the same requests, against the unpadded limit (the same requests each run
@@ -52,46 +82,34 @@ def measure_real(artifact: Path, clients: tuple[int, ...], rounds: int, seconds:
     times the real tokens per request the server counted over its run (``addnorm_batch_positions`` over the
     requests of ``addnorm_batch_requests``): the requests it sent, not the data file's mean."""
     from bench.measure import v2_request
-    from bench.mixed import http_load, served, unpadded_limit
-    from bench.server import HOST, ServerProcess
-    from model.artifact import Manifest
+    from bench.mixed import http_load, served
 
     command = binary()
-    manifest = Manifest.load(artifact)
     cells: dict[str, list[dict]] = {}
     limits: list[float] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "real.json"
-        xs = real_lengths(data, manifest.config.d_model)
-        for _ in range(rounds):
-            limits.append(unpadded_limit(artifact, xs))
-            with ServerProcess(["-m", "service", "--model-dir", str(artifact)], grpc=True) as srv:
-                ours = [(x.shape[1], v2_request(srv.port, manifest.name, x)) for x in xs]
-                for c in clients:
-                    result, tokens = http_load(srv.port, ours, c, seconds)
-                    if result.errors:
-                        raise RuntimeError(f"bench.loadgen, {c} clients: {result.errors} errors")
-                    row = {"tokens_per_s": tokens / result.seconds, "p50_ms": result.pct(50)}
-                    cells.setdefault(f"loadgen/{c}", []).append({**row, "p99_ms": result.pct(99)})
-                    for label, protocol, extra in TRANSPORTS:
-                        port = srv.port if protocol == "http" else srv.grpc_port
-                        before = served(srv.port)
-                        stable = (
-                            "--stability-percentage",
-                            "1000",
-                        )  # three windows; the rounds give the median
-                        flags, window = ["--input-data", str(data)], int(seconds * 1000)
-                        url = f"{HOST}:{port}"
-                        [pa] = run(
-                            command, url, protocol, manifest.name, 1, flags, [c], window, (*stable, *extra)
-                        )
-                        after = served(srv.port)
-                        tokens, requests = (after[k] - before[k] for k in ("requested", "requests"))
-                        per_request = tokens / max(requests, 1)
-                        row = {"tokens_per_s": pa["requests_per_s"] * per_request, "p50_ms": pa["p50_ms"]}
-                        cells.setdefault(f"{label}/{c}", []).append({**row, "p99_ms": pa["p99_ms"]})
-            print(f"  round {len(limits)} done", file=sys.stderr, flush=True)
-    lengths = [x.shape[1] for x in xs]
+    stable = ("--stability-percentage", "1000")  # three windows; the rounds give the median
+    for round_ in _rounds(artifact, rounds):
+        srv, flags, window = round_.srv, ["--input-data", str(round_.data)], int(seconds * 1000)
+        limits.append(round_.limit)
+        ours = [(x.shape[1], v2_request(srv.port, round_.model, x)) for x in round_.xs]
+        for c in clients:
+            result, tokens = http_load(srv.port, ours, c, seconds)
+            if result.errors:
+                raise RuntimeError(f"bench.loadgen, {c} clients: {result.errors} errors")
+            row = {"tokens_per_s": tokens / result.seconds, "p50_ms": result.pct(50)}
+            cells.setdefault(f"loadgen/{c}", []).append({**row, "p99_ms": result.pct(99)})
+            for label, protocol, extra in TRANSPORTS:
+                url = f"{HOST}:{srv.port if protocol == 'http' else srv.grpc_port}"
+                before = served(srv.port)
+                [pa] = run(command, url, protocol, round_.model, 1, flags, [c], window, (*stable, *extra))
+                after = served(srv.port)
+                tokens, requests = (after[k] - before[k] for k in ("requested", "requests"))
+                row = {
+                    "tokens_per_s": pa["requests_per_s"] * tokens / max(requests, 1),
+                    "p50_ms": pa["p50_ms"],
+                }
+                cells.setdefault(f"{label}/{c}", []).append({**row, "p99_ms": pa["p99_ms"]})
+    lengths = [x.shape[1] for x in round_.xs]
     lengths_seen = {"requests": len(lengths), "mean": float(np.mean(lengths)), "max": int(max(lengths))}
     return _result(command, artifact, limits, cells, lengths=lengths_seen, clients=list(clients))
 
@@ -135,33 +153,21 @@ def measure_rates(artifact: Path, loads: tuple[float, ...], rounds: int, seconds
     unpadded limit's request rate (its tokens/s over the requests' mean length), over each of TRANSPORTS, on the
     same requests; per cell the median over ``rounds`` of the answered rate as a fraction of the offered one, and
     perf_analyzer's p50/p99 (from each request's send)."""
-    from bench.mixed import unpadded_limit
-    from bench.server import HOST, ServerProcess
-    from model.artifact import Manifest
-
     command = binary()
-    manifest = Manifest.load(artifact)
     cells: dict[str, list[dict]] = {}
     limits: list[float] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "real.json"
-        xs = real_lengths(data, manifest.config.d_model)
-        mean = float(np.mean([x.shape[1] for x in xs]))
-        for _ in range(rounds):
-            limits.append(unpadded_limit(artifact, xs))
-            with ServerProcess(["-m", "service", "--model-dir", str(artifact)], grpc=True) as srv:
-                for load in loads:
-                    rate = round(load * limits[-1] / mean, 1)
-                    for label, protocol, extra in TRANSPORTS:
-                        url = f"{HOST}:{srv.port if protocol == 'http' else srv.grpc_port}"
-                        flags, window = ["--input-data", str(data)], int(seconds * 1000)
-                        extra = ("--stability-percentage", "1000", *extra)
-                        [pa] = run(
-                            command, url, protocol, manifest.name, 1, flags, [], window, extra, rates=[rate]
-                        )
-                        row = {"answered": pa["requests_per_s"] / rate, "p50_ms": pa["p50_ms"]}
-                        cells.setdefault(f"{label}/{load}", []).append({**row, "p99_ms": pa["p99_ms"]})
-            print(f"  round {len(limits)} done", file=sys.stderr, flush=True)
+    for round_ in _rounds(artifact, rounds):
+        srv, flags, window = round_.srv, ["--input-data", str(round_.data)], int(seconds * 1000)
+        limits.append(round_.limit)
+        mean = float(np.mean([x.shape[1] for x in round_.xs]))
+        for load in loads:
+            rate = round(load * round_.limit / mean, 1)
+            for label, protocol, extra in TRANSPORTS:
+                url = f"{HOST}:{srv.port if protocol == 'http' else srv.grpc_port}"
+                extra = ("--stability-percentage", "1000", *extra)
+                [pa] = run(command, url, protocol, round_.model, 1, flags, [], window, extra, rates=[rate])
+                row = {"answered": pa["requests_per_s"] / rate, "p50_ms": pa["p50_ms"]}
+                cells.setdefault(f"{label}/{load}", []).append({**row, "p99_ms": pa["p99_ms"]})
     return _result(command, artifact, limits, cells, mean_tokens=mean, loads=list(loads))
 
 
