@@ -356,4 +356,6 @@ def test_int8_profile_sums_each_operators_kernel_time_per_run(tmp_path):
     onnx.save(model, tmp_path / "m.onnx")
     wall, ops = _profile(tmp_path / "m.onnx", {"x": np.ones((64, 64), np.float32)}, 4, 1, tmp_path / "p")
     (op, (ms, count)), *rest = ops
-    assert op == "Relu" and count == 2 and 0 < ms < wall * 1000 and not rest
+    # no comparison of the two times: the profiled warm-up runs count in ms, not in wall (a slow first run on a
+    # busy machine put ms above wall once); tests never gate on a time
+    assert op == "Relu" and count == 2 and ms > 0 and wall > 0 and not rest
