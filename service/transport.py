@@ -3,31 +3,30 @@
 uvicorn alone lets a client hold a connection forever by trickling its headers or body a byte at a time (its
 keep-alive timer only runs between requests, and any byte cancels it), and answers its own refusals in plain text.
 Here every connection must deliver its headers within ``header_timeout_s`` and its body within ``body_timeout_s``
-(else 408 and the connection is closed), connections beyond ``max_connections`` get a JSON 503 at once, and a
+(else 408 and the connection is closed; a deadline that fires with the request's bytes unread in the socket, as a
+stalled loop's does, lets them be read first), connections beyond ``max_connections`` get a JSON 503 at once, and a
 request uvicorn cannot parse gets a JSON 400. Idle keep-alive connections close after ``keep_alive_s``.
 A connection closed while its request body is still arriving (a 413 answered before the body was read) closes
-lingering: the answer is sent, the write side is shut, and what still arrives is discarded for up to
-``LINGER_S`` before the socket closes; closed at once, the unread data makes the kernel reset the connection, and
-a client still writing loses the 413 it was sent.
-Requests pipelined on one connection are answered in order, and a malformed one among them is answered (JSON
-400) only after every complete request before it. A request may not switch protocols: ``Upgrade`` (websocket,
-h2c) is never handed off; the request is answered as plain HTTP and the connection closes after it, so it never
-leaves these deadlines (one with a body gets a JSON 400: the parser gives the body to the other protocol).
-A transfer coding other than ``chunked`` is refused with a 400 (RFC 9112 6.1 suggests 501; every bad request
-here is a 4xx). A client that half-closes (``shutdown(SHUT_WR)``) is taken to be gone, as nginx and Go's
-net/http take it: its queued requests are dropped unrun (499). A request's head longer than ``MAX_HEAD_BYTES`` gets
-a JSON 431. A chunked body's trailer fields are read and dropped (RFC 9110 6.5.1: a recipient must not merge them
-into the header section, and nothing here has a use for them): no decision (key, content type, encoding, length,
-model, deadline) ever sees one; a trailer section longer than ``MAX_HEAD_BYTES`` gets a 400.
+lingering: the answer is sent, the write side is shut, and what still arrives is discarded for up to ``LINGER_S``
+(closed at once, the unread data makes the kernel reset the connection, and a client still writing loses its 413).
+Pipelined requests are answered in order; a malformed one among them is answered (JSON 400) after every complete
+request before it. ``Upgrade`` (websocket, h2c) is never handed off: the request is answered as plain HTTP and the
+connection closes after it (one with a body gets a JSON 400: the parser gives the body to the other protocol).
+A transfer coding other than ``chunked`` gets a 400 (RFC 9112 6.1 suggests 501; every bad request here is a 4xx).
+A client that half-closes (``shutdown(SHUT_WR)``) is gone, as nginx and Go take it: its queued requests are dropped
+unrun (499). A head or a chunked body's trailer section longer than ``MAX_HEAD_BYTES`` gets a JSON 431 (a 400);
+trailer fields are read and dropped (RFC 9110 6.5.1: never merged into the header section; no decision sees one).
 Each request's scope carries a ``Disconnect`` (key ``DISCONNECT``) that the connection fires when its client goes
 away, so a handler waiting for a model run is cancelled without a task of its own watching ``receive()``.
-
 ``addnorm-serve`` passes ``HttpConnection`` to uvicorn (``http=``); worker processes read the same ADDNORM_* settings.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
+import termios
 from collections import deque
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -37,6 +36,7 @@ from service.inference import Disconnect
 from service.settings import Settings
 
 LINGER_S = 2.0
+GRACE_S = 1.0  # a deadline that fired with the request's bytes unread: they are read, then it holds again
 # A request's head (request line and header fields) may be this long, and so may a chunked body's trailer section;
 # beyond it 431 (400 for a trailer) and the connection closes. nginx allows 4 x 8 KiB by default, Go 1 MiB.
 MAX_HEAD_BYTES = 64 * 1024
@@ -64,17 +64,14 @@ class HttpConnection(HttpToolsProtocol):
         cls._configured = True
 
     def __init__(self, *args, **kwargs) -> None:
-        if (
-            not HttpConnection._configured
-        ):  # a worker process: the CLI passed its settings through the environment
+        if not HttpConnection._configured:  # a worker process: its settings come from the environment
             HttpConnection.configure(Settings())
         super().__init__(*args, **kwargs)
-        # The connection's one deadline (headers, or body) and whether it is the headers'. The timer for it is made
-        # only when a read ends with the deadline still pending: a request read whole in one segment (headers,
-        # body, end: the usual case) arms and disarms it without a timer, instead of two per request.
+        # The connection's one deadline (headers, or body): its timer is made only when a read ends with it still
+        # pending, so a request read whole in one segment (the usual case) arms and disarms it without a timer.
         self._deadline_at: float | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._in_headers = True
+        self._in_headers, self._graced = True, False  # a headers' deadline; not extended (``_expired``)
         self.in_body = False  # between a request's headers and the end of its body
         self.discarding = False  # lingering: input is read and dropped until the socket closes
         self._unanswered: deque[Disconnect] = deque()  # requests read and not yet answered, oldest first
@@ -92,10 +89,8 @@ class HttpConnection(HttpToolsProtocol):
         super().connection_made(transport)
         self.transport = _Transport(transport, self)  # what uvicorn's request cycles write to and close
         if self.max_connections is not None and len(self.connections) > self.max_connections:
-            limit = self.max_connections
-            self._refuse(
-                503, f"server is at its connection limit ({limit}: ADDNORM_MAX_CONNECTIONS)", retry_after=1
-            )
+            msg = f"server is at its connection limit ({self.max_connections}: ADDNORM_MAX_CONNECTIONS)"
+            self._refuse(503, msg, retry_after=1)
             return
         self._arm(self.header_timeout_s, headers=True)
         self._start_timer()
@@ -170,8 +165,7 @@ class HttpConnection(HttpToolsProtocol):
 
     def _stop(self, status: int, message: str) -> None:
         """Refuse the request from a parser callback: the parser stops, and ``send_400_response`` answers."""
-        self._refusal = (status, message)
-        self.head_refused = self._in_headers
+        self._refusal, self.head_refused = (status, message), self._in_headers
         raise ValueError(message)
 
     def on_message_complete(self) -> None:
@@ -195,13 +189,11 @@ class HttpConnection(HttpToolsProtocol):
         self._refusal, self._reading = None, False
         wait = bool(self._unanswered)  # complete requests before the bad one still to answer
         if self.in_body:  # the bad request's body broke: it was read in part
-            if self.pipeline and self.pipeline[0][0] is self.cycle:  # queued behind others: it never runs
+            queued = bool(self.pipeline) and self.pipeline[0][0] is self.cycle  # behind others: it never runs
+            if queued:
                 self.pipeline.popleft()
                 self._unanswered.pop()
-                wait = bool(self._unanswered)
-            else:  # it is the running one: nothing before it waits
-                wait = False
-            self.in_body = False
+            wait, self.in_body = queued and bool(self._unanswered), False  # running: nothing before it waits
         if wait:
             self._deferred = (status, message)
             self._disarm()
@@ -216,14 +208,13 @@ class HttpConnection(HttpToolsProtocol):
 
     def _arm(self, seconds: float, headers: bool) -> None:
         self._disarm()
-        self._in_headers = headers
+        self._in_headers, self._graced = headers, False
         self._deadline_at = self.loop.time() + seconds
 
     def _disarm(self) -> None:
-        self._deadline_at = None
         if self._timer is not None:
             self._timer.cancel()
-            self._timer = None
+        self._deadline_at = self._timer = None
 
     def _start_timer(self) -> None:
         """A timer for a deadline still pending once the data at hand is read (see ``__init__``)."""
@@ -231,9 +222,14 @@ class HttpConnection(HttpToolsProtocol):
             self._timer = self.loop.call_at(self._deadline_at, self._expired)
 
     def _expired(self) -> None:
-        self._deadline_at = self._timer = None
+        self._timer = None
         if self.transport.is_closing():
             return
+        if not self._graced and self.transport.unread():
+            # a loop stalled past the deadline runs due timers before it reads: what came is read first (once)
+            self._graced, self._timer = True, self.loop.call_later(GRACE_S, self._expired)
+            return
+        self._deadline_at = None
         if self._in_headers:
             self._refuse(408, f"request headers not received within {self.header_timeout_s:g} s")
         else:  # the app is reading the body: closing makes its receive() report a disconnect
@@ -257,10 +253,8 @@ class _Transport:
     Everything else is the transport's own."""
 
     def __init__(self, transport: asyncio.Transport, protocol: HttpConnection) -> None:
-        self._transport = transport
-        self._protocol = protocol
-        self._lingering = False
-        self._head: bytes | None = None
+        self._transport, self._protocol = transport, protocol
+        self._lingering, self._head = False, None  # the held response head (bytes), if any
 
     def write(self, data: bytes) -> None:
         if self._head is not None:  # one writev, no copy of the body
@@ -292,6 +286,12 @@ class _Transport:
         t.write_eof()  # after the response already written: the client reads it, then end of stream
         t.resume_reading()  # flow control may have paused reading while the body was not consumed
         p.loop.call_later(LINGER_S, t.close)
+
+    def unread(self) -> bool:
+        """Whether bytes not yet read wait in the socket (none when it is closed)."""
+        with contextlib.suppress(AttributeError, OSError):
+            return fcntl.ioctl(self.get_extra_info("socket").fileno(), termios.FIONREAD, bytes(4)) != bytes(4)
+        return False
 
     def is_closing(self) -> bool:
         return self._lingering or self._transport.is_closing()
