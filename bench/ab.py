@@ -5,7 +5,8 @@
 
 Each directory is a checkout (``git worktree add /tmp/before <commit>``); each serves the same artifact from its
 own code (``PYTHONPATH`` = the checkout), both run at once, and every phase (V2 binary, /v1 binary, /v1 JSON on
-[8,128,E] with 1 client; V2 binary on 32 x [1,16,E]; gRPC on both) alternates between them, ``--rounds`` times. Printed per
+[8,128,E] with 1 client; V2 binary on [1,128,E] with 1 client and 32 x [1,16,E]; gRPC on [8,128,E] and 32 x
+[1,16,E]) alternates between them, ``--rounds`` times. Printed per
 phase and side: the median throughput, the server process's CPU per request and its event-loop thread's, from
 the OS; then each after/before ratio taken per round, median (the sides swap order every round). ``--env``
 settings apply to the after side only (say ADDNORM_ACCESS_LOG=false); ``--only`` keeps the phases whose name
@@ -90,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     name, e = (m := Manifest.load(args.artifact)).name, m.config.d_model
     rng = np.random.default_rng(0)
-    big, small = (rng.standard_normal(s).astype(np.float32) for s in ((8, 128, e), (1, 16, e)))
+    big, mid, small = (
+        rng.standard_normal(s).astype(np.float32) for s in ((8, 128, e), (1, 128, e), (1, 16, e))
+    )
 
     def http(build: Callable[[int], bytes], clients: int) -> Callable[[int, int], LoadResult]:
         return lambda port, grpc_port: run_load(HOST, port, build(port), clients, args.seconds)
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
     phases = {
         f"V2 binary [8,128,{e}], 1 client": http(lambda port: v2_request(port, name, big), 1),
+        f"V2 binary [1,128,{e}], 1 client": http(lambda port: v2_request(port, name, mid), 1),
         f"/v1 binary [8,128,{e}], 1 client": http(lambda port: v1_binary_request(port, big), 1),
         f"/v1 JSON [8,128,{e}], 1 client": http(lambda port: json_request(port, "/v1/encode", big), 1),
         f"V2 binary {CLIENTS} clients x [1,16,{e}]": http(

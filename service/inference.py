@@ -26,7 +26,18 @@ from service.registry import ServingModel
 from service.state import KnownModels
 from service.tracing import TRACING, Carrier, RequestSpan
 
-OFFLOAD_BYTES = 256 * 1024  # below this, decoding or encoding is cheaper than a thread hop
+# A codec step's work is counted in bytes of JSON text (parsing 256 KB of it: 1.5-2 ms here). Up to OFFLOAD_BYTES it
+# runs on the event loop, beyond it in a worker thread (a hop costs 0.2-0.4 ms). A raw tensor byte (binary data,
+# copied and checked) is 40-140x less work than a JSON byte, counted as 1/RAW_SHARE; a float32 byte written as JSON,
+# about 1 (docs/benchmarks.md, "Which codec steps leave the event loop").
+OFFLOAD_BYTES = 256 * 1024
+RAW_SHARE = 16
+
+
+def work(text: int = 0, raw: int = 0) -> int:
+    """A codec step's work for ``offload``: ``text`` bytes of JSON read or float32 bytes written as JSON, ``raw``
+    bytes of binary tensor data."""
+    return text + raw // RAW_SHARE
 
 
 class Decoded(Protocol):
@@ -89,20 +100,20 @@ class Codec(Protocol[P, R, T]):
     """A protocol's reading and writing of one request, made by its route from what the transport says of it
     (headers, query, path: the media types, the model named, an output asked for). ``decode`` reads the payload
     against its model's manifest, which it gets from ``resolve`` (by the name the payload or the call gives);
-    ``encode`` writes that model's outputs. Either may raise the domain errors (errors.py)."""
+    ``encode`` writes that model's outputs. Either may raise the domain errors (errors.py). ``decode_work`` and
+    ``encode_work`` say how much work each is (``work``): above ``OFFLOAD_BYTES`` it leaves the event loop."""
 
-    encode_cost: int  # bytes of work encoding one output byte is (JSON's text: about 3), for ``offload``
+    def decode_work(self, payload: P) -> int: ...
+
+    def encode_work(self, req: R, nbytes: int) -> int: ...  # ``nbytes``: the outputs' float32 bytes
 
     def decode(self, payload: P, resolve: Resolve) -> R: ...
 
     def encode(self, req: R, model: ServingModel, outputs: Outputs) -> T: ...
 
 
-async def run(
-    loaded: KnownModels, call: Call, codec: Codec[P, R, T], payload: P, size: int
-) -> tuple[T, Timings]:
-    """Decode ``payload`` (``size`` bytes) with ``codec``, queue on the model's batcher, encode: ``(encoded,
-    timings)``. The model the payload is decoded against is the one that serves it (looked up once; a model
+async def run(loaded: KnownModels, call: Call, codec: Codec[P, R, T], payload: P) -> tuple[T, Timings]:
+    """Decode ``payload`` with ``codec``, queue on the model's batcher, encode: ``(encoded, timings)``. The model the payload is decoded against is the one that serves it (looked up once; a model
     swapped by model control meanwhile serves it to its end).
 
     Raises the domain errors of each step (errors.CODES maps them for every transport).
@@ -110,14 +121,14 @@ async def run(
     try:
         with TRACING.request(call.protocol, call.carrier) as span:
             if call.named is None:  # the payload names it: reading and decoding count as its input stage
-                req, model = await _decode_unnamed(loaded, codec, payload, size)
+                req, model = await _decode_unnamed(loaded, codec, payload)
                 with model.request(call.started) as timer:
                     return await _serve(loaded, call, model, req, timer, span, codec)
             # The model is counted in flight from the moment it is looked up (no await between the two), so
             # the registry stops a replaced or unloaded one only after its last request (service/registry.py).
             model = loaded.models.get(call.named)
             with model.request(call.started) as timer:  # a failed decode counts
-                req = await offload(size, codec.decode, payload, lambda _name: model)
+                req = await offload(codec.decode_work(payload), codec.decode, payload, lambda _name: model)
                 return await _serve(loaded, call, model, req, timer, span, codec)
     finally:
         if call.watch is not None:
@@ -136,14 +147,12 @@ class _FirstLookup:
         return self.model
 
 
-async def _decode_unnamed(
-    loaded: KnownModels, codec: Codec[P, R, T], payload: P, size: int
-) -> tuple[R, ServingModel]:
+async def _decode_unnamed(loaded: KnownModels, codec: Codec[P, R, T], payload: P) -> tuple[R, ServingModel]:
     """A payload that names its own model: decoded against the model its name resolves to, and that model, the
     one serving now (decoded again in the rare case model control swapped it during the decode)."""
     while True:
         lookup = _FirstLookup(loaded)
-        req = await offload(size, codec.decode, payload, lookup)
+        req = await offload(codec.decode_work(payload), codec.decode, payload, lookup)
         model = loaded.models.get(getattr(req, "model", None))
         if lookup.model is None or lookup.model is model:
             return req, model
@@ -165,7 +174,7 @@ async def _serve(
     span.ran(timings)
     nbytes = sum(out.nbytes for out in outputs.values())
     with span.encoding():
-        return await offload(nbytes * codec.encode_cost, codec.encode, req, model, outputs), timings
+        return await offload(codec.encode_work(req, nbytes), codec.encode, req, model, outputs), timings
 
 
 def deadline(loaded: KnownModels, call: Call, req: Decoded) -> float:
@@ -205,9 +214,10 @@ async def _queue(
     return outputs, timings
 
 
-async def offload(nbytes: int, fn: Callable[..., T], *args: object) -> T:
-    """Run a CPU-bound codec step in a worker thread when it is big enough to stall the event loop."""
-    if nbytes <= OFFLOAD_BYTES:
+async def offload(amount: int, fn: Callable[..., T], *args: object) -> T:
+    """Run a CPU-bound codec step of ``amount`` work (``work``) in a worker thread when it is big enough to stall
+    the event loop."""
+    if amount <= OFFLOAD_BYTES:
         return fn(*args)
     try:
         return await run_in_threadpool(fn, *args)

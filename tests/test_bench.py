@@ -359,3 +359,27 @@ def test_int8_profile_sums_each_operators_kernel_time_per_run(tmp_path):
     # no comparison of the two times: the profiled warm-up runs count in ms, not in wall (a slow first run on a
     # busy machine put ms above wall once); tests never gate on a time
     assert op == "Relu" and count == 2 and ms > 0 and wall > 0 and not rest
+
+
+def test_codec_cost_times_every_codec_and_says_which_steps_leave_the_loop(tiny_artifact, capsys):
+    """bench.codec_cost on the tiny artifact: a row per codec and shape, with the work service.inference counts
+    and offload's verdict; at [8,1024,32] (1 MiB of float32) JSON leaves the loop both ways and raw data stays."""
+    from bench import codec_cost
+
+    assert (
+        codec_cost.main(["--artifact", str(tiny_artifact), "--shapes", "1,4", "8,1024", "--runs", "5"]) == 0
+    )
+    out = capsys.readouterr().out
+    rows = {
+        tuple(c.strip() for c in line.split("|")[1:3]): line.split("|")[3:9]
+        for line in out.splitlines()
+        if line.startswith("| [")
+    }
+    assert len(rows) == 10, out
+    for codec in ("V2 binary", "V2 JSON", "/v1 raw", "/v1 JSON", "gRPC raw"):
+        decode_ms, decode_work, decode_off, encode_ms, encode_work, encode_off = rows[("[8,1024,32]", codec)]
+        assert float(decode_ms) > 0 and float(encode_ms) > 0
+        json_codec = "JSON" in codec
+        assert (decode_off.strip(), encode_off.strip()) == ((str(json_codec),) * 2), (codec, out)
+        assert int(encode_work) == (2**20 if json_codec else 2**20 // 16)
+    assert "thread hop (run_in_threadpool, uvloop): median" in out

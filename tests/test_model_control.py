@@ -313,10 +313,11 @@ def test_control_settings_that_cannot_work_are_refused_at_start(tmp_path, versio
 def test_a_model_swapped_while_a_large_body_is_decoded_decodes_and_serves_it_with_one_version(
     tmp_path, versions, monkeypatch, protocol
 ):
-    """A body over inference.OFFLOAD_BYTES is decoded in a worker thread; version 2 is loaded (a verified swap)
-    while that decode is held. The request is decoded against the model that then serves it: V2 names the model
-    in its path, looked up once before the body is read (version 1's manifest decodes it and version 1 serves it
-    to its end); /v1 names it in its payload, looked up by the decode itself (version 2, after the swap)."""
+    """A body of more work than inference.OFFLOAD_BYTES (2.6 MB of JSON) is decoded in a worker thread; version 2
+    is loaded (a verified swap) while that decode is held. The request is decoded against the model that then
+    serves it: V2 names the model in its path, looked up once before the body is read (version 1's manifest
+    decodes it and version 1 serves it to its end); /v1 names it in its payload, looked up by the decode itself
+    (version 2, after the swap)."""
     from fastapi.testclient import TestClient
 
     from service import create_app, inference
@@ -326,7 +327,7 @@ def test_a_model_swapped_while_a_large_body_is_decoded_decodes_and_serves_it_wit
     from tests.helpers import wait_until_ready
 
     repo = repository(tmp_path, versions, "1")
-    x = np.random.default_rng(3).standard_normal((1, 4096, E)).astype(np.float32)  # 512 KiB: decoded off-loop
+    x = np.random.default_rng(3).standard_normal((1, 4096, E)).astype(np.float32)  # as JSON: decoded off-loop
     held, release, manifests = threading.Event(), threading.Event(), []
     module, attr = (v2_codec, "decode_infer") if protocol == "v2" else (v1_codec, "decode")
     real = getattr(module, attr)
@@ -355,17 +356,12 @@ def test_a_model_swapped_while_a_large_body_is_decoded_decodes_and_serves_it_wit
         def send() -> None:
             if protocol == "v2":
                 tensor = {"name": "embeddings", "shape": list(x.shape), "datatype": "FP32"}
-                tensor["parameters"] = {"binary_data_size": x.nbytes}
-                header = json.dumps({"inputs": [tensor]}).encode()
                 r = client.post(
-                    "/v2/models/encoder/infer",
-                    content=header + x.tobytes(),
-                    headers={"Inference-Header-Content-Length": str(len(header))},
+                    "/v2/models/encoder/infer", json={"inputs": [{**tensor, "data": x.ravel().tolist()}]}
                 )
                 answer.update(status=r.status_code, doc=r.json() if r.status_code == 200 else r.text)
             else:
-                headers = {"content-type": "application/octet-stream", "x-shape": "1,4096,32"}
-                r = client.post("/v1/encode", content=x.tobytes(), headers=headers)
+                r = client.post("/v1/encode", json={"embeddings": x[0].tolist()})
                 answer.update(status=r.status_code, doc=r.json() if r.status_code == 200 else r.text)
 
         sender = threading.Thread(target=send)

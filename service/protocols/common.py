@@ -153,6 +153,15 @@ def parse_json(body: bytes, max_elements: int) -> object:
         raise BadInput(f"malformed JSON: {exc}{hint}") from None
 
 
+def timeout_param(value: object) -> float | None:
+    """V2's ``timeout`` parameter (tritonclient's, microseconds) in seconds, over HTTP and gRPC."""
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise BadInput(f"parameters.timeout must be a positive integer (microseconds), got {quote(value)}")
+    return value / 1e6
+
+
 def check_batch(x: np.ndarray, mask: np.ndarray | None, d_model: int, max_elements: int) -> None:
     """What every decoded request must be: (B, S, d_model), within the size limit, finite, mask (B, S)."""
     if x.ndim != 3:

@@ -17,6 +17,7 @@ import orjson
 
 from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, positional
 from service.errors import BadInput, NotAcceptable, UnsupportedMediaType, quote
+from service.inference import work
 from service.merging import Outputs
 from service.protocols.common import check_batch, holds_literal, parse_json
 from service.protocols.v1 import binary
@@ -152,8 +153,7 @@ def _checked_numeric(arr: np.ndarray, what: str) -> np.ndarray:
     if arr.dtype.kind not in "iuf":
         raise BadInput(f"{what} must hold only numbers, found {_kind_name(arr.dtype)}")
     with np.errstate(over="ignore"):
-        out = arr.astype(np.float32)
-    return out
+        return arr.astype(np.float32)
 
 
 def _decode_mask(mask_data: object) -> np.ndarray | None:
@@ -172,9 +172,8 @@ def _decode_mask(mask_data: object) -> np.ndarray | None:
     return mask
 
 
-Result = (
-    np.ndarray | list[np.ndarray]
-)  # one request's rows of an output: a tensor, or one per ragged sequence
+# one request's rows of an output: a tensor, or one per ragged sequence
+Result = np.ndarray | list[np.ndarray]
 
 
 def encode_json(results: dict[str, Result], model: str) -> bytes:
@@ -209,7 +208,7 @@ def decode(
     model: str | None = None,
 ) -> EncodeRequest:
     """Decode a /v1 body by its media type (JSON when none is given); ``model``: the name the query gave."""
-    media = (content_type or JSON).split(";")[0].strip().lower()
+    media = media_type(content_type)
     headers = headers or {}
     # curl -d sends application/x-www-form-urlencoded unless told otherwise: read it as the JSON it is.
     if media in (JSON, "text/json", "text/plain", "application/x-www-form-urlencoded", ""):
@@ -226,6 +225,11 @@ def decode(
     mask = binary.lengths_mask(headers.get(binary.LENGTHS_HEADER), x.shape) if x.ndim == 3 else None
     check_batch(x, mask, _width(d_model, model), max_elements)
     return EncodeRequest(x, mask, squeeze=squeeze, model=model)
+
+
+def media_type(content_type: str) -> str:
+    """A Content-Type's media type, lower case, without parameters (JSON when none is given)."""
+    return (content_type or JSON).split(";")[0].strip().lower()
 
 
 def negotiate(accept: str | None) -> str:
@@ -279,7 +283,12 @@ class EncodeCodec:
     media: str
     output: str | None
     max_elements: int
-    encode_cost: int = 3  # JSON's text: about 3 bytes of work per output byte
+
+    def decode_work(self, body: bytes) -> int:
+        return work(raw=len(body)) if media_type(self.content_type) in (OCTET, NPY) else work(len(body))
+
+    def encode_work(self, req: EncodeRequest, nbytes: int) -> int:
+        return work(nbytes) if self.media == JSON else work(raw=nbytes)
 
     def decode(self, body: bytes, resolve: Resolve) -> EncodeRequest:
         d_model = lambda name: resolve(name).engine.d_model  # noqa: E731

@@ -74,7 +74,7 @@ async def handle_encode(request: Request, loaded: KnownModels, params: dict[str,
     how = codec.EncodeCodec(content_type, request.headers, named, media, output, settings.max_elements)
     # The model is named in the payload (or ?model=), so reading and decoding count as its input stage.
     call = http_call(request, "v1", start)
-    (payload, headers), timings = await inference.run(loaded, call, how, body, len(body))
+    (payload, headers), timings = await inference.run(loaded, call, how, body)
     headers.update(timing_headers(timings, time.perf_counter() - start))
     return Response(payload, media_type=media, headers=headers)
 

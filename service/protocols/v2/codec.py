@@ -3,11 +3,12 @@
 Request: a JSON header ``{"id", "parameters", "inputs": [{"name", "shape", "datatype", "data" | parameters
 .binary_data_size}], "outputs": [{"name", "parameters": {"binary_data": bool}}]}``, optionally followed by
 raw tensor bytes; the header's length is then given in ``Inference-Header-Content-Length``. Binary tensors are
-read with ``np.frombuffer`` (no copy, no Python lists) and written with ``tobytes``.
+read with ``np.frombuffer`` (no copy, no Python lists) and copied once into the answer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +20,9 @@ import orjson
 from model.artifact import Manifest
 from model.contract import EMBEDDINGS, MASK, client_inputs
 from service.errors import BadInput, TooLarge, quote
+from service.inference import work
 from service.merging import Outputs
+from service.protocols import common
 from service.protocols.common import check_batch, holds_literal, json_bool, json_object, parse_json
 
 if TYPE_CHECKING:
@@ -93,7 +96,7 @@ def decode_infer(
         embeddings=x,
         mask=mask,
         outputs=_requested_outputs(doc.get("outputs"), params, [s.name for s in manifest.outputs]),
-        timeout_s=timeout_param(params.get("timeout")),
+        timeout_s=common.timeout_param(params.get("timeout")),
         parameters=params,
     )
 
@@ -201,9 +204,8 @@ def _requested_outputs(outputs: object, params: dict, names: list[str]) -> list[
     for i, entry in enumerate(outputs):
         out, name = _named(entry, f"outputs[{i}]", "output", names, [c.name for c in chosen])
         p = json_object(out, "parameters", f"outputs[{i}]")
-        chosen.append(
-            RequestedOutput(name, json_bool(p, "binary_data", f"outputs[{i}].parameters", default_binary))
-        )
+        binary = json_bool(p, "binary_data", f"outputs[{i}].parameters", default_binary)
+        chosen.append(RequestedOutput(name, binary))
     return chosen
 
 
@@ -239,15 +241,6 @@ def _request_id(value: object) -> str | None:
     return value
 
 
-def timeout_param(value: object) -> float | None:
-    """tritonclient's ``timeout`` parameter (microseconds) in seconds; the gRPC codec reads it here too."""
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise BadInput(f"parameters.timeout must be a positive integer (microseconds), got {quote(value)}")
-    return value / 1e6
-
-
 def encode_infer(
     req: InferRequest, model: str, results: Outputs, version: str = "1"
 ) -> tuple[bytes, dict[str, str]]:
@@ -256,10 +249,9 @@ def encode_infer(
     for out in req.outputs:
         tensor = np.ascontiguousarray(results[out.name], dtype="<f4")
         entry: dict = {"name": out.name, "datatype": "FP32", "shape": list(tensor.shape)}
-        if out.binary:
-            blob = tensor.tobytes()
-            entry["parameters"] = {"binary_data_size": len(blob)}
-            blobs.append(blob)
+        if out.binary:  # copied once, into the answer
+            entry["parameters"] = {"binary_data_size": tensor.nbytes}
+            blobs.append(memoryview(tensor).cast("B"))
         else:
             entry["data"] = tensor.ravel()  # orjson writes the numpy array directly
         outputs.append(entry)
@@ -287,7 +279,15 @@ class InferCodec:
     name: str
     header_length: str | None
     max_elements: int
-    encode_cost: int = 1
+
+    def decode_work(self, body: bytes) -> int:
+        with contextlib.suppress(BadInput):  # else the decode refuses it at once
+            header, binary = split_body(body, self.header_length)
+            return work(len(header), len(binary))
+        return 0
+
+    def encode_work(self, req: InferRequest, nbytes: int) -> int:
+        return work(raw=nbytes) if all(out.binary for out in req.outputs) else work(nbytes)
 
     def decode(self, body: bytes, resolve: Resolve) -> InferRequest:
         return decode_infer(body, self.header_length, resolve(self.name).engine.manifest, self.max_elements)

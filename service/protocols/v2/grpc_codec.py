@@ -18,7 +18,9 @@ from google.protobuf.message import Message
 from model.artifact import Manifest
 from model.contract import client_inputs
 from service.errors import BadInput
+from service.inference import work
 from service.merging import Outputs
+from service.protocols.common import timeout_param
 from service.protocols.v2 import codec
 from service.protocols.v2 import inference_pb2 as pb
 
@@ -83,7 +85,7 @@ def _timeout(req: pb.ModelInferRequest) -> float | None:
     if "timeout" not in req.parameters:
         return None
     param = req.parameters["timeout"]
-    return codec.timeout_param(getattr(param, param.WhichOneof("parameter_choice") or "int64_param"))
+    return timeout_param(getattr(param, param.WhichOneof("parameter_choice") or "int64_param"))
 
 
 # ModelInferResponse's field 6, raw_output_contents (repeated bytes): its tag, length-delimited wire type
@@ -129,7 +131,15 @@ class GrpcInferCodec:
 
     name: str
     max_elements: int
-    encode_cost: int = 1
+
+    def decode_work(self, request: pb.ModelInferRequest) -> int:
+        raw = sum(
+            map(len, request.raw_input_contents)
+        )  # typed contents count as text: read element by element
+        return work(request.ByteSize() - raw, raw)
+
+    def encode_work(self, req: codec.InferRequest, nbytes: int) -> int:
+        return work(raw=nbytes)
 
     def decode(self, request: pb.ModelInferRequest, resolve: Resolve) -> codec.InferRequest:
         return decode_infer(request, resolve(self.name).engine.manifest, self.max_elements)

@@ -107,7 +107,7 @@ class InferenceService:
 
         call = inference.Call("grpc", named=name, deadline_s=context.time_remaining(), carrier=carrier)
         how = grpc_codec.GrpcInferCodec(name, loaded.settings.max_elements)
-        answer, _ = await inference.run(loaded, call, how, request, request.ByteSize())
+        answer, _ = await inference.run(loaded, call, how, request)
         return answer
 
     async def ModelStatistics(

@@ -200,7 +200,7 @@ async def handle_infer(request: Request, loaded: KnownModels, params: dict[str, 
     body = await read_body(request, settings.max_body_bytes)
     how = codec.InferCodec(name, request.headers.get(codec.HEADER_LENGTH), settings.max_elements)
     call = http_call(request, "v2", start, named=name)
-    (payload, headers), timings = await inference.run(loaded, call, how, body, len(body))
+    (payload, headers), timings = await inference.run(loaded, call, how, body)
     headers.update(timing_headers(timings, time.perf_counter() - start))
     return Response(payload, headers=headers, media_type=headers.pop("Content-Type"))
 
