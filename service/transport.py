@@ -3,9 +3,9 @@
 uvicorn alone lets a client hold a connection forever by trickling its headers or body a byte at a time (its
 keep-alive timer only runs between requests, and any byte cancels it), and answers its own refusals in plain text.
 Here every connection must deliver its headers within ``header_timeout_s`` and its body within ``body_timeout_s``
-(else 408 and the connection is closed; a deadline that fires with the request's bytes unread in the socket, as a
-stalled loop's does, lets them be read first), connections beyond ``max_connections`` get a JSON 503 at once, and a
-request uvicorn cannot parse gets a JSON 400. Idle keep-alive connections close after ``keep_alive_s``.
+(else 408 and the connection is closed), connections beyond ``max_connections`` get a JSON 503 at once, and a
+request uvicorn cannot parse gets a JSON 400. Idle keep-alive connections close after ``keep_alive_s``. A deadline
+or keep-alive timer that fires with bytes unread in the socket (a stalled loop runs its timers first) lets them be read.
 A connection closed while its request body is still arriving (a 413 answered before the body was read) closes
 lingering: the answer is sent, the write side is shut, and what still arrives is discarded for up to ``LINGER_S``
 (closed at once, the unread data makes the kernel reset the connection, and a client still writing loses its 413).
@@ -14,8 +14,8 @@ request before it. ``Upgrade`` (websocket, h2c) is never handed off: the request
 connection closes after it (one with a body gets a JSON 400: the parser gives the body to the other protocol).
 A transfer coding other than ``chunked`` gets a 400 (RFC 9112 6.1 suggests 501; every bad request here is a 4xx).
 A client that half-closes (``shutdown(SHUT_WR)``) is gone, as nginx and Go take it: its queued requests are dropped
-unrun (499). A head or a chunked body's trailer section longer than ``MAX_HEAD_BYTES`` gets a JSON 431 (a 400);
-trailer fields are read and dropped (RFC 9110 6.5.1: never merged into the header section; no decision sees one).
+unrun (499). A head or a chunked trailer section over ``MAX_HEAD_BYTES`` gets a JSON 431 (a 400); trailer fields
+are dropped (RFC 9110 6.5.1: never merged into the header section).
 Each request's scope carries a ``Disconnect`` (key ``DISCONNECT``) that the connection fires when its client goes
 away, so a handler waiting for a model run is cancelled without a task of its own watching ``receive()``.
 ``addnorm-serve`` passes ``HttpConnection`` to uvicorn (``http=``); worker processes read the same ADDNORM_* settings.
@@ -78,9 +78,8 @@ class HttpConnection(HttpToolsProtocol):
         self._reading = True  # False once the input can no longer be parsed (an error, an upgrade's tail)
         self._refusal: tuple[int, str] | None = None  # what a parser callback refused the request with
         self._deferred: tuple[int, str] | None = None  # a refusal waiting for the answers before it
-        # The current request's head so far: ``_head_fields`` its parsed parts exactly (URL, complete fields), and
-        # ``_head_raw`` the bytes read for it while it was unfinished (a field not yet complete included: the
-        # parser holds those); ``_trailer_bytes`` its trailer section's fields.
+        # The current request's head so far: its parsed parts exactly (URL, complete fields), the bytes read for it
+        # while unfinished (with a field the parser still holds), and its trailer section's fields.
         self._head_fields = self._head_raw = self._trailer_bytes = 0
         self._began = False  # a request began during the read being parsed
         self.head_refused = False  # refused before its head ended: the client may still be sending it
@@ -90,8 +89,7 @@ class HttpConnection(HttpToolsProtocol):
         self.transport = _Transport(transport, self)  # what uvicorn's request cycles write to and close
         if self.max_connections is not None and len(self.connections) > self.max_connections:
             msg = f"server is at its connection limit ({self.max_connections}: ADDNORM_MAX_CONNECTIONS)"
-            self._refuse(503, msg, retry_after=1)
-            return
+            return self._refuse(503, msg, retry_after=1)
         self._arm(self.header_timeout_s, headers=True)
         self._start_timer()
 
@@ -194,11 +192,10 @@ class HttpConnection(HttpToolsProtocol):
                 self.pipeline.popleft()
                 self._unanswered.pop()
             wait, self.in_body = queued and bool(self._unanswered), False  # running: nothing before it waits
-        if wait:
-            self._deferred = (status, message)
-            self._disarm()
-            return
-        self._refuse(status, message)
+        if not wait:
+            return self._refuse(status, message)
+        self._deferred = (status, message)
+        self._disarm()
 
     def _should_upgrade(self) -> bool:
         return False  # no protocol switch, ever: the request is answered as HTTP (uvicorn would hand it off)
@@ -233,17 +230,20 @@ class HttpConnection(HttpToolsProtocol):
         if self._in_headers:
             self._refuse(408, f"request headers not received within {self.header_timeout_s:g} s")
         else:  # the app is reading the body: closing makes its receive() report a disconnect
-            self.logger.info(
-                "closing a connection whose body did not arrive within %g s", self.body_timeout_s
-            )
+            self.logger.info("closing connection whose body did not arrive within %g s", self.body_timeout_s)
             self.transport.close()
 
     def _refuse(self, status: int, message: str, retry_after: int | None = None) -> None:
         self._disarm()
-        if self.transport.is_closing():  # already answered and closed (a response without keep-alive)
-            return
-        self.transport.write(raw_error(status, message, retry_after))
-        self.transport.close()
+        if (
+            not self.transport.is_closing()
+        ):  # else already answered and closed (a response without keep-alive)
+            self.transport.write(raw_error(status, message, retry_after))
+            self.transport.close()
+
+    def timeout_keep_alive_handler(self) -> None:
+        if not self.transport.unread():  # else the next request came and a stalled loop has yet to read it
+            super().timeout_keep_alive_handler()
 
 
 class _Transport:

@@ -292,7 +292,7 @@ def test_a_transfer_coding_other_than_chunked_is_refused(strict_server):
 @pytest.fixture
 def stallable_server(monkeypatch):
     """``HttpConnection`` in this process on its own uvloop loop in a thread, serving a one-line ASGI app, with a
-    1 s header and body deadline: the test can stall its loop (``loop.call_soon_threadsafe(time.sleep, s)``)."""
+    1 s header and body deadline and keep-alive: a test can stall its loop (``_stall``)."""
     import uvicorn
     import uvloop
 
@@ -309,7 +309,10 @@ def stallable_server(monkeypatch):
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, http=HttpConnection, lifespan="off", log_level="warning"))
+    config = uvicorn.Config(
+        app, http=HttpConnection, lifespan="off", log_level="warning", timeout_keep_alive=1
+    )
+    server = uvicorn.Server(config)
     loop = uvloop.new_event_loop()
     thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(sockets=[sock]),))
     thread.start()
@@ -323,17 +326,21 @@ def stallable_server(monkeypatch):
         sock.close()
 
 
-@pytest.mark.parametrize("stage", ["headers", "body"])
+@pytest.mark.parametrize("stage", ["headers", "body", "keep-alive"])
 def test_a_request_that_came_while_the_loop_stalled_is_read_before_its_deadline(stallable_server, stage):
     """A loop stalled past a connection's deadline runs its due timers before it reads the socket: the request
-    that arrived meanwhile, in time, was refused 408 (headers) or cut off (body) unread. Seen once in CI as a
-    fuzz case's 408 on a loaded machine; here the stall is made on purpose (1.5 s, the deadlines 1 s)."""
+    that arrived meanwhile, in time, was refused 408 (headers), cut off (body) or dropped by the idle keep-alive
+    close (the next request on a kept connection), unread. Seen once in CI as a fuzz case's 408 on a loaded
+    machine; here the stall is made on purpose (1.5 s, the deadlines and keep-alive 1 s)."""
     loop, port = stallable_server
     body = b'{"x": 1}'
     head = b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
     s = socket.create_connection(("127.0.0.1", port), timeout=GENEROUS_S)
     if stage == "body":  # the headers are read at once: the body's deadline is the one running
         s.sendall(head)
+    if stage == "keep-alive":  # answered, the connection kept: its idle timer is the one running
+        s.sendall(head + body)
+        assert _read_all_until(s, b"ok").startswith(b"HTTP/1.1 200 ")
     time.sleep(0.3)  # accepted (and the headers read): the deadline is armed
     stall, wake = socket.socketpair()
     loop.call_soon_threadsafe(loop.add_reader, stall.fileno(), _stall, loop, stall)
@@ -342,6 +349,8 @@ def test_a_request_that_came_while_the_loop_stalled_is_read_before_its_deadline(
     time.sleep(0.3)  # stalled now
     s.sendall(body if stage == "body" else head + body)
     answer = _read_all_until(s, b"ok")
+    for sock in (s, stall, wake):
+        sock.close()
     assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"ok"), answer
 
 
