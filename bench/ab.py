@@ -6,11 +6,11 @@
 Each directory is a checkout (``git worktree add /tmp/before <commit>``); each serves the same artifact from its
 own code (``PYTHONPATH`` = the checkout), both run at once, and every phase (V2 binary, /v1 binary, /v1 JSON on
 [8,128,E] with 1 client; V2 binary on [1,128,E] with 1 client and 32 x [1,16,E]; gRPC on [8,128,E] and 32 x
-[1,16,E]) alternates between them, ``--rounds`` times. Printed per
-phase and side: the median throughput, the server process's CPU per request and its event-loop thread's, from
-the OS; then each after/before ratio taken per round, median (the sides swap order every round). ``--env``
-settings apply to the after side only (say ADDNORM_ACCESS_LOG=false); ``--only`` keeps the phases whose name
-contains the text (``--only clients``: the 32-client phase alone, for more rounds in the same time).
+[1,16,E]) alternates between them, ``--rounds`` times. Printed per phase and side: the median throughput, the
+server process's CPU per request and its event-loop thread's, from the OS; then each after/before ratio taken per
+round, median (the sides swap order every round). ``--env`` settings apply to the after side only (say
+ADDNORM_ACCESS_LOG=false); ``--only`` keeps the phases whose name contains the text (``--only clients``: the
+32-client phases alone, for more rounds in the same time).
 """
 
 from __future__ import annotations
