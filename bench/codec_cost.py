@@ -26,6 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from bench.server import ROOT
 from model.artifact import Manifest
 from model.contract import EMBEDDINGS, ENCODED
+from model.runtime import cpu_flags
 from service.inference import OFFLOAD_BYTES
 from service.protocols.v1 import codec as v1
 from service.protocols.v2 import codec as v2
@@ -125,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     m = Manifest.load(args.artifact)
     rng = np.random.default_rng(0)
+    print(f"{m.name}, d_model {m.config.d_model}; CPU flags: {' '.join(sorted(cpu_flags())) or 'unknown'}\n")
     print("| request | codec | decode ms | work | off the loop | encode ms | work | off the loop |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for shape in args.shapes:

@@ -382,4 +382,4 @@ def test_codec_cost_times_every_codec_and_says_which_steps_leave_the_loop(tiny_a
         json_codec = "JSON" in codec
         assert (decode_off.strip(), encode_off.strip()) == ((str(json_codec),) * 2), (codec, out)
         assert int(encode_work) == (2**20 if json_codec else 2**20 // 16)
-    assert "thread hop (run_in_threadpool, uvloop): median" in out
+    assert "thread hop (run_in_threadpool, uvloop): median" in out and "CPU flags: " in out
