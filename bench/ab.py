@@ -5,12 +5,12 @@
 
 Each directory is a checkout (``git worktree add /tmp/before <commit>``); each serves the same artifact from its
 own code (``PYTHONPATH`` = the checkout), both run at once, and every phase (V2 binary, /v1 binary, /v1 JSON on
-[8,128,E] with 1 client; V2 binary on [1,128,E] with 1 client and 32 x [1,16,E]; gRPC on [8,128,E] and 32 x
-[1,16,E]) alternates between them, ``--rounds`` times. Printed per phase and side: the median throughput, the
-server process's CPU per request and its event-loop thread's, from the OS; then each after/before ratio taken per
-round, median (the sides swap order every round). ``--env`` settings apply to the after side only (say
-ADDNORM_ACCESS_LOG=false); ``--only`` keeps the phases whose name contains the text (``--only clients``: the
-32-client phases alone, for more rounds in the same time).
+[8,128,E] with 1 client; V2 binary on [1,128,E] with 1 client and 32 x [1,16,E]; /v1 JSON on 32 x [1,16,E];
+gRPC on [8,128,E] and 32 x [1,16,E]) alternates between them, ``--rounds`` times. Printed per phase and side:
+the median throughput, the server process's CPU per request and its event-loop thread's, from the OS; then each
+after/before ratio taken per round, median (the sides swap order every round). ``--env`` settings apply to the
+after side only (say ADDNORM_ACCESS_LOG=false); ``--only`` keeps the phases whose name contains the text
+(``--only clients``: the 32-client phases alone, for more rounds in the same time).
 """
 
 from __future__ import annotations
@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         f"/v1 JSON [8,128,{e}], 1 client": http(lambda port: json_request(port, "/v1/encode", big), 1),
         f"V2 binary {CLIENTS} clients x [1,16,{e}]": http(
             lambda port: v2_request(port, name, small), CLIENTS
+        ),
+        f"/v1 JSON {CLIENTS} clients x [1,16,{e}]": http(
+            lambda port: json_request(port, "/v1/encode", small), CLIENTS
         ),
         f"gRPC [8,128,{e}], 1 client": grpc(big, 1),
         f"gRPC {CLIENTS} clients x [1,16,{e}]": grpc(small, CLIENTS),

@@ -306,7 +306,7 @@ def test_ab_compares_two_checkouts_phase_by_phase(tiny_artifact, capsys):
     args = [str(ROOT), str(ROOT), "--artifact", str(tiny_artifact), "--seconds", "0.2", "--rounds", "2"]
     assert ab.main([*args, "--only", "clients"]) == 0
     out = capsys.readouterr().out
-    assert "32 clients" in out and "/v1 JSON" not in out
+    assert "/v1 JSON 32 clients" in out and "/v1 JSON [8,128" not in out
 
 
 def test_limits_alternate_in_process_with_each_server(tiny_artifact):

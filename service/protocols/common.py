@@ -141,8 +141,8 @@ def parse_json(body: bytes, max_elements: int) -> object:
     if not body:
         raise BadInput("request body is empty; send a JSON object")
     # Refuse oversized arrays before building millions of Python floats: a dense array of N values has N - 1
-    # commas, and a mask at most as many again.
-    if body.count(b",") > 2 * max_elements:
+    # commas, and a mask at most as many again (no shorter body has that many: not counted, 0.2 ms per 250 KB).
+    if len(body) > 2 * max_elements and body.count(b",") > 2 * max_elements:
         raise TooLarge(f"request holds more than {max_elements} values (ADDNORM_MAX_ELEMENTS); split it")
     try:
         return orjson.loads(body)

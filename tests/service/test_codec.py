@@ -58,6 +58,8 @@ def test_integers_are_numbers():
         ({"embeddings": [["a", "b", "c", "d"]]}, "only numbers, found strings"),
         ({"embeddings": [[0.0, 1.0, True, 0.0]]}, "only numbers"),
         ({"embeddings": [[0.0, None, 0.0, 0.0]]}, "only numbers"),
+        ({"embeddings": [[0.0, False, 0.0, 0.0]]}, "found true, false or null"),  # numpy reads it as 0
+        ({"embeddings": [[0.0, True, 0.0, 0.0]], "mask": [False]}, "found true, false or null"),
         ({"embeddings": [[0.0, {"a": 1}, 0.0, 0.0]]}, "non-numbers"),
         ({"embeddings": []}, "non-empty"),
         ({"embeddings": [[]]}, "last dimension is 0"),

@@ -86,9 +86,9 @@ def decode_json(body: bytes, d_model: DModel, max_elements: int, model: str | No
     # JSON true/false/null in embeddings would pass through numpy as 1/0/object; only the mask may hold them.
     mask = _decode_mask(mask_data)
     allowed = (mask.size if mask is not None else 0) + (1 if MASK in doc and mask_data is None else 0)
-    if sum(body.count(lit) for lit in _LITERALS) > allowed and (holds_literal(data)):
+    maybe = b"u" in body or b"f" in body  # true and null hold a "u", false an "f"; no number or key here does
+    if maybe and sum(body.count(lit) for lit in _LITERALS) > allowed and holds_literal(data):
         raise BadInput("embeddings must hold only numbers (found true, false or null)")
-
     depth = _depth(data)
     if depth == 2:
         x = _to_array(data, EMBEDDINGS)[None]  # (1, S, E)
