@@ -20,7 +20,7 @@ import numpy as np
 
 from bench.batched import medians
 from bench.measure import json_request, v2_request
-from bench.mixed import draw, http_load, unpadded_limit
+from bench.mixed import cell, draw, unpadded_limit
 from bench.report import artifact_given, save
 from bench.server import HOST, ROOT, ServerProcess, serve
 from model.artifact import Manifest
@@ -48,11 +48,7 @@ def measure(artifact: Path, clients: tuple[int, ...], rounds: int, seconds: floa
                     path = "/encode" if server.startswith("naive") else "/v1/encode"
                     load = [(x.shape[1], json_request(srv.port, path, x)) for x in xs]
                 for c in clients:
-                    result, tokens = http_load(srv.port, load, c, seconds)
-                    if result.errors:
-                        raise RuntimeError(f"{server}, {c} clients: {result.errors} errors")
-                    row = {"tokens_per_s": tokens / result.seconds, "p50_ms": result.pct(50)}
-                    cells.setdefault(f"{server}/{c}", []).append({**row, "p99_ms": result.pct(99)})
+                    cells.setdefault(f"{server}/{c}", []).append(cell(srv.port, load, c, seconds, server)[0])
             print(f"  round {len(limits)}: {server} done", file=sys.stderr, flush=True)
     lengths = [x.shape[1] for x in xs]
     return {

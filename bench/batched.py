@@ -24,7 +24,7 @@ import numpy as np
 
 from bench.ab import started
 from bench.measure import v2_request
-from bench.mixed import REQUESTS, draw, http_load, packed_twin, padding_counts, unpadded_limit
+from bench.mixed import REQUESTS, cell, draw, http_load, packed_twin, padding_counts, unpadded_limit
 from bench.report import artifact_given, save
 from bench.server import ROOT
 from model.artifact import Manifest
@@ -79,18 +79,10 @@ def measure(
                 for c in clients:
                     http_load(port, load, c, 1.0)  # warm-up, not counted: the window's positions are its own
                     counted = padding_counts(port)
-                    result, tokens = http_load(port, load, c, seconds, warmup=0)
+                    row, tokens = cell(port, load, c, seconds, name, warmup=0)
                     computed = sum(padding_counts(port)) - sum(counted)
-                    if result.errors:
-                        raise RuntimeError(f"{name}, {c} clients: {result.errors} errors")
-                    cells.setdefault(f"{name}/{c}", []).append(
-                        {
-                            "tokens_per_s": tokens / result.seconds,
-                            "p50_ms": result.pct(50),
-                            "p99_ms": result.pct(99),
-                            "not_real_share": 1.0 - min(1.0, tokens / max(computed, 1.0)),
-                        }
-                    )
+                    row["not_real_share"] = 1.0 - min(1.0, tokens / max(computed, 1.0))
+                    cells.setdefault(f"{name}/{c}", []).append(row)
             print(f"  round {r + 1}: {name} done", file=sys.stderr, flush=True)
     positions = sum(m.size for _, m in requests)
     return {

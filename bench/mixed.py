@@ -171,6 +171,21 @@ def _shares(requests: list, clients: int) -> list[list]:
     return [requests[start:] + requests[:start] for start in starts]
 
 
+def cell(
+    port: int, requests: list[tuple[int, bytes]], clients: int, seconds: float, what: str, warmup: int = 2
+) -> tuple[dict, int]:
+    """``http_load`` as a table's cell, ``{tokens_per_s, p50_ms, p99_ms}``, and the real tokens answered; raises
+    if any request failed (``what`` names the run)."""
+    result, tokens = http_load(port, requests, clients, seconds, warmup)
+    if result.errors:
+        raise RuntimeError(f"{what}, {clients} clients: {result.errors} errors")
+    return {
+        "tokens_per_s": tokens / result.seconds,
+        "p50_ms": result.pct(50),
+        "p99_ms": result.pct(99),
+    }, tokens
+
+
 def http_load(port: int, requests: list[tuple[int, bytes]], clients: int, seconds: float, warmup: int = 2):
     """``clients`` keep-alive clients over HTTP, each cycling through its share of ``requests`` (tokens, bytes)
     after ``warmup`` requests on up to 4 connections: (result, real tokens answered within ``seconds``)."""

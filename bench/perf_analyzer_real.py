@@ -82,7 +82,7 @@ def measure_real(artifact: Path, clients: tuple[int, ...], rounds: int, seconds:
     times the real tokens per request the server counted over its run (``addnorm_batch_positions`` over the
     requests of ``addnorm_batch_requests``): the requests it sent, not the data file's mean."""
     from bench.measure import v2_request
-    from bench.mixed import http_load, served
+    from bench.mixed import cell, served
 
     command = binary()
     cells: dict[str, list[dict]] = {}
@@ -93,11 +93,7 @@ def measure_real(artifact: Path, clients: tuple[int, ...], rounds: int, seconds:
         limits.append(round_.limit)
         ours = [(x.shape[1], v2_request(srv.port, round_.model, x)) for x in round_.xs]
         for c in clients:
-            result, tokens = http_load(srv.port, ours, c, seconds)
-            if result.errors:
-                raise RuntimeError(f"bench.loadgen, {c} clients: {result.errors} errors")
-            row = {"tokens_per_s": tokens / result.seconds, "p50_ms": result.pct(50)}
-            cells.setdefault(f"loadgen/{c}", []).append({**row, "p99_ms": result.pct(99)})
+            cells.setdefault(f"loadgen/{c}", []).append(cell(srv.port, ours, c, seconds, "bench.loadgen")[0])
             for label, protocol, extra in TRANSPORTS:
                 url = f"{HOST}:{srv.port if protocol == 'http' else srv.grpc_port}"
                 before = served(srv.port)
