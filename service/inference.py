@@ -113,8 +113,9 @@ class Codec(Protocol[P, R, T]):
 
 
 async def run(loaded: KnownModels, call: Call, codec: Codec[P, R, T], payload: P) -> tuple[T, Timings]:
-    """Decode ``payload`` with ``codec``, queue on the model's batcher, encode: ``(encoded, timings)``. The model the payload is decoded against is the one that serves it (looked up once; a model
-    swapped by model control meanwhile serves it to its end).
+    """Decode ``payload`` with ``codec``, queue on the model's batcher, encode: ``(encoded, timings)``. The model
+    the payload is decoded against is the one that serves it (looked up once; a model swapped by model control
+    meanwhile serves it to its end).
 
     Raises the domain errors of each step (errors.CODES maps them for every transport).
     """

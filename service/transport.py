@@ -235,9 +235,8 @@ class HttpConnection(HttpToolsProtocol):
 
     def _refuse(self, status: int, message: str, retry_after: int | None = None) -> None:
         self._disarm()
-        if (
-            not self.transport.is_closing()
-        ):  # else already answered and closed (a response without keep-alive)
+        # a closing transport was already answered and closed (a response without keep-alive)
+        if not self.transport.is_closing():
             self.transport.write(raw_error(status, message, retry_after))
             self.transport.close()
 

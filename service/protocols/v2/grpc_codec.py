@@ -133,9 +133,8 @@ class GrpcInferCodec:
     max_elements: int
 
     def decode_work(self, request: pb.ModelInferRequest) -> int:
-        raw = sum(
-            map(len, request.raw_input_contents)
-        )  # typed contents count as text: read element by element
+        # typed contents (fp32_contents...) count as text: they are read element by element
+        raw = sum(map(len, request.raw_input_contents))
         return work(request.ByteSize() - raw, raw)
 
     def encode_work(self, req: codec.InferRequest, nbytes: int) -> int:
