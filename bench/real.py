@@ -113,7 +113,7 @@ def main(rounds: int = 3, seconds: float = 1.0) -> int:
 
         bench_x = np.random.default_rng(0).standard_normal((8, 128, config.d_model)).astype(np.float32)
         feed = {EMBEDDINGS: bench_x, MASK: np.zeros((8, 128), bool)}
-        times = _alternate(sessions, feed, rounds, seconds)
+        times = alternate(sessions, feed, rounds, seconds)
         base = statistics.median(times["fp32-mha"])
         print(
             f"\n{'variant':<36} {'max err vs transformers':>24} {'least cosine':>13} {'Spearman':>9} "
@@ -199,7 +199,7 @@ def _int8_options(encoder, x: np.ndarray, mask: np.ndarray, tmp: Path, opts) -> 
     return sessions
 
 
-def _alternate(sessions: dict, feed: dict, rounds: int, seconds: float) -> dict[str, list[float]]:
+def alternate(sessions: dict, feed: dict, rounds: int, seconds: float) -> dict[str, list[float]]:
     """Milliseconds per run of each session, the sessions taking turns for ``rounds`` rounds."""
     times: dict[str, list[float]] = {name: [] for name in sessions}
     for s in sessions.values():

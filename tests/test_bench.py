@@ -383,3 +383,44 @@ def test_codec_cost_times_every_codec_and_says_which_steps_leave_the_loop(tiny_a
         assert (decode_off.strip(), encode_off.strip()) == ((str(json_codec),) * 2), (codec, out)
         assert int(encode_work) == (2**20 if json_codec else 2**20 // 16)
     assert "thread hop (run_in_threadpool, uvloop): median" in out and "CPU flags: " in out
+
+
+def test_int8_fused_rewrites_every_row_group_and_float_side(tmp_path):
+    """bench.int8_fused.fuse on a one-layer int8 graph: one RowQuantize per quantized activation (4), each with its
+    weights' float channels as the plan chose them; with ``side``, one AddSide per product (6);
+    nothing of the row groups or the float sides' MatMuls left, and every node's inputs made by the graph."""
+    import onnx
+    from onnx import numpy_helper
+
+    from bench.int8_fused import fuse
+    from export.calibration import calibration_cases
+    from export.pipeline import plan_for
+    from export.variants import build_graph
+    from model.config import EncoderConfig
+    from model.encoder import build_encoder
+    from model.schemes import FLOAT_CHANNELS_KEY
+
+    encoder = build_encoder(EncoderConfig(d_model=64, nhead=4, dim_feedforward=128))
+    x = np.random.default_rng(0).standard_normal((4, 16, 64)).astype(np.float32)
+    plan = plan_for(encoder, "int8", calibration_cases(x, np.zeros((4, 16), bool), 64))
+    model = build_graph(encoder, tmp_path / "m.onnx", "int8", attention="mha", plan=plan)
+    planned = {tuple(sorted(c)) for c in plan[FLOAT_CHANNELS_KEY].values()}
+    for side in (False, True):
+        fused = fuse(model, side=side)
+        ops = [n.op_type for n in fused.graph.node]
+        assert ops.count("RowQuantize") == 4 and ops.count("AddSide") == (6 if side else 0)
+        assert ops.count("MatMulInteger") == 6 and ops.count("QuantizeLinear") == 0
+        assert ops.count("MatMul") == (0 if side else 6)  # the float sides' (the picks are gone)
+        assert not any("_rows" in o for n in fused.graph.node if n.op_type != "RowQuantize" for o in n.output)
+        inits = {t.name: numpy_helper.to_array(t) for t in fused.graph.initializer}
+        rows = [n for n in fused.graph.node if n.op_type == "RowQuantize"]
+        assert {tuple(inits[n.input[1]]) for n in rows} == planned
+        made = (
+            {i.name for i in fused.graph.input} | set(inits) | {o for n in fused.graph.node for o in n.output}
+        )
+        assert all(i in made for n in fused.graph.node for i in n.input if i), (
+            "a node reads what nothing makes"
+        )
+    plain = onnx.helper.make_model(onnx.helper.make_graph([], "fp32", [], []))  # no row groups
+    with pytest.raises(ValueError, match="minmax"):
+        fuse(plain, side=False)
