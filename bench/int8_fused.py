@@ -117,7 +117,11 @@ def fuse(model: onnx.ModelProto, side: bool) -> onnx.ModelProto:
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     groups = [
-        o[: -len("_side")] for n in graph.node if n.op_type == "Concat" for o in n.output if "_rows" in o
+        o.removesuffix("_side")
+        for n in graph.node
+        if n.op_type == "Concat"
+        for o in n.output
+        if "_rows" in o and o.endswith("_side")
     ]
     made = {o for n in graph.node for o in n.output}
     if not groups or any(f"{g}_float" not in made or f"{g}_zp" not in made for g in groups):
