@@ -48,11 +48,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import onnxruntime as ort
 
-    from bench.real import MORE, alternate, quantize_dynamic_graph, real_model
+    from bench.real import MORE, alternate, real_model, three_graphs
     from export import hf
-    from export.calibration import calibration_cases
-    from export.pipeline import plan_for
-    from export.variants import build_graph
     from model.contract import EMBEDDINGS, ENCODED, MASK
     from model.runtime import cpu_flags
 
@@ -66,16 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         library = compile_kernels(header_dir(args.include), tmp)
-        build_graph(encoder, tmp / "fp32.onnx", "fp32", attention="mha")
-        plan = plan_for(encoder, "int8", calibration_cases(x, mask, config.d_model))
-        build_graph(encoder, tmp / "int8.onnx", "int8", attention="mha", plan=plan)
-        int8 = onnx.load(tmp / "int8.onnx")
+        paths = three_graphs(encoder, x, mask, tmp)
+        int8 = onnx.load(paths["int8"])
         graphs = {
-            "fp32": onnx.load(tmp / "fp32.onnx"),
+            "fp32": onnx.load(paths["fp32"]),
             "int8": int8,
             "int8, RowQuantize": fuse(int8, side=False),
             "int8, RowQuantize + AddSide": fuse(int8, side=True),
-            "quantize_dynamic": onnx.load(quantize_dynamic_graph(encoder, tmp)),
+            "quantize_dynamic": onnx.load(paths["quantize_dynamic"]),
         }
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
@@ -168,13 +163,10 @@ def header_dir(include: Path | None) -> Path:
         if not (include / HEADER).is_file():
             raise SystemExit(f"error: {include} holds no {HEADER}")
         return include
-    for candidate in (
-        Path("/usr/include/onnxruntime"),
-        Path.home() / ".cache/addnorm/onnxruntime-dev/include",
-    ):
+    cache = Path.home() / ".cache/addnorm/onnxruntime-dev"
+    for candidate in (Path("/usr/include/onnxruntime"), cache / "include"):
         if (candidate / HEADER).is_file():
             return candidate
-    cache = Path.home() / ".cache/addnorm/onnxruntime-dev"
     cache.mkdir(parents=True, exist_ok=True)
     index = f"{DEBIAN}/dists/{SUITE}/main/binary-amd64/Packages.xz"
     print(f"fetching onnxruntime's headers: Debian {SUITE}'s libonnxruntime-dev ({index})", flush=True)

@@ -27,11 +27,8 @@ WARMUP = 3
 
 def main(argv: list[str] | None = None) -> int:
 
-    from bench.real import MORE, quantize_dynamic_graph, real_model
+    from bench.real import MORE, real_model, three_graphs
     from export import hf
-    from export.calibration import calibration_cases
-    from export.pipeline import plan_for
-    from export.variants import build_graph
     from model.contract import EMBEDDINGS, MASK
     from model.runtime import cpu_flags
 
@@ -40,9 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads (default 2)")
     args = p.parse_args(argv)
 
-    config, encoder, reference = real_model()
+    _, encoder, reference = real_model()
     x, mask = reference.embed([*hf.SENTENCES, *MORE])
-    given = calibration_cases(x, mask, config.d_model)
     feed = {
         EMBEDDINGS: np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32),
         MASK: np.zeros(SHAPE[:2], bool),
@@ -52,15 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        build_graph(encoder, tmp / "fp32.onnx", "fp32", attention="mha")
-        build_graph(
-            encoder, tmp / "int8.onnx", "int8", attention="mha", plan=plan_for(encoder, "int8", given)
-        )
-        graphs = {
-            "fp32": tmp / "fp32.onnx",
-            "int8": tmp / "int8.onnx",
-            "quantize_dynamic": quantize_dynamic_graph(encoder, tmp),
-        }
+        graphs = three_graphs(encoder, x, mask, tmp)
         for name, path in graphs.items():
             per_run, ops = _profile(path, feed, args.runs, args.threads, tmp / name)
             print(f"\n{name}: {per_run * 1000:.1f} ms per run (wall, profiler on)")

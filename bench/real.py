@@ -156,6 +156,23 @@ def real_model():
     return config, encoder, hf.Reference(directory)
 
 
+def three_graphs(encoder, x: np.ndarray, mask: np.ndarray, tmp: Path) -> dict[str, Path]:
+    """The real checkpoint's fp32, int8 (its float channels chosen on ``x``, as ``--calibration`` would) and
+    ``quantize_dynamic`` graphs (mha attention), written into ``tmp``: name -> path."""
+    from export.calibration import calibration_cases
+    from export.pipeline import plan_for
+    from export.variants import build_graph
+
+    build_graph(encoder, tmp / "fp32.onnx", "fp32", attention="mha")
+    plan = plan_for(encoder, "int8", calibration_cases(x, mask, encoder.config.d_model))
+    build_graph(encoder, tmp / "int8.onnx", "int8", attention="mha", plan=plan)
+    return {
+        "fp32": tmp / "fp32.onnx",
+        "int8": tmp / "int8.onnx",
+        "quantize_dynamic": quantize_dynamic_graph(encoder, tmp),
+    }
+
+
 def quantize_dynamic_graph(encoder, tmp: Path) -> Path:
     """onnxruntime's quantize_dynamic (per-channel, reduce_range) of the encoder's fp32 mha graph: tmp/qd.onnx."""
     import onnx
