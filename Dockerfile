@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# Four targets, one file:
+# Four targets, one file (and a build stage, kernels):
 #   export   torch (CPU build) + onnx: runs addnorm-export into the artifacts volume
 #   api      slim serving image: onnxruntime + FastAPI, no torch
 #   api-gpu  the same on CUDA: onnxruntime-gpu on an NVIDIA CUDA 13 / cuDNN 9 runtime image
@@ -21,6 +21,13 @@ RUN useradd --create-home --uid 10001 addnorm && mkdir -p /artifacts && chown ad
 WORKDIR /app
 COPY pyproject.toml deploy/docker/requirements.py ./
 
+# int8's CPU kernels (model/kernels: g++ against Debian's onnxruntime header); the CPU images copy the library
+# into /usr/local/lib/addnorm, where the server and the export gate find it, and no compiler.
+FROM base AS kernels
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+COPY model ./model
+RUN python -m model.kernels --out /kernels
+
 FROM base AS export
 ARG PIP_CERT
 # The CPU wheel index keeps the multi-GB CUDA build of torch out of this image. TORCH_INDEX empty: PyPI and
@@ -37,6 +44,7 @@ COPY model ./model
 COPY export ./export
 COPY service ./service
 RUN --mount=type=cache,target=/root/.cache/pip pip install --no-deps .
+COPY --from=kernels /kernels/ /usr/local/lib/addnorm/
 USER addnorm
 # matplotlib (the parity plots) writes its cache under HOME: /tmp, so the root filesystem may be read-only
 ENV HOME=/tmp MPLCONFIGDIR=/tmp/matplotlib
@@ -54,6 +62,7 @@ COPY service ./service
 COPY deploy/docker/healthcheck.py ./
 RUN --mount=type=cache,target=/root/.cache/pip pip install --no-deps . \
  && python -c "import importlib.util as u; assert u.find_spec('torch') is None"
+COPY --from=kernels /kernels/ /usr/local/lib/addnorm/
 USER addnorm
 # HOME on the tmpfs: the root filesystem is read-only (onnxruntime keeps a file under HOME)
 ENV HOME=/tmp ADDNORM_MODEL_DIR=/artifacts/default ADDNORM_HOST=0.0.0.0 ADDNORM_PORT=8000 ADDNORM_GRPC_PORT=8001
@@ -74,6 +83,7 @@ COPY deploy/docker/healthcheck.py ./
 COPY deploy ./deploy
 RUN --mount=type=cache,target=/root/.cache/pip pip install --no-deps . \
  && python -c "import importlib.util as u; assert u.find_spec('torch') is None"
+COPY --from=kernels /kernels/ /usr/local/lib/addnorm/
 USER addnorm
 # Ray's proxy binds all interfaces inside the container (the compose file publishes it on loopback only), on
 # 8000: `serve run IMPORT_PATH` has no port setting (a Serve config's http_options.port moves it, and then the

@@ -14,11 +14,12 @@ TORCH     ?= torch==2.13.0
 TORCH_INDEX ?=
 PIP_TORCH_FLAGS := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: serve test test-fast test-images images matrix fuzz-http export parity lint format bench proto clean help
+.PHONY: serve kernels test test-fast test-images images matrix fuzz-http export parity lint format bench proto clean help
 
 help:
 	@echo "make serve   create .venv, export $(ARTIFACT) if missing, check parity, serve on $(HOST):$(PORT) (gRPC $(GRPC_PORT))"
 	@echo "make test    create .venv and run the test suite"
+	@echo "make kernels build int8's CPU kernels (model/kernels; make serve and make test do)"
 	@echo "make test-fast  the unit lane only (model/ and service/ in process; under a minute)"
 	@echo "make images  build the api, ray and export images with podman on a base made from Debian's packages"
 	@echo "make test-images  build the images and run them as docker-compose.yml does (tests/test_images.py)"
@@ -42,8 +43,13 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 $(ARTIFACT)/manifest.json: | $(VENV)/.installed
 	$(BIN)/addnorm-export --out $(ARTIFACT)
 
+# int8's kernel library (model/kernels): the server registers it where it is built, and int8 models run on
+# onnxruntime's standard operators where it is not (no g++, or no way to fetch onnxruntime's header).
+kernels: $(VENV)/.installed
+	@$(BIN)/python -m model.kernels || echo "warning: int8's kernels not built; int8 models will run on onnxruntime's standard operators"
+
 # The export already compared every Add & Norm step; before serving, the final output's gate is enough.
-serve: $(VENV)/.installed $(ARTIFACT)/manifest.json
+serve: $(VENV)/.installed kernels $(ARTIFACT)/manifest.json
 	$(BIN)/addnorm-parity $(ARTIFACT) --no-steps
 	$(BIN)/addnorm-serve --model-dir $(ARTIFACT) --host $(HOST) --port $(PORT) --grpc-port $(GRPC_PORT)
 

@@ -3,7 +3,9 @@ and batch invariant. ``quantize_graph`` writes it into an ONNX graph; ``simulate
 model/schemes.py holds its numbers and computes it in numpy (the server's live parity). The manifest's ``scheme``
 names its form (``model.schemes.Form``); what follows is today's, "pairs8" weights and "minmax" rows.
 
-Each MatMul whose right operand is a constant (E, N) weight ``W`` becomes, in standard ONNX operators:
+Each MatMul whose right operand is a constant (E, N) weight ``W`` becomes (in two model-local functions,
+export/int8_ops.py: ``RowQuantize`` per activation, ``QuantMatMul`` per product; their bodies are standard ONNX
+operators, and model/kernels' library computes each in one pass where onnxruntime has it registered):
 
     [x[F], c] = x @ [one-hot(F), keep / |keep|]       (B, S, |F| + 1)  the float channels; the others' mean
     d = (x - c) * keep                                 (B, S, E)  each row around its mean, float channels 0
@@ -16,8 +18,8 @@ on representative inputs, chosen at export (``float_channels``) and named in the
 the row's span and are multiplied in float. ``W'`` is ``W`` with the rows of ``F`` zeroed; ``Wq`` is ``W'`` in 8
 bits per output column, every pair of input channels bounded (below), ``Wq'`` its dequantized value; the mean
 ``c`` passes through the float weights exactly, so only each value's distance from it is quantized. The Linear's
-bias ``b`` is folded into the float side. onnxruntime fuses MatMulInteger -> Cast -> Mul(Mul(row scale, column
-scale)) into one MatMulIntegerToFloat kernel.
+bias ``b`` is folded into the float side. Inlined, onnxruntime fuses MatMulInteger -> Cast -> Mul(Mul(row scale,
+column scale)) into one MatMulIntegerToFloat kernel.
 
 Why (docs/parity.md has the measurements):
 - A scale per row, never per tensor: a request's answer does not depend on what it was batched with
@@ -47,6 +49,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from export import int8_ops
+from export.int8_ops import QUANT_MATMUL, ROW_QUANTIZE
+from model.kernels import DOMAIN
 from model.schemes import (  # the scheme's numbers, shared with the server
     DEFAULT_FORM,
     HALF,
@@ -84,13 +89,8 @@ def quantize_graph(
         "int8_axes": np.array([-1], np.int64),
         "int8_tiny": np.array(TINY, np.float32),
         "int8_half": np.array(HALF, np.float32),
-        "int8_steps": np.array(STEPS, np.float32),
-        "int8_flat": np.array([-1], np.int64),
-        "int8_minus": np.array(-1.0, np.float32),
-        "int8_centre": np.array(ZERO_POINT, np.float32),
         "int8_one": np.array(1.0, np.float32),
         "int8_zp": np.array(ZERO_POINT, np.uint8),
-        "int8_zero": np.array(0, np.uint8),  # "minmax" rows are stored 0..255
     }
     new_inits = [numpy_helper.from_array(v, k) for k, v in consts.items()]
     rows: dict[tuple[str, tuple[int, ...]], tuple[str, str, str]] = {}  # -> (q, row step, float side)
@@ -111,58 +111,16 @@ def quantize_graph(
         p = f"{x}_rows{len(rows) or ''}"
         keep = np.ones(width, np.float32)
         keep[idx] = 0.0
-        if form.rows == "minmax":
-            # One small GEMM gives the float channels exactly (x @ one-hot columns) and the mean of the other
-            # channels (x @ keep / their count): several times faster than a Gather on the last axis.
+        if form.rows == "minmax":  # one RowQuantize (export/int8_ops.py)
             pick = np.zeros((width, len(idx) + 1), np.float32)
             pick[idx, np.arange(len(idx))] = 1.0
             pick[:, -1] = keep / keep.sum()
             new_inits.extend(
-                [
-                    numpy_helper.from_array(pick, f"{p}_pick"),
-                    numpy_helper.from_array(np.array([len(idx)], np.int64), f"{p}_at"),
-                    numpy_helper.from_array(np.array([len(idx) + 1], np.int64), f"{p}_end"),
-                    numpy_helper.from_array(keep, f"{p}_keep"),
-                    numpy_helper.from_array(np.array([-1, width], np.int64), f"{p}_2d"),
-                ]
+                [numpy_helper.from_array(pick, f"{p}_pick"), numpy_helper.from_array(keep, f"{p}_keep")]
             )
-            nodes.extend(
-                [
-                    helper.make_node("MatMul", [x, f"{p}_pick"], [f"{p}_float"]),
-                    helper.make_node(
-                        "Slice", [f"{p}_float", f"{p}_at", f"{p}_end", "int8_axes"], [f"{p}_centre"]
-                    ),
-                    helper.make_node("Sub", [x, f"{p}_centre"], [f"{p}_centred"]),
-                    # the float channels at 0, the row's centre: out of its span
-                    helper.make_node("Mul", [f"{p}_centred", f"{p}_keep"], [f"{p}_kept"]),
-                    reduce("ReduceMin", f"{p}_kept", f"{p}_lo"),
-                    reduce("ReduceMax", f"{p}_kept", f"{p}_hi"),
-                    helper.make_node("Sub", [f"{p}_hi", f"{p}_lo"], [f"{p}_width"]),
-                    helper.make_node("Max", [f"{p}_width", "int8_tiny"], [f"{p}_span"]),
-                    helper.make_node("Div", [f"{p}_span", "int8_steps"], [f"{p}_scale"]),
-                    helper.make_node("Div", [f"{p}_lo", f"{p}_scale"], [f"{p}_below"]),
-                    # the row's zero point, round(-lo / step): round half to even, saturate to 0..255
-                    helper.make_node(
-                        "QuantizeLinear", [f"{p}_below", "int8_minus", "int8_zero"], [f"{p}_zp"]
-                    ),
-                    # each row with its own scale and zero point: per axis 0 of a 2-D view
-                    helper.make_node("Shape", [x], [f"{p}_shape"]),
-                    helper.make_node("Reshape", [f"{p}_kept", f"{p}_2d"], [f"{p}_rows"]),
-                    helper.make_node("Reshape", [f"{p}_scale", "int8_flat"], [f"{p}_scales1"]),
-                    helper.make_node("Reshape", [f"{p}_zp", "int8_flat"], [f"{p}_zps1"]),
-                    helper.make_node(
-                        "QuantizeLinear", [f"{p}_rows", f"{p}_scales1", f"{p}_zps1"], [f"{p}_q2"], axis=0
-                    ),
-                    helper.make_node("Reshape", [f"{p}_q2", f"{p}_shape"], [f"{p}_q"]),
-                    # the value level 128 stands for (the product takes the levels around it)
-                    helper.make_node("Cast", [f"{p}_zp"], [f"{p}_zpf"], to=TensorProto.FLOAT),
-                    helper.make_node("Sub", ["int8_centre", f"{p}_zpf"], [f"{p}_lift"]),
-                    helper.make_node("Mul", [f"{p}_lift", f"{p}_scale"], [f"{p}_base"]),
-                    helper.make_node("Div", [f"{p}_span", f"{p}_span"], [f"{p}_one"]),  # 1 exactly
-                    helper.make_node(
-                        "Concat", [f"{p}_float", f"{p}_base", f"{p}_one"], [f"{p}_side"], axis=-1
-                    ),
-                ]
+            outputs = [f"{p}_q", f"{p}_scale", f"{p}_side"]
+            nodes.append(
+                helper.make_node(ROW_QUANTIZE, [x, f"{p}_pick", f"{p}_keep"], outputs, domain=DOMAIN)
             )
         else:
             nodes.extend(
@@ -226,16 +184,8 @@ def quantize_graph(
             numpy_helper.from_array(side_w.astype(np.float32), f"{p}_side_w"),
         ]
         q, scale, side = quantized_rows(node.input[0], idx, weight.shape[0])
-        nodes += [
-            helper.make_node("MatMulInteger", [q, f"{p}_w", "int8_zp"], [f"{p}_acc"]),
-            helper.make_node("Cast", [f"{p}_acc"], [f"{p}_accf"], to=TensorProto.FLOAT),
-            helper.make_node("Mul", [scale, f"{p}_w_scale"], [f"{p}_scales"]),  # (row scale, column scale)
-            helper.make_node("Mul", [f"{p}_accf", f"{p}_scales"], [f"{p}_deviation"]),
-            helper.make_node(
-                "MatMul", [side, f"{p}_side_w"], [f"{p}_offset"]
-            ),  # float channels + carried terms
-            helper.make_node("Add", [f"{p}_deviation", f"{p}_offset"], [output]),
-        ]
+        inputs = [q, scale, side, f"{p}_w", f"{p}_w_scale", f"{p}_side_w"]
+        nodes.append(helper.make_node(QUANT_MATMUL, inputs, [output], domain=DOMAIN))
         replaced.add(w.name)
     read = {i for n in nodes for i in n.input}
     kept = [t for t in graph.initializer if t.name not in replaced or t.name in read]
@@ -243,6 +193,9 @@ def quantize_graph(
     graph.initializer.extend(kept + [t for t in new_inits if t.name in read])
     del graph.node[:]
     graph.node.extend(nodes)
+    if replaced:
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+        model.functions.extend(int8_ops.functions(opset))
     return len(replaced)
 
 

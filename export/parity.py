@@ -29,7 +29,7 @@ from export.yardsticks import (  # noqa: F401  torch_outputs and float32_yardsti
     teacher_forced,
     torch_outputs,
 )
-from model import packing, reference
+from model import kernels, packing, reference
 from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, output_names, positional
 from model.encoder import Encoder
 from model.golden import REPRESENTATIVE
@@ -185,6 +185,7 @@ def make_session(
     wanted = providers or [CPU]
     if CUDA in wanted and hasattr(ort, "preload_dlls"):
         ort.preload_dlls()  # CUDA and cuDNN from their pip packages, when installed that way
+    kernels.register(opts, wanted[0])  # int8's kernels where built, as the server on this machine runs them
     session = ort.InferenceSession(str(model_path), opts, providers=with_options(wanted))
     if session.get_providers()[0] != wanted[0]:
         raise RuntimeError(f"{wanted[0]} is not usable here: the session runs on {session.get_providers()}")

@@ -202,8 +202,14 @@ def _export_fused(
 
 def _int8_ops(config: EncoderConfig) -> dict[str, int]:
     # Per layer: 6 weight MatMuls reading 4 distinct activations (q, k and v share theirs), each quantized once
-    # (today's form: two QuantizeLinear per activation, its rows' zero points and its levels).
-    return {**_norms(config), "MatMulInteger": 6 * config.num_layers, "QuantizeLinear": 8 * config.num_layers}
+    # (today's form: two QuantizeLinear per activation, its rows' zero points and its levels): one RowQuantize per
+    # activation and one QuantMatMul per product, counted with their function bodies (export/int8_ops.py).
+    layers = config.num_layers
+    return {
+        **_norms(config),
+        **{"RowQuantize": 4 * layers, "QuantMatMul": 6 * layers},
+        **{"MatMulInteger": 6 * layers, "QuantizeLinear": 8 * layers},
+    }
 
 
 def _fused_ops(config: EncoderConfig) -> dict[str, int]:

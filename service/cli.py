@@ -13,6 +13,7 @@ import typing
 
 from pydantic import ValidationError
 
+from model import kernels
 from service import logs
 from service.engine import EngineError, check_artifact, resolve_providers
 from service.settings import Settings, explain
@@ -145,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             if settings.model_control_mode == "none":
                 check_artifact(slot.directory)
         resolve_providers(settings.providers, ort.get_available_providers())
-    except (EngineError, ValueError) as exc:
+        kernels.find(settings.kernels)
+    except (EngineError, ValueError, kernels.KernelError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     # Both ports before any model loads: one line, not a bind error after the load.

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from model import packing
+from model import kernels, packing
 from model.artifact import ArtifactError, Manifest, load_verified, read_verified
 from model.attention import score_elements
 from model.contract import EMBEDDINGS, MASK, positional
@@ -66,7 +66,13 @@ class Engine:
     """Runs the artifact's graph: ``run(embeddings (B, S, E), mask (B, S)) -> {output name: (B, S, ...)}``, or
     (B, ...) for an output without a sequence axis (model.contract.positional)."""
 
-    def __init__(self, model_dir: str | Path, providers: str = "auto", intra_op_threads: int = 0) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        providers: str = "auto",
+        intra_op_threads: int = 0,
+        kernels_setting: str = "auto",
+    ) -> None:
         try:  # the graph onnxruntime gets and the golden data checked are the bytes whose sha256 was checked
             verified = read_verified(model_dir)
         except ArtifactError as exc:
@@ -84,6 +90,10 @@ class Engine:
         # Idle pool threads must not spin: the event loop shares these cores, and a spinning onnxruntime worker
         # takes them from it (measured at 32 concurrent clients: +6% batched, +18% unbatched; docs/benchmarks.md).
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        try:  # int8's operators as one kernel each (model/kernels), where built; else their standard operators
+            self.kernels = kernels.register(opts, wanted[0], kernels_setting)
+        except kernels.KernelError as exc:
+            raise EngineError(str(exc)) from exc
         self.session = ort.InferenceSession(verified.model, opts, providers=with_options(wanted))
         self.providers = self.session.get_providers()
         if wanted[0] == CUDA and self.providers[0] != CUDA:
@@ -108,7 +118,7 @@ class Engine:
         arenas = ["cpu:0", *(["gpu:0"] if self.providers[0] == CUDA else [])]
         self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", ";".join(arenas))
         log.info(
-            "loaded %s (%s, %s attention, opset %d) from %s on %s with %d intra-op threads",
+            "loaded %s (%s, %s attention, opset %d) from %s on %s with %d intra-op threads%s",
             self.manifest.name,
             self.manifest.variant,
             self.attention,
@@ -116,6 +126,7 @@ class Engine:
             model_dir,
             self.providers,
             self.threads,
+            f", kernels {self.kernels.name}" if self.kernels else "",
         )
 
     @property

@@ -81,6 +81,11 @@ class Settings(BaseSettings):
         "auto",
         description="execution provider: auto (CUDA when available, else CPU), cpu, or cuda (fail if absent)",
     )
+    kernels: str = Field(
+        "auto",
+        description="int8's operators on the CPU provider: auto (the kernel library python -m model.kernels built, "
+        "when there; else onnxruntime's standard operators), off, or the library's path",
+    )
     intra_op_threads: int = Field(
         0,
         ge=0,

@@ -131,7 +131,7 @@ async def serving_model(state: ServiceState, name: str, directory: Path, version
     models = len(state.loaded.models.slots) if state.loaded is not None else 1
     threads = threads_for(s, name, state.cores.threads, models)
     try:
-        engine = await asyncio.to_thread(Engine, directory, s.providers, threads)
+        engine = await asyncio.to_thread(Engine, directory, s.providers, threads, s.kernels)
     except Exception as exc:  # any failure keeps the model (and /health/ready) unavailable, with the reason
         raise LoadFailed(str(exc)) from None
     try:

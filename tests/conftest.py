@@ -102,6 +102,22 @@ def pytest_configure(config: pytest.Config) -> None:
     workers = cores if workers in ("auto", "logical") else workers
     if isinstance(workers, int) and workers > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, cores // workers))
+    if not hasattr(config, "workerinput"):  # once, before any worker starts
+        _build_kernels()
+
+
+def _build_kernels() -> None:
+    """int8's kernel library (model/kernels) for this source, as make serve builds it: every engine and export gate
+    of the run registers it (``auto``), so int8 is tested as it is served. A CPU without AVX2 and FMA cannot run it
+    (the suite then tests int8's standard operators only); anywhere else a failed build fails the run."""
+    from model import kernels
+
+    if kernels.cpu_lacks():
+        return
+    try:
+        kernels.build()
+    except kernels.KernelError as exc:
+        raise pytest.UsageError(f"cannot build int8's kernels (python -m model.kernels): {exc}") from exc
 
 
 LANES = {"model": "unit", "service": "unit", "export": "export"}  # tests/<dir>/...; top-level files: server

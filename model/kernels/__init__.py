@@ -1,0 +1,154 @@
+"""int8's CPU kernels: an onnxruntime custom-op library for the two operators of export/int8_ops.py.
+
+    python -m model.kernels [--include DIR] [--out DIR]     builds it (make serve and make test do)
+
+An int8 artifact's graph holds ``ai.addnorm.RowQuantize`` and ``ai.addnorm.QuantMatMul`` nodes, ONNX functions
+whose bodies are standard operators: every runtime can run it. Where this library is registered (the server's
+``--kernels``, on the CPU provider) onnxruntime runs int8.cc's kernels for them instead: each activation's rows
+quantized in one pass, each product an int8 GEMM (AMX, AVX-512 VNNI or AVX2) that scales its rows and adds its
+float side in its last step. On all-MiniLM-L6-v2 that makes int8 as fast as onnxruntime's ``quantize_dynamic``
+with int8's accuracy (docs/parity.md, "int8's own kernels"). The library needs x86-64 with AVX2 and FMA.
+
+Built with g++ against onnxruntime's C++ API header, which the onnxruntime wheel does not ship: ``--include DIR``,
+else ``/usr/include/onnxruntime`` (Debian's libonnxruntime-dev), else that package fetched from deb.debian.org
+into ~/.cache/addnorm. Its file name carries the source's digest, so a library built from another version of
+int8.cc is never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import lzma
+import os
+import shutil
+import subprocess
+import tempfile
+import urllib.request
+from pathlib import Path
+
+DOMAIN = "ai.addnorm"  # the operators' ONNX domain: export/int8_ops.py's functions, int8.cc's kernels
+SOURCE = Path(__file__).with_name("int8.cc")
+HEADER = "onnxruntime_lite_custom_op.h"
+DEBIAN = "http://deb.debian.org/debian"
+SUITE = "trixie"  # the first Debian release with onnxruntime's headers (1.21)
+CACHE = Path.home() / ".cache" / "addnorm"
+INSTALLED = Path(
+    "/usr/local/lib/addnorm"
+)  # where the images put it (Dockerfile: python -m model.kernels --out)
+NEEDS = ("avx2", "fma")
+# auto registers the library only on CPUs with AVX-512 VNNI (and AMX), where it was measured faster than
+# onnxruntime's own int8 kernels (docs/parity.md, "int8's own kernels"); on AVX2-only CPUs its speed against them
+# is not measured yet, so there --kernels PATH opts in.
+FASTER_WITH = "avx512_vnni"
+
+
+class KernelError(RuntimeError):
+    """The library cannot be built or used here; the message says why."""
+
+
+def library_path(directory: Path | None = None) -> Path:
+    """Where the library of this int8.cc is (or will be) built: beside the source unless ``directory``."""
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return (directory or SOURCE.parent) / f"libaddnorm_kernels-{digest}.so"
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """This CPU's flags (none where /proc/cpuinfo cannot be read)."""
+    try:
+        with open(cpuinfo) as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def cpu_lacks(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """The flags the kernels need that this CPU lacks (all of them where /proc/cpuinfo cannot be read)."""
+    flags = cpu_flags(cpuinfo)
+    return [f for f in NEEDS if f not in flags]
+
+
+def find(setting: str = "auto", cpuinfo: str = "/proc/cpuinfo") -> Path | None:
+    """The library to register for ``setting``: ``off`` none; ``auto`` this source's library, built beside it or in
+    INSTALLED, on a CPU with FASTER_WITH (where it was measured faster than onnxruntime's own operators), else
+    none; a path, that file (an error if it is missing or this CPU cannot run it)."""
+    if setting == "off":
+        return None
+    flags = cpu_flags(cpuinfo)
+    lacks = [f for f in NEEDS if f not in flags]
+    if setting == "auto":
+        found = [p for p in (library_path(), library_path(INSTALLED)) if p.is_file()]
+        return found[0] if found and not lacks and FASTER_WITH in flags else None
+    path = Path(setting)
+    if not path.is_file():
+        raise KernelError(f"kernel library {setting} does not exist (build one: python -m model.kernels)")
+    if lacks:
+        raise KernelError(f"kernel library {setting} needs a CPU with {', '.join(lacks)}; this one has none")
+    return path
+
+
+def register(options, provider: str, setting: str = "auto") -> Path | None:
+    """Register the library ``find(setting)`` picks on onnxruntime SessionOptions ``options`` for a session on
+    ``provider``; returns it, or None (not built, ``off``, or not the CPU provider: the CUDA provider inlines the
+    functions and runs them on the GPU). ``setting`` ``auto`` may be overridden by ADDNORM_KERNELS."""
+    if setting == "auto":
+        setting = os.environ.get("ADDNORM_KERNELS", "auto")
+    path = find(setting) if provider == "CPUExecutionProvider" else None
+    if path is not None:
+        options.register_custom_ops_library(str(path))
+    return path
+
+
+def build(include: Path | None = None, directory: Path | None = None) -> Path:
+    """Compile int8.cc (once per source digest) and return the library's path."""
+    out = library_path(directory)
+    if out.is_file():
+        return out
+    compiler = os.environ.get("CXX", "g++")
+    if shutil.which(compiler) is None:
+        raise KernelError(f"no C++ compiler ({compiler}) to build the kernels with; install g++ or set CXX")
+    headers = header_dir(include)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # written whole, then moved into place
+        part = Path(tmp) / out.name
+        command = [compiler, "-O3", "-march=x86-64-v3", "-fno-math-errno", "-fPIC", "-shared", "-std=c++17"]
+        done = subprocess.run(
+            [*command, f"-I{headers}", str(SOURCE), "-o", str(part)], capture_output=True, text=True
+        )
+        if done.returncode:
+            raise KernelError(f"{compiler} failed on {SOURCE.name}:\n{done.stderr[-4000:]}")
+        part.replace(out)
+    return out
+
+
+def header_dir(include: Path | None = None) -> Path:
+    """Where onnxruntime's C++ API header is: ``include``, the system's, or Debian's package (fetched once)."""
+    if include is not None:
+        if not (include / HEADER).is_file():
+            raise KernelError(f"{include} holds no {HEADER}")
+        return include
+    cache = CACHE / "onnxruntime-dev"
+    for candidate in (Path("/usr/include/onnxruntime"), cache / "include"):
+        if (candidate / HEADER).is_file():
+            return candidate
+    cache.mkdir(parents=True, exist_ok=True)
+    index = f"{DEBIAN}/dists/{SUITE}/main/binary-amd64/Packages.xz"
+    print(f"fetching onnxruntime's headers: Debian {SUITE}'s libonnxruntime-dev ({index})", flush=True)
+    try:
+        with urllib.request.urlopen(index, timeout=120) as r:
+            packages = lzma.decompress(r.read()).decode()
+        entry = next(
+            (e for e in packages.split("\n\n") if e.startswith("Package: libonnxruntime-dev\n")), None
+        )
+        if entry is None:
+            raise KernelError(f"Debian {SUITE} lists no libonnxruntime-dev; give --include DIR")
+        fields = dict(line.split(": ", 1) for line in entry.splitlines() if ": " in line)
+        deb = cache / Path(fields["Filename"]).name
+        urllib.request.urlretrieve(f"{DEBIAN}/{fields['Filename']}", deb)
+    except OSError as exc:
+        raise KernelError(
+            f"cannot fetch onnxruntime's headers from {DEBIAN} ({exc}); give --include DIR"
+        ) from exc
+    subprocess.run(["dpkg-deb", "-x", str(deb), str(cache / "root")], check=True)
+    (cache / "include").unlink(missing_ok=True)
+    (cache / "include").symlink_to(cache / "root/usr/include/onnxruntime")
+    return cache / "include"

@@ -1,0 +1,31 @@
+"""python -m model.kernels: build int8's kernel library (model/kernels/__init__.py) and print its path."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from model.kernels import KernelError, build, cpu_lacks
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m model.kernels", description=__doc__.split(":", 1)[1].strip())
+    p.add_argument(
+        "--include", type=Path, help="a directory holding onnxruntime's onnxruntime_lite_custom_op.h"
+    )
+    p.add_argument("--out", type=Path, help="the directory to build into (default: beside the source)")
+    args = p.parse_args(argv)
+    try:
+        path = build(args.include, args.out)
+    except KernelError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    lacks = cpu_lacks()
+    note = f" (this CPU lacks {', '.join(lacks)}: the server will not load it here)" if lacks else ""
+    print(f"{path}{note}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
