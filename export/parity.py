@@ -11,6 +11,7 @@ A lossy variant is judged on its implementation (against its scheme) and, on rep
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -185,7 +186,8 @@ def make_session(
     wanted = providers or [CPU]
     if CUDA in wanted and hasattr(ort, "preload_dlls"):
         ort.preload_dlls()  # CUDA and cuDNN from their pip packages, when installed that way
-    kernels.register(opts, wanted[0])  # int8's kernels where built, as the server on this machine runs them
+    # int8's kernels where the server on this machine would run them (its ADDNORM_KERNELS setting)
+    kernels.register(opts, wanted[0], os.environ.get(kernels.ENV, "auto"))
     session = ort.InferenceSession(str(model_path), opts, providers=with_options(wanted))
     if session.get_providers()[0] != wanted[0]:
         raise RuntimeError(f"{wanted[0]} is not usable here: the session runs on {session.get_providers()}")

@@ -36,6 +36,7 @@ INSTALLED = Path(
     "/usr/local/lib/addnorm"
 )  # where the images put it (Dockerfile: python -m model.kernels --out)
 NEEDS = ("avx2", "fma")
+ENV = "ADDNORM_KERNELS"  # the server's setting (--kernels); addnorm-export's gate reads it too
 # auto registers the library only on CPUs with AVX-512 VNNI (and AMX), where it was measured faster than
 # onnxruntime's own int8 kernels (docs/parity.md, "int8's own kernels"); on AVX2-only CPUs its speed against them
 # is not measured yet, so there --kernels PATH opts in.
@@ -88,10 +89,8 @@ def find(setting: str = "auto", cpuinfo: str = "/proc/cpuinfo") -> Path | None:
 
 def register(options, provider: str, setting: str = "auto") -> Path | None:
     """Register the library ``find(setting)`` picks on onnxruntime SessionOptions ``options`` for a session on
-    ``provider``; returns it, or None (not built, ``off``, or not the CPU provider: the CUDA provider inlines the
-    functions and runs them on the GPU). ``setting`` ``auto`` may be overridden by ADDNORM_KERNELS."""
-    if setting == "auto":
-        setting = os.environ.get("ADDNORM_KERNELS", "auto")
+    ``provider``; returns it, or None (none picked, or not the CPU provider: the CUDA provider inlines the
+    functions and runs them on the GPU)."""
     path = find(setting) if provider == "CPUExecutionProvider" else None
     if path is not None:
         options.register_custom_ops_library(str(path))
