@@ -90,8 +90,11 @@ class Engine:
         # Idle pool threads must not spin: the event loop shares these cores, and a spinning onnxruntime worker
         # takes them from it (measured at 32 concurrent clients: +6% batched, +18% unbatched; docs/benchmarks.md).
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        try:  # int8's operators as one kernel each (model/kernels), where built; else their standard operators
-            self.kernels = kernels.register(opts, wanted[0], kernels_setting)
+        # int8's operators as one kernel each (model/kernels), where built; else their standard operators. A graph
+        # with them (int8's) imports their domain.
+        try:
+            uses = kernels.DOMAIN.encode() in verified.model
+            self.kernels = kernels.register(opts, wanted[0], kernels_setting) if uses else None
         except kernels.KernelError as exc:
             raise EngineError(str(exc)) from exc
         self.session = ort.InferenceSession(verified.model, opts, providers=with_options(wanted))

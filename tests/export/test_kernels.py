@@ -212,7 +212,8 @@ def test_auto_picks_the_kernels_only_where_they_were_measured_faster(tmp_path):
 
 def test_an_engine_serves_int8_on_the_kernels_verified_and_answering_as_without(tmp_path):
     """The server's engine with the library (its golden check passing on it) and without: the same answers within
-    the float side's rounding; a library path that is not there stops the engine with the reason."""
+    the float side's rounding; a library path that is not there stops the engine with the reason; an fp32 graph
+    runs without it."""
     from service.engine import Engine, EngineError, verify_engine
     from tests.conftest import SMALL, export_to
 
@@ -226,6 +227,9 @@ def test_an_engine_serves_int8_on_the_kernels_verified_and_answering_as_without(
     assert 0 < np.abs(got - want).max() < 1e-3 * np.abs(want).max()  # the kernels ran, and agree
     with pytest.raises(EngineError, match="does not exist"):
         Engine(artifact, "cpu", 1, kernels_setting=str(tmp_path / "missing.so"))
+    # a graph without int8's operators gets no library (and its load line names none)
+    fp32 = export_to(tmp_path / "b", SMALL)
+    assert Engine(fp32, "cpu", 1, kernels_setting=str(kernels.library_path())).kernels is None
 
 
 def test_a_library_of_another_source_is_never_found(tmp_path, monkeypatch):
