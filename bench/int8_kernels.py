@@ -7,9 +7,9 @@ its two steps as ONNX functions (export/int8_ops.py): onnxruntime inlines them i
 quantized activation and 6 per product, or, with model/kernels' library registered (as the server does where it
 is built), runs one kernel for each. This measures fp32, int8 both ways and ``quantize_dynamic`` side by side on
 all-MiniLM-L6-v2: each graph's answers on real sentences against transformers, and its time on ``[8,128,384]``
-(the graphs taking turns, median of the rounds). ``--isa`` caps the kernels' instructions (ADDNORM_KERNELS_ISA):
-on one machine, what a CPU without AMX or without AVX-512 would get from them (onnxruntime's own kernels still
-use what this CPU has).
+(the graphs taking turns, median of the rounds). ``--isa`` caps the kernels' instructions (ADDNORM_KERNELS_ISA),
+onnxruntime's own kernels still using what this CPU has; ``python -m bench.emulate avx2 -- python -m
+bench.int8_kernels`` runs all of it as on a smaller CPU.
 """
 
 from __future__ import annotations
@@ -51,9 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     config, encoder, reference = real_model()
     x, mask = reference.embed([*hf.SENTENCES, *MORE])
     want = reference.encode(x, mask)
+    emulated = (
+        f" (emulated: python -m bench.emulate {os.environ['ADDNORM_EMULATE']})"
+        if "ADDNORM_EMULATE" in os.environ
+        else ""
+    )
     print(
-        f"all-MiniLM-L6-v2, {len(x)} sentences; CPU flags {' '.join(sorted(cpu_flags()))}; kernels "
-        f"{library.name}, instructions up to {args.isa or 'the widest here'}",
+        f"all-MiniLM-L6-v2, {len(x)} sentences; CPU flags {' '.join(sorted(cpu_flags()))}"
+        f"{emulated}; kernels {library.name} on {kernels.isa(library)}",
         flush=True,
     )
     with tempfile.TemporaryDirectory() as tmp:

@@ -129,7 +129,7 @@ class Engine:
             model_dir,
             self.providers,
             self.threads,
-            f", kernels {self.kernels.name}" if self.kernels else "",
+            f", kernels {self.kernels.name} ({kernels.isa(self.kernels)})" if self.kernels else "",
         )
 
     @property

@@ -83,8 +83,8 @@ class Settings(BaseSettings):
     )
     kernels: str = Field(
         "auto",
-        description="int8's operators on the CPU provider: auto (on AVX-512 VNNI CPUs the kernel library python -m "
-        "model.kernels built, when there; else onnxruntime's standard operators), off, or the library's path",
+        description="int8's operators on the CPU provider: auto (the kernel library python -m model.kernels built, "
+        "when there and the CPU has AVX2 and FMA; else onnxruntime's standard operators), off, or the library's path",
     )
     intra_op_threads: int = Field(
         0,

@@ -107,10 +107,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _build_kernels() -> None:
-    """int8's kernel library (model/kernels) for this source, as make serve builds it: on CPUs where ``auto`` picks
-    it (AVX-512 VNNI) every engine and export gate of the run registers it, so int8 is tested as it is served there,
-    and tests/export/test_kernels.py runs it on every CPU. A CPU without AVX2 and FMA cannot run it (the suite then
-    tests int8's standard operators only); anywhere else a failed build fails the run."""
+    """int8's kernel library (model/kernels) for this source, as make serve builds it: ``auto`` picks it on every
+    CPU with AVX2 and FMA, so every engine and export gate of the run registers it and int8 is tested as it is
+    served. A CPU without AVX2 and FMA cannot run it (the suite then tests int8's standard operators only); anywhere
+    else a failed build fails the run."""
     from model import kernels
 
     if kernels.cpu_lacks():

@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
+
 from bench.server import ROOT
 from model.runtime import cpu_flags
 
@@ -38,6 +40,29 @@ CHECK = textwrap.dedent(
     print(json.dumps({"status": v.status, "message": v.message, "max_abs_err": v.max_abs_err}))
     """
 )
+
+
+PAIRS_K = 64  # the probe's products: 255 x 127 each
+SATURATED, EXACT = 32767 * PAIRS_K // 2, 255 * 127 * PAIRS_K  # every u8 x s8 pair saturated in int16; exact
+
+
+def saturation_probe(path: Path) -> Path:
+    """A MatMulInteger summing 255 x 127 over PAIRS_K products, written to ``path``: onnxruntime answers EXACT with
+    VNNI and SATURATED on AVX2's VPMADDUBSW (pairs summed in int16): which kernels its MLAS picked."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMulInteger", ["a", "w"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("a", TensorProto.UINT8, [1, PAIRS_K])],
+        [helper.make_tensor_value_info("y", TensorProto.INT32, [1, 1])],
+        [numpy_helper.from_array(np.full((PAIRS_K, 1), 127, np.int8), "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
 
 
 def run(args: list[str], cwd: Path = ROOT) -> str:

@@ -37,10 +37,8 @@ INSTALLED = Path(
 )  # where the images put it (Dockerfile: python -m model.kernels --out)
 NEEDS = ("avx2", "fma")
 ENV = "ADDNORM_KERNELS"  # the server's setting (--kernels); addnorm-export's gate reads it too
-# auto registers the library only on CPUs with AVX-512 VNNI (and AMX), where it was measured faster than
-# onnxruntime's own int8 kernels (docs/parity.md, "int8's own kernels"); on AVX2-only CPUs its speed against them
-# is not measured yet, so there --kernels PATH opts in.
-FASTER_WITH = "avx512_vnni"
+# auto registers the library on every CPU that can run it: int8 on it was measured faster than on onnxruntime's
+# standard operators with AMX, with AVX-512 VNNI and with AVX2 only (docs/parity.md, "int8's own kernels").
 
 
 class KernelError(RuntimeError):
@@ -70,15 +68,15 @@ def cpu_lacks(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
 
 def find(setting: str = "auto", cpuinfo: str = "/proc/cpuinfo") -> Path | None:
     """The library to register for ``setting``: ``off`` none; ``auto`` this source's library, built beside it or in
-    INSTALLED, on a CPU with FASTER_WITH (where it was measured faster than onnxruntime's own operators), else
-    none; a path, that file (an error if it is missing or this CPU cannot run it)."""
+    INSTALLED, on a CPU that can run it (NEEDS), else none; a path, that file (an error if it is missing or this
+    CPU cannot run it)."""
     if setting == "off":
         return None
     flags = cpu_flags(cpuinfo)
     lacks = [f for f in NEEDS if f not in flags]
     if setting == "auto":
         found = [p for p in (library_path(), library_path(INSTALLED)) if p.is_file()]
-        return found[0] if found and not lacks and FASTER_WITH in flags else None
+        return found[0] if found and not lacks else None
     path = Path(setting)
     if not path.is_file():
         raise KernelError(f"kernel library {setting} does not exist (build one: python -m model.kernels)")
@@ -117,6 +115,16 @@ def build(include: Path | None = None, directory: Path | None = None) -> Path:
             raise KernelError(f"{compiler} failed on {SOURCE.name}:\n{done.stderr[-4000:]}")
         part.replace(out)
     return out
+
+
+def isa(path: Path) -> str:
+    """The instructions library ``path`` runs on this CPU: ``amx``, ``vnni`` or ``avx2`` (the widest this CPU has
+    and Linux grants, at most ADDNORM_KERNELS_ISA; what the server logs at load)."""
+    import ctypes  # the library links nothing of onnxruntime's: it loads on its own
+
+    query = ctypes.CDLL(str(path)).AddnormKernelsIsa
+    query.restype = ctypes.c_char_p
+    return query().decode()
 
 
 def header_dir(include: Path | None = None) -> Path:

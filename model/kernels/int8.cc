@@ -527,6 +527,9 @@ struct QuantMatMul {
 };
 }  // namespace
 
+// The instructions the kernels run here (what model.kernels.isa reports; the server logs it at load).
+extern "C" const char* AddnormKernelsIsa() { return ISA == AMX ? "amx" : ISA == VNNI ? "vnni" : "avx2"; }
+
 extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   Ort::InitApi(api_base->GetApi(ORT_API_VERSION));  // the header's version: a newer runtime serves it too
   static Ort::CustomOpDomain domain{"ai.addnorm"};

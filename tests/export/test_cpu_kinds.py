@@ -18,7 +18,17 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from model.runtime import cpu_flags
-from tests.cpu_kinds import CAN_EMULATE, WHY_NOT, emulated, golden_check, run
+from tests.cpu_kinds import (
+    CAN_EMULATE,
+    EXACT,
+    PAIRS_K,
+    SATURATED,
+    WHY_NOT,
+    emulated,
+    golden_check,
+    run,
+    saturation_probe,
+)
 
 needs_qemu = pytest.mark.skipif(not CAN_EMULATE, reason=WHY_NOT)  # every test but the last, which only parses
 
@@ -26,24 +36,14 @@ needs_qemu = pytest.mark.skipif(not CAN_EMULATE, reason=WHY_NOT)  # every test b
 @needs_qemu
 def test_the_emulated_cpu_saturates_u8s8_pairs_as_avx2_does(tmp_path):
     """255 x 127 summed over 64 products: exact on VNNI, and int16-saturated pairs on AVX2."""
-    k = 64
-    graph = helper.make_graph(
-        [helper.make_node("MatMulInteger", ["a", "w"], ["y"])],
-        "g",
-        [helper.make_tensor_value_info("a", TensorProto.UINT8, [1, k])],
-        [helper.make_tensor_value_info("y", TensorProto.INT32, [1, 1])],
-        [numpy_helper.from_array(np.full((k, 1), 127, np.int8), "w")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save(model, str(tmp_path / "m.onnx"))
+    probe = str(saturation_probe(tmp_path / "m.onnx"))
     code = (
         "import sys, numpy as np, onnxruntime as ort; "
         "s = ort.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider']); "
-        "print(int(s.run(None, {'a': np.full((1, 64), 255, np.uint8)})[0][0, 0]))"
+        f"print(int(s.run(None, {{'a': np.full((1, {PAIRS_K}), 255, np.uint8)}})[0][0, 0]))"
     )
-    assert int(run(emulated("-c", code, str(tmp_path / "m.onnx")))) == 32767 * k // 2  # every pair saturated
-    assert int(run([sys.executable, "-c", code, str(tmp_path / "m.onnx")])) in (255 * 127 * k, 32767 * k // 2)
+    assert int(run(emulated("-c", code, probe))) == SATURATED  # every pair saturated
+    assert int(run([sys.executable, "-c", code, probe])) in (EXACT, SATURATED)
 
 
 @needs_qemu
