@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from model.runtime import CPU, disabled_optimizers
+
 
 def main(argv: list[str] | None = None) -> int:
     import onnx
@@ -69,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         sessions = {
-            v: ort.InferenceSession(str(p), opts, providers=["CPUExecutionProvider"])
+            v: ort.InferenceSession(
+                str(p), opts, providers=[CPU], disabled_optimizers=disabled_optimizers(CPU)
+            )
             for v, p in paths.items()
         }
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from model.runtime import CPU, disabled_optimizers
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.int8_kernels", description=__doc__.split("\n\n")[0])
@@ -76,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as the server runs
             if lib is not None:
                 opts.register_custom_ops_library(str(lib))
-            sessions[name] = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+            sessions[name] = ort.InferenceSession(
+                str(path), opts, providers=[CPU], disabled_optimizers=disabled_optimizers(CPU)
+            )
         bench_x = np.random.default_rng(0).standard_normal((8, 128, config.d_model)).astype(np.float32)
         times = alternate(
             sessions, {EMBEDDINGS: bench_x, MASK: np.zeros((8, 128), bool)}, args.rounds, args.seconds

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from model.runtime import CPU, disabled_optimizers
+
 SHAPE = (8, 128, 384)
 WARMUP = 3
 
@@ -66,7 +68,9 @@ def _profile(path: Path, feed: dict, runs: int, threads: int, prefix: Path) -> t
     opts.intra_op_num_threads = threads
     opts.enable_profiling = True
     opts.profile_file_prefix = str(prefix)
-    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(
+        str(path), opts, providers=[CPU], disabled_optimizers=disabled_optimizers(CPU)
+    )
     for _ in range(WARMUP):
         session.run(None, feed)
     start = time.perf_counter()

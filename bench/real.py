@@ -20,6 +20,7 @@ import numpy as np
 
 from bench import int8_options
 from model import kernels as model_kernels
+from model.runtime import CPU, disabled_optimizers
 
 AVX2_ONLY = "Haswell-v4"  # QEMU's CPU model without AVX-512 or VNNI (tests/cpu_kinds.py)
 
@@ -96,18 +97,26 @@ def main(rounds: int = 3, seconds: float = 1.0) -> int:
                     encoder, path, variant, attention=attention, plan=plan_for(encoder, variant, given)
                 )
             print(f"  exported {name} in {time.perf_counter() - start:.0f} s: {verdict}", flush=True)
-            sessions[name] = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+            sessions[name] = ort.InferenceSession(
+                str(path), opts, providers=[CPU], disabled_optimizers=disabled_optimizers(CPU)
+            )
             rows.append((name, verdict))
             if variant == "int8" and (library := model_kernels.find()) is not None:  # as the server runs it
                 with_kernels = ort.SessionOptions()
                 with_kernels.log_severity_level = 3
                 with_kernels.register_custom_ops_library(str(library))
                 sessions[KERNELS] = ort.InferenceSession(
-                    str(path), with_kernels, providers=["CPUExecutionProvider"]
+                    str(path),
+                    with_kernels,
+                    providers=[CPU],
+                    disabled_optimizers=disabled_optimizers(CPU),
                 )
                 rows.append((KERNELS, verdict))
         sessions["quantize_dynamic"] = ort.InferenceSession(
-            str(quantize_dynamic_graph(encoder, Path(tmp))), opts, providers=["CPUExecutionProvider"]
+            str(quantize_dynamic_graph(encoder, Path(tmp))),
+            opts,
+            providers=[CPU],
+            disabled_optimizers=disabled_optimizers(CPU),
         )
         rows.append(("quantize_dynamic", "not gated (onnxruntime's, per-channel, reduce_range)"))
         kernels = int8_options.kernel_exactness(None), int8_options.kernel_exactness(AVX2_ONLY)
@@ -225,7 +234,10 @@ def _int8_options(encoder, x: np.ndarray, mask: np.ndarray, tmp: Path, opts) -> 
         model = int8_options.build(pre, encoder, x, mask, option)
         _toposort(model.graph)
         sessions[option.name] = ort.InferenceSession(
-            model.SerializeToString(), opts, providers=["CPUExecutionProvider"]
+            model.SerializeToString(),
+            opts,
+            providers=[CPU],
+            disabled_optimizers=disabled_optimizers(CPU),
         )
     return sessions
 

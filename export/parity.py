@@ -34,7 +34,7 @@ from model import kernels, packing, reference
 from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, output_names, positional
 from model.encoder import Encoder
 from model.golden import REPRESENTATIVE
-from model.runtime import CPU, CUDA, with_options
+from model.runtime import CPU, CUDA, disabled_optimizers, with_options
 from model.verdict import Comparison, Tolerance, compare
 
 # Two float64 computations of one block differ by rounding (~1e-14 here); far above that, one of them is wrong.
@@ -188,7 +188,12 @@ def make_session(
         ort.preload_dlls()  # CUDA and cuDNN from their pip packages, when installed that way
     # int8's kernels where the server on this machine would run them (its ADDNORM_KERNELS setting)
     kernels.register(opts, wanted[0], os.environ.get(kernels.ENV, "auto"))
-    session = ort.InferenceSession(str(model_path), opts, providers=with_options(wanted))
+    session = ort.InferenceSession(
+        str(model_path),
+        opts,
+        providers=with_options(wanted),
+        disabled_optimizers=disabled_optimizers(wanted[0]),
+    )
     if session.get_providers()[0] != wanted[0]:
         raise RuntimeError(f"{wanted[0]} is not usable here: the session runs on {session.get_providers()}")
     return packing.PaddedFeeds(session) if packing.is_packed(session) else session

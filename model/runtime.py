@@ -18,6 +18,22 @@ def with_options(providers: list[str]) -> list[str | tuple[str, dict[str, str]]]
     return [(p, dict(CUDA_OPTIONS)) if p == CUDA else p for p in providers]
 
 
+# onnxruntime's optimizer rewrites each Add + LayerNormalization into its SkipLayerNormalization, whose CPU kernel
+# takes longer than the two operators it replaces (its CPU kernel 1.4 ms against 0.4 for Add and LayerNormalization
+# on a [1024, 384] row block, onnxruntime 1.32). Without that rewrite, measured side by side on 2026-11-28
+# (python -m bench.fusions; docs/benchmarks.md): all-MiniLM-L6-v2 fp32 1.07-1.12x as fast, int8 on its kernels
+# 1.12-1.28x, the default d768 model 1.04-1.06x on a Xeon with AMX; 1.02-1.14x as an AVX2-only CPU (python -m
+# bench.emulate avx2); answers within float32 rounding. The server, the export gate and the benchmarks make CPU
+# sessions without it; CUDA sessions keep it (not measured there).
+CPU_DISABLED_OPTIMIZERS = ("SkipLayerNormFusion",)
+
+
+def disabled_optimizers(provider: str) -> list[str]:
+    """The graph rewrites (onnxruntime's optimizer names) a session whose first provider is ``provider`` is made
+    without: ``InferenceSession(..., disabled_optimizers=disabled_optimizers(provider))``."""
+    return list(CPU_DISABLED_OPTIMIZERS) if provider == CPU else []
+
+
 # CPU kinds, as /proc/cpuinfo names their features: what a verdict or a figure is reported against.
 SIMD_FLAGS = frozenset({"avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8"})
 VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni"})  # int8 dot products without int16 intermediate sums

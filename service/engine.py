@@ -25,7 +25,7 @@ from model.artifact import ArtifactError, Manifest, load_verified, read_verified
 from model.attention import score_elements
 from model.contract import EMBEDDINGS, MASK, positional
 from model.golden import Verification, load_golden, verify
-from model.runtime import CPU, CUDA, VNNI_FLAGS, cpu_flags, with_options
+from model.runtime import CPU, CUDA, VNNI_FLAGS, cpu_flags, disabled_optimizers, with_options
 from model.verdict import Tolerance
 from service.cores import default_threads
 
@@ -97,7 +97,12 @@ class Engine:
             self.kernels = kernels.register(opts, wanted[0], kernels_setting) if uses else None
         except kernels.KernelError as exc:
             raise EngineError(str(exc)) from exc
-        self.session = ort.InferenceSession(verified.model, opts, providers=with_options(wanted))
+        self.session = ort.InferenceSession(
+            verified.model,
+            opts,
+            providers=with_options(wanted),
+            disabled_optimizers=disabled_optimizers(wanted[0]),
+        )
         self.providers = self.session.get_providers()
         if wanted[0] == CUDA and self.providers[0] != CUDA:
             # onnxruntime drops CUDA without an error when its libraries fail to load; make that loud.

@@ -33,13 +33,42 @@ def test_cuda_that_fails_to_initialize_is_refused(tiny_artifact, monkeypatch):
     monkeypatch.setattr(engine_mod.ort, "get_available_providers", lambda: [CUDA, CPU])
     real_session = engine_mod.ort.InferenceSession
 
-    def session(path, opts, providers):  # what onnxruntime does when CUDA cannot start
-        return real_session(path, opts, providers=[CPU])
+    def session(path, opts, providers, **kwargs):  # what onnxruntime does when CUDA cannot start
+        return real_session(path, opts, providers=[CPU], **kwargs)
 
     monkeypatch.setattr(engine_mod.ort, "InferenceSession", session)
     with pytest.raises(EngineError, match="Refusing to fall back"):
         Engine(tiny_artifact, "cuda")
     assert Engine(tiny_artifact, "auto").providers == [CPU]  # auto: warns and serves on CPU
+
+
+def test_cpu_sessions_keep_add_and_layer_norm_apart(tiny_artifact, tmp_path, monkeypatch):
+    """A CPU engine is made without onnxruntime's SkipLayerNormFusion (slower on CPU: model.runtime), a CUDA one
+    with it; the name is one onnxruntime knows: its optimized graph keeps LayerNormalization instead of fusing."""
+    import onnx
+    import onnxruntime as ort
+
+    from model.runtime import CPU_DISABLED_OPTIMIZERS, disabled_optimizers
+
+    made = []
+    real_session = engine_mod.ort.InferenceSession
+
+    def session(path, opts, providers, **kwargs):
+        made.append(kwargs)
+        return real_session(path, opts, providers=[CPU], **kwargs)
+
+    monkeypatch.setattr(engine_mod.ort, "InferenceSession", session)
+    Engine(tiny_artifact, "cpu")
+    assert made[-1]["disabled_optimizers"] == list(CPU_DISABLED_OPTIMIZERS) == ["SkipLayerNormFusion"]
+    assert disabled_optimizers(CUDA) == []
+    ops = {}
+    for name, disabled in (("defaults", None), ("served", disabled_optimizers(CPU))):
+        opts = ort.SessionOptions()
+        opts.optimized_model_filepath = str(tmp_path / f"{name}.onnx")
+        real_session(str(tiny_artifact / "model.onnx"), opts, providers=[CPU], disabled_optimizers=disabled)
+        ops[name] = {n.op_type for n in onnx.load(str(tmp_path / f"{name}.onnx")).graph.node}
+    assert "SkipLayerNormalization" in ops["defaults"] and "LayerNormalization" not in ops["defaults"]
+    assert "SkipLayerNormalization" not in ops["served"] and "LayerNormalization" in ops["served"]
 
 
 def test_engine_runs_the_graph_and_answers_by_output_name(tiny_artifact):
