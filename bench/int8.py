@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from model.runtime import CPU, disabled_optimizers
+from model.runtime import CPU, session_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         opts.log_severity_level = 3
         sessions = {
             v: ort.InferenceSession(
-                str(p), opts, providers=[CPU], disabled_optimizers=disabled_optimizers(CPU)
+                str(p),
+                opts,
+                **session_args([CPU]),
             )
             for v, p in paths.items()
         }

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from model.runtime import CPU, disabled_optimizers
+from model.runtime import CPU, session_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
             if lib is not None:
                 opts.register_custom_ops_library(str(lib))
             sessions[name] = ort.InferenceSession(
-                str(path), opts, providers=[CPU], disabled_optimizers=disabled_optimizers(CPU)
+                str(path),
+                opts,
+                **session_args([CPU]),
             )
         bench_x = np.random.default_rng(0).standard_normal((8, 128, config.d_model)).astype(np.float32)
         times = alternate(

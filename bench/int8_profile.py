@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from model.runtime import CPU, disabled_optimizers
+from model.runtime import CPU, session_args
 
 SHAPE = (8, 128, 384)
 WARMUP = 3
@@ -69,7 +69,9 @@ def _profile(path: Path, feed: dict, runs: int, threads: int, prefix: Path) -> t
     opts.enable_profiling = True
     opts.profile_file_prefix = str(prefix)
     session = ort.InferenceSession(
-        str(path), opts, providers=[CPU], disabled_optimizers=disabled_optimizers(CPU)
+        str(path),
+        opts,
+        **session_args([CPU]),
     )
     for _ in range(WARMUP):
         session.run(None, feed)

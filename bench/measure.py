@@ -19,7 +19,7 @@ from bench.loadgen import build_request, run_load
 from bench.server import HOST, ServerProcess, serve
 from model.artifact import WEIGHTS_FILE, Manifest
 from model.contract import EMBEDDINGS, ENCODED, MASK
-from model.runtime import CPU, disabled_optimizers
+from model.runtime import CPU, session_args
 
 CLIENTS = 32
 DEFAULT = "defaults"  # bench.limits' label for the server with default settings
@@ -295,7 +295,9 @@ def measure_variants(s: Setup) -> dict:
             opts = ort.SessionOptions()
             opts.intra_op_num_threads = s.threads
             sess = ort.InferenceSession(
-                str(path), opts, providers=[CPU], disabled_optimizers=disabled_optimizers(CPU)
+                str(path),
+                opts,
+                **session_args([CPU]),
             )
             out[v] = stats(timed(lambda sess=sess: sess.run([ENCODED], feed), s.seconds))
     return out

@@ -20,7 +20,7 @@ import numpy as np
 
 from bench import int8_options
 from model import kernels as model_kernels
-from model.runtime import CPU, disabled_optimizers
+from model.runtime import CPU, session_args
 
 AVX2_ONLY = "Haswell-v4"  # QEMU's CPU model without AVX-512 or VNNI (tests/cpu_kinds.py)
 
@@ -98,7 +98,9 @@ def main(rounds: int = 3, seconds: float = 1.0) -> int:
                 )
             print(f"  exported {name} in {time.perf_counter() - start:.0f} s: {verdict}", flush=True)
             sessions[name] = ort.InferenceSession(
-                str(path), opts, providers=[CPU], disabled_optimizers=disabled_optimizers(CPU)
+                str(path),
+                opts,
+                **session_args([CPU]),
             )
             rows.append((name, verdict))
             if variant == "int8" and (library := model_kernels.find()) is not None:  # as the server runs it
@@ -108,15 +110,13 @@ def main(rounds: int = 3, seconds: float = 1.0) -> int:
                 sessions[KERNELS] = ort.InferenceSession(
                     str(path),
                     with_kernels,
-                    providers=[CPU],
-                    disabled_optimizers=disabled_optimizers(CPU),
+                    **session_args([CPU]),
                 )
                 rows.append((KERNELS, verdict))
         sessions["quantize_dynamic"] = ort.InferenceSession(
             str(quantize_dynamic_graph(encoder, Path(tmp))),
             opts,
-            providers=[CPU],
-            disabled_optimizers=disabled_optimizers(CPU),
+            **session_args([CPU]),
         )
         rows.append(("quantize_dynamic", "not gated (onnxruntime's, per-channel, reduce_range)"))
         kernels = int8_options.kernel_exactness(None), int8_options.kernel_exactness(AVX2_ONLY)
@@ -236,8 +236,7 @@ def _int8_options(encoder, x: np.ndarray, mask: np.ndarray, tmp: Path, opts) -> 
         sessions[option.name] = ort.InferenceSession(
             model.SerializeToString(),
             opts,
-            providers=[CPU],
-            disabled_optimizers=disabled_optimizers(CPU),
+            **session_args([CPU]),
         )
     return sessions
 

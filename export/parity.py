@@ -34,7 +34,7 @@ from model import kernels, packing, reference
 from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, output_names, positional
 from model.encoder import Encoder
 from model.golden import REPRESENTATIVE
-from model.runtime import CPU, CUDA, disabled_optimizers, with_options
+from model.runtime import CPU, CUDA, session_args
 from model.verdict import Comparison, Tolerance, compare
 
 # Two float64 computations of one block differ by rounding (~1e-14 here); far above that, one of them is wrong.
@@ -191,8 +191,7 @@ def make_session(
     session = ort.InferenceSession(
         str(model_path),
         opts,
-        providers=with_options(wanted),
-        disabled_optimizers=disabled_optimizers(wanted[0]),
+        **session_args(wanted),
     )
     if session.get_providers()[0] != wanted[0]:
         raise RuntimeError(f"{wanted[0]} is not usable here: the session runs on {session.get_providers()}")

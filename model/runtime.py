@@ -30,8 +30,14 @@ CPU_DISABLED_OPTIMIZERS = ("SkipLayerNormFusion",)
 
 def disabled_optimizers(provider: str) -> list[str]:
     """The graph rewrites (onnxruntime's optimizer names) a session whose first provider is ``provider`` is made
-    without: ``InferenceSession(..., disabled_optimizers=disabled_optimizers(provider))``."""
+    without."""
     return list(CPU_DISABLED_OPTIMIZERS) if provider == CPU else []
+
+
+def session_args(providers: list[str]) -> dict:
+    """``InferenceSession(model, opts, **session_args(providers))``: a session made as the server makes it, its
+    providers with their options (with_options) and the rewrites left out (disabled_optimizers)."""
+    return {"providers": with_options(providers), "disabled_optimizers": disabled_optimizers(providers[0])}
 
 
 # CPU kinds, as /proc/cpuinfo names their features: what a verdict or a figure is reported against.

@@ -25,7 +25,7 @@ from model.artifact import ArtifactError, Manifest, load_verified, read_verified
 from model.attention import score_elements
 from model.contract import EMBEDDINGS, MASK, positional
 from model.golden import Verification, load_golden, verify
-from model.runtime import CPU, CUDA, VNNI_FLAGS, cpu_flags, disabled_optimizers, with_options
+from model.runtime import CPU, CUDA, VNNI_FLAGS, cpu_flags, session_args
 from model.verdict import Tolerance
 from service.cores import default_threads
 
@@ -100,8 +100,7 @@ class Engine:
         self.session = ort.InferenceSession(
             verified.model,
             opts,
-            providers=with_options(wanted),
-            disabled_optimizers=disabled_optimizers(wanted[0]),
+            **session_args(wanted),
         )
         self.providers = self.session.get_providers()
         if wanted[0] == CUDA and self.providers[0] != CUDA:
