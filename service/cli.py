@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from model import kernels
 from service import logs
-from service.engine import EngineError, check_artifact, resolve_providers
+from service.engine import EngineError, check_artifact, freeze_heap, resolve_providers
 from service.settings import Settings, explain
 
 
@@ -104,6 +104,7 @@ def _run(app: typing.Any, **options: typing.Any) -> bool:
             await super().shutdown(sockets)
 
     server = Server(uvicorn.Config(app, **options))
+    freeze_heap()  # the app is built; the models load once it serves
     server.run()
     return server.started
 

@@ -4,16 +4,16 @@ server's own session, on the provider it serves with, judged by the export gate'
 variant's tolerance. The sha256 proves the file is the one exported; this proves the runtime here computes what was
 checked there (another onnxruntime build, another CPU, the CUDA provider's kernels).
 
-And the C heap (glibc) it allocates from: ``trim()`` gives freed memory back, ``limit_arenas()`` keeps one malloc
-arena per thread from growing without bound. Measured under the soak (docs/reliability.md): with glibc's default of up to 8 arenas per core, resident memory
-crept up 17% over 150 s at 64 clients and was still rising; with 2 arenas it stayed within 2%. After a burst of
-long sequences, ``trim()`` returns the pages their buffers used. Elsewhere than glibc both do nothing.
+The heaps: glibc's (``trim()`` gives freed memory back; ``limit_arenas()``: under the soak, docs/reliability.md, with
+glibc's default of 8 arenas per core resident memory crept up 17% over 150 s at 64 clients, with 2 within 2%;
+elsewhere than glibc both do nothing), and Python's (``freeze_heap``: docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import gc
 import logging
 from pathlib import Path
 
@@ -242,17 +242,21 @@ def trim() -> None:
         _LIBC.malloc_trim(0)
 
 
+def freeze_heap() -> None:
+    """What a server process built before serving (modules, the app) lives as long as it: out of the cyclic collector's
+    passes (each had stalled the event loop 45-70 ms). Models load later: a swapped one is freed as before."""
+    gc.collect()
+    gc.freeze()
+
+
 def verify_engine(engine: Engine, mode: str) -> Verification:
     """``mode`` strict or warn: run the check (the caller decides what a failure means); off: skip it."""
     provider = engine.providers[0]
     if mode == "off":
         return Verification("skipped", provider, "verification at load is off (ADDNORM_VERIFY_ON_LOAD=off)")
     if not engine.manifest.golden_sha256:
-        return Verification(
-            "unverifiable",
-            provider,
-            "the artifact has no golden data (exported before addnorm stored it); re-export it to verify at load",
-        )
+        why = "the artifact has no golden data (exported before addnorm stored it); re-export it to verify at load"
+        return Verification("unverifiable", provider, why)
     golden = load_golden(engine.golden)  # the bytes whose sha256 the engine checked, read once
     tol = Tolerance(**engine.manifest.parity["tolerance"])
     result = verify(engine.run, golden, tol, provider)

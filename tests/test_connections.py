@@ -364,3 +364,45 @@ def _read_all_until(sock: socket.socket, end: bytes) -> bytes:
     while not got.endswith(end) and (chunk := sock.recv(65536)):
         got += chunk
     return got
+
+
+def _answered(srv, route: str) -> int:
+    """The server's count of answered requests on ``route`` (its /metrics)."""
+    text = httpx.get(f"{srv.base}/metrics", timeout=GENEROUS_S).text
+    return int(
+        sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("addnorm_requests_total{") and f'route="{route}"' in line
+        )
+    )
+
+
+def test_a_client_that_reads_none_of_its_answers_is_no_longer_read(tiny_artifact):
+    """Back-pressure: a client that pipelines requests and reads no answer is read only while its answers can still
+    be written, so the server holds a bounded backlog for it, not every answer it asks for. A fast route's answer
+    is written without ASGI messages (service/transport/writing.py: ``respond``), and waits for the client as
+    uvicorn's ``send`` does; without that wait all 2,000 requests below were read and ~160 MB of answers held."""
+    body = json.dumps({"embeddings": [[0.5] * 32] * 128}).encode()  # answered with ~5x its size in JSON
+    request = b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    with start_server(tiny_artifact) as srv:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a client that reads nothing holds little
+        s.connect(("127.0.0.1", srv.port))
+        s.settimeout(2.0)
+        sent, deadline = 0, time.monotonic() + GENEROUS_S
+        try:
+            while sent < 2000 and time.monotonic() < deadline:
+                s.sendall(request)  # blocks, then times out, once the server stops reading
+                sent += 1
+        except TimeoutError:
+            pass
+        counts = [_answered(srv, "/v1/encode")]
+        while len(counts) < 3 or counts[-1] != counts[-3]:  # until the answers stop (its backlog written)
+            assert time.monotonic() < deadline + GENEROUS_S, counts
+            time.sleep(0.5)
+            counts.append(_answered(srv, "/v1/encode"))
+        answered = counts[-1]
+        assert sent < 2000, f"the server read all {sent} requests of a client that reads nothing"
+        assert 0 < answered < sent, (answered, sent)
+        s.close()

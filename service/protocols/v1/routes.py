@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request, Response
 
 from model.contract import EMBEDDINGS, ENCODED
 from service import inference
-from service.guard import FastRoute, Known
+from service.guard import FastRoute, HttpRequest, Known
 from service.live_parity import judged
 from service.protocols.common import error_docs, http_call, read_body, timing_headers
 from service.protocols.v1 import codec, schema
@@ -62,7 +62,7 @@ _ENCODE_DOC = {
 }
 
 
-async def handle_encode(request: Request, loaded: KnownModels, params: dict[str, str]) -> Response:
+async def handle_encode(request: HttpRequest, loaded: KnownModels, params: dict[str, str]) -> Response:
     """POST /v1/encode: decode by Content-Type, run, answer in the type Accept asks for."""
     start = time.perf_counter()
     settings = loaded.settings
@@ -81,7 +81,7 @@ async def handle_encode(request: Request, loaded: KnownModels, params: dict[str,
 
 @router.post("/encode", summary="Encode embeddings with the served encoder block", openapi_extra=_ENCODE_DOC)
 async def encode(request: Request, loaded: Known) -> Response:
-    return await handle_encode(request, loaded, {})
+    return await handle_encode(HttpRequest.of(request), loaded, {})
 
 
 @router.get(
@@ -104,7 +104,7 @@ def examples(model: str, d_model: int) -> dict[tuple[str, str], dict]:
     return {("/v1/encode", "post"): {EMBEDDINGS: [[0.1] * d_model, [0.2] * d_model], "model": model}}
 
 
-# Hot routes for the lean dispatcher (service.guard.FastPath); the guard checks everything under these prefixes.
+# Hot routes for the lean dispatcher (service.guard.HttpFront); the guard checks everything under these prefixes.
 FAST_ROUTES = (FastRoute("POST", re.compile(r"^/v1/encode$"), "/v1/encode", handle_encode),)
 MODEL_PREFIXES = ("/v1/",)
 PUBLIC_PATHS: tuple[str, ...] = ()

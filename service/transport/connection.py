@@ -1,41 +1,19 @@
-"""The HTTP connection layer: uvicorn's httptools protocol with a connection limit and read deadlines.
-
-uvicorn alone lets a client hold a connection forever by trickling its headers or body a byte at a time (its
-keep-alive timer only runs between requests, and any byte cancels it), and answers its own refusals in plain text.
-Here every connection must deliver its headers within ``header_timeout_s`` and its body within ``body_timeout_s``
-(else 408 and the connection is closed), connections beyond ``max_connections`` get a JSON 503 at once, and a
-request uvicorn cannot parse gets a JSON 400. Idle keep-alive connections close after ``keep_alive_s``. A deadline
-or keep-alive timer that fires with bytes unread in the socket (a stalled loop runs its timers first) lets them be read.
-A connection closed while its request body is still arriving (a 413 answered before the body was read) closes
-lingering: the answer is sent, the write side is shut, and what still arrives is discarded for up to ``LINGER_S``
-(closed at once, the unread data makes the kernel reset the connection, and a client still writing loses its 413).
-Pipelined requests are answered in order; a malformed one among them is answered (JSON 400) after every complete
-request before it. ``Upgrade`` (websocket, h2c) is never handed off: the request is answered as plain HTTP and the
-connection closes after it (one with a body gets a JSON 400: the parser gives the body to the other protocol).
-A transfer coding other than ``chunked`` gets a 400 (RFC 9112 6.1 suggests 501; every bad request here is a 4xx).
-A client that half-closes (``shutdown(SHUT_WR)``) is gone, as nginx and Go take it: its queued requests are dropped
-unrun (499). A head or a chunked trailer section over ``MAX_HEAD_BYTES`` gets a JSON 431 (a 400); trailer fields
-are dropped (RFC 9110 6.5.1: never merged into the header section).
-Each request's scope carries a ``Disconnect`` (key ``DISCONNECT``) that the connection fires when its client goes
-away, so a handler waiting for a model run is cancelled without a task of its own watching ``receive()``.
-``addnorm-serve`` passes ``HttpConnection`` to uvicorn (``http=``); worker processes read the same ADDNORM_* settings.
-"""
+"""One HTTP connection's reading side: limits, deadlines, parsing, pipelining (the package's docstring)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import fcntl
-import termios
+import functools
+import typing
 from collections import deque
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from service.errors import raw_error
 from service.inference import Disconnect
 from service.settings import Settings
+from service.transport.writing import ConnectionWriter, respond
 
-LINGER_S = 2.0
 GRACE_S = 1.0  # a deadline that fired with the request's bytes unread: they are read, then it holds again
 # A request's head (request line and header fields) may be this long, and so may a chunked body's trailer section;
 # beyond it 431 (400 for a trailer) and the connection closes. nginx allows 4 x 8 KiB by default, Go 1 MiB.
@@ -86,7 +64,7 @@ class HttpConnection(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.transport = _Transport(transport, self)  # what uvicorn's request cycles write to and close
+        self.transport = ConnectionWriter(transport, self)  # what uvicorn's request cycles write to and close
         if self.max_connections is not None and len(self.connections) > self.max_connections:
             msg = f"server is at its connection limit ({self.max_connections}: ADDNORM_MAX_CONNECTIONS)"
             return self._refuse(503, msg, retry_after=1)
@@ -156,7 +134,7 @@ class HttpConnection(HttpToolsProtocol):
         self.scope[DISCONNECT] = disconnect = Disconnect()  # the scope the request's cycle is built on, next
         super().on_headers_complete()
         self._unanswered.append(disconnect)
-        if upgrade:  # answered as plain HTTP, then the connection closes (see the module's docstring)
+        if upgrade:  # answered as plain HTTP, then the connection closes (see the package's docstring)
             self.cycle.keep_alive = False
         self.in_body = True
         self._arm(self.body_timeout_s, headers=False)
@@ -196,6 +174,12 @@ class HttpConnection(HttpToolsProtocol):
             return self._refuse(status, message)
         self._deferred = (status, message)
         self._disarm()
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: typing.Any) -> None:
+        # A fast route's request is answered by one call, no ASGI messages (app.direct: guard.HttpFront.direct).
+        direct = getattr(app, "direct", None)
+        run = direct and direct(cycle.scope, cycle.receive, functools.partial(respond, cycle))
+        super()._start_asgi_task(cycle, app if run is None else lambda *_: run)
 
     def _should_upgrade(self) -> bool:
         return False  # no protocol switch, ever: the request is answered as HTTP (uvicorn would hand it off)
@@ -243,57 +227,3 @@ class HttpConnection(HttpToolsProtocol):
     def timeout_keep_alive_handler(self) -> None:
         if not self.transport.unread():  # else the next request came and a stalled loop has yet to read it
             super().timeout_keep_alive_handler()
-
-
-class _Transport:
-    """The connection's transport as uvicorn sees it. A response's head is held until its body's first write and
-    both go out in one system call (uvicorn writes them apart: two sends, two segments for the client to read);
-    ``close()`` lingers while a request body (or a refused head) is still arriving (see the module's docstring).
-    Everything else is the transport's own."""
-
-    def __init__(self, transport: asyncio.Transport, protocol: HttpConnection) -> None:
-        self._transport, self._protocol = transport, protocol
-        self._lingering, self._head = False, None  # the held response head (bytes), if any
-
-    def write(self, data: bytes) -> None:
-        if self._head is not None:  # one writev, no copy of the body
-            head, self._head = self._head, None
-            self._transport.writelines((head, data))
-        elif data[:9] == b"HTTP/1.1 " and data[9:10] != b"1":  # a final response's head (not 100 Continue)
-            self._head = data
-        else:
-            self._transport.write(data)
-
-    def flush(self) -> None:
-        """Write a held head (a response without a body: HEAD, 204, 304)."""
-        if self._head is not None:
-            head, self._head = self._head, None
-            self._transport.write(head)
-
-    def write_eof(self) -> None:
-        self.flush()
-        self._transport.write_eof()
-
-    def close(self) -> None:
-        self.flush()
-        t, p = self._transport, self._protocol
-        if self._lingering or t.is_closing() or not (p.in_body or p.head_refused) or not t.can_write_eof():
-            t.close()
-            return
-        self._lingering = p.discarding = True
-        p._disarm()
-        t.write_eof()  # after the response already written: the client reads it, then end of stream
-        t.resume_reading()  # flow control may have paused reading while the body was not consumed
-        p.loop.call_later(LINGER_S, t.close)
-
-    def unread(self) -> bool:
-        """Whether bytes not yet read wait in the socket (none when it is closed)."""
-        with contextlib.suppress(AttributeError, OSError):
-            return fcntl.ioctl(self.get_extra_info("socket").fileno(), termios.FIONREAD, bytes(4)) != bytes(4)
-        return False
-
-    def is_closing(self) -> bool:
-        return self._lingering or self._transport.is_closing()
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._transport, name)
