@@ -1,20 +1,20 @@
 """create_app(settings): the FastAPI application, its middleware and its error handlers.
 
-Outermost first: the HTTP front (request id, access log, metrics; guard; fast routes) -> FastAPI's stack and router.
+Outermost first: FastAPI's error middleware -> the HTTP front (guard.Front: request id, access line, metrics, the
+guard, the body's deadline) -> FastAPI's exception middleware and router: every route the app serves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service import logs, protocols
 from service.engine import freeze_heap, limit_arenas
-from service.guard import Guard, HttpFront, Respond, install_error_handlers
+from service.guard import Front, Guard, install_error_handlers
 from service.protocols import docs, health
 from service.settings import VERSION, Settings
 from service.state import ServiceState, load_models, load_then_watch
@@ -78,41 +78,17 @@ def create_app(
     for router in (*protocols.ROUTERS, docs.router):
         app.include_router(router)
     install_error_handlers(app)
+    app.add_middleware(
+        Front, guard=guard, access_log=settings.access_log, body_timeout_s=settings.body_timeout_s
+    )
     if factory:  # this worker process's app is built (cli._run does it for one process)
         freeze_heap()
-    front = HttpFront(app.fastapi_call, guard, protocols.FAST_ROUTES, settings.access_log)
-    app.front = app.direct_front = front
     return app
 
 
 class _App(FastAPI):
-    """FastAPI, with addnorm's own front outermost for HTTP (guard.HttpFront), and only then FastAPI's stack (its
-    error, telemetry and body-limit middlewares, router, dependencies). The inference routes never enter FastAPI's
-    stack: on a 2-core machine its per-request work competes with onnxruntime (bench/, docs/benchmarks.md).
-    Lifespan and anything not HTTP go to FastAPI as they are."""
-
-    front: ASGIApp
-    direct_front: HttpFront | None  # the front's own way in, while no outer middleware wraps it
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            scope["app"] = self
-            await self.front(scope, receive, send)
-        else:
-            await super().__call__(scope, receive, send)
+    """FastAPI, with its OpenAPI document made true to this server."""
 
     def openapi(self) -> dict:
         """FastAPI's schema, true to this server (service/protocols/docs.py): no 422s, examples for the served model."""
         return docs.finish(super().openapi(), self.state.addnorm.loaded)
-
-    def add_outer_middleware(self, middleware: Callable[[ASGIApp], ASGIApp]) -> None:
-        """Wrap the whole front (``add_middleware`` adds inside FastAPI's stack, which fast routes never enter)."""
-        self.front, self.direct_front = middleware(self.front), None
-
-    def direct(self, scope: Scope, receive: Receive, respond: Respond) -> Awaitable[None] | None:
-        """A fast route's request answered by one ``respond`` (guard.HttpFront.direct, for service/transport/), else None."""
-        scope["app"] = self
-        return None if self.direct_front is None else self.direct_front.direct(scope, receive, respond)
-
-    async def fastapi_call(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await super().__call__(scope, receive, send)

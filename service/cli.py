@@ -175,13 +175,20 @@ def main(argv: list[str] | None = None) -> int:
     # handler it found: with this one in place, a drained server exits 0 instead of dying of the signal (-15).
     signal.signal(signal.SIGTERM, _drained)
     uv_log = "warning" if settings.log_level == "info" else settings.log_level
-    # Connection limit, read deadlines and JSON refusals: service.transport.
+    # uvicorn's documented options only (uvicorn.Config): its connection cap (--limit-concurrency: a plain-text 503
+    # beyond it, counting connections and requests in flight), idle keep-alive, no WebSocket (an Upgrade request
+    # is answered as plain HTTP). The rest of the connection's protections (the head's deadline and size, JSON
+    # refusals of bytes the parser rejects, trailer fields) belong to the front proxy: deploy/nginx/, and
+    # docs/reliability.md says which protection lives where.
     common = dict(
         host=settings.host,
         port=settings.port,
         log_config=None,
         log_level=uv_log,
         access_log=False,
+        http="httptools",
+        ws="none",
+        limit_concurrency=settings.max_connections,
         timeout_keep_alive=settings.keep_alive_s,
         # No X-Forwarded-For rewriting: nothing here reads the client's address, and it is one more layer per
         # request (the request path's CPU: docs/benchmarks.md).
@@ -194,17 +201,14 @@ def main(argv: list[str] | None = None) -> int:
             "service.app:create_app",
             factory=True,
             workers=settings.workers,
-            http="service.transport:HttpConnection",
             **common,
         )
     else:
         from service.app import create_app
-        from service.transport import HttpConnection
 
-        HttpConnection.configure(settings)
         app = create_app(settings, exit_on_error=True)
         _SERVING.append(app)
-        started = _run(app, http=HttpConnection, **common)
+        started = _run(app, **common)
         if not started:  # as uvicorn.run: it did not start (the log says why)
             return 3
         if app.state.addnorm.fatal:

@@ -2,8 +2,7 @@
 
 The batcher, the engine, the guard and the codecs raise these, knowing no transport; ``CODES`` is the one table
 that turns them into each transport's status: an HTTP status and a gRPC status code name. Their HTTP shape, shared
-by every layer that answers, is here too (``from_error``): ``{"error": "..."}`` with its status; and ``raw_error``,
-the same answer as whole HTTP/1.1 bytes, for what the connection layer refuses before any app runs.
+by every layer that answers, is here too (``from_error``): ``{"error": "..."}`` with its status.
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ from __future__ import annotations
 import logging
 import reprlib
 
-import orjson
 from starlette.responses import JSONResponse
 
 MAX_MESSAGE = 1024
@@ -103,6 +101,10 @@ class ClientDeadline(TimedOut):
     passed before it was answered: the client's choice, so a 4xx over HTTP."""
 
 
+class BodyTimeout(ServiceError):
+    """The request's body did not arrive within the server's body deadline (ADDNORM_BODY_TIMEOUT_S)."""
+
+
 class InferenceFailed(ServiceError):
     """The model run failed; not the client's fault."""
 
@@ -137,6 +139,7 @@ CODES: dict[type[ServiceError], tuple[int, str]] = {
     ShuttingDown: (503, "UNAVAILABLE"),
     TimedOut: (504, "DEADLINE_EXCEEDED"),
     ClientDeadline: (408, "DEADLINE_EXCEEDED"),
+    BodyTimeout: (408, "DEADLINE_EXCEEDED"),
     ControlOff: (400, "FAILED_PRECONDITION"),  # Triton answers a load it does not allow with a 400
     LoadRefused: (400, "FAILED_PRECONDITION"),
 }
@@ -175,10 +178,6 @@ def from_error(exc: ServiceError) -> JSONResponse:
         headers["Retry-After"] = str(exc.retry_after)
     if status == 401:  # RFC 9110: a 401 says how to authenticate
         headers["WWW-Authenticate"] = 'Bearer realm="addnorm"'
-    if (
-        status == 413
-    ):  # the refused body may still be on its way: don't read it, close the connection after this
-        headers["Connection"] = "close"
     return error_response(status, exc.message, headers or None)
 
 
@@ -186,25 +185,3 @@ def unexpected_error(exc: Exception, method: str, path: str) -> JSONResponse:
     """A bug, not the client's fault: log it with its traceback, answer a JSON 500."""
     log.error("unhandled error on %s %s", method, path, exc_info=exc)
     return error_response(500, f"internal error ({type(exc).__name__}); see the server log")
-
-
-_RAW_REASONS = {
-    400: b"Bad Request",
-    408: b"Request Timeout",
-    431: b"Request Header Fields Too Large",
-    503: b"Service Unavailable",
-}
-
-
-def raw_error(status: int, message: str, retry_after: int | None = None) -> bytes:
-    """A complete HTTP/1.1 error response with the API's JSON body, for answers written before any app runs."""
-    body = orjson.dumps({"error": message})
-    head = [
-        b"HTTP/1.1 %d %s" % (status, _RAW_REASONS[status]),
-        b"content-type: application/json",
-        b"content-length: %d" % len(body),
-        b"connection: close",
-    ]
-    if retry_after is not None:
-        head.append(b"retry-after: %d" % retry_after)
-    return b"\r\n".join(head) + b"\r\n\r\n" + body

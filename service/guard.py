@@ -1,6 +1,6 @@
 """What every request meets before its handler: the one guard, for every transport, and the rest of the HTTP front.
 
-Every HTTP request passes the guard before any route, the fast path's or FastAPI's, and every gRPC call before its
+Every HTTP request passes the guard before any route, and every gRPC call before its
 method (an interceptor). It lets the health probes through untouched; every other path needs a valid API key when
 keys are set (``Authorization: Bearer <key>``, one of them, compared in constant time), and model paths need the
 models' manifests read (each handler then answers 503 for a model still loading, 404 for a name no manifest has).
@@ -8,36 +8,31 @@ An HTTP route that needs the models gets them from the guard (``Known``), so a m
 fails loudly instead of serving unguarded; ``tests/service/test_guard.py`` tries every route the app serves and
 every gRPC method.
 
-The HTTP front (``HttpFront``): request id, access line and metrics; the guard; and the fast routes, the inference
-routes in front of FastAPI's router, middleware and dependencies. On a 2-core machine every request's Python work
-competes with onnxruntime for the same cores, and FastAPI's generic machinery (route matching, dependency solving,
-exception middleware) was about half of it (bench/). Each protocol lists its hot routes as ``FastRoute``s; their
-handlers are the very functions its FastAPI routes call (those stay registered for the OpenAPI docs). FastAPI's
-error handlers answer every other error as JSON ``{"error": ...}``.
+The HTTP front (``Front``, one pure ASGI middleware outermost in the app): request id, access line and metrics, the
+guard, the body's deadline; FastAPI's routes do the rest, each written once (its declaration is its OpenAPI entry).
+FastAPI's error handlers (``install_error_handlers``) answer every error as JSON ``{"error": ...}``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import itertools
-import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
-from contextvars import Token
-from dataclasses import dataclass
-from types import SimpleNamespace
+from collections.abc import Callable, Sequence
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from starlette.datastructures import QueryParams
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import logs
 from service.errors import (
+    BodyTimeout,
     NotReady,
     ServiceError,
     Unauthenticated,
@@ -53,7 +48,7 @@ SCOPE_KEY = "addnorm.loaded"  # where the guard leaves the KnownModels for the r
 class Guard:
     """Decides whether a request may reach its handler, from its path (an HTTP path, or a gRPC method's full
     name such as ``/inference.GRPCInferenceService/ModelInfer``) and the credentials it carries (every value of
-    its ``authorization`` header or metadata). The HTTP front (``HttpFront``) and the gRPC server's
+    its ``authorization`` header or metadata). The HTTP front (``Front``) and the gRPC server's
     interceptor (``grpc_server.GuardInterceptor``) both ask it, so a new check here holds for every transport.
 
     ``public_paths``: served without checks (health probes); ``model_prefixes``: paths whose handlers use the
@@ -103,7 +98,7 @@ def check_key(credentials: Sequence[bytes], api_keys: tuple[bytes, ...]) -> None
 # Async on purpose: FastAPI runs a plain ``def`` dependency in a worker thread, a hop that costs more than the
 # rest of a small request's handling (bench/).
 async def loaded_state(request: Request) -> KnownModels:
-    """The models the guard let this request reach (FastAPI dependency; the fast path reads the same key)."""
+    """The models the guard let this request reach (FastAPI dependency)."""
     try:
         return request.scope[SCOPE_KEY]
     except KeyError:
@@ -135,18 +130,18 @@ def install_error_handlers(app: FastAPI) -> None:
         return unexpected_error(exc, request.method, request.url.path)
 
 
-class HttpFront:
-    """Every HTTP request, outermost first: its context (request id, access line, metrics), the guard, then a fast
-    route's handler or FastAPI. Two ways in, the same steps: ``__call__`` (pure ASGI, any ASGI server) and
-    ``direct`` (this server's connection, service/transport/: a fast route's whole answer in one call, without
-    ASGI messages, Starlette's request or the layers between: 14-24% less of the event loop's work per small
-    request, docs/benchmarks.md)."""
+class Front:
+    """Every HTTP request, outermost first (one pure ASGI middleware, under any ASGI server: uvicorn, a test client,
+    Ray Serve's proxy): its context (request id, access line, metrics), the guard, and the body's deadline; then
+    FastAPI's router. A model route finds the models the guard let it reach in its scope (``Known``).
 
-    def __init__(
-        self, app: ASGIApp, guard: Guard, routes: tuple[FastRoute, ...], access_log: bool = True
-    ) -> None:
+    ``body_timeout_s``: a request's body must arrive within this time of the request's start, else 408 and the
+    connection closes (uvicorn has no such limit: a body trickled a byte at a time would hold its connection).
+    """
+
+    def __init__(self, app: ASGIApp, guard: Guard, access_log: bool, body_timeout_s: float) -> None:
         self.app, self.guard, self.state, self.access_log = app, guard, guard.state, access_log
-        self.routes = [(r, SimpleNamespace(path=r.path)) for r in routes]
+        self.body_timeout_s = body_timeout_s
         # Request ids: a random per-process prefix and a counter (uuid4 per request was measurable here).
         self.prefix, self.counter = uuid.uuid4().hex[:8], itertools.count(1)
 
@@ -154,87 +149,84 @@ class HttpFront:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid, token, start = self._begin(scope)
-        status = 500
+        rid = _header(scope, b"x-request-id") or f"{self.prefix}-{next(self.counter):x}"
+        token, start = logs.request_id.set(rid), time.perf_counter()
+        status, body = 500, _Body(receive, start + self.body_timeout_s, self.body_timeout_s)
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
+                if not body.done and not body.late:  # answered before its body was read (a 413, say)
+                    await body.drain()
                 status = message["status"]
-                message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid.encode())]
+                headers = [*message.get("headers", ()), (b"x-request-id", rid.encode())]
+                if body.late:  # what is left of a late body is never read: the connection closes
+                    headers.append((b"connection", b"close"))
+                message["headers"] = headers
             await send(message)
 
         try:
-            if (hit := self._match(scope)) is not None:
-                await (await self._answer(*hit, scope, receive))(scope, receive, send_with_id)
-                return
             try:
                 self._check(scope)
             except ServiceError as exc:
                 await from_error(exc)(scope, receive, send_with_id)
                 return
-            await self.app(scope, receive, send_with_id)
+            await self.app(scope, body.receive, send_with_id)
         finally:
-            self._end(scope, status, start, token)
+            elapsed = time.perf_counter() - start
+            path = getattr(scope.get("route"), "path", "unmatched")
+            self.state.metrics.observe_request(path, scope["method"], status, elapsed)
+            if self.access_log:
+                logs.access("%s %s %d %.1fms", scope["method"], scope["path"], status, elapsed * 1e3)
+            logs.request_id.reset(token)
 
-    def direct(self, scope: Scope, receive: Receive, respond: Respond) -> Awaitable[None] | None:
-        """A fast route's request, answered by one ``respond(status, headers, body)``; None for any other."""
-        hit = self._match(scope)
-        return None if hit is None else self._direct(hit, scope, receive, respond)
-
-    async def _direct(self, hit: tuple, scope: Scope, receive: Receive, respond: Respond) -> None:
-        rid, token, start = self._begin(scope)
-        status = 500
-        try:
-            response = await self._answer(*hit, scope, receive)
-            status = response.status_code
-            await respond(status, [*response.raw_headers, (b"x-request-id", rid.encode())], response.body)
-        finally:
-            self._end(scope, status, start, token)
-
-    def _begin(self, scope: Scope) -> tuple[str, Token, float]:
-        rid = _header(scope, b"x-request-id") or f"{self.prefix}-{next(self.counter):x}"
-        return rid, logs.request_id.set(rid), time.perf_counter()
-
-    def _end(self, scope: Scope, status: int, start: float, token: Token) -> None:
-        elapsed = time.perf_counter() - start
-        path = getattr(scope.get("route"), "path", "unmatched")
-        self.state.metrics.observe_request(path, scope["method"], status, elapsed)
-        if self.access_log:
-            logs.access("%s %s %d %.1fms", scope["method"], scope["path"], status, elapsed * 1e3)
-        logs.request_id.reset(token)
-
-    def _check(self, scope: Scope) -> KnownModels | None:
+    def _check(self, scope: Scope) -> None:
         """The guard: a ServiceError refuses; a model route finds its models in its scope (``Known``)."""
         loaded = self.guard.check(
             scope["path"], lambda: [v for k, v in scope["headers"] if k == b"authorization"]
         )
         if loaded is not None:
             scope[SCOPE_KEY] = loaded
-        return loaded
 
-    def _match(self, scope: Scope) -> tuple[FastRoute, SimpleNamespace, dict] | None:
-        for route, label in self.routes:
-            if scope["method"] == route.method and (m := route.pattern.match(scope["path"])):
-                return route, label, m.groupdict()
-        return None
 
-    async def _answer(
-        self, route: FastRoute, label: SimpleNamespace, params: dict, scope: Scope, receive: Receive
-    ) -> Response:
-        """A fast route's answer, a refusal included (the guard's or the handler's: JSON, with its status)."""
+LINGER_S = 2.0  # an early answer waits this long at most for the rest of its body to be read and dropped ...
+LINGER_BYTES = 64 * 1024 * 1024  # ... and for this much of it at most
+
+
+class _Body:
+    """A request's ``receive`` with its body due by ``due`` (the loop's clock: ``time.perf_counter``): a body
+    message that has not come by then raises ``BodyTimeout`` in the route reading it (a 408), and ``late`` tells
+    the front to close the connection after the answer. Past the body, ``receive`` is the server's own (the
+    request core waits on it for the client going away).
+
+    ``drain``: an answer given before the body was read (a 413 refused on its Content-Length, say) first reads
+    and drops what is still coming, within ``LINGER_S`` and ``LINGER_BYTES``: a connection closed with unread bytes
+    is reset by the kernel, and a client still writing its body would lose the answer (nginx's lingering close)."""
+
+    __slots__ = ("_receive", "due", "seconds", "late", "done")
+
+    def __init__(self, receive: Receive, due: float, seconds: float) -> None:
+        self._receive, self.due, self.seconds, self.late, self.done = receive, due, seconds, False, False
+
+    async def receive(self) -> Message:
+        if self.done:
+            return await self._receive()
         try:
-            loaded = self._check(scope)
-            if loaded is None:
-                raise RuntimeError(
-                    f"{scope['path']} uses the models: add its prefix to its protocol's MODEL_PREFIXES"
-                )
-            scope["route"] = label  # what the request context reads for its metrics
-            return await route.handler(HttpRequest(scope, receive), loaded, params)
-        except ServiceError as exc:  # ClientGone included
-            return from_error(exc)
-        except Exception as exc:  # same contract as the app's handler
-            return unexpected_error(exc, scope["method"], scope["path"])
+            async with asyncio.timeout(max(0.0, self.due - time.perf_counter())):
+                message = await self._receive()
+        except TimeoutError:
+            self.late = True
+            raise BodyTimeout(f"request body not received within {self.seconds:g} s") from None
+        self.done = message["type"] != "http.request" or not message.get("more_body", False)
+        return message
+
+    async def drain(self) -> None:
+        due, dropped = min(self.due, time.perf_counter() + LINGER_S), 0
+        self.due = due
+        with contextlib.suppress(BodyTimeout):
+            while not self.done and dropped <= LINGER_BYTES:
+                dropped += len((await self.receive()).get("body", b""))
+        self.late = self.late or not self.done  # what is still coming is never read: the connection closes
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -243,47 +235,3 @@ def _header(scope: Scope, name: bytes) -> str | None:
             text = value.decode("latin-1")[:64]
             return text if text.isprintable() else None
     return None
-
-
-class HttpRequest:
-    """What a fast route's handler reads of its request, made for it alone (Starlette's ``Request`` scans and
-    re-encodes its header list at each lookup, a share of a small request's work: docs/benchmarks.md). ``headers``: each
-    field's first value by lower-case name, ``get`` in any case; ``query_params``; ``scope`` and ``receive`` (the body:
-    protocols.common.read_body) as ASGI gives them."""
-
-    __slots__ = ("scope", "receive", "headers")
-
-    def __init__(self, scope: Scope, receive: Receive) -> None:
-        self.scope, self.receive = scope, receive
-        self.headers = _Headers()
-        for key, value in scope["headers"]:
-            self.headers.setdefault(key.decode("latin-1"), value.decode("latin-1"))
-
-    @classmethod
-    def of(cls, request: Request) -> HttpRequest:
-        """The same request, from FastAPI's (a fast route's handler called by its FastAPI route)."""
-        return cls(request.scope, request.receive)
-
-    @property
-    def query_params(self) -> QueryParams:
-        return QueryParams(self.scope.get("query_string", b""))
-
-
-class _Headers(dict[str, str]):
-    def get(self, key: str, default: str | None = None) -> str | None:  # type: ignore[override]
-        return super().get(key.lower(), default)
-
-
-Handler = Callable[[HttpRequest, KnownModels, dict[str, str]], Awaitable[Response]]
-Respond = Callable[[int, list[tuple[bytes, bytes]], bytes], Awaitable[None]]  # status, headers, body
-
-
-@dataclass(frozen=True)
-class FastRoute:
-    """``method`` + a full-path regex whose named groups become the handler's params; ``path`` is the route's
-    template as FastAPI knows it (the metrics label)."""
-
-    method: str
-    pattern: re.Pattern[str]
-    path: str
-    handler: Handler

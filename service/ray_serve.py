@@ -109,7 +109,7 @@ class AddNormReplica:
         for directory in model_dirs(self.settings):
             check_readable(directory)
         self.fastapi_app = create_app(self.settings, load_before_serving=True)
-        self.fastapi_app.add_outer_middleware(_ProxyRequestId)
+        self.fastapi_app.add_middleware(_ProxyRequestId)  # outside the front: it reads the proxy's id
         log.info(
             "replica starting: %s, %s onnxruntime threads",
             ", ".join(map(str, model_dirs(self.settings))),

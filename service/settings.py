@@ -137,13 +137,22 @@ class Settings(BaseSettings):
         512 * 1024 * 1024, ge=1, description="bytes of queued request tensors beyond which requests get 429"
     )
     max_connections: int = Field(
-        1000, ge=1, description="open connections beyond this are answered 503 at once (per worker)"
+        1000,
+        ge=1,
+        description="HTTP connections (or requests in flight) beyond this get 503 (uvicorn's limit_concurrency, per "
+        "worker); gRPC calls beyond it wait",
     )
     header_timeout_s: float = Field(
-        10.0, gt=0, description="a request's headers must arrive within this time, else 408"
+        10.0,
+        gt=0,
+        description="a gRPC connection's handshake must finish within this time (an HTTP request's head: the front "
+        "proxy's client_header_timeout, deploy/nginx)",
     )
     body_timeout_s: float = Field(
-        30.0, gt=0, description="a request's body must arrive within this time after its headers, else closed"
+        30.0,
+        gt=0,
+        description="a request's body must arrive within this time of its start, else 408 and the connection closes "
+        "(a gRPC message: else DEADLINE_EXCEEDED)",
     )
     keep_alive_s: float = Field(5.0, gt=0, description="idle keep-alive connections close after this time")
     request_timeout_s: float = Field(30.0, gt=0, description="a request not answered in this time gets 504")

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import socket
+import subprocess
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -70,3 +75,43 @@ def raw_http(port: int, pieces: list[bytes], timeout: float = 30.0) -> tuple[int
     head, _, body = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 "), raw[:300]
     return int(head.split(b" ")[1]), body
+
+
+@contextlib.contextmanager
+def front_proxy(upstream_port: int, **settings: object) -> Iterator[int]:
+    """nginx on a free loopback port in front of ``127.0.0.1:upstream_port``, configured as deploy/nginx is
+    (service.front_proxy.render) from ``Settings(**settings)``; yields its port. Skips where nginx is not installed
+    (Debian's nginx; .ci/run installs it, and in CI the skip fails)."""
+    import pytest
+
+    from bench.server import free_port
+    from service.front_proxy import render
+    from service.settings import Settings
+
+    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if nginx is None:
+        pytest.skip("nginx is not installed (apt-get install nginx)")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="addnorm-nginx-") as prefix:
+        conf = Path(prefix) / "nginx.conf"
+        conf.write_text(
+            render(Settings(**settings), f"127.0.0.1:{port}", f"127.0.0.1:{upstream_port}", prefix)
+        )
+        log = open(Path(prefix) / "stderr", "wb")  # noqa: SIM115 (closed below)
+        proc = subprocess.Popen(
+            [nginx, "-p", prefix, "-c", str(conf), "-g", "daemon off;"], stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+
+            def listening() -> bool:
+                assert proc.poll() is None, (Path(prefix) / "stderr").read_text()
+                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                    return True
+                return False
+
+            wait_until(listening, 30, "nginx listening")
+            yield port
+        finally:
+            proc.terminate()
+            proc.wait(30)
+            log.close()

@@ -27,6 +27,7 @@ import pytest
 from service.protocols.v2 import inference_pb2 as pb
 from service.protocols.v2.grpc_codec import varint
 from tests.conftest import start_server
+from tests.helpers import front_proxy
 
 SEED = int(os.environ.get("ADDNORM_FUZZ_SEED", "24"))
 CASES = int(os.environ.get("ADDNORM_FUZZ_CASES", "1200"))
@@ -35,8 +36,17 @@ KEY = "fuzz-key"
 AUTH = b"Authorization: Bearer " + KEY.encode() + b"\r\n"
 
 
+class _Front:
+    """HTTP through the front proxy (nginx, as deploy/nginx runs it: service/front_proxy.py), gRPC on the server's
+    own port, and the server's process."""
+
+    def __init__(self, port: int, srv) -> None:
+        self.port, self.grpc_port, self.proc = port, srv.grpc_port, srv.proc
+
+
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_artifact):
+    limits = dict(header_timeout_s=1, body_timeout_s=1, max_body_bytes=100000)
     flags = [
         "--header-timeout-s",
         "1",
@@ -47,8 +57,8 @@ def fuzz_server(tiny_artifact):
         "--max-body-bytes",
         "100000",
     ]
-    with start_server(tiny_artifact, *flags, grpc=True) as srv:
-        yield srv
+    with start_server(tiny_artifact, *flags, grpc=True) as srv, front_proxy(srv.port, **limits) as port:
+        yield _Front(port, srv)
 
 
 # --- HTTP/1.1 ----------------------------------------------------------------------------------------------------
@@ -304,13 +314,12 @@ def _responses(raw: bytes) -> list[tuple[int, bytes]]:
 
 
 def _valid(port: int) -> bytes:
-    """The answer to the first seed, a valid /v1 request (then LAST's). Sent in one write, it misses the server's
-    1 s header deadline only when the machine stalls the client that long between connecting and sending: a 408
-    for its headers is sent again, once. (Seen once in a CI run on 2 shared cores; a server stalled past the
-    deadline now reads what arrived before refusing: tests/test_connections.py.) A wrong answer, any other status,
-    or a second 408 still fails."""
+    """The answer to the first seed, a valid /v1 request (then LAST's). Sent in one write, it misses the proxy's
+    1 s header deadline only when the machine stalls the client that long between connecting and sending: a
+    connection closed unanswered is tried again, once. (Seen once in a CI run on 2 shared cores.) A wrong answer,
+    any other status, or a second silent close still fails."""
     got = _responses(_exchange(port, SEEDS[0]))
-    if [s for s, _ in got] == [408] and b"request headers not received" in got[0][1]:
+    if not got:
         got = _responses(_exchange(port, SEEDS[0]))
     assert [s for s, _ in got] == [200, 200], got
     return got[0][1]
@@ -320,8 +329,14 @@ def _http_case(
     port: int, case: int, kind: str, data: bytes, expected: bytes, leads: dict[bytes, list[int]]
 ) -> list[tuple[int, bytes]]:
     where = f"seed {SEED}, case {case} ({kind}): {data[:300]!r}"
+    raw = _exchange(port, data)
+    if b" HTTP/" not in data.split(b"\r\n", 1)[0] and raw.startswith(b"{"):
+        # a request line without a version is HTTP/0.9, which nginx answers as HTTP/0.9: the body alone
+        assert "error" in json.loads(raw), f"{where}: {raw[:300]!r}"
+        assert _valid(port) == expected, f"{where}: the valid request after it got another answer"
+        return []
     try:
-        got = _responses(_exchange(port, data))
+        got = _responses(raw)
     except (AssertionError, ValueError, KeyError, IndexError) as exc:
         raise AssertionError(f"{where}: unreadable answer: {exc}") from None
     if kind == "pipeline":  # a valid request pipelined before anything gets its own answers, first

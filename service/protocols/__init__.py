@@ -1,5 +1,5 @@
 """The protocols the server speaks, gathered in one place. Each HTTP protocol is a module (or package) with a
-FastAPI ``router`` and its hot ``FAST_ROUTES`` for the lean dispatcher; a transport with its own listener (gRPC)
+FastAPI ``router``; a transport with its own listener (gRPC)
 has ``listen(state, guard)``, which the app's lifespan awaits; every way in names the ``MODEL_PREFIXES`` the guard must
 check for readiness and the ``PUBLIC_PATHS`` (health probes) it lets through.
 Adding a protocol is one line here. Inference routes come first: the router tries routes in order.
@@ -17,7 +17,6 @@ LISTENERS = (
 TRANSPORTS = (*PROTOCOLS, *LISTENERS)  # every way in, for the one guard
 
 ROUTERS = tuple(p.router for p in PROTOCOLS)
-FAST_ROUTES = tuple(r for p in PROTOCOLS for r in p.FAST_ROUTES)
 MODEL_PREFIXES = tuple(prefix for p in TRANSPORTS for prefix in p.MODEL_PREFIXES)
 PUBLIC_PATHS = frozenset(path for p in TRANSPORTS for path in p.PUBLIC_PATHS)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from typing import TYPE_CHECKING
 
 import numpy as np
 import orjson
@@ -16,10 +15,6 @@ from model.contract import EMBEDDINGS, MASK
 from service.errors import BadInput, ClientGone, TooLarge, UnsupportedMediaType, quote
 from service.inference import OFFLOAD_BYTES, Call, Disconnect
 from service.merging import Timings
-from service.transport import DISCONNECT
-
-if TYPE_CHECKING:
-    from service.guard import HttpRequest
 
 _CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
@@ -67,7 +62,7 @@ def inflate(body: bytes, coding: str, max_bytes: int) -> bytes:
             raise BadInput(f"{len(data)} byte(s) follow the end of the deflate data")
 
 
-async def read_body(request: Request | HttpRequest, max_bytes: int) -> bytes:
+async def read_body(request: Request, max_bytes: int) -> bytes:
     """The request body, its Content-Encoding undone (415 for one not supported, before reading), refusing
     more than ``max_bytes`` before reading it all, and more than ``max_bytes`` once inflated."""
     coding = content_coding(request.headers.get("content-encoding"))
@@ -98,21 +93,15 @@ async def read_body(request: Request | HttpRequest, max_bytes: int) -> bytes:
     return inflate(body, coding, max_bytes)
 
 
-def http_call(
-    request: Request | HttpRequest, protocol: str, started: float, named: str | None = None
-) -> Call:
-    """The request core's view of an HTTP request whose body has been read: its client going away is the
-    transport's Disconnect (service/transport/), or, under another ASGI server (Ray Serve's, a test client), a
-    watch on receive() that the core stops when the request ends."""
-    gone, watch = request.scope.get(DISCONNECT), None
-    if gone is None:
-        gone = Disconnect()
-        watch = asyncio.ensure_future(_watch_receive(request, gone))
-    carrier = request.headers.get
-    return Call(protocol, named=named, started=started, gone=gone, carrier=carrier, watch=watch)
+def http_call(request: Request, protocol: str, started: float, named: str | None = None) -> Call:
+    """The request core's view of an HTTP request whose body has been read: its client going away is seen by a
+    watch on ``receive()`` (ASGI's ``http.disconnect``), which the core stops when the request ends."""
+    gone = Disconnect()
+    watch = asyncio.ensure_future(_watch_receive(request, gone))
+    return Call(protocol, named=named, started=started, gone=gone, carrier=request.headers.get, watch=watch)
 
 
-async def _watch_receive(request: Request | HttpRequest, disconnect: Disconnect) -> None:
+async def _watch_receive(request: Request, disconnect: Disconnect) -> None:
     # The body has been read, so the next ASGI message can only be the disconnect.
     while (await request.receive())["type"] != "http.disconnect":
         pass

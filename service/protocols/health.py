@@ -43,6 +43,5 @@ async def metrics(state: State) -> Response:
     return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
 
-FAST_ROUTES = ()
 MODEL_PREFIXES: tuple[str, ...] = ()
 PUBLIC_PATHS = ("/health/live", "/health/ready")

@@ -1,6 +1,5 @@
 """The one request guard: every route the app serves goes through it, the fast path's included."""
 
-import asyncio
 import re
 
 import grpc
@@ -197,65 +196,3 @@ def test_a_call_without_a_request_message_is_answered_not_left_to_its_deadline(g
         with pytest.raises(grpc.RpcError) as info:
             channel.stream_unary(f"/{grpc_server.SERVICE}/ModelInfer")(iter(()), timeout=30)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-
-
-def _direct(client, app, method: str, path: str, body: bytes = b"", headers: tuple = ()):
-    """``app.direct`` as this server's connection calls it (service/transport/): its one answer as (status,
-    headers, body), or None where the request would go through ASGI."""
-    scope = {
-        "type": "http",
-        "method": method,
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "headers": [(b"content-length", b"%d" % len(body)), *headers],
-        "http_version": "1.1",
-        "root_path": "",
-    }
-    answers = []
-
-    messages = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def receive():  # the body, then nothing until the client goes (it never does here)
-        if messages:
-            return messages.pop()
-        await asyncio.Event().wait()
-
-    async def respond(status, fields, data):
-        answers.append((status, {k.decode(): v.decode() for k, v in fields}, bytes(data)))
-
-    async def call():
-        run = app.direct(scope, receive, respond)
-        if run is None:
-            return None
-        await run
-        return answers
-
-    return client.portal.call(call)
-
-
-def test_fast_routes_are_answered_directly_as_asgi_answers_them(loaded_app, monkeypatch):
-    """The front's two ways in give one answer: a fast route through ``direct`` (this server's connection) and
-    through ASGI (any other server, TestClient here): status, body and header fields; both behind the guard."""
-    app, client = loaded_app
-    body = (
-        b'{"embeddings": [[0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 2.75, 3.0, 3.25, 3.5, 3.75, 4.0,'
-        b" 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 2.75, 3.0, 3.25, 3.5, 3.75, 4.0]]}"
-    )
-    for path, content in (("/v1/encode", body), ("/v2/models/encoder/infer", b'{"inputs": []}')):
-        [(status, fields, data)] = _direct(client, app, "POST", path, content, ((b"x-request-id", b"id-1"),))
-        asgi = client.post(path, content=content, headers={"x-request-id": "id-1"})
-        assert (status, data) == (asgi.status_code, asgi.content), path
-        timing = {"server-timing", "x-queue-time-ms", "x-inference-time-ms", "x-total-time-ms"}
-        assert {k: v for k, v in fields.items() if k not in timing} == {
-            k: v for k, v in asgi.headers.items() if k not in timing
-        }, path
-        assert fields["x-request-id"] == "id-1"
-    assert _direct(client, app, "GET", "/v2/health/ready") is None  # not a fast route: ASGI's
-    monkeypatch.setattr(Guard, "check", lambda self, path, credentials: (_ for _ in ()).throw(Refused(path)))
-    [(status, _, data)] = _direct(client, app, "POST", "/v1/encode", body)
-    assert (status, data) == (500, b'{"error":"/v1/encode"}')
-    monkeypatch.undo()
-    wrapped = create_app(Settings(model_dir=app.state.addnorm.settings.model_dir[0]))
-    wrapped.add_outer_middleware(lambda inner: inner)  # outer middleware: every request goes through it
-    assert _direct(client, wrapped, "POST", "/v1/encode", body) is None

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import re
 import time
 
 from fastapi import APIRouter, Request, Response
 
 from model.contract import EMBEDDINGS, ENCODED
 from service import inference
-from service.guard import FastRoute, HttpRequest, Known
+from service.guard import Known
 from service.live_parity import judged
 from service.protocols.common import error_docs, http_call, read_body, timing_headers
 from service.protocols.v1 import codec, schema
-from service.state import KnownModels
 
 router = APIRouter(prefix="/v1", tags=["v1"])
 
@@ -62,26 +60,23 @@ _ENCODE_DOC = {
 }
 
 
-async def handle_encode(request: HttpRequest, loaded: KnownModels, params: dict[str, str]) -> Response:
-    """POST /v1/encode: decode by Content-Type, run, answer in the type Accept asks for."""
+@router.post("/encode", summary="Encode embeddings with the served encoder block", openapi_extra=_ENCODE_DOC)
+async def encode(request: Request, loaded: Known) -> Response:
+    """Decode by Content-Type, run, answer in the type Accept asks for."""
     start = time.perf_counter()
-    settings = loaded.settings
-    media = codec.negotiate(request.headers.get("accept"))
+    settings, headers = loaded.settings, request.headers
+    media = codec.negotiate(headers.get("accept"))
     named = request.query_params.get(codec.MODEL)
     output = codec.output_param(request.query_params.get(codec.OUTPUT))
     body = await read_body(request, settings.max_body_bytes)
-    content_type = request.headers.get("content-type", "")
-    how = codec.EncodeCodec(content_type, request.headers, named, media, output, settings.max_elements)
+    how = codec.EncodeCodec(
+        headers.get("content-type", ""), headers, named, media, output, settings.max_elements
+    )
     # The model is named in the payload (or ?model=), so reading and decoding count as its input stage.
     call = http_call(request, "v1", start)
-    (payload, headers), timings = await inference.run(loaded, call, how, body)
-    headers.update(timing_headers(timings, time.perf_counter() - start))
-    return Response(payload, media_type=media, headers=headers)
-
-
-@router.post("/encode", summary="Encode embeddings with the served encoder block", openapi_extra=_ENCODE_DOC)
-async def encode(request: Request, loaded: Known) -> Response:
-    return await handle_encode(HttpRequest.of(request), loaded, {})
+    (payload, answer_headers), timings = await inference.run(loaded, call, how, body)
+    answer_headers.update(timing_headers(timings, time.perf_counter() - start))
+    return Response(payload, media_type=media, headers=answer_headers)
 
 
 @router.get(
@@ -104,7 +99,5 @@ def examples(model: str, d_model: int) -> dict[tuple[str, str], dict]:
     return {("/v1/encode", "post"): {EMBEDDINGS: [[0.1] * d_model, [0.2] * d_model], "model": model}}
 
 
-# Hot routes for the lean dispatcher (service.guard.HttpFront); the guard checks everything under these prefixes.
-FAST_ROUTES = (FastRoute("POST", re.compile(r"^/v1/encode$"), "/v1/encode", handle_encode),)
-MODEL_PREFIXES = ("/v1/",)
+MODEL_PREFIXES = ("/v1/",)  # the guard checks everything under these prefixes
 PUBLIC_PATHS: tuple[str, ...] = ()

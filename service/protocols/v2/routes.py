@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 
 from fastapi import APIRouter, Request, Response
@@ -11,7 +10,7 @@ from fastapi.responses import JSONResponse
 from model.contract import EMBEDDINGS, ENCODED
 from service import inference
 from service.errors import BadInput
-from service.guard import FastRoute, HttpRequest, Known
+from service.guard import Known
 from service.protocols.common import error_docs, http_call, parse_json, read_body, timing_headers
 from service.protocols.v2 import codec, metadata, schema
 from service.registry import ServingModel
@@ -191,10 +190,9 @@ async def repository_model_unload(name: str, request: Request, state: State, loa
     return {}
 
 
-async def handle_infer(request: HttpRequest, loaded: KnownModels, params: dict[str, str]) -> Response:
+async def _infer(request: Request, loaded: KnownModels, name: str, version: str | None) -> Response:
     """POST /v2/models/{name}[/versions/{version}]/infer."""
     start = time.perf_counter()
-    name, version = params["name"], params.get("version")
     _model(loaded, name, version)  # 404 or 503 before the body is read
     settings = loaded.settings
     body = await read_body(request, settings.max_body_bytes)
@@ -206,17 +204,17 @@ async def handle_infer(request: HttpRequest, loaded: KnownModels, params: dict[s
 
 
 # Two functions, not one with an optional ``version``: that would document a ``?version=`` query parameter on the
-# first path, which the fast path (service.guard.HttpFront) never reads.
+# first path.
 @router.post("/models/{name}/infer", summary="Inference", openapi_extra=_INFER_DOC)
 async def model_infer(name: str, request: Request, loaded: Known) -> Response:
-    return await handle_infer(HttpRequest.of(request), loaded, {"name": name})
+    return await _infer(request, loaded, name, None)
 
 
 @router.post(
     "/models/{name}/versions/{version}/infer", summary="Inference (one version)", openapi_extra=_INFER_DOC
 )
 async def model_version_infer(name: str, version: str, request: Request, loaded: Known) -> Response:
-    return await handle_infer(HttpRequest.of(request), loaded, {"name": name, "version": version})
+    return await _infer(request, loaded, name, version)
 
 
 def examples(model: str, d_model: int) -> dict[tuple[str, str], dict]:
@@ -234,8 +232,5 @@ def examples(model: str, d_model: int) -> dict[tuple[str, str], dict]:
     }
 
 
-# Hot routes for the lean dispatcher (service.guard.HttpFront); the guard checks everything under these prefixes.
-_INFER_PATH = re.compile(r"^/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?/infer$")
-FAST_ROUTES = (FastRoute("POST", _INFER_PATH, "/v2/models/{name}/infer", handle_infer),)
-MODEL_PREFIXES = ("/v2/models/", "/v2/repository/")
+MODEL_PREFIXES = ("/v2/models/", "/v2/repository/")  # the guard checks everything under these prefixes
 PUBLIC_PATHS = ("/v2/health/live", "/v2/health/ready")
