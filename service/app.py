@@ -73,6 +73,9 @@ def create_app(
         lifespan=lifespan,
         docs_url=None,  # service/protocols/docs.py: the same pages from installed assets, not a CDN
         redoc_url=None,
+        # service/tracing.py traces each request (one span per request, every transport): FastAPI's own
+        # OpenTelemetry spans would trace HTTP requests a second time.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.state.addnorm = state
     for router in (*protocols.ROUTERS, docs.router):

@@ -10,7 +10,7 @@ from service.protocols.v1 import routes as v1
 from service.protocols.v2 import grpc_server
 from service.protocols.v2 import routes as v2
 
-PROTOCOLS = (v2, v1, health)  # over HTTP
+PROTOCOLS = (v1, v2, health)  # over HTTP; /v1's two routes first, its inference route ahead of V2's many
 LISTENERS = (
     grpc_server,
 )  # with a listener of their own: ``await listen(state, guard)`` -> None or ``.stop(grace)``

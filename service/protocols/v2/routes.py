@@ -79,6 +79,33 @@ def _model(loaded: KnownModels, name: str, version: str | None) -> ServingModel:
     return model
 
 
+async def _infer(request: Request, loaded: KnownModels, name: str, version: str | None) -> Response:
+    """POST /v2/models/{name}[/versions/{version}]/infer."""
+    start = time.perf_counter()
+    _model(loaded, name, version)  # 404 or 503 before the body is read
+    settings = loaded.settings
+    body = await read_body(request, settings.max_body_bytes)
+    how = codec.InferCodec(name, request.headers.get(codec.HEADER_LENGTH), settings.max_elements)
+    call = http_call(request, "v2", start, named=name)
+    (payload, headers), timings = await inference.run(loaded, call, how, body)
+    headers.update(timing_headers(timings, time.perf_counter() - start))
+    return Response(payload, headers=headers, media_type=headers.pop("Content-Type"))
+
+
+# Two functions, not one with an optional ``version``: that would document a ``?version=`` query parameter on the
+# first path. The inference routes are declared first: the router tries routes in order, and these carry the traffic.
+@router.post("/models/{name}/infer", summary="Inference", openapi_extra=_INFER_DOC)
+async def model_infer(name: str, request: Request, loaded: Known) -> Response:
+    return await _infer(request, loaded, name, None)
+
+
+@router.post(
+    "/models/{name}/versions/{version}/infer", summary="Inference (one version)", openapi_extra=_INFER_DOC
+)
+async def model_version_infer(name: str, version: str, request: Request, loaded: Known) -> Response:
+    return await _infer(request, loaded, name, version)
+
+
 @router.get("", summary="Server metadata")
 async def server_metadata() -> dict:
     return {"name": "addnorm", "version": VERSION, "extensions": codec.EXTENSIONS}
@@ -188,33 +215,6 @@ async def repository_model_unload(name: str, request: Request, state: State, loa
     await _control_parameters(request, unload=True)
     await state.control.unload(name)
     return {}
-
-
-async def _infer(request: Request, loaded: KnownModels, name: str, version: str | None) -> Response:
-    """POST /v2/models/{name}[/versions/{version}]/infer."""
-    start = time.perf_counter()
-    _model(loaded, name, version)  # 404 or 503 before the body is read
-    settings = loaded.settings
-    body = await read_body(request, settings.max_body_bytes)
-    how = codec.InferCodec(name, request.headers.get(codec.HEADER_LENGTH), settings.max_elements)
-    call = http_call(request, "v2", start, named=name)
-    (payload, headers), timings = await inference.run(loaded, call, how, body)
-    headers.update(timing_headers(timings, time.perf_counter() - start))
-    return Response(payload, headers=headers, media_type=headers.pop("Content-Type"))
-
-
-# Two functions, not one with an optional ``version``: that would document a ``?version=`` query parameter on the
-# first path.
-@router.post("/models/{name}/infer", summary="Inference", openapi_extra=_INFER_DOC)
-async def model_infer(name: str, request: Request, loaded: Known) -> Response:
-    return await _infer(request, loaded, name, None)
-
-
-@router.post(
-    "/models/{name}/versions/{version}/infer", summary="Inference (one version)", openapi_extra=_INFER_DOC
-)
-async def model_version_infer(name: str, version: str, request: Request, loaded: Known) -> Response:
-    return await _infer(request, loaded, name, version)
 
 
 def examples(model: str, d_model: int) -> dict[tuple[str, str], dict]:
