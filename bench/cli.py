@@ -32,7 +32,7 @@ SMALL_SHAPE = (1, 16)  # (batch, seq) of each concurrent client's request
 
 def setup(args: argparse.Namespace) -> Setup:
     """The artifact (exported if missing) and the inputs every section uses."""
-    from service.cores import physical_cores
+    from service.backend.cores import physical_cores
 
     artifact = Path(args.artifact)
     if not (artifact / MANIFEST_FILE).exists():

@@ -5,8 +5,8 @@
 In this process, on the artifact's manifest: the V2 codec's decode and encode of each ``[B,S,E]`` request with
 binary data and with JSON data, /v1's with a raw body and with JSON, the gRPC codec's with raw contents, each the
 median of ``--runs`` calls (JSON ones of a fifth as many); then a hop to a worker thread and back
-(``run_in_threadpool``, what ``service.inference.offload`` does) on uvloop, median and p90 of 300. Printed with
-each step's work as ``service.inference.work`` counts it (bytes of JSON text; a raw byte counts 1/RAW_SHARE), and
+(``run_in_threadpool``, what ``service.core.inference.offload`` does) on uvloop, median and p90 of 300. Printed with
+each step's work as ``service.core.inference.work`` counts it (bytes of JSON text; a raw byte counts 1/RAW_SHARE), and
 whether ``offload`` sends it to a worker thread. docs/benchmarks.md, "Which codec steps leave the event loop".
 """
 
@@ -27,7 +27,7 @@ from bench.server import ROOT
 from model.artifact import Manifest
 from model.contract import EMBEDDINGS, ENCODED
 from model.runtime import cpu_flags
-from service.inference import OFFLOAD_BYTES
+from service.core.inference import OFFLOAD_BYTES
 from service.protocols.v1 import codec as v1
 from service.protocols.v2 import codec as v2
 from service.protocols.v2 import grpc_codec

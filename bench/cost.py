@@ -38,7 +38,7 @@ def _time(fn, repeats: int) -> float:
 
 
 def _ort(artifact: Path, x: np.ndarray, threads: int, repeats: int, device: str) -> float:
-    from service.engine import Engine
+    from service.backend.engine import Engine
 
     engine = Engine(artifact, device, threads)
     return _time(lambda: engine.run(x), repeats)

@@ -191,7 +191,7 @@ def json_request(port: int, path: str, x: np.ndarray) -> bytes:
 
 def measure_inproc(s: Setup) -> dict:
     """In-process onnxruntime (the limit), the GEMM roof, latency against batch size, perfect batching."""
-    from service.engine import Engine
+    from service.backend.engine import Engine
 
     cfg = s.manifest.config
     engine = Engine(s.artifact, "cpu")
@@ -256,7 +256,7 @@ def measure_naive(s: Setup) -> dict:
 def measure_concurrency(s: Setup) -> dict:
     """Keep-alive clients x the small shape, batching on and off, with rows per model run from /metrics, and the
     CPU per request that inference alone takes in-process at the batch size the server actually ran."""
-    from service.engine import Engine
+    from service.backend.engine import Engine
 
     engine = Engine(s.artifact, "cpu")
     conc: dict[str, dict] = {"on": {}, "off": {}}

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bench.loadgen import run_loads
 from bench.server import HOST, ServerProcess
-from service.cores import default_threads
+from service.backend.cores import default_threads
 
 REPEATS = 3
 SERVERS = {

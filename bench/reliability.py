@@ -263,7 +263,7 @@ def soak(
     artifact: Path, seconds: float, clients: int = 64, seed: int = 0, warmup_s: float = 3.0
 ) -> SoakResult:
     """Run the mixed load for ``seconds`` against a fresh addnorm-serve on ``artifact``."""
-    from service.engine import Engine
+    from service.backend.engine import Engine
 
     manifest = Manifest.load(artifact)
     engine = Engine(artifact, "cpu", intra_op_threads=1)

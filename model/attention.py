@@ -1,7 +1,7 @@
 """Attention forms of an artifact's graph, and the seq x seq memory each holds in one run. No torch.
 
 The manifest records the form (``attention``); export spells it (export/attention.py); the service budgets runs
-by it (service/batcher.py, service/engine.py). The score-tensor copies were measured as peak resident memory of
+by it (service/batching/batcher.py, service/backend/engine.py). The score-tensor copies were measured as peak resident memory of
 one [1, 4096, 768] run above the same run's flash-attention peak (docs/benchmarks.md, "Cost curve").
 """
 

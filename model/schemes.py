@@ -1,7 +1,7 @@
 """The arithmetic of each graph variant, in numpy (no torch), for ``model.reference``: exact (fp32 and fused
 graphs; the float64 oracle), int8 (export/int8.py's scheme: 8-bit weights per column, activations per row, a few
 float channels; ``Form``) and fp16 (every result stored in half precision). The export gate computes a lossy variant's
-scheme with torch (export/variants.py); the server has no torch, and live parity (service/live_parity.py) needs
+scheme with torch (export/variants.py); the server has no torch, and live parity (service/models/live_parity.py) needs
 the same allowance, so the numbers of the int8 scheme are defined here once and export/int8.py writes the graph
 from them.
 """

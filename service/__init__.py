@@ -1,7 +1,7 @@
 """onnxruntime + FastAPI serving of an addnorm artifact. Never imports torch, nor export/.
 
 ``create_app`` and ``Settings`` are imported on first use, so importing one light module of the package
-(``service.cores`` for the benchmarks' thread count, say) does not load onnxruntime and FastAPI.
+(``service.backend.cores`` for the benchmarks' thread count, say) does not load onnxruntime and FastAPI.
 """
 
 import os
@@ -15,7 +15,7 @@ __all__ = ["Settings", "create_app"]
 
 def __getattr__(name: str):
     if name == "create_app":
-        from service.app import create_app
+        from service.front.app import create_app
 
         return create_app
     if name == "Settings":

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from model import kernels
 from service import logs
-from service.engine import EngineError, check_artifact, freeze_heap, resolve_providers
+from service.backend.engine import EngineError, check_artifact, freeze_heap, resolve_providers
 from service.settings import Settings, explain
 
 
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         # but absent.
         import onnxruntime as ort
 
-        from service.registry import read_manifests
+        from service.models.registry import read_manifests
 
         if settings.model_control_mode != "none" and settings.workers > 1:
             raise ValueError("model control loads models in one process: use --workers 1 with it")
@@ -198,13 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         # Workers are separate processes: pass the settings down through the environment.
         os.environ.update(settings.to_env())
         uvicorn.run(
-            "service.app:create_app",
+            "service.front.app:create_app",
             factory=True,
             workers=settings.workers,
             **common,
         )
     else:
-        from service.app import create_app
+        from service.front.app import create_app
 
         app = create_app(settings, exit_on_error=True)
         _SERVING.append(app)

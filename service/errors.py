@@ -110,7 +110,7 @@ class InferenceFailed(ServiceError):
 
 
 class ControlOff(ServiceError):
-    """Model control is not enabled on this server, or not for this operation (service/state.py)."""
+    """Model control is not enabled on this server, or not for this operation (service/models/state.py)."""
 
 
 class LoadRefused(ServiceError):

@@ -6,13 +6,11 @@ The statistics are in the shape Triton gives them: counts and nanoseconds since 
 ``compute_infer`` = the run it was part of, ``compute_output`` = encoding its outputs) and per model run
 (``batch_stats`` by batch size in rows: merging the batch, the run, cutting each request's rows).
 ``inference_count`` counts rows answered, ``execution_count`` model runs. Everything is updated on the event loop
-(request handlers and the batcher's scheduler), so nothing here takes a lock. And ``InFlight``: the requests using
-a model right now, which model control waits for before it stops a replaced one.
+(request handlers and the batcher's scheduler), so nothing here takes a lock.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -20,7 +18,7 @@ from types import TracebackType
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from service.merging import Run, Timings
+from service.batching.merging import Run, Timings
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -114,7 +112,7 @@ class Metrics:
             self.golden_err.labels(model).set(v.max_abs_err)
 
     def live_parity(self, model: str, kind: str, ratio: float | None = None) -> None:
-        """A live parity event (service/live_parity.py): checked (with its ratio), failed, dropped or errors."""
+        """A live parity event (service/models/live_parity.py): checked (with its ratio), failed, dropped or errors."""
         self.parity[kind].labels(model).inc()
         if ratio is not None:
             self.parity_ratio.labels(model).observe(ratio)
@@ -270,27 +268,3 @@ class RequestTimer:
         stages["compute_infer"].add(self.timings.infer_s)
         stages["compute_output"].add(end - self.inferred_at)
         self.stats.inference_count += self.rows
-
-
-class InFlight:
-    """The requests using a model right now (``ServingModel.request`` in the request core), so that a model
-    being replaced or unloaded is stopped only once the last of them is answered (``idle``)."""
-
-    __slots__ = ("count", "_idle")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._idle: asyncio.Event | None = None
-
-    def __enter__(self) -> None:
-        self.count += 1
-
-    def __exit__(self, *exc: object) -> None:
-        self.count -= 1
-        if self.count == 0 and self._idle is not None:
-            self._idle.set()
-
-    async def idle(self) -> None:
-        while self.count:
-            self._idle = asyncio.Event()
-            await self._idle.wait()

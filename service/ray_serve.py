@@ -28,8 +28,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from model.artifact import MANIFEST_FILE
 from service import logs
-from service.app import create_app
-from service.registry import model_dirs
+from service.front.app import create_app
+from service.models.registry import model_dirs
 from service.settings import Settings, explain
 
 log = logging.getLogger("addnorm.ray")
@@ -67,7 +67,7 @@ def check_readable(model_dir: Path) -> None:
 
 def replica_settings(overrides: dict[str, Any], cpus: float | None) -> Settings:
     """The replica's settings: ADDNORM_* from its environment, then the builder's arguments. The thread budget
-    (service/cores.py) is the CPUs Ray gave the replica, unless set explicitly. No gRPC port: replicas share
+    (service/backend/cores.py) is the CPUs Ray gave the replica, unless set explicitly. No gRPC port: replicas share
     nodes, and Ray's proxy is the one front door (HTTP)."""
     settings = Settings(**{**overrides, "grpc_port": 0})
     if cpus and settings.thread_budget == 0:  # the replica's share of the node; its models split it

@@ -5,7 +5,7 @@ is not true) and the ``otel`` extra is installed. ``OTEL_EXPORTER_OTLP_[TRACES_]
 (the default) or ``grpc``; ``OTEL_SERVICE_NAME`` (default ``addnorm``), ``OTEL_RESOURCE_ATTRIBUTES`` and the
 ``OTEL_BSP_*`` batch settings are read by the SDK as usual.
 
-Each request through the request core (service/inference.py, its only caller) gets one server span,
+Each request through the request core (service/core/inference.py, its only caller) gets one server span,
 ``addnorm.infer``, whose parent is the W3C ``traceparent`` (and ``tracestate``) it arrived with, an HTTP header or
 gRPC metadata, with children ``queue`` (waiting for its batch), ``inference`` (the batch's run: its rows) and
 ``encode``; attributes ``addnorm.model``, ``addnorm.protocol``, ``addnorm.rows`` and ``addnorm.status``. Off, the
@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from service.batching.merging import Timings
 from service.errors import ServiceError
-from service.merging import Timings
 
 log = logging.getLogger("addnorm.tracing")
 PROTOCOLS = ("http/protobuf", "grpc")

@@ -30,8 +30,8 @@ CHECK = textwrap.dedent(
     import json, sys
     import numpy as np
     from model.golden import load_golden
-    from service.engine import Engine
-    from service.engine import verify_engine
+    from service.backend.engine import Engine
+    from service.backend.engine import verify_engine
     directory, out = sys.argv[1], sys.argv[2]
     engine = Engine(directory, providers="cpu")
     v = verify_engine(engine, "strict")

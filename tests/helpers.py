@@ -80,12 +80,12 @@ def raw_http(port: int, pieces: list[bytes], timeout: float = 30.0) -> tuple[int
 @contextlib.contextmanager
 def front_proxy(upstream_port: int, **settings: object) -> Iterator[int]:
     """nginx on a free loopback port in front of ``127.0.0.1:upstream_port``, configured as deploy/nginx is
-    (service.front_proxy.render) from ``Settings(**settings)``; yields its port. Skips where nginx is not installed
+    (service.front.proxy.render) from ``Settings(**settings)``; yields its port. Skips where nginx is not installed
     (Debian's nginx; .ci/run installs it, and in CI the skip fails)."""
     import pytest
 
     from bench.server import free_port
-    from service.front_proxy import render
+    from service.front.proxy import render
     from service.settings import Settings
 
     nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)

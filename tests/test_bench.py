@@ -362,7 +362,7 @@ def test_int8_profile_sums_each_operators_kernel_time_per_run(tmp_path):
 
 
 def test_codec_cost_times_every_codec_and_says_which_steps_leave_the_loop(tiny_artifact, capsys):
-    """bench.codec_cost on the tiny artifact: a row per codec and shape, with the work service.inference counts
+    """bench.codec_cost on the tiny artifact: a row per codec and shape, with the work service.core.inference counts
     and offload's verdict; at [8,1024,32] (1 MiB of float32) JSON leaves the loop both ways and raw data stays."""
     from bench import codec_cost
 

@@ -1,5 +1,5 @@
 """Connections, on both fronts a deployment has: addnorm-serve alone (uvicorn's documented options and the app's
-front) and behind its front proxy (nginx, configured by service/front_proxy.py as deploy/nginx is). Limits are
+front) and behind its front proxy (nginx, configured by service/front/proxy.py as deploy/nginx is). Limits are
 answered, clients that trickle heads or bodies cannot hold the server, and bytes no parser accepts get a JSON 400.
 docs/reliability.md says which protection lives where."""
 
@@ -116,7 +116,7 @@ def test_behind_the_proxy_a_head_not_sent_in_time_is_closed(proxied, when):
 
 
 def test_a_body_that_never_arrives_gets_408_and_the_connection_closes(strict_server):
-    """The app's front (guard.Front): a body not received within --body-timeout-s is a JSON 408, then the
+    """The app's front (front.middleware.Front): a body not received within --body-timeout-s is a JSON 408, then the
     connection closes (what is left of the body is never read)."""
     s = _connect(strict_server)
     s.sendall(

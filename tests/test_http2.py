@@ -22,7 +22,7 @@ import pytest
 
 from bench.reliability import proc_rss_mb
 from bench.server import ServerProcess
-from service.engine import Engine
+from service.backend.engine import Engine
 from service.protocols.v2.grpc_server import HTTP2_LIMITS, SERVICE
 from tests.conftest import start_server
 

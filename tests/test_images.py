@@ -167,7 +167,7 @@ def _readme_v2(url: str) -> np.ndarray:
 
 
 def _in_process(default_artifact: Path) -> tuple[np.ndarray, np.ndarray]:
-    from service.engine import Engine
+    from service.backend.engine import Engine
 
     engine = Engine(default_artifact, "cpu")
     v1 = np.array([[0.01 * (i % 10) for i in range(768)]] * 2, np.float32)[None]

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from service.app import create_app
+from service.front.app import create_app
 from service.ray_serve import DEPLOYMENT, build
 from service.settings import Settings
 from tests.conftest import ROOT

@@ -14,7 +14,7 @@ import tritonclient.http as th
 from bench.mixed import padding_counts
 from model.contract import EMBEDDINGS, ENCODED, MASK
 from model.packing import answered, real_lengths
-from service.engine import Engine
+from service.backend.engine import Engine
 from tests.conftest import start_server
 
 # two clusters of lengths, as short queries and passages are; one request per transport and length

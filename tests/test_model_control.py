@@ -277,8 +277,8 @@ def test_control_is_refused_before_the_manifests_are_read(tmp_path, versions):
     import asyncio
 
     from service.errors import ControlOff
+    from service.models.state import ModelControl
     from service.settings import Settings
-    from service.state import ModelControl
 
     repo = repository(tmp_path, versions, "1")
     control = ModelControl(Settings(model_repository=repo, model_control_mode="explicit"), lambda: None)
@@ -320,7 +320,8 @@ def test_a_model_swapped_while_a_large_body_is_decoded_decodes_and_serves_it_wit
     (version 2, after the swap)."""
     from fastapi.testclient import TestClient
 
-    from service import create_app, inference
+    from service import create_app
+    from service.core import inference
     from service.protocols.v1 import codec as v1_codec
     from service.protocols.v2 import codec as v2_codec
     from service.settings import Settings

@@ -27,8 +27,8 @@ from model import reference
 from model.artifact import load_verified
 from model.config import ConfigError, EncoderConfig
 from model.contract import ENCODED, POOLED, io_specs, output_names
-from service.batcher import Batcher
-from service.engine import Engine
+from service.backend.engine import Engine
+from service.batching.batcher import Batcher
 from tests.conftest import SMALL, export_to
 from tests.service.test_batcher import Recorder, until
 

@@ -25,8 +25,8 @@ from fastapi.testclient import TestClient
 from ray import serve
 
 from model.packing import answered
-from service.app import create_app
-from service.cores import threads_for
+from service.backend.cores import threads_for
+from service.front.app import create_app
 from service.ray_serve import DEPLOYMENT, ArtifactUnreadable, build, check_readable, replica_settings
 from service.settings import Settings
 from tests.helpers import skew_gamma, wait_until

@@ -1,5 +1,5 @@
 """Trailer fields and long heads on a real server behind its front proxy (issue 36; nginx as deploy/nginx runs it,
-service/front_proxy.py): a chunked body's trailer section never reaches a decision (RFC 9110 6.5.1: a recipient
+service/front/proxy.py): a chunked body's trailer section never reaches a decision (RFC 9110 6.5.1: a recipient
 must not merge trailer fields into the header section; nginx reads the body whole and drops the trailer), however
 the bytes arrive, on /v1 and V2; a head beyond ``MAX_HEAD_BYTES`` is refused and the server serves on. (uvicorn's
 httptools protocol alone adds trailer fields to the request's header list: docs/reliability.md.)"""
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from service.front_proxy import MAX_HEAD_BYTES
+from service.front.proxy import MAX_HEAD_BYTES
 from tests.conftest import start_server
 from tests.helpers import front_proxy, raw_http
 

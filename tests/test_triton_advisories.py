@@ -20,7 +20,7 @@ import pytest
 
 from bench.reliability import proc_rss_mb
 from bench.server import ServerProcess
-from service.engine import Engine
+from service.backend.engine import Engine
 from tests.helpers import raw_http
 
 pytestmark = pytest.mark.server

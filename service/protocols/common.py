@@ -12,9 +12,9 @@ import orjson
 from fastapi import Request
 
 from model.contract import EMBEDDINGS, MASK
+from service.batching.merging import Timings
+from service.core.inference import OFFLOAD_BYTES, Call, Disconnect
 from service.errors import BadInput, ClientGone, TooLarge, UnsupportedMediaType, quote
-from service.inference import OFFLOAD_BYTES, Call, Disconnect
-from service.merging import Timings
 
 _CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 

@@ -20,9 +20,9 @@ from fastapi.responses import FileResponse, HTMLResponse, Response
 
 from service import protocols
 from service.errors import NotFound, from_error, quote
+from service.models.registry import READY
+from service.models.state import KnownModels
 from service.protocols.common import error_docs
-from service.registry import READY
-from service.state import KnownModels
 
 ASSETS = files("fastapi_offline") / "static"
 MEDIA = {

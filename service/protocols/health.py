@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 
-from service.state import State
+from service.models.state import State
 
 router = APIRouter(tags=["health"])
 METRICS_PATH = "/metrics"  # public too with ADDNORM_METRICS_PUBLIC

@@ -90,7 +90,7 @@ def test_per_tensor_u8s8_quantization_fails_the_golden_check_on_avx2(model_repos
 
 
 def test_a_failed_int8_check_on_a_cpu_without_vnni_names_the_cause(tmp_path):
-    from service.engine import int8_cpu_hint
+    from service.backend.engine import int8_cpu_hint
 
     avx2 = tmp_path / "cpuinfo"
     avx2.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")

@@ -218,7 +218,7 @@ def test_an_engine_serves_int8_on_the_kernels_verified_and_answering_as_without(
     """The server's engine with the library (its golden check passing on it) and without: the same answers within
     the float side's rounding; a library path that is not there stops the engine with the reason; an fp32 graph
     runs without it."""
-    from service.engine import Engine, EngineError, verify_engine
+    from service.backend.engine import Engine, EngineError, verify_engine
     from tests.conftest import SMALL, export_to
 
     artifact = export_to(tmp_path / "a", SMALL, variant="int8")

@@ -53,7 +53,7 @@ def test_fp32_variants_export_and_pass(tmp_path, flags, norm_nodes):
     if "--opset" in flags:
         assert manifest["opset"] == int(flags[1])
     if "--no-batch-first" in flags:  # the service still speaks [batch, seq, d_model]
-        from service.engine import Engine
+        from service.backend.engine import Engine
 
         x = np.random.default_rng(0).standard_normal((3, 4, 64)).astype(np.float32)
         enc = build_encoder(EncoderConfig.from_dict(manifest["config"]))
@@ -71,7 +71,7 @@ def test_fused_variant_has_skip_layer_norms(tmp_path, norm_first):
     assert manifest["variant"] == "fused" and manifest["parity"]["passed"]
     assert counts["SkipLayerNormalization"] == 2
     assert counts["SkipLayerNormalization"] + counts["LayerNormalization"] == (3 if norm_first else 2)
-    from service.engine import Engine  # the service runs com.microsoft ops as is
+    from service.backend.engine import Engine  # the service runs com.microsoft ops as is
 
     assert Engine(tmp_path / "a", "cpu").run(np.ones((1, 3, 64), np.float32))["encoded"].shape == (1, 3, 64)
 
@@ -303,7 +303,7 @@ def test_full_size_default_export(default_artifact):
 
 
 def _verified_at_load(artifact) -> str:
-    from service.engine import Engine, verify_engine
+    from service.backend.engine import Engine, verify_engine
 
     return verify_engine(Engine(artifact, "cpu"), "strict").status
 

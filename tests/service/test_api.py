@@ -145,7 +145,7 @@ def test_model_and_metrics(client):
 def test_padding_positions_are_counted_apart_from_requested_ones():
     """addnorm_batch_positions: a run of 3 x 10 positions whose requests asked for 1 x 10 and 2 x 4 (one of
     them with padding of its own, which counts as requested) added 12 positions of padding."""
-    from service.batcher import Run
+    from service.batching.batcher import Run
 
     metrics = Metrics()
     metrics.model("m", queue_depth=lambda: 0).batch_done(

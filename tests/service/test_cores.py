@@ -1,4 +1,4 @@
-"""The server's CPU thread budget (service/cores.py, issue 28): runs never hold more threads than the budget,
+"""The server's CPU thread budget (service/backend/cores.py, issue 28): runs never hold more threads than the budget,
 waiters are served in arrival order, and the settings give each model its threads."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from service.cores import CoreBudget, threads_for
+from service.backend.cores import CoreBudget, threads_for
 from service.settings import Settings
 from tests.helpers import wait_until
 

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from service import engine as engine_mod
-from service.cores import physical_cores
-from service.engine import CPU, CUDA, Engine, EngineError, resolve_providers
+from service.backend import engine as engine_mod
+from service.backend.cores import physical_cores
+from service.backend.engine import CPU, CUDA, Engine, EngineError, resolve_providers
 
 
 @pytest.mark.parametrize(
@@ -115,7 +115,7 @@ def test_physical_cores_counts_cores_not_hyperthreads():
 
 
 def test_default_threads_respect_the_container_cpu_quota(tmp_path):
-    from service.cores import cpu_quota, default_threads
+    from service.backend.cores import cpu_quota, default_threads
 
     v2 = tmp_path / "v2"
     v2.mkdir()
@@ -140,7 +140,7 @@ def test_long_runs_give_their_memory_back(tiny_artifact, monkeypatch):
     RELEASE_ABOVE_BYTES leaves that to ``release`` (the batcher calls it once the model is idle), which gives it
     back once per such run; ordinary runs keep the arena warm. The padded run holds the mha form's seq x seq
     tensors (flash attention otherwise): more working memory for the same shape."""
-    from service import engine
+    from service.backend import engine
 
     eng = Engine(tiny_artifact, "cpu", intra_op_threads=1)
     assert eng.attention == "mha"
@@ -216,7 +216,7 @@ def test_a_directory_rewritten_while_it_loads_is_never_served_as_another_version
     import threading
 
     from model.artifact import GOLDEN_FILE, MODEL_FILE
-    from service.engine import verify_engine
+    from service.backend.engine import verify_engine
 
     root, artifact, theirs, x, want, shutil = two_versions
     directory = root / "rewritten"

@@ -19,11 +19,11 @@ from tritonclient.utils import InferenceServerException
 from bench.server import free_port
 from model.packing import answered
 from service.guard import Guard
+from service.models.state import ServiceState
 from service.protocols import MODEL_PREFIXES, PUBLIC_PATHS
 from service.protocols.v2 import grpc_server
 from service.protocols.v2 import inference_pb2 as pb
 from service.settings import Settings
-from service.state import ServiceState
 from tests.conftest import REPO_KEY as KEY
 
 AUTH = {"authorization": f"Bearer {KEY}"}

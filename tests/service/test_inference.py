@@ -1,4 +1,4 @@
-"""The request core (service/inference.py): one deadline rule and one cancellation for every transport."""
+"""The request core (service/core/inference.py): one deadline rule and one cancellation for every transport."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from bench.server import free_port
-from service import create_app, inference
+from service import create_app
+from service.core import inference
 from service.protocols.v2 import grpc_server
 from service.protocols.v2 import inference_pb2 as pb
 from service.settings import Settings

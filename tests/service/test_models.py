@@ -11,7 +11,8 @@ import pytest
 import tritonclient.http as th
 from fastapi.testclient import TestClient
 
-from service import cli, create_app, state
+from service import cli, create_app
+from service.models import state
 from service.settings import Settings
 from tests.conftest import REPO_KEY
 

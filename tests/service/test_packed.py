@@ -14,9 +14,9 @@ from model.attention import score_elements
 from model.config import EncoderConfig
 from model.packing import real_lengths
 from model.verdict import float32_floor
-from service import merging
-from service.batcher import Batcher
-from service.engine import Engine
+from service.backend.engine import Engine
+from service.batching import merging
+from service.batching.batcher import Batcher
 from service.errors import Overloaded, TimedOut, TooLarge
 from tests.conftest import SMALL, export_to, start_server
 from tests.service.test_batcher import Recorder, RunLog, until

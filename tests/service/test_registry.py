@@ -1,4 +1,4 @@
-"""service/registry.py: every change of a served model's state, in-process, with a stand-in for what a load builds
+"""service/models/registry.py: every change of a served model's state, in-process, with a stand-in for what a load builds
 (the real loads are tests/test_model_control.py's and tests/service/test_models.py's)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from service.errors import NotFound, NotReady
-from service.registry import READY, UNAVAILABLE, LoadFailed, Registry, ServingModel, Slot, version_of
+from service.models.registry import READY, UNAVAILABLE, LoadFailed, Registry, ServingModel, Slot, version_of
 
 pytestmark = pytest.mark.unit
 

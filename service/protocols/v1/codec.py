@@ -16,16 +16,16 @@ import numpy as np
 import orjson
 
 from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, positional
+from service.batching.merging import Outputs
+from service.core.inference import work
 from service.errors import BadInput, NotAcceptable, UnsupportedMediaType, quote
-from service.inference import work
-from service.merging import Outputs
 from service.protocols.common import check_batch, holds_literal, parse_json
 from service.protocols.v1 import binary
 from service.protocols.v1.binary import NPY, OCTET
 
 if TYPE_CHECKING:
-    from service.inference import Resolve
-    from service.registry import ServingModel
+    from service.core.inference import Resolve
+    from service.models.registry import ServingModel
 
 MODEL = "model"
 OUTPUT = "output"  # the query parameter naming the output a binary answer carries
@@ -274,7 +274,7 @@ def encode(
 
 @dataclass(frozen=True)
 class EncodeCodec:
-    """/v1/encode's codec for one request (service.inference.Codec): its body's Content-Type and headers, the
+    """/v1/encode's codec for one request (service.core.inference.Codec): its body's Content-Type and headers, the
     model ``?model=`` names (or None), the media type Accept chose and the output ``?output=`` names."""
 
     content_type: str

@@ -7,9 +7,9 @@ import time
 from fastapi import APIRouter, Request, Response
 
 from model.contract import EMBEDDINGS, ENCODED
-from service import inference
+from service.core import inference
 from service.guard import Known
-from service.live_parity import judged
+from service.models.live_parity import judged
 from service.protocols.common import error_docs, http_call, read_body, timing_headers
 from service.protocols.v1 import codec, schema
 

@@ -19,15 +19,15 @@ import orjson
 
 from model.artifact import Manifest
 from model.contract import EMBEDDINGS, MASK, client_inputs
+from service.batching.merging import Outputs
+from service.core.inference import work
 from service.errors import BadInput, TooLarge, quote
-from service.inference import work
-from service.merging import Outputs
 from service.protocols import common
 from service.protocols.common import check_batch, holds_literal, json_bool, json_object, parse_json
 
 if TYPE_CHECKING:
-    from service.inference import Resolve
-    from service.registry import ServingModel
+    from service.core.inference import Resolve
+    from service.models.registry import ServingModel
 
 HEADER_LENGTH = "inference-header-content-length"
 EXTENSIONS = ["binary_tensor_data", "statistics"]
@@ -273,7 +273,7 @@ def _v2_name(dtype: np.dtype) -> str:
 
 @dataclass(frozen=True)
 class InferCodec:
-    """V2 infer's codec over HTTP for one request (service.inference.Codec): the model its path names and the
+    """V2 infer's codec over HTTP for one request (service.core.inference.Codec): the model its path names and the
     ``Inference-Header-Content-Length`` of a binary body."""
 
     name: str

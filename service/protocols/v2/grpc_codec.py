@@ -17,16 +17,16 @@ from google.protobuf.message import Message
 
 from model.artifact import Manifest
 from model.contract import client_inputs
+from service.batching.merging import Outputs
+from service.core.inference import work
 from service.errors import BadInput
-from service.inference import work
-from service.merging import Outputs
 from service.protocols.common import timeout_param
 from service.protocols.v2 import codec
 from service.protocols.v2 import inference_pb2 as pb
 
 if TYPE_CHECKING:
-    from service.inference import Resolve
-    from service.registry import ServingModel
+    from service.core.inference import Resolve
+    from service.models.registry import ServingModel
 
 # datatype -> the typed contents field that carries it (FP16 has none: it travels raw)
 _TYPED = {"FP32": "fp32_contents", "FP64": "fp64_contents", "BOOL": "bool_contents"}
@@ -126,7 +126,7 @@ def from_dict(doc: dict, message: type[Message]) -> Message:
 
 @dataclass(frozen=True)
 class GrpcInferCodec:
-    """ModelInfer's codec for one call (service.inference.Codec): the model its request names; the answer is the
+    """ModelInfer's codec for one call (service.core.inference.Codec): the model its request names; the answer is the
     response message's serialized bytes."""
 
     name: str

@@ -19,14 +19,15 @@ from collections.abc import Awaitable, Callable
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from service import inference, logs
+from service import logs
+from service.core import inference
 from service.errors import BadInput, ClientDeadline, ServiceError, grpc_code
 from service.guard import Guard
+from service.models.registry import READY
+from service.models.state import KnownModels, ServiceState, check_parameters
 from service.protocols.v2 import codec, grpc_codec, grpc_stream, metadata, model_config
 from service.protocols.v2 import inference_pb2 as pb
-from service.registry import READY
 from service.settings import VERSION
-from service.state import KnownModels, ServiceState, check_parameters
 
 SERVICE = "inference.GRPCInferenceService"
 # What the guard reads for this transport (service/protocols/__init__.py gathers them): methods are paths.

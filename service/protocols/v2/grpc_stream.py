@@ -36,7 +36,7 @@ from service.protocols.v2 import inference_pb2 as pb
 from service.protocols.v2.grpc_codec import varint
 
 if TYPE_CHECKING:
-    from service.state import ServiceState
+    from service.models.state import ServiceState
 
 # one request's ModelInfer (grpc_server.InferenceService.ModelInfer): its answer, a serialized ModelInferResponse
 Infer = Callable[[pb.ModelInferRequest, grpc.aio.ServicerContext], Awaitable[bytes]]

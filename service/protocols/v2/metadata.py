@@ -9,9 +9,9 @@ from model.artifact import Manifest
 from model.contract import api_specs
 from model.runtime import CUDA
 from service.errors import NotFound, quote
+from service.models.registry import READY, Registry, ServingModel
 from service.protocols.v2 import model_config
 from service.protocols.v2.codec import NUMPY_TO_V2
-from service.registry import READY, Registry, ServingModel
 
 
 def model_metadata(manifest: Manifest, version: str = "1") -> dict:

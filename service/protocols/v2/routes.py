@@ -8,14 +8,14 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from model.contract import EMBEDDINGS, ENCODED
-from service import inference
+from service.core import inference
 from service.errors import BadInput
 from service.guard import Known
+from service.models.registry import ServingModel
+from service.models.state import KnownModels, State, check_parameters
 from service.protocols.common import error_docs, http_call, parse_json, read_body, timing_headers
 from service.protocols.v2 import codec, metadata, schema
-from service.registry import ServingModel
 from service.settings import VERSION
-from service.state import KnownModels, State, check_parameters
 
 router = APIRouter(prefix="/v2", tags=["v2 (Open Inference Protocol)"])
 

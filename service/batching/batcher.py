@@ -1,7 +1,7 @@
 """Runs inference off the event loop, merging concurrent requests into one batch (dynamic batching).
 
 One dedicated inference thread takes requests from a bounded queue, merges them along the batch dimension (which
-requests, within which limits, padded and cut how: service/merging.py), runs the batch and hands each request its
+requests, within which limits, padded and cut how: service/batching/merging.py), runs the batch and hands each request its
 own rows on the event loop. The thread takes its next batch the moment a run ends, without waiting for the loop.
 With the default ``max_queue_delay_ms=0`` a batch is whatever queued up while the previous one ran (no request waits
 for company while the model is idle); a positive delay waits that long for more. ``max_batch_size=1`` turns merging
@@ -23,10 +23,10 @@ from typing import Protocol
 import numpy as np
 
 from model import packing
-from service import merging
-from service.cores import CoreBudget
+from service.backend.cores import CoreBudget
+from service.batching import merging
+from service.batching.merging import BatchObserver, Outputs, Request, Run, Timings
 from service.errors import InferenceFailed, Overloaded, ServiceError, ShuttingDown, TimedOut
-from service.merging import BatchObserver, Outputs, Request, Run, Timings
 
 log = logging.getLogger("addnorm.batcher")
 # After this long without work following a run, the model may give back the memory its runs held (its ``release``,
@@ -35,7 +35,7 @@ RELEASE_IDLE_S = 1.0
 
 
 class Model(Protocol):
-    """What the batcher runs (service.engine.Engine). One with ``packed`` true also takes ``run(x, mask,
+    """What the batcher runs (service.backend.engine.Engine). One with ``packed`` true also takes ``run(x, mask,
     lengths)``: each row computed to its own length only (model/packing.py)."""
 
     def run(self, embeddings: np.ndarray, mask: np.ndarray | None = None) -> Outputs: ...
@@ -61,7 +61,9 @@ class Batcher:
         costs: merging.Costs | None = None,
     ) -> None:
         self.model = model
-        self.merge = merge  # "cost" or "pad": how requests of different lengths merge (service/merging.py)
+        self.merge = (
+            merge  # "cost" or "pad": how requests of different lengths merge (service/batching/merging.py)
+        )
         self.packed = bool(getattr(model, "packed", False))  # computes real positions only (model/packing.py)
         # its cost model (merging.measure_costs), of the layout the model has
         self.costs = dataclasses.replace(costs or merging.Costs(), packed=self.packed)

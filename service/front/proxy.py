@@ -1,7 +1,7 @@
 """The front proxy's configuration: nginx in front of addnorm-serve, for what uvicorn does not guard.
 
 uvicorn (addnorm-serve's server, used through its documented options only) caps connections, closes idle ones and
-never switches protocols; the app's front (``guard.Front``) bounds each body's time and size. What neither can see
+never switches protocols; the app's front (``front.middleware.Front``) bounds each body's time and size. What neither can see
 happens before a request reaches the app, in the connection's bytes: a head trickled a byte at a time or grown
 without end, bytes the parser refuses (uvicorn answers them in plain text), trailer fields (uvicorn's httptools
 protocol adds them to the request's header list), a client that never reads its answers. nginx, a maintained
@@ -10,7 +10,7 @@ settings the server reads, so the two agree on every limit. ``deploy/nginx/nginx
 docker-compose (``tests/test_front_proxy.py`` keeps it current); docs/reliability.md says which protection lives
 where.
 
-``python -m service.front_proxy --listen 0.0.0.0:8080 --upstream 127.0.0.1:8000 > nginx.conf``
+``python -m service.front.proxy --listen 0.0.0.0:8080 --upstream 127.0.0.1:8000 > nginx.conf``
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def render(settings: Settings, listen: str, upstream: str, prefix: str | None = 
     # (ADDNORM_MAX_CONNECTIONS, uvicorn's limit_concurrency), so every refusal at the limit is nginx's JSON one.
     pool = max(1, min(32, settings.max_connections // 2))
     active = max(1, settings.max_connections - pool - 1)  # uvicorn refuses at its cap, not past it
-    return f"""# addnorm's front proxy (service/front_proxy.py wrote this from the ADDNORM_* settings; docs/reliability.md).
+    return f"""# addnorm's front proxy (service/front/proxy.py wrote this from the ADDNORM_* settings; docs/reliability.md).
 worker_processes 1;
 {pid}
 error_log stderr warn;
@@ -201,7 +201,7 @@ http {{
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m service.front_proxy",
+        prog="python -m service.front.proxy",
         description="Print an nginx.conf for the front proxy, from the ADDNORM_* settings (docs/reliability.md).",
     )
     parser.add_argument(

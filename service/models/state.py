@@ -1,10 +1,10 @@
 """What a running server holds (its settings, metrics, the CPU thread budget, and once the manifests are read the
-models it serves: service/registry.py), and when its models load: at start-up and by model control.
+models it serves: service/models/registry.py), and when its models load: at start-up and by model control.
 
 At start-up (``load_models``) every manifest is read first (names known, so model routes can answer 404 and 503 by
 name), then each model loads in parallel, each ending READY or UNAVAILABLE with its reason (the registry's
 ``load_all``). What one load builds is ``serving_model`` (the registry's ``build``): the engine, its golden check
-on this server's provider (service/engine.py's ``verify_engine``), the batcher. ``load_then_watch`` is the
+on this server's provider (service/backend/engine.py's ``verify_engine``), the batcher. ``load_then_watch`` is the
 start-up policy: stop a server that can serve nothing, or watch the repository.
 
 Model control (Triton's model repository extension): load, unload and reload the repository's models while
@@ -32,14 +32,14 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from model.runtime import CPU
-from service.batcher import Batcher
-from service.cores import CoreBudget, default_threads, threads_for
-from service.engine import Engine, accept, verify_engine
+from service.backend.cores import CoreBudget, default_threads, threads_for
+from service.backend.engine import Engine, accept, verify_engine
+from service.batching.batcher import Batcher
+from service.batching.merging import Costs, Observers, measure_costs
 from service.errors import BadInput, ControlOff, LoadRefused, NotFound, ServiceError, quote
-from service.live_parity import LiveParity
-from service.merging import Costs, Observers, measure_costs
 from service.metrics import Metrics, ModelStatistics
-from service.registry import LoadFailed, Registry, ServingModel, read_manifests, repository_models
+from service.models.live_parity import LiveParity
+from service.models.registry import LoadFailed, Registry, ServingModel, read_manifests, repository_models
 from service.settings import Settings
 
 log = logging.getLogger("addnorm.service")
@@ -80,7 +80,7 @@ class ServiceState:
         )
 
     def mark_unready(self, name: str, reason: str) -> None:
-        """Live parity's action ``unready`` (service.registry.Registry.mark_unready)."""
+        """Live parity's action ``unready`` (service.models.registry.Registry.mark_unready)."""
         if self.loaded is not None:
             self.loaded.models.mark_unready(name, reason)
 

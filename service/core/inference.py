@@ -5,7 +5,7 @@ It owns the model lookup (once per request), the deadline, cancellation when the
 the model it looks up does the rest (``ServingModel.request`` and ``infer``: in flight, statistics, batcher, live
 parity sampling). A protocol only gives it a codec (``Codec``). Something every request shares (tracing, a rate
 limit per client) is one edit here, in ``run``; something every model run shares (live parity sampling, a rate
-limit per model), one in ``ServingModel.infer`` (service/registry.py): either holds for every transport.
+limit per model), one in ``ServingModel.infer`` (service/models/registry.py): either holds for every transport.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from typing import Protocol, TypeVar
 import numpy as np
 from starlette.concurrency import run_in_threadpool
 
+from service.batching.merging import Outputs, Timings
 from service.errors import ClientDeadline, ClientGone, ServiceError, TimedOut
-from service.merging import Outputs, Timings
 from service.metrics import RequestTimer
-from service.registry import ServingModel
-from service.state import KnownModels
+from service.models.registry import ServingModel
+from service.models.state import KnownModels
 from service.tracing import TRACING, Carrier, RequestSpan
 
 # A codec step's work is counted in bytes of JSON text (parsing 256 KB of it: 1.5-2 ms here). Up to OFFLOAD_BYTES it
@@ -126,7 +126,7 @@ async def run(loaded: KnownModels, call: Call, codec: Codec[P, R, T], payload: P
                 with model.request(call.started) as timer:
                     return await _serve(loaded, call, model, req, timer, span, codec)
             # The model is counted in flight from the moment it is looked up (no await between the two), so
-            # the registry stops a replaced or unloaded one only after its last request (service/registry.py).
+            # the registry stops a replaced or unloaded one only after its last request (service/models/registry.py).
             model = loaded.models.get(call.named)
             with model.request(call.started) as timer:  # a failed decode counts
                 req = await offload(codec.decode_work(payload), codec.decode, payload, lambda _name: model)

@@ -35,7 +35,8 @@ from model.artifact import Manifest, read_weights
 from model.contract import positional
 from model.packing import answered
 from model.verdict import Tolerance, compare
-from service import engine, logs
+from service import logs
+from service.backend import engine
 
 log = logging.getLogger("addnorm.live_parity")
 QUEUE = 8  # samples waiting for the checker; more are dropped (and counted)
@@ -73,7 +74,7 @@ class Counts:
 
 @dataclass
 class _Sample:
-    model: object  # service.state.ServingModel
+    model: object  # service.models.state.ServingModel
     request_id: str
     embeddings: np.ndarray
     mask: np.ndarray | None
@@ -204,7 +205,7 @@ class LiveParity:
             scheme = {}
             if w.scheme_weights is not None:
                 scheme = reference.outputs(config, w.scheme_weights, s.embeddings, s.mask, w.scheme)
-        # no graph computes a row's trailing padding (service/batcher.py): it answers zeros there
+        # no graph computes a row's trailing padding (service/batching/batcher.py): it answers zeros there
         for outputs in (x64, x32, scheme):
             outputs.update({k: answered(v, s.mask) for k, v in outputs.items() if positional(k)})
         tol = Tolerance(**manifest.parity["tolerance"])

@@ -1,6 +1,6 @@
 """create_app(settings): the FastAPI application, its middleware and its error handlers.
 
-Outermost first: FastAPI's error middleware -> the HTTP front (guard.Front: request id, access line, metrics, the
+Outermost first: FastAPI's error middleware -> the HTTP front (front.middleware.Front: request id, access line, metrics, the
 guard, the body's deadline) -> FastAPI's exception middleware and router: every route the app serves.
 """
 
@@ -13,11 +13,12 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from service import logs, protocols
-from service.engine import freeze_heap, limit_arenas
-from service.guard import Front, Guard, install_error_handlers
+from service.backend.engine import freeze_heap, limit_arenas
+from service.front.middleware import Front, install_error_handlers
+from service.guard import Guard
+from service.models.state import ServiceState, load_models, load_then_watch
 from service.protocols import docs, health
 from service.settings import VERSION, Settings
-from service.state import ServiceState, load_models, load_then_watch
 from service.tracing import TRACING
 
 
@@ -35,7 +36,7 @@ def create_app(
     if factory:
         settings = Settings()
         logs.configure(settings.log_level, settings.log_json)
-    limit_arenas()  # before the inference and offload threads start (service/engine.py)
+    limit_arenas()  # before the inference and offload threads start (service/backend/engine.py)
     TRACING.configure()  # on only when the OTEL_EXPORTER_OTLP_* variables ask for it
     state = ServiceState(settings)
     public = protocols.PUBLIC_PATHS | ({health.METRICS_PATH} if settings.metrics_public else set())

@@ -5,7 +5,7 @@
 not ready), and makes every change of a model's state: the first load, a verified swap to another version, marking
 one unavailable, unloading, and draining a replaced or unloaded model after its last request in flight. Where models
 come from is read here too (``model_dirs``, ``read_manifests``, ``repository_models``). What a load builds is
-service/state.py's ``serving_model`` (the registry's ``build``), which also decides when to load and unload.
+service/models/state.py's ``serving_model`` (the registry's ``build``), which also decides when to load and unload.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import numpy as np
 
 from model.artifact import MANIFEST_FILE, ArtifactError, Manifest
 from model.golden import Verification
-from service.batcher import Batcher
-from service.engine import Engine
+from service.backend.engine import Engine
+from service.batching.batcher import Batcher
+from service.batching.merging import Outputs, Timings
 from service.errors import NotFound, NotReady, quote
-from service.live_parity import LiveParity
-from service.merging import Outputs, Timings
-from service.metrics import InFlight, ModelStatistics, RequestTimer
+from service.metrics import ModelStatistics, RequestTimer
+from service.models.live_parity import LiveParity
 from service.settings import DEFAULT_MODEL_DIR, Settings
 
 log = logging.getLogger("addnorm.service")
@@ -34,15 +34,39 @@ LOADING, READY, UNAVAILABLE = "LOADING", "READY", "UNAVAILABLE"  # the repositor
 UNLOADED = "unloaded"  # the reason of a model model control unloaded
 
 
+class InFlight:
+    """The requests using a model right now (``ServingModel.request`` in the request core), so that a model
+    being replaced or unloaded is stopped only once the last of them is answered (``idle``)."""
+
+    __slots__ = ("count", "_idle")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle: asyncio.Event | None = None
+
+    def __enter__(self) -> None:
+        self.count += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.count -= 1
+        if self.count == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def idle(self) -> None:
+        while self.count:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
+
+
 @dataclass(frozen=True)
 class ServingModel:
     """One loaded model: its engine, the batcher in front of it, its load-time check, its statistics, the
     version it serves (its numbered directory in a repository, else "1") and the server's live parity sampler
-    (service/live_parity.py; None in bare tests), which every answer it gives is offered to."""
+    (service/models/live_parity.py; None in bare tests), which every answer it gives is offered to."""
 
     engine: Engine
     batcher: Batcher
-    verification: Verification  # the load-time golden check (service.engine.verify_engine)
+    verification: Verification  # the load-time golden check (service.backend.engine.verify_engine)
     statistics: ModelStatistics
     version: str = "1"
     inflight: InFlight = field(default_factory=InFlight, compare=False)
@@ -101,7 +125,7 @@ Build = Callable[[str, Path, str], Awaitable[ServingModel]]  # (name, directory,
 
 class Registry:
     """The configured models by name, in the order given; the first is the default. ``build`` makes a verified
-    ServingModel (service.state.serving_model) or raises LoadFailed."""
+    ServingModel (service.models.state.serving_model) or raises LoadFailed."""
 
     def __init__(self, slots: list[Slot], build: Build | None = None, allow_empty: bool = False) -> None:
         if not slots and not allow_empty:

@@ -27,7 +27,7 @@ from model.contract import EMBEDDINGS, MASK, positional
 from model.golden import Verification, load_golden, verify
 from model.runtime import CPU, CUDA, VNNI_FLAGS, cpu_flags, session_args
 from model.verdict import Tolerance
-from service.cores import default_threads
+from service.backend.cores import default_threads
 
 log = logging.getLogger("addnorm.engine")
 
