@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -112,23 +112,34 @@ class Codec(Protocol[P, R, T]):
     def encode(self, req: R, model: ServingModel, outputs: Outputs) -> T: ...
 
 
-async def run(loaded: KnownModels, call: Call, codec: Codec[P, R, T], payload: P) -> tuple[T, Timings]:
+async def run(
+    loaded: KnownModels,
+    call: Call,
+    codec: Codec[P, R, T],
+    payload: P | None = None,
+    read: Callable[[], Awaitable[P]] | None = None,
+) -> tuple[T, Timings]:
     """Decode ``payload`` with ``codec``, queue on the model's batcher, encode: ``(encoded, timings)``. The model
     the payload is decoded against is the one that serves it (looked up once; a model swapped by model control
-    meanwhile serves it to its end).
+    meanwhile serves it to its end). ``read``: the payload is read once the model ``call.named`` is resolved and
+    counted in flight (an HTTP body: a request for an unknown or loading model is refused before it is read).
 
     Raises the domain errors of each step (errors.CODES maps them for every transport).
     """
     try:
         with TRACING.request(call.protocol, call.carrier) as span:
             if call.named is None:  # the payload names it: reading and decoding count as its input stage
+                if read is not None:
+                    payload = await read()
                 req, model = await _decode_unnamed(loaded, codec, payload)
                 with model.request(call.started) as timer:
                     return await _serve(loaded, call, model, req, timer, span, codec)
             # The model is counted in flight from the moment it is looked up (no await between the two), so
             # the registry stops a replaced or unloaded one only after its last request (service/models/registry.py).
             model = loaded.models.get(call.named)
-            with model.request(call.started) as timer:  # a failed decode counts
+            with model.request(call.started) as timer:  # a failed read or decode counts
+                if read is not None:
+                    payload = await read()
                 req = await offload(codec.decode_work(payload), codec.decode, payload, lambda _name: model)
                 return await _serve(loaded, call, model, req, timer, span, codec)
     finally:

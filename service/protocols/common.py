@@ -94,11 +94,17 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 
 def http_call(request: Request, protocol: str, started: float, named: str | None = None) -> Call:
-    """The request core's view of an HTTP request whose body has been read: its client going away is seen by a
-    watch on ``receive()`` (ASGI's ``http.disconnect``), which the core stops when the request ends."""
-    gone = Disconnect()
-    watch = asyncio.ensure_future(_watch_receive(request, gone))
-    return Call(protocol, named=named, started=started, gone=gone, carrier=request.headers.get, watch=watch)
+    """The request core's view of an HTTP request. Its client going away is seen once its body has been read
+    (``read_then_watch``) by a watch on ``receive()`` (ASGI's ``http.disconnect``), which the core stops when the
+    request ends."""
+    return Call(protocol, named=named, started=started, carrier=request.headers.get)
+
+
+async def read_then_watch(request: Request, call: Call, max_bytes: int) -> bytes:
+    """``read_body``, then the watch for the client going away (the next ASGI message can only be that)."""
+    body = await read_body(request, max_bytes)
+    call.watch = asyncio.ensure_future(_watch_receive(request, call.gone))
+    return body
 
 
 async def _watch_receive(request: Request, disconnect: Disconnect) -> None:

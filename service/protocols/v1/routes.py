@@ -10,7 +10,7 @@ from model.contract import EMBEDDINGS, ENCODED
 from service.core import inference
 from service.guard import Known
 from service.models.live_parity import judged
-from service.protocols.common import error_docs, http_call, read_body, timing_headers
+from service.protocols.common import error_docs, http_call, read_then_watch, timing_headers
 from service.protocols.v1 import codec, schema
 
 router = APIRouter(prefix="/v1", tags=["v1"])
@@ -68,12 +68,12 @@ async def encode(request: Request, loaded: Known) -> Response:
     media = codec.negotiate(headers.get("accept"))
     named = request.query_params.get(codec.MODEL)
     output = codec.output_param(request.query_params.get(codec.OUTPUT))
-    body = await read_body(request, settings.max_body_bytes)
+    # The model is named in the payload (or ?model=), so reading and decoding count as its input stage.
+    call = http_call(request, "v1", start)
+    body = await read_then_watch(request, call, settings.max_body_bytes)
     how = codec.EncodeCodec(
         headers.get("content-type", ""), headers, named, media, output, settings.max_elements
     )
-    # The model is named in the payload (or ?model=), so reading and decoding count as its input stage.
-    call = http_call(request, "v1", start)
     (payload, answer_headers), timings = await inference.run(loaded, call, how, body)
     answer_headers.update(timing_headers(timings, time.perf_counter() - start))
     return Response(payload, media_type=media, headers=answer_headers)

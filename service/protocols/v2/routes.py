@@ -13,7 +13,14 @@ from service.errors import BadInput
 from service.guard import Known
 from service.models.registry import ServingModel
 from service.models.state import KnownModels, State, check_parameters
-from service.protocols.common import error_docs, http_call, parse_json, read_body, timing_headers
+from service.protocols.common import (
+    error_docs,
+    http_call,
+    parse_json,
+    read_body,
+    read_then_watch,
+    timing_headers,
+)
 from service.protocols.v2 import codec, metadata, schema
 from service.settings import VERSION
 
@@ -80,14 +87,15 @@ def _model(loaded: KnownModels, name: str, version: str | None) -> ServingModel:
 
 
 async def _infer(request: Request, loaded: KnownModels, name: str, version: str | None) -> Response:
-    """POST /v2/models/{name}[/versions/{version}]/infer."""
+    """POST /v2/models/{name}[/versions/{version}]/infer: the model resolved once, by the request core, before the
+    body is read (404 or 503 first)."""
     start = time.perf_counter()
-    _model(loaded, name, version)  # 404 or 503 before the body is read
+    metadata.check_version(loaded.models, name, version)
     settings = loaded.settings
-    body = await read_body(request, settings.max_body_bytes)
     how = codec.InferCodec(name, request.headers.get(codec.HEADER_LENGTH), settings.max_elements)
     call = http_call(request, "v2", start, named=name)
-    (payload, headers), timings = await inference.run(loaded, call, how, body)
+    body = lambda: read_then_watch(request, call, settings.max_body_bytes)  # noqa: E731 (read once resolved)
+    (payload, headers), timings = await inference.run(loaded, call, how, read=body)
     headers.update(timing_headers(timings, time.perf_counter() - start))
     return Response(payload, headers=headers, media_type=headers.pop("Content-Type"))
 
