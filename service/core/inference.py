@@ -53,6 +53,10 @@ R = TypeVar("R", bound=Decoded)
 T = TypeVar("T")  # an encoded answer
 
 
+class Cancellable(Protocol):
+    def cancel(self) -> object: ...
+
+
 class Disconnect:
     """Whether a request's client has gone away, and who to tell when it does (one callback at a time)."""
 
@@ -90,7 +94,7 @@ class Call:
     gone: Disconnect = field(default_factory=Disconnect)
     deadline_s: float | None = None
     carrier: Carrier | None = None  # its headers or metadata by name (``traceparent``, ``tracestate``)
-    watch: asyncio.Future | None = None  # a task watching for the client going away; ``run`` stops it
+    watch: Cancellable | None = None  # what watches for the client going away; ``run`` cancels it
 
 
 Resolve = Callable[[str | None], ServingModel]  # a model name (None: the default) -> the model that serves it
