@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
-import os
 import platform
 import shutil
-import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -25,6 +24,7 @@ from export.gate import ParityError, gate
 from export.golden import golden_cases, write_golden
 from export.onnx_export import DEFAULT_OPSET, ExportError
 from export.parity import ParityReport
+from export.publish import publish, staging_for
 from export.variants import build_graph, get_variant
 from export.weights import load_state, read_state_dict, save_weights
 from model.artifact import GOLDEN_FILE, MANIFEST_FILE, MODEL_FILE, WEIGHTS_FILE, Manifest, sha256_file
@@ -91,8 +91,10 @@ def export_artifact(
     of the gated graph (its path -> figures kept in the manifest's parity as ``reference``; raises to refuse it),
     e.g. the comparison with transformers (export.cli).
 
-    Everything is written into a staging directory first; ``out_dir`` only changes when every gate passed, and
-    the manifest is moved in last, so a reader never sees a manifest that describes a different graph.
+    Everything is written into a staging directory first; ``out_dir`` only changes when every gate passed, and then
+    in one atomic swap (export/publish.py): whenever the export dies, ``out_dir`` holds the previous complete
+    artifact or the new one. A write that fails (a full disk, a read-only directory) is an ``ExportError`` naming
+    the file.
     """
     config = encoder.config
     try:
@@ -100,8 +102,10 @@ def export_artifact(
     except AttentionError as exc:
         raise ExportError(str(exc)) from None
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out_dir))
+    try:
+        staging, beside = staging_for(out_dir)
+    except OSError as exc:
+        raise ExportError(f"cannot write into {out_dir}: {exc.strerror or exc}") from None
     try:
         log.info(
             "exporting %s as %s with %s attention (opset %d) to %s",
@@ -114,7 +118,8 @@ def export_artifact(
         given = list(given or [])
         synthetic_cases = cases if cases is not None else default_cases()
         plan = plan_for(encoder, variant, given or synthetic_cases)
-        model = build_graph(encoder, staging / MODEL_FILE, variant, opset, attention=form, plan=plan)
+        with _writing(out_dir, MODEL_FILE):
+            model = build_graph(encoder, staging / MODEL_FILE, variant, opset, attention=form, plan=plan)
         graph = check_graph(model, config, variant, form)
         log.info(
             "graph checks passed: %d nodes, %d norm nodes, %d fused, %d attention",
@@ -123,7 +128,8 @@ def export_artifact(
             graph["fused_nodes"],
             graph["attention_nodes"],
         )
-        save_weights(encoder, staging / WEIGHTS_FILE)
+        with _writing(out_dir, WEIGHTS_FILE):
+            save_weights(encoder, staging / WEIGHTS_FILE)
         golden = golden_cases(given)
         all_cases = [*given, *(synthetic(synthetic_cases) if given else synthetic_cases)]
         all_cases += golden
@@ -136,7 +142,10 @@ def export_artifact(
         summary = report.summary()
         if check is not None:
             summary["reference"] = check(staging / MODEL_FILE)
-        write_golden(report, staging / GOLDEN_FILE)  # checked again by every server that loads this artifact
+        with _writing(out_dir, GOLDEN_FILE):
+            write_golden(
+                report, staging / GOLDEN_FILE
+            )  # checked again by every server that loads this artifact
         inputs, outputs = io_specs(config)
         manifest = Manifest(
             name=name,
@@ -154,15 +163,24 @@ def export_artifact(
             weights_sha256=sha256_file(staging / WEIGHTS_FILE),
             scheme=plan,
         )
-        manifest.save(staging)
-        (out_dir / MANIFEST_FILE).unlink(missing_ok=True)  # never leave an old manifest beside a new graph
-        for fname in (MODEL_FILE, WEIGHTS_FILE, GOLDEN_FILE, MANIFEST_FILE):
-            # Readable by the serving user (the api image runs as a non-root user; safetensors writes 0600).
-            os.chmod(staging / fname, 0o644)
-            os.replace(staging / fname, out_dir / fname)
+        with _writing(out_dir, MANIFEST_FILE):
+            manifest.save(staging)
+            publish(staging, out_dir, (MODEL_FILE, WEIGHTS_FILE, GOLDEN_FILE, MANIFEST_FILE), beside)
         return ExportResult(out_dir, manifest, report, graph)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _writing(out_dir: Path, name: str) -> Iterator[None]:
+    """A failed write of ``name`` as one ExportError (safetensors raises its own error on a full disk)."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ExportError(f"cannot write {name} for {out_dir}: {why}") from None
 
 
 # The representative inputs a variant's plan is chosen on: enough tokens to see every channel's peaks, few enough

@@ -30,6 +30,11 @@ class Settings(BaseSettings):
     model_repository: Path | None = Field(
         None, description="serve every artifact directory in this directory (after any --model-dir)"
     )
+    follow_symlinks: bool = Field(
+        False,
+        description="serve a repository entry that is a symbolic link to a directory outside the repository "
+        "(skipped, with a warning, by default)",
+    )
     model_control_mode: Literal["none", "explicit", "poll"] = Field(
         "none",
         description="model control (Triton's): none = the models given are loaded at start and fixed (a server "

@@ -155,7 +155,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # fails instead: an install that failed must not turn into a green run that checked less. Elsewhere the skip
 # stands and its reason names the package that installs it.
 IN_CI = os.environ.get("CI", "").lower() == "true"
-CI_TOOLS = ("qemu", "chromium", "docker-compose", "podman", "debootstrap", "nginx")
+CI_TOOLS = ("qemu", "chromium", "docker-compose", "podman", "debootstrap", "nginx", "strace")
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -273,6 +273,32 @@ def test_control_refusals_over_http_and_unload_by_http(tmp_path, versions):
         assert c.post("/v2/models/encoder/infer", json=infer).status_code == 200
 
 
+def test_a_reload_of_an_unreadable_manifest_is_refused_naming_why(tmp_path, versions):
+    """A new version whose manifest.json is half-written (an export killed mid-write, say): the load is refused
+    with a 4xx that names the directory and why (it answered "no model 'encoder' in the repository" before, the
+    cause only in the server's log), and the version serving goes on."""
+    from fastapi.testclient import TestClient
+
+    from service import create_app
+    from service.settings import Settings
+    from tests.helpers import wait_until_ready
+
+    repo = repository(tmp_path, versions, "1")
+    settings = Settings(model_repository=repo, model_control_mode="explicit", load_model=("encoder",))
+    with TestClient(create_app(settings)) as c:
+        wait_until_ready(c)
+        shutil.copytree(versions["2"], repo / "encoder" / "2")
+        manifest = repo / "encoder" / "2" / "manifest.json"
+        manifest.write_bytes(manifest.read_bytes()[:100])
+        r = c.post("/v2/repository/models/encoder/load", json={})
+        assert r.status_code == 400, r.text
+        assert str(repo / "encoder" / "2") in r.json()["error"] and "not valid JSON" in r.json()["error"], r.text
+        r = c.post("/v2/repository/models/nothing/load", json={})
+        assert r.status_code == 404 and "no model 'nothing'" in r.json()["error"], r.text
+        index = {m["name"]: m for m in c.post("/v2/repository/index", json={}).json()}
+        assert index["encoder"]["state"] == "READY" and index["encoder"]["version"] == "1"
+
+
 def test_control_is_refused_before_the_manifests_are_read(tmp_path, versions):
     import asyncio
 

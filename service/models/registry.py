@@ -264,7 +264,7 @@ def model_dirs(settings: Settings) -> tuple[Path, ...]:
         repo = settings.model_repository
         if not repo.is_dir():
             raise ValueError(f"model repository {repo} is not a directory")
-        found = sorted(d for d in map(latest_version, repo.iterdir()) if d is not None)
+        found = sorted(repository_entries(repo, settings.follow_symlinks))
         if not found:
             raise ValueError(
                 f"model repository {repo} holds no artifact directory (none has {MANIFEST_FILE})"
@@ -293,19 +293,43 @@ def read_manifests(settings: Settings) -> list[Slot]:
     return slots
 
 
-def repository_models(repo: Path | None) -> dict[str, tuple[Path, Manifest]]:
+def repository_models(
+    repo: Path | None, unreadable: dict[Path, str] | None = None, follow_symlinks: bool = False
+) -> dict[str, tuple[Path, Manifest]]:
     """The repository's models by manifest name: each entry's artifact (or its latest numbered version) and its
-    manifest, read once (an empty or missing repository has none)."""
+    manifest, read once (an empty or missing repository has none). ``unreadable``, if given, gets each artifact
+    directory whose manifest could not be read, with the reason (a load that names it says so)."""
     found: dict[str, tuple[Path, Manifest]] = {}
-    entries = sorted(repo.iterdir()) if repo is not None and repo.is_dir() else []
-    for directory in filter(None, map(latest_version, entries)):
+    for directory in repository_entries(repo, follow_symlinks, unreadable):
         try:
             manifest = Manifest.load(directory)
         except (ArtifactError, OSError) as exc:
             log.warning("skipping %s: %s", directory, exc)
+            if unreadable is not None:
+                unreadable[directory] = str(exc)
             continue
         found.setdefault(manifest.name, (directory, manifest))
     return found
+
+
+def repository_entries(
+    repo: Path | None, follow_symlinks: bool = False, refused: dict[Path, str] | None = None
+) -> list[Path]:
+    """The repository's artifact directories (``latest_version`` of each entry), by name. One that resolves outside
+    the repository (a symbolic link, at any level) is skipped, said in the log and in ``refused``, unless
+    ``follow_symlinks`` (--follow-symlinks): the repository is what its directory holds, not what it points to."""
+    if repo is None or not repo.is_dir():
+        return []
+    root, out = repo.resolve(), []
+    for directory in filter(None, map(latest_version, sorted(repo.iterdir()))):
+        if not follow_symlinks and not directory.resolve().is_relative_to(root):
+            why = f"it links outside the repository, to {directory.resolve()} (--follow-symlinks allows it)"
+            log.warning("skipping %s: %s", directory, why)
+            if refused is not None:
+                refused[directory] = why
+            continue
+        out.append(directory)
+    return out
 
 
 def latest_version(entry: Path) -> Path | None:

@@ -216,9 +216,20 @@ class ModelControl:
         await self._models().unload(name)
 
     async def _load(self, name: str) -> None:
-        entry = repository_models(self.settings.model_repository).get(name)
+        repo, unreadable = self.settings.model_repository, {}
+        entry = repository_models(repo, unreadable, self.settings.follow_symlinks).get(name)
         if entry is None:
-            raise NotFound(f"no model {quote(name)} in the repository {self.settings.model_repository}")
+            # A model whose manifest cannot be read has no name to find it by: its repository entry (Triton's
+            # layout, repository/NAME/[VERSION/]) is named after it, and the refusal says why it cannot load.
+            named = [
+                (d, why)
+                for d, why in unreadable.items()
+                if repo is not None and d.relative_to(repo).parts[0] == name
+            ]
+            if named:
+                directory, why = named[0]
+                raise LoadRefused(f"model {quote(name)}: {directory} cannot be loaded: {why}")
+            raise NotFound(f"no model {quote(name)} in the repository {repo}")
         directory, manifest = entry
         try:
             await self._models().load(name, directory)
@@ -233,7 +244,7 @@ class ModelControl:
         if models is None:
             return
         repo = self.settings.model_repository
-        found = repository_models(repo)
+        found = repository_models(repo, follow_symlinks=self.settings.follow_symlinks)
         for name, (directory, manifest) in found.items():
             slot = models.slots.get(name)
             sha = manifest.model_sha256

@@ -107,7 +107,9 @@ async def read_then_watch(request: Request, call: Call, max_bytes: int) -> bytes
     return body
 
 
-WATCH_AFTER_S = 0.05  # a request still unanswered this long after its body is read is watched for its client leaving
+WATCH_AFTER_S = (
+    0.05  # a request still unanswered this long after its body is read is watched for its client leaving
+)
 
 
 class _Watch:

@@ -119,3 +119,40 @@ def test_unready_and_unload_take_a_model_out_with_their_reasons(tmp_path):
 
 def test_a_version_is_its_numbered_directory():
     assert version_of(Path("repo/a/12")) == "12" and version_of(Path("repo/a")) == "1"
+
+
+def test_a_repository_entry_that_links_outside_it_is_skipped_unless_links_are_allowed(
+    tmp_path, tiny_artifact
+):
+    """A symbolic link in the repository to an artifact elsewhere loaded and served before; now it is skipped with
+    its reason (and a load that names it is refused saying why), unless --follow-symlinks."""
+    import shutil
+
+    from fastapi.testclient import TestClient
+
+    from service import create_app
+    from service.models.registry import model_dirs, repository_models
+    from service.settings import Settings
+    from tests.helpers import wait_until_ready
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_artifact, repo / "inside")
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(tiny_artifact, elsewhere)
+    manifest = (elsewhere / "manifest.json").read_text().replace('"name": "encoder"', '"name": "outside"')
+    (elsewhere / "manifest.json").write_text(manifest)
+    (repo / "outside").symlink_to(elsewhere, target_is_directory=True)
+    assert model_dirs(Settings(model_repository=repo)) == (repo / "inside",)
+    refused: dict = {}
+    assert list(repository_models(repo, refused)) == ["encoder"]
+    assert "links outside the repository" in refused[repo / "outside"]
+    assert model_dirs(Settings(model_repository=repo, follow_symlinks=True)) == (
+        repo / "inside",
+        repo / "outside",
+    )
+    settings = Settings(model_repository=repo, model_control_mode="explicit", load_model=("encoder",))
+    with TestClient(create_app(settings)) as c:
+        wait_until_ready(c)
+        r = c.post("/v2/repository/models/outside/load", json={})
+        assert r.status_code == 400 and "links outside the repository" in r.json()["error"], r.text
+        assert {m["name"] for m in c.post("/v2/repository/index", json={}).json()} == {"encoder"}
