@@ -160,6 +160,18 @@ class Settings(BaseSettings):
         "(a gRPC message: else DEADLINE_EXCEEDED)",
     )
     keep_alive_s: float = Field(5.0, gt=0, description="idle keep-alive connections close after this time")
+    send_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="the front proxy drops a client that reads nothing of its answer for this long (nginx's "
+        "send_timeout, deploy/nginx)",
+    )
+    max_answer_buffer_bytes: int = Field(
+        8 * 1024 * 1024,
+        ge=65536,
+        description="answer bytes the front proxy holds for one slow client, in memory; beyond them it reads the "
+        "server only as fast as the client reads (at most this x ADDNORM_MAX_CONNECTIONS in all)",
+    )
     request_timeout_s: float = Field(30.0, gt=0, description="a request not answered in this time gets 504")
     verify_on_load: Literal["strict", "warn", "off"] = Field(
         "strict",

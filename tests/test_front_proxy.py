@@ -15,7 +15,7 @@ DEPLOYED = ROOT / "deploy" / "nginx" / "nginx.conf"
 
 
 def test_the_deployed_configuration_is_the_renderers_output():
-    """deploy/nginx/nginx.conf, as docker-compose mounts it: `python -m service.front.proxy --listen 8080
+    """deploy/nginx/nginx.conf (an upstream named api, as docker-compose names the server): `python -m service.front.proxy --listen 8080
     --upstream api:8000 > deploy/nginx/nginx.conf` writes it again after a change of the renderer or a default."""
     assert DEPLOYED.read_text() == render(Settings(_env_file=None), "8080", "api:8000")
 

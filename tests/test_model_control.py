@@ -292,7 +292,9 @@ def test_a_reload_of_an_unreadable_manifest_is_refused_naming_why(tmp_path, vers
         manifest.write_bytes(manifest.read_bytes()[:100])
         r = c.post("/v2/repository/models/encoder/load", json={})
         assert r.status_code == 400, r.text
-        assert str(repo / "encoder" / "2") in r.json()["error"] and "not valid JSON" in r.json()["error"], r.text
+        assert str(repo / "encoder" / "2") in r.json()["error"] and "not valid JSON" in r.json()["error"], (
+            r.text
+        )
         r = c.post("/v2/repository/models/nothing/load", json={})
         assert r.status_code == 404 and "no model 'nothing'" in r.json()["error"], r.text
         index = {m["name"]: m for m in c.post("/v2/repository/index", json={}).json()}

@@ -6,8 +6,8 @@ happens before a request reaches the app, in the connection's bytes: a head tric
 without end, bytes the parser refuses (uvicorn answers them in plain text), trailer fields (uvicorn's httptools
 protocol adds them to the request's header list), a client that never reads its answers. nginx, a maintained
 server made for this, guards all of them; this module writes its configuration from the same ``ADDNORM_*``
-settings the server reads, so the two agree on every limit. ``deploy/nginx/nginx.conf`` is its output for
-docker-compose (``tests/test_front_proxy.py`` keeps it current); docs/reliability.md says which protection lives
+settings the server reads, so the two agree on every limit. ``deploy/nginx/nginx.conf`` is its output for an
+upstream named ``api`` (``tests/test_front_proxy.py`` keeps it current); docs/reliability.md says which protection lives
 where.
 
 ``python -m service.front.proxy --listen 0.0.0.0:8080 --upstream 127.0.0.1:8000 > nginx.conf``
@@ -137,9 +137,14 @@ http {{
     client_max_body_size {settings.max_body_bytes};
     client_body_timeout {_seconds(settings.body_timeout_s)};
     client_body_buffer_size 1m;
-    # A client that reads nothing of its answer for ADDNORM_BODY_TIMEOUT_S is disconnected; an answer waits for
-    # its client in memory up to proxy_buffers, then on disk (proxy_max_temp_file_size).
-    send_timeout {_seconds(settings.body_timeout_s)};
+    # A client that reads nothing of its answer for ADDNORM_SEND_TIMEOUT_S is disconnected. An answer waits for
+    # its client in memory, up to ADDNORM_MAX_ANSWER_BUFFER_BYTES a connection (never on disk); beyond them nginx
+    # reads the server only as fast as the client reads.
+    send_timeout {_seconds(settings.send_timeout_s)};
+    proxy_buffer_size 64k;
+    proxy_buffers {max(2, settings.max_answer_buffer_bytes // 65536)} 64k;
+    proxy_busy_buffers_size 128k;
+    proxy_max_temp_file_size 0;
     keepalive_timeout {_seconds(settings.keep_alive_s)};
     # Requests being answered at once, beyond which 503 (the server behind allows ADDNORM_MAX_CONNECTIONS).
     limit_conn_zone $server_port zone=addnorm_connections:1m;
