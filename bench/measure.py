@@ -359,5 +359,5 @@ def machine_info(threads: int) -> dict:
         "python": platform.python_version(),
         "onnxruntime": onnxruntime.__version__,
         "torch": torch.__version__,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }

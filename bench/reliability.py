@@ -240,7 +240,7 @@ async def _client(
         writer.write(probe.request)
         try:
             status, headers, body = await asyncio.wait_for(_read_response(reader), 8)
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
             res.unexpected.append(f"{probe.kind}: connection lost ({type(exc).__name__})")
             reader = writer = None
             continue

@@ -158,7 +158,7 @@ def export_artifact(
             model_sha256=sha256_file(staging / MODEL_FILE),
             versions=library_versions(),
             parity=summary,
-            created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            created_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             golden_sha256=sha256_file(staging / GOLDEN_FILE),
             weights_sha256=sha256_file(staging / WEIGHTS_FILE),
             scheme=plan,

@@ -139,5 +139,5 @@ def verify(
         worst_case=worst_case,
         cases=len(golden),
         seconds=round(time.perf_counter() - start, 4),
-        at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     )

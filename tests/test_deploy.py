@@ -117,7 +117,6 @@ def test_dockerfile_installs_dependencies_before_the_source_and_onnxruntime_gpu_
 
 def test_requirements_for_the_image_layers_come_from_pyproject():
     import importlib.util
-
     import tomllib
 
     spec = importlib.util.spec_from_file_location("requirements", ROOT / "deploy/docker/requirements.py")

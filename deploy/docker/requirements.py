@@ -11,9 +11,8 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 
 def requirements(pyproject: Path, extras: list[str], drop: list[str]) -> list[str]:

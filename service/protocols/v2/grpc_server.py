@@ -205,7 +205,7 @@ async def _read(
         return None
     try:
         raw = await asyncio.wait_for(context.read(), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise ClientDeadline(
             f"the {name} request message did not arrive within {timeout_s:g} s (ADDNORM_BODY_TIMEOUT_S)"
         ) from None
