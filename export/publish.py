@@ -60,15 +60,12 @@ def clean_stale(out_dir: Path) -> None:
 def _owner_alive(path: Path) -> bool:
     parts = path.name.split("staging-", 1)[1].split("-", 1)
     if len(parts) == 2 and parts[0].isdigit():
-        pid = int(parts[0])
-        if pid == os.getpid():
-            return True
         try:
-            os.kill(pid, 0)
+            os.kill(int(parts[0]), 0)  # signal 0: whether the process exists (this one included)
         except ProcessLookupError:
             return False
-        except PermissionError:
-            return True
+        except PermissionError:  # alive, another user's
+            pass
         return True
     with contextlib.suppress(OSError):  # an older export's name, without its pid
         return time.time() - path.stat().st_mtime < STALE_S

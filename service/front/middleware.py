@@ -66,6 +66,9 @@ class Front:
         rid = _header(scope, b"x-request-id") or f"{self.prefix}-{next(self.counter):x}"
         token, start = logs.request_id.set(rid), time.perf_counter()
         status, body = 500, _Body(receive, start + self.body_timeout_s, self.body_timeout_s)
+        body.done = (
+            scope["method"] in _BODILESS
+        )  # nothing to wait for or drain: the server's receive as it is
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
@@ -104,6 +107,7 @@ class Front:
             scope[SCOPE_KEY] = loaded
 
 
+_BODILESS = frozenset(("GET", "HEAD"))  # a body they carry is never read (uvicorn drops it)
 LINGER_S = 2.0  # an early answer waits this long at most for the rest of its body to be read and dropped ...
 LINGER_BYTES = 64 * 1024 * 1024  # ... and for this much of it at most
 

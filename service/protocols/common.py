@@ -107,9 +107,8 @@ async def read_then_watch(request: Request, call: Call, max_bytes: int) -> bytes
     return body
 
 
-WATCH_AFTER_S = (
-    0.05  # a request still unanswered this long after its body is read is watched for its client leaving
-)
+# A request still unanswered this long after its body is read is watched for its client leaving.
+WATCH_AFTER_S = 0.05
 
 
 class _Watch:
