@@ -1,7 +1,8 @@
 # syntax=docker/dockerfile:1
-# Four targets, one file (and a build stage, kernels):
+# Five targets, one file (and a build stage, kernels):
 #   export   torch (CPU build) + onnx: runs addnorm-export into the artifacts volume
 #   api      slim serving image: onnxruntime + FastAPI, no torch
+#   proxy    nginx in front of api (deploy/nginx): what uvicorn does not guard, from the same settings
 #   api-gpu  the same on CUDA: onnxruntime-gpu on an NVIDIA CUDA 13 / cuDNN 9 runtime image
 #   ray      the serving side with Ray Serve (service/ray_serve.py): compose profile `ray`, deploy/ray/rayservice.yaml
 # Layers: each image installs its dependencies from pyproject.toml alone (deploy/docker/requirements.py) before
@@ -71,6 +72,21 @@ EXPOSE 8000 8001
 HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 CMD ["python", "/app/healthcheck.py"]
 ENTRYPOINT ["addnorm-serve"]
 
+# The front proxy (docs/reliability.md, "Which protection lives where"): nginx, from Debian's packages, in front of
+# the api service, configured at start by `python -m service.front.proxy` from the same ADDNORM_* settings the
+# server reads (the api image's code; its limits then agree with the server's). Runs as uid 10001 on a read-only
+# root: the configuration, pid file and nginx's buffers live under /tmp.
+FROM api AS proxy
+USER root
+RUN apt-get update && apt-get install -y --no-install-recommends nginx \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/apt/archives/*.deb
+COPY deploy/nginx/run.sh /app/proxy.sh
+USER addnorm
+EXPOSE 8080
+HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 CMD ["python", "/app/healthcheck.py", "8080"]
+ENTRYPOINT ["/app/proxy.sh"]
+CMD ["--listen", "8080", "--upstream", "api:8000"]
+
 FROM base AS ray
 ARG PIP_CERT
 RUN --mount=type=cache,target=/root/.cache/pip \
@@ -101,7 +117,7 @@ ARG PIP_CERT
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
 RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
- && rm -rf /var/lib/apt/lists/* && python3 -m venv /opt/venv \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin && python3 -m venv /opt/venv \
  && useradd --create-home --uid 10001 addnorm && mkdir -p /artifacts && chown addnorm /artifacts
 WORKDIR /app
 COPY pyproject.toml deploy/docker/requirements.py ./

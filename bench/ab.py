@@ -6,7 +6,7 @@
 Each directory is a checkout (``git worktree add /tmp/before <commit>``); each serves the same artifact from its
 own code (``PYTHONPATH`` = the checkout), both run at once, and every phase (V2 binary, /v1 binary, /v1 JSON on
 [8,128,E] with 1 client; V2 binary on [1,128,E] with 1 client and 32 x [1,16,E]; /v1 JSON on 32 x [1,16,E];
-gRPC on [8,128,E] and 32 x [1,16,E]) alternates between them, ``--rounds`` times. Printed per phase and side:
+gRPC on [8,128,E] and 32 x [1,16,E], unary and on one ModelStreamInfer stream per client) alternates between them, ``--rounds`` times. Printed per phase and side:
 the median throughput, the server process's CPU per request and its event-loop thread's, from the OS; then each
 after/before ratio taken per round, median (the sides swap order every round). ``--env`` settings apply to the
 after side only (say ADDNORM_ACCESS_LOG=false); ``--only`` keeps the phases whose name contains the text
@@ -98,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     def http(build: Callable[[int], bytes], clients: int) -> Callable[[int, int], LoadResult]:
         return lambda port, grpc_port: run_load(HOST, port, build(port), clients, args.seconds)
 
-    def grpc(x: np.ndarray, clients: int) -> Callable[[int, int], LoadResult]:
-        return lambda port, grpc_port: run_grpc_load(grpc_port, grpc_request(name, x), clients, args.seconds)
+    def grpc(x: np.ndarray, clients: int, stream: bool = False) -> Callable[[int, int], LoadResult]:
+        return lambda port, grpc_port: run_grpc_load(
+            grpc_port, grpc_request(name, x), clients, args.seconds, stream=stream
+        )
 
     phases = {
         f"V2 binary [8,128,{e}], 1 client": http(lambda port: v2_request(port, name, big), 1),
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         f"gRPC [8,128,{e}], 1 client": grpc(big, 1),
         f"gRPC {CLIENTS} clients x [1,16,{e}]": grpc(small, CLIENTS),
+        f"gRPC stream {CLIENTS} clients x [1,16,{e}]": grpc(small, CLIENTS, stream=True),
     }
     phases = {name: ph for name, ph in phases.items() if args.only in name}
     if not phases:

@@ -60,10 +60,10 @@ def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.C
 
 @pytest.fixture(scope="module")
 def images() -> dict[str, int]:
-    """The api, ray and export images built by `make images`' script (the base made first when missing); their
-    sizes."""
+    """The api, proxy, ray and export images built by `make images`' script (the base made first when missing);
+    their sizes."""
     done = subprocess.run(
-        [str(ROOT / "deploy/docker/images.sh"), "api", "ray", "export"],
+        [str(ROOT / "deploy/docker/images.sh"), "api", "proxy", "ray", "export"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -71,7 +71,7 @@ def images() -> dict[str, int]:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     sizes = {}
-    for target in ("api", "ray", "export"):
+    for target in ("api", "proxy", "ray", "export"):
         info = json.loads(podman("image", "inspect", f"localhost/addnorm-{target}:latest").stdout)[0]
         sizes[target] = info["Size"]
     print(f"image sizes: {sizes}")
@@ -93,22 +93,29 @@ class Container:
     """One container of ``image`` run hardened, as compose runs it; stopped and removed at the end."""
 
     def __init__(
-        self, image: str, repository: Path, env: dict[str, str], ports: dict[int, int], options: tuple = ()
+        self,
+        image: str,
+        repository: Path,
+        env: dict[str, str],
+        ports: dict[int, int],
+        options: tuple = (),
+        args: tuple = (),
     ):
         self.name = f"addnorm-test-{os.getpid()}-{time.monotonic_ns()}"
         self.ports = ports  # container port -> host port
         cmd = ["run", "-d", "--name", self.name, *HARDENED, "--user", "10001", *options]
         cmd += ["-v", f"{repository / 'repo'}:/artifacts:ro"]
         cmd += ["-v", f"{repository / 'api_key'}:/run/secrets/addnorm_api_key:ro"]
-        for inside, outside in ports.items():
-            cmd += ["-p", f"127.0.0.1:{outside}:{inside}"]
+        if "--network" not in options:  # in another container's network, that container publishes
+            for inside, outside in ports.items():
+                cmd += ["-p", f"127.0.0.1:{outside}:{inside}"]
         for k, v in env.items():
             cmd += ["-e", f"{k}={v}"]
         self.started = time.perf_counter()
-        podman(*cmd, image)
+        podman(*cmd, image, *args)
 
-    def url(self, port: int = 8000) -> str:
-        return f"http://127.0.0.1:{self.ports[port]}"
+    def url(self, port: int | None = None) -> str:
+        return f"http://127.0.0.1:{self.ports[next(iter(self.ports)) if port is None else port]}"
 
     def wait_ready(self, timeout: float = 120) -> float:
         """Seconds from ``run`` (or ``start``) to the first 200 from /health/ready."""
@@ -248,6 +255,42 @@ def test_sigterm_drains_the_requests_in_flight_and_exits_0(images, repository):
         c.remove()
 
 
+def test_the_proxy_container_fronts_the_api(images, repository, default_artifact):
+    """The proxy image (Debian's nginx, its configuration written at start from the ADDNORM_* settings) in front of
+    the api container, both hardened as compose runs them (the proxy in the api's network namespace, as a
+    sidecar): the README's requests answered through it as in-process onnxruntime answers
+    them, its own healthcheck, and the limits the two share refused by the proxy in the API's JSON shape: a body
+    over ADDNORM_MAX_BODY_BYTES (413, the same setting given to both), a method HTTP does not define (405)."""
+    want_v1, want_v2 = _in_process(default_artifact)
+    limits = {"ADDNORM_MAX_BODY_BYTES": str(40 * 1024 * 1024)}  # above [8,128,768] in binary, below 64 MiB
+    ports = {8000: free_port(), 8001: free_port(), 8080: free_port()}
+    api = Container("localhost/addnorm-api:latest", repository, {**API_ENV, **limits}, ports)
+    proxy = None
+    try:
+        api.wait_ready()
+        # beside the api as a sidecar shares its pod: in its network namespace (the api publishes 8080)
+        upstream = ("--listen", "8080", "--upstream", "127.0.0.1:8000")
+        share = ("--network", f"container:{api.name}")
+        proxy = Container("localhost/addnorm-proxy:latest", repository, limits, {8080: ports[8080]}, share, upstream)
+        print(f"proxy: run -> ready in {proxy.wait_ready():.2f} s; image {images['proxy'] / 1e6:.0f} MB")
+        np.testing.assert_allclose(_readme_v1(proxy.url()), want_v1, atol=1e-5, rtol=1e-4)
+        np.testing.assert_allclose(_readme_v2(proxy.url()), want_v2, atol=1e-5, rtol=1e-4)
+        health = podman("healthcheck", "run", proxy.name, check=False)
+        assert health.returncode == 0, health.stdout + health.stderr
+        big = httpx.post(
+            f"{proxy.url()}/v1/encode", content=b"0" * (41 * 1024 * 1024), headers=AUTH, timeout=30
+        )
+        assert big.status_code == 413 and "ADDNORM_MAX_BODY_BYTES" in big.json()["error"], big.text
+        odd = httpx.request("BREW", f"{proxy.url()}/v1/encode", headers=AUTH, timeout=10)
+        assert odd.status_code == 405 and odd.json()["error"], odd.text
+        # the server behind is still serving, through the proxy
+        np.testing.assert_allclose(_readme_v1(proxy.url()), want_v1, atol=1e-5, rtol=1e-4)
+    finally:
+        if proxy is not None:
+            proxy.remove()
+        api.remove()
+
+
 def test_the_ray_image_serves_the_model(images, repository, default_artifact):
     """The ray image's own command (Ray Serve, 2 replicas) on the same read-only artifact: ready through its
     proxy, the README's /v1 request answered as in-process onnxruntime answers it; stopped (its STOPSIGNAL,
@@ -269,8 +312,8 @@ def test_the_ray_image_serves_the_model(images, repository, default_artifact):
 def test_the_compose_file_comes_up_under_docker_compose_driving_podman(images, default_artifact, tmp_path):
     """docker-compose.yml itself, unchanged, brought up by docker-compose's client against podman's Docker API
     (`podman system service`), with the ray profile: the export services write both artifacts into the volume
-    with the export image, then the api serves both (127.0.0.1:8000, the compose file's ports) and Ray Serve the
-    default (127.0.0.1:8002), the README's request answered by each as in-process onnxruntime answers it on the
+    with the export image, then the api serves both (127.0.0.1:8000, the compose file's ports), the front proxy
+    in front of it (127.0.0.1:8080) and Ray Serve the default (127.0.0.1:8002), the README's request answered by each as in-process onnxruntime answers it on the
     same seeded default."""
     if shutil.which("docker-compose") is None:
         pytest.skip("docker-compose is not installed (apt-get install docker-compose)")
@@ -295,9 +338,9 @@ def test_the_compose_file_comes_up_under_docker_compose_driving_podman(images, d
                 "podman system service did not start"
             )
             time.sleep(0.1)
-        up = run("up", "-d", "--no-build", "api", "ray")
+        up = run("up", "-d", "--no-build", "api", "proxy", "ray")
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
-        for port in (8000, 8002):
+        for port in (8000, 8080, 8002):
             deadline = time.monotonic() + 300
             while True:
                 try:

@@ -2,7 +2,7 @@
 # make images: the Dockerfile's images built with podman, from a base made of Debian's packages (no image
 # registry needed: deploy/docker/base-image.sh), tagged as docker-compose.yml names them.
 #
-#   deploy/docker/images.sh [TARGET ...]     (default: api ray export; run as root)
+#   deploy/docker/images.sh [TARGET ...]     (default: api proxy ray export; run as root)
 #
 # PYTHON_IMAGE: the base (default localhost/addnorm-python:3.11-bookworm, made when missing). CA_BUNDLE: the CA
 # bundle pip trusts in the build container (default PIP_CERT, else SSL_CERT_FILE, else the host's own
@@ -24,7 +24,7 @@ if [ -z "${TORCH_WHEELS+set}" ]; then
     TORCH_WHEELS=""
     for wheel in /opt/wheels/torch-2.13.0+cpu-*.whl; do [ -e "$wheel" ] && TORCH_WHEELS=/opt/wheels; done
 fi
-[ $# -gt 0 ] || set -- api ray export
+[ $# -gt 0 ] || set -- api proxy ray export
 
 command -v podman >/dev/null || { echo "images.sh: podman is not installed (apt-get install podman)" >&2; exit 1; }
 $PODMAN image exists "$PYTHON_IMAGE" || deploy/docker/base-image.sh "$PYTHON_IMAGE"
