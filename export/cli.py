@@ -10,19 +10,24 @@ import sys
 from pathlib import Path
 
 from export import attention, hf
-from export.bert import BERT_DEFAULTS, bert_shape
 from export.calibration import calibration_cases, load_arrays
 from export.checks import GraphCheckError
+from export.families.bert import FAMILY as BERT
 from export.gate import ParityError
 from export.onnx_export import DEFAULT_OPSET, MIN_OPSET, ExportError
-from export.pipeline import export_artifact, prepare_encoder
+from export.pipeline import TextExport, export_artifact, prepare_encoder
 from export.report import format_table
 from export.variants import VARIANTS
 from export.weights import CheckpointError
 from model.artifact import ArtifactError, load_verified
 from model.config import POOLINGS, ConfigError, EncoderConfig
+from model.embedding import EmbeddingAddNorm
+from model.text import INPUTS, TOKENIZER_FILE, TextConfig
 
 log = logging.getLogger("addnorm.export")
+
+# A bare BERT weights file (no config.json beside it): BertLayer's own settings
+BERT_DEFAULTS = {"activation": "gelu", "layer_norm_eps": 1e-12, "norm_first": False}
 
 # CLI flag -> EncoderConfig field. Flags override values from --config.
 _CONFIG_FLAGS = {
@@ -54,13 +59,24 @@ def build_parser() -> argparse.ArgumentParser:
         "torch.nn.TransformerEncoderLayer / TransformerEncoder load as they are",
     )
     p.add_argument(
+        "--from",
         "--from-bert",
+        dest="from_bert",
         type=Path,
         metavar="DIR|FILE",
-        help="a Hugging Face BERT model directory (config.json + model.safetensors), or a weights file of "
-        "BertLayer(s) (a BertLayer, BertEncoder or BertModel state_dict). The head count, widths, layer count, "
-        "eps and activation come from config.json (a file's directory is read for one too); a flag that "
-        "contradicts it is an error. Without config.json: gelu, eps 1e-12, post-norm unless flags say otherwise",
+        help="a Hugging Face model directory (config.json + model.safetensors, and its tokenizer.json) of a "
+        "supported encoder family (config.json's model_type: bert, roberta, xlm-roberta, distilbert), or a "
+        "weights file of BertLayer(s). The head count, widths, layer count, eps and activation come from "
+        "config.json (a file's directory is read for one too); a flag that contradicts it is an error. Without "
+        "config.json: BERT, gelu, eps 1e-12, post-norm unless flags say otherwise. --from-bert: the same",
+    )
+    p.add_argument(
+        "--inputs",
+        choices=list(INPUTS),
+        help="what the artifact takes: ids = token ids and text, the model's embedding layer (an Add & Norm) "
+        "exported and gated as its own graph beside the block, and its tokenizer.json carried for the server; "
+        "embeddings = the block's input embeddings only. Default: ids for a model directory with a "
+        "tokenizer.json, else embeddings",
     )
     p.add_argument(
         "--calibration",
@@ -231,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         state, detected, declared, where = None, None, None, None
         if args.from_bert:  # its layer count and widths come from the weights, the rest from config.json
             state, declared, where = hf.read_model_dir(args.from_bert)
-            detected = bert_shape(state)
+            detected = where.family.shape(state)
         pipeline = hf.sentence_pooling(where.directory) if where else None
         config = config_from_args(args, detected, declared, pipeline)
         reference = _reference(args, where)
@@ -240,11 +256,19 @@ def main(argv: list[str] | None = None) -> int:
             x, mask = load_arrays(args.calibration, reference)
             given = calibration_cases(x, mask, config.d_model)
         encoder = prepare_encoder(
-            config, where.weights if where else args.checkpoint, args.seed, bool(args.from_bert), state=state
+            config,
+            where.weights if where else args.checkpoint,
+            args.seed,
+            state=state,
+            family=where.family if where else None,
         )
-        check = None
+        text = _text(args, where, state, config)
+        checks = []
         if reference is not None:
-            check = hf.reference_check(encoder, reference, given, config, quiet=args.quiet)
+            checks.append(hf.reference_check(encoder, reference, given, config, quiet=args.quiet))
+        if text is not None and _wants_reference(args):
+            checks.append(hf.ids_check(where.directory, text.config, config, quiet=args.quiet))
+        check = _both(checks)
         result = export_artifact(
             encoder,
             args.out,
@@ -254,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             attention=args.attention,
             given=given,
             check=check,
+            text=text,
         )
     except ParityError as exc:
         print(format_table(exc.report), file=sys.stderr)
@@ -270,10 +295,65 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _text(args: argparse.Namespace, where: hf.ModelDir | None, state: dict | None, config: EncoderConfig):
+    """The embedding layer and tokenizer to export beside the block (--inputs ids), or None."""
+    has_tokenizer = (
+        where is not None and where.directory is not None and (where.directory / TOKENIZER_FILE).is_file()
+    )
+    inputs = args.inputs or ("ids" if has_tokenizer else "embeddings")
+    if inputs == "embeddings":
+        return None
+    if not has_tokenizer:
+        raise ConfigError(
+            f"--inputs ids needs --from DIR, a model directory with a {TOKENIZER_FILE} (the server tokenizes with "
+            "it); or give --inputs embeddings"
+        )
+    family = where.family
+    layer = family.text(where.config)
+    fields = {"family": where.config.get("model_type", "bert"), **layer, **hf.text_limits(where.directory, layer)}
+    text = TextConfig.from_dict(fields)
+    module = EmbeddingAddNorm(text, config.d_model)
+    weights = family.embedding_state(state)
+    shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    if wrong := [
+        f"{k}: {tuple(v.shape)} vs {shapes.get(k)}"
+        for k, v in weights.items()
+        if tuple(v.shape) != shapes.get(k)
+    ]:
+        raise ConfigError(f"the embedding layer's weights do not fit config.json: {', '.join(wrong)}")
+    module.load_state_dict({k: v.float() for k, v in weights.items()}, strict=True)
+    return TextExport(module.eval(), where.directory / TOKENIZER_FILE)
+
+
+def _wants_reference(args: argparse.Namespace) -> bool:
+    if args.reference == "none":
+        return False
+    if args.reference == "auto" and importlib.util.find_spec("transformers") is None:
+        log.warning("no transformers installed: the export is not compared with transformers (--reference)")
+        return False
+    return True
+
+
+def _both(checks: list):
+    """The pipeline's one ``check``: every check's figures, merged."""
+    if not checks:
+        return None
+
+    def check(model_path: Path) -> dict:
+        result: dict = {}
+        for one in checks:
+            result.update(one(model_path))
+        return result
+
+    return check
+
+
 def _reference(args: argparse.Namespace, where: hf.ModelDir | None) -> hf.Reference | None:
-    """transformers' BertModel for --reference, or None (auto: when it can be had)."""
+    """transformers' BertModel for --reference (a BERT model directory), or None (auto: when it can be had)."""
     if args.reference == "none":
         return None
+    if where is not None and where.family is not BERT:
+        return None  # the embeddings-level check is BERT's; every family gets ids_check (--inputs ids)
     if where is None or where.directory is None:
         if args.reference == "transformers":
             raise ConfigError(

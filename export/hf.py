@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from export.families import Family, family_of
 from export.parity import make_session
 from export.weights import CheckpointError, read_state_dict
 from model.config import ConfigError
@@ -29,8 +30,6 @@ log = logging.getLogger("addnorm.export")
 CONFIG_FILE = "config.json"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
-# config.json's hidden_act -> the encoder's activation (transformers' "gelu" is the exact, erf GELU)
-ACTIVATIONS = {"gelu": "gelu", "relu": "relu"}
 # Sentences for the reference check when no --calibration is given: short queries and a few passages, the
 # lengths sentence-embedding users send.
 SENTENCES = (
@@ -55,6 +54,12 @@ class ModelDir:
 
     weights: Path
     directory: Path | None  # holds config.json (and usually the tokenizer)
+
+    @property
+    def family(self) -> Family:
+        """Its encoder family, by config.json's model_type (BERT for a bare weights file)."""
+        config = self.config
+        return family_of(config, str(self.directory / CONFIG_FILE) if config is not None else CONFIG_FILE)
 
     @property
     def config(self) -> dict | None:
@@ -83,26 +88,9 @@ def locate(path: str | Path) -> ModelDir:
 
 
 def config_fields(config: dict, source: str = CONFIG_FILE) -> dict:
-    """What a Hugging Face BERT config.json says of the encoder layers, as EncoderConfig fields."""
-    if config.get("is_decoder") or config.get("add_cross_attention"):
-        raise ConfigError(
-            f"{source} describes a decoder (is_decoder / add_cross_attention): not an encoder block"
-        )
-    act = config.get("hidden_act", "gelu")
-    if act not in ACTIVATIONS:
-        raise ConfigError(
-            f"{source} has hidden_act {act!r}; the encoder block computes {sorted(ACTIVATIONS)} (exact erf GELU)"
-        )
-    fields = {
-        "d_model": config.get("hidden_size"),
-        "nhead": config.get("num_attention_heads"),
-        "dim_feedforward": config.get("intermediate_size"),
-        "num_layers": config.get("num_hidden_layers"),
-        "layer_norm_eps": config.get("layer_norm_eps"),
-        "activation": ACTIVATIONS[act],
-        "norm_first": False,  # BertLayer is post-norm
-    }
-    return {k: v for k, v in fields.items() if v is not None}
+    """What a Hugging Face config.json says of the encoder layers, as EncoderConfig fields (its family's reading:
+    export/families)."""
+    return family_of(config, source).fields(config)
 
 
 def read_model_dir(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, ModelDir]:
@@ -321,3 +309,117 @@ def _stacked(cases: list) -> tuple[np.ndarray, np.ndarray]:
     x = [np.pad(c.embeddings, ((0, 0), (0, seq - c.seq), (0, 0))) for c in cases]
     mask = [np.pad(c.mask, ((0, 0), (0, seq - c.seq)), constant_values=True) for c in cases]
     return np.concatenate(x), np.concatenate(mask)
+
+
+def text_limits(directory: Path, text_fields: dict) -> dict:
+    """What a model directory says of its inputs: ``max_length`` (sentence-transformers' ``max_seq_length``
+    where it has one, within the positions the embedding layer has) and ``prompts``."""
+    offset = text_fields["pad_token_id"] + 1 if text_fields["positions"] == "after_padding" else 0
+    positions = text_fields["max_positions"] - offset
+    limits: dict = {"max_length": positions, "prompts": {}}
+    for name, key in (
+        ("sentence_bert_config.json", "max_seq_length"),
+        ("tokenizer_config.json", "model_max_length"),
+    ):
+        try:
+            value = json.loads((directory / name).read_text()).get(key)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, int) and value > 0:
+            limits["max_length"] = min(value, positions)
+            break
+    try:
+        prompts = (
+            json.loads((directory / "config_sentence_transformers.json").read_text()).get("prompts") or {}
+        )
+        limits["prompts"] = {str(k): str(v) for k, v in prompts.items()}
+    except (OSError, ValueError, AttributeError):
+        pass
+    return limits
+
+
+def run_ids(model_dir: Path, config, batch) -> dict[str, np.ndarray]:
+    """The artifact being written in ``model_dir`` run on a tokenized ``batch``: the embedding graph, then the block
+    (float32 outputs by name, batch-first)."""
+    from model.text import EMBEDDING_FILE
+
+    emb = make_session(model_dir / EMBEDDING_FILE)
+    feed = {"input_ids": batch.input_ids}
+    if "token_type_ids" in {i.name for i in emb.get_inputs()}:
+        feed["token_type_ids"] = batch.token_type_ids
+    x = emb.run([EMBEDDINGS], feed)[0]
+    graph_x = x if config.batch_first else np.ascontiguousarray(x.transpose(1, 0, 2))
+    names = list(output_names(config))
+    outs = dict(
+        zip(
+            names,
+            make_session(model_dir / "model.onnx").run(names, {EMBEDDINGS: graph_x, MASK: batch.mask}),
+            strict=True,
+        )
+    )
+    if not config.batch_first:
+        outs[ENCODED] = outs[ENCODED].transpose(1, 0, 2)
+    return outs
+
+
+# The least per-sentence cosine with transformers an ids export may have: far below any variant's own tolerance,
+# far above what a wrong family mapping (positions, token types, a missing layer) gives.
+IDS_MIN_COSINE = 0.99
+
+
+def ids_check(directory: Path, text, config, quiet: bool):
+    """The pipeline's ``check`` for an ids artifact: built-in sentences (one past 128 tokens) tokenized as the
+    server tokenizes them, through the embedding graph and the block, against transformers' ``AutoModel`` on the
+    same ids (its ``last_hidden_state``, and sentence-transformers' pooling of it)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        from transformers import AutoModel
+    except ImportError:
+        raise ConfigError("--reference transformers needs transformers (pip install transformers)") from None
+    from model.text import TOKENIZER_FILE
+    from model.tokenize import TextTokenizer
+
+    model = AutoModel.from_pretrained(
+        str(directory), local_files_only=True, attn_implementation="eager"
+    ).eval()
+    tokenizer = TextTokenizer((directory / TOKENIZER_FILE).read_bytes(), text)
+    sentences = [*SENTENCES, " ".join(SENTENCES)]
+    batch = tokenizer.encode(sentences, truncate=True)
+    feed = {
+        "input_ids": torch.from_numpy(batch.input_ids),
+        "attention_mask": torch.from_numpy(~batch.mask).long(),
+    }
+    if text.type_vocab_size:
+        feed["token_type_ids"] = torch.from_numpy(batch.token_type_ids)
+    with torch.no_grad():
+        want = model(**feed).last_hidden_state.numpy()
+    source = f"{len(sentences)} built-in sentences ({min(batch.lengths)}-{max(batch.lengths)} tokens)"
+
+    def check(model_path: Path) -> dict:
+        outs = run_ids(model_path.parent, config, batch)
+        graph = agreement(outs[ENCODED], want, batch.mask)
+        result = {
+            "ids": {
+                "model": f"transformers {type(model).__name__}",
+                "inputs": source,
+                "graph": graph.to_dict(),
+            }
+        }
+        if POOLED in outs:
+            err = float(
+                np.abs(outs[POOLED] - reference_pool(config, want.astype(np.float64), batch.mask)).max()
+            )
+            result["ids"]["graph"]["pooled_max_abs"] = err
+        if graph.min_sentence_cosine < IDS_MIN_COSINE:
+            raise ConfigError(
+                f"text through the exported graphs does not match transformers' {type(model).__name__} on {source}: "
+                f"least sentence cosine {graph.min_sentence_cosine:.4f}; the family's mapping is wrong"
+            )
+        if not quiet:
+            print(
+                f"reference (token ids): transformers {type(model).__name__} on {source}: max abs err "
+                f"{graph.max_abs:.2e}, least sentence cosine {graph.min_sentence_cosine:.6f}"
+            )
+        return result
+
+    return check

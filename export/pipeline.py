@@ -17,9 +17,11 @@ import numpy as np
 from export import traces
 from export.attention import AttentionError
 from export.attention import resolve as resolve_attention
-from export.bert import bert_to_encoder_state
 from export.cases import Case, default_cases, synthetic
 from export.checks import check_graph
+from export.embedding import export_embedding, gate_embedding
+from export.families import Family
+from export.families.bert import FAMILY as BERT
 from export.gate import ParityError, gate
 from export.golden import golden_cases, write_golden
 from export.onnx_export import DEFAULT_OPSET, ExportError
@@ -30,9 +32,24 @@ from export.weights import load_state, read_state_dict, save_weights
 from model.artifact import GOLDEN_FILE, MANIFEST_FILE, MODEL_FILE, WEIGHTS_FILE, Manifest, sha256_file
 from model.config import EncoderConfig
 from model.contract import io_specs
+from model.embedding import EmbeddingAddNorm
 from model.encoder import Encoder, build_encoder
+from model.text import EMBEDDING_FILE, TOKENIZER_FILE, TextConfig
 
 log = logging.getLogger("addnorm.export")
+
+
+@dataclass(frozen=True)
+class TextExport:
+    """What an artifact that takes token ids carries besides the block (``--inputs ids``): the embedding layer
+    with its weights, and the model directory's tokenizer.json."""
+
+    module: EmbeddingAddNorm
+    tokenizer: Path
+
+    @property
+    def config(self) -> TextConfig:
+        return self.module.text
 
 
 @dataclass
@@ -59,15 +76,18 @@ def prepare_encoder(
     seed: int = 0,
     from_bert: bool = False,
     state: dict | None = None,
+    family: Family | None = None,
 ) -> Encoder:
-    """The encoder to export: seeded default weights, or a checkpoint's (Hugging Face BERT's with ``from_bert``);
-    ``state``: the checkpoint already read (``weights.read_state_dict``)."""
+    """The encoder to export: seeded default weights, or a checkpoint's (an encoder family's, export/families,
+    with ``family``; ``from_bert``: BERT's); ``state``: the checkpoint already read (``weights.read_state_dict``)."""
     encoder = build_encoder(config, seed=seed)
     if checkpoint is None:
         return encoder
     state = read_state_dict(checkpoint) if state is None else state
-    if from_bert:
-        state = bert_to_encoder_state(state, config.num_layers)
+    if family is None and from_bert:
+        family = BERT
+    if family is not None:
+        state = family.block_state(state, config.num_layers)
     return load_state(encoder, state, checkpoint)
 
 
@@ -82,6 +102,7 @@ def export_artifact(
     attention: str = "auto",
     given: list[Case] | None = None,
     check: Callable[[Path], dict] | None = None,
+    text: TextExport | None = None,
 ) -> ExportResult:
     """Export, check the graph, run the parity gate, then publish model, weights and manifest into ``out_dir``.
 
@@ -89,7 +110,8 @@ def export_artifact(
     (``--calibration``), on which a lossy variant's quality is judged instead of on the synthetic ones. A few
     of them (or of the synthetic golden cases) are kept as the artifact's golden data. ``check``: one more check
     of the gated graph (its path -> figures kept in the manifest's parity as ``reference``; raises to refuse it),
-    e.g. the comparison with transformers (export.cli).
+    e.g. the comparison with transformers (export.cli); with ``text``, the embedding graph and tokenizer lie beside
+    it when it runs. ``text``: the artifact takes token ids too (export/embedding.py: its own graph and gate).
 
     Everything is written into a staging directory first; ``out_dir`` only changes when every gate passed, and then
     in one atomic swap (export/publish.py): whenever the export dies, ``out_dir`` holds the previous complete
@@ -140,6 +162,10 @@ def export_artifact(
         if not report.passed:
             raise ParityError(report)
         summary = report.summary()
+        files = [MODEL_FILE, WEIGHTS_FILE, GOLDEN_FILE, MANIFEST_FILE]
+        if text is not None:
+            summary["embedding"] = _embedding(text, staging, out_dir, opset)
+            files[-1:-1] = [EMBEDDING_FILE, TOKENIZER_FILE]
         if check is not None:
             summary["reference"] = check(staging / MODEL_FILE)
         with _writing(out_dir, GOLDEN_FILE):
@@ -162,13 +188,39 @@ def export_artifact(
             golden_sha256=sha256_file(staging / GOLDEN_FILE),
             weights_sha256=sha256_file(staging / WEIGHTS_FILE),
             scheme=plan,
+            text=None if text is None else text.config,
+            embedding_sha256=sha256_file(staging / EMBEDDING_FILE) if text else "",
+            tokenizer_sha256=sha256_file(staging / TOKENIZER_FILE) if text else "",
         )
         with _writing(out_dir, MANIFEST_FILE):
             manifest.save(staging)
-            publish(staging, out_dir, (MODEL_FILE, WEIGHTS_FILE, GOLDEN_FILE, MANIFEST_FILE), beside)
+            publish(staging, out_dir, tuple(files), beside)
         return ExportResult(out_dir, manifest, report, graph)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _embedding(text: TextExport, staging: Path, out_dir: Path, opset: int) -> dict:
+    """The embedding layer's graph and the tokenizer into ``staging``, the graph gated (export/embedding.py)."""
+    with _writing(out_dir, EMBEDDING_FILE):
+        export_embedding(text.module, staging / EMBEDDING_FILE, opset)
+    with _writing(out_dir, TOKENIZER_FILE):
+        shutil.copyfile(text.tokenizer, staging / TOKENIZER_FILE)
+    result = gate_embedding(text.module, staging / EMBEDDING_FILE)
+    log.info(
+        "embedding Add & Norm (%s, %d-token vocabulary): max abs err %.2e against float64 (bound %.2e) on %d tokens",
+        text.config.family,
+        text.config.vocab_size,
+        result.max_abs,
+        result.floor,
+        result.tokens,
+    )
+    if not result.passed:
+        raise ExportError(
+            f"the embedding graph's max abs err {result.max_abs:.3e} against float64 is above its bound "
+            f"{result.floor:.3e}: nothing was written"
+        )
+    return result.to_dict()
 
 
 @contextlib.contextmanager

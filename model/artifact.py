@@ -5,6 +5,9 @@ Layout (what export writes and serve reads)::
     model.onnx            the graph, self-contained (no external data file)
     weights.safetensors   the exact weights exported, so parity can be re-run later
     manifest.json         this module's Manifest
+    golden.safetensors    inputs with their oracle outputs, checked by every server at load
+    embedding.onnx        --inputs ids: the embedding layer's Add & Norm (model/text.py)
+    tokenizer.json        --inputs ids: the model directory's tokenizer (Hugging Face tokenizers)
 
 No torch import: the service reads manifests.
 """
@@ -20,6 +23,7 @@ from typing import Any
 from model.config import ConfigError, EncoderConfig
 from model.contract import TensorSpec
 from model.schemes import Form
+from model.text import EMBEDDING_FILE, TOKENIZER_FILE, TextConfig
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.onnx"
@@ -52,6 +56,10 @@ class Manifest:
     weights_sha256: str = (
         ""  # sha256 of weights.safetensors (live parity's oracle reads it); "" before it was kept
     )
+    # --inputs ids: the embedding layer's graph and the tokenizer (model/text.py), each checked by its sha256
+    text: TextConfig | None = None
+    embedding_sha256: str = ""
+    tokenizer_sha256: str = ""
 
     def input(self, name: str) -> TensorSpec:
         for spec in self.inputs:
@@ -73,12 +81,23 @@ class Manifest:
                 "model": MODEL_FILE,
                 "weights": WEIGHTS_FILE,
                 **({"golden": GOLDEN_FILE} if self.golden_sha256 else {}),
+                **({"embedding": EMBEDDING_FILE, "tokenizer": TOKENIZER_FILE} if self.text else {}),
             },
             "model_sha256": self.model_sha256,
             **({"golden_sha256": self.golden_sha256} if self.golden_sha256 else {}),
             **({"weights_sha256": self.weights_sha256} if self.weights_sha256 else {}),
             "versions": dict(self.versions),
             **({"scheme": self.scheme} if self.scheme else {}),
+            **(
+                {
+                    "inputs_kind": "ids",
+                    "text": self.text.to_dict(),
+                    "embedding_sha256": self.embedding_sha256,
+                    "tokenizer_sha256": self.tokenizer_sha256,
+                }
+                if self.text
+                else {}
+            ),
             "parity": self.parity,
             "created_at": self.created_at,
         }
@@ -109,6 +128,9 @@ class Manifest:
                 weights_sha256=str(data.get("weights_sha256", "")),
                 attention=str(data.get("attention", "decomposed")),  # older artifacts spelled it out
                 scheme=_scheme(data.get("scheme", {})),
+                text=TextConfig.from_dict(data["text"]) if data.get("text") is not None else None,
+                embedding_sha256=str(data.get("embedding_sha256", "")),
+                tokenizer_sha256=str(data.get("tokenizer_sha256", "")),
             )
         except (KeyError, TypeError, ValueError, ConfigError) as exc:
             if isinstance(exc, ArtifactError):
@@ -182,6 +204,8 @@ class Verified:
     manifest: Manifest
     model: bytes
     golden: bytes | None  # None for artifacts exported before golden data
+    embedding: bytes | None = None  # --inputs ids: the embedding layer's graph
+    tokenizer: bytes | None = None  # and tokenizer.json
 
 
 def read_verified(directory: str | Path) -> Verified:
@@ -196,7 +220,13 @@ def read_verified(directory: str | Path) -> Verified:
     golden = None
     if manifest.golden_sha256:
         golden = _read_checked(directory / GOLDEN_FILE, manifest.golden_sha256, "the golden data")
-    return Verified(directory, manifest, model, golden)
+    embedding = tokenizer = None
+    if manifest.text is not None:
+        embedding = _read_checked(
+            directory / EMBEDDING_FILE, manifest.embedding_sha256, "the embedding graph"
+        )
+        tokenizer = _read_checked(directory / TOKENIZER_FILE, manifest.tokenizer_sha256, "the tokenizer")
+    return Verified(directory, manifest, model, golden, embedding, tokenizer)
 
 
 def read_weights(directory: str | Path, manifest: Manifest) -> bytes:

@@ -117,6 +117,17 @@ class Settings(BaseSettings):
     max_batch_tokens: int = Field(
         8192, ge=1, description="dynamic batching: most batch x seq positions per run"
     )
+    max_client_batch_size: int = Field(
+        512,
+        ge=1,
+        description="text and token-id inputs (/v1/embeddings, /embed, V2 text): most inputs in one request (TEI's "
+        "name); more get 413. A request's inputs run in length-sorted parts of at most ADDNORM_MAX_BATCH_TOKENS",
+    )
+    auto_truncate: bool = Field(
+        False,
+        description="text inputs longer than the model's max_length are cut to it instead of refused with 413 "
+        "(TEI's --auto-truncate); a request's own truncate field asks for it too",
+    )
     max_batch_attention: int = Field(
         3 * 12 * 4096 * 4096,
         ge=1,

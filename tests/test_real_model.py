@@ -76,11 +76,11 @@ def real(reference: hf.Reference) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 @pytest.fixture(scope="module")
 def encoder(minilm: Path):
     state, fields, where = hf.read_model_dir(minilm)
-    from export.bert import bert_shape
+    from export.families.bert import FAMILY as BERT
 
     pooling = hf.sentence_pooling(minilm)  # its sentence-transformers pipeline: mean pooling, then Normalize
     assert pooling == {"pooling": "mean", "normalize_pooled": True}
-    config = EncoderConfig.from_dict({**fields, **bert_shape(state), **pooling, "dropout": 0.0})
+    config = EncoderConfig.from_dict({**fields, **BERT.shape(state), **pooling, "dropout": 0.0})
     return prepare_encoder(config, where.weights, from_bert=True, state=state).eval()
 
 

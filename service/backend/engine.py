@@ -28,6 +28,7 @@ from model.golden import Verification, load_golden, verify
 from model.runtime import CPU, CUDA, VNNI_FLAGS, cpu_flags, session_args
 from model.verdict import Tolerance
 from service.backend.cores import default_threads
+from service.backend.text import TextFront
 
 log = logging.getLogger("addnorm.engine")
 
@@ -103,6 +104,8 @@ class Engine:
             **session_args(wanted),
         )
         self.providers = self.session.get_providers()
+        # an ids artifact's tokenizer and embedding graph (service/backend/text.py), on the providers the block got
+        self.text = TextFront(verified, self.providers) if verified.embedding is not None else None
         if wanted[0] == CUDA and self.providers[0] != CUDA:
             # onnxruntime drops CUDA without an error when its libraries fail to load; make that loud.
             if providers == "cuda":

@@ -20,6 +20,7 @@ import numpy as np
 from starlette.concurrency import run_in_threadpool
 
 from service.batching.merging import Outputs, Timings
+from service.core.text import TextRequest, run_parts
 from service.errors import ClientDeadline, ClientGone, ServiceError, TimedOut
 from service.metrics import RequestTimer
 from service.models.registry import ServingModel
@@ -185,7 +186,7 @@ async def _serve(
 ) -> tuple[T, Timings]:
     """A decoded request, on its model: queue (deadline, cancellation), then encode."""
     timer.decoded()
-    span.model(model.name, req.embeddings.shape[0])
+    span.model(model.name, req.rows if isinstance(req, TextRequest) else req.embeddings.shape[0])
     outputs, timings = await _queue(loaded, call, model, req, timer)
     span.ran(timings)
     nbytes = sum(out.nbytes for out in outputs.values())
@@ -213,7 +214,10 @@ async def _queue(
     call.gone.notify(handler.cancel)
     limit = deadline(loaded, call, req)
     try:
-        outputs, timings = await model.infer(req.embeddings, req.mask, limit, timer)
+        if isinstance(req, TextRequest):  # in parts of at most max_batch_tokens (service/core/text.py)
+            outputs, timings = await run_parts(model.infer, req, limit, timer)
+        else:
+            outputs, timings = await model.infer(req.embeddings, req.mask, limit, timer)
     except TimedOut:
         if limit >= loaded.settings.request_timeout_s:
             raise

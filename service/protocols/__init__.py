@@ -6,11 +6,13 @@ Adding a protocol is one line here. Inference routes come first: the router trie
 """
 
 from service.protocols import health
+from service.protocols.text import openai, tei
 from service.protocols.v1 import routes as v1
 from service.protocols.v2 import grpc_server
 from service.protocols.v2 import routes as v2
 
-PROTOCOLS = (v1, v2, health)  # over HTTP; /v1's two routes first, its inference route ahead of V2's many
+# over HTTP; /v1's two routes first, its inference route ahead of V2's many; the text APIs after V2's
+PROTOCOLS = (v1, v2, openai, tei, health)
 LISTENERS = (
     grpc_server,
 )  # with a listener of their own: ``await listen(state, guard)`` -> None or ``.stop(grace)``

@@ -1,0 +1,92 @@
+"""The embedding layer's graph (``embedding.onnx``): export, checks and its parity gate.
+
+``input_ids`` [, ``token_type_ids``] int64 (batch, seq) -> ``embeddings`` float32 (batch, seq, d_model), the
+block's input. One Add & Norm: Gather of each table, Add, ONNX's native ``LayerNormalization``. It stays float32
+in every variant (a table lookup and one norm: nothing for a lossy variant to save). Gated like the block: the
+graph against the torch module and the float64 oracle, on ids drawn over the whole vocabulary at several lengths
+(padding included), within float32's floor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+
+from export.onnx_export import ExportError, export_module, load_checked
+from export.parity import make_session
+from model.contract import BATCH, EMBEDDINGS, SEQ
+from model.embedding import EmbeddingAddNorm
+from model.verdict import FP32_ATOL, float32_floor
+
+# (batch, seq) of the gate's id cases: a single token, short, padded, and the longest the artifact accepts
+GATE_SHAPES = ((1, 1), (2, 7), (4, 33), (1, None))
+
+
+@dataclass(frozen=True)
+class EmbeddingGate:
+    """The embedding graph against float64 (and torch float32) on ``cases`` id batches of ``tokens`` in all."""
+
+    max_abs: float
+    floor: float
+    torch_max_abs: float
+    cases: int
+    tokens: int
+    passed: bool
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def export_embedding(module: EmbeddingAddNorm, path: Path, opset: int) -> onnx.ModelProto:
+    """torch.onnx.export of the embedding layer; the graph must hold one LayerNormalization."""
+    names = list(module.text.input_names)
+    batch, seq = torch.export.Dim(BATCH), torch.export.Dim(SEQ)
+    example = tuple(torch.ones(2, 5, dtype=torch.int64) for _ in names)
+    dims = tuple({0: batch, 1: seq} for _ in names)
+    export_module(module.eval(), example, path, (names, [EMBEDDINGS]), dims, opset)
+    model = load_checked(path, opset)
+    norms = [n for n in model.graph.node if n.op_type == "LayerNormalization"]
+    if len(norms) != 1:
+        raise ExportError(f"the embedding graph holds {len(norms)} LayerNormalization nodes, not 1")
+    return model
+
+
+def id_cases(module: EmbeddingAddNorm, seed: int = 1234) -> list[dict[str, np.ndarray]]:
+    """Feeds of random ids over the whole vocabulary, padded (the padding id) at the end of some rows."""
+    text = module.text
+    rng = np.random.default_rng(seed)
+    cases = []
+    for batch, seq in GATE_SHAPES:
+        seq = seq or text.max_length
+        ids = rng.integers(0, text.vocab_size, (batch, seq), dtype=np.int64)
+        if text.positions == "after_padding":
+            ids[ids == text.pad_token_id] = (text.pad_token_id + 1) % text.vocab_size
+        if batch > 1:  # the last row padded for its second half
+            ids[-1, seq // 2 + 1 :] = text.pad_token_id
+        feed = {"input_ids": ids}
+        if text.type_vocab_size:
+            feed["token_type_ids"] = rng.integers(0, text.type_vocab_size, (batch, seq), dtype=np.int64)
+        cases.append(feed)
+    return cases
+
+
+def gate_embedding(module: EmbeddingAddNorm, path: Path) -> EmbeddingGate:
+    session = make_session(path)
+    worst, floor, worst_torch, tokens, passed = 0.0, 0.0, 0.0, 0, True
+    cases = id_cases(module)
+    for feed in cases:
+        got = session.run([EMBEDDINGS], feed)[0]
+        want = module.oracle(feed["input_ids"], feed.get("token_type_ids"))
+        with torch.no_grad():
+            ours = module(*(torch.from_numpy(v) for v in feed.values())).numpy()
+        err = float(np.abs(got - want).max())
+        bound = max(float32_floor(want), FP32_ATOL)
+        passed = passed and err <= bound
+        worst, floor = max(worst, err), max(floor, bound)
+        worst_torch = max(worst_torch, float(np.abs(ours - want).max()))
+        tokens += feed["input_ids"].size
+    return EmbeddingGate(worst, floor, worst_torch, len(cases), tokens, passed)

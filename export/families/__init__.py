@@ -1,0 +1,151 @@
+"""Encoder families: how each maps its checkpoint onto the encoder block and the embedding layer, chosen by
+``config.json``'s ``model_type``.
+
+A family is one module here with a ``FAMILY`` (``Family``): which ``model_type``s it reads, its per-layer key names,
+its embedding layer's, and what its config.json says of the block (``fields``) and of the embedding layer and the
+tokenizer (``text``). Adding a family is that module, one line in ``_MODULES`` and its test
+(tests/export/test_families.py builds a tiny random model of each with transformers' own classes).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from export.weights import CheckpointError
+from model.config import ConfigError
+
+# config.json's hidden_act / activation -> the encoder's activation (transformers' "gelu" is the exact, erf GELU)
+ACTIVATIONS = {"gelu": "gelu", "relu": "relu"}
+EMBEDDING_PARTS = ("word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One encoder family's differences.
+
+    ``layer_keys``: encoder block key (``torch.nn.TransformerEncoderLayer``'s names) -> the checkpoint's key within
+    one layer; ``qkv``: its three attention projections (stacked into ``in_proj``); ``embeddings``: the embedding
+    layer's parts (``EMBEDDING_PARTS``) -> the checkpoint's names under ``…embeddings.``; ``fields(config)``: the
+    block's EncoderConfig fields; ``text(config)``: the embedding layer's TextConfig fields but ``max_length`` and
+    ``prompts`` (the model directory's, export/hf.py)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    layer_keys: dict[str, str]
+    qkv: tuple[str, str, str]
+    embeddings: dict[str, str]
+    fields: Callable[[dict], dict]
+    text: Callable[[dict], dict]
+
+    def _layers(self, state: dict[str, torch.Tensor]) -> dict[int, str]:
+        query = f"{self.qkv[0]}.weight"
+        pattern = re.compile(rf"^(?P<prefix>.*?)(?:layer\.(?P<index>\d+)\.)?{re.escape(query)}$")
+        prefixes: dict[int, str] = {}
+        for key in state:
+            if m := pattern.match(key):
+                index = int(m["index"]) if m["index"] is not None else 0
+                prefixes[index] = key[: -len(query)]
+        if not prefixes:
+            raise CheckpointError(f"no {self.name} layer weights found (no key ending in {query!r})")
+        if sorted(prefixes) != list(range(len(prefixes))):
+            raise CheckpointError(f"{self.name} layers are not numbered 0..n-1: found {sorted(prefixes)}")
+        return prefixes
+
+    def shape(self, state: dict[str, torch.Tensor]) -> dict[int, int]:
+        """What the weights say of the block: its layer count, width and feed-forward width."""
+        layers = self._layers(state)
+        key = f"{layers[0]}{self.layer_keys['linear1.weight']}"
+        if key not in state:
+            raise CheckpointError(f"{self.name} layer 0 lacks {key!r}")
+        ff, width = state[key].shape
+        return {"num_layers": len(layers), "d_model": int(width), "dim_feedforward": int(ff)}
+
+    def block_state(
+        self, state: dict[str, torch.Tensor], num_layers: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The checkpoint's layers as ``Encoder`` keys (``layers.{i}.…``); everything else in it is ignored."""
+        prefixes = self._layers(state)
+        if num_layers is not None and num_layers != len(prefixes):
+            raise CheckpointError(
+                f"the {self.name} checkpoint has {len(prefixes)} layer(s) but --num-layers is {num_layers}: leave "
+                "--num-layers out to use them all"
+            )
+        out: dict[str, torch.Tensor] = {}
+        for i, prefix in sorted(prefixes.items()):
+            try:
+                out[f"layers.{i}.self_attn.in_proj_weight"] = torch.cat(
+                    [state[f"{prefix}{p}.weight"] for p in self.qkv]
+                )
+                out[f"layers.{i}.self_attn.in_proj_bias"] = torch.cat(
+                    [state[f"{prefix}{p}.bias"] for p in self.qkv]
+                )
+                for dst, src in self.layer_keys.items():
+                    out[f"layers.{i}.{dst}"] = state[f"{prefix}{src}"]
+            except KeyError as exc:
+                raise CheckpointError(f"{self.name} layer {i} lacks {exc.args[0]!r}") from None
+        return out
+
+    def embedding_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The embedding layer's weights as ``model.embedding.EmbeddingAddNorm`` keys."""
+        word = f"embeddings.{self.embeddings['word_embeddings']}.weight"
+        prefix = next((k[: -len(word)] for k in state if k.endswith(word)), None)
+        if prefix is None:
+            raise CheckpointError(
+                f"the checkpoint has no embedding layer (no key ending in {word!r}): export it with "
+                "--inputs embeddings, or give the whole model's weights"
+            )
+        out = {}
+        for part, name in self.embeddings.items():
+            for what in ("weight", "bias") if part == "LayerNorm" else ("weight",):
+                key = f"{prefix}embeddings.{name}.{what}"
+                if key not in state:
+                    raise CheckpointError(f"the {self.name} embedding layer lacks {key!r}")
+                out[f"{part}.{what}"] = state[key]
+        return out
+
+
+_MODULES = {
+    "bert": "export.families.bert",
+    "roberta": "export.families.roberta",
+    "distilbert": "export.families.distilbert",
+}
+
+
+def families() -> list[Family]:
+    return [importlib.import_module(m).FAMILY for m in _MODULES.values()]
+
+
+def supported() -> list[str]:
+    return sorted(t for f in families() for t in f.model_types)
+
+
+def family_of(config: dict | None, source: str = "config.json") -> Family:
+    """The family ``config.json``'s ``model_type`` names (BERT without a config.json: a bare weights file)."""
+    if config is None:
+        return importlib.import_module(_MODULES["bert"]).FAMILY
+    model_type = config.get("model_type", "bert")
+    for family in families():
+        if model_type in family.model_types:
+            if config.get("is_decoder") or config.get("add_cross_attention"):
+                raise ConfigError(
+                    f"{source} describes a decoder (is_decoder / add_cross_attention): not an encoder block"
+                )
+            return family
+    raise ConfigError(f"{source} has model_type {model_type!r}; supported: {', '.join(supported())}")
+
+
+def activation(value: str, key: str = "hidden_act", source: str = "config.json") -> str:
+    if value not in ACTIVATIONS:
+        raise ConfigError(
+            f"{source} has {key} {value!r}; the encoder block computes {sorted(ACTIVATIONS)} (exact erf GELU)"
+        )
+    return ACTIVATIONS[value]
+
+
+def present(fields: dict) -> dict:
+    return {k: v for k, v in fields.items() if v is not None}

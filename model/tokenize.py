@@ -1,0 +1,86 @@
+"""Text -> token ids with the artifact's own tokenizer.json (Hugging Face ``tokenizers``, Rust; no torch, no
+transformers), the way sentence-transformers feeds the model: special tokens added, at most ``max_length`` tokens,
+padded to the longest input of the batch. The server's and the export's reference check's one tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from model.text import TextConfig
+
+
+class TooLong(ValueError):
+    """An input has more tokens than the model takes and the caller did not ask to truncate."""
+
+    def __init__(self, index: int, tokens: int, limit: int) -> None:
+        super().__init__(
+            f"input {index} has {tokens} tokens, more than this model's {limit}: shorten it, or ask for truncation"
+        )
+        self.index, self.tokens, self.limit = index, tokens, limit
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Padded token ids of a batch of inputs (right-padded with the padding id)."""
+
+    input_ids: np.ndarray  # (B, S) int64
+    token_type_ids: np.ndarray  # (B, S) int64
+    mask: np.ndarray  # (B, S) bool, true = padding (the block's mask)
+    lengths: list[int]
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+
+class TextTokenizer:
+    """``tokenizer.json`` (its bytes) with the artifact's limits. Its own padding and truncation settings (a
+    sentence-transformers export often fixes both at 128) are turned off: the batch is padded to its longest input
+    here, and ``max_length`` (the manifest's) is the limit."""
+
+    def __init__(self, tokenizer_json: bytes | str, text: TextConfig) -> None:
+        raw = tokenizer_json.decode() if isinstance(tokenizer_json, bytes) else tokenizer_json
+        self.text = text
+        self._plain = Tokenizer.from_str(raw)
+        self._plain.no_padding()
+        self._plain.no_truncation()
+        self._cut = Tokenizer.from_str(raw)
+        self._cut.no_padding()
+        self._cut.enable_truncation(text.max_length)
+
+    def encode(self, texts: list[str], truncate: bool = False) -> Batch:
+        """Tokenize ``texts`` (TooLong for an input over ``max_length`` unless ``truncate``)."""
+        encodings = (self._cut if truncate else self._plain).encode_batch(texts)
+        if not truncate:
+            for i, e in enumerate(encodings):
+                if len(e.ids) > self.text.max_length:
+                    raise TooLong(i, len(e.ids), self.text.max_length)
+        return self.pad([e.ids for e in encodings], [e.type_ids for e in encodings])
+
+    def tokens(self, texts: list[str], special: bool = True) -> list[list[tuple[int, str, bool, int, int]]]:
+        """Each input's tokens as (id, text, special, start, stop), the offsets in characters of the input (TEI's
+        /tokenize); ``special``: with the special tokens the model adds."""
+        encodings = self._plain.encode_batch(texts, add_special_tokens=special)
+        return [
+            [
+                (i, t, bool(sp), s, f)
+                for i, t, sp, (s, f) in zip(e.ids, e.tokens, e.special_tokens_mask, e.offsets, strict=True)
+            ]
+            for e in encodings
+        ]
+
+    def pad(self, ids: list[list[int]], type_ids: list[list[int]] | None = None) -> Batch:
+        """Token id lists -> a padded batch."""
+        lengths = [len(row) for row in ids]
+        seq = max(lengths)
+        batch = np.full((len(ids), seq), self.text.pad_token_id, np.int64)
+        types = np.zeros((len(ids), seq), np.int64)
+        for i, row in enumerate(ids):
+            batch[i, : len(row)] = row
+            if type_ids is not None:
+                types[i, : len(row)] = type_ids[i]
+        mask = np.arange(seq)[None, :] >= np.array(lengths)[:, None]
+        return Batch(batch, types, mask, lengths)

@@ -1,0 +1,40 @@
+"""An ids artifact's way in for text (model/text.py): its tokenizer and its embedding layer's graph, beside the
+block's engine. ``embed(batch)``: padded token ids -> the block's input embeddings."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from model.artifact import Verified
+from model.contract import EMBEDDINGS
+from model.runtime import session_args
+from model.text import INPUT_IDS, TOKEN_TYPE_IDS
+from model.tokenize import Batch, TextTokenizer
+
+
+class TextFront:
+    """The tokenizer (tokenizer.json, checked by its sha256) and the embedding graph on the block's providers. One
+    intra-op thread: a table lookup and one norm per token, run per request (the block's run is batched)."""
+
+    def __init__(self, verified: Verified, providers: list[str]) -> None:
+        manifest = verified.manifest
+        assert manifest.text is not None and verified.embedding is not None and verified.tokenizer is not None
+        self.config = manifest.text
+        self.tokenizer = TextTokenizer(verified.tokenizer, self.config)
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 1
+        opts.inter_op_num_threads = 1
+        opts.log_severity_level = 3
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.session = ort.InferenceSession(verified.embedding, opts, **session_args(providers))
+
+    def embed(self, batch: Batch) -> np.ndarray:
+        """(B, S) ids -> (B, S, E) float32."""
+        feed = {INPUT_IDS: batch.input_ids}
+        if self.config.type_vocab_size:
+            feed[TOKEN_TYPE_IDS] = batch.token_type_ids
+        return self.session.run([EMBEDDINGS], feed)[0]
+
+    def describe(self) -> dict:
+        return {"text": self.config.to_dict()}

@@ -1,0 +1,191 @@
+"""Text and token ids in: what the text APIs (/v1/embeddings, TEI's /embed, V2's BYTES ``text``) share between their
+JSON and the request core. ``decode_texts`` tokenizes with the model's tokenizer, cuts the request into parts of
+at most ``max_batch_tokens`` padded positions (its inputs sorted by length, so each part pads little) and runs each
+part's embedding layer: the core queues the parts on the model's batcher side by side (``run_parts``), where they
+merge with other requests by token cost as any tensors do. ``vectors`` gives each input's sentence embedding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from model.contract import ENCODED, POOLED
+from model.tokenize import Batch, TooLong
+from service.batching.merging import Outputs, Timings
+from service.errors import BadInput, TooLarge, quote
+
+Inputs = list[str] | list[list[int]]  # texts, or token id lists
+
+
+@dataclass
+class Part:
+    """Some of a request's inputs, padded together: their rows in the request, ids and embeddings."""
+
+    rows: np.ndarray  # (b,) indices into the request's inputs
+    batch: Batch
+    embeddings: np.ndarray  # (b, s, E) float32
+
+
+@dataclass
+class TextRequest:
+    """A decoded text request (the core's ``Decoded``, in parts): ``embeddings`` and ``mask`` are its first part's
+    (a request of one part is an ordinary one)."""
+
+    parts: list[Part]
+    tokens: int  # real tokens in all, special tokens included (usage.prompt_tokens)
+    model: str | None = None
+    timeout_s: float | None = None
+    options: dict = field(default_factory=dict)  # the protocol's own (normalize, dimensions, encoding)
+
+    @property
+    def embeddings(self) -> np.ndarray:
+        return self.parts[0].embeddings
+
+    @property
+    def mask(self) -> np.ndarray:
+        return self.parts[0].batch.mask
+
+    @property
+    def rows(self) -> int:
+        return sum(len(p.rows) for p in self.parts)
+
+
+def text_inputs(value: object, where: str, max_inputs: int) -> Inputs:
+    """A JSON ``input``: a string, a list of strings, a list of token ids, or a list of lists of token ids."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise BadInput(f"{where} must be a string, a list of strings or a list of token id lists (non-empty)")
+    if len(value) > max_inputs:
+        raise TooLarge(
+            f"{where} holds {len(value)} inputs, more than this server's {max_inputs} (ADDNORM_MAX_CLIENT_BATCH_SIZE)"
+        )
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        value = [value]  # one input as token ids
+    if all(isinstance(v, str) for v in value):
+        for i, v in enumerate(value):
+            if not v:
+                raise BadInput(f"{where}[{i}] is an empty string")
+        return value
+    for i, v in enumerate(value):
+        if (
+            not isinstance(v, list)
+            or not v
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+        ):
+            raise BadInput(
+                f"{where}[{i}] must be a string or a non-empty list of token ids (integers), and every input "
+                f"of one kind; got {quote(v)}"
+            )
+    return value
+
+
+def decode_texts(
+    model, inputs: Inputs, truncate: bool, max_batch_tokens: int, where: str = "input"
+) -> TextRequest:
+    """Tokenize (or check the ids of) ``inputs`` with ``model``'s text front and embed them, in parts."""
+    front = model.engine.text
+    if front is None:
+        raise BadInput(
+            f"model {quote(model.name)} takes embeddings, not text or token ids: export it from a model directory "
+            "with --inputs ids"
+        )
+    limit = front.config.max_length
+    if isinstance(inputs[0], str):
+        try:
+            whole = front.tokenizer.encode(inputs, truncate=truncate)
+        except TooLong as exc:
+            raise TooLarge(
+                f"{where}[{exc.index}] has {exc.tokens} tokens, more than this model's {limit}: shorten it, or "
+                "send truncate: true"
+            ) from None
+        rows = [whole.input_ids[i, :n].tolist() for i, n in enumerate(whole.lengths)]
+        types = [whole.token_type_ids[i, :n].tolist() for i, n in enumerate(whole.lengths)]
+    else:
+        vocab = front.config.vocab_size
+        rows, types = [], None
+        for i, ids in enumerate(inputs):
+            if bad := [t for t in ids if not 0 <= t < vocab]:
+                raise BadInput(
+                    f"{where}[{i}] holds token id {bad[0]}, outside this model's vocabulary [0, {vocab})"
+                )
+            if len(ids) > limit:
+                if not truncate:
+                    raise TooLarge(
+                        f"{where}[{i}] has {len(ids)} tokens, more than this model's {limit}: shorten it, or "
+                        "send truncate: true"
+                    )
+                ids = ids[:limit]
+            rows.append(ids)
+    order = np.argsort([len(r) for r in rows], kind="stable")
+    parts, start = [], 0
+    while start < len(order):  # the longest that fit max_batch_tokens padded positions, shortest first
+        stop = start + 1
+        while stop < len(order) and (stop + 1 - start) * len(rows[order[stop]]) <= max_batch_tokens:
+            stop += 1
+        picked = order[start:stop]
+        batch = front.tokenizer.pad(
+            [rows[i] for i in picked], None if types is None else [types[i] for i in picked]
+        )
+        parts.append(Part(picked, batch, front.embed(batch)))
+        start = stop
+    return TextRequest(parts, sum(len(r) for r in rows))
+
+
+async def run_parts(infer, req: TextRequest, limit: float, timer) -> tuple[Outputs, Timings]:
+    """Each part on the model's batcher side by side (``infer``: ServingModel.infer), answers back in input order:
+    positional outputs padded to the longest part's length."""
+    answers = await asyncio.gather(*(infer(p.embeddings, p.batch.mask, limit, timer) for p in req.parts))
+    if len(answers) == 1 and np.array_equal(req.parts[0].rows, np.arange(req.rows)):
+        return answers[0]
+    outputs: Outputs = {}
+    for name in answers[0][0]:
+        pieces = [out[name] for out, _ in answers]
+        if pieces[0].ndim == 3:  # (b, s, E): padded to the longest part
+            seq = max(p.shape[1] for p in pieces)
+            pieces = [np.pad(p, ((0, 0), (0, seq - p.shape[1]), (0, 0))) for p in pieces]
+        whole = np.empty((req.rows, *pieces[0].shape[1:]), np.float32)
+        for part, piece in zip(req.parts, pieces, strict=True):
+            whole[part.rows] = piece
+        outputs[name] = whole
+    return outputs, max((t for _, t in answers), key=lambda t: t.queue_s + t.infer_s)
+
+
+def vectors(
+    req: TextRequest,
+    outputs: Outputs,
+    pooling: str,
+    normalized: bool,
+    normalize: bool | None = None,
+    dimensions: int | None = None,
+) -> np.ndarray:
+    """(N, D) sentence embeddings in input order: the graph's pooled output (``pooling``, L2-normalized when
+    ``normalized``), or the tokens pooled here the same way when the graph has none or the client asks for raw
+    vectors of a normalizing model; normalized when ``normalize`` (None: as the model does), after being cut to
+    their first ``dimensions`` (Matryoshka)."""
+    wanted = normalized if normalize is None else normalize
+    if POOLED in outputs and (wanted or not normalized):
+        out = outputs[POOLED].astype(np.float32, copy=True)
+    else:
+        encoded = outputs[ENCODED]
+        if pooling == "cls":
+            out = encoded[:, 0].copy()
+        else:
+            keep = (~_mask(req, encoded.shape[1]))[..., None].astype(np.float32)
+            out = (encoded * keep).sum(1) / np.maximum(keep.sum(1), 1e-9)
+    if dimensions is not None:
+        out = np.ascontiguousarray(out[:, :dimensions])
+    if wanted:
+        out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+    return out
+
+
+def _mask(req: TextRequest, seq: int) -> np.ndarray:
+    mask = np.ones((req.rows, seq), bool)
+    for part in req.parts:
+        m = part.batch.mask
+        mask[part.rows, : m.shape[1]] = m
+    return mask

@@ -1,0 +1,84 @@
+"""One codec for the text APIs: a protocol gives how its JSON names the model, the inputs and its options
+(``read``), and how it writes the vectors (``write``); tokenizing, parts and pooling are the core's
+(service/core/text.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from service.core.inference import work
+from service.core.text import TextRequest, decode_texts
+from service.errors import BadInput
+from service.protocols.common import parse_json
+
+if TYPE_CHECKING:
+    from service.batching.merging import Outputs
+    from service.core.inference import Resolve
+    from service.models.registry import ServingModel
+
+# Tokenizing and embedding cost about as much per byte of text as parsing JSON does per byte: counted 8x, a
+# request of more than 32 KB of text leaves the event loop.
+TEXT_WORK = 8
+
+
+@dataclass(frozen=True)
+class Read:
+    """What a text API's JSON asks: the model (None: the default), its inputs (texts or token id lists), whether
+    to cut inputs over the model's length, and the protocol's own options for ``write``."""
+
+    model: str | None
+    inputs: list
+    truncate: bool
+    options: dict
+
+
+@dataclass
+class TextCodec:
+    """A text API's codec for one request (service.core.inference.Codec)."""
+
+    read: Callable[[object, int], Read]  # (parsed JSON, max inputs) -> Read
+    write: Callable[[TextRequest, ServingModel, Outputs], bytes]
+    max_elements: int
+    max_inputs: int
+    max_batch_tokens: int
+    auto_truncate: bool
+
+    def decode_work(self, body: bytes) -> int:
+        return work(TEXT_WORK * len(body))
+
+    def encode_work(self, req: TextRequest, nbytes: int) -> int:
+        return work(nbytes // 8)  # pooled vectors: a small share of the outputs' bytes
+
+    def decode(self, body: bytes, resolve: Resolve) -> TextRequest:
+        read = self.read(parse_json(body, self.max_elements), self.max_inputs)
+        model = resolve(read.model)
+        req = decode_texts(model, read.inputs, read.truncate or self.auto_truncate, self.max_batch_tokens)
+        req.model, req.options = read.model, read.options
+        return req
+
+    def encode(self, req: TextRequest, model: ServingModel, outputs: Outputs) -> bytes:
+        return self.write(req, model, outputs)
+
+
+def fields(doc: object, known: set[str], required: str) -> dict:
+    if not isinstance(doc, dict):
+        raise BadInput(f"request body must be a JSON object with {required!r}, got {type(doc).__name__}")
+    if unknown := sorted(set(doc) - known):
+        raise BadInput(f"unknown field(s) {unknown}; expected {sorted(known)}")
+    if required not in doc:
+        raise BadInput(f"missing field {required!r}")
+    return doc
+
+
+def pooling(model: ServingModel) -> tuple[str, bool]:
+    """How the model pools and whether it normalizes (its manifest's config); mean for a graph without pooling."""
+    config = model.engine.manifest.config
+    return (config.pooling if config.pooling != "none" else "mean"), config.normalize_pooled
+
+
+def as_float_lists(vectors: np.ndarray) -> list[list[float]]:
+    return vectors.astype(np.float32).tolist()

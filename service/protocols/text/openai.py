@@ -1,0 +1,187 @@
+"""OpenAI's embeddings API: ``POST /v1/embeddings``, as the official ``openai`` client calls it
+(``OpenAI(base_url=".../v1").embeddings.create(model=..., input=...)``).
+
+``input``: a string, a list of strings, a list of token ids or a list of such lists; ``model``: a served model's name
+(``GET /v1/models`` lists them); ``encoding_format``: ``float`` (default) or ``base64`` (little-endian float32,
+what the client asks for by default); ``dimensions``: the first N values, normalized again (Matryoshka). The answer
+is ``{"object": "list", "data": [{"object": "embedding", "index": i, "embedding": ...}], "model", "usage"}`` in
+input order. ``truncate`` (not OpenAI's; TEI's and vLLM's idea): cut inputs over the model's length instead of a 413.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+
+import orjson
+from fastapi import APIRouter, Request, Response
+
+from service.core import inference
+from service.core.text import text_inputs, vectors
+from service.errors import BadInput, quote
+from service.guard import Known
+from service.protocols.common import error_docs, http_call, read_then_watch, timing_headers
+from service.protocols.text.codec import Read, TextCodec, fields, pooling
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+_KNOWN = {"input", "model", "encoding_format", "dimensions", "user", "truncate"}
+_FORMATS = ("float", "base64")
+
+REQUEST = {
+    "type": "object",
+    "required": ["input"],
+    "properties": {
+        "input": {
+            "description": "a string, a list of strings, a list of token ids, or a list of token id lists",
+            "oneOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "string"}},
+                {"type": "array", "items": {"type": "integer"}},
+                {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+            ],
+        },
+        "model": {
+            "type": "string",
+            "description": "a served model's name (GET /v1/models); default: the first",
+        },
+        "encoding_format": {"type": "string", "enum": list(_FORMATS), "default": "float"},
+        "dimensions": {
+            "type": "integer",
+            "minimum": 1,
+            "description": "the first N values, normalized again",
+        },
+        "user": {"type": "string", "description": "accepted and ignored"},
+        "truncate": {
+            "type": "boolean",
+            "default": False,
+            "description": "cut inputs over the model's length",
+        },
+    },
+}
+ANSWER = {
+    "type": "object",
+    "required": ["object", "data", "model", "usage"],
+    "properties": {
+        "object": {"type": "string", "enum": ["list"]},
+        "data": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["object", "index", "embedding"],
+                "properties": {
+                    "object": {"type": "string", "enum": ["embedding"]},
+                    "index": {"type": "integer"},
+                    "embedding": {
+                        "oneOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}]
+                    },
+                },
+            },
+        },
+        "model": {"type": "string"},
+        "usage": {
+            "type": "object",
+            "required": ["prompt_tokens", "total_tokens"],
+            "properties": {"prompt_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"}},
+        },
+    },
+}
+_DOC = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": REQUEST,
+                "example": {"input": ["hello", "world"], "model": "encoder"},
+            }
+        },
+    },
+    "responses": {
+        "200": {
+            "description": "one embedding per input, in input order",
+            "content": {"application/json": {"schema": ANSWER}},
+        },
+        **error_docs(
+            {
+                400: "bad input (a field named)",
+                401: "missing or invalid API key",
+                404: "unknown model",
+                413: "too many inputs, or an input over the model's length",
+                429: "queue full; retry after Retry-After seconds",
+                503: "model not loaded yet",
+                504: "not answered within the request timeout",
+            }
+        ),
+    },
+}
+
+
+def read(doc: object, max_inputs: int) -> Read:
+    doc = fields(doc, _KNOWN, "input")
+    model = doc.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadInput(f"model must be a string, got {quote(model)}")
+    fmt = doc.get("encoding_format") or "float"
+    if fmt not in _FORMATS:
+        raise BadInput(f"encoding_format must be one of {list(_FORMATS)}, got {quote(fmt)}")
+    dims = doc.get("dimensions")
+    if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
+        raise BadInput(f"dimensions must be a positive integer, got {quote(dims)}")
+    truncate = doc.get("truncate", False)
+    if not isinstance(truncate, bool):
+        raise BadInput(f"truncate must be true or false, got {quote(truncate)}")
+    inputs = text_inputs(doc["input"], "input", max_inputs)
+    return Read(model, inputs, truncate, {"format": fmt, "dimensions": dims})
+
+
+def write(req, model, outputs) -> bytes:
+    dims = req.options["dimensions"]
+    if dims is not None and dims > model.engine.d_model:
+        raise BadInput(f"dimensions {dims} is more than this model's {model.engine.d_model}")
+    how, normalized = pooling(model)
+    # Matryoshka: cut, then normalize again
+    out = vectors(req, outputs, how, normalized, True if dims is not None else None, dims)
+    if req.options["format"] == "base64":
+        data = [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in out]
+    else:
+        data = out.tolist()
+    return orjson.dumps(
+        {
+            "object": "list",
+            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(data)],
+            "model": model.name,
+            "usage": {"prompt_tokens": req.tokens, "total_tokens": req.tokens},
+        }
+    )
+
+
+@router.post("/embeddings", summary="Embeddings of texts or token ids (OpenAI's API)", openapi_extra=_DOC)
+async def embeddings(request: Request, loaded: Known) -> Response:
+    start = time.perf_counter()
+    s = loaded.settings
+    call = http_call(request, "openai", start)
+    body = await read_then_watch(request, call, s.max_body_bytes)
+    how = TextCodec(read, write, s.max_elements, s.max_client_batch_size, s.max_batch_tokens, s.auto_truncate)
+    payload, timings = await inference.run(loaded, call, how, body)
+    return Response(
+        payload, media_type="application/json", headers=timing_headers(timings, time.perf_counter() - start)
+    )
+
+
+@router.get(
+    "/models",
+    summary="The served models (OpenAI's list)",
+    responses=error_docs({401: "missing or invalid API key"}),
+)
+async def models(loaded: Known) -> dict:
+    created = int(time.time())
+    return {
+        "object": "list",
+        "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "addnorm"}
+            for name in (m.name for m in loaded.models)
+        ],
+    }
+
+
+MODEL_PREFIXES = ("/v1/",)
+PUBLIC_PATHS: tuple[str, ...] = ()

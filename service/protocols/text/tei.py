@@ -1,0 +1,185 @@
+"""text-embeddings-inference's API, so its clients switch by URL: ``POST /embed`` and ``POST /tokenize``.
+
+``/embed``: ``{"inputs": str | [str], "normalize": true, "truncate": false, "prompt_name": null, "dimensions":
+null}`` -> ``[[float, ...], ...]``, one vector per input in input order. ``/tokenize``: ``{"inputs": str | [str],
+"add_special_tokens": true}`` -> per input, its tokens as ``{"id", "text", "special", "start", "stop"}``. Both on the
+default model (TEI serves one); errors are this server's ``{"error": ...}``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+from fastapi import APIRouter, Request, Response
+
+from service.core import inference
+from service.core.text import text_inputs, vectors
+from service.errors import BadInput, quote
+from service.guard import Known
+from service.protocols.common import (
+    error_docs,
+    http_call,
+    json_bool,
+    parse_json,
+    read_then_watch,
+    timing_headers,
+)
+from service.protocols.text.codec import Read, TextCodec, fields, pooling
+
+router = APIRouter(tags=["tei"])
+_EMBED = {"inputs", "normalize", "truncate", "truncation_direction", "prompt_name", "dimensions"}
+_TOKENIZE = {"inputs", "add_special_tokens", "prompt_name"}
+_ERRORS = error_docs(
+    {
+        400: "bad input (a field named)",
+        401: "missing or invalid API key",
+        413: "too many inputs, or an input over the model's length",
+        429: "queue full; retry after Retry-After seconds",
+        503: "model not loaded yet",
+    }
+)
+_INPUTS = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
+
+
+def _doc(properties: dict, answer: dict, example: dict) -> dict:
+    schema = {"type": "object", "required": ["inputs"], "properties": {"inputs": _INPUTS, **properties}}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": schema, "example": example}},
+        },
+        "responses": {
+            "200": {
+                "description": "one entry per input",
+                "content": {"application/json": {"schema": answer}},
+            },
+            **_ERRORS,
+        },
+    }
+
+
+_EMBED_DOC = _doc(
+    {
+        "normalize": {"type": "boolean", "default": True},
+        "truncate": {"type": "boolean", "default": False},
+        "truncation_direction": {"type": "string", "enum": ["Right"], "default": "Right"},
+        "prompt_name": {"type": "string", "nullable": True},
+        "dimensions": {"type": "integer", "minimum": 1, "nullable": True},
+    },
+    {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+    {"inputs": "What is Deep Learning?"},
+)
+_TOKEN = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "text": {"type": "string"},
+        "special": {"type": "boolean"},
+        "start": {"type": "integer", "nullable": True},
+        "stop": {"type": "integer", "nullable": True},
+    },
+}
+_TOKENIZE_DOC = _doc(
+    {
+        "add_special_tokens": {"type": "boolean", "default": True},
+        "prompt_name": {"type": "string", "nullable": True},
+    },
+    {"type": "array", "items": {"type": "array", "items": _TOKEN}},
+    {"inputs": "What is Deep Learning?"},
+)
+
+
+def _texts(doc: dict, max_inputs: int, prompts: dict[str, str] | None = None) -> list[str]:
+    inputs = text_inputs(doc["inputs"], "inputs", max_inputs)
+    if not isinstance(inputs[0], str):
+        raise BadInput("inputs must be a string or a list of strings")
+    name = doc.get("prompt_name")
+    if name is None or prompts is None:
+        return inputs
+    if name not in prompts:
+        raise BadInput(f"prompt_name {quote(name)} is not one of this model's prompts {sorted(prompts)}")
+    return [prompts[name] + text for text in inputs]
+
+
+def read(doc: object, max_inputs: int) -> Read:
+    doc = fields(doc, _EMBED, "inputs")
+    if doc.get("truncation_direction", "Right") != "Right":
+        raise BadInput("truncation_direction must be 'Right' (the end of an input is cut)")
+    dims = doc.get("dimensions")
+    if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
+        raise BadInput(f"dimensions must be a positive integer, got {quote(dims)}")
+    options = {
+        "normalize": json_bool(doc, "normalize", "body", True),
+        "dimensions": dims,
+        "prompt": doc.get("prompt_name"),
+    }
+    return Read(
+        None,
+        text_inputs(doc["inputs"], "inputs", max_inputs),
+        json_bool(doc, "truncate", "body", False),
+        options,
+    )
+
+
+def write(req, model, outputs) -> bytes:
+    dims = req.options["dimensions"]
+    if dims is not None and dims > model.engine.d_model:
+        raise BadInput(f"dimensions {dims} is more than this model's {model.engine.d_model}")
+    how, normalized = pooling(model)
+    out = vectors(req, outputs, how, normalized, req.options["normalize"], dims)
+    return orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+@router.post(
+    "/embed", summary="Embeddings of texts (text-embeddings-inference's API)", openapi_extra=_EMBED_DOC
+)
+async def embed(request: Request, loaded: Known) -> Response:
+    start = time.perf_counter()
+    s = loaded.settings
+    call = http_call(request, "tei", start)
+    body = await read_then_watch(request, call, s.max_body_bytes)
+
+    def read_prompted(doc: object, max_inputs: int) -> Read:
+        got = read(doc, max_inputs)
+        name = got.options["prompt"]
+        if name is None:
+            return got
+        front = loaded.models.get(None).engine.text
+        prompts = front.config.prompts if front is not None else {}
+        return Read(None, _texts(doc, max_inputs, prompts), got.truncate, got.options)
+
+    how = TextCodec(
+        read_prompted, write, s.max_elements, s.max_client_batch_size, s.max_batch_tokens, s.auto_truncate
+    )
+    payload, timings = await inference.run(loaded, call, how, body)
+    return Response(
+        payload, media_type="application/json", headers=timing_headers(timings, time.perf_counter() - start)
+    )
+
+
+@router.post(
+    "/tokenize", summary="Tokens of texts (text-embeddings-inference's API)", openapi_extra=_TOKENIZE_DOC
+)
+async def tokenize(request: Request, loaded: Known) -> Response:
+    s = loaded.settings
+    body = await request.body()
+    doc = fields(parse_json(body, s.max_elements), _TOKENIZE, "inputs")
+    model = loaded.models.get(None)
+    front = model.engine.text
+    if front is None:
+        raise BadInput(f"model {quote(model.name)} takes embeddings, not text: export it with --inputs ids")
+    texts = _texts(doc, s.max_client_batch_size, front.config.prompts)
+    special = json_bool(doc, "add_special_tokens", "body", True)
+    answer = [
+        [
+            {"id": i, "text": t, "special": sp, "start": None if sp else a, "stop": None if sp else b}
+            for i, t, sp, a, b in row
+        ]
+        for row in front.tokenizer.tokens(texts, special)
+    ]
+    return Response(orjson.dumps(answer), media_type="application/json")
+
+
+MODEL_PREFIXES = ("/embed", "/tokenize")
+PUBLIC_PATHS: tuple[str, ...] = ()
