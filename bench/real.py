@@ -19,30 +19,13 @@ from pathlib import Path
 import numpy as np
 
 from bench import int8_options
+from export.hf import MORE, PASSAGE
 from model import kernels as model_kernels
 from model.runtime import CPU, session_args
 
 AVX2_ONLY = "Haswell-v4"  # QEMU's CPU model without AVX-512 or VNNI (tests/cpu_kinds.py)
 
 # Sentences beside export.hf.SENTENCES: queries and short statements (the STS benchmark's style).
-MORE = (
-    "A cheetah is running behind its prey.",
-    "The new movie is awesome.",
-    "The new movie is so great.",
-    "The cat sits outside.",
-    "The dog plays in the garden.",
-    "I love pasta.",
-    "Do you like pizza?",
-    "Two men pushed carts through the woods.",
-    "A monkey is playing drums.",
-    "A man is playing a flute.",
-    "A woman is slicing an onion.",
-    "Stock markets fell sharply after the central bank raised interest rates again.",
-)
-PASSAGE = (
-    "The committee met on Tuesday to review the proposed changes to the city's zoning rules, which would allow "
-    "taller residential buildings near the new light rail stations and reduce parking minimums. "
-)
 KERNELS = "int8-mha, kernels (as served)"  # the int8 graph with model/kernels' library registered
 VARIANTS = (("fp32", "mha"), ("fp32", "decomposed"), ("fused", "mha"), ("fp16", "mha"), ("int8", "mha"))
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from export import attention, hf
 from export.calibration import calibration_cases, load_arrays
+from export.embedding import embed_sentences
 from export.checks import GraphCheckError
 from export.families.bert import FAMILY as BERT
 from export.gate import ParityError
@@ -263,6 +264,17 @@ def main(argv: list[str] | None = None) -> int:
             family=where.family if where else None,
         )
         text = _text(args, where, state, config)
+        if text is not None and not given:  # real text, not synthetic embeddings, for a model that takes text
+            sentences = hf.builtin_sentences()
+            x, mask = embed_sentences(text.module, text.tokenizer.read_bytes(), sentences)
+            given = calibration_cases(x, mask, config.d_model)
+            log.info(
+                "no --calibration: the gate judges on %d built-in sentences (%d-%d tokens), tokenized and embedded "
+                "by the model's own tokenizer and embedding layer",
+                len(sentences),
+                int((~mask).sum(1).min()),
+                int((~mask).sum(1).max()),
+            )
         checks = []
         if reference is not None:
             checks.append(hf.reference_check(encoder, reference, given, config, quiet=args.quiet))
@@ -363,7 +375,7 @@ def _reference(args: argparse.Namespace, where: hf.ModelDir | None) -> hf.Refere
     if args.reference == "auto" and importlib.util.find_spec("transformers") is None:
         log.warning("no transformers installed: the export is not compared with BertModel (--reference)")
         return None
-    return hf.Reference(where.directory)
+    return hf.Reference(where.directory, max_length=int(where.config.get("max_position_embeddings", 512)))
 
 
 def _valid_artifact(out: Path) -> bool:

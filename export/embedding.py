@@ -74,6 +74,19 @@ def id_cases(module: EmbeddingAddNorm, seed: int = 1234) -> list[dict[str, np.nd
     return cases
 
 
+def embed_sentences(module: EmbeddingAddNorm, tokenizer_json: bytes, sentences) -> tuple[np.ndarray, np.ndarray]:
+    """(embeddings (N, S, E) float32, mask (N, S) bool) of ``sentences``: tokenized as the server tokenizes them
+    (cut to the model's length) and embedded by the model's own embedding layer: what the block receives."""
+    from model.tokenize import TextTokenizer
+
+    batch = TextTokenizer(tokenizer_json, module.text).encode(list(sentences), truncate=True)
+    feed = [torch.from_numpy(batch.input_ids)]
+    if module.text.type_vocab_size:
+        feed.append(torch.from_numpy(batch.token_type_ids))
+    with torch.no_grad():
+        return module(*feed).numpy(), batch.mask
+
+
 def gate_embedding(module: EmbeddingAddNorm, path: Path) -> EmbeddingGate:
     session = make_session(path)
     worst, floor, worst_torch, tokens, passed = 0.0, 0.0, 0.0, 0, True

@@ -47,6 +47,26 @@ SENTENCES = (
     "by-product; it takes place in the chloroplasts of plant cells, mostly in the leaves.",
 )
 
+# More real text of mixed lengths (the benchmarks' and the built-in calibration's), and a long passage.
+MORE = (
+    "A cheetah is running behind its prey.",
+    "The new movie is awesome.",
+    "The new movie is so great.",
+    "The cat sits outside.",
+    "The dog plays in the garden.",
+    "I love pasta.",
+    "Do you like pizza?",
+    "Two men pushed carts through the woods.",
+    "A monkey is playing drums.",
+    "A man is playing a flute.",
+    "A woman is slicing an onion.",
+    "Stock markets fell sharply after the central bank raised interest rates again.",
+)
+PASSAGE = (
+    "The committee met on Tuesday to review the proposed changes to the city's zoning rules, which would allow "
+    "taller residential buildings near the new light rail stations and reduce parking minimums. "
+)
+
 
 @dataclass(frozen=True)
 class ModelDir:
@@ -309,6 +329,12 @@ def _stacked(cases: list) -> tuple[np.ndarray, np.ndarray]:
     x = [np.pad(c.embeddings, ((0, 0), (0, seq - c.seq), (0, 0))) for c in cases]
     mask = [np.pad(c.mask, ((0, 0), (0, seq - c.seq)), constant_values=True) for c in cases]
     return np.concatenate(x), np.concatenate(mask)
+
+
+def builtin_sentences() -> list[str]:
+    """The built-in real text a model that takes text is judged on without --calibration: queries, sentences and
+    passages of mixed lengths, one past 128 tokens."""
+    return [*SENTENCES, *MORE, PASSAGE * 3]
 
 
 def text_limits(directory: Path, text_fields: dict) -> dict:

@@ -1,0 +1,98 @@
+"""Every encoder family (export/families), exported from a tiny random model directory built with transformers'
+own classes, with the embedding layer (--inputs ids): text tokenized as the server tokenizes it, through the
+embedding graph and the block, equals transformers' AutoModel on the same ids (and sentence-transformers' pooling
+of it) at the float32 floor for fp32 graphs, and within each lossy variant's own tolerance."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from export import cli, hf, traces
+from model.artifact import Manifest
+from model.contract import ENCODED, POOLED
+from model.text import TOKENIZER_FILE
+from model.tokenize import TextTokenizer
+from model.verdict import float32_floor
+from tests.text_models import TEXTS, make_model_dir, transformers_vectors
+
+pytestmark = pytest.mark.export
+FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert")
+# (variant, attention): each family in fp32 with the default attention; the lossy and fused variants and the other
+# attention forms on BERT and RoBERTa (the two position schemes)
+FORMS = [(f, "fp32", "auto") for f in FAMILIES] + [
+    (f, v, a)
+    for f in ("bert", "roberta")
+    for v, a in (("fused", "auto"), ("fp16", "auto"), ("int8", "auto"), ("fp32", "decomposed"), ("fp32", "onnx"))
+]
+# the least per-sentence cosine of the pooled vectors with sentence-transformers' pooling of transformers' output
+COSINE = {"fp32": 0.999999, "fused": 0.999999, "fp16": 0.9999, "int8": 0.999}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_trace_per_model():
+    with traces.reusing():
+        yield
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {f: make_model_dir(f, root / f, seed=i) for i, f in enumerate(FAMILIES)}
+
+
+@pytest.mark.parametrize("family, variant, attention", FORMS)
+def test_text_through_the_exported_graphs_equals_transformers(model_dirs, tmp_path, family, variant, attention, capsys):
+    directory = model_dirs[family]
+    out = tmp_path / "artifact"
+    args = ["--from", str(directory), "--out", str(out), "--variant", variant, "--attention", attention]
+    if attention == "onnx":
+        args += ["--opset", "23"]
+    assert cli.main(args) == 0, capsys.readouterr().err
+    manifest = Manifest.load(out)
+    assert manifest.text is not None and manifest.text.family == family
+    assert manifest.parity["embedding"]["passed"] and manifest.parity["reference"]["ids"]["graph"]["tokens"] > 0
+    tokenizer = TextTokenizer((out / TOKENIZER_FILE).read_bytes(), manifest.text)
+    batch = tokenizer.encode(TEXTS)
+    assert max(batch.lengths) > 16  # the tokenizer.json's own truncation (16) is not the server's
+    got = hf.run_ids(out, manifest.config, batch)
+    hidden, pooled = transformers_vectors(directory, batch)
+    keep = ~batch.mask
+    if variant == "fp32":
+        err = float(np.abs(got[ENCODED] - hidden)[keep].max())
+        assert err <= 4 * max(float32_floor(hidden), 1e-6), err
+    cosine = (got[POOLED] * pooled).sum(1) / np.linalg.norm(got[POOLED], axis=1)
+    assert cosine.min() >= COSINE[variant], cosine
+
+
+def test_an_unknown_model_type_names_the_supported_ones(model_dirs, tmp_path, capsys):
+    directory = tmp_path / "gpt"
+    directory.mkdir()
+    for f in model_dirs["bert"].iterdir():
+        if f.is_file():
+            (directory / f.name).write_bytes(f.read_bytes())
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    assert cli.main(["--from", str(directory), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model_type 'gpt2'" in err
+    assert "bert, distilbert, roberta, xlm-roberta" in err
+
+
+def test_inputs_embeddings_keeps_the_block_alone_and_ids_needs_a_tokenizer(model_dirs, tmp_path, capsys):
+    out = tmp_path / "block"
+    assert cli.main(["--from", str(model_dirs["bert"]), "--out", str(out), "--inputs", "embeddings", "-q"]) == 0
+    manifest = Manifest.load(out)
+    assert manifest.text is None and not (out / "embedding.onnx").exists()
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((model_dirs["bert"] / name).read_bytes())
+    assert cli.main(["--from", str(bare), "--out", str(tmp_path / "x"), "--inputs", "ids"]) == 2
+    assert "needs --from DIR, a model directory with a tokenizer.json" in capsys.readouterr().err
+    # --from-bert is the same flag
+    assert cli.main(["--from-bert", str(model_dirs["bert"]), "--out", str(tmp_path / "alias"), "-q"]) == 0
+    assert Manifest.load(tmp_path / "alias").text is not None

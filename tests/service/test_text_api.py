@@ -1,0 +1,189 @@
+"""The text APIs on a tiny BERT exported with its embedding layer (--inputs ids), served by a real server: the
+official ``openai`` client unmodified (with and without an API key), TEI's /embed and /tokenize, token ids, parts of
+a big request back in input order, truncation, and every bad input a 4xx that names its field."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from export import cli, hf
+from model.artifact import Manifest
+from model.contract import ENCODED, POOLED
+from model.text import TOKENIZER_FILE
+from model.tokenize import TextTokenizer
+from tests.conftest import start_server
+from tests.text_models import TEXTS, make_model_dir, transformers_vectors
+
+pytestmark = pytest.mark.server
+KEY = "text-api-key"
+MAX_LENGTH = 48  # tests/text_models.py's sentence_bert_config.json
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_model_dir("bert", tmp_path_factory.mktemp("bert") / "model")
+
+
+@pytest.fixture(scope="module")
+def artifact(model_dir: Path, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("text") / "artifact"
+    assert cli.main(["--from", str(model_dir), "--out", str(out), "--name", "tiny-bert", "-q"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def base(artifact: Path) -> Iterator[str]:
+    # a small --max-batch-tokens: a request of many inputs runs in several parts
+    with start_server(artifact, "--max-batch-tokens", "64", "--max-client-batch-size", "100") as srv:
+        yield srv.base
+
+
+def _in_process(artifact: Path, texts: list[str], truncate: bool = False) -> dict[str, np.ndarray]:
+    manifest = Manifest.load(artifact)
+    tokenizer = TextTokenizer((artifact / TOKENIZER_FILE).read_bytes(), manifest.text)
+    return hf.run_ids(artifact, manifest.config, tokenizer.encode(texts, truncate))
+
+
+def test_the_openai_client_unmodified_gets_what_the_graphs_compute(base, artifact, model_dir):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    answer = client.embeddings.create(model="tiny-bert", input=TEXTS)  # base64, as the client asks by default
+    got = np.array([d.embedding for d in answer.data], np.float32)
+    want = _in_process(artifact, TEXTS)[POOLED]
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    assert [d.index for d in answer.data] == list(range(len(TEXTS)))
+    batch = TextTokenizer((artifact / TOKENIZER_FILE).read_bytes(), Manifest.load(artifact).text).encode(TEXTS)
+    assert answer.usage.prompt_tokens == answer.usage.total_tokens == sum(batch.lengths)
+    # sentence-transformers' mean pooling and Normalize of transformers' own output
+    _, pooled = transformers_vectors(model_dir, batch)
+    assert ((got * pooled).sum(1) / np.linalg.norm(got, axis=1)).min() >= 0.99999
+    floats = client.embeddings.create(model="tiny-bert", input=TEXTS[0], encoding_format="float")
+    np.testing.assert_allclose(floats.data[0].embedding, got[0], atol=1e-7)
+
+
+def test_with_an_api_key_the_client_needs_it(artifact):
+    from openai import AuthenticationError, OpenAI
+
+    with start_server(artifact, "--api-key", KEY) as srv:
+        good = OpenAI(base_url=f"{srv.base}/v1", api_key=KEY, max_retries=0)
+        assert len(good.embeddings.create(model="tiny-bert", input=["a", "b"]).data) == 2
+        bad = OpenAI(base_url=f"{srv.base}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(AuthenticationError):
+            bad.embeddings.create(model="tiny-bert", input="a")
+
+
+def test_dimensions_cut_then_normalize_and_token_ids_equal_text(base, artifact):
+    full = httpx.post(f"{base}/v1/embeddings", json={"input": TEXTS[:2]}).json()
+    cut = httpx.post(f"{base}/v1/embeddings", json={"input": TEXTS[:2], "dimensions": 8}).json()
+    for f, c in zip(full["data"], cut["data"], strict=True):
+        head = np.array(f["embedding"][:8])
+        np.testing.assert_allclose(c["embedding"], head / np.linalg.norm(head), atol=1e-6)
+    tokenizer = TextTokenizer((artifact / TOKENIZER_FILE).read_bytes(), Manifest.load(artifact).text)
+    ids = [tokenizer.encode([t]).input_ids[0].tolist() for t in TEXTS[:2]]
+    by_ids = httpx.post(f"{base}/v1/embeddings", json={"input": ids}).json()
+    for a, b in zip(full["data"], by_ids["data"], strict=True):
+        np.testing.assert_allclose(a["embedding"], b["embedding"], atol=1e-6)
+    one = httpx.post(f"{base}/v1/embeddings", json={"input": ids[0], "encoding_format": "base64"}).json()
+    vec = np.frombuffer(base64.b64decode(one["data"][0]["embedding"]), "<f4")
+    np.testing.assert_allclose(vec, full["data"][0]["embedding"], atol=1e-6)
+
+
+def test_a_big_request_runs_in_parts_and_answers_in_input_order(base, artifact):
+    texts = [TEXTS[i % len(TEXTS)] + " water" * (i % 7) for i in range(40)]  # mixed lengths, > 64 tokens in all
+    got = httpx.post(f"{base}/v1/embeddings", json={"input": texts}, timeout=60).json()
+    assert [d["index"] for d in got["data"]] == list(range(40))
+    want = np.array([_in_process(artifact, [t])[POOLED][0] for t in texts])
+    np.testing.assert_allclose([d["embedding"] for d in got["data"]], want, atol=2e-6)
+
+
+def test_tei_embed_and_tokenize(base, artifact, model_dir):
+    embed = httpx.post(f"{base}/embed", json={"inputs": TEXTS}).json()
+    np.testing.assert_allclose(embed, _in_process(artifact, TEXTS)[POOLED], atol=1e-6)
+    raw = np.array(httpx.post(f"{base}/embed", json={"inputs": TEXTS, "normalize": False}).json())
+    tokenizer = TextTokenizer((artifact / TOKENIZER_FILE).read_bytes(), Manifest.load(artifact).text)
+    batch = tokenizer.encode(TEXTS)
+    hidden, _ = transformers_vectors(model_dir, batch)
+    keep = (~batch.mask)[..., None]
+    np.testing.assert_allclose(raw, (hidden * keep).sum(1) / keep.sum(1), atol=1e-5)  # mean pooling, not normalized
+    tokens = httpx.post(f"{base}/tokenize", json={"inputs": "a man"}).json()
+    assert [t["text"] for t in tokens[0]] == ["[CLS]", "a", "man", "[SEP]"]
+    assert tokens[0][0]["special"] and (tokens[0][2]["start"], tokens[0][2]["stop"]) == (2, 5)
+    bare = httpx.post(f"{base}/tokenize", json={"inputs": ["a man"], "add_special_tokens": False}).json()
+    assert [t["id"] for t in bare[0]] == [t["id"] for t in tokens[0][1:3]]
+
+
+def test_inputs_over_the_model_length_are_refused_or_cut_on_request(base, artifact):
+    long = "water " * 80
+    refused = httpx.post(f"{base}/v1/embeddings", json={"input": ["a", long]})
+    assert refused.status_code == 413 and f"input[1] has 82 tokens, more than this model's {MAX_LENGTH}" in refused.json()["error"]
+    cut = httpx.post(f"{base}/v1/embeddings", json={"input": [long], "truncate": True}).json()
+    np.testing.assert_allclose(cut["data"][0]["embedding"], _in_process(artifact, [long], truncate=True)[POOLED][0], atol=1e-6)
+    assert cut["usage"]["prompt_tokens"] == MAX_LENGTH
+    assert httpx.post(f"{base}/embed", json={"inputs": long}).status_code == 413
+    assert httpx.post(f"{base}/embed", json={"inputs": long, "truncate": True}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "body, status, names",
+    [
+        ({"input": ""}, 400, "input[0] is an empty string"),
+        ({"input": ["a", ""]}, 400, "input[1] is an empty string"),
+        ({"input": ["a"] * 10_000}, 413, "10000 inputs, more than this server's 100"),
+        ({"input": "a " * 500_000}, 413, "more than this model's 48"),
+        ({"input": [[1, 2, 10**6]]}, 400, "input[0] holds token id 1000000, outside this model's vocabulary"),
+        ({"input": [[1, -1]]}, 400, "token id -1"),
+        ({"input": [1.5]}, 400, "input[0] must be a string or a non-empty list of token ids"),
+        ({"input": [["a"]]}, 400, "input[0] must be"),
+        ({"input": [[]]}, 400, "input[0] must be"),
+        ({"input": []}, 400, "input must be a string"),
+        ({"input": None}, 400, "input must be a string"),
+        ({"input": [True]}, 400, "input[0] must be"),
+        ({}, 400, "missing field 'input'"),
+        ({"input": "a", "encoding_format": "int8"}, 400, "encoding_format must be one of"),
+        ({"input": "a", "dimensions": 0}, 400, "dimensions must be a positive integer"),
+        ({"input": "a", "dimensions": 33}, 400, "dimensions 33 is more than this model's 32"),
+        ({"input": "a", "model": "nope"}, 404, "unknown model 'nope'"),
+        ({"input": "a", "model": 3}, 400, "model must be a string"),
+        ({"input": "a", "truncate": "yes"}, 400, "truncate must be true or false"),
+        ({"input": "a", "extra": 1}, 400, "unknown field(s) ['extra']"),
+        ([1, 2], 400, "request body must be a JSON object"),
+    ],
+)
+def test_bad_input_is_a_4xx_naming_its_field(base, body, status, names):
+    r = httpx.post(f"{base}/v1/embeddings", json=body, timeout=60)
+    assert r.status_code == status and names in r.json()["error"], r.text
+
+
+def test_bytes_that_are_not_json_or_utf8_are_400(base):
+    for body in (b"\xff\xfe{\"input\": \"a\"}", b'{"input": "\xc3\x28"}', b"", b"{"):
+        r = httpx.post(f"{base}/v1/embeddings", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"], (body, r.text)
+    for path, body in (("/embed", {"inputs": [""]}), ("/embed", {"inputs": "a", "normalize": "no"}), ("/tokenize", {})):
+        r = httpx.post(f"{base}{path}", json=body)
+        assert r.status_code == 400 and r.json()["error"], (path, r.text)
+    assert httpx.get(f"{base}/health/ready").status_code == 200  # still serving
+
+
+def test_a_model_that_takes_embeddings_says_so(tiny_artifact):
+    with start_server(tiny_artifact) as srv:
+        r = httpx.post(f"{srv.base}/v1/embeddings", json={"input": "a"})
+        assert r.status_code == 400 and "takes embeddings, not text or token ids" in r.json()["error"]
+        assert httpx.post(f"{srv.base}/tokenize", json={"inputs": "a"}).status_code == 400
+
+
+def test_v1_models_lists_the_served_model(base):
+    models = httpx.get(f"{base}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["tiny-bert"] and models["object"] == "list"
+
+
+def test_encoded_output_is_still_served_for_embeddings(base, artifact):
+    """The artifact's block keeps its own contract: /v1/encode takes embeddings as before."""
+    r = httpx.post(f"{base}/v1/encode", json={"embeddings": [[0.1] * 32] * 3})
+    assert r.status_code == 200 and np.array(r.json()[ENCODED]).shape == (3, 32)

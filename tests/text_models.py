@@ -1,0 +1,113 @@
+"""Tiny random model directories of each encoder family, built with transformers' own classes and a small
+WordPiece tokenizer made with ``tokenizers`` (nothing from a hub): config.json, model.safetensors, tokenizer.json,
+and sentence-transformers' modules.json with mean pooling and Normalize, as a real sentence-embedding model has."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+WORDS = (
+    "a man is eating food bread the girl carrying baby riding white horse on an enclosed ground woman playing "
+    "violin someone in gorilla costume set of drums how do i reset my password if no longer have access to email "
+    "address account what boiling point water at high altitude quarterly report shows revenue grew eight percent "
+    "while operating costs fell driven mostly by lower energy prices and smaller workforce european division"
+).split()
+TEXTS = [
+    "A man is eating food.",
+    "The girl is carrying a baby.",
+    "How do I reset my password if I no longer have access to the email address on my account?",
+    "a",
+    "What is the boiling point of water at high altitude? " * 3,
+]
+# family -> (transformers config class, its model class, the special tokens in vocabulary order, pad token, template)
+BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+ROBERTA_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")
+
+
+def _tokenizer(specials: tuple[str, ...], cls: str, sep: str, unk: str, pad: str):
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
+    from tokenizers.models import WordPiece
+
+    vocab = {t: i for i, t in enumerate(specials)}
+    for w in [*WORDS, *"abcdefghijklmnopqrstuvwxyz0123456789", ".", ",", "?", "!"]:
+        vocab.setdefault(w, len(vocab))
+    for c in "abcdefghijklmnopqrstuvwxyz":
+        vocab.setdefault(f"##{c}", len(vocab))
+    tok = Tokenizer(WordPiece(vocab, unk_token=unk, max_input_chars_per_word=100))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])],
+    )
+    tok.enable_padding(pad_id=vocab[pad], pad_token=pad, length=16)  # as hub exports fix it: the server must not
+    tok.enable_truncation(16)
+    return tok, len(vocab)
+
+
+def make_model_dir(family: str, directory: Path, seed: int = 0, max_positions: int = 64) -> Path:
+    """A tiny random ``family`` model directory (bert, roberta, xlm-roberta, distilbert)."""
+    import torch
+    import transformers as tf
+
+    if family in ("roberta", "xlm-roberta"):
+        tok, vocab = _tokenizer(ROBERTA_SPECIALS, "<s>", "</s>", "<unk>", "<pad>")
+        pad = 1
+    else:
+        tok, vocab = _tokenizer(BERT_SPECIALS, "[CLS]", "[SEP]", "[UNK]", "[PAD]")
+        pad = 0
+    common = {"vocab_size": vocab, "max_position_embeddings": max_positions, "pad_token_id": pad}
+    if family == "distilbert":
+        config = tf.DistilBertConfig(dim=32, n_heads=4, hidden_dim=64, n_layers=2, **common)
+        cls = tf.DistilBertModel
+    else:
+        shape = dict(hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2)
+        if family == "bert":
+            config, cls = tf.BertConfig(**shape, type_vocab_size=2, **common), tf.BertModel
+        elif family == "roberta":
+            config, cls = tf.RobertaConfig(**shape, type_vocab_size=1, **common), tf.RobertaModel
+        else:
+            config, cls = tf.XLMRobertaConfig(**shape, type_vocab_size=1, **common), tf.XLMRobertaModel
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():  # LayerNorms away from 1 and 0: a wrong eps or a swapped gamma shows
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name or "layer_norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(directory))
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "modules.json").write_text(
+        json.dumps(
+            [
+                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+            ]
+        )
+    )
+    (directory / "1_Pooling").mkdir(exist_ok=True)
+    (directory / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True})
+    )
+    (directory / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 48}))
+    return directory
+
+
+def transformers_vectors(directory: Path, batch) -> tuple:
+    """transformers' AutoModel on a tokenized ``batch``: (last_hidden_state, sentence-transformers' mean pooling
+    then Normalize of it), float64."""
+    import numpy as np
+    import torch
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(directory), local_files_only=True, attn_implementation="eager").eval()
+    feed = {"input_ids": torch.from_numpy(batch.input_ids), "attention_mask": torch.from_numpy(~batch.mask).long()}
+    if model.config.model_type != "distilbert":
+        feed["token_type_ids"] = torch.from_numpy(batch.token_type_ids)
+    with torch.no_grad():
+        hidden = model(**feed).last_hidden_state.double().numpy()
+    keep = (~batch.mask)[..., None].astype(np.float64)
+    pooled = (hidden * keep).sum(1) / keep.sum(1)
+    return hidden, pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
