@@ -23,7 +23,7 @@ from export.weights import CheckpointError
 from model.artifact import ArtifactError, load_verified
 from model.config import POOLINGS, ConfigError, EncoderConfig
 from model.embedding import EmbeddingAddNorm
-from model.text import INPUTS, TOKENIZER_FILE, TextConfig
+from model.text import IDS, INPUTS, TOKENIZER_FILE, TextConfig
 
 log = logging.getLogger("addnorm.export")
 
@@ -312,8 +312,7 @@ def _text(args: argparse.Namespace, where: hf.ModelDir | None, state: dict | Non
     has_tokenizer = (
         where is not None and where.directory is not None and (where.directory / TOKENIZER_FILE).is_file()
     )
-    inputs = args.inputs or ("ids" if has_tokenizer else "embeddings")
-    if inputs == "embeddings":
+    if (args.inputs or (IDS if has_tokenizer else None)) != IDS:
         return None
     if not has_tokenizer:
         raise ConfigError(

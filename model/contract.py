@@ -15,6 +15,7 @@ from model.config import EncoderConfig
 
 EMBEDDINGS = "embeddings"  # float32 (batch, seq, d_model); (seq, batch, d_model) in a --no-batch-first graph
 MASK = "mask"  # bool (batch, seq), true = padding
+TEXT = "text"  # V2 BYTES (batch,): texts, for a model exported with its tokenizer (model/text.py)
 ENCODED = "encoded"  # float32, the embeddings' shape
 POOLED = "pooled"  # float32 (batch, d_model): the sentence embedding, in graphs exported with a pooling
 INPUT_NAMES = (EMBEDDINGS, MASK)
@@ -95,6 +96,10 @@ def api_specs(config: EncoderConfig) -> tuple[tuple[TensorSpec, ...], tuple[Tens
     if config.batch_first and not config.packed:
         return io_specs(config)
     return io_specs(EncoderConfig.from_dict({**config.to_dict(), "batch_first": True, "packed": False}))
+
+
+# The V2 ``text`` input of a model that takes text: one string a row (Triton's [batch, 1] convention)
+TEXT_SPEC = TensorSpec(TEXT, "bytes", (BATCH, 1))
 
 
 @functools.cache

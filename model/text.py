@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from model.config import ConfigError
+from model.contract import EMBEDDINGS
 
 EMBEDDING_FILE = "embedding.onnx"
 TOKENIZER_FILE = "tokenizer.json"
@@ -21,7 +22,8 @@ INPUT_IDS, TOKEN_TYPE_IDS, ATTENTION_MASK = "input_ids", "token_type_ids", "atte
 # How positions are numbered: 0, 1, 2, ... (BERT, DistilBERT), or after the padding index, padding tokens at it
 # (RoBERTa, XLM-RoBERTa: fairseq's make_positions).
 POSITIONS = ("absolute", "after_padding")
-INPUTS = ("embeddings", "ids")  # what an artifact takes: the block's embeddings only, or token ids (and text)
+IDS = "ids"
+INPUTS = (EMBEDDINGS, IDS)  # what an artifact takes: the block's embeddings only, or token ids (and text)
 
 
 @dataclass(frozen=True)

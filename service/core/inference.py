@@ -20,7 +20,7 @@ import numpy as np
 from starlette.concurrency import run_in_threadpool
 
 from service.batching.merging import Outputs, Timings
-from service.core.text import TextRequest, run_parts
+from service.core.text import run_parts, text_of
 from service.errors import ClientDeadline, ClientGone, ServiceError, TimedOut
 from service.metrics import RequestTimer
 from service.models.registry import ServingModel
@@ -186,7 +186,8 @@ async def _serve(
 ) -> tuple[T, Timings]:
     """A decoded request, on its model: queue (deadline, cancellation), then encode."""
     timer.decoded()
-    span.model(model.name, req.rows if isinstance(req, TextRequest) else req.embeddings.shape[0])
+    text = text_of(req)
+    span.model(model.name, text.rows if text is not None else req.embeddings.shape[0])
     outputs, timings = await _queue(loaded, call, model, req, timer)
     span.ran(timings)
     nbytes = sum(out.nbytes for out in outputs.values())
@@ -214,8 +215,9 @@ async def _queue(
     call.gone.notify(handler.cancel)
     limit = deadline(loaded, call, req)
     try:
-        if isinstance(req, TextRequest):  # in parts of at most max_batch_tokens (service/core/text.py)
-            outputs, timings = await run_parts(model.infer, req, limit, timer)
+        text = text_of(req)
+        if text is not None:  # in parts of at most max_batch_tokens (service/core/text.py)
+            outputs, timings = await run_parts(model.infer, text, limit, timer)
         else:
             outputs, timings = await model.infer(req.embeddings, req.mask, limit, timer)
     except TimedOut:

@@ -20,6 +20,26 @@ from service.errors import BadInput, TooLarge, quote
 Inputs = list[str] | list[list[int]]  # texts, or token id lists
 
 
+@dataclass(frozen=True)
+class TextLimits:
+    """The server's settings for text requests: most inputs per request, padded positions per part, and whether
+    inputs over the model's length are cut rather than refused."""
+
+    max_inputs: int
+    max_batch_tokens: int
+    auto_truncate: bool
+
+    @classmethod
+    def of(cls, settings) -> TextLimits:
+        return cls(settings.max_client_batch_size, settings.max_batch_tokens, settings.auto_truncate)
+
+
+def text_of(req: object) -> TextRequest | None:
+    """A decoded request's text step: the request itself (the text APIs), or a protocol request's ``text`` (V2's
+    BYTES input); None for a tensor request."""
+    return req if isinstance(req, TextRequest) else getattr(req, "text", None)
+
+
 @dataclass
 class Part:
     """Some of a request's inputs, padded together: their rows in the request, ids and embeddings."""

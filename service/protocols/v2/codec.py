@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,9 +18,10 @@ import numpy as np
 import orjson
 
 from model.artifact import Manifest
-from model.contract import EMBEDDINGS, MASK, client_inputs
+from model.contract import EMBEDDINGS, MASK, TEXT, client_inputs
 from service.batching.merging import Outputs
 from service.core.inference import work
+from service.core.text import TextLimits, TextRequest, decode_texts
 from service.errors import BadInput, TooLarge, quote
 from service.protocols import common
 from service.protocols.common import check_batch, holds_literal, json_bool, json_object, parse_json
@@ -33,7 +34,15 @@ HEADER_LENGTH = "inference-header-content-length"
 EXTENSIONS = ["binary_tensor_data", "statistics"]
 
 # V2 datatype -> numpy dtype (the ones this model's tensors can take)
-DTYPES = {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2"), "FP64": np.dtype("<f8"), "BOOL": np.dtype("?")}
+DTYPES = {
+    "FP32": np.dtype("<f4"),
+    "FP16": np.dtype("<f2"),
+    "FP64": np.dtype("<f8"),
+    "BOOL": np.dtype("?"),
+    "BYTES": np.dtype(
+        object
+    ),  # strings: JSON strings, or binary as each element's 4-byte length then its bytes
+}
 NUMPY_TO_V2 = {"float32": "FP32", "float16": "FP16", "bool": "BOOL"}
 
 
@@ -51,6 +60,31 @@ class InferRequest:
     outputs: list[RequestedOutput]
     timeout_s: float | None = None
     parameters: dict = field(default_factory=dict)
+    text: TextRequest | None = None  # a BYTES ``text`` input, tokenized and embedded in parts (core/text.py)
+
+
+# (texts, request parameters) -> the request's text step, for a model that takes text (None: it does not)
+Texts = Callable[[list[str], dict], TextRequest] | None
+
+
+def text_step(model: ServingModel, limits: TextLimits) -> Texts:
+    """The V2 ``text`` input's step on ``model`` (parameters ``truncate``: cut inputs over the model's length)."""
+    if model.engine.text is None:
+        return None
+
+    def step(texts: list[str], params: dict) -> TextRequest:
+        truncate = json_bool(params, "truncate", "parameters", False) or limits.auto_truncate
+        if len(texts) > limits.max_inputs:
+            raise TooLarge(
+                f"input {TEXT!r} holds {len(texts)} texts, more than this server's {limits.max_inputs} "
+                "(ADDNORM_MAX_CLIENT_BATCH_SIZE)"
+            )
+        for i, t in enumerate(texts):
+            if not t:
+                raise BadInput(f"input {TEXT!r}[{i}] is an empty string")
+        return decode_texts(model, texts, truncate, limits.max_batch_tokens, where=f"input {TEXT!r}")
+
+    return step
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
@@ -69,7 +103,7 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
 
 
 def decode_infer(
-    body: bytes, header_length: str | None, manifest: Manifest, max_elements: int
+    body: bytes, header_length: str | None, manifest: Manifest, max_elements: int, texts: Texts = None
 ) -> InferRequest:
     header, binary = split_body(body, header_length)
     doc = parse_json(header, max_elements)
@@ -79,7 +113,7 @@ def decode_infer(
     if not isinstance(inputs, list) or not inputs:
         raise BadInput(f"inference request needs a non-empty 'inputs' array, got {quote(inputs)}")
     params = json_object(doc, "parameters", "request")
-    known = client_inputs(manifest.config)
+    known = inputs_of(manifest)
     tensors: dict[str, np.ndarray] = {}
     offset = 0
     literals = b"true" in header or b"false" in header  # else no numeric data can hold one: no scan
@@ -90,22 +124,51 @@ def decode_infer(
         raise BadInput(
             f"{len(binary) - offset} byte(s) of binary data follow the inputs that no input claims"
         )
-    x, mask = to_batch(tensors, manifest, max_elements)
-    return InferRequest(
-        id=_request_id(doc.get("id")),  # validated before the outputs, which may name the request
-        embeddings=x,
-        mask=mask,
-        outputs=_requested_outputs(doc.get("outputs"), params, [s.name for s in manifest.outputs]),
-        timeout_s=common.timeout_param(params.get("timeout")),
-        parameters=params,
-    )
+    request_id = _request_id(doc.get("id"))  # validated before the outputs, which may name the request
+    outputs = _requested_outputs(doc.get("outputs"), params, [s.name for s in manifest.outputs])
+    timeout_s = common.timeout_param(params.get("timeout"))
+    x, mask, text = to_batch(tensors, manifest, max_elements, texts, params)
+    return InferRequest(request_id, x, mask, outputs, timeout_s, params, text)
+
+
+def inputs_of(manifest: Manifest) -> tuple[str, ...]:
+    """The inputs a client may send this model: the block's, and ``text`` where the model takes text."""
+    known = client_inputs(manifest.config)
+    return (*known, TEXT) if manifest.text is not None else known
 
 
 def to_batch(
-    tensors: dict[str, np.ndarray], manifest: Manifest, max_elements: int
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """The decoded inputs (by name) as the model's (B, S, E) float32 batch and optional (B, S) mask; every
-    transport of the protocol ends here."""
+    tensors: dict[str, np.ndarray],
+    manifest: Manifest,
+    max_elements: int,
+    texts: Texts = None,
+    params: dict | None = None,
+) -> tuple[np.ndarray, np.ndarray | None, TextRequest | None]:
+    """The decoded inputs (by name) as the model's (B, S, E) float32 batch and optional (B, S) mask, or a text
+    request (a BYTES ``text`` input: its first part's batch and mask, and the request in parts); every transport
+    of the protocol ends here."""
+    if TEXT in tensors:
+        if len(tensors) > 1:
+            raise BadInput(
+                f"input {TEXT!r} comes alone: the model embeds the texts itself (no {EMBEDDINGS!r} or {MASK!r})"
+            )
+        if texts is None:
+            raise BadInput(f"model {quote(manifest.name)} takes embeddings, not text")
+        strings = tensors[TEXT]
+        if strings.ndim not in (1, 2) or strings.ndim == 2 and strings.shape[1] != 1:
+            raise BadInput(
+                f"input {TEXT!r} must be BYTES [batch] or [batch, 1], got shape {list(strings.shape)}"
+            )
+        decoded = []
+        for i, s in enumerate(strings.reshape(-1)):
+            try:
+                decoded.append(s.decode("utf-8") if isinstance(s, bytes) else s)
+            except UnicodeDecodeError:
+                raise BadInput(f"input {TEXT!r}[{i}] is not valid UTF-8") from None
+        if not decoded:
+            raise BadInput(f"input {TEXT!r} is empty")
+        req = texts(decoded, params or {})
+        return req.embeddings, req.mask, req
     if EMBEDDINGS not in tensors:
         raise BadInput(f"missing input {EMBEDDINGS!r} (FP32 [batch, seq, d_model])")
     x = tensors[EMBEDDINGS]
@@ -116,7 +179,7 @@ def to_batch(
     if mask is not None and mask.dtype != np.bool_:
         raise BadInput(f"input {MASK!r} must be BOOL, got {_v2_name(mask.dtype)}")
     check_batch(x, mask, manifest.config.d_model, max_elements)
-    return x, mask
+    return x, mask, None
 
 
 def tensor_type(name: str, shape: object, datatype: object, max_elements: int) -> tuple[np.dtype, int]:
@@ -138,7 +201,10 @@ def tensor_type(name: str, shape: object, datatype: object, max_elements: int) -
 def from_bytes(
     name: str, raw: memoryview | bytes, shape: list[int], dtype: np.dtype, count: int
 ) -> np.ndarray:
-    """A tensor from its raw little-endian bytes, without a copy; BOOL: any non-zero byte is true (Triton)."""
+    """A tensor from its raw little-endian bytes, without a copy; BOOL: any non-zero byte is true (Triton); BYTES:
+    each element its 4-byte little-endian length, then its bytes (Triton's serialization)."""
+    if dtype.kind == "O":
+        return strings(name, bytes(raw), count).reshape(shape)
     if len(raw) != count * dtype.itemsize:
         raise BadInput(
             f"input {name!r}: {len(raw)} bytes of data do not match shape {shape} of {_v2_name(dtype)} "
@@ -146,6 +212,26 @@ def from_bytes(
         )
     arr = np.frombuffer(raw, dtype=dtype).reshape(shape)
     return arr.view(np.uint8) != 0 if dtype == np.bool_ else arr
+
+
+def strings(name: str, raw: bytes, count: int) -> np.ndarray:
+    """``count`` length-prefixed byte strings from ``raw``, exactly."""
+    out, at = [], 0
+    for i in range(count):
+        if at + 4 > len(raw):
+            raise BadInput(
+                f"input {name!r}: BYTES element {i} has no 4-byte length (the data ends at {len(raw)} bytes)"
+            )
+        n = int.from_bytes(raw[at : at + 4], "little")
+        if at + 4 + n > len(raw):
+            raise BadInput(f"input {name!r}: BYTES element {i} claims {n} bytes, past the end of its data")
+        out.append(raw[at + 4 : at + 4 + n])
+        at += 4 + n
+    if at != len(raw):
+        raise BadInput(f"input {name!r}: {len(raw) - at} byte(s) after its {count} BYTES element(s)")
+    arr = np.empty(count, object)
+    arr[:] = out
+    return arr
 
 
 def _decode_tensor(
@@ -161,7 +247,7 @@ def _decode_tensor(
             raise BadInput(f"input {name!r} has both 'data' and binary_data_size")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise BadInput(f"input {name!r}: binary_data_size must be a non-negative integer")
-        if size != count * dtype.itemsize:
+        if dtype.kind != "O" and size != count * dtype.itemsize:
             raise BadInput(
                 f"input {name!r}: binary_data_size {size} does not match shape {shape} of {datatype} "
                 f"({count * dtype.itemsize} bytes)"
@@ -179,6 +265,17 @@ def _json_tensor(
 ) -> np.ndarray:
     if not isinstance(data, list):
         raise BadInput(f"input {name!r}: 'data' must be an array (flat or nested, row-major)")
+    if datatype == "BYTES":
+        flat = _flat(data)
+        if not all(isinstance(s, str) for s in flat):
+            raise BadInput(f"input {name!r}: BYTES data must hold only strings")
+        if len(flat) != count:
+            raise BadInput(
+                f"input {name!r}: 'data' has {len(flat)} element(s) but shape {shape} needs {count}"
+            )
+        arr = np.empty(count, object)
+        arr[:] = flat
+        return arr.reshape(shape)
     try:
         arr = np.array(data)
     except ValueError:
@@ -192,6 +289,19 @@ def _json_tensor(
         raise BadInput(f"input {name!r}: 'data' has {arr.size} element(s) but shape {shape} needs {count}")
     with np.errstate(over="ignore"):
         return arr.astype(dtype).reshape(shape)
+
+
+def _flat(data: list) -> list:
+    out, stack = [], [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, list):
+                stack.append(iter(item))
+                break
+            out.append(item)
+        else:
+            stack.pop()
+    return out
 
 
 def _requested_outputs(outputs: object, params: dict, names: list[str]) -> list[RequestedOutput]:
@@ -279,6 +389,7 @@ class InferCodec:
     name: str
     header_length: str | None
     max_elements: int
+    limits: TextLimits | None = None
 
     def decode_work(self, body: bytes) -> int:
         with contextlib.suppress(BadInput):  # else the decode refuses it at once
@@ -290,7 +401,9 @@ class InferCodec:
         return work(raw=nbytes) if all(out.binary for out in req.outputs) else work(nbytes)
 
     def decode(self, body: bytes, resolve: Resolve) -> InferRequest:
-        return decode_infer(body, self.header_length, resolve(self.name).engine.manifest, self.max_elements)
+        model = resolve(self.name)
+        texts = text_step(model, self.limits) if self.limits is not None else None
+        return decode_infer(body, self.header_length, model.engine.manifest, self.max_elements, texts)
 
     def encode(
         self, req: InferRequest, model: ServingModel, outputs: Outputs

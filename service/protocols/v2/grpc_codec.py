@@ -16,9 +16,9 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from model.artifact import Manifest
-from model.contract import client_inputs
 from service.batching.merging import Outputs
 from service.core.inference import work
+from service.core.text import TextLimits
 from service.errors import BadInput
 from service.protocols.common import timeout_param
 from service.protocols.v2 import codec
@@ -29,10 +29,17 @@ if TYPE_CHECKING:
     from service.models.registry import ServingModel
 
 # datatype -> the typed contents field that carries it (FP16 has none: it travels raw)
-_TYPED = {"FP32": "fp32_contents", "FP64": "fp64_contents", "BOOL": "bool_contents"}
+_TYPED = {
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BOOL": "bool_contents",
+    "BYTES": "bytes_contents",
+}
 
 
-def decode_infer(req: pb.ModelInferRequest, manifest: Manifest, max_elements: int) -> codec.InferRequest:
+def decode_infer(
+    req: pb.ModelInferRequest, manifest: Manifest, max_elements: int, texts: codec.Texts = None
+) -> codec.InferRequest:
     if not req.inputs:
         raise BadInput("inference request needs at least one input")
     raw = req.raw_input_contents
@@ -40,7 +47,7 @@ def decode_infer(req: pb.ModelInferRequest, manifest: Manifest, max_elements: in
         raise BadInput(
             f"raw_input_contents has {len(raw)} entries for {len(req.inputs)} inputs; send one per input"
         )
-    known = client_inputs(manifest.config)
+    known = codec.inputs_of(manifest)
     tensors: dict[str, np.ndarray] = {}
     for i, tensor in enumerate(req.inputs):
         name = codec.checked_name(tensor.name, "input", known, tensors)
@@ -52,18 +59,20 @@ def decode_infer(req: pb.ModelInferRequest, manifest: Manifest, max_elements: in
             tensors[name] = codec.from_bytes(name, raw[i], shape, dtype, count)
         else:
             tensors[name] = _typed(name, tensor, shape, dtype, count)
-    x, mask = codec.to_batch(tensors, manifest, max_elements)
     names = [s.name for s in manifest.outputs]
     chosen: list[str] = []
     for out in req.outputs:
         chosen.append(codec.checked_name(out.name, "output", names, chosen))
-    return codec.InferRequest(
-        id=req.id or None,
-        embeddings=x,
-        mask=mask,
-        outputs=[codec.RequestedOutput(n, True) for n in chosen or names],
-        timeout_s=_timeout(req),
-    )
+    timeout_s = _timeout(req)
+    params = {"truncate": _parameter(req, "truncate")} if "truncate" in req.parameters else {}
+    x, mask, text = codec.to_batch(tensors, manifest, max_elements, texts, params)
+    outputs = [codec.RequestedOutput(n, True) for n in chosen or names]
+    return codec.InferRequest(req.id or None, x, mask, outputs, timeout_s, text=text)
+
+
+def _parameter(req: pb.ModelInferRequest, name: str) -> object:
+    param = req.parameters[name]
+    return getattr(param, param.WhichOneof("parameter_choice") or "bool_param")
 
 
 def _typed(name: str, tensor: pb.ModelInferRequest.InferInputTensor, shape: list[int], dtype, count: int):
@@ -77,6 +86,10 @@ def _typed(name: str, tensor: pb.ModelInferRequest.InferInputTensor, shape: list
         raise BadInput(
             f"input {name!r}: contents has {len(values)} element(s) but shape {shape} needs {count}"
         )
+    if dtype.kind == "O":
+        arr = np.empty(count, object)
+        arr[:] = list(values)
+        return arr.reshape(shape)
     return np.fromiter(values, dtype=dtype, count=count).reshape(shape)
 
 
@@ -131,6 +144,7 @@ class GrpcInferCodec:
 
     name: str
     max_elements: int
+    limits: TextLimits | None = None
 
     def decode_work(self, request: pb.ModelInferRequest) -> int:
         # typed contents (fp32_contents...) count as text: they are read element by element
@@ -141,7 +155,9 @@ class GrpcInferCodec:
         return work(raw=nbytes)
 
     def decode(self, request: pb.ModelInferRequest, resolve: Resolve) -> codec.InferRequest:
-        return decode_infer(request, resolve(self.name).engine.manifest, self.max_elements)
+        model = resolve(self.name)
+        texts = codec.text_step(model, self.limits) if self.limits is not None else None
+        return decode_infer(request, model.engine.manifest, self.max_elements, texts)
 
     def encode(self, req: codec.InferRequest, model: ServingModel, outputs: Outputs) -> bytes:
         return encode_infer(req, model.name, outputs, model.version)

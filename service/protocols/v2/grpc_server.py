@@ -21,6 +21,7 @@ from google.protobuf.message import DecodeError, Message
 
 from service import logs
 from service.core import inference
+from service.core.text import TextLimits
 from service.errors import BadInput, ClientDeadline, ServiceError, grpc_code
 from service.guard import Guard
 from service.models.registry import READY
@@ -107,7 +108,7 @@ class InferenceService:
             return next((v for k, v in context.invocation_metadata() or () if k == key), None)
 
         call = inference.Call("grpc", named=name, deadline_s=context.time_remaining(), carrier=carrier)
-        how = grpc_codec.GrpcInferCodec(name, loaded.settings.max_elements)
+        how = grpc_codec.GrpcInferCodec(name, loaded.settings.max_elements, TextLimits.of(loaded.settings))
         answer, _ = await inference.run(loaded, call, how, request)
         return answer
 

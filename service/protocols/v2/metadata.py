@@ -6,7 +6,7 @@ extension's answer. The tensors themselves are codec.py's.
 from __future__ import annotations
 
 from model.artifact import Manifest
-from model.contract import api_specs
+from model.contract import TEXT_SPEC, api_specs
 from model.runtime import CUDA
 from service.errors import NotFound, quote
 from service.models.registry import READY, Registry, ServingModel
@@ -25,6 +25,8 @@ def model_metadata(manifest: Manifest, version: str = "1") -> dict:
         }
 
     inputs, outputs = api_specs(manifest.config)
+    if manifest.text is not None:
+        inputs = (*inputs, TEXT_SPEC)
     return {
         "name": manifest.name,
         "versions": [version],

@@ -13,12 +13,18 @@ from collections.abc import Collection, Sequence
 from google.protobuf import json_format, text_format
 
 from model.artifact import Manifest
-from model.contract import EMBEDDINGS, LONGEST, MASK, OFFSETS, TensorSpec, api_specs
+from model.contract import EMBEDDINGS, LONGEST, MASK, OFFSETS, TEXT, TEXT_SPEC, TensorSpec, api_specs
 from service.protocols.v2 import inference_pb2 as pb
 
 PLATFORM, BACKEND = "onnxruntime_onnx", "onnxruntime"
 # model_config.proto's DataType for each dtype a manifest names
-TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "float64": "TYPE_FP64", "bool": "TYPE_BOOL"}
+TRITON_TYPES = {
+    "float32": "TYPE_FP32",
+    "float16": "TYPE_FP16",
+    "float64": "TYPE_FP64",
+    "bool": "TYPE_BOOL",
+    "bytes": "TYPE_STRING",
+}
 
 
 # A packed graph (model/packing.py) under Triton's ragged batching: its tokens arrive concatenated and flat, and
@@ -103,13 +109,16 @@ def served(
     """What a running addnorm-serve does with a model: its API's tensors (batch-first whatever the graph's
     layout), the batcher's real limits, the mask optional (a request without one has no padding)."""
     inputs, outputs = api_specs(manifest.config)
+    optional: tuple[str, ...] = (MASK,)
+    if manifest.text is not None:  # texts, or embeddings: either
+        inputs, optional = (*inputs, TEXT_SPEC), (MASK, EMBEDDINGS, TEXT)
     return build(
         manifest.name,
         inputs,
         outputs,
         max_batch_size=max_batch_size,
         kind="KIND_GPU" if gpu else "KIND_CPU",
-        optional=(MASK,),
+        optional=optional,
         dynamic_batching={
             "max_queue_delay_microseconds": round(max_queue_delay_s * 1e6),
             "default_queue_policy": {"max_queue_size": max_queue_size},

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 
 from model.contract import EMBEDDINGS, ENCODED
 from service.core import inference
+from service.core.text import TextLimits
 from service.errors import BadInput
 from service.guard import Known
 from service.models.registry import ServingModel
@@ -92,7 +93,9 @@ async def _infer(request: Request, loaded: KnownModels, name: str, version: str 
     start = time.perf_counter()
     metadata.check_version(loaded.models, name, version)
     settings = loaded.settings
-    how = codec.InferCodec(name, request.headers.get(codec.HEADER_LENGTH), settings.max_elements)
+    how = codec.InferCodec(
+        name, request.headers.get(codec.HEADER_LENGTH), settings.max_elements, TextLimits.of(settings)
+    )
     call = http_call(request, "v2", start, named=name)
     body = lambda: read_then_watch(request, call, settings.max_body_bytes)  # noqa: E731 (read once resolved)
     (payload, headers), timings = await inference.run(loaded, call, how, read=body)
