@@ -171,6 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
         "extra) against transformers on real sentences: gate verdict, error, sentence cosine, ranking, speed "
         "(bench/real.py)",
     )
+    p.add_argument(
+        "--text",
+        action="store_true",
+        help="instead of the ratios: text to vectors (bench/text.py): real sentences through all-MiniLM-L6-v2's "
+        "/v1/embeddings at 1, 8 and 32 clients, 1 and 8 sentences a request, against the in-process limit, a FastAPI "
+        "app calling sentence-transformers and Infinity (where installed); writes bench/results/text.json",
+    )
     return p
 
 
@@ -304,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import real
 
         return real.main(args.rounds)
+    if args.text:
+        from bench import text
+
+        return text.main(["--rounds", str(args.rounds), "--seconds", str(args.seconds)])
     start = time.perf_counter()
     res = run(args)
     res["bench_seconds"] = time.perf_counter() - start

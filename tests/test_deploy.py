@@ -23,7 +23,11 @@ def compose_config(*args: str) -> dict:
 def test_compose_file_is_valid_and_wires_export_api_gpu_and_ray():
     cfg = compose_config("--profile", "gpu", "--profile", "ray")
     services = cfg["services"]
-    assert set(services) == {"export", "export-int8", "api", "api-gpu", "ray"}
+    assert set(services) == {"export", "export-int8", "api", "proxy", "api-gpu", "ray"}
+    assert services["proxy"]["build"]["target"] == "proxy" and services["proxy"]["depends_on"] == {
+        "api": {"condition": "service_started"}
+    }
+    assert any(p.startswith("127.0.0.1:8080:8080") for p in services["proxy"]["ports"])
     assert services["export"]["build"]["target"] == "export"
     assert "artifacts" in cfg["volumes"]
     for name in ("api", "api-gpu", "ray"):
@@ -162,7 +166,12 @@ def test_the_healthcheck_loads_neither_onnxruntime_nor_fastapi():
     )
     assert done.stdout.strip() == "[]", done.stdout
     dockerfile = (ROOT / "Dockerfile").read_text()
-    assert dockerfile.count("COPY deploy/docker/healthcheck.py ./") == dockerfile.count("HEALTHCHECK ") == 3
+    # the proxy image is the api image's child (FROM api): it has the healthcheck already
+    assert (
+        dockerfile.count("COPY deploy/docker/healthcheck.py ./") == 3
+        and dockerfile.count("HEALTHCHECK ") == 4
+    )
+    assert "FROM api AS proxy" in dockerfile
 
 
 def test_the_healthcheck_follows_the_port(server, monkeypatch):

@@ -271,7 +271,9 @@ def test_the_proxy_container_fronts_the_api(images, repository, default_artifact
         # beside the api as a sidecar shares its pod: in its network namespace (the api publishes 8080)
         upstream = ("--listen", "8080", "--upstream", "127.0.0.1:8000")
         share = ("--network", f"container:{api.name}")
-        proxy = Container("localhost/addnorm-proxy:latest", repository, limits, {8080: ports[8080]}, share, upstream)
+        proxy = Container(
+            "localhost/addnorm-proxy:latest", repository, limits, {8080: ports[8080]}, share, upstream
+        )
         print(f"proxy: run -> ready in {proxy.wait_ready():.2f} s; image {images['proxy'] / 1e6:.0f} MB")
         np.testing.assert_allclose(_readme_v1(proxy.url()), want_v1, atol=1e-5, rtol=1e-4)
         np.testing.assert_allclose(_readme_v2(proxy.url()), want_v2, atol=1e-5, rtol=1e-4)

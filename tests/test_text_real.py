@@ -65,11 +65,15 @@ def test_the_openai_client_and_tei_get_what_sentence_transformers_computes(serve
     print(f"{name}: least cosine with SentenceTransformer.encode {cos.min():.7f} over {len(TEXTS)} texts")
     assert cos.min() >= COSINE[name], cos
     if name == "minilm":
-        tei = np.array(httpx.post(f"{served.base}/embed", json={"inputs": TEXTS, "truncate": True}, timeout=60).json())
+        tei = np.array(
+            httpx.post(f"{served.base}/embed", json={"inputs": TEXTS, "truncate": True}, timeout=60).json()
+        )
         assert _cosines(tei, want).min() >= COSINE[name]
         np.testing.assert_allclose(np.linalg.norm(tei, axis=1), 1.0, atol=1e-5)
 
 
 def test_a_text_over_256_tokens_is_refused_unless_cut(served):
-    r = httpx.post(f"{served.base}/v1/embeddings", json={"input": [PASSAGE * 12], "model": "minilm"}, timeout=60)
+    r = httpx.post(
+        f"{served.base}/v1/embeddings", json={"input": [PASSAGE * 12], "model": "minilm"}, timeout=60
+    )
     assert r.status_code == 413 and "more than this model's 256" in r.json()["error"]

@@ -7,12 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-WORDS = (
-    "a man is eating food bread the girl carrying baby riding white horse on an enclosed ground woman playing "
-    "violin someone in gorilla costume set of drums how do i reset my password if no longer have access to email "
-    "address account what boiling point water at high altitude quarterly report shows revenue grew eight percent "
-    "while operating costs fell driven mostly by lower energy prices and smaller workforce european division"
-).split()
+WORDS = ["a", "man", "is", "eating", "food", "bread", "the", "girl", "carrying", "baby", "riding", "white", "horse", "on", "an", "enclosed", "ground", "woman", "playing", "violin", "someone", "in", "gorilla", "costume", "set", "of", "drums", "how", "do", "i", "reset", "my", "password", "if", "no", "longer", "have", "access", "to", "email", "address", "account", "what", "boiling", "point", "water", "at", "high", "altitude", "quarterly", "report", "shows", "revenue", "grew", "eight", "percent", "while", "operating", "costs", "fell", "driven", "mostly", "by", "lower", "energy", "prices", "and", "smaller", "workforce", "european", "division"]
 TEXTS = [
     "A man is eating food.",
     "The girl is carrying a baby.",
@@ -38,10 +33,13 @@ def _tokenizer(specials: tuple[str, ...], cls: str, sep: str, unk: str, pad: str
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        single=f"{cls} $A {sep}",
+        pair=f"{cls} $A {sep} $B:1 {sep}:1",
         special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])],
     )
-    tok.enable_padding(pad_id=vocab[pad], pad_token=pad, length=16)  # as hub exports fix it: the server must not
+    tok.enable_padding(
+        pad_id=vocab[pad], pad_token=pad, length=16
+    )  # as hub exports fix it: the server must not
     tok.enable_truncation(16)
     return tok, len(vocab)
 
@@ -83,7 +81,12 @@ def make_model_dir(family: str, directory: Path, seed: int = 0, max_positions: i
             [
                 {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                 {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-                {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+                {
+                    "idx": 2,
+                    "name": "2",
+                    "path": "2_Normalize",
+                    "type": "sentence_transformers.models.Normalize",
+                },
             ]
         )
     )
@@ -102,8 +105,13 @@ def transformers_vectors(directory: Path, batch) -> tuple:
     import torch
     from transformers import AutoModel
 
-    model = AutoModel.from_pretrained(str(directory), local_files_only=True, attn_implementation="eager").eval()
-    feed = {"input_ids": torch.from_numpy(batch.input_ids), "attention_mask": torch.from_numpy(~batch.mask).long()}
+    model = AutoModel.from_pretrained(
+        str(directory), local_files_only=True, attn_implementation="eager"
+    ).eval()
+    feed = {
+        "input_ids": torch.from_numpy(batch.input_ids),
+        "attention_mask": torch.from_numpy(~batch.mask).long(),
+    }
     if model.config.model_type != "distilbert":
         feed["token_type_ids"] = torch.from_numpy(batch.token_type_ids)
     with torch.no_grad():

@@ -26,7 +26,13 @@ FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert")
 FORMS = [(f, "fp32", "auto") for f in FAMILIES] + [
     (f, v, a)
     for f in ("bert", "roberta")
-    for v, a in (("fused", "auto"), ("fp16", "auto"), ("int8", "auto"), ("fp32", "decomposed"), ("fp32", "onnx"))
+    for v, a in (
+        ("fused", "auto"),
+        ("fp16", "auto"),
+        ("int8", "auto"),
+        ("fp32", "decomposed"),
+        ("fp32", "onnx"),
+    )
 ]
 # the least per-sentence cosine of the pooled vectors with sentence-transformers' pooling of transformers' output
 COSINE = {"fp32": 0.999999, "fused": 0.999999, "fp16": 0.9999, "int8": 0.999}
@@ -45,7 +51,9 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("family, variant, attention", FORMS)
-def test_text_through_the_exported_graphs_equals_transformers(model_dirs, tmp_path, family, variant, attention, capsys):
+def test_text_through_the_exported_graphs_equals_transformers(
+    model_dirs, tmp_path, family, variant, attention, capsys
+):
     directory = model_dirs[family]
     out = tmp_path / "artifact"
     args = ["--from", str(directory), "--out", str(out), "--variant", variant, "--attention", attention]
@@ -54,7 +62,9 @@ def test_text_through_the_exported_graphs_equals_transformers(model_dirs, tmp_pa
     assert cli.main(args) == 0, capsys.readouterr().err
     manifest = Manifest.load(out)
     assert manifest.text is not None and manifest.text.family == family
-    assert manifest.parity["embedding"]["passed"] and manifest.parity["reference"]["ids"]["graph"]["tokens"] > 0
+    assert (
+        manifest.parity["embedding"]["passed"] and manifest.parity["reference"]["ids"]["graph"]["tokens"] > 0
+    )
     tokenizer = TextTokenizer((out / TOKENIZER_FILE).read_bytes(), manifest.text)
     batch = tokenizer.encode(TEXTS)
     assert max(batch.lengths) > 16  # the tokenizer.json's own truncation (16) is not the server's
@@ -84,7 +94,9 @@ def test_an_unknown_model_type_names_the_supported_ones(model_dirs, tmp_path, ca
 
 def test_inputs_embeddings_keeps_the_block_alone_and_ids_needs_a_tokenizer(model_dirs, tmp_path, capsys):
     out = tmp_path / "block"
-    assert cli.main(["--from", str(model_dirs["bert"]), "--out", str(out), "--inputs", "embeddings", "-q"]) == 0
+    assert (
+        cli.main(["--from", str(model_dirs["bert"]), "--out", str(out), "--inputs", "embeddings", "-q"]) == 0
+    )
     manifest = Manifest.load(out)
     assert manifest.text is None and not (out / "embedding.onnx").exists()
     bare = tmp_path / "bare"

@@ -5,6 +5,7 @@ a big request back in input order, truncation, and every bad input a 4xx that na
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from tests.text_models import TEXTS, make_model_dir, transformers_vectors
 
 pytestmark = pytest.mark.server
 KEY = "text-api-key"
+GRPC_PORT = 0  # the module's server's, set by ``base``
 MAX_LENGTH = 48  # tests/text_models.py's sentence_bert_config.json
 
 
@@ -40,7 +42,11 @@ def artifact(model_dir: Path, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def base(artifact: Path) -> Iterator[str]:
     # a small --max-batch-tokens: a request of many inputs runs in several parts
-    with start_server(artifact, "--max-batch-tokens", "64", "--max-client-batch-size", "100") as srv:
+    with start_server(
+        artifact, "--max-batch-tokens", "64", "--max-client-batch-size", "100", grpc=True
+    ) as srv:
+        global GRPC_PORT
+        GRPC_PORT = srv.grpc_port
         yield srv.base
 
 
@@ -59,7 +65,9 @@ def test_the_openai_client_unmodified_gets_what_the_graphs_compute(base, artifac
     want = _in_process(artifact, TEXTS)[POOLED]
     np.testing.assert_allclose(got, want, atol=1e-6)
     assert [d.index for d in answer.data] == list(range(len(TEXTS)))
-    batch = TextTokenizer((artifact / TOKENIZER_FILE).read_bytes(), Manifest.load(artifact).text).encode(TEXTS)
+    batch = TextTokenizer((artifact / TOKENIZER_FILE).read_bytes(), Manifest.load(artifact).text).encode(
+        TEXTS
+    )
     assert answer.usage.prompt_tokens == answer.usage.total_tokens == sum(batch.lengths)
     # sentence-transformers' mean pooling and Normalize of transformers' own output
     _, pooled = transformers_vectors(model_dir, batch)
@@ -96,7 +104,9 @@ def test_dimensions_cut_then_normalize_and_token_ids_equal_text(base, artifact):
 
 
 def test_a_big_request_runs_in_parts_and_answers_in_input_order(base, artifact):
-    texts = [TEXTS[i % len(TEXTS)] + " water" * (i % 7) for i in range(40)]  # mixed lengths, > 64 tokens in all
+    texts = [
+        TEXTS[i % len(TEXTS)] + " water" * (i % 7) for i in range(40)
+    ]  # mixed lengths, > 64 tokens in all
     got = httpx.post(f"{base}/v1/embeddings", json={"input": texts}, timeout=60).json()
     assert [d["index"] for d in got["data"]] == list(range(40))
     want = np.array([_in_process(artifact, [t])[POOLED][0] for t in texts])
@@ -111,7 +121,9 @@ def test_tei_embed_and_tokenize(base, artifact, model_dir):
     batch = tokenizer.encode(TEXTS)
     hidden, _ = transformers_vectors(model_dir, batch)
     keep = (~batch.mask)[..., None]
-    np.testing.assert_allclose(raw, (hidden * keep).sum(1) / keep.sum(1), atol=1e-5)  # mean pooling, not normalized
+    np.testing.assert_allclose(
+        raw, (hidden * keep).sum(1) / keep.sum(1), atol=1e-5
+    )  # mean pooling, not normalized
     tokens = httpx.post(f"{base}/tokenize", json={"inputs": "a man"}).json()
     assert [t["text"] for t in tokens[0]] == ["[CLS]", "a", "man", "[SEP]"]
     assert tokens[0][0]["special"] and (tokens[0][2]["start"], tokens[0][2]["stop"]) == (2, 5)
@@ -122,9 +134,14 @@ def test_tei_embed_and_tokenize(base, artifact, model_dir):
 def test_inputs_over_the_model_length_are_refused_or_cut_on_request(base, artifact):
     long = "water " * 80
     refused = httpx.post(f"{base}/v1/embeddings", json={"input": ["a", long]})
-    assert refused.status_code == 413 and f"input[1] has 82 tokens, more than this model's {MAX_LENGTH}" in refused.json()["error"]
+    assert (
+        refused.status_code == 413
+        and f"input[1] has 82 tokens, more than this model's {MAX_LENGTH}" in refused.json()["error"]
+    )
     cut = httpx.post(f"{base}/v1/embeddings", json={"input": [long], "truncate": True}).json()
-    np.testing.assert_allclose(cut["data"][0]["embedding"], _in_process(artifact, [long], truncate=True)[POOLED][0], atol=1e-6)
+    np.testing.assert_allclose(
+        cut["data"][0]["embedding"], _in_process(artifact, [long], truncate=True)[POOLED][0], atol=1e-6
+    )
     assert cut["usage"]["prompt_tokens"] == MAX_LENGTH
     assert httpx.post(f"{base}/embed", json={"inputs": long}).status_code == 413
     assert httpx.post(f"{base}/embed", json={"inputs": long, "truncate": True}).status_code == 200
@@ -162,10 +179,14 @@ def test_bad_input_is_a_4xx_naming_its_field(base, body, status, names):
 
 
 def test_bytes_that_are_not_json_or_utf8_are_400(base):
-    for body in (b"\xff\xfe{\"input\": \"a\"}", b'{"input": "\xc3\x28"}', b"", b"{"):
+    for body in (b'\xff\xfe{"input": "a"}', b'{"input": "\xc3\x28"}', b"", b"{"):
         r = httpx.post(f"{base}/v1/embeddings", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"], (body, r.text)
-    for path, body in (("/embed", {"inputs": [""]}), ("/embed", {"inputs": "a", "normalize": "no"}), ("/tokenize", {})):
+    for path, body in (
+        ("/embed", {"inputs": [""]}),
+        ("/embed", {"inputs": "a", "normalize": "no"}),
+        ("/tokenize", {}),
+    ):
         r = httpx.post(f"{base}{path}", json=body)
         assert r.status_code == 400 and r.json()["error"], (path, r.text)
     assert httpx.get(f"{base}/health/ready").status_code == 200  # still serving
@@ -187,3 +208,104 @@ def test_encoded_output_is_still_served_for_embeddings(base, artifact):
     """The artifact's block keeps its own contract: /v1/encode takes embeddings as before."""
     r = httpx.post(f"{base}/v1/encode", json={"embeddings": [[0.1] * 32] * 3})
     assert r.status_code == 200 and np.array(r.json()[ENCODED]).shape == (3, 32)
+
+
+def test_tritonclient_sends_text_as_bytes_over_http_and_grpc(base, artifact):
+    import tritonclient.grpc as tg
+    import tritonclient.http as th
+
+    texts = np.array([t.encode() for t in TEXTS], dtype=object)
+    want = _in_process(artifact, TEXTS)
+    http = th.InferenceServerClient(base.removeprefix("http://"))
+    for binary in (True, False):
+        inp = th.InferInput("text", [len(TEXTS)], "BYTES")
+        inp.set_data_from_numpy(texts, binary_data=binary)
+        out = http.infer("tiny-bert", [inp], outputs=[th.InferRequestedOutput("pooled", binary_data=binary)])
+        np.testing.assert_allclose(out.as_numpy("pooled"), want[POOLED], atol=1e-6)
+    inp = th.InferInput("text", [len(TEXTS), 1], "BYTES")  # Triton's [batch, 1] convention
+    inp.set_data_from_numpy(texts.reshape(-1, 1))
+    encoded = http.infer("tiny-bert", [inp]).as_numpy(ENCODED)  # padded to the longest: zeros past each length
+    tokenizer = TextTokenizer((artifact / TOKENIZER_FILE).read_bytes(), Manifest.load(artifact).text)
+    real = ~tokenizer.encode(TEXTS).mask
+    assert encoded.shape == want[ENCODED].shape and not encoded[~real].any()
+    np.testing.assert_allclose(encoded[real], want[ENCODED][real], atol=1e-5)
+    grpc = tg.InferenceServerClient(f"127.0.0.1:{GRPC_PORT}")
+    inp = tg.InferInput("text", [len(TEXTS)], "BYTES")
+    inp.set_data_from_numpy(texts)
+    np.testing.assert_allclose(grpc.infer("tiny-bert", [inp]).as_numpy("pooled"), want[POOLED], atol=1e-6)
+    meta = http.get_model_metadata("tiny-bert")
+    assert {"name": "text", "datatype": "BYTES", "shape": [-1, 1]} in meta["inputs"]
+    config = http.get_model_config("tiny-bert")
+    assert {i["name"]: i["optional"] for i in config["input"]} == {
+        "embeddings": True,
+        "mask": True,
+        "text": True,
+    }
+
+
+@pytest.mark.parametrize(
+    "inputs, names",
+    [
+        (
+            [{"name": "text", "shape": [1], "datatype": "BYTES", "data": [""]}],
+            "input 'text'[0] is an empty string",
+        ),
+        (
+            [{"name": "text", "shape": [2], "datatype": "BYTES", "data": ["a"]}],
+            "has 1 element(s) but shape [2]",
+        ),
+        (
+            [{"name": "text", "shape": [1], "datatype": "BYTES", "data": [3]}],
+            "BYTES data must hold only strings",
+        ),
+        ([{"name": "text", "shape": [1], "datatype": "FP32", "data": [3.0]}], "must be BYTES"),
+        (
+            [{"name": "text", "shape": [1, 2], "datatype": "BYTES", "data": [["a", "b"]]}],
+            "[batch] or [batch, 1]",
+        ),
+        (
+            [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["water " * 80]}],
+            "more than this model's 48",
+        ),
+        (
+            [
+                {"name": "text", "shape": [1], "datatype": "BYTES", "data": ["a"]},
+                {"name": "embeddings", "shape": [1, 1, 32], "datatype": "FP32", "data": [0.0] * 32},
+            ],
+            "comes alone",
+        ),
+    ],
+)
+def test_bad_v2_text_is_a_400_naming_it(base, inputs, names):
+    r = httpx.post(f"{base}/v2/models/tiny-bert/infer", json={"inputs": inputs})
+    assert r.status_code in (400, 413) and names in r.json()["error"], r.text
+
+
+@pytest.mark.parametrize(
+    "raw, names",
+    [
+        (b"\x05\x00\x00\x00ab", "claims 5 bytes, past the end"),
+        (b"\x01\x00", "has no 4-byte length"),
+        (b"\x01\x00\x00\x00a\x00", "1 byte(s) after its 1 BYTES element(s)"),
+        (b"\x02\x00\x00\x00\xc3\x28", "is not valid UTF-8"),
+    ],
+)
+def test_bad_binary_bytes_are_a_400(base, raw, names):
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "text",
+                    "shape": [1],
+                    "datatype": "BYTES",
+                    "parameters": {"binary_data_size": len(raw)},
+                }
+            ]
+        }
+    ).encode()
+    r = httpx.post(
+        f"{base}/v2/models/tiny-bert/infer",
+        content=header + raw,
+        headers={"Inference-Header-Content-Length": str(len(header))},
+    )
+    assert r.status_code == 400 and names in r.json()["error"], r.text

@@ -8,8 +8,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from service.core.inference import work
 from service.core.text import TextRequest, decode_texts
 from service.errors import BadInput
@@ -78,7 +76,3 @@ def pooling(model: ServingModel) -> tuple[str, bool]:
     """How the model pools and whether it normalizes (its manifest's config); mean for a graph without pooling."""
     config = model.engine.manifest.config
     return (config.pooling if config.pooling != "none" else "mean"), config.normalize_pooled
-
-
-def as_float_lists(vectors: np.ndarray) -> list[list[float]]:
-    return vectors.astype(np.float32).tolist()

@@ -143,14 +143,15 @@ def write(req, model, outputs) -> bytes:
     if req.options["format"] == "base64":
         data = [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in out]
     else:
-        data = out.tolist()
+        data = list(out)  # float32 rows: orjson writes each value's shortest float32 form
     return orjson.dumps(
         {
             "object": "list",
             "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(data)],
             "model": model.name,
             "usage": {"prompt_tokens": req.tokens, "total_tokens": req.tokens},
-        }
+        },
+        option=orjson.OPT_SERIALIZE_NUMPY,
     )
 
 

@@ -90,11 +90,18 @@ _TOKENIZE_DOC = _doc(
 )
 
 
+def _prompt_name(doc: dict) -> str | None:
+    name = doc.get("prompt_name")
+    if name is not None and not isinstance(name, str):
+        raise BadInput(f"prompt_name must be a string, got {quote(name)}")
+    return name
+
+
 def _texts(doc: dict, max_inputs: int, prompts: dict[str, str] | None = None) -> list[str]:
     inputs = text_inputs(doc["inputs"], "inputs", max_inputs)
     if not isinstance(inputs[0], str):
         raise BadInput("inputs must be a string or a list of strings")
-    name = doc.get("prompt_name")
+    name = _prompt_name(doc)
     if name is None or prompts is None:
         return inputs
     if name not in prompts:
@@ -112,7 +119,7 @@ def read(doc: object, max_inputs: int) -> Read:
     options = {
         "normalize": json_bool(doc, "normalize", "body", True),
         "dimensions": dims,
-        "prompt": doc.get("prompt_name"),
+        "prompt": _prompt_name(doc),
     }
     return Read(
         None,

