@@ -108,3 +108,41 @@ def test_inputs_embeddings_keeps_the_block_alone_and_ids_needs_a_tokenizer(model
     # --from-bert is the same flag
     assert cli.main(["--from-bert", str(model_dirs["bert"]), "--out", str(tmp_path / "alias"), "-q"]) == 0
     assert Manifest.load(tmp_path / "alias").text is not None
+
+
+@pytest.mark.parametrize("family", ["bert", "distilbert"])
+def test_the_joined_graph_speaks_transformers_names(model_dirs, tmp_path, family):
+    """export/interop.py: the artifact as one graph with transformers' inputs and outputs (what sentence-transformers'
+    ONNX backend and optimum load from onnx/model.onnx), answering as transformers' AutoModel on the same ids.
+    sentence-transformers' backend="onnx" itself needs optimum-onnx, which pins transformers < 4.58 (the dev extra has
+    5.x): it loaded the joined all-MiniLM-L6-v2 graph in a separate environment (issue 65's note)."""
+    import onnxruntime as ort
+
+    from export import interop
+
+    artifact = tmp_path / "artifact"
+    assert cli.main(["--from", str(model_dirs[family]), "--out", str(artifact), "-q"]) == 0
+    path = interop.write(artifact, model_dirs[family], tmp_path / "st")
+    assert (tmp_path / "st" / "tokenizer.json").is_file() and not (
+        tmp_path / "st" / "model.safetensors"
+    ).exists()
+    session = ort.InferenceSession(str(path))
+    names = [i.name for i in session.get_inputs()]
+    assert names == (
+        ["input_ids", "attention_mask"]
+        if family == "distilbert"
+        else ["input_ids", "token_type_ids", "attention_mask"]
+    )
+    assert [o.name for o in session.get_outputs()] == ["last_hidden_state", "pooled"]
+    manifest = Manifest.load(artifact)
+    batch = TextTokenizer((artifact / TOKENIZER_FILE).read_bytes(), manifest.text).encode(TEXTS)
+    feed = {"input_ids": batch.input_ids, "attention_mask": (~batch.mask).astype(np.int64)}
+    if "token_type_ids" in names:
+        feed["token_type_ids"] = batch.token_type_ids
+    hidden, pooled = session.run(None, feed)
+    want, want_pooled = transformers_vectors(model_dirs[family], batch)
+    keep = ~batch.mask
+    assert np.abs(hidden - want)[keep].max() <= 4 * max(float32_floor(want), 1e-6)
+    np.testing.assert_allclose(pooled, want_pooled, atol=1e-5)
+    with pytest.raises(FileExistsError):
+        interop.write(artifact, model_dirs[family], tmp_path / "st")

@@ -224,7 +224,9 @@ def test_tritonclient_sends_text_as_bytes_over_http_and_grpc(base, artifact):
         np.testing.assert_allclose(out.as_numpy("pooled"), want[POOLED], atol=1e-6)
     inp = th.InferInput("text", [len(TEXTS), 1], "BYTES")  # Triton's [batch, 1] convention
     inp.set_data_from_numpy(texts.reshape(-1, 1))
-    encoded = http.infer("tiny-bert", [inp]).as_numpy(ENCODED)  # padded to the longest: zeros past each length
+    encoded = http.infer("tiny-bert", [inp]).as_numpy(
+        ENCODED
+    )  # padded to the longest: zeros past each length
     tokenizer = TextTokenizer((artifact / TOKENIZER_FILE).read_bytes(), Manifest.load(artifact).text)
     real = ~tokenizer.encode(TEXTS).mask
     assert encoded.shape == want[ENCODED].shape and not encoded[~real].any()
@@ -309,3 +311,30 @@ def test_bad_binary_bytes_are_a_400(base, raw, names):
         headers={"Inference-Header-Content-Length": str(len(header))},
     )
     assert r.status_code == 400 and names in r.json()["error"], r.text
+
+
+def test_v1_encode_takes_token_ids_for_a_model_that_takes_ids(base, artifact):
+    tokenizer = TextTokenizer((artifact / TOKENIZER_FILE).read_bytes(), Manifest.load(artifact).text)
+    ids = [tokenizer.encode([t]).input_ids[0].tolist() for t in TEXTS[:3]]
+    r = httpx.post(f"{base}/v1/encode", json={"input_ids": ids})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    want = _in_process(artifact, TEXTS[:3])
+    assert got["shape"] == [[len(i), 32] for i in ids]  # ragged: each sequence at its own length
+    for i, row in enumerate(got[ENCODED]):
+        np.testing.assert_allclose(row, want[ENCODED][i, : len(ids[i])], atol=1e-5)
+    np.testing.assert_allclose(got[POOLED], want[POOLED], atol=1e-6)
+    for body, names in (
+        ({"input_ids": ids, "embeddings": [[0.0] * 32]}, "not both"),
+        ({"input_ids": [1, 2]}, "must be a non-empty list of token id lists"),
+        ({"input_ids": [[1, 10**7]]}, "outside this model's vocabulary"),
+        ({"input_ids": [["a"]]}, "input_ids[0] must be"),
+    ):
+        r = httpx.post(f"{base}/v1/encode", json=body)
+        assert r.status_code == 400 and names in r.json()["error"], r.text
+
+
+def test_v1_encode_refuses_ids_for_a_model_that_takes_embeddings(tiny_artifact):
+    with start_server(tiny_artifact) as srv:
+        r = httpx.post(f"{srv.base}/v1/encode", json={"input_ids": [[1, 2]]})
+        assert r.status_code == 400 and "takes embeddings, not text or token ids" in r.json()["error"]

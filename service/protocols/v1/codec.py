@@ -16,9 +16,11 @@ import numpy as np
 import orjson
 
 from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, positional
+from model.text import INPUT_IDS
 from service.batching.merging import Outputs
 from service.core.inference import work
-from service.errors import BadInput, NotAcceptable, UnsupportedMediaType, quote
+from service.core.text import TextLimits, TextRequest, decode_texts, text_inputs
+from service.errors import BadInput, NotAcceptable, TooLarge, UnsupportedMediaType, quote
 from service.protocols.common import check_batch, holds_literal, parse_json
 from service.protocols.v1 import binary
 from service.protocols.v1.binary import NPY, OCTET
@@ -29,7 +31,9 @@ if TYPE_CHECKING:
 
 MODEL = "model"
 OUTPUT = "output"  # the query parameter naming the output a binary answer carries
-_FIELDS = {EMBEDDINGS, MASK, MODEL}
+_FIELDS = {EMBEDDINGS, MASK, MODEL, INPUT_IDS}
+# (model name, token id lists) -> the request's text step (service/core/text.py), for a model that takes ids
+Ids = Callable[[str | None, list], "TextRequest"]
 DModel = int | Callable[[str | None], int]  # the model's width, or the width of the model a request names
 _LITERALS = (b"true", b"false", b"null")
 JSON = "application/json"
@@ -50,6 +54,7 @@ class EncodeRequest:
     squeeze: bool = False  # input was one [seq, d_model] sequence
     model: str | None = None  # the model it names (None: the default)
     timeout_s: float | None = None  # /v1 has no timeout parameter: ADDNORM_REQUEST_TIMEOUT_S alone
+    text: TextRequest | None = None  # token ids in: embedded by the model's own layer, in parts
 
     def split(self, out: np.ndarray, name: str = ENCODED) -> np.ndarray | list[np.ndarray]:
         """Undo the request's packing: drop the batch dim, or cut each ragged sequence to its length (a pooled
@@ -59,7 +64,9 @@ class EncodeRequest:
         return out[0] if self.squeeze else out
 
 
-def decode_json(body: bytes, d_model: DModel, max_elements: int, model: str | None = None) -> EncodeRequest:
+def decode_json(
+    body: bytes, d_model: DModel, max_elements: int, model: str | None = None, ids: Ids | None = None
+) -> EncodeRequest:
     doc = parse_json(body, max_elements)
     if not isinstance(doc, dict):
         raise BadInput(f"request body must be a JSON object with {EMBEDDINGS!r}, got {type(doc).__name__}")
@@ -75,6 +82,8 @@ def decode_json(body: bytes, d_model: DModel, max_elements: int, model: str | No
         if model is not None and model != named:
             raise BadInput(f"the body names model {quote(named)} but the query names {quote(model)}")
         model = named
+    if INPUT_IDS in doc:
+        return _decode_ids(doc, model, ids, max_elements)
     width = _width(d_model, model)
     if EMBEDDINGS not in doc:
         raise BadInput(f"missing field {EMBEDDINGS!r} ([seq, d_model] or [batch, seq, d_model] numbers)")
@@ -103,6 +112,20 @@ def decode_json(body: bytes, d_model: DModel, max_elements: int, model: str | No
     check_batch(req.embeddings, req.mask, width, max_elements)
     req.model = model
     return req
+
+
+def _decode_ids(doc: dict, model: str | None, ids: Ids | None, max_elements: int) -> EncodeRequest:
+    """``{"input_ids": [[...], ...]}``: token id lists of a model that takes ids, answered as ragged sequences."""
+    if EMBEDDINGS in doc or MASK in doc:
+        raise BadInput(f"give {INPUT_IDS!r} or {EMBEDDINGS!r}, not both (the model embeds the ids itself)")
+    rows = doc[INPUT_IDS]
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, list) for r in rows):
+        raise BadInput(f"{INPUT_IDS!r} must be a non-empty list of token id lists")
+    inputs = text_inputs(rows, INPUT_IDS, max_elements)
+    if ids is None:
+        raise BadInput(f"this server does not take {INPUT_IDS!r} on /v1/encode")
+    text = ids(model, inputs)
+    return EncodeRequest(text.embeddings, text.mask, lengths=[len(r) for r in inputs], model=model, text=text)
 
 
 def _width(d_model: DModel, model: str | None) -> int:
@@ -206,13 +229,14 @@ def decode(
     d_model: DModel,
     max_elements: int,
     model: str | None = None,
+    ids: Ids | None = None,
 ) -> EncodeRequest:
     """Decode a /v1 body by its media type (JSON when none is given); ``model``: the name the query gave."""
     media = media_type(content_type)
     headers = headers or {}
     # curl -d sends application/x-www-form-urlencoded unless told otherwise: read it as the JSON it is.
     if media in (JSON, "text/json", "text/plain", "application/x-www-form-urlencoded", ""):
-        return decode_json(body, d_model, max_elements, model)
+        return decode_json(body, d_model, max_elements, model, ids)
     if media == OCTET:
         x = binary.decode_raw(body, headers.get(binary.SHAPE_HEADER))
     elif media == NPY:
@@ -283,6 +307,7 @@ class EncodeCodec:
     media: str
     output: str | None
     max_elements: int
+    limits: TextLimits | None = None
 
     def decode_work(self, body: bytes) -> int:
         return work(raw=len(body)) if media_type(self.content_type) in (OCTET, NPY) else work(len(body))
@@ -292,7 +317,21 @@ class EncodeCodec:
 
     def decode(self, body: bytes, resolve: Resolve) -> EncodeRequest:
         d_model = lambda name: resolve(name).engine.d_model  # noqa: E731
-        return decode(self.content_type, body, self.headers, d_model, self.max_elements, self.named)
+        ids = None
+        if self.limits is not None:
+            limits = self.limits
+
+            def ids(name: str | None, rows: list) -> TextRequest:
+                if len(rows) > limits.max_inputs:
+                    raise TooLarge(
+                        f"{INPUT_IDS!r} holds {len(rows)} sequences, more than this server's {limits.max_inputs} "
+                        "(ADDNORM_MAX_CLIENT_BATCH_SIZE)"
+                    )
+                return decode_texts(
+                    resolve(name), rows, limits.auto_truncate, limits.max_batch_tokens, INPUT_IDS
+                )
+
+        return decode(self.content_type, body, self.headers, d_model, self.max_elements, self.named, ids)
 
     def encode(
         self, req: EncodeRequest, model: ServingModel, outputs: Outputs

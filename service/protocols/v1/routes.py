@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request, Response
 
 from model.contract import EMBEDDINGS, ENCODED
 from service.core import inference
+from service.core.text import TextLimits
 from service.guard import Known
 from service.models.live_parity import judged
 from service.protocols.common import error_docs, http_call, read_then_watch, timing_headers
@@ -72,7 +73,13 @@ async def encode(request: Request, loaded: Known) -> Response:
     call = http_call(request, "v1", start)
     body = await read_then_watch(request, call, settings.max_body_bytes)
     how = codec.EncodeCodec(
-        headers.get("content-type", ""), headers, named, media, output, settings.max_elements
+        headers.get("content-type", ""),
+        headers,
+        named,
+        media,
+        output,
+        settings.max_elements,
+        TextLimits.of(settings),
     )
     (payload, answer_headers), timings = await inference.run(loaded, call, how, body)
     answer_headers.update(timing_headers(timings, time.perf_counter() - start))

@@ -3,12 +3,19 @@ document is built from them (routes.py), and tests/service/test_schemas.py holds
 header declared is read or written, and nothing else is)."""
 
 from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, POOLED
+from model.text import INPUT_IDS
 from service.protocols.v1.codec import MODEL, OUTPUT
 
 REQUEST = {
     "type": "object",
-    "required": [EMBEDDINGS],
+    "description": f"{EMBEDDINGS} (and optionally {MASK}), or {INPUT_IDS} for a model exported with its embedding layer",
     "properties": {
+        INPUT_IDS: {
+            "description": "token id lists (a model exported with --inputs ids): embedded by the model's own "
+            "layer, answered as ragged sequences",
+            "type": "array",
+            "items": {"type": "array", "items": {"type": "integer"}},
+        },
         EMBEDDINGS: {
             "description": "[seq, d_model], [batch, seq, d_model], or a list of [seq_i, d_model] "
             "sequences of different lengths (padded and masked by the server)",
