@@ -11,8 +11,8 @@ from pathlib import Path
 
 from export import attention, hf
 from export.calibration import calibration_cases, load_arrays
-from export.embedding import embed_sentences
 from export.checks import GraphCheckError
+from export.embedding import embed_sentences
 from export.families.bert import FAMILY as BERT
 from export.gate import ParityError
 from export.onnx_export import DEFAULT_OPSET, MIN_OPSET, ExportError
@@ -321,7 +321,11 @@ def _text(args: argparse.Namespace, where: hf.ModelDir | None, state: dict | Non
         )
     family = where.family
     layer = family.text(where.config)
-    fields = {"family": where.config.get("model_type", "bert"), **layer, **hf.text_limits(where.directory, layer)}
+    fields = {
+        "family": where.config.get("model_type", "bert"),
+        **layer,
+        **hf.text_limits(where.directory, layer),
+    }
     text = TextConfig.from_dict(fields)
     module = EmbeddingAddNorm(text, config.d_model)
     weights = family.embedding_state(state)

@@ -74,7 +74,9 @@ def id_cases(module: EmbeddingAddNorm, seed: int = 1234) -> list[dict[str, np.nd
     return cases
 
 
-def embed_sentences(module: EmbeddingAddNorm, tokenizer_json: bytes, sentences) -> tuple[np.ndarray, np.ndarray]:
+def embed_sentences(
+    module: EmbeddingAddNorm, tokenizer_json: bytes, sentences
+) -> tuple[np.ndarray, np.ndarray]:
     """(embeddings (N, S, E) float32, mask (N, S) bool) of ``sentences``: tokenized as the server tokenizes them
     (cut to the model's length) and embedded by the model's own embedding layer: what the block receives."""
     from model.tokenize import TextTokenizer
@@ -85,6 +87,19 @@ def embed_sentences(module: EmbeddingAddNorm, tokenizer_json: bytes, sentences) 
         feed.append(torch.from_numpy(batch.token_type_ids))
     with torch.no_grad():
         return module(*feed).numpy(), batch.mask
+
+
+def write_embedding_golden(module: EmbeddingAddNorm, path: Path) -> None:
+    """Two of the gate's id cases (a padded batch, and one at the longest length) with the float64 oracle's
+    embeddings of them: every server runs them through its own session at load (service/backend/text.py)."""
+    from safetensors.numpy import save_file
+
+    arrays = {}
+    for i, feed in enumerate(id_cases(module)[1::2]):
+        for name, value in feed.items():
+            arrays[f"{i}/{name}"] = value
+        arrays[f"{i}/{EMBEDDINGS}"] = module.oracle(feed["input_ids"], feed.get("token_type_ids"))
+    save_file(arrays, str(path))
 
 
 def gate_embedding(module: EmbeddingAddNorm, path: Path) -> EmbeddingGate:

@@ -19,7 +19,7 @@ from export.attention import AttentionError
 from export.attention import resolve as resolve_attention
 from export.cases import Case, default_cases, synthetic
 from export.checks import check_graph
-from export.embedding import export_embedding, gate_embedding
+from export.embedding import export_embedding, gate_embedding, write_embedding_golden
 from export.families import Family
 from export.families.bert import FAMILY as BERT
 from export.gate import ParityError, gate
@@ -34,7 +34,7 @@ from model.config import EncoderConfig
 from model.contract import io_specs
 from model.embedding import EmbeddingAddNorm
 from model.encoder import Encoder, build_encoder
-from model.text import EMBEDDING_FILE, TOKENIZER_FILE, TextConfig
+from model.text import EMBEDDING_FILE, EMBEDDING_GOLDEN_FILE, TOKENIZER_FILE, TextConfig
 
 log = logging.getLogger("addnorm.export")
 
@@ -165,7 +165,7 @@ def export_artifact(
         files = [MODEL_FILE, WEIGHTS_FILE, GOLDEN_FILE, MANIFEST_FILE]
         if text is not None:
             summary["embedding"] = _embedding(text, staging, out_dir, opset)
-            files[-1:-1] = [EMBEDDING_FILE, TOKENIZER_FILE]
+            files[-1:-1] = [EMBEDDING_FILE, TOKENIZER_FILE, EMBEDDING_GOLDEN_FILE]
         if check is not None:
             summary["reference"] = check(staging / MODEL_FILE)
         with _writing(out_dir, GOLDEN_FILE):
@@ -191,6 +191,7 @@ def export_artifact(
             text=None if text is None else text.config,
             embedding_sha256=sha256_file(staging / EMBEDDING_FILE) if text else "",
             tokenizer_sha256=sha256_file(staging / TOKENIZER_FILE) if text else "",
+            embedding_golden_sha256=sha256_file(staging / EMBEDDING_GOLDEN_FILE) if text else "",
         )
         with _writing(out_dir, MANIFEST_FILE):
             manifest.save(staging)
@@ -206,6 +207,8 @@ def _embedding(text: TextExport, staging: Path, out_dir: Path, opset: int) -> di
         export_embedding(text.module, staging / EMBEDDING_FILE, opset)
     with _writing(out_dir, TOKENIZER_FILE):
         shutil.copyfile(text.tokenizer, staging / TOKENIZER_FILE)
+    with _writing(out_dir, EMBEDDING_GOLDEN_FILE):
+        write_embedding_golden(text.module, staging / EMBEDDING_GOLDEN_FILE)
     result = gate_embedding(text.module, staging / EMBEDDING_FILE)
     log.info(
         "embedding Add & Norm (%s, %d-token vocabulary): max abs err %.2e against float64 (bound %.2e) on %d tokens",

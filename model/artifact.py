@@ -7,6 +7,7 @@ Layout (what export writes and serve reads)::
     manifest.json         this module's Manifest
     golden.safetensors    inputs with their oracle outputs, checked by every server at load
     embedding.onnx        --inputs ids: the embedding layer's Add & Norm (model/text.py)
+    embedding_golden.safetensors  ids and the float64 oracle's embeddings of them, checked at load
     tokenizer.json        --inputs ids: the model directory's tokenizer (Hugging Face tokenizers)
 
 No torch import: the service reads manifests.
@@ -23,7 +24,7 @@ from typing import Any
 from model.config import ConfigError, EncoderConfig
 from model.contract import TensorSpec
 from model.schemes import Form
-from model.text import EMBEDDING_FILE, TOKENIZER_FILE, TextConfig
+from model.text import EMBEDDING_FILE, EMBEDDING_GOLDEN_FILE, TOKENIZER_FILE, TextConfig
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.onnx"
@@ -60,6 +61,7 @@ class Manifest:
     text: TextConfig | None = None
     embedding_sha256: str = ""
     tokenizer_sha256: str = ""
+    embedding_golden_sha256: str = ""
 
     def input(self, name: str) -> TensorSpec:
         for spec in self.inputs:
@@ -82,6 +84,7 @@ class Manifest:
                 "weights": WEIGHTS_FILE,
                 **({"golden": GOLDEN_FILE} if self.golden_sha256 else {}),
                 **({"embedding": EMBEDDING_FILE, "tokenizer": TOKENIZER_FILE} if self.text else {}),
+                **({"embedding_golden": EMBEDDING_GOLDEN_FILE} if self.embedding_golden_sha256 else {}),
             },
             "model_sha256": self.model_sha256,
             **({"golden_sha256": self.golden_sha256} if self.golden_sha256 else {}),
@@ -94,6 +97,11 @@ class Manifest:
                     "text": self.text.to_dict(),
                     "embedding_sha256": self.embedding_sha256,
                     "tokenizer_sha256": self.tokenizer_sha256,
+                    **(
+                        {"embedding_golden_sha256": self.embedding_golden_sha256}
+                        if self.embedding_golden_sha256
+                        else {}
+                    ),
                 }
                 if self.text
                 else {}
@@ -131,6 +139,7 @@ class Manifest:
                 text=TextConfig.from_dict(data["text"]) if data.get("text") is not None else None,
                 embedding_sha256=str(data.get("embedding_sha256", "")),
                 tokenizer_sha256=str(data.get("tokenizer_sha256", "")),
+                embedding_golden_sha256=str(data.get("embedding_golden_sha256", "")),
             )
         except (KeyError, TypeError, ValueError, ConfigError) as exc:
             if isinstance(exc, ArtifactError):
@@ -206,6 +215,7 @@ class Verified:
     golden: bytes | None  # None for artifacts exported before golden data
     embedding: bytes | None = None  # --inputs ids: the embedding layer's graph
     tokenizer: bytes | None = None  # and tokenizer.json
+    embedding_golden: bytes | None = None  # and its golden data
 
 
 def read_verified(directory: str | Path) -> Verified:
@@ -226,7 +236,14 @@ def read_verified(directory: str | Path) -> Verified:
             directory / EMBEDDING_FILE, manifest.embedding_sha256, "the embedding graph"
         )
         tokenizer = _read_checked(directory / TOKENIZER_FILE, manifest.tokenizer_sha256, "the tokenizer")
-    return Verified(directory, manifest, model, golden, embedding, tokenizer)
+    embedding_golden = None
+    if manifest.embedding_golden_sha256:
+        embedding_golden = _read_checked(
+            directory / EMBEDDING_GOLDEN_FILE,
+            manifest.embedding_golden_sha256,
+            "the embedding layer's golden data",
+        )
+    return Verified(directory, manifest, model, golden, embedding, tokenizer, embedding_golden)
 
 
 def read_weights(directory: str | Path, manifest: Manifest) -> bytes:

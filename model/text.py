@@ -18,6 +18,8 @@ from model.contract import EMBEDDINGS
 
 EMBEDDING_FILE = "embedding.onnx"
 TOKENIZER_FILE = "tokenizer.json"
+# ids with the float64 oracle's embeddings of them, checked by every server at load (service/backend/text.py)
+EMBEDDING_GOLDEN_FILE = "embedding_golden.safetensors"
 INPUT_IDS, TOKEN_TYPE_IDS, ATTENTION_MASK = "input_ids", "token_type_ids", "attention_mask"
 # How positions are numbered: 0, 1, 2, ... (BERT, DistilBERT), or after the padding index, padding tokens at it
 # (RoBERTa, XLM-RoBERTa: fairseq's make_positions).

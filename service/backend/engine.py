@@ -265,6 +265,12 @@ def verify_engine(engine: Engine, mode: str) -> Verification:
     result = verify(engine.run, golden, tol, provider)
     if result.status == "failed" and engine.manifest.variant == "int8" and provider == CPU:
         result = dataclasses.replace(result, message=result.message + int8_cpu_hint(cpu_flags()))
+    text = engine.text.verify() if engine.text is not None else None
+    if text is not None:  # the embedding layer's own golden cases: one verdict for the artifact
+        ok, worst, bound, cases = text
+        what = f"embedding layer: {cases} golden cases, max abs err {worst:.3e} against float64 (bound {bound:.3e})"
+        status = result.status if ok else "failed"
+        result = dataclasses.replace(result, status=status, message=f"{result.message}; {what}")
     return result
 
 
@@ -284,12 +290,13 @@ def accept(v: Verification, mode: str, name: str) -> bool:
     not served)."""
     if v.status == "passed":
         log.info(
-            "golden check passed for %s on %s: max abs err %.3e (%d cases, %.2f s)",
+            "golden check passed for %s on %s: max abs err %.3e (%d cases, %.2f s)%s",
             name,
             v.provider,
             v.max_abs_err,
             v.cases,
             v.seconds,
+            "".join(f"; {part}" for part in v.message.split("; ")[1:]),  # the embedding layer's, if any
         )
         return True
     if v.status == "failed" and mode == "strict":

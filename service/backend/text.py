@@ -11,6 +11,7 @@ from model.contract import EMBEDDINGS
 from model.runtime import session_args
 from model.text import INPUT_IDS, TOKEN_TYPE_IDS
 from model.tokenize import Batch, TextTokenizer
+from model.verdict import FP32_ATOL, float32_floor
 
 
 class TextFront:
@@ -28,6 +29,29 @@ class TextFront:
         opts.log_severity_level = 3
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(verified.embedding, opts, **session_args(providers))
+        self.golden = verified.embedding_golden
+
+    def verify(self) -> tuple[bool, float, float, int] | None:
+        """The embedding layer's golden cases through this session against the float64 oracle's embeddings:
+        (passed, max abs err, bound, cases); None for an artifact without them. The bound is float32's floor
+        of the output's scale (the export gate's)."""
+        if self.golden is None:
+            return None
+        from safetensors.numpy import load
+
+        arrays = load(self.golden)
+        worst, bound, cases = 0.0, 0.0, 0
+        for key in sorted(k for k in arrays if k.endswith("/" + INPUT_IDS)):
+            case = key.rsplit("/", 1)[0]
+            feed = {INPUT_IDS: arrays[key]}
+            if self.config.type_vocab_size:
+                feed[TOKEN_TYPE_IDS] = arrays[f"{case}/{TOKEN_TYPE_IDS}"]
+            want = arrays[f"{case}/{EMBEDDINGS}"]
+            got = self.session.run([EMBEDDINGS], feed)[0]
+            worst = max(worst, float(np.abs(got - want).max()))
+            bound = max(bound, float32_floor(want), FP32_ATOL)
+            cases += 1
+        return worst <= bound, worst, bound, cases
 
     def embed(self, batch: Batch) -> np.ndarray:
         """(B, S) ids -> (B, S, E) float32."""

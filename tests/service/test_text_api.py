@@ -338,3 +338,30 @@ def test_v1_encode_refuses_ids_for_a_model_that_takes_embeddings(tiny_artifact):
     with start_server(tiny_artifact) as srv:
         r = httpx.post(f"{srv.base}/v1/encode", json={"input_ids": [[1, 2]]})
         assert r.status_code == 400 and "takes embeddings, not text or token ids" in r.json()["error"]
+
+
+def test_the_embedding_layer_is_checked_at_load(artifact, tmp_path):
+    """The embedding graph's golden cases run at load beside the block's: passed for the artifact as exported,
+    failed (and refused under strict) when its oracle outputs say otherwise."""
+    import hashlib
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from model.text import EMBEDDING_GOLDEN_FILE
+    from service.backend.engine import Engine, verify_engine
+
+    good = verify_engine(Engine(artifact, "cpu"), "strict")
+    assert good.passed and "embedding layer: 2 golden cases" in good.message, good.message
+    bad = tmp_path / "bad"
+    shutil.copytree(artifact, bad)
+    arrays = load_file(str(bad / EMBEDDING_GOLDEN_FILE))
+    arrays["0/embeddings"] = arrays["0/embeddings"] + 1e-3
+    save_file(arrays, str(bad / EMBEDDING_GOLDEN_FILE))
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["embedding_golden_sha256"] = hashlib.sha256(
+        (bad / EMBEDDING_GOLDEN_FILE).read_bytes()
+    ).hexdigest()
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    failed = verify_engine(Engine(bad, "cpu"), "strict")
+    assert failed.status == "failed" and "embedding layer" in failed.message, failed.message
