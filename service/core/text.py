@@ -8,9 +8,11 @@ merge with other requests by token cost as any tensors do. ``vectors`` gives eac
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+from starlette.concurrency import run_in_threadpool
 
 from model.contract import ENCODED, POOLED
 from model.tokenize import Batch, TooLong
@@ -28,10 +30,16 @@ class TextLimits:
     max_inputs: int
     max_batch_tokens: int
     auto_truncate: bool
+    max_bytes: int | None = None  # a request's embeddings in all (ADDNORM_MAX_QUEUE_BYTES)
 
     @classmethod
     def of(cls, settings) -> TextLimits:
-        return cls(settings.max_client_batch_size, settings.max_batch_tokens, settings.auto_truncate)
+        return cls(
+            settings.max_client_batch_size,
+            settings.max_batch_tokens,
+            settings.auto_truncate,
+            settings.max_queue_bytes,
+        )
 
 
 def text_of(req: object) -> TextRequest | None:
@@ -46,7 +54,9 @@ class Part:
 
     rows: np.ndarray  # (b,) indices into the request's inputs
     batch: Batch
-    embeddings: np.ndarray  # (b, s, E) float32
+    embeddings: (
+        np.ndarray | None
+    )  # (b, s, E) float32; made when the part is queued (the first part's at decode)
 
 
 @dataclass
@@ -56,6 +66,9 @@ class TextRequest:
 
     parts: list[Part]
     tokens: int  # real tokens in all, special tokens included (usage.prompt_tokens)
+    embed: Callable[[Batch], np.ndarray] | None = (
+        None  # the model's embedding layer, for the parts not yet made
+    )
     model: str | None = None
     timeout_s: float | None = None
     options: dict = field(default_factory=dict)  # the protocol's own (normalize, dimensions, encoding)
@@ -103,10 +116,22 @@ def text_inputs(value: object, where: str, max_inputs: int) -> Inputs:
     return value
 
 
+# Parts of one request queued at a time: their embeddings (each at most max_batch_tokens positions) exist only
+# while they are queued or running, so a request of many inputs holds a few parts' worth, not all of them.
+PARTS_IN_FLIGHT = 4
+
+
 def decode_texts(
-    model, inputs: Inputs, truncate: bool, max_batch_tokens: int, where: str = "input"
+    model,
+    inputs: Inputs,
+    truncate: bool,
+    max_batch_tokens: int,
+    where: str = "input",
+    max_bytes: int | None = None,
 ) -> TextRequest:
-    """Tokenize (or check the ids of) ``inputs`` with ``model``'s text front and embed them, in parts."""
+    """Tokenize (or check the ids of) ``inputs`` with ``model``'s text front, in parts; the first part embedded.
+    ``max_bytes``: the most bytes of float32 embeddings the whole request may come to (its queue's limit, which it
+    could never pass)."""
     front = model.engine.text
     if front is None:
         raise BadInput(
@@ -140,6 +165,12 @@ def decode_texts(
                     )
                 ids = ids[:limit]
             rows.append(ids)
+    width = model.engine.d_model
+    if max_bytes is not None and (need := sum(map(len, rows)) * width * 4) > max_bytes:
+        raise TooLarge(
+            f"{where} holds {sum(map(len, rows))} tokens: {need} bytes of embeddings, above this server's queue of "
+            f"{max_bytes} bytes (ADDNORM_MAX_QUEUE_BYTES); split the request"
+        )
     order = np.argsort([len(r) for r in rows], kind="stable")
     parts, start = [], 0
     while start < len(order):  # the longest that fit max_batch_tokens padded positions, shortest first
@@ -150,15 +181,29 @@ def decode_texts(
         batch = front.tokenizer.pad(
             [rows[i] for i in picked], None if types is None else [types[i] for i in picked]
         )
-        parts.append(Part(picked, batch, front.embed(batch)))
+        parts.append(Part(picked, batch, None if parts else front.embed(batch)))
         start = stop
-    return TextRequest(parts, sum(len(r) for r in rows))
+    return TextRequest(parts, sum(len(r) for r in rows), embed=front.embed)
 
 
 async def run_parts(infer, req: TextRequest, limit: float, timer) -> tuple[Outputs, Timings]:
     """Each part on the model's batcher side by side (``infer``: ServingModel.infer), answers back in input order:
     positional outputs padded to the longest part's length."""
-    answers = await asyncio.gather(*(infer(p.embeddings, p.batch.mask, limit, timer) for p in req.parts))
+    gate = asyncio.Semaphore(PARTS_IN_FLIGHT)
+
+    async def one(part: Part):
+        async with gate:
+            if part.embeddings is None:
+                part.embeddings = await run_in_threadpool(req.embed, part.batch)
+            try:
+                return await infer(part.embeddings, part.batch.mask, limit, timer)
+            finally:
+                part.embeddings = None  # its memory back as soon as it ran
+
+    if len(req.parts) == 1:
+        answers = [await infer(req.parts[0].embeddings, req.parts[0].batch.mask, limit, timer)]
+    else:
+        answers = await asyncio.gather(*(one(p) for p in req.parts))
     if len(answers) == 1 and np.array_equal(req.parts[0].rows, np.arange(req.rows)):
         return answers[0]
     outputs: Outputs = {}

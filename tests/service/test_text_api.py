@@ -365,3 +365,14 @@ def test_the_embedding_layer_is_checked_at_load(artifact, tmp_path):
     (bad / "manifest.json").write_text(json.dumps(manifest))
     failed = verify_engine(Engine(bad, "cpu"), "strict")
     assert failed.status == "failed" and "embedding layer" in failed.message, failed.message
+
+
+def test_a_request_whose_embeddings_could_never_queue_is_413(artifact):
+    """A text request's embeddings in all are bounded by the queue it would wait in (ADDNORM_MAX_QUEUE_BYTES); below
+    that, its parts are embedded a few at a time as they are queued, not all at decode."""
+    with start_server(artifact, "--max-queue-bytes", "100000", "--max-batch-tokens", "64") as srv:
+        many = ["water " * 40] * 100  # 100 x 42 tokens x 32 wide x 4 bytes = 537,600 bytes
+        r = httpx.post(f"{srv.base}/v1/embeddings", json={"input": many}, timeout=60)
+        assert r.status_code == 413 and "ADDNORM_MAX_QUEUE_BYTES" in r.json()["error"], r.text
+        fits = httpx.post(f"{srv.base}/v1/embeddings", json={"input": many[:15]}, timeout=60)  # 8 parts of 2
+        assert fits.status_code == 200 and len(fits.json()["data"]) == 15

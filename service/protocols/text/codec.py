@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from service.core.inference import work
-from service.core.text import TextRequest, decode_texts
+from service.core.text import TextLimits, TextRequest, decode_texts
 from service.errors import BadInput
 from service.protocols.common import parse_json
 
@@ -41,9 +41,7 @@ class TextCodec:
     read: Callable[[object, int], Read]  # (parsed JSON, max inputs) -> Read
     write: Callable[[TextRequest, ServingModel, Outputs], bytes]
     max_elements: int
-    max_inputs: int
-    max_batch_tokens: int
-    auto_truncate: bool
+    limits: TextLimits
 
     def decode_work(self, body: bytes) -> int:
         return work(TEXT_WORK * len(body))
@@ -52,9 +50,11 @@ class TextCodec:
         return work(nbytes // 8)  # pooled vectors: a small share of the outputs' bytes
 
     def decode(self, body: bytes, resolve: Resolve) -> TextRequest:
-        read = self.read(parse_json(body, self.max_elements), self.max_inputs)
+        limits = self.limits
+        read = self.read(parse_json(body, self.max_elements), limits.max_inputs)
         model = resolve(read.model)
-        req = decode_texts(model, read.inputs, read.truncate or self.auto_truncate, self.max_batch_tokens)
+        truncate = read.truncate or limits.auto_truncate
+        req = decode_texts(model, read.inputs, truncate, limits.max_batch_tokens, "input", limits.max_bytes)
         req.model, req.options = read.model, read.options
         return req
 

@@ -17,7 +17,7 @@ import orjson
 from fastapi import APIRouter, Request, Response
 
 from service.core import inference
-from service.core.text import text_inputs, vectors
+from service.core.text import TextLimits, text_inputs, vectors
 from service.errors import BadInput, quote
 from service.guard import Known
 from service.protocols.common import error_docs, http_call, read_then_watch, timing_headers
@@ -161,7 +161,7 @@ async def embeddings(request: Request, loaded: Known) -> Response:
     s = loaded.settings
     call = http_call(request, "openai", start)
     body = await read_then_watch(request, call, s.max_body_bytes)
-    how = TextCodec(read, write, s.max_elements, s.max_client_batch_size, s.max_batch_tokens, s.auto_truncate)
+    how = TextCodec(read, write, s.max_elements, TextLimits.of(s))
     payload, timings = await inference.run(loaded, call, how, body)
     return Response(
         payload, media_type="application/json", headers=timing_headers(timings, time.perf_counter() - start)

@@ -14,7 +14,7 @@ import orjson
 from fastapi import APIRouter, Request, Response
 
 from service.core import inference
-from service.core.text import text_inputs, vectors
+from service.core.text import TextLimits, text_inputs, vectors
 from service.errors import BadInput, quote
 from service.guard import Known
 from service.protocols.common import (
@@ -156,9 +156,7 @@ async def embed(request: Request, loaded: Known) -> Response:
         prompts = front.config.prompts if front is not None else {}
         return Read(None, _texts(doc, max_inputs, prompts), got.truncate, got.options)
 
-    how = TextCodec(
-        read_prompted, write, s.max_elements, s.max_client_batch_size, s.max_batch_tokens, s.auto_truncate
-    )
+    how = TextCodec(read_prompted, write, s.max_elements, TextLimits.of(s))
     payload, timings = await inference.run(loaded, call, how, body)
     return Response(
         payload, media_type="application/json", headers=timing_headers(timings, time.perf_counter() - start)

@@ -328,7 +328,12 @@ class EncodeCodec:
                         "(ADDNORM_MAX_CLIENT_BATCH_SIZE)"
                     )
                 return decode_texts(
-                    resolve(name), rows, limits.auto_truncate, limits.max_batch_tokens, INPUT_IDS
+                    resolve(name),
+                    rows,
+                    limits.auto_truncate,
+                    limits.max_batch_tokens,
+                    INPUT_IDS,
+                    limits.max_bytes,
                 )
 
         return decode(self.content_type, body, self.headers, d_model, self.max_elements, self.named, ids)

@@ -82,7 +82,9 @@ def text_step(model: ServingModel, limits: TextLimits) -> Texts:
         for i, t in enumerate(texts):
             if not t:
                 raise BadInput(f"input {TEXT!r}[{i}] is an empty string")
-        return decode_texts(model, texts, truncate, limits.max_batch_tokens, where=f"input {TEXT!r}")
+        return decode_texts(
+            model, texts, truncate, limits.max_batch_tokens, f"input {TEXT!r}", limits.max_bytes
+        )
 
     return step
 
