@@ -122,22 +122,22 @@ PARTS_IN_FLIGHT = 4
 
 
 def decode_texts(
-    model,
-    inputs: Inputs,
-    truncate: bool,
-    max_batch_tokens: int,
-    where: str = "input",
-    max_bytes: int | None = None,
+    model, inputs: Inputs, truncate: bool, limits: TextLimits, where: str = "input", prompt: str | None = None
 ) -> TextRequest:
-    """Tokenize (or check the ids of) ``inputs`` with ``model``'s text front, in parts; the first part embedded.
-    ``max_bytes``: the most bytes of float32 embeddings the whole request may come to (its queue's limit, which it
-    could never pass)."""
+    """Tokenize (or check the ids of) ``inputs`` (``text_inputs``'s) with ``model``'s text front, behind its prompt
+    ``prompt``, in parts of at most ``limits.max_batch_tokens`` positions; the first part embedded. Cut to the
+    model's length when ``truncate`` or ``limits.auto_truncate``; refused when its embeddings could never fit the
+    queue (``limits.max_bytes``)."""
     front = model.engine.text
     if front is None:
         raise BadInput(
             f"model {quote(model.name)} takes embeddings, not text or token ids: export it from a model directory "
             "with --inputs ids"
         )
+    truncate = truncate or limits.auto_truncate
+    max_batch_tokens, max_bytes = limits.max_batch_tokens, limits.max_bytes
+    if isinstance(inputs[0], str):
+        inputs = front.prompted(inputs, prompt)
     limit = front.config.max_length
     if isinstance(inputs[0], str):
         try:
@@ -242,6 +242,8 @@ def vectors(
             keep = (~_mask(req, encoded.shape[1]))[..., None].astype(np.float32)
             out = (encoded * keep).sum(1) / np.maximum(keep.sum(1), 1e-9)
     if dimensions is not None:
+        if dimensions > out.shape[1]:
+            raise BadInput(f"dimensions {dimensions} is more than this model's {out.shape[1]}")
         out = np.ascontiguousarray(out[:, :dimensions])
     if wanted:
         out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)

@@ -32,6 +32,7 @@ class Read:
     inputs: list
     truncate: bool
     options: dict
+    prompt: str | None = None  # one of the model's named prompts, put before each text
 
 
 @dataclass
@@ -53,8 +54,7 @@ class TextCodec:
         limits = self.limits
         read = self.read(parse_json(body, self.max_elements), limits.max_inputs)
         model = resolve(read.model)
-        truncate = read.truncate or limits.auto_truncate
-        req = decode_texts(model, read.inputs, truncate, limits.max_batch_tokens, "input", limits.max_bytes)
+        req = decode_texts(model, read.inputs, read.truncate, limits, "input", read.prompt)
         req.model, req.options = read.model, read.options
         return req
 

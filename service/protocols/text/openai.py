@@ -135,8 +135,6 @@ def read(doc: object, max_inputs: int) -> Read:
 
 def write(req, model, outputs) -> bytes:
     dims = req.options["dimensions"]
-    if dims is not None and dims > model.engine.d_model:
-        raise BadInput(f"dimensions {dims} is more than this model's {model.engine.d_model}")
     how, normalized = pooling(model)
     # Matryoshka: cut, then normalize again
     out = vectors(req, outputs, how, normalized, True if dims is not None else None, dims)

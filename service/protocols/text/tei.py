@@ -97,16 +97,11 @@ def _prompt_name(doc: dict) -> str | None:
     return name
 
 
-def _texts(doc: dict, max_inputs: int, prompts: dict[str, str] | None = None) -> list[str]:
+def _texts(doc: dict, max_inputs: int) -> list[str]:
     inputs = text_inputs(doc["inputs"], "inputs", max_inputs)
     if not isinstance(inputs[0], str):
         raise BadInput("inputs must be a string or a list of strings")
-    name = _prompt_name(doc)
-    if name is None or prompts is None:
-        return inputs
-    if name not in prompts:
-        raise BadInput(f"prompt_name {quote(name)} is not one of this model's prompts {sorted(prompts)}")
-    return [prompts[name] + text for text in inputs]
+    return inputs
 
 
 def read(doc: object, max_inputs: int) -> Read:
@@ -116,25 +111,14 @@ def read(doc: object, max_inputs: int) -> Read:
     dims = doc.get("dimensions")
     if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
         raise BadInput(f"dimensions must be a positive integer, got {quote(dims)}")
-    options = {
-        "normalize": json_bool(doc, "normalize", "body", True),
-        "dimensions": dims,
-        "prompt": _prompt_name(doc),
-    }
-    return Read(
-        None,
-        text_inputs(doc["inputs"], "inputs", max_inputs),
-        json_bool(doc, "truncate", "body", False),
-        options,
-    )
+    options = {"normalize": json_bool(doc, "normalize", "body", True), "dimensions": dims}
+    inputs = text_inputs(doc["inputs"], "inputs", max_inputs)
+    return Read(None, inputs, json_bool(doc, "truncate", "body", False), options, _prompt_name(doc))
 
 
 def write(req, model, outputs) -> bytes:
-    dims = req.options["dimensions"]
-    if dims is not None and dims > model.engine.d_model:
-        raise BadInput(f"dimensions {dims} is more than this model's {model.engine.d_model}")
     how, normalized = pooling(model)
-    out = vectors(req, outputs, how, normalized, req.options["normalize"], dims)
+    out = vectors(req, outputs, how, normalized, req.options["normalize"], req.options["dimensions"])
     return orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
@@ -146,17 +130,7 @@ async def embed(request: Request, loaded: Known) -> Response:
     s = loaded.settings
     call = http_call(request, "tei", start)
     body = await read_then_watch(request, call, s.max_body_bytes)
-
-    def read_prompted(doc: object, max_inputs: int) -> Read:
-        got = read(doc, max_inputs)
-        name = got.options["prompt"]
-        if name is None:
-            return got
-        front = loaded.models.get(None).engine.text
-        prompts = front.config.prompts if front is not None else {}
-        return Read(None, _texts(doc, max_inputs, prompts), got.truncate, got.options)
-
-    how = TextCodec(read_prompted, write, s.max_elements, TextLimits.of(s))
+    how = TextCodec(read, write, s.max_elements, TextLimits.of(s))
     payload, timings = await inference.run(loaded, call, how, body)
     return Response(
         payload, media_type="application/json", headers=timing_headers(timings, time.perf_counter() - start)
@@ -174,7 +148,7 @@ async def tokenize(request: Request, loaded: Known) -> Response:
     front = model.engine.text
     if front is None:
         raise BadInput(f"model {quote(model.name)} takes embeddings, not text: export it with --inputs ids")
-    texts = _texts(doc, s.max_client_batch_size, front.config.prompts)
+    texts = front.prompted(_texts(doc, s.max_client_batch_size), _prompt_name(doc))
     special = json_bool(doc, "add_special_tokens", "body", True)
     answer = [
         [

@@ -20,7 +20,7 @@ from model.text import INPUT_IDS
 from service.batching.merging import Outputs
 from service.core.inference import work
 from service.core.text import TextLimits, TextRequest, decode_texts, text_inputs
-from service.errors import BadInput, NotAcceptable, TooLarge, UnsupportedMediaType, quote
+from service.errors import BadInput, NotAcceptable, UnsupportedMediaType, quote
 from service.protocols.common import check_batch, holds_literal, parse_json
 from service.protocols.v1 import binary
 from service.protocols.v1.binary import NPY, OCTET
@@ -83,7 +83,7 @@ def decode_json(
             raise BadInput(f"the body names model {quote(named)} but the query names {quote(model)}")
         model = named
     if INPUT_IDS in doc:
-        return _decode_ids(doc, model, ids, max_elements)
+        return _decode_ids(doc, model, ids)
     width = _width(d_model, model)
     if EMBEDDINGS not in doc:
         raise BadInput(f"missing field {EMBEDDINGS!r} ([seq, d_model] or [batch, seq, d_model] numbers)")
@@ -114,18 +114,17 @@ def decode_json(
     return req
 
 
-def _decode_ids(doc: dict, model: str | None, ids: Ids | None, max_elements: int) -> EncodeRequest:
+def _decode_ids(doc: dict, model: str | None, ids: Ids | None) -> EncodeRequest:
     """``{"input_ids": [[...], ...]}``: token id lists of a model that takes ids, answered as ragged sequences."""
     if EMBEDDINGS in doc or MASK in doc:
         raise BadInput(f"give {INPUT_IDS!r} or {EMBEDDINGS!r}, not both (the model embeds the ids itself)")
     rows = doc[INPUT_IDS]
     if not isinstance(rows, list) or not rows or not all(isinstance(r, list) for r in rows):
         raise BadInput(f"{INPUT_IDS!r} must be a non-empty list of token id lists")
-    inputs = text_inputs(rows, INPUT_IDS, max_elements)
     if ids is None:
         raise BadInput(f"this server does not take {INPUT_IDS!r} on /v1/encode")
-    text = ids(model, inputs)
-    return EncodeRequest(text.embeddings, text.mask, lengths=[len(r) for r in inputs], model=model, text=text)
+    text = ids(model, rows)
+    return EncodeRequest(text.embeddings, text.mask, lengths=[len(r) for r in rows], model=model, text=text)
 
 
 def _width(d_model: DModel, model: str | None) -> int:
@@ -322,19 +321,8 @@ class EncodeCodec:
             limits = self.limits
 
             def ids(name: str | None, rows: list) -> TextRequest:
-                if len(rows) > limits.max_inputs:
-                    raise TooLarge(
-                        f"{INPUT_IDS!r} holds {len(rows)} sequences, more than this server's {limits.max_inputs} "
-                        "(ADDNORM_MAX_CLIENT_BATCH_SIZE)"
-                    )
-                return decode_texts(
-                    resolve(name),
-                    rows,
-                    limits.auto_truncate,
-                    limits.max_batch_tokens,
-                    INPUT_IDS,
-                    limits.max_bytes,
-                )
+                inputs = text_inputs(rows, INPUT_IDS, limits.max_inputs)
+                return decode_texts(resolve(name), inputs, False, limits, INPUT_IDS)
 
         return decode(self.content_type, body, self.headers, d_model, self.max_elements, self.named, ids)
 

@@ -21,7 +21,7 @@ from model.artifact import Manifest
 from model.contract import EMBEDDINGS, MASK, TEXT, client_inputs
 from service.batching.merging import Outputs
 from service.core.inference import work
-from service.core.text import TextLimits, TextRequest, decode_texts
+from service.core.text import TextLimits, TextRequest, decode_texts, text_inputs
 from service.errors import BadInput, TooLarge, quote
 from service.protocols import common
 from service.protocols.common import check_batch, holds_literal, json_bool, json_object, parse_json
@@ -73,18 +73,9 @@ def text_step(model: ServingModel, limits: TextLimits) -> Texts:
         return None
 
     def step(texts: list[str], params: dict) -> TextRequest:
-        truncate = json_bool(params, "truncate", "parameters", False) or limits.auto_truncate
-        if len(texts) > limits.max_inputs:
-            raise TooLarge(
-                f"input {TEXT!r} holds {len(texts)} texts, more than this server's {limits.max_inputs} "
-                "(ADDNORM_MAX_CLIENT_BATCH_SIZE)"
-            )
-        for i, t in enumerate(texts):
-            if not t:
-                raise BadInput(f"input {TEXT!r}[{i}] is an empty string")
-        return decode_texts(
-            model, texts, truncate, limits.max_batch_tokens, f"input {TEXT!r}", limits.max_bytes
-        )
+        where = f"input {TEXT!r}"
+        truncate = json_bool(params, "truncate", "parameters", False)
+        return decode_texts(model, text_inputs(texts, where, limits.max_inputs), truncate, limits, where)
 
     return step
 
