@@ -129,7 +129,9 @@ def test_tei_embed_and_tokenize(base, artifact, model_dir):
     assert tokens[0][0]["special"] and (tokens[0][2]["start"], tokens[0][2]["stop"]) == (2, 5)
     for path in ("/embed", "/tokenize"):  # this model has no named prompts
         r = httpx.post(f"{base}{path}", json={"inputs": "a", "prompt_name": "query"})
-        assert r.status_code == 400 and "prompt_name 'query' is not one of this model's prompts []" in r.text, r.text
+        assert (
+            r.status_code == 400 and "prompt_name 'query' is not one of this model's prompts []" in r.text
+        ), r.text
     bare = httpx.post(f"{base}/tokenize", json={"inputs": ["a man"], "add_special_tokens": False}).json()
     assert [t["id"] for t in bare[0]] == [t["id"] for t in tokens[0][1:3]]
 
