@@ -3,7 +3,8 @@
 - ``mha``: onnxruntime's ``com.microsoft.MultiHeadAttention``, any opset, CPU and CUDA. With no padding in a
   batch it runs onnxruntime's flash-attention kernel, which never holds a seq x seq tensor; a key padding mask
   turns that kernel off (one score tensor then). So each layer holds an ``If`` on "is any position padding?"
-  with one MultiHeadAttention in each branch, the mask given only where there is padding.
+  with one MultiHeadAttention in each branch, the mask given only where there is padding. With MPNet's relative
+  position bias (its ``attention_bias`` input) there is no flash kernel to keep: one MultiHeadAttention, masked.
 - ``onnx``: ONNX's own ``Attention`` operator (opset >= 23), for runtimes without onnxruntime's contrib ops.
   onnxruntime's CPU kernel wants the mask as ``[B, 1, S, S]`` and answers zeros for a query whose keys are all
   padding, so the graph broadcasts the mask and puts the reference's answer (uniform weights) back for those rows.
@@ -57,6 +58,8 @@ def resolve(choice: str, opset: int) -> str:
 def expected_ops(form: str, config: EncoderConfig) -> dict[str, int]:
     """The attention nodes a graph of ``form`` must hold (If branches counted), and no Softmax unless decomposed."""
     layers = config.num_layers
+    if form == "mha" and config.relative_attention_buckets:
+        return {"If": 0, "MultiHeadAttention": layers, "Softmax": 0}
     if form == "mha":
         return {"If": layers, "MultiHeadAttention": 2 * layers, "Softmax": 0}
     if form == "onnx":
@@ -77,8 +80,20 @@ def _mha_unmasked(q: Tensor, k: Tensor, v: Tensor, nhead: int) -> Tensor:
     return attend(q, k, v, None, nhead)
 
 
+@torch.library.custom_op("addnorm::mha_biased", mutates_args=())
+def _mha_biased(
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor, bias: Tensor, nhead: int
+) -> Tensor:
+    return attend(q, k, v, key_padding_mask, nhead, bias)
+
+
 @_mha.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor, nhead: int) -> Tensor:
+    return torch.empty_like(q)
+
+
+@_mha_biased.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor, bias: Tensor, nhead: int) -> Tensor:
     return torch.empty_like(q)
 
 
@@ -100,6 +115,7 @@ def _mha_schema() -> OpSchema:
             fp("value", "T", param_option=optional),
             fp("bias", "T", param_option=optional),
             fp("key_padding_mask", "M", param_option=optional),
+            fp("attention_bias", "T", param_option=optional),  # (1 or B, 1 or H, S, S), added to the scores
         ],
         outputs=[fp("output", "T")],
         type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""), ("M", ["tensor(int32)"], "")],
@@ -123,7 +139,18 @@ def _mha_unmasked_onnx(q, k, v, nhead: int):
     return _MHA(q, k, v, num_heads=nhead)
 
 
-def _attend_mha(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, nhead: int) -> Tensor:
+def _mha_biased_onnx(q, k, v, key_padding_mask, bias, nhead: int):
+    keep = op.Cast(op.Not(key_padding_mask), to=TensorProto.INT32)
+    return _MHA(q, k, v, None, keep, bias, num_heads=nhead, mask_filter_value=_LOWEST)
+
+
+def _attend_mha(
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, nhead: int, bias: Tensor | None = None
+) -> Tensor:
+    if bias is not None:
+        if key_padding_mask is None:
+            key_padding_mask = torch.zeros(q.shape[:2], dtype=torch.bool)
+        return _mha_biased(q, k, v, key_padding_mask, bias, nhead)
     if key_padding_mask is None:
         return _mha_unmasked(q, k, v, nhead)
     if not (torch.compiler.is_exporting() or torch.compiler.is_compiling()):
@@ -144,14 +171,20 @@ def _attend_mha(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None
 # --- onnx: scaled_dot_product_attention, which the exporter writes as one Attention node at opset >= 23
 
 
-def _attend_onnx(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, nhead: int) -> Tensor:
+def _attend_onnx(
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, nhead: int, bias: Tensor | None = None
+) -> Tensor:
     B, S, E = q.shape
     q, k, v = (t.reshape(B, S, nhead, E // nhead).transpose(1, 2) for t in (q, k, v))
     if key_padding_mask is None:
-        out = F.scaled_dot_product_attention(q, k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
     else:
-        bias = torch.zeros(key_padding_mask.shape, dtype=q.dtype).masked_fill(key_padding_mask, _LOWEST)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, None, None, :].expand(B, 1, S, S))
+        if bias is None:
+            added = torch.zeros(key_padding_mask.shape, dtype=q.dtype).masked_fill(key_padding_mask, _LOWEST)
+            added = added[:, None, None, :].expand(B, 1, S, S)
+        else:  # MPNet's relative positions, then the padding: the reference's order
+            added = bias.expand(B, nhead, S, S).masked_fill(key_padding_mask[:, None, None, :], _LOWEST)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=added)
         all_padding = key_padding_mask.all(dim=-1)[:, None, None, None]
         # The reference's uniform weights; a sum, not mean(): ReduceMean is what the graph checks take for a
         # LayerNorm spelled out.
@@ -163,6 +196,7 @@ KERNELS: dict[str, Callable[..., Tensor]] = {"mha": _attend_mha, "onnx": _attend
 TRANSLATIONS = {
     torch.ops.addnorm.mha.default: _mha_onnx,
     torch.ops.addnorm.mha_unmasked.default: _mha_unmasked_onnx,
+    torch.ops.addnorm.mha_biased.default: _mha_biased_onnx,
 }
 
 

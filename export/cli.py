@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="DIR|FILE",
         help="a Hugging Face model directory (config.json + model.safetensors, and its tokenizer.json) of a "
-        "supported encoder family (config.json's model_type: bert, roberta, xlm-roberta, distilbert), or a "
+        "supported encoder family (config.json's model_type: bert, roberta, xlm-roberta, distilbert, mpnet), or a "
         "weights file of BertLayer(s). The head count, widths, layer count, eps and activation come from "
         "config.json (a file's directory is read for one too); a flag that contradicts it is an error. Without "
         "config.json: BERT, gelu, eps 1e-12, post-norm unless flags say otherwise. --from-bert: the same",

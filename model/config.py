@@ -30,7 +30,8 @@ class EncoderConfig:
     sentence embedding output (model.contract.POOLED) as sentence-transformers computes it: ``mean`` over each
     sequence's real tokens or its first (``cls``) token, L2-normalized with ``normalize_pooled``. ``packed``: the
     exported graph takes sequences of different lengths end to end, without padding (model/packing.py); the
-    torch module is the same.
+    torch module is the same. ``relative_attention_buckets``: MPNet's relative position bias, a learned value per
+    head and bucket of key - query distance added to every layer's attention scores (model/attention.py); 0: none.
     """
 
     d_model: int = 768
@@ -46,12 +47,18 @@ class EncoderConfig:
     pooling: str = "none"
     normalize_pooled: bool = False
     packed: bool = False
+    relative_attention_buckets: int = 0
 
     def __post_init__(self) -> None:
         for name in ("d_model", "nhead", "dim_feedforward", "num_layers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        buckets = self.relative_attention_buckets
+        if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 0 or buckets % 4:
+            raise ConfigError(
+                f"relative_attention_buckets must be 0 (none) or a positive multiple of 4, got {buckets!r}"
+            )
         if self.d_model % self.nhead:
             raise ConfigError(
                 f"d_model ({self.d_model}) must be divisible by nhead ({self.nhead}) "

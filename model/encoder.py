@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.attention import RELATIVE_MAX_DISTANCE, relative_buckets
 from model.config import EncoderConfig
 from model.contract import ENCODED, POOLED
 
@@ -71,11 +72,14 @@ def make_norm(config: EncoderConfig, add: bool) -> nn.Module:
     return nn.RMSNorm(config.d_model, eps=config.layer_norm_eps)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, nhead: int) -> Tensor:
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, nhead: int, bias: Tensor | None = None
+) -> Tensor:
     """Scaled dot-product attention of (B, S, E) projections split into ``nhead`` heads -> (B, S, E).
 
-    ``key_padding_mask`` (B, S) bool, true = padding. The reference math: export traces it op by op, or swaps in
-    one fused operator with the same results (export/attention.py).
+    ``key_padding_mask`` (B, S) bool, true = padding; ``bias`` (1, H, S, S) added to the scaled scores (MPNet's
+    relative positions: ``Encoder.position_bias``). The reference math: export traces it op by op, or swaps in one
+    fused operator with the same results (export/attention.py).
     """
     B, S, E = q.shape
     D = E // nhead
@@ -83,6 +87,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, nhe
     # In place on the (B, H, S, S) scores: the same arithmetic (and graph) with two fewer copies of the largest
     # tensor, which the gate's float64 side otherwise spends a third of its attention time allocating.
     scores = (q @ k.transpose(-2, -1)).mul_(1.0 / math.sqrt(D))  # (B, H, S, S)
+    if bias is not None:
+        scores.add_(bias)
     if key_padding_mask is not None:
         # The most negative finite value rather than -inf: a row whose keys are all padding then gets
         # uniform weights instead of 0/0 = NaN, and any real key still outweighs padding completely.
@@ -141,9 +147,14 @@ class SelfAttention(nn.Module):
         nn.init.zeros_(self.out_proj.bias)
 
     def forward(
-        self, x: Tensor, key_padding_mask: Tensor | None = None, packing: Packing | None = None
+        self,
+        x: Tensor,
+        key_padding_mask: Tensor | None = None,
+        packing: Packing | None = None,
+        bias: Tensor | None = None,
     ) -> Tensor:
-        """x (B, S, E), or with ``packing`` the packed tokens (1, T, E): attention then runs on them padded."""
+        """x (B, S, E), or with ``packing`` the packed tokens (1, T, E): attention then runs on them padded.
+        ``bias``: added to the attention scores (``attend``)."""
         E = x.shape[-1]
         w, b = self.in_proj_weight, self.in_proj_bias
         # Three projections on slices of the stacked weight: the slices fold into constants at export, and no
@@ -152,9 +163,9 @@ class SelfAttention(nn.Module):
         k = F.linear(x, w[E : 2 * E], b[E : 2 * E])
         v = F.linear(x, w[2 * E :], b[2 * E :])
         if packing is None:
-            return self.out_proj(self.attend(q, k, v, key_padding_mask, self.nhead))
+            return self.out_proj(self.attend(q, k, v, key_padding_mask, self.nhead, bias))
         q, k, v = (packing.pad(t) for t in (q, k, v))
-        return self.out_proj(packing.unpad(self.attend(q, k, v, packing.mask, self.nhead)))
+        return self.out_proj(packing.unpad(self.attend(q, k, v, packing.mask, self.nhead, bias)))
 
 
 class EncoderBlock(nn.Module):
@@ -181,10 +192,14 @@ class EncoderBlock(nn.Module):
         return self.linear2(self.dropout(self.activation(self.linear1(x))))
 
     def attention_step(
-        self, x: Tensor, key_padding_mask: Tensor | None = None, packing: Packing | None = None
+        self,
+        x: Tensor,
+        key_padding_mask: Tensor | None = None,
+        packing: Packing | None = None,
+        bias: Tensor | None = None,
     ) -> Tensor:
         """The first Add & Norm step: self-attention, residual add, norm."""
-        return self.norm1(x, lambda h: self.dropout1(self.self_attn(h, key_padding_mask, packing)))
+        return self.norm1(x, lambda h: self.dropout1(self.self_attn(h, key_padding_mask, packing, bias)))
 
     def feed_forward_step(self, x: Tensor) -> Tensor:
         """The second Add & Norm step: feed-forward, residual add, norm."""
@@ -196,10 +211,12 @@ class EncoderBlock(nn.Module):
         key_padding_mask: Tensor | None = None,
         steps: list[Tensor] | None = None,
         packing: Packing | None = None,
+        bias: Tensor | None = None,
     ) -> Tensor:
         """x (B, S, E) -> (B, S, E), or packed tokens (1, T, E) with ``packing`` (every per-token step on them,
-        attention padded). Appends each Add & Norm result to ``steps`` when given."""
-        x = self.attention_step(x, key_padding_mask, packing)
+        attention padded). ``bias``: added to the attention scores. Appends each Add & Norm result to ``steps``
+        when given."""
+        x = self.attention_step(x, key_padding_mask, packing, bias)
         if steps is not None:
             steps.append(x)
         x = self.feed_forward_step(x)
@@ -213,6 +230,9 @@ class Encoder(nn.Module):
 
     ``forward(embeddings, mask)``: embeddings (B, S, E), or (S, B, E) when ``batch_first`` is false; mask (B, S)
     bool, true where a position is padding. Returns the encoded tensor in the input's layout.
+
+    With ``relative_attention_buckets`` (MPNet) the stack holds ``relative_attention_bias`` (buckets, H), as
+    transformers' MPNetEncoder does, and every layer's attention adds ``position_bias`` to its scores.
     """
 
     def __init__(self, config: EncoderConfig) -> None:
@@ -220,13 +240,31 @@ class Encoder(nn.Module):
         self.config = config
         self.layers = nn.ModuleList(EncoderBlock(config) for _ in range(config.num_layers))
         self.norm = make_norm(config, add=False) if config.norm_first else None
+        self.relative_attention_bias: nn.Embedding | None = None
+        if config.relative_attention_buckets:
+            self.relative_attention_bias = nn.Embedding(config.relative_attention_buckets, config.nhead)
+            table = torch.tensor(relative_buckets(config.relative_attention_buckets), dtype=torch.long)
+            self.register_buffer("bucket_of_distance", table, persistent=False)
+
+    def position_bias(self, seq: Tensor | int) -> Tensor | None:
+        """(1, H, S, S): each head's learned bias for the bucket of every key - query distance; None without one.
+        The distances of a padded batch's real tokens are those of each sequence alone (padding comes last)."""
+        if self.relative_attention_bias is None:
+            return None
+        positions = torch.arange(seq)
+        distance = (positions[None, :] - positions[:, None]).clamp(
+            -RELATIVE_MAX_DISTANCE, RELATIVE_MAX_DISTANCE
+        )
+        bucket = self.bucket_of_distance[distance + RELATIVE_MAX_DISTANCE]  # (S, S)
+        return self.relative_attention_bias(bucket).permute(2, 0, 1)[None]
 
     def forward(
         self, embeddings: Tensor, mask: Tensor | None = None, steps: list[Tensor] | None = None
     ) -> Tensor:
         x = embeddings if self.config.batch_first else embeddings.transpose(0, 1)  # (B, S, E)
+        bias = self.position_bias(x.shape[1])
         for layer in self.layers:
-            x = layer(x, mask, steps)
+            x = layer(x, mask, steps, bias=bias)
         if self.norm is not None:
             x = self.norm(x)
             if steps is not None:
@@ -254,8 +292,9 @@ class Encoder(nn.Module):
         attention padded; the outputs padded to (B, S, E), zeros beyond each sequence's length, as are ``steps``."""
         packed_steps: list[Tensor] | None = None if steps is None else []
         x = tokens
+        bias = self.position_bias(packing.gather.shape[1])
         for layer in self.layers:
-            x = layer(x, None, packed_steps, packing)
+            x = layer(x, None, packed_steps, packing, bias)
         if self.norm is not None:
             x = self.norm(x)
             if packed_steps is not None:

@@ -3,7 +3,7 @@
 ``forward(config, weights, embeddings, mask)`` computes what ``model.encoder.Encoder`` computes, from the same
 state_dict (``weights.safetensors``: ``layers.{i}.self_attn.in_proj_weight``, ``linear1``, ``norm1``, ... and the
 final ``norm`` of a pre-norm stack), for every form the exporter produces: post- and pre-norm, LayerNorm and
-RMSNorm, relu and exact (erf) GELU, key padding masks, stacks, batch-first or not. The attention form (mha, onnx,
+RMSNorm, relu and exact (erf) GELU, key padding masks, MPNet's relative position bias, stacks, batch-first or not. The attention form (mha, onnx,
 decomposed) does not change the math, so there is one attention here. No torch: the serving side can run it.
 
 ``arithmetic`` (model/schemes.py) computes a lossy variant's own scheme instead: int8's quantized weight products,
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from model.attention import RELATIVE_MAX_DISTANCE, relative_buckets
 from model.config import EncoderConfig
 from model.contract import ENCODED, POOLED
 from model.schemes import Exact
@@ -69,6 +70,7 @@ def _attention(
     heads: int,
     mask: np.ndarray | None,
     a: Exact,
+    bias: np.ndarray | None = None,
 ) -> np.ndarray:
     b, s, e = x.shape
     d = e // heads
@@ -77,6 +79,8 @@ def _attention(
     # In place on the (B, H, S, S) scores, the largest arrays here: the same arithmetic with no copy per step.
     scores = q @ k.transpose(0, 1, 3, 2)  # (B, H, S, S)
     scores /= math.sqrt(d)
+    if bias is not None:  # (1, H, S, S)
+        scores += bias
     scores = a.cast(scores)
     if mask is not None:  # the most negative finite value of the dtype, as the torch block fills
         np.copyto(scores, np.finfo(scores.dtype).min, where=mask[:, None, None, :])
@@ -86,6 +90,17 @@ def _attention(
     probs = a.cast(probs)
     out = a.cast(probs @ v).transpose(0, 2, 1, 3).reshape(b, s, e)
     return a.linear(out, weights[f"{p}.out_proj.weight"], weights[f"{p}.out_proj.bias"])
+
+
+def position_bias(config: EncoderConfig, weights: Mapping[str, np.ndarray], seq: int) -> np.ndarray | None:
+    """MPNet's relative position bias (1, H, S, S) (model.encoder.Encoder.position_bias); None without one."""
+    if not config.relative_attention_buckets:
+        return None
+    table = np.asarray(relative_buckets(config.relative_attention_buckets))
+    positions = np.arange(seq)
+    distance = np.clip(positions[None, :] - positions[:, None], -RELATIVE_MAX_DISTANCE, RELATIVE_MAX_DISTANCE)
+    values = weights["relative_attention_bias.weight"][table[distance + RELATIVE_MAX_DISTANCE]]  # (S, S, H)
+    return values.transpose(2, 0, 1)[None]
 
 
 def forward(
@@ -107,11 +122,12 @@ def forward(
     if not config.batch_first:
         x = x.transpose(1, 0, 2)
     mask = None if mask is None or not np.any(mask) else np.asarray(mask, dtype=bool)
+    bias = position_bias(config, weights, x.shape[1])
     for i in range(config.num_layers):
         p = f"layers.{i}"
 
         def attend(h: np.ndarray, p: str = p) -> np.ndarray:
-            return _attention(h, weights, f"{p}.self_attn", config.nhead, mask, a)
+            return _attention(h, weights, f"{p}.self_attn", config.nhead, mask, a, bias)
 
         def feed_forward(h: np.ndarray, p: str = p) -> np.ndarray:
             hidden = a.linear(h, weights[f"{p}.linear1.weight"], weights[f"{p}.linear1.bias"])

@@ -117,11 +117,11 @@ def _tokenizer(specials: tuple[str, ...], cls: str, sep: str, unk: str, pad: str
 
 
 def make_model_dir(family: str, directory: Path, seed: int = 0, max_positions: int = 64) -> Path:
-    """A tiny random ``family`` model directory (bert, roberta, xlm-roberta, distilbert)."""
+    """A tiny random ``family`` model directory (bert, roberta, xlm-roberta, distilbert, mpnet)."""
     import torch
     import transformers as tf
 
-    if family in ("roberta", "xlm-roberta"):
+    if family in ("roberta", "xlm-roberta", "mpnet"):
         tok, vocab = _tokenizer(ROBERTA_SPECIALS, "<s>", "</s>", "<unk>", "<pad>")
         pad = 1
     else:
@@ -135,6 +135,8 @@ def make_model_dir(family: str, directory: Path, seed: int = 0, max_positions: i
         shape = dict(hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2)
         if family == "bert":
             config, cls = tf.BertConfig(**shape, type_vocab_size=2, **common), tf.BertModel
+        elif family == "mpnet":  # the relative position bias's 32 buckets, as transformers computes them
+            config, cls = tf.MPNetConfig(**shape, relative_attention_num_buckets=32, **common), tf.MPNetModel
         elif family == "roberta":
             config, cls = tf.RobertaConfig(**shape, type_vocab_size=1, **common), tf.RobertaModel
         else:
@@ -145,6 +147,8 @@ def make_model_dir(family: str, directory: Path, seed: int = 0, max_positions: i
         for name, p in model.named_parameters():
             if "LayerNorm" in name or "layer_norm" in name:
                 p.add_(torch.randn_like(p) * 0.2)
+            if "relative_attention_bias" in name:  # std 0.4, large enough that a wrong bucket shows
+                p.mul_(20.0)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory))
     tok.save(str(directory / "tokenizer.json"))
@@ -184,7 +188,7 @@ def transformers_vectors(directory: Path, batch) -> tuple:
         "input_ids": torch.from_numpy(batch.input_ids),
         "attention_mask": torch.from_numpy(~batch.mask).long(),
     }
-    if model.config.model_type != "distilbert":
+    if model.config.model_type not in ("distilbert", "mpnet"):
         feed["token_type_ids"] = torch.from_numpy(batch.token_type_ids)
     with torch.no_grad():
         hidden = model(**feed).last_hidden_state.double().numpy()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,7 +32,8 @@ class Family:
     one layer; ``qkv``: its three attention projections (stacked into ``in_proj``); ``embeddings``: the embedding
     layer's parts (``EMBEDDING_PARTS``) -> the checkpoint's names under ``…embeddings.``; ``fields(config)``: the
     block's EncoderConfig fields; ``text(config)``: the embedding layer's TextConfig fields but ``max_length`` and
-    ``prompts`` (the model directory's, export/hf.py)."""
+    ``prompts`` (the model directory's, export/hf.py); ``stack_keys``: the stack's own weights, outside any layer
+    (``Encoder`` key -> the checkpoint key's ending: MPNet's relative position bias)."""
 
     name: str
     model_types: tuple[str, ...]
@@ -41,6 +42,7 @@ class Family:
     embeddings: dict[str, str]
     fields: Callable[[dict], dict]
     text: Callable[[dict], dict]
+    stack_keys: dict[str, str] = field(default_factory=dict)
 
     def _layers(self, state: dict[str, torch.Tensor]) -> dict[int, str]:
         query = f"{self.qkv[0]}.weight"
@@ -88,6 +90,13 @@ class Family:
                     out[f"layers.{i}.{dst}"] = state[f"{prefix}{src}"]
             except KeyError as exc:
                 raise CheckpointError(f"{self.name} layer {i} lacks {exc.args[0]!r}") from None
+        for dst, ending in self.stack_keys.items():
+            found = [k for k in state if k == ending or k.endswith(f".{ending}")]
+            if len(found) != 1:
+                raise CheckpointError(
+                    f"the {self.name} checkpoint has {len(found)} keys ending in {ending!r}, not one: {found[:3]}"
+                )
+            out[dst] = state[found[0]]
         return out
 
     def embedding_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -113,6 +122,7 @@ _MODULES = {
     "bert": "export.families.bert",
     "roberta": "export.families.roberta",
     "distilbert": "export.families.distilbert",
+    "mpnet": "export.families.mpnet",
 }
 
 

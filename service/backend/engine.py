@@ -22,7 +22,7 @@ import onnxruntime as ort
 
 from model import kernels, packing
 from model.artifact import ArtifactError, Manifest, load_verified, read_verified
-from model.attention import score_elements
+from model.attention import held_form, score_elements
 from model.contract import EMBEDDINGS, MASK, positional
 from model.golden import Verification, load_golden, verify
 from model.runtime import CPU, CUDA, VNNI_FLAGS, cpu_flags, session_args
@@ -123,6 +123,8 @@ class Engine:
         self.output_names = [o.name for o in self.manifest.outputs]
         self.heads = self.manifest.config.nhead
         self.attention = self.manifest.attention
+        # the seq x seq tensors its runs hold (model.attention): what the batcher budgets
+        self.held_attention = held_form(self.attention, bool(self.manifest.config.relative_attention_buckets))
         self._grown = False  # a run above RELEASE_ABOVE_BYTES came since the last release
         self._shrink = ort.RunOptions()
         arenas = ["cpu:0", *(["gpu:0"] if self.providers[0] == CUDA else [])]
@@ -150,7 +152,7 @@ class Engine:
         c = self.manifest.config
         values = rows * seq * (4 * c.d_model + 2 * c.dim_feedforward)
         return self.input_dtype.itemsize * (
-            values + score_elements(self.attention, rows, self.heads, seq, padded)
+            values + score_elements(self.held_attention, rows, self.heads, seq, padded)
         )
 
     def release(self) -> bool:

@@ -157,7 +157,7 @@ async def serving_model(state: ServiceState, name: str, directory: Path, version
         observer=Observers(metrics, statistics),
         max_batch_attention=s.max_batch_attention,
         heads=engine.manifest.config.nhead,
-        attention=engine.attention,
+        attention=engine.held_attention,
         max_queue_bytes=s.max_queue_bytes,
         cores=state.cores
         if engine.providers[0] == CPU

@@ -20,12 +20,12 @@ from model.verdict import float32_floor
 from tests.text_models import TEXTS, make_model_dir, transformers_vectors
 
 pytestmark = pytest.mark.export
-FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert")
+FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert", "mpnet")
 # (variant, attention): each family in fp32 with the default attention; the lossy and fused variants and the other
-# attention forms on BERT and RoBERTa (the two position schemes)
+# attention forms on BERT, RoBERTa (the two position schemes) and MPNet (its relative position bias)
 FORMS = [(f, "fp32", "auto") for f in FAMILIES] + [
     (f, v, a)
-    for f in ("bert", "roberta")
+    for f in ("bert", "roberta", "mpnet")
     for v, a in (
         ("fused", "auto"),
         ("fp16", "auto"),
@@ -89,7 +89,7 @@ def test_an_unknown_model_type_names_the_supported_ones(model_dirs, tmp_path, ca
     assert cli.main(["--from", str(directory), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "model_type 'gpt2'" in err
-    assert "bert, distilbert, roberta, xlm-roberta" in err
+    assert "bert, distilbert, mpnet, roberta, xlm-roberta" in err
 
 
 def test_inputs_embeddings_keeps_the_block_alone_and_ids_needs_a_tokenizer(model_dirs, tmp_path, capsys):
@@ -110,7 +110,7 @@ def test_inputs_embeddings_keeps_the_block_alone_and_ids_needs_a_tokenizer(model
     assert Manifest.load(tmp_path / "alias").text is not None
 
 
-@pytest.mark.parametrize("family", ["bert", "distilbert"])
+@pytest.mark.parametrize("family", ["bert", "distilbert", "mpnet"])
 def test_the_joined_graph_speaks_transformers_names(model_dirs, tmp_path, family):
     """export/interop.py: the artifact as one graph with transformers' inputs and outputs (what sentence-transformers'
     ONNX backend and optimum load from onnx/model.onnx), answering as transformers' AutoModel on the same ids.
@@ -130,7 +130,7 @@ def test_the_joined_graph_speaks_transformers_names(model_dirs, tmp_path, family
     names = [i.name for i in session.get_inputs()]
     assert names == (
         ["input_ids", "attention_mask"]
-        if family == "distilbert"
+        if family in ("distilbert", "mpnet")
         else ["input_ids", "token_type_ids", "attention_mask"]
     )
     assert [o.name for o in session.get_outputs()] == ["last_hidden_state", "pooled"]
