@@ -27,7 +27,8 @@ COPY pyproject.toml deploy/docker/requirements.py ./
 FROM base AS kernels
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 COPY model ./model
-RUN python -m model.kernels --out /kernels
+COPY addnorm ./addnorm
+RUN python -m addnorm.model.kernels --out /kernels
 
 FROM base AS export
 ARG PIP_CERT
@@ -44,6 +45,9 @@ COPY README.md ./
 COPY model ./model
 COPY export ./export
 COPY service ./service
+# setup.py installs the three folders as one package, addnorm (addnorm/: its own __init__)
+COPY setup.py ./
+COPY addnorm ./addnorm
 RUN --mount=type=cache,target=/root/.cache/pip pip install --no-deps .
 COPY --from=kernels /kernels/ /usr/local/lib/addnorm/
 USER addnorm
@@ -60,6 +64,8 @@ COPY README.md ./
 COPY model ./model
 COPY export ./export
 COPY service ./service
+COPY setup.py ./
+COPY addnorm ./addnorm
 COPY deploy/docker/healthcheck.py ./
 RUN --mount=type=cache,target=/root/.cache/pip pip install --no-deps . \
  && python -c "import importlib.util as u; assert u.find_spec('torch') is None"
@@ -73,7 +79,7 @@ HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 CMD ["pyt
 ENTRYPOINT ["addnorm-serve"]
 
 # The front proxy (docs/reliability.md, "Which protection lives where"): nginx, from Debian's packages, in front of
-# the api service, configured at start by `python -m service.front.proxy` from the same ADDNORM_* settings the
+# the api service, configured at start by `python -m addnorm.service.front.proxy` from the same ADDNORM_* settings the
 # server reads (the api image's code; its limits then agree with the server's). Runs as uid 10001 on a read-only
 # root: the configuration, pid file and nginx's buffers live under /tmp.
 FROM api AS proxy
@@ -95,6 +101,8 @@ COPY README.md ./
 COPY model ./model
 COPY export ./export
 COPY service ./service
+COPY setup.py ./
+COPY addnorm ./addnorm
 COPY deploy/docker/healthcheck.py ./
 COPY deploy ./deploy
 RUN --mount=type=cache,target=/root/.cache/pip pip install --no-deps . \
@@ -110,7 +118,7 @@ HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 CMD ["pyt
 # `serve run` shuts Serve down gracefully on SIGINT and exits 0; SIGTERM kills it outright (measured with podman:
 # exit 15 in 3 s, or past a 10 s grace period and SIGKILLed under load).
 STOPSIGNAL SIGINT
-CMD ["serve", "run", "service.ray_serve:build", "model_dir=/artifacts/default", "replicas=2"]
+CMD ["serve", "run", "addnorm.service.ray_serve:build", "model_dir=/artifacts/default", "replicas=2"]
 
 FROM ${CUDA_IMAGE} AS api-gpu
 ARG PIP_CERT
@@ -129,6 +137,8 @@ COPY README.md ./
 COPY model ./model
 COPY export ./export
 COPY service ./service
+COPY setup.py ./
+COPY addnorm ./addnorm
 COPY deploy/docker/healthcheck.py ./
 RUN --mount=type=cache,target=/root/.cache/pip pip install --no-deps . \
  && python -c "import onnxruntime as o; assert 'CUDAExecutionProvider' in o.get_available_providers()"

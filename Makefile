@@ -35,7 +35,7 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
+$(VENV)/.installed: pyproject.toml setup.py | $(BIN)/python
 	$(BIN)/pip install -q $(PIP_TORCH_FLAGS) "$(TORCH)"
 	$(BIN)/pip install -q $(PIP_TORCH_FLAGS) -e ".[export,dev,ray,otel]"
 	@touch $@
@@ -46,7 +46,7 @@ $(ARTIFACT)/manifest.json: | $(VENV)/.installed
 # int8's kernel library (model/kernels): the server registers it where it is built, and int8 models run on
 # onnxruntime's standard operators where it is not (no g++, or no way to fetch onnxruntime's header).
 kernels: $(VENV)/.installed
-	@$(BIN)/python -m model.kernels || echo "warning: int8's kernels not built; int8 models will run on onnxruntime's standard operators"
+	@$(BIN)/python -m addnorm.model.kernels || echo "warning: int8's kernels not built; int8 models will run on onnxruntime's standard operators"
 
 # The export already compared every Add & Norm step; before serving, the final output's gate is enough.
 serve: $(VENV)/.installed kernels $(ARTIFACT)/manifest.json
@@ -105,4 +105,4 @@ format: $(VENV)/.installed
 	$(BIN)/ruff format .
 
 clean:
-	rm -rf $(VENV) artifacts .pytest_cache .ruff_cache
+	rm -rf $(VENV) artifacts .pytest_cache .ruff_cache build *.egg-info

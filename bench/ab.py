@@ -28,17 +28,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+from addnorm.model.artifact import Manifest
 
 from bench.grpc_load import grpc_request, run_grpc_load
 from bench.loadgen import LoadResult, run_load
 from bench.measure import CLIENTS, json_request, process_cpu_s, v1_binary_request, v2_request
 from bench.server import HOST, ROOT, free_port
-from model.artifact import Manifest
 
 
 def start(tree: Path, artifact: Path, env: dict[str, str]) -> tuple[subprocess.Popen, int, int]:
     port, grpc_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "service", "--model-dir", str(artifact), "--port", str(port)]
+    cmd = [sys.executable, "-m", "addnorm.service", "--model-dir", str(artifact), "--port", str(port)]
     full = {
         **os.environ,
         "PYTHONPATH": str(tree),

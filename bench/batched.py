@@ -21,13 +21,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from addnorm.model.artifact import Manifest
 
 from bench.ab import started
 from bench.measure import v2_request
 from bench.mixed import REQUESTS, cell, draw, http_load, packed_twin, padding_counts, unpadded_limit
 from bench.report import artifact_given, save
 from bench.server import ROOT
-from model.artifact import Manifest
 
 
 def batches(

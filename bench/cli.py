@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from addnorm.model.artifact import MANIFEST_FILE, Manifest
 
 from bench import measure
 from bench.grpc_load import grpc_table, measure_grpc
@@ -24,7 +25,6 @@ from bench.limits import limits_table, measure_limits
 from bench.measure import CLIENTS, DEFAULT, Setup
 from bench.report import plots, table, update_docs
 from bench.server import ROOT
-from model.artifact import MANIFEST_FILE, Manifest
 
 BIG_SHAPE = (8, 128)  # (batch, seq) of the single-request measurements
 SMALL_SHAPE = (1, 16)  # (batch, seq) of each concurrent client's request
@@ -32,11 +32,13 @@ SMALL_SHAPE = (1, 16)  # (batch, seq) of each concurrent client's request
 
 def setup(args: argparse.Namespace) -> Setup:
     """The artifact (exported if missing) and the inputs every section uses."""
-    from service.backend.cores import physical_cores
+    from addnorm.service.backend.cores import physical_cores
 
     artifact = Path(args.artifact)
     if not (artifact / MANIFEST_FILE).exists():
-        subprocess.run([sys.executable, "-m", "export", "--out", str(artifact), "-q"], cwd=ROOT, check=True)
+        subprocess.run(
+            [sys.executable, "-m", "addnorm.export", "--out", str(artifact), "-q"], cwd=ROOT, check=True
+        )
     manifest = Manifest.load(artifact)
     e = manifest.config.d_model
     if (e, manifest.config.num_layers) != (768, 1):

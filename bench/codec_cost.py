@@ -21,17 +21,17 @@ from pathlib import Path
 
 import numpy as np
 import uvloop
+from addnorm.model.artifact import Manifest
+from addnorm.model.contract import EMBEDDINGS, ENCODED
+from addnorm.model.runtime import cpu_flags
+from addnorm.service.core.inference import OFFLOAD_BYTES
+from addnorm.service.protocols.v1 import codec as v1
+from addnorm.service.protocols.v2 import codec as v2
+from addnorm.service.protocols.v2 import grpc_codec
+from addnorm.service.protocols.v2 import inference_pb2 as pb
 from starlette.concurrency import run_in_threadpool
 
 from bench.server import ROOT
-from model.artifact import Manifest
-from model.contract import EMBEDDINGS, ENCODED
-from model.runtime import cpu_flags
-from service.core.inference import OFFLOAD_BYTES
-from service.protocols.v1 import codec as v1
-from service.protocols.v2 import codec as v2
-from service.protocols.v2 import grpc_codec
-from service.protocols.v2 import inference_pb2 as pb
 
 
 def median_ms(fn: Callable[[], object], runs: int) -> float:

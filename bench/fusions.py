@@ -18,8 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from model.runtime import CPU, CPU_DISABLED_OPTIMIZERS, cpu_flags
+from addnorm.model.runtime import CPU, CPU_DISABLED_OPTIMIZERS, cpu_flags
 
 SHAPES = ((8, 128), (1, 16), (32, 16))
 
@@ -59,11 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
 
+    from addnorm.export import hf
+    from addnorm.model import kernels
+    from addnorm.model.artifact import MODEL_FILE, Manifest
+    from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
+
     from bench.real import MORE, real_model, three_graphs
-    from export import hf
-    from model import kernels
-    from model.artifact import MODEL_FILE, Manifest
-    from model.contract import EMBEDDINGS, ENCODED, MASK
 
     config, encoder, reference = real_model()
     x, mask = reference.embed([*hf.SENTENCES, *MORE])

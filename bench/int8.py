@@ -19,24 +19,22 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from model.runtime import CPU, session_args
+from addnorm.model.runtime import CPU, session_args
 
 
 def main(argv: list[str] | None = None) -> int:
     import onnx
     import onnxruntime as ort
+    from addnorm.export.cases import adversarial_cases, default_cases
+    from addnorm.export.parity import torch_outputs
+    from addnorm.export.pipeline import plan_for
+    from addnorm.export.variants import _quiet, _toposort, build_graph
+    from addnorm.model.config import EncoderConfig
+    from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
+    from addnorm.model.encoder import build_encoder
+    from addnorm.model.runtime import cpu_flags
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    from export.cases import adversarial_cases, default_cases
-    from export.parity import torch_outputs
-    from export.pipeline import plan_for
-    from export.variants import _quiet, _toposort, build_graph
-    from model.config import EncoderConfig
-    from model.contract import EMBEDDINGS, ENCODED, MASK
-    from model.encoder import build_encoder
-    from model.runtime import cpu_flags
 
     p = argparse.ArgumentParser(prog="python -m bench.int8", description=__doc__.split("\n\n")[0])
     p.add_argument("--d-model", type=int, default=768)

@@ -21,8 +21,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-
-from model.runtime import CPU, session_args
+from addnorm.model.runtime import CPU, session_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,12 +36,12 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["ADDNORM_KERNELS_ISA"] = args.isa
 
     import onnxruntime as ort
+    from addnorm.export import hf
+    from addnorm.model import kernels
+    from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
+    from addnorm.model.runtime import cpu_flags
 
     from bench.real import MORE, alternate, real_model, three_graphs
-    from export import hf
-    from model import kernels
-    from model.contract import EMBEDDINGS, ENCODED, MASK
-    from model.runtime import cpu_flags
 
     try:
         library = kernels.build()

@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-
-from model.schemes import LEGACY, Form
+from addnorm.model.schemes import LEGACY, Form
 
 
 @dataclass(frozen=True)
@@ -66,7 +65,7 @@ def build(pre: onnx.ModelProto, encoder, x: np.ndarray, mask: np.ndarray, option
     """``option``'s graph from ``pre`` (the fp32 graph after onnxruntime's pre-processing), its float channels
     chosen on (x, mask) as an export with them as --calibration chooses them (and a static one calibrated on
     them)."""
-    from export import int8
+    from addnorm.export import int8
 
     model = onnx.ModelProto()
     model.CopyFrom(pre)
@@ -87,9 +86,8 @@ def _static(model: onnx.ModelProto, x: np.ndarray, mask: np.ndarray) -> onnx.Mod
     import tempfile
     from pathlib import Path
 
+    from addnorm.model.contract import EMBEDDINGS, MASK
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
-
-    from model.contract import EMBEDDINGS, MASK
 
     class Sentences(CalibrationDataReader):
         def __init__(self) -> None:

@@ -20,8 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from model.runtime import CPU, session_args
+from addnorm.model.runtime import CPU, session_args
 
 SHAPE = (8, 128, 384)
 WARMUP = 3
@@ -29,10 +28,11 @@ WARMUP = 3
 
 def main(argv: list[str] | None = None) -> int:
 
+    from addnorm.export import hf
+    from addnorm.model.contract import EMBEDDINGS, MASK
+    from addnorm.model.runtime import cpu_flags
+
     from bench.real import MORE, real_model, three_graphs
-    from export import hf
-    from model.contract import EMBEDDINGS, MASK
-    from model.runtime import cpu_flags
 
     p = argparse.ArgumentParser(prog="python -m bench.int8_profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=10, help="measured runs per graph (default 10)")

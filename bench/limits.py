@@ -128,7 +128,7 @@ def alternate_one_by_one(engine, x: np.ndarray, servers: dict, requests: dict, s
 
 def measure_limits(s: Setup, configs: dict[str, dict[str, str]], rounds: int = 3) -> dict:
     """``configs``: label -> ADDNORM_* settings of one server. Returns per-round rows and per-server medians."""
-    from service.backend.engine import Engine
+    from addnorm.service.backend.engine import Engine
 
     engine = Engine(s.artifact, "cpu")
     rng = np.random.default_rng(1)

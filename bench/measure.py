@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from addnorm.model.artifact import WEIGHTS_FILE, Manifest
+from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
+from addnorm.model.runtime import CPU, session_args
 
 from bench.loadgen import build_request, run_load
 from bench.server import HOST, ServerProcess, serve
-from model.artifact import WEIGHTS_FILE, Manifest
-from model.contract import EMBEDDINGS, ENCODED, MASK
-from model.runtime import CPU, session_args
 
 CLIENTS = 32
 DEFAULT = "defaults"  # bench.limits' label for the server with default settings
@@ -191,7 +191,7 @@ def json_request(port: int, path: str, x: np.ndarray) -> bytes:
 
 def measure_inproc(s: Setup) -> dict:
     """In-process onnxruntime (the limit), the GEMM roof, latency against batch size, perfect batching."""
-    from service.backend.engine import Engine
+    from addnorm.service.backend.engine import Engine
 
     cfg = s.manifest.config
     engine = Engine(s.artifact, "cpu")
@@ -220,9 +220,8 @@ def measure_inproc(s: Setup) -> dict:
 def measure_torch(s: Setup) -> dict:
     """torch eager on the same weights."""
     import torch
-
-    from export.weights import load_weights
-    from model.encoder import Encoder
+    from addnorm.export.weights import load_weights
+    from addnorm.model.encoder import Encoder
 
     torch.set_num_threads(s.threads)
     model = load_weights(Encoder(s.manifest.config), s.artifact / WEIGHTS_FILE).eval()
@@ -256,7 +255,7 @@ def measure_naive(s: Setup) -> dict:
 def measure_concurrency(s: Setup) -> dict:
     """Keep-alive clients x the small shape, batching on and off, with rows per model run from /metrics, and the
     CPU per request that inference alone takes in-process at the batch size the server actually ran."""
-    from service.backend.engine import Engine
+    from addnorm.service.backend.engine import Engine
 
     engine = Engine(s.artifact, "cpu")
     conc: dict[str, dict] = {"on": {}, "off": {}}
@@ -280,10 +279,9 @@ def measure_concurrency(s: Setup) -> dict:
 def measure_variants(s: Setup) -> dict:
     """int8 and fused graphs of the same weights, in-process, the big shape."""
     import onnxruntime as ort
-
-    from export.variants import build_graph
-    from export.weights import load_weights
-    from model.encoder import Encoder
+    from addnorm.export.variants import build_graph
+    from addnorm.export.weights import load_weights
+    from addnorm.model.encoder import Encoder
 
     out = {}
     encoder = load_weights(Encoder(s.manifest.config), s.artifact / WEIGHTS_FILE)

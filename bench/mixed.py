@@ -103,7 +103,7 @@ def fit() -> list[tuple[float, float, float]]:
 
 def unpadded_limit(artifact: Path, xs: list[np.ndarray]) -> float:
     """Tokens per second of the requests each run alone in-process (after one warm-up pass)."""
-    from service.backend.engine import Engine
+    from addnorm.service.backend.engine import Engine
 
     return unpadded_limit_of(Engine(artifact, "cpu"), xs)
 
@@ -307,7 +307,7 @@ def packed_twin(artifact: Path) -> Path:
         str(manifest["opset"]),
     ]
     args += ["--name", manifest["name"], "--if-missing", "-q"]
-    subprocess.run([sys.executable, "-m", "export", *args], check=True)
+    subprocess.run([sys.executable, "-m", "addnorm.export", *args], check=True)
     return out
 
 
@@ -341,7 +341,7 @@ def packed_ceiling(artifact: Path, rounds: int = 3, runs: tuple[int, ...] = (256
     sequence; attention is ``seq / 6E`` of a position's work (0.7% at the draw's mean of 33 tokens, E = 768), so
     the block's throughput on ``T`` tokens of 8-long sequences (``[T/8, 8, E]``, attention negligible) bounds it
     from above: ``T`` = 256, 512, 1024 is 8, 16, 32 merged requests of the draw's mean length."""
-    from service.backend.engine import Engine
+    from addnorm.service.backend.engine import Engine
 
     engine = Engine(artifact, "cpu")
     e = engine.d_model

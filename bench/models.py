@@ -21,9 +21,10 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from addnorm.service.backend.cores import default_threads
+
 from bench.loadgen import run_loads
 from bench.server import HOST, ServerProcess
-from service.backend.cores import default_threads
 
 REPEATS = 3
 SERVERS = {
@@ -67,7 +68,7 @@ def measure_models(s, clients: int) -> dict:
         for name, (flags, env) in SERVERS.items():
             args = [
                 "-m",
-                "service",
+                "addnorm.service",
                 "--model-repository",
                 str(repo),
                 "--max-batch-size",

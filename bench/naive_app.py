@@ -8,12 +8,11 @@ from __future__ import annotations
 import os
 
 import torch
+from addnorm.export.weights import load_weights
+from addnorm.model.artifact import Manifest
+from addnorm.model.encoder import Encoder
 from fastapi import FastAPI
 from pydantic import BaseModel
-
-from export.weights import load_weights
-from model.artifact import Manifest
-from model.encoder import Encoder
 
 _dir = os.environ.get("ADDNORM_BENCH_ARTIFACT", "artifacts/default")
 _model = load_weights(Encoder(Manifest.load(_dir).config), f"{_dir}/weights.safetensors").eval()

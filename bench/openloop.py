@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from addnorm.model.artifact import Manifest
 
 from bench.ab import started
 from bench.batched import batches, medians
@@ -39,7 +40,6 @@ from bench.measure import v2_request
 from bench.mixed import REQUESTS, draw, packed_twin, unpadded_limit
 from bench.report import artifact_given, save
 from bench.server import HOST, ROOT
-from model.artifact import Manifest
 
 MAX_CONNECTIONS = (
     512  # more than the queue holds (256: a server sheds the rest, 429); beyond, a request waits here

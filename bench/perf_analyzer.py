@@ -23,7 +23,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from model.contract import EMBEDDINGS, MASK
+from addnorm.model.contract import EMBEDDINGS, MASK
 
 WHEEL = "perf-analyzer==2.60.0"
 NEEDS_GLIBC = (2, 38)
@@ -206,18 +206,18 @@ def measure(artifact: Path, seconds: float = 3.0) -> dict:
     """perf_analyzer over HTTP and gRPC and bench.loadgen over HTTP, on one addnorm-serve at its defaults (gRPC
     on), for [1,16,E] requests at 1, 4 and 16 concurrent and [8,128,E] at 1; the two tools alternate per row."""
     import numpy as np
+    from addnorm.model.artifact import Manifest
 
     from bench.loadgen import run_load
     from bench.measure import v2_request
     from bench.server import HOST, ServerProcess
-    from model.artifact import Manifest
 
     command = binary()
     manifest = Manifest.load(artifact)
     e = manifest.config.d_model
     plan = [(1, 16, 1), (1, 16, 4), (1, 16, 16), (8, 128, 1)]
     rows = []
-    with ServerProcess(["-m", "service", "--model-dir", str(artifact)], grpc=True) as srv:
+    with ServerProcess(["-m", "addnorm.service", "--model-dir", str(artifact)], grpc=True) as srv:
         for batch, seq, level in plan:
             x = np.zeros((batch, seq, e), np.float32)
             ours = run_load(HOST, srv.port, v2_request(srv.port, manifest.name, x), level, seconds)

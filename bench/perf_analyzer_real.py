@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+from addnorm.model.contract import EMBEDDINGS, MASK
 
 from bench.batched import medians
 from bench.perf_analyzer import TRANSPORTS, Unavailable, binary, run
 from bench.report import artifact_given, save
 from bench.server import HOST, ServerProcess
-from model.contract import EMBEDDINGS, MASK
 
 REAL_REQUESTS = 64  # requests in perf_analyzer's data file (base64: 2.4 MB at d_model 384)
 
@@ -60,8 +60,9 @@ class _Round(NamedTuple):
 def _rounds(artifact: Path, rounds: int) -> Iterator[_Round]:
     """``rounds`` rounds over one data file of ``real_lengths``: each measures the unpadded limit in-process, then
     starts a server for the round's loads."""
+    from addnorm.model.artifact import Manifest
+
     from bench.mixed import unpadded_limit
-    from model.artifact import Manifest
 
     manifest = Manifest.load(artifact)
     with tempfile.TemporaryDirectory() as tmp:
@@ -69,7 +70,7 @@ def _rounds(artifact: Path, rounds: int) -> Iterator[_Round]:
         xs = real_lengths(data, manifest.config.d_model)
         for r in range(rounds):
             limit = unpadded_limit(artifact, xs)
-            with ServerProcess(["-m", "service", "--model-dir", str(artifact)], grpc=True) as srv:
+            with ServerProcess(["-m", "addnorm.service", "--model-dir", str(artifact)], grpc=True) as srv:
                 yield _Round(srv, manifest.name, data, xs, limit)
             print(f"  round {r + 1} done", file=sys.stderr, flush=True)
 

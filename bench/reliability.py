@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import orjson
+from addnorm.model.artifact import Manifest
+from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
+from addnorm.model.packing import answered
 
 from bench.loadgen import build_request
 from bench.server import HOST, serve
-from model.artifact import Manifest
-from model.contract import EMBEDDINGS, ENCODED, MASK
-from model.packing import answered
 
 ATOL, RTOL = 1e-4, 1e-3  # batching pads and merges: equal to an unbatched run within float32 reordering
 
@@ -263,7 +263,7 @@ def soak(
     artifact: Path, seconds: float, clients: int = 64, seed: int = 0, warmup_s: float = 3.0
 ) -> SoakResult:
     """Run the mixed load for ``seconds`` against a fresh addnorm-serve on ``artifact``."""
-    from service.backend.engine import Engine
+    from addnorm.service.backend.engine import Engine
 
     manifest = Manifest.load(artifact)
     engine = Engine(artifact, "cpu", intra_op_threads=1)

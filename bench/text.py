@@ -33,18 +33,18 @@ from pathlib import Path
 
 import numpy as np
 import orjson
+from addnorm.model.runtime import cpu_flags
 
 from bench.loadgen import build_request
 from bench.mixed import cell
 from bench.server import HOST, ROOT, ServerProcess, free_port
-from model.runtime import cpu_flags
 
 CLIENTS = (1, 8, 32)
 SIZES = (1, 8)  # sentences per request
 
 
 def sentences() -> list[str]:
-    from export.hf import builtin_sentences
+    from addnorm.export.hf import builtin_sentences
 
     return builtin_sentences()
 
@@ -56,7 +56,7 @@ def minilm() -> Path:
 
 
 def export_minilm(out: Path) -> Path:
-    from export import cli
+    from addnorm.export import cli
 
     if not (out / "manifest.json").exists():
         assert cli.main(["--from", str(minilm()), "--out", str(out), "--name", "minilm", "-q"]) == 0
@@ -70,7 +70,7 @@ def limits(
     many times), tokenization included, sorted by token count and run in batches of each of ``sizes`` sentences
     (a server with that many sentences in flight can batch no more); and tokenization's share of the time at the
     largest size."""
-    from service.backend.engine import Engine
+    from addnorm.service.backend.engine import Engine
 
     engine = Engine(artifact, "cpu")
     front = engine.text
@@ -166,8 +166,8 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None) -> dict:
     texts = sentences()
     with tempfile.TemporaryDirectory() as tmp:
         artifact = export_minilm(Path(tmp) / "minilm")
-        from model.artifact import Manifest
-        from model.tokenize import TextTokenizer
+        from addnorm.model.artifact import Manifest
+        from addnorm.model.tokenize import TextTokenizer
 
         manifest = Manifest.load(artifact)
         tok = TextTokenizer((artifact / "tokenizer.json").read_bytes(), manifest.text)
@@ -184,7 +184,9 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None) -> dict:
             servers = [
                 (
                     "addnorm",
-                    lambda: ServerProcess(["-m", "service", "--model-dir", str(artifact)], capture=False),
+                    lambda: ServerProcess(
+                        ["-m", "addnorm.service", "--model-dir", str(artifact)], capture=False
+                    ),
                     "/v1/embeddings",
                 ),
                 (

@@ -25,8 +25,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from model.contract import EMBEDDINGS, ENCODED, MASK
+from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
 
 MODEL_PY = """import os
 import sys
@@ -75,10 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     import httpx
     import onnxruntime as ort
     import tritonclient.http as httpclient
+    from addnorm.model.artifact import Manifest
+    from addnorm.service.protocols.v2.triton_repo import write_repository
 
     from bench.server import free_port
-    from model.artifact import Manifest
-    from service.protocols.v2.triton_repo import write_repository
 
     args = argv if argv is not None else sys.argv[1:]
     artifact = Path(args[0] if args else "artifacts/default")

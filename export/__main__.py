@@ -1,5 +1,5 @@
 import sys
 
-from export.cli import main
+from addnorm.export.cli import main
 
 sys.exit(main())

@@ -4,8 +4,8 @@ The seeds normalize ``[S, B, E]`` over ``(B, E)`` (``parameter_shape = (1, 3)`` 
 ``LayerNormalization`` does the same with ``axis=-k``. Those dims' sizes are fixed in the graph, so this is not a
 servable encoder artifact, only the step itself::
 
-    from export.add_norm import export_add_norm
-    from model.encoder import AddNorm
+    from addnorm.export.add_norm import export_add_norm
+    from addnorm.model.encoder import AddNorm
     export_add_norm(AddNorm((2, 3)).eval(), torch.randn(4, 2, 3), "add_norm.onnx")
 """
 
@@ -15,9 +15,8 @@ from pathlib import Path
 
 import onnx
 import torch
+from addnorm.export.onnx_export import DEFAULT_OPSET, export_module, load_checked
 from torch import Tensor, nn
-
-from export.onnx_export import DEFAULT_OPSET, export_module, load_checked
 
 
 class AddNormModule(nn.Module):

@@ -12,10 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-
-from export.cases import Given
-from model.config import ConfigError
-from model.contract import EMBEDDINGS, MASK
+from addnorm.export.cases import Given
+from addnorm.model.config import ConfigError
+from addnorm.model.contract import EMBEDDINGS, MASK
 
 CASE_ROWS = 8  # sequences per case: the gate runs each case as one batch
 

@@ -6,12 +6,11 @@ from collections import Counter
 from collections.abc import Iterator
 
 import onnx
-
-from export import attention as attn
-from export.onnx_export import MIN_OPSET, opset_of
-from export.variants import get_variant, norm_op
-from model.config import EncoderConfig
-from model.contract import EMBEDDINGS, MASK, input_names, output_names
+from addnorm.export import attention as attn
+from addnorm.export.onnx_export import MIN_OPSET, opset_of
+from addnorm.export.variants import get_variant, norm_op
+from addnorm.model.config import EncoderConfig
+from addnorm.model.contract import EMBEDDINGS, MASK, input_names, output_names
 
 # ONNX elem types the artifact allows for embeddings/encoded (fp16 artifacts take fp16 or fp32).
 _FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16}

@@ -9,21 +9,21 @@ import logging
 import sys
 from pathlib import Path
 
-from export import attention, hf
-from export.calibration import calibration_cases, load_arrays
-from export.checks import GraphCheckError
-from export.embedding import embed_sentences
-from export.families.bert import FAMILY as BERT
-from export.gate import ParityError
-from export.onnx_export import DEFAULT_OPSET, MIN_OPSET, ExportError
-from export.pipeline import TextExport, export_artifact, prepare_encoder
-from export.report import format_table
-from export.variants import VARIANTS
-from export.weights import CheckpointError
-from model.artifact import ArtifactError, load_verified
-from model.config import POOLINGS, ConfigError, EncoderConfig
-from model.embedding import EmbeddingAddNorm
-from model.text import IDS, INPUTS, TOKENIZER_FILE, TextConfig
+from addnorm.export import attention, hf
+from addnorm.export.calibration import calibration_cases, load_arrays
+from addnorm.export.checks import GraphCheckError
+from addnorm.export.embedding import embed_sentences
+from addnorm.export.families.bert import FAMILY as BERT
+from addnorm.export.gate import ParityError
+from addnorm.export.onnx_export import DEFAULT_OPSET, MIN_OPSET, ExportError
+from addnorm.export.pipeline import TextExport, export_artifact, prepare_encoder
+from addnorm.export.report import format_table
+from addnorm.export.variants import VARIANTS
+from addnorm.export.weights import CheckpointError
+from addnorm.model.artifact import ArtifactError, load_verified
+from addnorm.model.config import POOLINGS, ConfigError, EncoderConfig
+from addnorm.model.embedding import EmbeddingAddNorm
+from addnorm.model.text import IDS, INPUTS, TOKENIZER_FILE, TextConfig
 
 log = logging.getLogger("addnorm.export")
 

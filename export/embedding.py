@@ -15,12 +15,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
-
-from export.onnx_export import ExportError, export_module, load_checked
-from export.parity import make_session
-from model.contract import BATCH, EMBEDDINGS, SEQ
-from model.embedding import EmbeddingAddNorm
-from model.verdict import FP32_ATOL, float32_floor
+from addnorm.export.onnx_export import ExportError, export_module, load_checked
+from addnorm.export.parity import make_session
+from addnorm.model.contract import BATCH, EMBEDDINGS, SEQ
+from addnorm.model.embedding import EmbeddingAddNorm
+from addnorm.model.verdict import FP32_ATOL, float32_floor
 
 # (batch, seq) of the gate's id cases: a single token, short, padded, and the longest the artifact accepts
 GATE_SHAPES = ((1, 1), (2, 7), (4, 33), (1, None))
@@ -79,7 +78,7 @@ def embed_sentences(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(embeddings (N, S, E) float32, mask (N, S) bool) of ``sentences``: tokenized as the server tokenizes them
     (cut to the model's length) and embedded by the model's own embedding layer: what the block receives."""
-    from model.tokenize import TextTokenizer
+    from addnorm.model.tokenize import TextTokenizer
 
     batch = TextTokenizer(tokenizer_json, module.text).encode(list(sentences), truncate=True)
     feed = [torch.from_numpy(batch.input_ids)]

@@ -6,11 +6,11 @@ import functools
 import tempfile
 from pathlib import Path
 
-from export.cases import Case
-from export.parity import ParityReport, make_session, run_parity
-from export.report import failure_message
-from export.variants import build_graph, get_variant
-from model.encoder import Encoder
+from addnorm.export.cases import Case
+from addnorm.export.parity import ParityReport, make_session, run_parity
+from addnorm.export.report import failure_message
+from addnorm.export.variants import build_graph, get_variant
+from addnorm.model.encoder import Encoder
 
 
 class ParityError(RuntimeError):

@@ -7,9 +7,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from export.cases import Case
-from export.parity import ParityReport
-from model.golden import save_golden
+from addnorm.export.cases import Case
+from addnorm.export.parity import ParityReport
+from addnorm.model.golden import save_golden
 
 # Short and long, with and without padding; sizes unlike the export example (2, 5) and the parity cases.
 GOLDEN_CASES = (

@@ -16,14 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from export.families import Family, family_of
-from export.parity import make_session
-from export.weights import CheckpointError, read_state_dict
-from model.config import ConfigError
-from model.contract import EMBEDDINGS, ENCODED, MASK, POOLED, output_names
-from model.reference import pool as reference_pool
-from model.verdict import FP32_ATOL, FP32_RTOL
+from addnorm.export.families import Family, family_of
+from addnorm.export.parity import make_session
+from addnorm.export.weights import CheckpointError, read_state_dict
+from addnorm.model.config import ConfigError
+from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, POOLED, output_names
+from addnorm.model.reference import pool as reference_pool
+from addnorm.model.verdict import FP32_ATOL, FP32_RTOL
 
 log = logging.getLogger("addnorm.export")
 
@@ -367,7 +366,7 @@ def text_limits(directory: Path, text_fields: dict) -> dict:
 def run_ids(model_dir: Path, config, batch) -> dict[str, np.ndarray]:
     """The artifact being written in ``model_dir`` run on a tokenized ``batch``: the embedding graph, then the block
     (float32 outputs by name, batch-first)."""
-    from model.text import EMBEDDING_FILE
+    from addnorm.model.text import EMBEDDING_FILE
 
     emb = make_session(model_dir / EMBEDDING_FILE)
     feed = {"input_ids": batch.input_ids}
@@ -402,8 +401,8 @@ def ids_check(directory: Path, text, config, quiet: bool):
         from transformers import AutoModel
     except ImportError:
         raise ConfigError("--reference transformers needs transformers (pip install transformers)") from None
-    from model.text import TOKENIZER_FILE
-    from model.tokenize import TextTokenizer
+    from addnorm.model.text import TOKENIZER_FILE
+    from addnorm.model.tokenize import TextTokenizer
 
     model = AutoModel.from_pretrained(
         str(directory), local_files_only=True, attn_implementation="eager"

@@ -47,12 +47,10 @@ from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
-
-from export import int8_ops
-from export.int8_ops import QUANT_MATMUL, ROW_QUANTIZE
-from model.kernels import DOMAIN
-from model.schemes import (  # the scheme's numbers, shared with the server
+from addnorm.export import int8_ops
+from addnorm.export.int8_ops import QUANT_MATMUL, ROW_QUANTIZE
+from addnorm.model.kernels import DOMAIN
+from addnorm.model.schemes import (  # the scheme's numbers, shared with the server
     DEFAULT_FORM,
     HALF,
     STEPS,
@@ -63,6 +61,7 @@ from model.schemes import (  # the scheme's numbers, shared with the server
     float_channel_count,
     quantize_weight,
 )
+from onnx import TensorProto, helper, numpy_helper
 
 ChannelsOf = Callable[[np.ndarray], np.ndarray]  # a graph weight (E, N) -> its float input channels
 
@@ -221,7 +220,7 @@ def _bias_adds(graph: onnx.GraphProto, inits: Mapping[str, onnx.TensorProto]) ->
 def input_peaks(encoder, inputs: list[tuple[np.ndarray, np.ndarray]], real_only: bool = True) -> dict:
     """Per weight product of ``encoder`` (by weight name), the largest |input| per channel over ``inputs`` ((x, mask)
     pairs, batch first), over real tokens only unless ``real_only`` is False. model/reference.py in float64."""
-    from model import reference
+    from addnorm.model import reference
 
     weights = {k: v.detach().double().numpy() for k, v in encoder.state_dict().items()}
     names = {id(v): k for k, v in weights.items()}

@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+from addnorm.model.kernels import DOMAIN
+from addnorm.model.schemes import STEPS, TINY, ZERO_POINT
 from onnx import TensorProto, helper, numpy_helper
-
-from model.kernels import DOMAIN
-from model.schemes import STEPS, TINY, ZERO_POINT
 
 ROW_QUANTIZE = "RowQuantize"
 QUANT_MATMUL = "QuantMatMul"

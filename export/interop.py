@@ -5,7 +5,7 @@
 The embedding graph and the block are joined as they are (the same nodes and weights the server runs), with one
 adapter between them: the block's mask (bool, true = padding) is ``attention_mask == 0``.
 
-    python -m export.interop ARTIFACT MODEL_DIR OUT   # OUT: a copy of MODEL_DIR with onnx/model.onnx
+    python -m addnorm.export.interop ARTIFACT MODEL_DIR OUT   # OUT: a copy of MODEL_DIR with onnx/model.onnx
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ import sys
 from pathlib import Path
 
 import onnx
+from addnorm.model.artifact import MODEL_FILE, Manifest
+from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
+from addnorm.model.text import ATTENTION_MASK, EMBEDDING_FILE
 from onnx import TensorProto, compose, helper
-
-from model.artifact import MODEL_FILE, Manifest
-from model.contract import EMBEDDINGS, ENCODED, MASK
-from model.text import ATTENTION_MASK, EMBEDDING_FILE
 
 LAST_HIDDEN_STATE = "last_hidden_state"
 
@@ -91,7 +90,7 @@ def write(artifact: Path, model_dir: Path, out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m export.interop", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m addnorm.export.interop", description=__doc__.split("\n\n")[0])
     p.add_argument("artifact", type=Path)
     p.add_argument(
         "model_dir", type=Path, help="the model directory it was exported from (config, tokenizer)"

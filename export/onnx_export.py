@@ -10,13 +10,21 @@ from pathlib import Path
 
 import onnx
 import torch
+from addnorm.export import attention as attn
+from addnorm.export import traces
+from addnorm.model.contract import (
+    BATCH,
+    ELEMENTS,
+    LONGEST_ELEMENTS,
+    SEQ,
+    STARTS,
+    STEP_OUTPUT,
+    TOKENS,
+    input_names,
+)
+from addnorm.model.contract import output_names as contract_outputs
+from addnorm.model.encoder import Encoder, Packing
 from torch import Tensor, nn
-
-from export import attention as attn
-from export import traces
-from model.contract import BATCH, ELEMENTS, LONGEST_ELEMENTS, SEQ, STARTS, STEP_OUTPUT, TOKENS, input_names
-from model.contract import output_names as contract_outputs
-from model.encoder import Encoder, Packing
 
 MIN_OPSET = 17  # LayerNormalization entered the standard in opset 17
 RMS_MIN_OPSET = 23  # RMSNormalization entered the standard in opset 23

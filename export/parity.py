@@ -19,10 +19,9 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
-
-from export import traces
-from export.cases import Case, Given, default_cases
-from export.yardsticks import (  # noqa: F401  torch_outputs and float32_yardstick: export.parity's API too
+from addnorm.export import traces
+from addnorm.export.cases import Case, Given, default_cases
+from addnorm.export.yardsticks import (  # noqa: F401  torch_outputs and float32_yardstick: export.parity's API too
     SchemeModel,
     float32_spread,
     float32_yardstick,
@@ -30,12 +29,12 @@ from export.yardsticks import (  # noqa: F401  torch_outputs and float32_yardsti
     teacher_forced,
     torch_outputs,
 )
-from model import kernels, packing, reference
-from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, output_names, positional
-from model.encoder import Encoder
-from model.golden import REPRESENTATIVE
-from model.runtime import CPU, CUDA, session_args
-from model.verdict import Comparison, Tolerance, compare
+from addnorm.model import kernels, packing, reference
+from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, output_names, positional
+from addnorm.model.encoder import Encoder
+from addnorm.model.golden import REPRESENTATIVE
+from addnorm.model.runtime import CPU, CUDA, session_args
+from addnorm.model.verdict import Comparison, Tolerance, compare
 
 # Two float64 computations of one block differ by rounding (~1e-14 here); far above that, one of them is wrong.
 ORACLES_AGREE = 1e-9

@@ -7,16 +7,16 @@ import json
 import sys
 from pathlib import Path
 
-from export.cases import Given, adversarial_cases, default_cases, synthetic
-from export.gate import gate
-from export.onnx_export import ExportError
-from export.parity import GRAPH_OPT_LEVELS, ParityReport
-from export.report import format_table, write_report
-from export.weights import CheckpointError, load_weights
-from model.artifact import GOLDEN_FILE, WEIGHTS_FILE, ArtifactError, load_verified
-from model.contract import EMBEDDINGS, MASK
-from model.encoder import Encoder
-from model.golden import load_golden, representative
+from addnorm.export.cases import Given, adversarial_cases, default_cases, synthetic
+from addnorm.export.gate import gate
+from addnorm.export.onnx_export import ExportError
+from addnorm.export.parity import GRAPH_OPT_LEVELS, ParityReport
+from addnorm.export.report import format_table, write_report
+from addnorm.export.weights import CheckpointError, load_weights
+from addnorm.model.artifact import GOLDEN_FILE, WEIGHTS_FILE, ArtifactError, load_verified
+from addnorm.model.contract import EMBEDDINGS, MASK
+from addnorm.model.encoder import Encoder
+from addnorm.model.golden import load_golden, representative
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 

@@ -13,28 +13,27 @@ from importlib import metadata
 from pathlib import Path
 
 import numpy as np
-
-from export import traces
-from export.attention import AttentionError
-from export.attention import resolve as resolve_attention
-from export.cases import Case, default_cases, synthetic
-from export.checks import check_graph
-from export.embedding import export_embedding, gate_embedding, write_embedding_golden
-from export.families import Family
-from export.families.bert import FAMILY as BERT
-from export.gate import ParityError, gate
-from export.golden import golden_cases, write_golden
-from export.onnx_export import DEFAULT_OPSET, ExportError
-from export.parity import ParityReport
-from export.publish import publish, staging_for
-from export.variants import build_graph, get_variant
-from export.weights import load_state, read_state_dict, save_weights
-from model.artifact import GOLDEN_FILE, MANIFEST_FILE, MODEL_FILE, WEIGHTS_FILE, Manifest, sha256_file
-from model.config import EncoderConfig
-from model.contract import io_specs
-from model.embedding import EmbeddingAddNorm
-from model.encoder import Encoder, build_encoder
-from model.text import EMBEDDING_FILE, EMBEDDING_GOLDEN_FILE, TOKENIZER_FILE, TextConfig
+from addnorm.export import traces
+from addnorm.export.attention import AttentionError
+from addnorm.export.attention import resolve as resolve_attention
+from addnorm.export.cases import Case, default_cases, synthetic
+from addnorm.export.checks import check_graph
+from addnorm.export.embedding import export_embedding, gate_embedding, write_embedding_golden
+from addnorm.export.families import Family
+from addnorm.export.families.bert import FAMILY as BERT
+from addnorm.export.gate import ParityError, gate
+from addnorm.export.golden import golden_cases, write_golden
+from addnorm.export.onnx_export import DEFAULT_OPSET, ExportError
+from addnorm.export.parity import ParityReport
+from addnorm.export.publish import publish, staging_for
+from addnorm.export.variants import build_graph, get_variant
+from addnorm.export.weights import load_state, read_state_dict, save_weights
+from addnorm.model.artifact import GOLDEN_FILE, MANIFEST_FILE, MODEL_FILE, WEIGHTS_FILE, Manifest, sha256_file
+from addnorm.model.config import EncoderConfig
+from addnorm.model.contract import io_specs
+from addnorm.model.embedding import EmbeddingAddNorm
+from addnorm.model.encoder import Encoder, build_encoder
+from addnorm.model.text import EMBEDDING_FILE, EMBEDDING_GOLDEN_FILE, TOKENIZER_FILE, TextConfig
 
 log = logging.getLogger("addnorm.export")
 

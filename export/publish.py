@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from model.artifact import MANIFEST_FILE
+from addnorm.model.artifact import MANIFEST_FILE
 
 log = logging.getLogger("addnorm.export")
 RENAME_EXCHANGE = 2  # linux/fs.h

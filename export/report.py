@@ -8,9 +8,8 @@ import math
 from pathlib import Path
 
 import numpy as np
-
-from export.parity import ORACLES_AGREE, ParityReport
-from model.verdict import Comparison
+from addnorm.export.parity import ORACLES_AGREE, ParityReport
+from addnorm.model.verdict import Comparison
 
 
 def worst_message(report: ParityReport) -> str:

@@ -17,14 +17,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
-
-from export import int8, traces
-from export.onnx_export import DEFAULT_OPSET, ExportError, export_onnx
-from export.yardsticks import SchemeModel, torch_outputs
-from model.config import EncoderConfig
-from model.encoder import Encoder
-from model.schemes import FLOAT_CHANNELS_KEY, Form
-from model.verdict import Tolerance
+from addnorm.export import int8, traces
+from addnorm.export.onnx_export import DEFAULT_OPSET, ExportError, export_onnx
+from addnorm.export.yardsticks import SchemeModel, torch_outputs
+from addnorm.model.config import EncoderConfig
+from addnorm.model.encoder import Encoder
+from addnorm.model.schemes import FLOAT_CHANNELS_KEY, Form
+from addnorm.model.verdict import Tolerance
 
 # (encoder, path, opset, with_steps, attention form: export/attention.py); a variant with a plan takes it as plan=
 Builder = Callable[..., onnx.ModelProto]

@@ -17,11 +17,10 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-
-from model import reference
-from model.contract import ENCODED, STEP_OUTPUT
-from model.encoder import Encoder
-from model.verdict import worst_row
+from addnorm.model import reference
+from addnorm.model.contract import ENCODED, STEP_OUTPUT
+from addnorm.model.encoder import Encoder
+from addnorm.model.verdict import worst_row
 
 # A lossy scheme's arithmetic as a module: (encoder, plan=) -> (module, the dtype it computes in, the context it
 # computes in), export.variants' Variant.scheme_model

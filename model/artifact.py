@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from model.config import ConfigError, EncoderConfig
-from model.contract import TensorSpec
-from model.schemes import Form
-from model.text import EMBEDDING_FILE, EMBEDDING_GOLDEN_FILE, TOKENIZER_FILE, TextConfig
+from addnorm.model.config import ConfigError, EncoderConfig
+from addnorm.model.contract import TensorSpec
+from addnorm.model.schemes import Form
+from addnorm.model.text import EMBEDDING_FILE, EMBEDDING_GOLDEN_FILE, TOKENIZER_FILE, TextConfig
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.onnx"

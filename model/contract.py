@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from model.config import EncoderConfig
+from addnorm.model.config import EncoderConfig
 
 EMBEDDINGS = "embeddings"  # float32 (batch, seq, d_model); (seq, batch, d_model) in a --no-batch-first graph
 MASK = "mask"  # bool (batch, seq), true = padding

@@ -5,9 +5,8 @@ type's embeddings (``LayerNorm(word + position [+ token_type])``), exported as i
 from __future__ import annotations
 
 import torch
+from addnorm.model.text import TextConfig
 from torch import Tensor, nn
-
-from model.text import TextConfig
 
 
 class EmbeddingAddNorm(nn.Module):

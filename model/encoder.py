@@ -14,11 +14,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from addnorm.model.attention import RELATIVE_MAX_DISTANCE, relative_buckets
+from addnorm.model.config import EncoderConfig
+from addnorm.model.contract import ENCODED, POOLED
 from torch import Tensor, nn
-
-from model.attention import RELATIVE_MAX_DISTANCE, relative_buckets
-from model.config import EncoderConfig
-from model.contract import ENCODED, POOLED
 
 Sublayer = Callable[[Tensor], Tensor]
 

@@ -20,8 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
-from model.contract import EMBEDDINGS, LONGEST, MASK, OFFSETS, positional
+from addnorm.model.contract import EMBEDDINGS, LONGEST, MASK, OFFSETS, positional
 
 
 def feed(x: np.ndarray, mask: np.ndarray, lengths: np.ndarray | None = None) -> dict[str, np.ndarray]:

@@ -17,11 +17,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
-
-from model.attention import RELATIVE_MAX_DISTANCE, relative_buckets
-from model.config import EncoderConfig
-from model.contract import ENCODED, POOLED
-from model.schemes import Exact
+from addnorm.model.attention import RELATIVE_MAX_DISTANCE, relative_buckets
+from addnorm.model.config import EncoderConfig
+from addnorm.model.contract import ENCODED, POOLED
+from addnorm.model.schemes import Exact
 
 EXACT = Exact()
 

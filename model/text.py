@@ -13,8 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from model.config import ConfigError
-from model.contract import EMBEDDINGS
+from addnorm.model.config import ConfigError
+from addnorm.model.contract import EMBEDDINGS
 
 EMBEDDING_FILE = "embedding.onnx"
 TOKENIZER_FILE = "tokenizer.json"

@@ -7,9 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from addnorm.model.text import TextConfig
 from tokenizers import Tokenizer
-
-from model.text import TextConfig
 
 
 class TooLong(ValueError):

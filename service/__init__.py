@@ -15,11 +15,11 @@ __all__ = ["Settings", "create_app"]
 
 def __getattr__(name: str):
     if name == "create_app":
-        from service.front.app import create_app
+        from addnorm.service.front.app import create_app
 
         return create_app
     if name == "Settings":
-        from service.settings import Settings
+        from addnorm.service.settings import Settings
 
         return Settings
     raise AttributeError(f"module 'service' has no attribute {name!r}")

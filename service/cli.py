@@ -11,12 +11,11 @@ import socket
 import sys
 import typing
 
+from addnorm.model import kernels
+from addnorm.service import logs
+from addnorm.service.backend.engine import EngineError, check_artifact, freeze_heap, resolve_providers
+from addnorm.service.settings import Settings, explain
 from pydantic import ValidationError
-
-from model import kernels
-from service import logs
-from service.backend.engine import EngineError, check_artifact, freeze_heap, resolve_providers
-from service.settings import Settings, explain
 
 
 class _Parser(argparse.ArgumentParser):
@@ -132,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         # Fail before binding a port: a missing or tampered artifact, two models of one name, or cuda asked for
         # but absent.
         import onnxruntime as ort
-
-        from service.models.registry import read_manifests
+        from addnorm.service.models.registry import read_manifests
 
         if settings.model_control_mode != "none" and settings.workers > 1:
             raise ValueError("model control loads models in one process: use --workers 1 with it")
@@ -198,13 +196,13 @@ def main(argv: list[str] | None = None) -> int:
         # Workers are separate processes: pass the settings down through the environment.
         os.environ.update(settings.to_env())
         uvicorn.run(
-            "service.front.app:create_app",
+            "addnorm.service.front.app:create_app",
             factory=True,
             workers=settings.workers,
             **common,
         )
     else:
-        from service.front.app import create_app
+        from addnorm.service.front.app import create_app
 
         app = create_app(settings, exit_on_error=True)
         _SERVING.append(app)

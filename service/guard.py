@@ -17,13 +17,12 @@ import hmac
 from collections.abc import Callable, Sequence
 from typing import Annotated
 
-from fastapi import Depends, Request
-
-from service.errors import (
+from addnorm.service.errors import (
     NotReady,
     Unauthenticated,
 )
-from service.models.state import KnownModels, ServiceState
+from addnorm.service.models.state import KnownModels, ServiceState
+from fastapi import Depends, Request
 
 SCOPE_KEY = "addnorm.loaded"  # where the guard leaves the KnownModels for the routes past it
 

@@ -1,6 +1,6 @@
 """Ray Serve: the same FastAPI app as addnorm-serve, in N replicas that each own one onnxruntime session.
 
-    serve run service.ray_serve:build model_dir=artifacts/default replicas=2
+    serve run addnorm.service.ray_serve:build model_dir=artifacts/default replicas=2
     serve run deploy/ray/serve.yaml
 
 Needs the ``ray`` extra (``pip install '.[ray]'``). Each replica builds the app with ``create_app`` and
@@ -21,16 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from addnorm.model.artifact import MANIFEST_FILE
+from addnorm.service import logs
+from addnorm.service.front.app import create_app
+from addnorm.service.models.registry import model_dirs
+from addnorm.service.settings import Settings, explain
 from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from model.artifact import MANIFEST_FILE
-from service import logs
-from service.front.app import create_app
-from service.models.registry import model_dirs
-from service.settings import Settings, explain
 
 log = logging.getLogger("addnorm.ray")
 
@@ -127,7 +126,7 @@ class AddNormReplica:
 
 
 def build(args: dict[str, Any]) -> Application:
-    """Application builder for ``serve run service.ray_serve:build key=value ...`` and Serve config files.
+    """Application builder for ``serve run addnorm.service.ray_serve:build key=value ...`` and Serve config files.
 
     Keys: ``replicas``, ``num_cpus``, ``max_ongoing_requests``, and any addnorm setting by its field name
     (``model_dir`` (comma-separated for several), ``providers``, ``max_batch_size``, ...). Relative artifact paths
@@ -177,7 +176,7 @@ def _build(args: dict[str, Any]) -> Application:
         guesses = {u: difflib.get_close_matches(u, [*BUILD_ARGS, *Settings.model_fields], 1) for u in unknown}
         named = ", ".join(f"{u!r}" + (f" (did you mean {g[0]!r}?)" if g else "") for u, g in guesses.items())
         raise ValueError(
-            f"unknown argument {named} for service.ray_serve:build; it takes {', '.join(BUILD_ARGS)} and any "
+            f"unknown argument {named} for addnorm.service.ray_serve:build; it takes {', '.join(BUILD_ARGS)} and any "
             "addnorm setting by its field name (addnorm-serve --help lists them: --max-batch-size is max_batch_size)"
         )
     for key in ("model_dir", "model_repository"):

@@ -88,7 +88,7 @@ class Settings(BaseSettings):
     )
     kernels: str = Field(
         "auto",
-        description="int8's operators on the CPU provider: auto (the kernel library python -m model.kernels built, "
+        description="int8's operators on the CPU provider: auto (the kernel library python -m addnorm.model.kernels built, "
         "when there and the CPU has AVX2 and FMA; else onnxruntime's standard operators), off, or the library's path",
     )
     intra_op_threads: int = Field(
@@ -272,7 +272,7 @@ def explain(exc: ValidationError, by_field: bool = False) -> str:
     """A settings error in one line: each bad setting by its flag (``by_field``: its field name, as Ray's builder
     takes it) and variable, what is wrong, the value given (pydantic's own text is four lines a setting with a
     URL)."""
-    from service.errors import quote
+    from addnorm.service.errors import quote
 
     parts = []
     for error in exc.errors():

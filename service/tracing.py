@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from service.batching.merging import Timings
-from service.errors import ServiceError
+from addnorm.service.batching.merging import Timings
+from addnorm.service.errors import ServiceError
 
 log = logging.getLogger("addnorm.tracing")
 PROTOCOLS = ("http/protobuf", "grpc")

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from addnorm.model.config import EncoderConfig
 
 from bench.server import ROOT, ServerProcess
-from model.config import EncoderConfig
 
 __all__ = ["ROOT", "SMALL", "TINY", "export_to", "start_server"]
 # Apps the tests build in-process serve no gRPC unless a test asks for a port (the default, 8001, could be taken).
@@ -20,7 +20,7 @@ SMALL = EncoderConfig(d_model=64, nhead=4, dim_feedforward=128, dropout=0.0)
 
 
 def export_to(out: Path, config: EncoderConfig, **kwargs) -> Path:
-    from export.pipeline import export_artifact, prepare_encoder
+    from addnorm.export.pipeline import export_artifact, prepare_encoder
 
     export_artifact(
         prepare_encoder(config, kwargs.pop("checkpoint", None), seed=kwargs.pop("seed", 0)), out, **kwargs
@@ -59,7 +59,7 @@ REPO_KEY = "repo-secret"
 def repo_server(model_repository: Path) -> Iterator[ServerProcess]:
     """addnorm-serve --model-repository on the two models: HTTP and gRPC (``.grpc_port``), API key REPO_KEY,
     a 200 kB body limit."""
-    args = ["-m", "service", "--model-repository", str(model_repository), "--api-key", REPO_KEY]
+    args = ["-m", "addnorm.service", "--model-repository", str(model_repository), "--api-key", REPO_KEY]
     with ServerProcess([*args, "--max-body-bytes", "200000"], grpc=True) as srv:
         yield srv
 
@@ -67,7 +67,7 @@ def repo_server(model_repository: Path) -> Iterator[ServerProcess]:
 def start_server(model_dir: Path, *extra: str, grpc: bool = False) -> ServerProcess:
     """addnorm-serve on ``model_dir`` in its own process (not yet waited for; ``with`` waits and stops it);
     ``grpc``: with its gRPC service on a free port (``.grpc_port``)."""
-    return ServerProcess(["-m", "service", "--model-dir", str(model_dir), *extra], grpc=grpc)
+    return ServerProcess(["-m", "addnorm.service", "--model-dir", str(model_dir), *extra], grpc=grpc)
 
 
 @pytest.fixture(scope="session")
@@ -87,7 +87,7 @@ def _addnorm_logs_reach_caplog(monkeypatch: pytest.MonkeyPatch, caplog: pytest.L
 
 def pytest_report_header() -> str:
     """The CPU kind every numerical verdict of this run holds on (docs/parity.md names runs by it)."""
-    from model.runtime import cpu_flags
+    from addnorm.model.runtime import cpu_flags
 
     return f"CPU flags: {' '.join(sorted(cpu_flags())) or 'unknown'}"
 
@@ -111,14 +111,16 @@ def _build_kernels() -> None:
     CPU with AVX2 and FMA, so every engine and export gate of the run registers it and int8 is tested as it is
     served. A CPU without AVX2 and FMA cannot run it (the suite then tests int8's standard operators only); anywhere
     else a failed build fails the run."""
-    from model import kernels
+    from addnorm.model import kernels
 
     if kernels.cpu_lacks():
         return
     try:
         kernels.build()
     except kernels.KernelError as exc:
-        raise pytest.UsageError(f"cannot build int8's kernels (python -m model.kernels): {exc}") from exc
+        raise pytest.UsageError(
+            f"cannot build int8's kernels (python -m addnorm.model.kernels): {exc}"
+        ) from exc
 
 
 LANES = {"model": "unit", "service": "unit", "export": "export"}  # tests/<dir>/...; top-level files: server

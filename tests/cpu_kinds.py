@@ -12,9 +12,9 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+from addnorm.model.runtime import cpu_flags
 
 from bench.server import ROOT
-from model.runtime import cpu_flags
 
 QEMU = shutil.which("qemu-x86_64")
 AVX2_ONLY = "Haswell-v4"  # AVX2 and FMA; no AVX-512, no VNNI
@@ -29,9 +29,9 @@ CHECK = textwrap.dedent(
     """
     import json, sys
     import numpy as np
-    from model.golden import load_golden
-    from service.backend.engine import Engine
-    from service.backend.engine import verify_engine
+    from addnorm.model.golden import load_golden
+    from addnorm.service.backend.engine import Engine
+    from addnorm.service.backend.engine import verify_engine
     directory, out = sys.argv[1], sys.argv[2]
     engine = Engine(directory, providers="cpu")
     v = verify_engine(engine, "strict")

@@ -312,9 +312,10 @@ def test_ab_compares_two_checkouts_phase_by_phase(tiny_artifact, capsys):
 def test_limits_alternate_in_process_with_each_server(tiny_artifact):
     """bench.limits with the defaults and a server without batching: every round has both limits and both
     servers, the server without batching ran one row per run, and the table names both."""
+    from addnorm.model.artifact import Manifest
+
     from bench.limits import limits_table, measure_limits
     from bench.measure import Setup
-    from model.artifact import Manifest
 
     rng = np.random.default_rng(0)
     s = Setup(

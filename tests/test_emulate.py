@@ -9,10 +9,10 @@ import subprocess
 import sys
 
 import pytest
+from addnorm.model.runtime import cpu_flags
 
 from bench import emulate
 from bench.server import ROOT
-from model.runtime import cpu_flags
 from tests.cpu_kinds import EXACT, PAIRS_K, SATURATED, saturation_probe
 
 # What the process sees: /proc/cpuinfo's flags, numpy's and the kernels' own dispatch, and onnxruntime's MLAS through
@@ -20,8 +20,8 @@ from tests.cpu_kinds import EXACT, PAIRS_K, SATURATED, saturation_probe
 PROBE = f"""
 import json, os, sys
 import numpy as np, onnxruntime as ort
-from model import kernels
-from model.runtime import cpu_flags
+from addnorm.model import kernels
+from addnorm.model.runtime import cpu_flags
 if os.fork() == 0:
     os._exit(0 if "avx512f" not in open("/proc/cpuinfo").read() or os.environ.get("ADDNORM_EMULATE") != "avx2" else 1)
 _, status = os.wait()

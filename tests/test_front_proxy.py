@@ -6,16 +6,16 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from addnorm.service.front.proxy import passed_headers, render
+from addnorm.service.settings import Settings
 
-from service.front.proxy import passed_headers, render
-from service.settings import Settings
 from tests.conftest import ROOT
 
 DEPLOYED = ROOT / "deploy" / "nginx" / "nginx.conf"
 
 
 def test_the_deployed_configuration_is_the_renderers_output():
-    """deploy/nginx/nginx.conf (an upstream named api, as docker-compose names the server): `python -m service.front.proxy --listen 8080
+    """deploy/nginx/nginx.conf (an upstream named api, as docker-compose names the server): `python -m addnorm.service.front.proxy --listen 8080
     --upstream api:8000 > deploy/nginx/nginx.conf` writes it again after a change of the renderer or a default."""
     assert DEPLOYED.read_text() == render(Settings(_env_file=None), "8080", "api:8000")
 
@@ -32,8 +32,8 @@ def test_nginx_accepts_it(tmp_path: Path):
 
 def test_every_header_the_app_reads_is_passed_on():
     """Only the listed fields reach the app: each protocol's documented headers and the common ones."""
-    from service.protocols.v1 import schema as v1
-    from service.protocols.v2 import schema as v2
+    from addnorm.service.protocols.v1 import schema as v1
+    from addnorm.service.protocols.v2 import schema as v2
 
     conf = render(Settings(), "8080", "api:8000")
     for header in {*v1.HEADERS, *v2.HEADERS, "authorization", "content-type", "x-request-id", "traceparent"}:

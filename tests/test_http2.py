@@ -19,11 +19,11 @@ import h2.exceptions
 import h2.settings
 import numpy as np
 import pytest
+from addnorm.service.backend.engine import Engine
+from addnorm.service.protocols.v2.grpc_server import HTTP2_LIMITS, SERVICE
 
 from bench.reliability import proc_rss_mb
 from bench.server import ServerProcess
-from service.backend.engine import Engine
-from service.protocols.v2.grpc_server import HTTP2_LIMITS, SERVICE
 from tests.conftest import start_server
 
 pytestmark = pytest.mark.server

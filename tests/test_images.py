@@ -17,10 +17,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from addnorm.model import kernels
+from addnorm.model.contract import EMBEDDINGS, ENCODED
 
 from bench.server import free_port
-from model import kernels
-from model.contract import EMBEDDINGS, ENCODED
 from tests.conftest import ROOT
 
 pytestmark = [
@@ -174,7 +174,7 @@ def _readme_v2(url: str) -> np.ndarray:
 
 
 def _in_process(default_artifact: Path) -> tuple[np.ndarray, np.ndarray]:
-    from service.backend.engine import Engine
+    from addnorm.service.backend.engine import Engine
 
     engine = Engine(default_artifact, "cpu")
     v1 = np.array([[0.01 * (i % 10) for i in range(768)]] * 2, np.float32)[None]

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,8 +16,8 @@ NO_TORCH = "import sys; sys.modules['torch'] = None; "
 @pytest.mark.parametrize(
     ("entry", "command"),
     [
-        ("export.cli", "addnorm-export"),
-        ("export.parity_cli", "addnorm-parity"),
+        ("addnorm.export.cli", "addnorm-export"),
+        ("addnorm.export.parity_cli", "addnorm-parity"),
         ("bench.cli", "python -m bench"),
     ],
 )
@@ -39,9 +40,10 @@ def test_serve_runs_without_torch():
     assert r.returncode == 0 and "--model-dir" in r.stdout
 
 
-def test_the_wheel_ships_model_export_and_service_only(tmp_path):
-    """Issue 27: bench/ is a checkout tool (python -m bench), not a top-level package of the wheel; the console
-    scripts the wheel declares all resolve to its own packages."""
+def test_the_wheel_installs_one_name_addnorm(tmp_path):
+    """Issue 66: the wheel holds one top-level package, addnorm (the repository's model/, export/ and service/ as
+    addnorm.model, .export, .service; bench/ and tests/ are checkout tools), and installed into a clean venv it
+    puts nothing else at the top of site-packages; its console scripts resolve inside it."""
     import zipfile
 
     r = subprocess.run(
@@ -63,11 +65,44 @@ def test_the_wheel_ships_model_export_and_service_only(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     (wheel,) = tmp_path.glob("addnorm-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
-    assert tops == {"model", "export", "service"}, tops
-    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    scripts = zipfile.ZipFile(wheel).read(entry_points).decode()
-    assert "bench" not in scripts and "addnorm-serve = service.cli:main" in scripts
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"addnorm"}
+    assert {
+        "addnorm/py.typed",
+        "addnorm/model/kernels/int8.cc",
+        "addnorm/service/protocols/v2/inference.proto",
+    } <= set(names)
+    entry_points = (
+        zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    )
+    scripts = [line.split(" = ")[1] for line in entry_points.splitlines() if " = " in line]
+    assert scripts and all(s.startswith("addnorm.") for s in scripts), scripts
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = Path(
+        subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+    )  # fmt: skip
+    before = {p.name for p in site.iterdir()}
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    added = {p.name for p in site.iterdir()} - before
+    assert {n for n in added if not n.endswith(".dist-info")} == {"addnorm"}, added
+    # from outside the checkout: the installed copy, its version, a module that needs nothing but the standard library
+    r = subprocess.run(
+        [python, "-c", "import addnorm, addnorm.model.config as c; print(addnorm.__version__, c.__file__)"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    version, where = r.stdout.split()
+    assert r.returncode == 0 and version == "0.1.0" and where.startswith(str(site / "addnorm" / "model")), r
 
 
 def test_make_serve_takes_the_servers_own_variables():

@@ -6,7 +6,8 @@ import re
 import tokenize
 from pathlib import Path
 
-from model.contract import INPUT_NAMES, OUTPUT_NAMES
+from addnorm.model.contract import INPUT_NAMES, OUTPUT_NAMES
+
 from tests.conftest import ROOT
 
 PACKAGES = ("model", "export", "service", "bench")
@@ -14,9 +15,16 @@ MODULES = sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
 
 
 def _name(path: Path) -> str:
+    """The module's import name: model/, export/ and service/ install under addnorm (setup.py); bench/ is not
+    installed."""
     rel = path.relative_to(ROOT).with_suffix("")
     parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
-    return ".".join(parts)
+    return ".".join(parts) if parts[0] == "bench" else ".".join(("addnorm", *parts))
+
+
+def _folder(mod: str) -> str:
+    """The repository folder a module name lives in (addnorm.service.cli -> service)."""
+    return mod.removeprefix("addnorm.").split(".")[0]
 
 
 def test_the_contract_names_are_spelled_once():
@@ -57,13 +65,13 @@ def test_imports_go_one_way_and_have_no_cycles():
         graph[_name(path)] = (deps & ours) - {_name(path)}
         if any(d == "torch" or d.startswith("torch.") for d in deps):
             torch_users.append(_name(path))
-    assert torch_users and not [m for m in torch_users if m.startswith("service")], torch_users
+    assert torch_users and not [m for m in torch_users if _folder(m) == "service"], torch_users
     for mod, deps in graph.items():
-        top = mod.split(".")[0]
+        top = _folder(mod)
         if top == "model":
-            assert all(d.startswith("model") for d in deps), (mod, deps)
+            assert all(_folder(d) == "model" for d in deps), (mod, deps)
         if top == "service":
-            assert not any(d.startswith(("export", "bench")) for d in deps), (mod, deps)
+            assert not any(_folder(d) in ("export", "bench") for d in deps), (mod, deps)
 
     def visit(mod: str, stack: list[str]) -> None:
         assert mod not in stack, "import cycle: " + " -> ".join([*stack[stack.index(mod) :], mod])
@@ -79,20 +87,27 @@ def test_imports_go_one_way_and_have_no_cycles():
     # (settings, errors, logs, metrics, tracing, the guard) may be imported from anywhere and import no room above
     # the models; the entry points (cli, ray_serve) import anything.
     rooms = ["front", "protocols", "core", "models", "batching", "backend"]
-    entry = {"service", "service.cli", "service.ray_serve", "service.__main__"}
+    entry = {
+        "addnorm.service",
+        "addnorm.service.cli",
+        "addnorm.service.ray_serve",
+        "addnorm.service.__main__",
+    }
 
     def rank(mod: str) -> int | None:
-        parts = mod.split(".")
+        parts = mod.removeprefix("addnorm.").split(".")
         return rooms.index(parts[1]) if len(parts) >= 2 and parts[1] in rooms else None
 
     upward = []
     for mod, deps in graph.items():
-        if not mod.startswith("service") or mod in entry:
+        if _folder(mod) != "service" or mod in entry:
             continue
         floor = rank(mod) if rank(mod) is not None else rooms.index("models")
         upward += [f"{mod} -> {d}" for d in deps if (r := rank(d)) is not None and r < floor]
     assert not upward, upward
-    assert {m.split(".")[1] for m in graph if m.startswith("service.") and m.count(".") >= 2} >= set(rooms)
+    assert {m.split(".")[2] for m in graph if m.startswith("addnorm.service.") and m.count(".") >= 3} >= set(
+        rooms
+    )
 
 
 TESTS = sorted((ROOT / "tests").rglob("*.py"))

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from addnorm.service.front.app import create_app
+from addnorm.service.ray_serve import DEPLOYMENT, build
+from addnorm.service.settings import Settings
 from ray.serve.schema import ServeDeploySchema
 
-from service.front.app import create_app
-from service.ray_serve import DEPLOYMENT, build
-from service.settings import Settings
 from tests.conftest import ROOT
 from tests.service.test_guard import served_routes
 
@@ -140,7 +140,7 @@ def test_export_job_runs_the_compose_export_and_writes_the_triton_repository():
     assert export["args"] == COMPOSE["services"]["export"]["command"]
     assert triton["image"] == COMPOSE["services"]["api"]["image"]
     scripts = (ROOT / "pyproject.toml").read_text()
-    assert f'{triton["command"][0]} = "service.protocols.v2.triton_repo:main"' in scripts
+    assert f'{triton["command"][0]} = "addnorm.service.protocols.v2.triton_repo:main"' in scripts
     kustomize = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
     assert sorted(kustomize["resources"]) == sorted(
         p.name for p in (DEPLOY / "k8s").glob("*.yaml") if p.name != "kustomization.yaml"

@@ -20,10 +20,10 @@ import onnxruntime as ort
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from addnorm.model.artifact import sha256_file
 from tritonclient.utils import InferenceServerException
 
 from bench.server import ServerProcess
-from model.artifact import sha256_file
 from tests.conftest import TINY, export_to
 from tests.helpers import wait_until
 
@@ -114,7 +114,8 @@ class Clients:
 
 def control_server(repo: Path, mode: str, *flags: str, grpc: bool = False) -> ServerProcess:
     return ServerProcess(
-        ["-m", "service", "--model-repository", str(repo), "--model-control-mode", mode, *flags], grpc=grpc
+        ["-m", "addnorm.service", "--model-repository", str(repo), "--model-control-mode", mode, *flags],
+        grpc=grpc,
     )
 
 
@@ -228,7 +229,7 @@ def test_with_model_control_off_a_server_with_no_loadable_model_exits_non_zero(t
         if key.startswith("golden") and "sha256" in key:
             manifest[key] = sha256_file(art / "golden.safetensors")
     (art / "manifest.json").write_text(json.dumps(manifest))
-    srv = ServerProcess(["-m", "service", "--model-dir", str(art)])
+    srv = ServerProcess(["-m", "addnorm.service", "--model-dir", str(art)])
     try:
         assert srv.proc.wait(120) == 1, srv.output()[-2000:]
         lines = [line for line in srv.output().splitlines() if "no model can be served" in line]
@@ -240,10 +241,10 @@ def test_with_model_control_off_a_server_with_no_loadable_model_exits_non_zero(t
 def test_control_refusals_over_http_and_unload_by_http(tmp_path, versions):
     """Triton's repository API over HTTP: refused where control is off (saying how to turn it on), parameters it
     does not take refused by name (tritonclient's unload_dependents taken), unload and load by HTTP."""
+    from addnorm.service import create_app
+    from addnorm.service.settings import Settings
     from fastapi.testclient import TestClient
 
-    from service import create_app
-    from service.settings import Settings
     from tests.helpers import wait_until_ready
 
     repo = repository(tmp_path, versions, "1")
@@ -277,10 +278,10 @@ def test_a_reload_of_an_unreadable_manifest_is_refused_naming_why(tmp_path, vers
     """A new version whose manifest.json is half-written (an export killed mid-write, say): the load is refused
     with a 4xx that names the directory and why (it answered "no model 'encoder' in the repository" before, the
     cause only in the server's log), and the version serving goes on."""
+    from addnorm.service import create_app
+    from addnorm.service.settings import Settings
     from fastapi.testclient import TestClient
 
-    from service import create_app
-    from service.settings import Settings
     from tests.helpers import wait_until_ready
 
     repo = repository(tmp_path, versions, "1")
@@ -304,9 +305,9 @@ def test_a_reload_of_an_unreadable_manifest_is_refused_naming_why(tmp_path, vers
 def test_control_is_refused_before_the_manifests_are_read(tmp_path, versions):
     import asyncio
 
-    from service.errors import ControlOff
-    from service.models.state import ModelControl
-    from service.settings import Settings
+    from addnorm.service.errors import ControlOff
+    from addnorm.service.models.state import ModelControl
+    from addnorm.service.settings import Settings
 
     repo = repository(tmp_path, versions, "1")
     control = ModelControl(Settings(model_repository=repo, model_control_mode="explicit"), lambda: None)
@@ -323,7 +324,7 @@ def test_control_is_refused_before_the_manifests_are_read(tmp_path, versions):
     ],
 )
 def test_control_settings_that_cannot_work_are_refused_at_start(tmp_path, versions, capsys, flags, said):
-    from service import cli, logs
+    from addnorm.service import cli, logs
 
     repo = repository(tmp_path, versions, "1")
     args = [f.format(art=versions["1"]) for f in flags] + ["--model-control-mode", "explicit", "--port", "0"]
@@ -346,13 +347,13 @@ def test_a_model_swapped_while_a_large_body_is_decoded_decodes_and_serves_it_wit
     serves it: V2 names the model in its path, looked up once before the body is read (version 1's manifest
     decodes it and version 1 serves it to its end); /v1 names it in its payload, looked up by the decode itself
     (version 2, after the swap)."""
+    from addnorm.service import create_app
+    from addnorm.service.core import inference
+    from addnorm.service.protocols.v1 import codec as v1_codec
+    from addnorm.service.protocols.v2 import codec as v2_codec
+    from addnorm.service.settings import Settings
     from fastapi.testclient import TestClient
 
-    from service import create_app
-    from service.core import inference
-    from service.protocols.v1 import codec as v1_codec
-    from service.protocols.v2 import codec as v2_codec
-    from service.settings import Settings
     from tests.helpers import wait_until_ready
 
     repo = repository(tmp_path, versions, "1")

@@ -8,9 +8,9 @@ nor Debian can be reached, the test is skipped and says why; it never passes wit
 from __future__ import annotations
 
 import pytest
+from addnorm.model.artifact import Manifest
 
 from bench import perf_analyzer as pa
-from model.artifact import Manifest
 from tests.conftest import start_server
 
 

@@ -18,17 +18,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from addnorm.export import cli as export_cli
+from addnorm.export.gate import ParityError
+from addnorm.model import encoder as torch_encoder
+from addnorm.model import reference
+from addnorm.model.artifact import load_verified
+from addnorm.model.config import ConfigError, EncoderConfig
+from addnorm.model.contract import ENCODED, POOLED, io_specs, output_names
+from addnorm.service.backend.engine import Engine
+from addnorm.service.batching.batcher import Batcher
 
 from bench.server import ServerProcess
-from export import cli as export_cli
-from export.gate import ParityError
-from model import encoder as torch_encoder
-from model import reference
-from model.artifact import load_verified
-from model.config import ConfigError, EncoderConfig
-from model.contract import ENCODED, POOLED, io_specs, output_names
-from service.backend.engine import Engine
-from service.batching.batcher import Batcher
 from tests.conftest import SMALL, export_to
 from tests.service.test_batcher import Recorder, until
 
@@ -117,7 +117,7 @@ def pooled_artifacts(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_the_gate_judges_the_pooled_output_and_keeps_it_in_the_golden_data(pooled_artifacts):
-    from model.golden import load_golden
+    from addnorm.model.golden import load_golden
 
     for name, directory in pooled_artifacts.items():
         manifest, _ = load_verified(directory)
@@ -161,7 +161,7 @@ def test_merged_requests_of_different_lengths_each_get_their_own_pooled_rows(poo
 
 @pytest.fixture(scope="module")
 def server(pooled_artifacts) -> Iterator[ServerProcess]:
-    args = ["-m", "service", "--live-parity-rate", "1", "--max-queue-delay-ms", "1"]
+    args = ["-m", "addnorm.service", "--live-parity-rate", "1", "--max-queue-delay-ms", "1"]
     for directory in pooled_artifacts.values():
         args += ["--model-dir", str(directory)]
     with ServerProcess(args, grpc=True) as srv:
@@ -254,8 +254,8 @@ def test_v1_answers_one_output_when_asked(server, pooled_artifacts):
     no model has, or one this model lacks, is a 400 naming it."""
     import io
 
-    from service.errors import BadInput
-    from service.protocols.v1 import codec
+    from addnorm.service.errors import BadInput
+    from addnorm.service.protocols.v1 import codec
 
     rng = np.random.default_rng(3)
     seqs = [rng.standard_normal((n, 64)).astype(np.float32) for n in (4, 7)]

@@ -21,14 +21,14 @@ import onnxruntime as ort
 import pytest
 import ray
 import tritonclient.http as triton
+from addnorm.model.packing import answered
+from addnorm.service.backend.cores import threads_for
+from addnorm.service.front.app import create_app
+from addnorm.service.ray_serve import DEPLOYMENT, ArtifactUnreadable, build, check_readable, replica_settings
+from addnorm.service.settings import Settings
 from fastapi.testclient import TestClient
 from ray import serve
 
-from model.packing import answered
-from service.backend.cores import threads_for
-from service.front.app import create_app
-from service.ray_serve import DEPLOYMENT, ArtifactUnreadable, build, check_readable, replica_settings
-from service.settings import Settings
 from tests.helpers import skew_gamma, wait_until
 
 APP = "addnorm"
@@ -288,13 +288,13 @@ def _serve_run(*args: str) -> subprocess.CompletedProcess:
 
 def test_serve_run_says_a_bad_argument_in_one_line(tmp_path):
     """Issue 27: Ray printed our message inside a 30-line traceback."""
-    r = _serve_run("service.ray_serve:build", "replica=2")
+    r = _serve_run("addnorm.service.ray_serve:build", "replica=2")
     errors = [line for line in r.stderr.splitlines() if "INFO" not in line]
     assert r.returncode == 2 and len(errors) == 1, r.stderr
     assert (
         "unknown argument 'replica' (did you mean 'replicas'?)" in errors[0] and "Traceback" not in r.stderr
     )
-    r = _serve_run("service.ray_serve:build", "max_batch_size=abc")
+    r = _serve_run("addnorm.service.ray_serve:build", "max_batch_size=abc")
     assert (
         r.returncode == 2
         and "max_batch_size (ADDNORM_MAX_BATCH_SIZE)" in r.stderr
@@ -326,7 +326,7 @@ def test_serve_run_refuses_a_taken_proxy_port_in_one_line(tiny_artifact):
             holder.listen()
         except OSError:
             pass  # something else holds it: the refusal is the same
-        r = _serve_run("service.ray_serve:build", f"model_dir={tiny_artifact}")
+        r = _serve_run("addnorm.service.ray_serve:build", f"model_dir={tiny_artifact}")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "127.0.0.1:8000, which is taken" in r.stderr and "http_options.port" in r.stderr
 

@@ -19,18 +19,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch.nn.functional as F
+from addnorm.export import cli as export_cli
+from addnorm.export import hf, traces
+from addnorm.export.calibration import calibration_cases
+from addnorm.export.cases import Case, default_cases
+from addnorm.export.parity import float32_yardstick, make_session, run_parity
+from addnorm.export.pipeline import export_artifact, prepare_encoder
+from addnorm.export.variants import build_graph, get_variant
+from addnorm.model.config import EncoderConfig
+from addnorm.model.verdict import float32_floor
 
 from bench.real import MORE, PASSAGE
 from bench.server import ServerProcess
-from export import cli as export_cli
-from export import hf, traces
-from export.calibration import calibration_cases
-from export.cases import Case, default_cases
-from export.parity import float32_yardstick, make_session, run_parity
-from export.pipeline import export_artifact, prepare_encoder
-from export.variants import build_graph, get_variant
-from model.config import EncoderConfig
-from model.verdict import float32_floor
 
 pytestmark = [pytest.mark.server, pytest.mark.export]
 
@@ -76,7 +76,7 @@ def real(reference: hf.Reference) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 @pytest.fixture(scope="module")
 def encoder(minilm: Path):
     state, fields, where = hf.read_model_dir(minilm)
-    from export.families.bert import FAMILY as BERT
+    from addnorm.export.families.bert import FAMILY as BERT
 
     pooling = hf.sentence_pooling(minilm)  # its sentence-transformers pipeline: mean pooling, then Normalize
     assert pooling == {"pooling": "mean", "normalize_pooled": True}
@@ -154,7 +154,7 @@ def test_every_form_exports_passes_and_says_what_its_inputs_were(artifacts):
 def test_addnorm_parity_rechecks_a_real_artifact_as_its_export_judged_it(artifacts):
     """addnorm-parity on the fp16 artifact: its golden cases (the real sentences) are the representative ones
     again; judged on the synthetic cases alone, fp16 on this model would fail quality (3.4% relative RMS)."""
-    from export import parity_cli
+    from addnorm.export import parity_cli
 
     report = parity_cli.check_artifact(artifacts["fp16"], steps=False)
     assert report.passed and report.inputs == "given", report.summary()
@@ -200,9 +200,8 @@ def test_int8_is_within_0_999_per_sentence_and_the_gate_refuses_its_first_form(e
     rows +-their reach from their mean) stays near 0.998, and its gate fails on quality, however faithfully the
     graph computes its scheme (no rescue); the report names both verdicts and the least sentence cosine."""
     import onnxruntime as ort
-
-    from export.report import decided
-    from model.schemes import FLOAT_CHANNELS_KEY, LEGACY, Form
+    from addnorm.export.report import decided
+    from addnorm.model.schemes import FLOAT_CHANNELS_KEY, LEGACY, Form
 
     x, mask, want = real
     variant = get_variant("int8")
@@ -274,9 +273,8 @@ def test_int8_refuses_a_5_percent_gamma_step_by_step(encoder, real, tmp_path):
     (the faithful graph passes in the artifacts fixture's gate, steps and all; every norm measured in
     docs/parity.md: 1.8-2.2x at its step, the last norm 0.84x there and failing on quality)."""
     import torch
-
-    from export.gate import _with_plan
-    from export.pipeline import plan_for
+    from addnorm.export.gate import _with_plan
+    from addnorm.export.pipeline import plan_for
 
     given = _given(real)
     for variant in ("int8",):  # fp16 end to end already: test_a_5_percent_gamma_in_any_one_layer_fails
@@ -339,8 +337,7 @@ def served(artifacts, encoder, tmp_path_factory) -> Iterator[ServerProcess]:
     """One server holding every form, and a copy of fp32-mha whose graph has a skewed gamma (its hashes made
     consistent): that one fails its golden check at load and is refused; the others keep serving."""
     import onnx
-
-    from model.artifact import MODEL_FILE, sha256_file
+    from addnorm.model.artifact import MODEL_FILE, sha256_file
 
     broken = tmp_path_factory.mktemp("broken") / "skewed"
     shutil.copytree(artifacts["fp32-mha"], broken)
@@ -349,7 +346,7 @@ def served(artifacts, encoder, tmp_path_factory) -> Iterator[ServerProcess]:
     manifest = json.loads((broken / "manifest.json").read_text())
     manifest["name"], manifest["model_sha256"] = "skewed", sha256_file(broken / MODEL_FILE)
     (broken / "manifest.json").write_text(json.dumps(manifest))
-    args = ["-m", "service"]
+    args = ["-m", "addnorm.service"]
     for directory in [*artifacts.values(), broken]:
         args += ["--model-dir", str(directory)]
     # /health/ready stays 503 while a model is refused: wait until every model has left LOADING

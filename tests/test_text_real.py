@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from addnorm.export import cli
+from addnorm.export.hf import MORE, PASSAGE, SENTENCES
 
 from bench.server import ServerProcess
-from export import cli
-from export.hf import MORE, PASSAGE, SENTENCES
 
 pytestmark = [pytest.mark.server, pytest.mark.export]
 TEXTS = [*SENTENCES, *MORE, PASSAGE * 3, PASSAGE * 5, PASSAGE * 12]  # 110, ~180 and (cut) > 256 tokens
@@ -35,7 +35,7 @@ def served(minilm: Path, tmp_path_factory) -> Iterator[ServerProcess]:
     repo = tmp_path_factory.mktemp("text-real")
     for name, extra in (("minilm", []), ("minilm-int8", ["--variant", "int8"])):
         assert cli.main(["--from", str(minilm), "--out", str(repo / name), "--name", name, "-q", *extra]) == 0
-    with ServerProcess(["-m", "service", "--model-repository", str(repo)]) as srv:
+    with ServerProcess(["-m", "addnorm.service", "--model-repository", str(repo)]) as srv:
         yield srv
     shutil.rmtree(repo, ignore_errors=True)
 

@@ -64,7 +64,9 @@ def traced(tiny_artifact) -> Iterator[tuple[ServerProcess, Receiver]]:
         "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
         "OTEL_BSP_SCHEDULE_DELAY": "50",  # ms: export soon after each request
     }
-    with ServerProcess(["-m", "service", "--model-dir", str(tiny_artifact)], env=env, grpc=True) as server:
+    with ServerProcess(
+        ["-m", "addnorm.service", "--model-dir", str(tiny_artifact)], env=env, grpc=True
+    ) as server:
         yield server, receiver
     receiver.shutdown()
 
@@ -145,7 +147,7 @@ def _attributes(span) -> dict:
 
 
 def test_tracing_is_off_without_an_endpoint_and_costs_no_span(monkeypatch):
-    from service.tracing import OFF, Tracing
+    from addnorm.service.tracing import OFF, Tracing
 
     tracing = Tracing()
     tracing.configure({})

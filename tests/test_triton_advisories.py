@@ -17,10 +17,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from addnorm.service.backend.engine import Engine
 
 from bench.reliability import proc_rss_mb
 from bench.server import ServerProcess
-from service.backend.engine import Engine
 from tests.helpers import raw_http
 
 pytestmark = pytest.mark.server
@@ -33,7 +33,14 @@ MAX_BODY = 4_000_000
 
 @pytest.fixture(scope="module")
 def server(model_repository: Path) -> Iterator[ServerProcess]:
-    args = ["-m", "service", "--model-repository", str(model_repository), "--model-control-mode", "explicit"]
+    args = [
+        "-m",
+        "addnorm.service",
+        "--model-repository",
+        str(model_repository),
+        "--model-control-mode",
+        "explicit",
+    ]
     flags = ["--max-body-bytes", str(MAX_BODY), "--body-timeout-s", "3", "--header-timeout-s", "3"]
     with ServerProcess([*args, *flags], grpc=True) as srv:
         for name in (b"encoder", b"encoder-int8"):  # explicit mode starts with none loaded

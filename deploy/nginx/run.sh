@@ -4,5 +4,5 @@
 # filesystem stays read-only and nginx never needs root (a port above 1024, no user switch).
 set -eu
 mkdir -p /tmp/nginx
-python -m service.front.proxy --prefix /tmp/nginx "$@" > /tmp/nginx/nginx.conf
+python -m addnorm.service.front.proxy --prefix /tmp/nginx "$@" > /tmp/nginx/nginx.conf
 exec nginx -e stderr -p /tmp/nginx -c /tmp/nginx/nginx.conf -g 'daemon off;'

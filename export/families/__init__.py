@@ -15,9 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-
-from export.weights import CheckpointError
-from model.config import ConfigError
+from addnorm.export.weights import CheckpointError
+from addnorm.model.config import ConfigError
 
 # config.json's hidden_act / activation -> the encoder's activation (transformers' "gelu" is the exact, erf GELU)
 ACTIVATIONS = {"gelu": "gelu", "relu": "relu"}
@@ -119,10 +118,10 @@ class Family:
 
 
 _MODULES = {
-    "bert": "export.families.bert",
-    "roberta": "export.families.roberta",
-    "distilbert": "export.families.distilbert",
-    "mpnet": "export.families.mpnet",
+    "bert": "addnorm.export.families.bert",
+    "roberta": "addnorm.export.families.roberta",
+    "distilbert": "addnorm.export.families.distilbert",
+    "mpnet": "addnorm.export.families.mpnet",
 }
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from export.families import Family, activation, present
+from addnorm.export.families import Family, activation, present
 
 BERT_LAYER_KEYS = {  # encoder block key -> BertLayer key
     "self_attn.out_proj.weight": "attention.output.dense.weight",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from export.families import Family, activation, present
+from addnorm.export.families import Family, activation, present
 
 LAYER_KEYS = {
     "self_attn.out_proj.weight": "attention.out_lin.weight",
@@ -27,7 +27,7 @@ EPS = 1e-12  # transformers' DistilBERT: fixed, not in config.json
 
 def fields(config: dict) -> dict:
     if config.get("sinusoidal_pos_embds"):
-        from model.config import ConfigError
+        from addnorm.model.config import ConfigError
 
         raise ConfigError(
             "config.json has sinusoidal_pos_embds: its positions are computed, not a table; not supported"

@@ -4,9 +4,9 @@ the stack computes once from the positions and every layer adds to its attention
 
 from __future__ import annotations
 
-from export.families import Family, bert, roberta
-from model.attention import RELATIVE_BUCKETS
-from model.config import ConfigError
+from addnorm.export.families import Family, bert, roberta
+from addnorm.model.attention import RELATIVE_BUCKETS
+from addnorm.model.config import ConfigError
 
 LAYER_KEYS = {  # the attention's own names; the feed-forward half is BERT's
     "self_attn.out_proj.weight": "attention.attn.o.weight",

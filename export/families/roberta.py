@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from export.families import Family, bert
+from addnorm.export.families import Family, bert
 
 
 def text(config: dict) -> dict:

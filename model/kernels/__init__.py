@@ -1,6 +1,6 @@
 """int8's CPU kernels: an onnxruntime custom-op library for the two operators of export/int8_ops.py.
 
-    python -m model.kernels [--include DIR] [--out DIR]     builds it (make serve and make test do)
+    python -m addnorm.model.kernels [--include DIR] [--out DIR]     builds it (make serve and make test do)
 
 An int8 artifact's graph holds ``ai.addnorm.RowQuantize`` and ``ai.addnorm.QuantMatMul`` nodes, ONNX functions
 whose bodies are standard operators: every runtime can run it. Where this library is registered (the server's
@@ -34,7 +34,7 @@ SUITE = "trixie"  # the first Debian release with onnxruntime's headers (1.21)
 CACHE = Path.home() / ".cache" / "addnorm"
 INSTALLED = Path(
     "/usr/local/lib/addnorm"
-)  # where the images put it (Dockerfile: python -m model.kernels --out)
+)  # where the images put it (Dockerfile: python -m addnorm.model.kernels --out)
 NEEDS = ("avx2", "fma")
 ENV = "ADDNORM_KERNELS"  # the server's setting (--kernels); addnorm-export's gate reads it too
 # auto registers the library on every CPU that can run it: int8 on it was measured faster than on onnxruntime's
@@ -79,7 +79,9 @@ def find(setting: str = "auto", cpuinfo: str = "/proc/cpuinfo") -> Path | None:
         return found[0] if found and not lacks else None
     path = Path(setting)
     if not path.is_file():
-        raise KernelError(f"kernel library {setting} does not exist (build one: python -m model.kernels)")
+        raise KernelError(
+            f"kernel library {setting} does not exist (build one: python -m addnorm.model.kernels)"
+        )
     if lacks:
         raise KernelError(f"kernel library {setting} needs a CPU with {', '.join(lacks)}; this one has none")
     return path

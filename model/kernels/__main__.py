@@ -1,4 +1,4 @@
-"""python -m model.kernels: build int8's kernel library (model/kernels/__init__.py) and print its path."""
+"""python -m addnorm.model.kernels: build int8's kernel library (model/kernels/__init__.py) and print its path."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from model.kernels import KernelError, build, cpu_lacks
+from addnorm.model.kernels import KernelError, build, cpu_lacks
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m model.kernels", description=__doc__.split(":", 1)[1].strip())
+    p = argparse.ArgumentParser(
+        prog="python -m addnorm.model.kernels", description=__doc__.split(":", 1)[1].strip()
+    )
     p.add_argument(
         "--include", type=Path, help="a directory holding onnxruntime's onnxruntime_lite_custom_op.h"
     )

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from service.settings import Settings
+from addnorm.service.settings import Settings
 
 
 class CoreBudget:

@@ -19,16 +19,15 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-
-from model import kernels, packing
-from model.artifact import ArtifactError, Manifest, load_verified, read_verified
-from model.attention import held_form, score_elements
-from model.contract import EMBEDDINGS, MASK, positional
-from model.golden import Verification, load_golden, verify
-from model.runtime import CPU, CUDA, VNNI_FLAGS, cpu_flags, session_args
-from model.verdict import Tolerance
-from service.backend.cores import default_threads
-from service.backend.text import TextFront
+from addnorm.model import kernels, packing
+from addnorm.model.artifact import ArtifactError, Manifest, load_verified, read_verified
+from addnorm.model.attention import held_form, score_elements
+from addnorm.model.contract import EMBEDDINGS, MASK, positional
+from addnorm.model.golden import Verification, load_golden, verify
+from addnorm.model.runtime import CPU, CUDA, VNNI_FLAGS, cpu_flags, session_args
+from addnorm.model.verdict import Tolerance
+from addnorm.service.backend.cores import default_threads
+from addnorm.service.backend.text import TextFront
 
 log = logging.getLogger("addnorm.engine")
 

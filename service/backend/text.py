@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import onnxruntime as ort
-
-from model.artifact import Verified
-from model.contract import EMBEDDINGS
-from model.runtime import session_args
-from model.text import INPUT_IDS, TOKEN_TYPE_IDS
-from model.tokenize import Batch, TextTokenizer
-from model.verdict import FP32_ATOL, float32_floor
-from service.errors import BadInput, quote
+from addnorm.model.artifact import Verified
+from addnorm.model.contract import EMBEDDINGS
+from addnorm.model.runtime import session_args
+from addnorm.model.text import INPUT_IDS, TOKEN_TYPE_IDS
+from addnorm.model.tokenize import Batch, TextTokenizer
+from addnorm.model.verdict import FP32_ATOL, float32_floor
+from addnorm.service.errors import BadInput, quote
 
 
 class TextFront:

@@ -21,12 +21,11 @@ from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
-
-from model import packing
-from service.backend.cores import CoreBudget
-from service.batching import merging
-from service.batching.merging import BatchObserver, Outputs, Request, Run, Timings
-from service.errors import InferenceFailed, Overloaded, ServiceError, ShuttingDown, TimedOut
+from addnorm.model import packing
+from addnorm.service.backend.cores import CoreBudget
+from addnorm.service.batching import merging
+from addnorm.service.batching.merging import BatchObserver, Outputs, Request, Run, Timings
+from addnorm.service.errors import InferenceFailed, Overloaded, ServiceError, ShuttingDown, TimedOut
 
 log = logging.getLogger("addnorm.batcher")
 # After this long without work following a run, the model may give back the memory its runs held (its ``release``,

@@ -24,11 +24,10 @@ from functools import cached_property
 from typing import Protocol
 
 import numpy as np
-
-from model.attention import score_elements
-from model.contract import positional
-from model.packing import real_lengths
-from service.errors import TooLarge
+from addnorm.model.attention import score_elements
+from addnorm.model.contract import positional
+from addnorm.model.packing import real_lengths
+from addnorm.service.errors import TooLarge
 
 Outputs = dict[str, np.ndarray]  # output name -> (B, S, ...) array, or (B, ...) without a sequence axis
 

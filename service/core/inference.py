@@ -17,15 +17,14 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import numpy as np
+from addnorm.service.batching.merging import Outputs, Timings
+from addnorm.service.core.text import run_parts, text_of
+from addnorm.service.errors import ClientDeadline, ClientGone, ServiceError, TimedOut
+from addnorm.service.metrics import RequestTimer
+from addnorm.service.models.registry import ServingModel
+from addnorm.service.models.state import KnownModels
+from addnorm.service.tracing import TRACING, Carrier, RequestSpan
 from starlette.concurrency import run_in_threadpool
-
-from service.batching.merging import Outputs, Timings
-from service.core.text import run_parts, text_of
-from service.errors import ClientDeadline, ClientGone, ServiceError, TimedOut
-from service.metrics import RequestTimer
-from service.models.registry import ServingModel
-from service.models.state import KnownModels
-from service.tracing import TRACING, Carrier, RequestSpan
 
 # A codec step's work is counted in bytes of JSON text (parsing 256 KB of it: 1.5-2 ms here). Up to OFFLOAD_BYTES it
 # runs on the event loop, beyond it in a worker thread (a hop costs 0.2-0.4 ms). A raw tensor byte (binary data,

@@ -12,12 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+from addnorm.model.contract import ENCODED, POOLED
+from addnorm.model.tokenize import Batch, TooLong
+from addnorm.service.batching.merging import Outputs, Timings
+from addnorm.service.errors import BadInput, TooLarge, quote
 from starlette.concurrency import run_in_threadpool
-
-from model.contract import ENCODED, POOLED
-from model.tokenize import Batch, TooLong
-from service.batching.merging import Outputs, Timings
-from service.errors import BadInput, TooLarge, quote
 
 Inputs = list[str] | list[list[int]]  # texts, or token id lists
 

@@ -10,16 +10,15 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from addnorm.service import logs, protocols
+from addnorm.service.backend.engine import freeze_heap, limit_arenas
+from addnorm.service.front.middleware import Front, install_error_handlers
+from addnorm.service.guard import Guard
+from addnorm.service.models.state import ServiceState, load_models, load_then_watch
+from addnorm.service.protocols import docs, health
+from addnorm.service.settings import VERSION, Settings
+from addnorm.service.tracing import TRACING
 from fastapi import FastAPI
-
-from service import logs, protocols
-from service.backend.engine import freeze_heap, limit_arenas
-from service.front.middleware import Front, install_error_handlers
-from service.guard import Guard
-from service.models.state import ServiceState, load_models, load_then_watch
-from service.protocols import docs, health
-from service.settings import VERSION, Settings
-from service.tracing import TRACING
 
 
 def create_app(

@@ -10,7 +10,7 @@ settings the server reads, so the two agree on every limit. ``deploy/nginx/nginx
 upstream named ``api`` (``tests/test_front_proxy.py`` keeps it current); docs/reliability.md says which protection lives
 where.
 
-``python -m service.front.proxy --listen 0.0.0.0:8080 --upstream 127.0.0.1:8000 > nginx.conf``
+``python -m addnorm.service.front.proxy --listen 0.0.0.0:8080 --upstream 127.0.0.1:8000 > nginx.conf``
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import math
 import sys
 
 import orjson
-
-from service.settings import Settings
+from addnorm.service.settings import Settings
 
 # nginx's own refusals, each answered with the API's JSON error shape. 494 is nginx's code for a head over its
 # buffers, answered as the 431 RFC 6585 names; its 501 for a transfer coding it does not know, as a 400 (every bad
@@ -65,8 +64,8 @@ COMMON_HEADERS = (
 
 
 def passed_headers() -> tuple[str, ...]:
-    from service.protocols.v1 import schema as v1
-    from service.protocols.v2 import schema as v2
+    from addnorm.service.protocols.v1 import schema as v1
+    from addnorm.service.protocols.v2 import schema as v2
 
     return tuple(dict.fromkeys([*COMMON_HEADERS, *sorted(v1.HEADERS | v2.HEADERS)]))
 
@@ -206,7 +205,7 @@ http {{
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m service.front.proxy",
+        prog="python -m addnorm.service.front.proxy",
         description="Print an nginx.conf for the front proxy, from the ADDNORM_* settings (docs/reliability.md).",
     )
     parser.add_argument(

@@ -29,14 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from model import reference, schemes
-from model.artifact import Manifest, read_weights
-from model.contract import positional
-from model.packing import answered
-from model.verdict import Tolerance, compare
-from service import logs
-from service.backend import engine
+from addnorm.model import reference, schemes
+from addnorm.model.artifact import Manifest, read_weights
+from addnorm.model.contract import positional
+from addnorm.model.packing import answered
+from addnorm.model.verdict import Tolerance, compare
+from addnorm.service import logs
+from addnorm.service.backend import engine
 
 log = logging.getLogger("addnorm.live_parity")
 QUEUE = 8  # samples waiting for the checker; more are dropped (and counted)

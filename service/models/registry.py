@@ -18,16 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from model.artifact import MANIFEST_FILE, ArtifactError, Manifest
-from model.golden import Verification
-from service.backend.engine import Engine
-from service.batching.batcher import Batcher
-from service.batching.merging import Outputs, Timings
-from service.errors import NotFound, NotReady, quote
-from service.metrics import ModelStatistics, RequestTimer
-from service.models.live_parity import LiveParity
-from service.settings import DEFAULT_MODEL_DIR, Settings
+from addnorm.model.artifact import MANIFEST_FILE, ArtifactError, Manifest
+from addnorm.model.golden import Verification
+from addnorm.service.backend.engine import Engine
+from addnorm.service.batching.batcher import Batcher
+from addnorm.service.batching.merging import Outputs, Timings
+from addnorm.service.errors import NotFound, NotReady, quote
+from addnorm.service.metrics import ModelStatistics, RequestTimer
+from addnorm.service.models.live_parity import LiveParity
+from addnorm.service.settings import DEFAULT_MODEL_DIR, Settings
 
 log = logging.getLogger("addnorm.service")
 LOADING, READY, UNAVAILABLE = "LOADING", "READY", "UNAVAILABLE"  # the repository index's states

@@ -29,18 +29,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
+from addnorm.model.runtime import CPU
+from addnorm.service.backend.cores import CoreBudget, default_threads, threads_for
+from addnorm.service.backend.engine import Engine, accept, verify_engine
+from addnorm.service.batching.batcher import Batcher
+from addnorm.service.batching.merging import Costs, Observers, measure_costs
+from addnorm.service.errors import BadInput, ControlOff, LoadRefused, NotFound, ServiceError, quote
+from addnorm.service.metrics import Metrics, ModelStatistics
+from addnorm.service.models.live_parity import LiveParity
+from addnorm.service.models.registry import (
+    LoadFailed,
+    Registry,
+    ServingModel,
+    read_manifests,
+    repository_models,
+)
+from addnorm.service.settings import Settings
 from fastapi import Depends, Request
-
-from model.runtime import CPU
-from service.backend.cores import CoreBudget, default_threads, threads_for
-from service.backend.engine import Engine, accept, verify_engine
-from service.batching.batcher import Batcher
-from service.batching.merging import Costs, Observers, measure_costs
-from service.errors import BadInput, ControlOff, LoadRefused, NotFound, ServiceError, quote
-from service.metrics import Metrics, ModelStatistics
-from service.models.live_parity import LiveParity
-from service.models.registry import LoadFailed, Registry, ServingModel, read_manifests, repository_models
-from service.settings import Settings
 
 log = logging.getLogger("addnorm.service")
 

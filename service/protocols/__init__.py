@@ -5,11 +5,11 @@ check for readiness and the ``PUBLIC_PATHS`` (health probes) it lets through.
 Adding a protocol is one line here. Inference routes come first: the router tries routes in order.
 """
 
-from service.protocols import health
-from service.protocols.text import openai, tei
-from service.protocols.v1 import routes as v1
-from service.protocols.v2 import grpc_server
-from service.protocols.v2 import routes as v2
+from addnorm.service.protocols import health
+from addnorm.service.protocols.text import openai, tei
+from addnorm.service.protocols.v1 import routes as v1
+from addnorm.service.protocols.v2 import grpc_server
+from addnorm.service.protocols.v2 import routes as v2
 
 # over HTTP; /v1's two routes first, its inference route ahead of V2's many; the text APIs after V2's
 PROTOCOLS = (v1, v2, openai, tei, health)

@@ -9,12 +9,11 @@ import zlib
 
 import numpy as np
 import orjson
+from addnorm.model.contract import EMBEDDINGS, MASK
+from addnorm.service.batching.merging import Timings
+from addnorm.service.core.inference import OFFLOAD_BYTES, Call, Disconnect
+from addnorm.service.errors import BadInput, ClientGone, TooLarge, UnsupportedMediaType, quote
 from fastapi import Request
-
-from model.contract import EMBEDDINGS, MASK
-from service.batching.merging import Timings
-from service.core.inference import OFFLOAD_BYTES, Call, Disconnect
-from service.errors import BadInput, ClientGone, TooLarge, UnsupportedMediaType, quote
 
 _CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 

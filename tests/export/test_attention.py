@@ -9,14 +9,13 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-
-from export import cli, parity_cli, traces
-from export.attention import AUTO, resolve, spelled
-from export.checks import GraphCheckError, check_graph, op_counts
-from export.onnx_export import ExportError, export_onnx
-from model.attention import score_elements
-from model.config import EncoderConfig
-from model.encoder import build_encoder
+from addnorm.export import cli, parity_cli, traces
+from addnorm.export.attention import AUTO, resolve, spelled
+from addnorm.export.checks import GraphCheckError, check_graph, op_counts
+from addnorm.export.onnx_export import ExportError, export_onnx
+from addnorm.model.attention import score_elements
+from addnorm.model.config import EncoderConfig
+from addnorm.model.encoder import build_encoder
 
 SMALL = ["--d-model", "64", "--nhead", "4", "--dim-feedforward", "128"]
 CFG = EncoderConfig(d_model=64, nhead=4, dim_feedforward=128, num_layers=2, dropout=0.0)

@@ -2,10 +2,9 @@
 
 import numpy as np
 import pytest
+from addnorm.export.calibration import calibration_cases, load_arrays
+from addnorm.model.config import ConfigError
 from safetensors.numpy import save_file
-
-from export.calibration import calibration_cases, load_arrays
-from model.config import ConfigError
 
 pytestmark = pytest.mark.unit
 

@@ -5,8 +5,9 @@ import shutil
 import subprocess
 import sys
 
-from export.weights import save_weights
-from model.encoder import build_encoder
+from addnorm.export.weights import save_weights
+from addnorm.model.encoder import build_encoder
+
 from tests.conftest import ROOT, TINY
 
 # addnorm-export with a fault injected: the fp32 builder scales the first LayerNorm's gamma by 1.05 (a graph that
@@ -15,7 +16,7 @@ SKEWED_EXPORT = """
 import dataclasses, sys
 import onnx
 from onnx import numpy_helper
-import export.variants as v
+import addnorm.export.variants as v
 
 real = v.VARIANTS["fp32"].build
 
@@ -29,7 +30,7 @@ def skewed(encoder, path, opset, with_steps, attention):
     return model
 
 v.VARIANTS["fp32"] = dataclasses.replace(v.VARIANTS["fp32"], build=skewed)
-from export.cli import main
+from addnorm.export.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 TINY_FLAGS = ["--d-model", "32", "--nhead", "4", "--dim-feedforward", "64", "--dropout", "0"]
@@ -49,7 +50,7 @@ def test_addnorm_parity_exits_1_when_the_weights_do_not_match_the_graph(tiny_art
     shutil.copytree(tiny_artifact, art)
     save_weights(build_encoder(TINY, seed=7), art / "weights.safetensors")  # not the graph's weights
     r = subprocess.run(
-        [sys.executable, "-m", "export.parity_cli", str(art), "--no-steps"],
+        [sys.executable, "-m", "addnorm.export.parity_cli", str(art), "--no-steps"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -58,7 +59,7 @@ def test_addnorm_parity_exits_1_when_the_weights_do_not_match_the_graph(tiny_art
     assert r.returncode == 1, r.stdout + r.stderr
     assert "FAILED" in r.stdout and "worst element" in r.stdout
     ok = subprocess.run(
-        [sys.executable, "-m", "export.parity_cli", str(tiny_artifact), "--no-steps"],
+        [sys.executable, "-m", "addnorm.export.parity_cli", str(tiny_artifact), "--no-steps"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -71,8 +72,8 @@ def test_addnorm_parity_exits_1_when_the_weights_do_not_match_the_graph(tiny_art
 def test_if_missing_keeps_a_valid_artifact_and_replaces_a_broken_one(tiny_artifact, tmp_path, capsys):
     """What the Dockerfile, compose's export service and the k8s export job rely on: a valid artifact is left as it
     is (not one byte written), a tampered or absent one is exported anew."""
-    from export import cli
-    from model.artifact import Manifest, load_verified, sha256_file
+    from addnorm.export import cli
+    from addnorm.model.artifact import Manifest, load_verified, sha256_file
 
     flags = ["--d-model", "32", "--nhead", "4", "--dim-feedforward", "64", "--if-missing", "-q"]
     art = tmp_path / "art"

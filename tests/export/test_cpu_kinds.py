@@ -15,9 +15,9 @@ import sys
 import numpy as np
 import onnx
 import pytest
+from addnorm.model.runtime import cpu_flags
 from onnx import TensorProto, helper, numpy_helper
 
-from model.runtime import cpu_flags
 from tests.cpu_kinds import (
     CAN_EMULATE,
     EXACT,
@@ -63,11 +63,10 @@ def test_int8_passes_its_golden_check_on_avx2_with_the_same_answers(model_reposi
 def test_per_tensor_u8s8_quantization_fails_the_golden_check_on_avx2(model_repository, tmp_path):
     """What onnxruntime's quantize_dynamic writes (8-bit weights, per-tensor u8 activations), judged by the int8
     tolerance: refused on the emulated AVX2 CPU. This is the scheme the per-row one replaced."""
+    from addnorm.export.variants import VARIANTS, _toposort
+    from addnorm.model.artifact import MANIFEST_FILE, MODEL_FILE, sha256_file
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    from export.variants import VARIANTS, _toposort
-    from model.artifact import MANIFEST_FILE, MODEL_FILE, sha256_file
 
     old = tmp_path / "old"
     shutil.copytree(model_repository / "a-fp32", old)
@@ -90,7 +89,7 @@ def test_per_tensor_u8s8_quantization_fails_the_golden_check_on_avx2(model_repos
 
 
 def test_a_failed_int8_check_on_a_cpu_without_vnni_names_the_cause(tmp_path):
-    from service.backend.engine import int8_cpu_hint
+    from addnorm.service.backend.engine import int8_cpu_hint
 
     avx2 = tmp_path / "cpuinfo"
     avx2.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
@@ -108,7 +107,7 @@ def test_pair_bounded_8_bit_weights_are_exact_on_avx2_where_plain_8_bit_ones_sat
     of a column whose same-sign levels sum past 128. Against activations at 255 (the largest u8), on weights made
     to be hard (columns of equal values, and columns with one large value per pair): the emulated AVX2 CPU's
     int32 sums are exact with them, and saturate with plain 8-bit weights of the same matrix."""
-    from model.schemes import quantize_weight, quantize_weight_pairs
+    from addnorm.model.schemes import quantize_weight, quantize_weight_pairs
 
     rng = np.random.default_rng(3)
     k, n = 96, 16

@@ -6,20 +6,20 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from addnorm.export import cli
+from addnorm.export.cases import Case, default_cases
+from addnorm.export.checks import GraphCheckError, check_graph, op_counts
+from addnorm.export.gate import ParityError
+from addnorm.export.onnx_export import ExportError, export_onnx
+from addnorm.export.parity import Tolerance, make_session, run_parity
+from addnorm.export.pipeline import export_artifact
+from addnorm.export.report import format_table
+from addnorm.export.weights import CheckpointError, load_weights
+from addnorm.model.config import EncoderConfig
+from addnorm.model.encoder import Encoder, build_encoder
 from safetensors.torch import save_file
 from torch import nn
 
-from export import cli
-from export.cases import Case, default_cases
-from export.checks import GraphCheckError, check_graph, op_counts
-from export.gate import ParityError
-from export.onnx_export import ExportError, export_onnx
-from export.parity import Tolerance, make_session, run_parity
-from export.pipeline import export_artifact
-from export.report import format_table
-from export.weights import CheckpointError, load_weights
-from model.config import EncoderConfig
-from model.encoder import Encoder, build_encoder
 from tests.conftest import TINY
 
 
@@ -92,7 +92,7 @@ def test_parity_fails_and_names_the_worst_element_for_other_weights(tiny_artifac
 
 
 def test_failed_parity_writes_no_manifest(tmp_path, monkeypatch):
-    from export import gate
+    from addnorm.export import gate
 
     def broken_parity(encoder, session, *a, **kw):  # the torch side drifts: a graph that no longer matches
         return run_parity(build_encoder(encoder.config, seed=42), session, [Case("b1 s4", 1, 4)])
@@ -105,7 +105,7 @@ def test_failed_parity_writes_no_manifest(tmp_path, monkeypatch):
 
 
 def test_oracle_rescues_only_when_onnx_is_as_close_to_float64_as_torch():
-    from export.parity import compare
+    from addnorm.export.parity import compare
 
     oracle = np.array([1.0, 2.0])
     torch_out = oracle + 1e-3  # torch fp32 itself is off by 1e-3 on this input
@@ -198,7 +198,7 @@ def test_checkpoint_that_needs_unpickling_is_refused(tmp_path):
 
 
 def test_parity_cli_rechecks_an_artifact(tiny_artifact, capsys):
-    from export import parity_cli
+    from addnorm.export import parity_cli
 
     assert parity_cli.main([str(tiny_artifact), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -208,7 +208,7 @@ def test_parity_cli_rechecks_an_artifact(tiny_artifact, capsys):
 def test_the_gate_runs_two_float64_oracles_and_fails_when_they_disagree(tiny_artifact, monkeypatch):
     """torch float64 and the numpy reference (model/reference.py, no shared code) run every case: they agree to
     rounding, and a disagreement (one oracle wrong) fails the case even where onnxruntime matches torch."""
-    from export import parity
+    from addnorm.export import parity
 
     session = make_session(tiny_artifact / "model.onnx")
     cases = [Case("b2 s3", 2, 3), Case("b2 s6 padded", 2, 6, pad=0.5, all_pad_row=True)]

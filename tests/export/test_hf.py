@@ -4,11 +4,10 @@ import json
 
 import pytest
 import torch
+from addnorm.export import hf
+from addnorm.export.weights import CheckpointError
+from addnorm.model.config import ConfigError
 from safetensors.torch import save_file
-
-from export import hf
-from export.weights import CheckpointError
-from model.config import ConfigError
 
 pytestmark = pytest.mark.unit
 

@@ -13,12 +13,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from addnorm.export import int8_ops
+from addnorm.model import kernels
+from addnorm.model.runtime import cpu_flags
+from addnorm.model.schemes import DEFAULT_FORM
 from onnx import TensorProto, helper, numpy_helper
 
-from export import int8_ops
-from model import kernels
-from model.runtime import cpu_flags
-from model.schemes import DEFAULT_FORM
 from tests.conftest import ROOT
 
 FLAGS = cpu_flags()
@@ -107,7 +107,7 @@ def all_cases() -> list[tuple[onnx.ModelProto, dict]]:
 _CHILD = """
 import json, sys, numpy as np
 from tests.export.test_kernels import all_cases, run
-from model import kernels
+from addnorm.model import kernels
 out = {}
 for i, (model, feed) in enumerate(all_cases()):
     for j, y in enumerate(run(model, feed, kernels.library_path())):
@@ -218,7 +218,8 @@ def test_an_engine_serves_int8_on_the_kernels_verified_and_answering_as_without(
     """The server's engine with the library (its golden check passing on it) and without: the same answers within
     the float side's rounding; a library path that is not there stops the engine with the reason; an fp32 graph
     runs without it."""
-    from service.backend.engine import Engine, EngineError, verify_engine
+    from addnorm.service.backend.engine import Engine, EngineError, verify_engine
+
     from tests.conftest import SMALL, export_to
 
     artifact = export_to(tmp_path / "a", SMALL, variant="int8")
@@ -248,12 +249,12 @@ def test_an_int8_graph_calls_one_row_quantize_per_activation_and_one_product_per
     """export/int8.py on a one-layer graph: a RowQuantize per quantized activation (4: q, k and v share theirs), its
     float channels those the plan chose; a QuantMatMul per weight product (6); the two functions' bodies in the
     model, in standard operators; every node's inputs made by the graph."""
-    from export.calibration import calibration_cases
-    from export.pipeline import plan_for
-    from export.variants import build_graph
-    from model.config import EncoderConfig
-    from model.encoder import build_encoder
-    from model.schemes import FLOAT_CHANNELS_KEY
+    from addnorm.export.calibration import calibration_cases
+    from addnorm.export.pipeline import plan_for
+    from addnorm.export.variants import build_graph
+    from addnorm.model.config import EncoderConfig
+    from addnorm.model.encoder import build_encoder
+    from addnorm.model.schemes import FLOAT_CHANNELS_KEY
 
     encoder = build_encoder(EncoderConfig(d_model=64, nhead=4, dim_feedforward=128))
     x = np.random.default_rng(0).standard_normal((4, 16, 64)).astype(np.float32)

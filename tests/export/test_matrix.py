@@ -20,13 +20,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from addnorm.export import parity_cli, traces
+from addnorm.export.checks import op_counts
+from addnorm.export.parity import make_session
+from addnorm.model import packing
+from addnorm.model.config import EncoderConfig
 
 from bench.server import ServerProcess
-from export import parity_cli, traces
-from export.checks import op_counts
-from export.parity import make_session
-from model import packing
-from model.config import EncoderConfig
 from tests.conftest import IN_CI
 from tests.cpu_kinds import CAN_EMULATE, HOST_IS_AVX2_ONLY, WHY_NOT, golden_check
 
@@ -175,7 +175,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequ
                 exports[combo.id] = Exported(None, f"{type(exc).__name__}: {exc}")
         # live, not ready: a model that fails its golden check stays UNAVAILABLE and the server is never "ready"
         server = ServerProcess(
-            ["-m", "service", "--model-repository", str(repo), "--max-queue-delay-ms", "20"],
+            ["-m", "addnorm.service", "--model-repository", str(repo), "--max-queue-delay-ms", "20"],
             ready_path="/health/live",
         )
         with server:
@@ -282,9 +282,9 @@ def test_combination(matrix, combo: Combo, tmp_path, request):
 
 def test_the_table_holds_every_combination_once_and_each_skip_says_why(tmp_path):
     """Every combination is in the table once; each one skipped is one the exporter itself refuses."""
-    from export.onnx_export import ExportError
-    from export.variants import build_graph
-    from model.encoder import build_encoder
+    from addnorm.export.onnx_export import ExportError
+    from addnorm.export.variants import build_graph
+    from addnorm.model.encoder import build_encoder
 
     assert len({c.id for c in ALL}) == len(ALL) == 4 * 3 * 2 * 2 * 2 + 4
     skipped = [c for c in ALL if skip_reason(c)]
@@ -335,7 +335,7 @@ def test_an_answer_does_not_depend_on_what_it_was_batched_with(matrix, variant, 
     graph, for attention only; packed fp16: half precision's floor)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from model.verdict import float32_floor
+    from addnorm.model.verdict import float32_floor
 
     exports, server = matrix
     name = next(c.id for c in _batch_invariance_models() if c.variant == variant and c.packed == packed)

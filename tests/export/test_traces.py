@@ -6,17 +6,16 @@ from __future__ import annotations
 import collections
 import copy
 
+import addnorm.export.onnx_export as onnx_export
 import numpy as np
 import onnx
 import torch.nn.functional as F
-
-import export.onnx_export as onnx_export
-from export import traces
-from export.onnx_export import export_onnx, output_names
-from export.parity import make_session
-from model.config import EncoderConfig
-from model.contract import STEP_OUTPUT
-from model.encoder import build_encoder
+from addnorm.export import traces
+from addnorm.export.onnx_export import export_onnx, output_names
+from addnorm.export.parity import make_session
+from addnorm.model.config import EncoderConfig
+from addnorm.model.contract import STEP_OUTPUT
+from addnorm.model.encoder import build_encoder
 
 # post-norm: the last step is also the final output (the trace copies it with an Identity), pooled: two outputs
 CONFIG = EncoderConfig(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, num_layers=2, pooling="mean")
@@ -78,8 +77,8 @@ def test_the_gates_torch_side_is_computed_once_per_model_and_input_in_a_scope(tm
     """torch fp32, the float64 oracles and float32's spread depend on the model and the input, never on the graph:
     a second gate of the same model in a scope computes none of them again and judges alike; another model's
     weights are never answered from the first one's."""
-    import export.parity as parity
-    from export.cases import default_cases
+    import addnorm.export.parity as parity
+    from addnorm.export.cases import default_cases
 
     encoder = build_encoder(CONFIG, seed=3).eval()
     path = tmp_path / "m.onnx"

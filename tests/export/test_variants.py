@@ -6,19 +6,19 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from addnorm.export import cli, parity_cli, traces
+from addnorm.export.add_norm import AddNormModule, export_add_norm
+from addnorm.export.cases import Case, adversarial_cases, default_cases
+from addnorm.export.checks import op_counts
+from addnorm.export.onnx_export import ExportError
+from addnorm.export.parity import compare, make_session, run_parity
+from addnorm.export.pipeline import export_artifact
+from addnorm.export.report import format_table
+from addnorm.export.variants import VARIANTS
+from addnorm.model.config import EncoderConfig
+from addnorm.model.encoder import AddNorm, build_encoder
 from safetensors.torch import save_file
 
-from export import cli, parity_cli, traces
-from export.add_norm import AddNormModule, export_add_norm
-from export.cases import Case, adversarial_cases, default_cases
-from export.checks import op_counts
-from export.onnx_export import ExportError
-from export.parity import compare, make_session, run_parity
-from export.pipeline import export_artifact
-from export.report import format_table
-from export.variants import VARIANTS
-from model.config import EncoderConfig
-from model.encoder import AddNorm, build_encoder
 from tests.model.test_layernorm_seeds import SEED_INPUT, SEED_OUTPUT
 
 SMALL_FLAGS = ["--d-model", "64", "--nhead", "4", "--dim-feedforward", "128"]
@@ -53,7 +53,7 @@ def test_fp32_variants_export_and_pass(tmp_path, flags, norm_nodes):
     if "--opset" in flags:
         assert manifest["opset"] == int(flags[1])
     if "--no-batch-first" in flags:  # the service still speaks [batch, seq, d_model]
-        from service.backend.engine import Engine
+        from addnorm.service.backend.engine import Engine
 
         x = np.random.default_rng(0).standard_normal((3, 4, 64)).astype(np.float32)
         enc = build_encoder(EncoderConfig.from_dict(manifest["config"]))
@@ -71,7 +71,7 @@ def test_fused_variant_has_skip_layer_norms(tmp_path, norm_first):
     assert manifest["variant"] == "fused" and manifest["parity"]["passed"]
     assert counts["SkipLayerNormalization"] == 2
     assert counts["SkipLayerNormalization"] + counts["LayerNormalization"] == (3 if norm_first else 2)
-    from service.backend.engine import Engine  # the service runs com.microsoft ops as is
+    from addnorm.service.backend.engine import Engine  # the service runs com.microsoft ops as is
 
     assert Engine(tmp_path / "a", "cpu").run(np.ones((1, 3, 64), np.float32))["encoded"].shape == (1, 3, 64)
 
@@ -284,7 +284,7 @@ def test_parity_report_files(tiny_artifact, tmp_path):
 
 
 def test_export_error_for_unknown_variant(tmp_path):
-    from export.variants import build_graph
+    from addnorm.export.variants import build_graph
 
     with pytest.raises(ExportError, match="unknown variant"):
         build_graph(
@@ -303,7 +303,7 @@ def test_full_size_default_export(default_artifact):
 
 
 def _verified_at_load(artifact) -> str:
-    from service.backend.engine import Engine, verify_engine
+    from addnorm.service.backend.engine import Engine, verify_engine
 
     return verify_engine(Engine(artifact, "cpu"), "strict").status
 
@@ -321,7 +321,7 @@ def test_a_layernorm_gamma_off_by_5_percent_fails_every_variants_gate(
     tmp_path, variant, which, one_trace_per_model
 ):
     """The lossy variants' tolerances are tight enough to see one LayerNorm's gamma scaled by 1.05."""
-    from export.variants import build_graph, get_variant
+    from addnorm.export.variants import build_graph, get_variant
 
     cfg = EncoderConfig(d_model=64, nhead=4, dim_feedforward=128, dropout=0.0, num_layers=2)
     encoder = build_encoder(cfg)

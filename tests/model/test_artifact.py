@@ -1,8 +1,7 @@
 import json
 
 import pytest
-
-from model.artifact import ArtifactError, Manifest, load_verified, sha256_file
+from addnorm.model.artifact import ArtifactError, Manifest, load_verified, sha256_file
 
 
 def test_manifest_round_trip(tiny_artifact):

@@ -1,6 +1,5 @@
 import pytest
-
-from model.config import ConfigError, EncoderConfig
+from addnorm.model.config import ConfigError, EncoderConfig
 
 
 def test_defaults_match_the_spec():

@@ -2,10 +2,9 @@
 
 import pytest
 import torch
+from addnorm.model.config import EncoderConfig
+from addnorm.model.encoder import AddNorm, Encoder, EncoderBlock, build_encoder
 from torch import nn
-
-from model.config import EncoderConfig
-from model.encoder import AddNorm, Encoder, EncoderBlock, build_encoder
 
 EXACT_ATOL = 1e-6  # same math, different kernels
 

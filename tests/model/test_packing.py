@@ -2,10 +2,9 @@
 mask: rows of any lengths, padding inside a row or on its left, rows of padding only."""
 
 import numpy as np
+from addnorm.model.packing import answered, joined, pieces, real_lengths
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from model.packing import answered, joined, pieces, real_lengths
 
 
 @st.composite

@@ -8,10 +8,9 @@ import itertools
 import numpy as np
 import pytest
 import torch
-
-from model.config import EncoderConfig
-from model.encoder import build_encoder
-from model.reference import forward, load_weights
+from addnorm.model.config import EncoderConfig
+from addnorm.model.encoder import build_encoder
+from addnorm.model.reference import forward, load_weights
 
 FORMS = list(itertools.product([False, True], ["layer", "rms"], ["relu", "gelu"], [1, 2]))
 
@@ -52,8 +51,7 @@ def test_seq_first_layout_and_an_artifacts_own_weights(tiny_artifact):
     assert np.abs(forward(config, weights, x) - want).max() < 1e-12
 
     import onnxruntime as ort
-
-    from model.artifact import Manifest
+    from addnorm.model.artifact import Manifest
 
     manifest = Manifest.load(tiny_artifact)
     x = np.random.default_rng(2).standard_normal((2, 6, 32)).astype(np.float32)
@@ -73,8 +71,8 @@ def test_the_int8_scheme_in_numpy_equals_its_torch_twin(norm_first, planned):
     twin does (the export gate's), in float64, padded or not, with the float channels an export plans (q, k and
     v are views of one in_proj weight in torch) or without, in the form an export writes today or in the first
     form (an artifact whose manifest names no form)."""
-    from export.variants import get_variant
-    from model.schemes import FLOAT_CHANNELS_KEY, Form, Int8, for_variant
+    from addnorm.export.variants import get_variant
+    from addnorm.model.schemes import FLOAT_CHANNELS_KEY, Form, Int8, for_variant
 
     config = EncoderConfig(
         d_model=32, nhead=4, dim_feedforward=48, dropout=0.0, norm_first=norm_first, num_layers=2
@@ -106,7 +104,7 @@ def test_the_int8_scheme_in_numpy_equals_its_torch_twin(norm_first, planned):
 def test_the_fp16_scheme_in_numpy_is_as_far_from_float64_as_torch_half():
     """Half rounds every stored result to fp16 as torch's CPU half kernels do: not bit-equal (the order of sums
     differs), but the same size of error against float64, which is all live parity's allowance needs."""
-    from model.schemes import Half
+    from addnorm.model.schemes import Half
 
     config = EncoderConfig(d_model=32, nhead=4, dim_feedforward=48, dropout=0.0, num_layers=2)
     enc = build_encoder(config, seed=6)

@@ -9,11 +9,10 @@ import json
 import numpy as np
 import pytest
 import torch
-
-from model.attention import RELATIVE_MAX_DISTANCE, relative_buckets
-from model.config import ConfigError, EncoderConfig
-from model.encoder import Packing, build_encoder
-from model.reference import outputs as reference_outputs
+from addnorm.model.attention import RELATIVE_MAX_DISTANCE, relative_buckets
+from addnorm.model.config import ConfigError, EncoderConfig
+from addnorm.model.encoder import Packing, build_encoder
+from addnorm.model.reference import outputs as reference_outputs
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,7 +41,7 @@ def _tiny_mpnet(seed: int = 0):
 
 
 def test_the_stack_equals_transformers_mpnet_encoder_past_the_largest_distance(tmp_path):
-    from export.families import family_of
+    from addnorm.export.families import family_of
 
     model = _tiny_mpnet()
     family = family_of(json.loads(model.config.to_json_string()))
@@ -108,7 +107,7 @@ def test_the_config_takes_no_or_a_multiple_of_four_buckets():
 
 
 def test_a_config_with_other_buckets_than_transformers_computes_is_refused():
-    from export.families import mpnet
+    from addnorm.export.families import mpnet
 
     with pytest.raises(ConfigError, match="relative_attention_num_buckets 16"):
         mpnet.fields({"relative_attention_num_buckets": 16, "hidden_size": 32})

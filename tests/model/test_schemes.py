@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from model.schemes import LEGACY, PAIR_BOUND, Form, quantize_weight, quantize_weight_pairs
+from addnorm.model.schemes import LEGACY, PAIR_BOUND, Form, quantize_weight, quantize_weight_pairs
 
 
 @pytest.mark.parametrize("rows", [384, 33])  # an odd width pairs its last channel with a zero

@@ -3,8 +3,7 @@
 import dataclasses
 
 import numpy as np
-
-from model.verdict import Tolerance, compare, row_errors
+from addnorm.model.verdict import Tolerance, compare, row_errors
 
 ROWS = Tolerance(atol=None, rtol=0.0, oracle_factor=2.0, row_rel_rms=0.03, row_cosine=0.9995, row_peak=0.15)
 
@@ -122,7 +121,7 @@ def test_a_sentence_bound_reads_each_sequence_mean_over_its_real_tokens_only():
     """``sentence_cosine``: token rows 5% off in random directions keep each sentence (their mean) close; the same
     4% shift on every token of one sentence passes every row bound and moves that sentence past the bound; padded
     positions count for nothing, and a sequence-first output is pooled over its first axis."""
-    from model.verdict import sentence_cosine
+    from addnorm.model.verdict import sentence_cosine
 
     sentences = Tolerance(
         atol=None,

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import orjson
 import pytest
+from addnorm.service import create_app
+from addnorm.service.metrics import Metrics
+from addnorm.service.settings import Settings
 from fastapi.testclient import TestClient
 
-from service import create_app
-from service.metrics import Metrics
-from service.settings import Settings
 from tests.helpers import wait_until_ready
 
 
@@ -145,7 +145,7 @@ def test_model_and_metrics(client):
 def test_padding_positions_are_counted_apart_from_requested_ones():
     """addnorm_batch_positions: a run of 3 x 10 positions whose requests asked for 1 x 10 and 2 x 4 (one of
     them with padding of its own, which counts as requested) added 12 positions of padding."""
-    from service.batching.batcher import Run
+    from addnorm.service.batching.batcher import Run
 
     metrics = Metrics()
     metrics.model("m", queue_depth=lambda: 0).batch_done(
@@ -218,9 +218,9 @@ def test_openapi_is_true_to_the_server_no_422_and_examples_that_run(client):
 
 def test_openapi_and_the_codecs_cannot_drift(client):
     """The documented media types and tensor tables are the codecs' own, and each documented type is served."""
-    from model.contract import INPUT_NAMES
-    from service.protocols.v1 import codec as v1
-    from service.protocols.v2 import codec as v2
+    from addnorm.model.contract import INPUT_NAMES
+    from addnorm.service.protocols.v1 import codec as v1
+    from addnorm.service.protocols.v2 import codec as v2
 
     spec = client.get("/openapi.json").json()
     encode = spec["paths"]["/v1/encode"]["post"]
@@ -344,7 +344,7 @@ def test_json_logs_carry_the_request_id(tiny_artifact, capsys):
     import json
     import logging
 
-    from service import logs
+    from addnorm.service import logs
 
     logs.configure("info", json_logs=True)
     try:
@@ -369,7 +369,7 @@ def test_access_lines_are_written_off_the_event_loop_with_their_request_id(
     import json
     import logging
 
-    from service import logs
+    from addnorm.service import logs
 
     logs.configure("info", json_logs=json_logs)
     # As served: "addnorm" records go only to the log's own writer.

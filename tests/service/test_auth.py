@@ -3,10 +3,10 @@
 import logging
 
 import pytest
+from addnorm.service import cli, create_app, logs
+from addnorm.service.settings import Settings
 from fastapi.testclient import TestClient
 
-from service import cli, create_app, logs
-from service.settings import Settings
 from tests.helpers import wait_until_ready
 from tests.service.test_guard import served_routes
 

@@ -7,12 +7,11 @@ import time
 
 import numpy as np
 import pytest
-
-from model.packing import answered
-from service.backend.engine import Engine
-from service.batching import merging
-from service.batching.batcher import Batcher
-from service.errors import Overloaded, ShuttingDown, TimedOut, TooLarge, http_status
+from addnorm.model.packing import answered
+from addnorm.service.backend.engine import Engine
+from addnorm.service.batching import merging
+from addnorm.service.batching.batcher import Batcher
+from addnorm.service.errors import Overloaded, ShuttingDown, TimedOut, TooLarge, http_status
 
 FP32_ATOL, FP32_RTOL = 1e-5, 1e-4
 
@@ -421,7 +420,7 @@ def test_stop_answers_the_running_batch_and_fails_what_is_queued(engine):
 def test_an_idle_model_is_asked_to_release_its_memory_once_per_quiet_spell(engine, monkeypatch):
     """RELEASE_IDLE_S after the last run with nothing queued, the model's ``release`` runs, on the inference
     thread; never before any run, never between runs that follow each other, and once per quiet spell."""
-    from service.batching import batcher as batcher_module
+    from addnorm.service.batching import batcher as batcher_module
 
     monkeypatch.setattr(batcher_module, "RELEASE_IDLE_S", 0.05)
     released: list[str] = []
@@ -575,7 +574,7 @@ def test_a_runs_fixed_cost_is_measured_from_the_model(monkeypatch):
     cost (a + b x that) comes out at a / b, its slowest runs (here: every third one, twice as long) ignored, the
     two lengths taking turns (a machine's drift slows both alike). The clock is the model's own: no real time is
     measured."""
-    from service.batching import merging as module
+    from addnorm.service.batching import merging as module
 
     e, clock, seqs = 64, [0.0], []
 

@@ -5,9 +5,8 @@ import io
 import numpy as np
 import orjson
 import pytest
-
-from service.errors import NotAcceptable, ServiceError, TooLarge, UnsupportedMediaType, http_status
-from service.protocols.v1 import codec as codec_v1
+from addnorm.service.errors import NotAcceptable, ServiceError, TooLarge, UnsupportedMediaType, http_status
+from addnorm.service.protocols.v1 import codec as codec_v1
 
 D = 4
 MAX = 1000

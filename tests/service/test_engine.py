@@ -2,10 +2,9 @@
 
 import numpy as np
 import pytest
-
-from service.backend import engine as engine_mod
-from service.backend.cores import physical_cores
-from service.backend.engine import CPU, CUDA, Engine, EngineError, resolve_providers
+from addnorm.service.backend import engine as engine_mod
+from addnorm.service.backend.cores import physical_cores
+from addnorm.service.backend.engine import CPU, CUDA, Engine, EngineError, resolve_providers
 
 
 @pytest.mark.parametrize(
@@ -47,8 +46,7 @@ def test_cpu_sessions_keep_add_and_layer_norm_apart(tiny_artifact, tmp_path, mon
     with it; the name is one onnxruntime knows: its optimized graph keeps LayerNormalization instead of fusing."""
     import onnx
     import onnxruntime as ort
-
-    from model.runtime import CPU_DISABLED_OPTIMIZERS, disabled_optimizers
+    from addnorm.model.runtime import CPU_DISABLED_OPTIMIZERS, disabled_optimizers
 
     made = []
     real_session = engine_mod.ort.InferenceSession
@@ -74,9 +72,8 @@ def test_cpu_sessions_keep_add_and_layer_norm_apart(tiny_artifact, tmp_path, mon
 def test_engine_runs_the_graph_and_answers_by_output_name(tiny_artifact):
     """The engine's outputs, by name, equal PyTorch on the artifact's own weights; padding changes nothing else."""
     import torch
-
-    from export.weights import load_weights
-    from model.encoder import Encoder
+    from addnorm.export.weights import load_weights
+    from addnorm.model.encoder import Encoder
 
     eng = Engine(tiny_artifact, "cpu", intra_op_threads=1)
     assert eng.providers == [CPU] and eng.d_model == 32 and eng.threads == 1
@@ -115,7 +112,7 @@ def test_physical_cores_counts_cores_not_hyperthreads():
 
 
 def test_default_threads_respect_the_container_cpu_quota(tmp_path):
-    from service.backend.cores import cpu_quota, default_threads
+    from addnorm.service.backend.cores import cpu_quota, default_threads
 
     v2 = tmp_path / "v2"
     v2.mkdir()
@@ -140,7 +137,7 @@ def test_long_runs_give_their_memory_back(tiny_artifact, monkeypatch):
     RELEASE_ABOVE_BYTES leaves that to ``release`` (the batcher calls it once the model is idle), which gives it
     back once per such run; ordinary runs keep the arena warm. The padded run holds the mha form's seq x seq
     tensors (flash attention otherwise): more working memory for the same shape."""
-    from service.backend import engine
+    from addnorm.service.backend import engine
 
     eng = Engine(tiny_artifact, "cpu", intra_op_threads=1)
     assert eng.attention == "mha"
@@ -173,7 +170,8 @@ def two_versions(tiny_artifact, tmp_path_factory):
     same block with other weights."""
     import shutil
 
-    from model.artifact import MODEL_FILE
+    from addnorm.model.artifact import MODEL_FILE
+
     from tests.conftest import TINY, export_to
 
     root = tmp_path_factory.mktemp("versions")
@@ -189,8 +187,7 @@ def test_the_graph_onnxruntime_gets_is_the_one_whose_sha256_was_checked(two_vers
     """The graph on disk replaced after its sha256 matched and before onnxruntime is given it (the window that
     reading the file twice had): the engine still runs the verified graph."""
     import onnxruntime as ort
-
-    from model.artifact import MODEL_FILE
+    from addnorm.model.artifact import MODEL_FILE
 
     root, artifact, theirs, x, want, shutil = two_versions
     directory = root / "swapped-after-check"
@@ -215,8 +212,8 @@ def test_a_directory_rewritten_while_it_loads_is_never_served_as_another_version
     import os
     import threading
 
-    from model.artifact import GOLDEN_FILE, MODEL_FILE
-    from service.backend.engine import verify_engine
+    from addnorm.model.artifact import GOLDEN_FILE, MODEL_FILE
+    from addnorm.service.backend.engine import verify_engine
 
     root, artifact, theirs, x, want, shutil = two_versions
     directory = root / "rewritten"
@@ -262,8 +259,7 @@ def test_the_server_freezes_what_it_built_before_serving_and_models_stay_collect
     import weakref
 
     import uvicorn
-
-    from service import cli
+    from addnorm.service import cli
 
     frozen_when_serving = []
     monkeypatch.setattr(

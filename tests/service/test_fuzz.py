@@ -6,11 +6,10 @@ import random
 import httpx
 import numpy as np
 import pytest
-
-from model.artifact import Manifest
-from service.errors import ServiceError, http_status
-from service.protocols.v1 import codec as codec_v1
-from service.protocols.v2 import codec as codec_v2
+from addnorm.model.artifact import Manifest
+from addnorm.service.errors import ServiceError, http_status
+from addnorm.service.protocols.v1 import codec as codec_v1
+from addnorm.service.protocols.v2 import codec as codec_v2
 
 CASES = 1500
 

@@ -11,19 +11,19 @@ import onnxruntime as ort
 import pytest
 import tritonclient.grpc as tg
 import tritonclient.grpc.aio as tga
+from addnorm.model.packing import answered
+from addnorm.service.guard import Guard
+from addnorm.service.models.state import ServiceState
+from addnorm.service.protocols import MODEL_PREFIXES, PUBLIC_PATHS
+from addnorm.service.protocols.v2 import grpc_server
+from addnorm.service.protocols.v2 import inference_pb2 as pb
+from addnorm.service.settings import Settings
 from tritonclient.grpc import model_config_pb2 as triton_mc
 from tritonclient.grpc import service_pb2 as triton_pb
 from tritonclient.grpc import service_pb2_grpc as triton_grpc
 from tritonclient.utils import InferenceServerException
 
 from bench.server import free_port
-from model.packing import answered
-from service.guard import Guard
-from service.models.state import ServiceState
-from service.protocols import MODEL_PREFIXES, PUBLIC_PATHS
-from service.protocols.v2 import grpc_server
-from service.protocols.v2 import inference_pb2 as pb
-from service.settings import Settings
 from tests.conftest import REPO_KEY as KEY
 
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -283,9 +283,8 @@ def test_the_answer_written_by_hand_is_the_message_protobuf_writes():
     """encode_infer writes raw_output_contents itself (one copy of the tensor): protobuf reads back exactly the
     message it would have serialized, for one output and several, small and past a 2-byte varint."""
     import numpy as np
-
-    from service.protocols.v2 import codec, grpc_codec
-    from service.protocols.v2 import inference_pb2 as pb
+    from addnorm.service.protocols.v2 import codec, grpc_codec
+    from addnorm.service.protocols.v2 import inference_pb2 as pb
 
     for shapes in ([(1, 2, 4)], [(8, 128, 768), (3, 5, 1)]):
         outs = {

@@ -4,14 +4,14 @@ import re
 
 import grpc
 import pytest
+from addnorm.service import create_app
+from addnorm.service.errors import ServiceError
+from addnorm.service.guard import Guard
+from addnorm.service.protocols import PUBLIC_PATHS
+from addnorm.service.protocols.v2 import grpc_server
+from addnorm.service.settings import Settings
 from fastapi.testclient import TestClient
 
-from service import create_app
-from service.errors import ServiceError
-from service.guard import Guard
-from service.protocols import PUBLIC_PATHS
-from service.protocols.v2 import grpc_server
-from service.settings import Settings
 from tests.helpers import wait_until_ready
 
 PARAMS = {"name": "encoder", "version": "1"}

@@ -9,14 +9,14 @@ from types import SimpleNamespace
 import grpc
 import numpy as np
 import pytest
+from addnorm.service import create_app
+from addnorm.service.core import inference
+from addnorm.service.protocols.v2 import grpc_server
+from addnorm.service.protocols.v2 import inference_pb2 as pb
+from addnorm.service.settings import Settings
 from fastapi.testclient import TestClient
 
 from bench.server import free_port
-from service import create_app
-from service.core import inference
-from service.protocols.v2 import grpc_server
-from service.protocols.v2 import inference_pb2 as pb
-from service.settings import Settings
 from tests.helpers import wait_until, wait_until_ready
 
 E = 32  # tiny_artifact's d_model
@@ -112,7 +112,7 @@ def test_a_grpc_deadline_drops_queued_work_too(blocked_app):
 
 def test_a_request_whose_own_timeout_passes_gets_408(blocked_app):
     """The client's shorter deadline is its choice: a 4xx that says so; the server's own limit passing stays a 504."""
-    from service.errors import ClientDeadline, TimedOut, grpc_code, http_status
+    from addnorm.service.errors import ClientDeadline, TimedOut, grpc_code, http_status
 
     assert http_status(TimedOut("x")) == 504 and http_status(ClientDeadline("x")) == 408
     assert grpc_code(TimedOut("x")) == grpc_code(ClientDeadline("x")) == "DEADLINE_EXCEEDED"
@@ -145,9 +145,9 @@ def test_codec_steps_leave_the_event_loop_by_their_work_not_their_bytes(tiny_art
     """A raw tensor is 40-140x less work per byte than JSON text, and a thread hop costs 0.2-0.4 ms: a 3 MB binary
     body (decoded in ~0.3 ms) stays on the event loop, where every body over 256 KB left it before; JSON of more
     than OFFLOAD_BYTES still leaves it, both ways, over /v1 and V2 alike."""
-    from service.protocols.v1 import codec as v1
-    from service.protocols.v2 import codec as v2
-    from service.protocols.v2 import grpc_codec
+    from addnorm.service.protocols.v1 import codec as v1
+    from addnorm.service.protocols.v2 import codec as v2
+    from addnorm.service.protocols.v2 import grpc_codec
 
     x = np.random.default_rng(0).standard_normal((8, 3072, E)).astype(np.float32)  # 3 MiB raw
     raw = x.tobytes()

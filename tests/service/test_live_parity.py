@@ -10,11 +10,11 @@ import threading
 
 import numpy as np
 import pytest
+from addnorm.service import create_app
+from addnorm.service.models.live_parity import QUEUE, LiveParity
+from addnorm.service.settings import Settings
 from fastapi.testclient import TestClient
 
-from service import create_app
-from service.models.live_parity import QUEUE, LiveParity
-from service.settings import Settings
 from tests.conftest import TINY, export_to
 from tests.helpers import skew_gamma, wait_until, wait_until_ready
 
@@ -71,7 +71,7 @@ def test_a_healthy_model_raises_no_failure_over_hundreds_of_requests_in_every_va
     int8 likewise over 60 each, each judged with its own tolerance and its own arithmetic's allowance (the
     int8 and fp16 schemes computed in numpy, model/schemes.py). The queue is made long enough for every sample:
     on a busy machine the nice-19 checker falls behind and would drop some (which a later test covers)."""
-    from service.models import live_parity
+    from addnorm.service.models import live_parity
 
     monkeypatch.setattr(live_parity, "QUEUE", 1000)  # as every_sample_kept
     app = create_app(Settings(model_repository=every_variant, live_parity_rate=1.0, live_parity_budget=1.0))
@@ -93,7 +93,7 @@ def every_sample_kept(monkeypatch):
     """A queue long enough for every sample a test waits on: with QUEUE (8) a busy machine's nice-19 checker falls
     behind a fast client and the rest are dropped for good, so a wait for all of them checked waits on luck (the
     drops themselves: test_a_full_queue_drops_and_counts_and_never_blocks)."""
-    from service.models import live_parity
+    from addnorm.service.models import live_parity
 
     monkeypatch.setattr(live_parity, "QUEUE", 1000)
 
@@ -193,7 +193,7 @@ def test_a_full_queue_drops_and_counts_and_never_blocks(tiny_artifact, monkeypat
 def test_a_request_too_big_for_the_checker_is_not_sampled(tiny_artifact, monkeypatch):
     """The reference holds seq x seq scores in float64: a request above MAX_SCORES is never copied (one
     [1, 4096, 768] request would take 1.6 GB of the server's memory)."""
-    from service.models import live_parity
+    from addnorm.service.models import live_parity
 
     monkeypatch.setattr(live_parity, "MAX_SCORES", 4 * 4 * 4)  # tiny model: 4 heads; [1, 4] fits, [1, 5] not
     with TestClient(_app(tiny_artifact)) as client:
@@ -217,8 +217,8 @@ def test_a_request_too_big_for_the_checker_is_not_sampled(tiny_artifact, monkeyp
 def test_the_heap_is_trimmed_only_after_a_large_sample(tiny_artifact, monkeypatch):
     """malloc_trim walks and locks every malloc arena the request path allocates from: the checker calls it only
     after a sample whose float64 temporaries are worth giving back (TRIM_AFTER_ELEMENTS), not after every one."""
-    from service.backend import engine
-    from service.models import live_parity
+    from addnorm.service.backend import engine
+    from addnorm.service.models import live_parity
 
     trims = []
     monkeypatch.setattr(engine, "trim", lambda: trims.append(1))

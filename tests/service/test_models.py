@@ -9,11 +9,11 @@ import time
 import numpy as np
 import pytest
 import tritonclient.http as th
+from addnorm.service import cli, create_app
+from addnorm.service.models import state
+from addnorm.service.settings import Settings
 from fastapi.testclient import TestClient
 
-from service import cli, create_app
-from service.models import state
-from service.settings import Settings
 from tests.conftest import REPO_KEY
 
 E = 32
@@ -187,7 +187,7 @@ def test_statistics_with_tritonclient_http(repo_server):
 def _quiet_log(capsys) -> None:
     """Lines an earlier test's server queued on the log writer are written now and dropped: the output read next
     is this test's command's alone."""
-    from service import logs
+    from addnorm.service import logs
 
     logs.flush()
     capsys.readouterr()
@@ -211,7 +211,7 @@ def test_a_taken_http_port_refuses_in_one_line_before_loading(tiny_artifact, cap
     import logging
     import socket
 
-    from service import logs
+    from addnorm.service import logs
 
     _quiet_log(capsys)
     with socket.socket() as taken:

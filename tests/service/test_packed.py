@@ -9,15 +9,15 @@ import threading
 
 import numpy as np
 import pytest
+from addnorm.model.attention import score_elements
+from addnorm.model.config import EncoderConfig
+from addnorm.model.packing import real_lengths
+from addnorm.model.verdict import float32_floor
+from addnorm.service.backend.engine import Engine
+from addnorm.service.batching import merging
+from addnorm.service.batching.batcher import Batcher
+from addnorm.service.errors import Overloaded, TimedOut, TooLarge
 
-from model.attention import score_elements
-from model.config import EncoderConfig
-from model.packing import real_lengths
-from model.verdict import float32_floor
-from service.backend.engine import Engine
-from service.batching import merging
-from service.batching.batcher import Batcher
-from service.errors import Overloaded, TimedOut, TooLarge
 from tests.conftest import SMALL, export_to, start_server
 from tests.service.test_batcher import Recorder, RunLog, until
 
@@ -368,9 +368,8 @@ def test_no_reduction_of_the_packed_graph_sees_an_empty_axis_with_one_sequence(a
     sequence shows their shapes; none may have a 0."""
     import onnx
     import onnxruntime as ort
-
-    from model import packing
-    from model.artifact import MODEL_FILE
+    from addnorm.model import packing
+    from addnorm.model.artifact import MODEL_FILE
 
     model = onnx.load(str(artifacts[0] / MODEL_FILE))
     reductions = {n.input[0]: n.name for n in model.graph.node if n.op_type.startswith("Reduce")}

@@ -8,9 +8,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-from service.errors import NotFound, NotReady
-from service.models.registry import READY, UNAVAILABLE, LoadFailed, Registry, ServingModel, Slot, version_of
+from addnorm.service.errors import NotFound, NotReady
+from addnorm.service.models.registry import (
+    READY,
+    UNAVAILABLE,
+    LoadFailed,
+    Registry,
+    ServingModel,
+    Slot,
+    version_of,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -128,11 +135,11 @@ def test_a_repository_entry_that_links_outside_it_is_skipped_unless_links_are_al
     its reason (and a load that names it is refused saying why), unless --follow-symlinks."""
     import shutil
 
+    from addnorm.service import create_app
+    from addnorm.service.models.registry import model_dirs, repository_models
+    from addnorm.service.settings import Settings
     from fastapi.testclient import TestClient
 
-    from service import create_app
-    from service.models.registry import model_dirs, repository_models
-    from service.settings import Settings
     from tests.helpers import wait_until_ready
 
     repo = tmp_path / "repo"

@@ -12,13 +12,12 @@ from types import SimpleNamespace
 import numpy as np
 import orjson
 import pytest
-
-from model.artifact import Manifest
-from model.contract import EMBEDDINGS, ENCODED, MASK, POOLED
-from service.protocols.v1 import codec as v1
-from service.protocols.v1 import schema as v1_schema
-from service.protocols.v2 import codec as v2
-from service.protocols.v2 import schema as v2_schema
+from addnorm.model.artifact import Manifest
+from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, POOLED
+from addnorm.service.protocols.v1 import codec as v1
+from addnorm.service.protocols.v1 import schema as v1_schema
+from addnorm.service.protocols.v2 import codec as v2
+from addnorm.service.protocols.v2 import schema as v2_schema
 
 Path = tuple[str, ...]  # keys from the document's root, "[]" for any item of an array
 

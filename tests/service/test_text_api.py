@@ -12,12 +12,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from addnorm.export import cli, hf
+from addnorm.model.artifact import Manifest
+from addnorm.model.contract import ENCODED, POOLED
+from addnorm.model.text import TOKENIZER_FILE
+from addnorm.model.tokenize import TextTokenizer
 
-from export import cli, hf
-from model.artifact import Manifest
-from model.contract import ENCODED, POOLED
-from model.text import TOKENIZER_FILE
-from model.tokenize import TextTokenizer
 from tests.conftest import start_server
 from tests.text_models import TEXTS, make_model_dir, transformers_vectors
 
@@ -351,10 +351,9 @@ def test_the_embedding_layer_is_checked_at_load(artifact, tmp_path):
     import hashlib
     import shutil
 
+    from addnorm.model.text import EMBEDDING_GOLDEN_FILE
+    from addnorm.service.backend.engine import Engine, verify_engine
     from safetensors.numpy import load_file, save_file
-
-    from model.text import EMBEDDING_GOLDEN_FILE
-    from service.backend.engine import Engine, verify_engine
 
     good = verify_engine(Engine(artifact, "cpu"), "strict")
     assert good.passed and "embedding layer: 2 golden cases" in good.message, good.message

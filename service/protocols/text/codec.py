@@ -8,15 +8,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from service.core.inference import work
-from service.core.text import TextLimits, TextRequest, decode_texts
-from service.errors import BadInput
-from service.protocols.common import parse_json
+from addnorm.service.core.inference import work
+from addnorm.service.core.text import TextLimits, TextRequest, decode_texts
+from addnorm.service.errors import BadInput
+from addnorm.service.protocols.common import parse_json
 
 if TYPE_CHECKING:
-    from service.batching.merging import Outputs
-    from service.core.inference import Resolve
-    from service.models.registry import ServingModel
+    from addnorm.service.batching.merging import Outputs
+    from addnorm.service.core.inference import Resolve
+    from addnorm.service.models.registry import ServingModel
 
 # Tokenizing and embedding cost about as much per byte of text as parsing JSON does per byte: counted 8x, a
 # request of more than 32 KB of text leaves the event loop.

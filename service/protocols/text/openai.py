@@ -14,14 +14,13 @@ import base64
 import time
 
 import orjson
+from addnorm.service.core import inference
+from addnorm.service.core.text import TextLimits, text_inputs, vectors
+from addnorm.service.errors import BadInput, quote
+from addnorm.service.guard import Known
+from addnorm.service.protocols.common import error_docs, http_call, read_then_watch, timing_headers
+from addnorm.service.protocols.text.codec import Read, TextCodec, fields, pooling
 from fastapi import APIRouter, Request, Response
-
-from service.core import inference
-from service.core.text import TextLimits, text_inputs, vectors
-from service.errors import BadInput, quote
-from service.guard import Known
-from service.protocols.common import error_docs, http_call, read_then_watch, timing_headers
-from service.protocols.text.codec import Read, TextCodec, fields, pooling
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 _KNOWN = {"input", "model", "encoding_format", "dimensions", "user", "truncate"}

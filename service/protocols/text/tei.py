@@ -11,13 +11,11 @@ from __future__ import annotations
 import time
 
 import orjson
-from fastapi import APIRouter, Request, Response
-
-from service.core import inference
-from service.core.text import TextLimits, text_inputs, vectors
-from service.errors import BadInput, quote
-from service.guard import Known
-from service.protocols.common import (
+from addnorm.service.core import inference
+from addnorm.service.core.text import TextLimits, text_inputs, vectors
+from addnorm.service.errors import BadInput, quote
+from addnorm.service.guard import Known
+from addnorm.service.protocols.common import (
     error_docs,
     http_call,
     json_bool,
@@ -25,7 +23,8 @@ from service.protocols.common import (
     read_then_watch,
     timing_headers,
 )
-from service.protocols.text.codec import Read, TextCodec, fields, pooling
+from addnorm.service.protocols.text.codec import Read, TextCodec, fields, pooling
+from fastapi import APIRouter, Request, Response
 
 router = APIRouter(tags=["tei"])
 _EMBED = {"inputs", "normalize", "truncate", "truncation_direction", "prompt_name", "dimensions"}

@@ -7,8 +7,7 @@ import io
 import math
 
 import numpy as np
-
-from service.errors import BadInput, quote
+from addnorm.service.errors import BadInput, quote
 
 SHAPE_HEADER = "x-shape"  # e.g. "2,128,768"
 LENGTHS_HEADER = "x-lengths"  # optional: each row's valid length; positions past it are padding

@@ -14,20 +14,19 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import orjson
-
-from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, positional
-from model.text import INPUT_IDS
-from service.batching.merging import Outputs
-from service.core.inference import work
-from service.core.text import TextLimits, TextRequest, decode_texts, text_inputs
-from service.errors import BadInput, NotAcceptable, UnsupportedMediaType, quote
-from service.protocols.common import check_batch, holds_literal, parse_json
-from service.protocols.v1 import binary
-from service.protocols.v1.binary import NPY, OCTET
+from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, positional
+from addnorm.model.text import INPUT_IDS
+from addnorm.service.batching.merging import Outputs
+from addnorm.service.core.inference import work
+from addnorm.service.core.text import TextLimits, TextRequest, decode_texts, text_inputs
+from addnorm.service.errors import BadInput, NotAcceptable, UnsupportedMediaType, quote
+from addnorm.service.protocols.common import check_batch, holds_literal, parse_json
+from addnorm.service.protocols.v1 import binary
+from addnorm.service.protocols.v1.binary import NPY, OCTET
 
 if TYPE_CHECKING:
-    from service.core.inference import Resolve
-    from service.models.registry import ServingModel
+    from addnorm.service.core.inference import Resolve
+    from addnorm.service.models.registry import ServingModel
 
 MODEL = "model"
 OUTPUT = "output"  # the query parameter naming the output a binary answer carries

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import time
 
+from addnorm.model.contract import EMBEDDINGS, ENCODED
+from addnorm.service.core import inference
+from addnorm.service.core.text import TextLimits
+from addnorm.service.guard import Known
+from addnorm.service.models.live_parity import judged
+from addnorm.service.protocols.common import error_docs, http_call, read_then_watch, timing_headers
+from addnorm.service.protocols.v1 import codec, schema
 from fastapi import APIRouter, Request, Response
-
-from model.contract import EMBEDDINGS, ENCODED
-from service.core import inference
-from service.core.text import TextLimits
-from service.guard import Known
-from service.models.live_parity import judged
-from service.protocols.common import error_docs, http_call, read_then_watch, timing_headers
-from service.protocols.v1 import codec, schema
 
 router = APIRouter(prefix="/v1", tags=["v1"])
 

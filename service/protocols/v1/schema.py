@@ -2,9 +2,9 @@
 document is built from them (routes.py), and tests/service/test_schemas.py holds the codec to them (every field and
 header declared is read or written, and nothing else is)."""
 
-from model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, POOLED
-from model.text import INPUT_IDS
-from service.protocols.v1.codec import MODEL, OUTPUT
+from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, POOLED
+from addnorm.model.text import INPUT_IDS
+from addnorm.service.protocols.v1.codec import MODEL, OUTPUT
 
 REQUEST = {
     "type": "object",

@@ -16,19 +16,18 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import orjson
-
-from model.artifact import Manifest
-from model.contract import EMBEDDINGS, MASK, TEXT, client_inputs
-from service.batching.merging import Outputs
-from service.core.inference import work
-from service.core.text import TextLimits, TextRequest, decode_texts, text_inputs
-from service.errors import BadInput, TooLarge, quote
-from service.protocols import common
-from service.protocols.common import check_batch, holds_literal, json_bool, json_object, parse_json
+from addnorm.model.artifact import Manifest
+from addnorm.model.contract import EMBEDDINGS, MASK, TEXT, client_inputs
+from addnorm.service.batching.merging import Outputs
+from addnorm.service.core.inference import work
+from addnorm.service.core.text import TextLimits, TextRequest, decode_texts, text_inputs
+from addnorm.service.errors import BadInput, TooLarge, quote
+from addnorm.service.protocols import common
+from addnorm.service.protocols.common import check_batch, holds_literal, json_bool, json_object, parse_json
 
 if TYPE_CHECKING:
-    from service.core.inference import Resolve
-    from service.models.registry import ServingModel
+    from addnorm.service.core.inference import Resolve
+    from addnorm.service.models.registry import ServingModel
 
 HEADER_LENGTH = "inference-header-content-length"
 EXTENSIONS = ["binary_tensor_data", "statistics"]

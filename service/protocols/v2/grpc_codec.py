@@ -12,21 +12,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+from addnorm.model.artifact import Manifest
+from addnorm.service.batching.merging import Outputs
+from addnorm.service.core.inference import work
+from addnorm.service.core.text import TextLimits
+from addnorm.service.errors import BadInput
+from addnorm.service.protocols.common import timeout_param
+from addnorm.service.protocols.v2 import codec
+from addnorm.service.protocols.v2 import inference_pb2 as pb
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from model.artifact import Manifest
-from service.batching.merging import Outputs
-from service.core.inference import work
-from service.core.text import TextLimits
-from service.errors import BadInput
-from service.protocols.common import timeout_param
-from service.protocols.v2 import codec
-from service.protocols.v2 import inference_pb2 as pb
-
 if TYPE_CHECKING:
-    from service.core.inference import Resolve
-    from service.models.registry import ServingModel
+    from addnorm.service.core.inference import Resolve
+    from addnorm.service.models.registry import ServingModel
 
 # datatype -> the typed contents field that carries it (FP16 has none: it travels raw)
 _TYPED = {

@@ -17,18 +17,17 @@ import time
 from collections.abc import Awaitable, Callable
 
 import grpc
+from addnorm.service import logs
+from addnorm.service.core import inference
+from addnorm.service.core.text import TextLimits
+from addnorm.service.errors import BadInput, ClientDeadline, ServiceError, grpc_code
+from addnorm.service.guard import Guard
+from addnorm.service.models.registry import READY
+from addnorm.service.models.state import KnownModels, ServiceState, check_parameters
+from addnorm.service.protocols.v2 import codec, grpc_codec, grpc_stream, metadata, model_config
+from addnorm.service.protocols.v2 import inference_pb2 as pb
+from addnorm.service.settings import VERSION
 from google.protobuf.message import DecodeError, Message
-
-from service import logs
-from service.core import inference
-from service.core.text import TextLimits
-from service.errors import BadInput, ClientDeadline, ServiceError, grpc_code
-from service.guard import Guard
-from service.models.registry import READY
-from service.models.state import KnownModels, ServiceState, check_parameters
-from service.protocols.v2 import codec, grpc_codec, grpc_stream, metadata, model_config
-from service.protocols.v2 import inference_pb2 as pb
-from service.settings import VERSION
 
 SERVICE = "inference.GRPCInferenceService"
 # What the guard reads for this transport (service/protocols/__init__.py gathers them): methods are paths.

@@ -28,15 +28,14 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import grpc
+from addnorm.service import logs
+from addnorm.service.errors import BadInput, ClientDeadline, ServiceError, grpc_code
+from addnorm.service.protocols.v2 import inference_pb2 as pb
+from addnorm.service.protocols.v2.grpc_codec import varint
 from google.protobuf.message import DecodeError
 
-from service import logs
-from service.errors import BadInput, ClientDeadline, ServiceError, grpc_code
-from service.protocols.v2 import inference_pb2 as pb
-from service.protocols.v2.grpc_codec import varint
-
 if TYPE_CHECKING:
-    from service.models.state import ServiceState
+    from addnorm.service.models.state import ServiceState
 
 # one request's ModelInfer (grpc_server.InferenceService.ModelInfer): its answer, a serialized ModelInferResponse
 Infer = Callable[[pb.ModelInferRequest, grpc.aio.ServicerContext], Awaitable[bytes]]

@@ -5,13 +5,13 @@ extension's answer. The tensors themselves are codec.py's.
 
 from __future__ import annotations
 
-from model.artifact import Manifest
-from model.contract import TEXT_SPEC, api_specs
-from model.runtime import CUDA
-from service.errors import NotFound, quote
-from service.models.registry import READY, Registry, ServingModel
-from service.protocols.v2 import model_config
-from service.protocols.v2.codec import NUMPY_TO_V2
+from addnorm.model.artifact import Manifest
+from addnorm.model.contract import TEXT_SPEC, api_specs
+from addnorm.model.runtime import CUDA
+from addnorm.service.errors import NotFound, quote
+from addnorm.service.models.registry import READY, Registry, ServingModel
+from addnorm.service.protocols.v2 import model_config
+from addnorm.service.protocols.v2.codec import NUMPY_TO_V2
 
 
 def model_metadata(manifest: Manifest, version: str = "1") -> dict:

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import time
 
-from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
-
-from model.contract import EMBEDDINGS, ENCODED
-from service.core import inference
-from service.core.text import TextLimits
-from service.errors import BadInput
-from service.guard import Known
-from service.models.registry import ServingModel
-from service.models.state import KnownModels, State, check_parameters
-from service.protocols.common import (
+from addnorm.model.contract import EMBEDDINGS, ENCODED
+from addnorm.service.core import inference
+from addnorm.service.core.text import TextLimits
+from addnorm.service.errors import BadInput
+from addnorm.service.guard import Known
+from addnorm.service.models.registry import ServingModel
+from addnorm.service.models.state import KnownModels, State, check_parameters
+from addnorm.service.protocols.common import (
     error_docs,
     http_call,
     parse_json,
@@ -22,8 +19,10 @@ from service.protocols.common import (
     read_then_watch,
     timing_headers,
 )
-from service.protocols.v2 import codec, metadata, schema
-from service.settings import VERSION
+from addnorm.service.protocols.v2 import codec, metadata, schema
+from addnorm.service.settings import VERSION
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
 
 router = APIRouter(prefix="/v2", tags=["v2 (Open Inference Protocol)"])
 

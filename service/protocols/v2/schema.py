@@ -3,8 +3,8 @@ reads and writes them, declared once: the OpenAPI document is built from them (r
 tests/service/test_schemas.py holds the codec to them (every field declared is read or written, and nothing else
 is)."""
 
-from model.contract import INPUT_NAMES
-from service.protocols.v2.codec import DTYPES
+from addnorm.model.contract import INPUT_NAMES
+from addnorm.service.protocols.v2.codec import DTYPES
 
 _TENSOR_PARAMS = {"type": "object", "properties": {"binary_data_size": {"type": "integer", "minimum": 0}}}
 REQUEST = {

@@ -23,10 +23,10 @@ import json
 import sys
 from pathlib import Path
 
-from model.artifact import MANIFEST_FILE, ArtifactError, Manifest, load_verified
-from model.contract import EMBEDDINGS, MASK, api_specs
-from service.protocols.v2 import model_config
-from service.protocols.v2.grpc_codec import varint
+from addnorm.model.artifact import MANIFEST_FILE, ArtifactError, Manifest, load_verified
+from addnorm.model.contract import EMBEDDINGS, MASK, api_specs
+from addnorm.service.protocols.v2 import model_config
+from addnorm.service.protocols.v2.grpc_codec import varint
 
 KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 VERSION = "1"
