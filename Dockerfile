@@ -28,7 +28,9 @@ FROM base AS kernels
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 COPY model ./model
 COPY addnorm ./addnorm
-RUN python -m addnorm.model.kernels --out /kernels
+# the header package is fetched over HTTPS (pinned by sha256): behind a TLS-intercepting proxy, with PIP_CERT's CA
+ARG PIP_CERT
+RUN SSL_CERT_FILE="${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}" python -m addnorm.model.kernels --out /kernels
 
 FROM base AS export
 ARG PIP_CERT

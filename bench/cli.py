@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 from addnorm.model.artifact import MANIFEST_FILE, Manifest
 
+from addnorm import add_version
 from bench import measure
 from bench.grpc_load import grpc_table, measure_grpc
 from bench.limits import limits_table, measure_limits
@@ -81,6 +82,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    add_version(p)
     p.add_argument(
         "--artifact", default="artifacts/default", help="artifact to benchmark (exported if missing)"
     )

@@ -25,6 +25,8 @@ from addnorm.model.config import POOLINGS, ConfigError, EncoderConfig
 from addnorm.model.embedding import EmbeddingAddNorm
 from addnorm.model.text import IDS, INPUTS, TOKENIZER_FILE, TextConfig
 
+from addnorm import add_version
+
 log = logging.getLogger("addnorm.export")
 
 # A bare BERT weights file (no config.json beside it): BertLayer's own settings
@@ -51,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and gate it on numerical parity against PyTorch. Writes model.onnx, weights.safetensors and "
         "manifest.json into --out; on any failure it exits non-zero and writes no manifest.",
     )
+    add_version(p)
     p.add_argument("--out", required=True, type=Path, help="artifact directory to write (created if missing)")
     p.add_argument("--config", type=Path, help="EncoderConfig JSON file; the flags below override its fields")
     p.add_argument(

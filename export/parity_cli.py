@@ -18,6 +18,8 @@ from addnorm.model.contract import EMBEDDINGS, MASK
 from addnorm.model.encoder import Encoder
 from addnorm.model.golden import load_golden, representative
 
+from addnorm import add_version
+
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 
 
@@ -27,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Re-run the parity gate on an artifact: onnxruntime vs torch fp32 (and a float64 oracle) on "
         "random inputs of many sizes, with and without masks. Exits 1 when a case is beyond tolerance.",
     )
+    add_version(p)
     p.add_argument(
         "artifact", type=Path, help="artifact directory (manifest.json, model.onnx, weights.safetensors)"
     )

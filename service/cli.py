@@ -17,6 +17,8 @@ from addnorm.service.backend.engine import EngineError, check_artifact, freeze_h
 from addnorm.service.settings import Settings, explain
 from pydantic import ValidationError
 
+from addnorm import add_version
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:
@@ -31,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         "/v2 Open Inference Protocol, /health/*, /metrics, /docs. Every flag also reads from its ADDNORM_* "
         "environment variable (e.g. --model-dir <- ADDNORM_MODEL_DIR); flags win.",
     )
+    add_version(p)
     fields = Settings.model_fields
     for name, info in fields.items():
         flag = "--" + name.replace("_", "-")

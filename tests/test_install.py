@@ -115,3 +115,25 @@ def test_make_serve_takes_the_servers_own_variables():
         ["make", "-n", "serve", "PORT=8200"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
     )
     assert "--port 8200" in r.stdout  # make's own variable wins
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["addnorm-export"],
+        ["addnorm-parity"],
+        ["addnorm-serve"],
+        ["addnorm-triton"],
+        ["python", "-m", "bench"],
+        ["python", "-m", "addnorm.model.kernels"],
+    ],
+    ids=lambda c: " ".join(c),
+)
+def test_every_command_tells_its_version(command):
+    """Issue 66: --version on every command, the installed distribution's version."""
+    from importlib import metadata
+
+    bin_dir = Path(sys.executable).parent
+    argv = [sys.executable, *command[1:]] if command[0] == "python" else [str(bin_dir / command[0])]
+    r = subprocess.run([*argv, "--version"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == f"{' '.join(command)} {metadata.version('addnorm')}", r

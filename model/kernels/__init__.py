@@ -10,15 +10,14 @@ float side in its last step. On all-MiniLM-L6-v2 that makes int8 as fast as onnx
 with int8's accuracy (docs/parity.md, "int8's own kernels"). The library needs x86-64 with AVX2 and FMA.
 
 Built with g++ against onnxruntime's C++ API header, which the onnxruntime wheel does not ship: ``--include DIR``,
-else ``/usr/include/onnxruntime`` (Debian's libonnxruntime-dev), else that package fetched from deb.debian.org
-into ~/.cache/addnorm. Its file name carries the source's digest, so a library built from another version of
+else ``/usr/include/onnxruntime`` (Debian's libonnxruntime-dev), else that package fetched once from deb.debian.org
+over HTTPS into ~/.cache/addnorm, pinned by its sha256 (a mismatch stops the build). Its file name carries the source's digest, so a library built from another version of
 int8.cc is never loaded.
 """
 
 from __future__ import annotations
 
 import hashlib
-import lzma
 import os
 import shutil
 import subprocess
@@ -29,8 +28,13 @@ from pathlib import Path
 DOMAIN = "ai.addnorm"  # the operators' ONNX domain: export/int8_ops.py's functions, int8.cc's kernels
 SOURCE = Path(__file__).with_name("int8.cc")
 HEADER = "onnxruntime_lite_custom_op.h"
-DEBIAN = "http://deb.debian.org/debian"
-SUITE = "trixie"  # the first Debian release with onnxruntime's headers (1.21)
+# Debian 13 (trixie)'s libonnxruntime-dev, the first Debian package of onnxruntime's headers (1.21): the build
+# compiles against exactly these bytes
+HEADER_PACKAGE = (
+    "https://deb.debian.org/debian/pool/main/o/onnxruntime/libonnxruntime-dev_1.21.0+dfsg-1_amd64.deb"
+)
+HEADER_PACKAGE_SHA256 = "14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08"
+SYSTEM_HEADERS = Path("/usr/include/onnxruntime")  # Debian's libonnxruntime-dev, installed with apt
 CACHE = Path.home() / ".cache" / "addnorm"
 INSTALLED = Path(
     "/usr/local/lib/addnorm"
@@ -129,34 +133,35 @@ def isa(path: Path) -> str:
     return query().decode()
 
 
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def header_dir(include: Path | None = None) -> Path:
     """Where onnxruntime's C++ API header is: ``include``, the system's, or Debian's package (fetched once)."""
     if include is not None:
         if not (include / HEADER).is_file():
             raise KernelError(f"{include} holds no {HEADER}")
         return include
+    if (SYSTEM_HEADERS / HEADER).is_file():
+        return SYSTEM_HEADERS
     cache = CACHE / "onnxruntime-dev"
-    for candidate in (Path("/usr/include/onnxruntime"), cache / "include"):
-        if (candidate / HEADER).is_file():
-            return candidate
+    deb = cache / HEADER_PACKAGE.rsplit("/", 1)[1]
+    if (cache / "include" / HEADER).is_file() and deb.is_file() and _sha256(deb) == HEADER_PACKAGE_SHA256:
+        return cache / "include"
     cache.mkdir(parents=True, exist_ok=True)
-    index = f"{DEBIAN}/dists/{SUITE}/main/binary-amd64/Packages.xz"
-    print(f"fetching onnxruntime's headers: Debian {SUITE}'s libonnxruntime-dev ({index})", flush=True)
+    print(f"fetching onnxruntime's headers: {HEADER_PACKAGE}", flush=True)
     try:
-        with urllib.request.urlopen(index, timeout=120) as r:
-            packages = lzma.decompress(r.read()).decode()
-        entry = next(
-            (e for e in packages.split("\n\n") if e.startswith("Package: libonnxruntime-dev\n")), None
-        )
-        if entry is None:
-            raise KernelError(f"Debian {SUITE} lists no libonnxruntime-dev; give --include DIR")
-        fields = dict(line.split(": ", 1) for line in entry.splitlines() if ": " in line)
-        deb = cache / Path(fields["Filename"]).name
-        urllib.request.urlretrieve(f"{DEBIAN}/{fields['Filename']}", deb)
+        with urllib.request.urlopen(HEADER_PACKAGE, timeout=120) as r:
+            data = r.read()
     except OSError as exc:
+        raise KernelError(f"cannot fetch onnxruntime's headers ({exc}); give --include DIR") from exc
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != HEADER_PACKAGE_SHA256:
         raise KernelError(
-            f"cannot fetch onnxruntime's headers from {DEBIAN} ({exc}); give --include DIR"
-        ) from exc
+            f"{HEADER_PACKAGE} has sha256 {digest}, not the pinned {HEADER_PACKAGE_SHA256}: not built against it"
+        )
+    deb.write_bytes(data)
     subprocess.run(["dpkg-deb", "-x", str(deb), str(cache / "root")], check=True)
     (cache / "include").unlink(missing_ok=True)
     (cache / "include").symlink_to(cache / "root/usr/include/onnxruntime")

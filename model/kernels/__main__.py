@@ -8,11 +8,14 @@ from pathlib import Path
 
 from addnorm.model.kernels import KernelError, build, cpu_lacks
 
+from addnorm import add_version
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m addnorm.model.kernels", description=__doc__.split(":", 1)[1].strip()
     )
+    add_version(p)
     p.add_argument(
         "--include", type=Path, help="a directory holding onnxruntime's onnxruntime_lite_custom_op.h"
     )

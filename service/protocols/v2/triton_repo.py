@@ -28,6 +28,8 @@ from addnorm.model.contract import EMBEDDINGS, MASK, api_specs
 from addnorm.service.protocols.v2 import model_config
 from addnorm.service.protocols.v2.grpc_codec import varint
 
+from addnorm import add_version
+
 KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 VERSION = "1"
 
@@ -158,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Triton batches only requests of equal shape: pad to a few sequence lengths (README 'Scaling out'), or "
         "export with --packed, which this declares for Triton's ragged batching (one sequence per request).",
     )
+    add_version(p)
     p.add_argument("artifact_dir", type=Path, help="artifact directory from addnorm-export")
     p.add_argument("repo_dir", type=Path, help="model repository to write into (created if missing)")
     p.add_argument("--max-batch-size", type=int, default=32, help="largest batch Triton forms (default 32)")
