@@ -30,7 +30,7 @@ COPY model ./model
 COPY addnorm ./addnorm
 # the header package is fetched over HTTPS (pinned by sha256): behind a TLS-intercepting proxy, with PIP_CERT's CA
 ARG PIP_CERT
-RUN SSL_CERT_FILE="${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}" python -m addnorm.model.kernels --out /kernels
+RUN SSL_CERT_FILE="${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}" python -m addnorm.model.kernels --build-dir /kernels
 
 FROM base AS export
 ARG PIP_CERT
@@ -56,7 +56,7 @@ USER addnorm
 # matplotlib (the parity plots) writes its cache under HOME: /tmp, so the root filesystem may be read-only
 ENV HOME=/tmp MPLCONFIGDIR=/tmp/matplotlib
 ENTRYPOINT ["addnorm-export"]
-CMD ["--out", "/artifacts/default", "--if-missing"]
+CMD ["--artifact", "/artifacts/default", "--if-missing"]
 
 FROM base AS api
 ARG PIP_CERT
@@ -74,7 +74,7 @@ RUN --mount=type=cache,target=/root/.cache/pip pip install --no-deps . \
 COPY --from=kernels /kernels/ /usr/local/lib/addnorm/
 USER addnorm
 # HOME on the tmpfs: the root filesystem is read-only (onnxruntime keeps a file under HOME)
-ENV HOME=/tmp ADDNORM_MODEL_DIR=/artifacts/default ADDNORM_HOST=0.0.0.0 ADDNORM_PORT=8000 ADDNORM_GRPC_PORT=8001
+ENV HOME=/tmp ADDNORM_ARTIFACT=/artifacts/default ADDNORM_HOST=0.0.0.0 ADDNORM_PORT=8000 ADDNORM_GRPC_PORT=8001
 EXPOSE 8000 8001
 # deploy/docker/healthcheck.py: /health/ready on ADDNORM_PORT, wherever it is moved
 HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 CMD ["python", "/app/healthcheck.py"]
@@ -114,13 +114,13 @@ USER addnorm
 # Ray's proxy binds all interfaces inside the container (the compose file publishes it on loopback only), on
 # 8000: `serve run IMPORT_PATH` has no port setting (a Serve config's http_options.port moves it, and then the
 # healthcheck's argument with it).
-ENV HOME=/tmp ADDNORM_MODEL_DIR=/artifacts/default RAY_SERVE_DEFAULT_HTTP_HOST=0.0.0.0
+ENV HOME=/tmp ADDNORM_ARTIFACT=/artifacts/default RAY_SERVE_DEFAULT_HTTP_HOST=0.0.0.0
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 CMD ["python", "/app/healthcheck.py", "8000"]
 # `serve run` shuts Serve down gracefully on SIGINT and exits 0; SIGTERM kills it outright (measured with podman:
 # exit 15 in 3 s, or past a 10 s grace period and SIGKILLed under load).
 STOPSIGNAL SIGINT
-CMD ["serve", "run", "addnorm.service.ray_serve:build", "model_dir=/artifacts/default", "replicas=2"]
+CMD ["serve", "run", "addnorm.service.ray_serve:build", "artifact=/artifacts/default", "replicas=2"]
 
 FROM ${CUDA_IMAGE} AS api-gpu
 ARG PIP_CERT
@@ -146,7 +146,7 @@ RUN --mount=type=cache,target=/root/.cache/pip pip install --no-deps . \
  && python -c "import onnxruntime as o; assert 'CUDAExecutionProvider' in o.get_available_providers()"
 USER addnorm
 # HOME on the tmpfs: the root filesystem is read-only (onnxruntime keeps a file under HOME)
-ENV HOME=/tmp ADDNORM_MODEL_DIR=/artifacts/default ADDNORM_HOST=0.0.0.0 ADDNORM_PORT=8000 ADDNORM_GRPC_PORT=8001 \
+ENV HOME=/tmp ADDNORM_ARTIFACT=/artifacts/default ADDNORM_HOST=0.0.0.0 ADDNORM_PORT=8000 ADDNORM_GRPC_PORT=8001 \
     ADDNORM_PROVIDERS=cuda
 EXPOSE 8000 8001
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 CMD ["python", "/app/healthcheck.py"]

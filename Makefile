@@ -41,7 +41,7 @@ $(VENV)/.installed: pyproject.toml setup.py | $(BIN)/python
 	@touch $@
 
 $(ARTIFACT)/manifest.json: | $(VENV)/.installed
-	$(BIN)/addnorm-export --out $(ARTIFACT)
+	$(BIN)/addnorm-export --artifact $(ARTIFACT)
 
 # int8's kernel library (model/kernels): the server registers it where it is built, and int8 models run on
 # onnxruntime's standard operators where it is not (no g++, or no way to fetch onnxruntime's header).
@@ -50,14 +50,14 @@ kernels: $(VENV)/.installed
 
 # The export already compared every Add & Norm step; before serving, the final output's gate is enough.
 serve: $(VENV)/.installed kernels $(ARTIFACT)/manifest.json
-	$(BIN)/addnorm-parity $(ARTIFACT) --no-steps
-	$(BIN)/addnorm-serve --model-dir $(ARTIFACT) --host $(HOST) --port $(PORT) --grpc-port $(GRPC_PORT)
+	$(BIN)/addnorm-parity --artifact $(ARTIFACT) --no-steps
+	$(BIN)/addnorm-serve --artifact $(ARTIFACT) --host $(HOST) --port $(PORT) --grpc-port $(GRPC_PORT)
 
 export: $(VENV)/.installed
-	$(BIN)/addnorm-export --out $(ARTIFACT)
+	$(BIN)/addnorm-export --artifact $(ARTIFACT)
 
 parity: $(VENV)/.installed $(ARTIFACT)/manifest.json
-	$(BIN)/addnorm-parity $(ARTIFACT) --report $(ARTIFACT)/report
+	$(BIN)/addnorm-parity --artifact $(ARTIFACT) --report $(ARTIFACT)/report
 
 # pytest exits 5 when it collects no test, so an empty run fails here too. TEST_WORKERS processes (pytest-xdist)
 # take whole test files (each file's fixtures export and start servers once), the longest first (tests/conftest.py,

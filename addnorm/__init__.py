@@ -19,8 +19,3 @@ try:
     __version__ = metadata.version("addnorm")
 except metadata.PackageNotFoundError:  # a checkout nobody installed
     __version__ = "0+unknown"
-
-
-def add_version(parser) -> None:
-    """``--version`` on a command's ``argparse`` parser: its name and the installed version."""
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")

@@ -15,7 +15,6 @@ after side only (say ADDNORM_ACCESS_LOG=false); ``--only`` keeps the phases whos
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import statistics
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 from addnorm.model.artifact import Manifest
 
+from addnorm.commands import Parser
 from bench.grpc_load import grpc_request, run_grpc_load
 from bench.loadgen import LoadResult, run_load
 from bench.measure import CLIENTS, json_request, process_cpu_s, v1_binary_request, v2_request
@@ -38,7 +38,7 @@ from bench.server import HOST, ROOT, free_port
 
 def start(tree: Path, artifact: Path, env: dict[str, str]) -> tuple[subprocess.Popen, int, int]:
     port, grpc_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "addnorm.service", "--model-dir", str(artifact), "--port", str(port)]
+    cmd = [sys.executable, "-m", "addnorm.service", "--artifact", str(artifact), "--port", str(port)]
     full = {
         **os.environ,
         "PYTHONPATH": str(tree),
@@ -80,7 +80,7 @@ def phase(proc: subprocess.Popen, load: Callable[[], LoadResult]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench.ab", description=__doc__.split("\n\n")[0])
     p.add_argument("before", type=Path)
     p.add_argument("after", type=Path)
     p.add_argument("--artifact", type=Path, default=ROOT / "artifacts" / "default")

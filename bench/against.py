@@ -11,7 +11,6 @@ the requests answered; every server runs at its defaults, as a user starts it.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import numpy as np
 from addnorm.model.artifact import Manifest
 
+from addnorm.commands import Parser
 from bench.batched import medians
 from bench.measure import json_request, v2_request
 from bench.mixed import cell, draw, unpadded_limit
@@ -94,7 +94,7 @@ def table(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.against", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench.against", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--artifact", type=Path, default=ROOT / "artifacts" / "default", help="an exported artifact"
     )

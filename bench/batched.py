@@ -15,7 +15,6 @@ and against the padded graph, p50/p99 latency, and the share of computed positio
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import numpy as np
 from addnorm.model.artifact import Manifest
 
+from addnorm.commands import Parser
 from bench.ab import started
 from bench.measure import v2_request
 from bench.mixed import REQUESTS, cell, draw, http_load, packed_twin, padding_counts, unpadded_limit
@@ -127,7 +127,7 @@ def _padded_to(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.batched", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench.batched", description=__doc__.split("\n\n")[0])
     p.add_argument("--artifact", type=Path, default=Path("artifacts/default"), help="an exported artifact")
     p.add_argument("--sentences", type=int, default=8, help="sentences per request (default 8)")
     p.add_argument(

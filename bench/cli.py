@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from addnorm.model.artifact import MANIFEST_FILE, Manifest
 
-from addnorm import add_version
+from addnorm.commands import Parser, add_artifact
 from bench import measure
 from bench.grpc_load import grpc_table, measure_grpc
 from bench.limits import limits_table, measure_limits
@@ -38,7 +38,7 @@ def setup(args: argparse.Namespace) -> Setup:
     artifact = Path(args.artifact)
     if not (artifact / MANIFEST_FILE).exists():
         subprocess.run(
-            [sys.executable, "-m", "addnorm.export", "--out", str(artifact), "-q"], cwd=ROOT, check=True
+            [sys.executable, "-m", "addnorm.export", "--artifact", str(artifact), "-q"], cwd=ROOT, check=True
         )
     manifest = Manifest.load(artifact)
     e = manifest.config.d_model
@@ -81,12 +81,9 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
-    add_version(p)
-    p.add_argument(
-        "--artifact", default="artifacts/default", help="artifact to benchmark (exported if missing)"
-    )
-    p.add_argument("--seconds", type=float, default=4.0, help="time per measurement (default 4)")
+    p = Parser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    add_artifact(p, "artifact to benchmark (exported if missing)")
+    p.add_argument("--seconds", type=float, default=4.0, help="time per measurement")
     p.add_argument(
         "--concurrency",
         type=int,

@@ -12,7 +12,6 @@ whether ``offload`` sends it to a worker thread. docs/benchmarks.md, "Which code
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -31,6 +30,7 @@ from addnorm.service.protocols.v2 import grpc_codec
 from addnorm.service.protocols.v2 import inference_pb2 as pb
 from starlette.concurrency import run_in_threadpool
 
+from addnorm.commands import Parser
 from bench.server import ROOT
 
 
@@ -119,7 +119,7 @@ async def hop_ms(n: int = 300) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.codec_cost", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench.codec_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--artifact", type=Path, default=ROOT / "artifacts" / "default")
     p.add_argument("--shapes", nargs="+", default=["1,16", "1,128", "8,128"], metavar="B,S")
     p.add_argument("--runs", type=int, default=25)

@@ -8,7 +8,6 @@ path on and off). The exponent of time against S is fitted over the long end, wh
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from addnorm.commands import Parser
 from bench.server import ROOT
 
 SEQS = (16, 64, 256, 1024, 2048, 4096, 8192)
@@ -280,7 +280,7 @@ def plot_curve(res: dict, out: Path) -> Path:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.cost", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench.cost", description=__doc__.split("\n\n")[0])
     p.add_argument("impl", help="ort:ARTIFACT_DIR or torch:ARTIFACT_DIR")
     p.add_argument("batch", type=int)
     p.add_argument("seq", type=int)

@@ -17,7 +17,6 @@ It prints one JSON object (and writes it to ``--json``) and exits 1 when a check
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -31,6 +30,7 @@ from pathlib import Path
 import numpy as np
 from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, POOLED
 
+from addnorm.commands import Parser
 from bench.server import ROOT, ServerProcess
 
 REAL = "real.npz"
@@ -65,7 +65,7 @@ def prepare(out: Path) -> None:
                 sys.executable,
                 "-m",
                 "addnorm.export",
-                "--out",
+                "--artifact",
                 str(out / name),
                 "--name",
                 name,
@@ -98,6 +98,7 @@ def _parity(directory: Path, providers: str) -> dict:
         sys.executable,
         "-m",
         "addnorm.export.parity_cli",
+        "--artifact",
         str(directory),
         "--providers",
         providers,
@@ -152,7 +153,7 @@ def _served(directory: Path, real: dict, providers: str) -> dict:
     seqs = [x[i, : lengths[i]] for i in range(len(x))] + [real["passage_x"][0]]
     wants = [want[i, : lengths[i]] for i in range(len(x))] + [real["passage_want"][0]]
     floor = float32_floor(np.concatenate(wants).astype(np.float64))
-    args = ["-m", "addnorm.service", "--model-dir", str(directory / REAL_MODEL), "--providers", providers]
+    args = ["-m", "addnorm.service", "--artifact", str(directory / REAL_MODEL), "--providers", providers]
     args += ["--live-parity-rate", "1", "--live-parity-budget", "1"]
     with ServerProcess(args) as srv:
         srv.wait(600)
@@ -224,7 +225,7 @@ def run(directory: Path, out: Path | None, providers: str = "cuda") -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.cuda_check", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m bench.cuda_check", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="step", required=True)
     sub.add_parser("prepare", help="export the artifacts and write the real inputs").add_argument(
         "dir", type=Path

@@ -26,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from addnorm.commands import Parser
+
 SOURCE = Path(__file__).with_name("emulate_cpu.c")
 CACHE = Path.home() / ".cache" / "addnorm"
 KINDS = {
@@ -94,7 +96,7 @@ def environment(kind: str, base: dict[str, str] | None = None) -> dict[str, str]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m bench.emulate",
         description=__doc__.split("\n\n")[0],
         epilog="kinds: " + "; ".join(f"{k}: {v}" for k, v in KINDS.items()),

@@ -10,7 +10,6 @@ the ratio; run it as another CPU kind with ``python -m bench.emulate avx2 -- pyt
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 from addnorm.model.runtime import CPU, CPU_DISABLED_OPTIMIZERS, cpu_flags
+
+from addnorm.commands import Parser
 
 SHAPES = ((8, 128), (1, 16), (32, 16))
 
@@ -51,7 +52,7 @@ def _turns(sessions: dict, feed: dict, rounds: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.fusions", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench.fusions", description=__doc__.split("\n\n")[0])
     p.add_argument("--artifact", type=Path, default=Path("artifacts/default"), help="a model directory too")
     p.add_argument(
         "--rounds", type=int, default=30, help="runs of each session per shape (x10 for small ones)"

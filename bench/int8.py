@@ -11,7 +11,6 @@ ordinary cases and over the adversarial suite's offset cases. This CPU's SIMD fl
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import tempfile
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 from addnorm.model.runtime import CPU, session_args
+
+from addnorm.commands import Parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    p = argparse.ArgumentParser(prog="python -m bench.int8", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench.int8", description=__doc__.split("\n\n")[0])
     p.add_argument("--d-model", type=int, default=768)
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--attention", default="mha")

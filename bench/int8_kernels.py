@@ -14,7 +14,6 @@ bench.int8_kernels`` runs all of it as on a smaller CPU.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
@@ -23,9 +22,11 @@ from pathlib import Path
 import numpy as np
 from addnorm.model.runtime import CPU, session_args
 
+from addnorm.commands import Parser
+
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.int8_kernels", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench.int8_kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5, help="rounds of the graphs taking turns (default 5)")
     p.add_argument("--seconds", type=float, default=1.0, help="time per graph per round (default 1)")
     p.add_argument(

@@ -12,7 +12,6 @@ counted in their own rows and in the If's). docs/parity.md quotes it.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import tempfile
@@ -21,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 from addnorm.model.runtime import CPU, session_args
+
+from addnorm.commands import Parser
 
 SHAPE = (8, 128, 384)
 WARMUP = 3
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.real import MORE, real_model, three_graphs
 
-    p = argparse.ArgumentParser(prog="python -m bench.int8_profile", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench.int8_profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=10, help="measured runs per graph (default 10)")
     p.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads (default 2)")
     args = p.parse_args(argv)

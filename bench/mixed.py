@@ -297,7 +297,14 @@ def packed_twin(artifact: Path) -> Path:
     manifest = json.loads((artifact / "manifest.json").read_text())
     config = out.with_suffix(".config.json")
     config.write_text(json.dumps({**manifest["config"], "packed": True}))
-    args = ["--out", str(out), "--config", str(config), "--checkpoint", str(artifact / "weights.safetensors")]
+    args = [
+        "--artifact",
+        str(out),
+        "--config",
+        str(config),
+        "--checkpoint",
+        str(artifact / "weights.safetensors"),
+    ]
     args += [
         "--variant",
         manifest["variant"],

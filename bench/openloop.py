@@ -21,7 +21,6 @@ p99 near its p50; one that does not answers less, and its latency grows with the
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import statistics
@@ -33,6 +32,7 @@ from pathlib import Path
 import numpy as np
 from addnorm.model.artifact import Manifest
 
+from addnorm.commands import Parser
 from bench.ab import started
 from bench.batched import batches, medians
 from bench.loadgen import _read_response
@@ -246,7 +246,7 @@ def table(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.openloop", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench.openloop", description=__doc__.split("\n\n")[0])
     p.add_argument("--artifact", type=Path, default=Path("artifacts/default"), help="an exported artifact")
     p.add_argument("--sentences", type=int, default=1, help="sentences per request (default 1)")
     p.add_argument(

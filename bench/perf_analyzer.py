@@ -217,7 +217,7 @@ def measure(artifact: Path, seconds: float = 3.0) -> dict:
     e = manifest.config.d_model
     plan = [(1, 16, 1), (1, 16, 4), (1, 16, 16), (8, 128, 1)]
     rows = []
-    with ServerProcess(["-m", "addnorm.service", "--model-dir", str(artifact)], grpc=True) as srv:
+    with ServerProcess(["-m", "addnorm.service", "--artifact", str(artifact)], grpc=True) as srv:
         for batch, seq, level in plan:
             x = np.zeros((batch, seq, e), np.float32)
             ours = run_load(HOST, srv.port, v2_request(srv.port, manifest.name, x), level, seconds)

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 from addnorm.model.contract import EMBEDDINGS, MASK
 
+from addnorm.commands import Parser
 from bench.batched import medians
 from bench.perf_analyzer import TRANSPORTS, Unavailable, binary, run
 from bench.report import artifact_given, save
@@ -70,7 +71,7 @@ def _rounds(artifact: Path, rounds: int) -> Iterator[_Round]:
         xs = real_lengths(data, manifest.config.d_model)
         for r in range(rounds):
             limit = unpadded_limit(artifact, xs)
-            with ServerProcess(["-m", "addnorm.service", "--model-dir", str(artifact)], grpc=True) as srv:
+            with ServerProcess(["-m", "addnorm.service", "--artifact", str(artifact)], grpc=True) as srv:
                 yield _Round(srv, manifest.name, data, xs, limit)
             print(f"  round {r + 1} done", file=sys.stderr, flush=True)
 
@@ -186,13 +187,10 @@ def table_rates(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
 
     from bench.server import ROOT
 
-    p = argparse.ArgumentParser(
-        prog="python -m bench.perf_analyzer_real", description=__doc__.split("\n\n")[0]
-    )
+    p = Parser(prog="python -m bench.perf_analyzer_real", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--artifact", type=Path, default=ROOT / "artifacts" / "default", help="an exported artifact"
     )

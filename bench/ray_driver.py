@@ -7,7 +7,6 @@ serves HTTP itself on a port of LO..HI, no proxy hop; the ports that answer are 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -20,11 +19,12 @@ import ray
 from addnorm.service.ray_serve import build
 from ray import serve
 
+from addnorm.commands import Parser
 from bench.server import HOST
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.ray_driver", description=__doc__)
+    p = Parser(prog="python -m bench.ray_driver", description=__doc__)
     p.add_argument("--artifact", required=True)
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--num-cpus", type=int, default=1, help="CPUs (and onnxruntime threads) per replica")
@@ -47,7 +47,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": HOST, "port": args.port})
-        app = build({"model_dir": args.artifact, "replicas": args.replicas, "num_cpus": args.num_cpus})
+        app = build({"artifact": args.artifact, "replicas": args.replicas, "num_cpus": args.num_cpus})
         serve.run(app, name="addnorm", route_prefix="/")
         if args.direct_ingress:
             ports = _answering(range(int(lo), int(hi) + 1), args.replicas)

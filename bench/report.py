@@ -172,7 +172,7 @@ def update_docs(doc: Path, res: dict) -> None:
 def artifact_given(parser: argparse.ArgumentParser, artifact: Path) -> None:
     """A bench's usage error when ``artifact`` holds no exported artifact."""
     if not (artifact / "manifest.json").exists():
-        parser.error(f"{artifact} holds no artifact: export one (addnorm-export --out {artifact})")
+        parser.error(f"{artifact} holds no artifact: export one (addnorm-export --artifact {artifact})")
 
 
 def save(res: dict, results: Path, name: str) -> None:

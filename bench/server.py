@@ -97,7 +97,7 @@ def serve(
     """addnorm-serve on ``artifact`` as a user runs it (log level info, an access line per request: the log goes to
     a temporary file), not yet waited for; ``grpc``: with gRPC on a free port too; ``env``: ADDNORM_* settings."""
     return ServerProcess(
-        ["-m", "addnorm.service", "--model-dir", str(artifact), *flags],
+        ["-m", "addnorm.service", "--artifact", str(artifact), *flags],
         env=env,
         capture=False,
         grpc=grpc,

@@ -4,12 +4,12 @@ blocking work). ``python -m bench.st_app --model DIR --port P`` (``bench.text`` 
 
 from __future__ import annotations
 
-import argparse
-
 import uvicorn
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel
+
+from addnorm.commands import Parser
 
 
 class EmbeddingRequest(BaseModel):
@@ -43,7 +43,7 @@ def create(model_dir: str) -> FastAPI:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.st_app")
+    p = Parser(prog="python -m bench.st_app")
     p.add_argument("--model", required=True)
     p.add_argument("--port", type=int, required=True)
     args = p.parse_args()

@@ -19,7 +19,6 @@ included) per cell, and each server's ratio to the limit. Also: tokenization's s
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import shutil
@@ -35,6 +34,7 @@ import numpy as np
 import orjson
 from addnorm.model.runtime import cpu_flags
 
+from addnorm.commands import Parser
 from bench.loadgen import build_request
 from bench.mixed import cell
 from bench.server import HOST, ROOT, ServerProcess, free_port
@@ -59,7 +59,7 @@ def export_minilm(out: Path) -> Path:
     from addnorm.export import cli
 
     if not (out / "manifest.json").exists():
-        assert cli.main(["--from", str(minilm()), "--out", str(out), "--name", "minilm", "-q"]) == 0
+        assert cli.main(["--from", str(minilm()), "--artifact", str(out), "--name", "minilm", "-q"]) == 0
     return out
 
 
@@ -185,7 +185,7 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None) -> dict:
                 (
                     "addnorm",
                     lambda: ServerProcess(
-                        ["-m", "addnorm.service", "--model-dir", str(artifact)], capture=False
+                        ["-m", "addnorm.service", "--artifact", str(artifact)], capture=False
                     ),
                     "/v1/embeddings",
                 ),
@@ -246,7 +246,7 @@ def table(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.text", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench.text", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument(

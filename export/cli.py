@@ -25,7 +25,7 @@ from addnorm.model.config import POOLINGS, ConfigError, EncoderConfig
 from addnorm.model.embedding import EmbeddingAddNorm
 from addnorm.model.text import IDS, INPUTS, TOKENIZER_FILE, TextConfig
 
-from addnorm import add_version
+from addnorm.commands import Parser, add_artifact, add_output, quiet_dependencies
 
 log = logging.getLogger("addnorm.export")
 
@@ -47,14 +47,14 @@ _SWITCHES = ("norm_first", "batch_first", "pooling", "normalize_pooled", "packed
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="addnorm-export",
+        renamed={"--seed": "--weights-seed"},
         description="Export a Transformer encoder block to ONNX (native LayerNormalization), check the graph, "
         "and gate it on numerical parity against PyTorch. Writes model.onnx, weights.safetensors and "
-        "manifest.json into --out; on any failure it exits non-zero and writes no manifest.",
+        "manifest.json into --artifact; on any failure it exits non-zero and writes no manifest.",
     )
-    add_version(p)
-    p.add_argument("--out", required=True, type=Path, help="artifact directory to write (created if missing)")
+    add_artifact(p, "artifact directory to write (created if missing)")
     p.add_argument("--config", type=Path, help="EncoderConfig JSON file; the flags below override its fields")
     p.add_argument(
         "--checkpoint",
@@ -101,7 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
         "installed and --from-bert has a config.json",
     )
     p.add_argument(
-        "--seed", type=int, default=0, help="seed of the deterministic default weights (default 0)"
+        "--weights-seed",
+        type=int,
+        default=0,
+        help="seed of the deterministic default weights, without --checkpoint or --from (default 0)",
     )
     v = p.add_argument_group(
         "variant (each gated by its own parity tolerance)",
@@ -179,15 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a padding-free graph: sequences of different lengths end to end, the per-token work on real tokens "
         "only and attention padded per sequence (the server merges any lengths without computing padding; "
-        "Triton's ragged batching, addnorm-triton); its answers are the padded graph's (default: padded)",
+        "Triton's ragged batching, addnorm-triton); its answers are the padded graph's (default padded)",
     )
     p.add_argument(
         "--if-missing",
         action="store_true",
-        help="do nothing when --out already holds a valid artifact (manifest and matching model.onnx)",
+        help="do nothing when --artifact already holds a valid artifact (manifest and matching model.onnx)",
     )
-    p.add_argument("--json", action="store_true", help="print the parity summary as JSON instead of a table")
-    p.add_argument("-q", "--quiet", action="store_true", help="only errors")
+    add_output(p)
     return p
 
 
@@ -238,11 +240,12 @@ def variant_from_args(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_dependencies()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("addnorm").setLevel(logging.ERROR if args.quiet else logging.INFO)
-    if args.if_missing and _valid_artifact(args.out):
+    logging.getLogger("addnorm").setLevel(logging.ERROR if args.quiet or args.json else logging.INFO)
+    if args.if_missing and _valid_artifact(args.artifact):
         if not args.quiet:
-            print(f"{args.out} already holds a valid artifact; nothing to do (--if-missing)")
+            print(f"{args.artifact} already holds a valid artifact; nothing to do (--if-missing)")
         return 0
     try:
         if args.checkpoint and args.from_bert:
@@ -262,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         encoder = prepare_encoder(
             config,
             where.weights if where else args.checkpoint,
-            args.seed,
+            args.weights_seed,
             state=state,
             family=where.family if where else None,
         )
@@ -280,13 +283,13 @@ def main(argv: list[str] | None = None) -> int:
             )
         checks = []
         if reference is not None:
-            checks.append(hf.reference_check(encoder, reference, given, config, quiet=args.quiet))
+            checks.append(hf.reference_check(encoder, reference, given, config))
         if text is not None and _wants_reference(args):
-            checks.append(hf.ids_check(where.directory, text.config, config, quiet=args.quiet))
+            checks.append(hf.ids_check(where.directory, text.config, config))
         check = _both(checks)
         result = export_artifact(
             encoder,
-            args.out,
+            args.artifact,
             name=args.name,
             opset=args.opset,
             variant=variant,
@@ -296,16 +299,16 @@ def main(argv: list[str] | None = None) -> int:
             text=text,
         )
     except ParityError as exc:
-        print(format_table(exc.report), file=sys.stderr)
+        print(format_table(exc.report, verbose=args.verbose), file=sys.stderr)
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except (ConfigError, CheckpointError, ExportError, GraphCheckError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(result.manifest.parity, indent=2))
+        print(json.dumps(result.report.to_dict(), indent=2))
     elif not args.quiet:
-        print(format_table(result.report))
+        print(format_table(result.report, verbose=args.verbose))
         print(f"wrote {result.out_dir}/ (model.onnx sha256 {result.manifest.model_sha256[:12]}...)")
     return 0
 

@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 from addnorm.export.cases import Case
-from addnorm.export.parity import ParityReport, make_session, run_parity
+from addnorm.export.parity import SEED, ParityReport, make_session, run_parity
 from addnorm.export.report import failure_message
 from addnorm.export.variants import build_graph, get_variant
 from addnorm.model.encoder import Encoder
@@ -30,7 +30,7 @@ def gate(
     *,
     steps: bool = True,
     graph_optimization: str = "all",
-    seed: int = 1234,
+    seed: int = SEED,
     attention: str = "decomposed",
     providers: list[str] | None = None,
     keep: frozenset[str] = frozenset(),

@@ -260,13 +260,13 @@ def agreement(out: np.ndarray, want: np.ndarray, mask: np.ndarray) -> Agreement:
     )
 
 
-def reference_check(encoder, reference: Reference, given: list, config, quiet: bool):
+def reference_check(encoder, reference: Reference, given: list, config):
     """First: the converted torch encoder must compute what transformers' BertModel does on real inputs (fp32
     tolerance), else the conversion is wrong (a head count, an eps) and nothing is exported. Returns the
     pipeline's ``check``: the gated graph's agreement with BertModel, printed and kept in the manifest."""
     if given:
         x, mask = _stacked(given)
-        source = f"{len(x)} --calibration sequences"
+        source = f"the gate's {len(x)} real sequences"
     else:
         try:
             x, mask = reference.embed(SENTENCES)
@@ -310,13 +310,17 @@ def reference_check(encoder, reference: Reference, given: list, config, quiet: b
             err = float(np.abs(outs[POOLED] - reference_pool(config, want.astype(np.float64), mask)).max())
             result["graph"]["pooled_max_abs"] = err
             pooled_err = f"; {config.pooling} pooled output max abs err {err:.2e}"
-        if not quiet:
-            print(
-                f"reference: transformers BertModel on {source} ({graph.tokens} real tokens): torch encoder max "
-                f"abs err {torch_agrees.max_abs:.2e}; graph max abs err {graph.max_abs:.2e}, least sentence "
-                f"cosine {graph.min_sentence_cosine:.6f}, pairwise ranking Spearman {graph.spearman:.4f}"
-                + pooled_err
-            )
+        log.info(
+            "reference: transformers BertModel on %s (%d real tokens): torch encoder max abs err %.2e; graph max "
+            "abs err %.2e, least sentence cosine %.6f, pairwise ranking Spearman %.4f%s",
+            source,
+            graph.tokens,
+            torch_agrees.max_abs,
+            graph.max_abs,
+            graph.min_sentence_cosine,
+            graph.spearman,
+            pooled_err,
+        )
         return result
 
     return check
@@ -392,7 +396,7 @@ def run_ids(model_dir: Path, config, batch) -> dict[str, np.ndarray]:
 IDS_MIN_COSINE = 0.99
 
 
-def ids_check(directory: Path, text, config, quiet: bool):
+def ids_check(directory: Path, text, config):
     """The pipeline's ``check`` for an ids artifact: built-in sentences (one past 128 tokens) tokenized as the
     server tokenizes them, through the embedding graph and the block, against transformers' ``AutoModel`` on the
     same ids (its ``last_hidden_state``, and sentence-transformers' pooling of it)."""
@@ -440,11 +444,13 @@ def ids_check(directory: Path, text, config, quiet: bool):
                 f"text through the exported graphs does not match transformers' {type(model).__name__} on {source}: "
                 f"least sentence cosine {graph.min_sentence_cosine:.4f}; the family's mapping is wrong"
             )
-        if not quiet:
-            print(
-                f"reference (token ids): transformers {type(model).__name__} on {source}: max abs err "
-                f"{graph.max_abs:.2e}, least sentence cosine {graph.min_sentence_cosine:.6f}"
-            )
+        log.info(
+            "reference (token ids): transformers %s on %s: max abs err %.2e, least sentence cosine %.6f",
+            type(model).__name__,
+            source,
+            graph.max_abs,
+            graph.min_sentence_cosine,
+        )
         return result
 
     return check

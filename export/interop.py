@@ -10,7 +10,6 @@ adapter between them: the block's mask (bool, true = padding) is ``attention_mas
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 from pathlib import Path
@@ -20,6 +19,8 @@ from addnorm.model.artifact import MODEL_FILE, Manifest
 from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
 from addnorm.model.text import ATTENTION_MASK, EMBEDDING_FILE
 from onnx import TensorProto, compose, helper
+
+from addnorm.commands import Parser
 
 LAST_HIDDEN_STATE = "last_hidden_state"
 
@@ -90,7 +91,7 @@ def write(artifact: Path, model_dir: Path, out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m addnorm.export.interop", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m addnorm.export.interop", description=__doc__.split("\n\n")[0])
     p.add_argument("artifact", type=Path)
     p.add_argument(
         "model_dir", type=Path, help="the model directory it was exported from (config, tokenizer)"

@@ -174,6 +174,9 @@ class ParityReport:
         }
 
 
+SEED = 1234  # the random inputs' seed: the export's gate and addnorm-parity's default draw the same cases
+
+
 def make_session(
     model_path: str | Path, graph_optimization: str = "all", providers: list[str] | None = None
 ) -> ort.InferenceSession:
@@ -202,7 +205,7 @@ def run_parity(
     session: ort.InferenceSession,
     cases: list[Case] | None = None,
     tol: Tolerance | None = None,
-    seed: int = 1234,
+    seed: int = SEED,
     graph_optimization: str = "all",
     debug_session: ort.InferenceSession | None = None,
     variant: str = "fp32",

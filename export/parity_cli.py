@@ -7,54 +7,46 @@ import json
 import sys
 from pathlib import Path
 
+import onnxruntime as ort
 from addnorm.export.cases import Given, adversarial_cases, default_cases, synthetic
 from addnorm.export.gate import gate
 from addnorm.export.onnx_export import ExportError
-from addnorm.export.parity import GRAPH_OPT_LEVELS, ParityReport
+from addnorm.export.parity import GRAPH_OPT_LEVELS, SEED, ParityReport
 from addnorm.export.report import format_table, write_report
 from addnorm.export.weights import CheckpointError, load_weights
 from addnorm.model.artifact import GOLDEN_FILE, WEIGHTS_FILE, ArtifactError, load_verified
 from addnorm.model.contract import EMBEDDINGS, MASK
 from addnorm.model.encoder import Encoder
 from addnorm.model.golden import load_golden, representative
+from addnorm.model.runtime import ProviderError, resolve_providers
 
-from addnorm import add_version
-
-PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+from addnorm.commands import Parser, add_artifact, add_output, add_providers
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="addnorm-parity",
         description="Re-run the parity gate on an artifact: onnxruntime vs torch fp32 (and a float64 oracle) on "
         "random inputs of many sizes, with and without masks. Exits 1 when a case is beyond tolerance.",
     )
-    add_version(p)
-    p.add_argument(
-        "artifact", type=Path, help="artifact directory (manifest.json, model.onnx, weights.safetensors)"
-    )
-    p.add_argument("--json", action="store_true", help="print the full report as JSON instead of a table")
+    add_artifact(p, "artifact directory to check (manifest.json, model.onnx, weights.safetensors)")
+    add_output(p)
     p.add_argument(
         "--report",
         type=Path,
-        metavar="OUT",
+        metavar="DIR",
         help="write parity.json, parity.md and PNG plots (errors per Add & Norm step, error vs input "
-        "conditioning) into OUT",
+        "conditioning) into DIR",
     )
     p.add_argument("--adversarial", action="store_true", help="add the adversarial input suite")
     p.add_argument(
         "--graph-optimization",
         choices=list(GRAPH_OPT_LEVELS),
         default="all",
-        help="onnxruntime graph optimization level (default all)",
+        help="onnxruntime graph optimization level",
     )
-    p.add_argument("--seed", type=int, default=1234, help="seed of the random inputs (default 1234)")
-    p.add_argument(
-        "--providers",
-        choices=list(PROVIDERS),
-        default="cpu",
-        help="where onnxruntime runs the graph: cpu (default) or cuda (onnxruntime-gpu; an error if unusable)",
-    )
+    p.add_argument("--seed", type=int, default=SEED, help="seed of the gate's random inputs")
+    add_providers(p)
     p.add_argument(
         "--no-steps",
         action="store_true",
@@ -67,9 +59,9 @@ def check_artifact(
     directory: Path,
     adversarial: bool = False,
     graph_optimization: str = "all",
-    seed: int = 1234,
+    seed: int = SEED,
     steps: bool = True,
-    providers: str = "cpu",
+    providers: str = "auto",
 ) -> ParityReport:
     """Re-run the gate on an artifact from its saved weights; with ``steps``, every Add & Norm step too. An artifact
     exported with real inputs (``--calibration``) is judged as its export was: its golden cases (those inputs) are
@@ -89,7 +81,7 @@ def check_artifact(
         graph_optimization=graph_optimization,
         seed=seed,
         attention=manifest.attention,
-        providers=PROVIDERS[providers],
+        providers=resolve_providers(providers, ort.get_available_providers()),
         plan=manifest.scheme,
     )
 
@@ -116,13 +108,13 @@ def main(argv: list[str] | None = None) -> int:
             not args.no_steps,
             args.providers,
         )
-    except (ArtifactError, CheckpointError, ExportError, RuntimeError) as exc:
+    except (ArtifactError, CheckpointError, ExportError, ProviderError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
-    else:
-        print(format_table(report))
+    elif not args.quiet or not report.passed:
+        print(format_table(report, verbose=args.verbose))
     if args.report:
         for path in write_report(report, args.report):
             print(f"wrote {path}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""How a parity report reads: the terminal table, the failure message, and on disk parity.json (every figure),
+"""How a parity report reads: the terminal summary (with every case's line when verbose), the failure message, and on disk parity.json (every figure),
 parity.md (tables) and PNG plots. All formatting of parity results lives here."""
 
 from __future__ import annotations
@@ -41,14 +41,27 @@ def failure_message(report: ParityReport) -> str:
     )
 
 
-def format_table(report: ParityReport) -> str:
-    """A terminal table: one line per case and output, a verdict line, and the worst element on failure."""
-    head = f"{'case':<34} {'output':<10} {'max abs':>9} {'max rel':>9} {'f32-f64':>9} {'onnx-f64':>9}  result"
-    lines = [head, "-" * len(head)]
-    for r in report.results:
-        for c in r.comparisons:
+def format_table(report: ParityReport, verbose: bool = True) -> str:
+    """The verdict, its figures, the rule and the inputs; above them a line per case and output (``verbose``), or
+    only the failing ones, and the worst element on failure. Names are never cut."""
+    rows = [
+        (r.case, c)
+        for r in report.results
+        for c in r.comparisons
+        if verbose or not c.passed or c.quality is False or c.implementation is False
+    ]
+    lines = []
+    if rows:
+        case_w = max(len("case"), *(len(case) for case, _ in rows))
+        out_w = max(len("output"), *(len(c.output) for _, c in rows))
+        head = (
+            f"{'case':<{case_w}} {'output':<{out_w}} {'max abs':>9} {'max rel':>9} {'f32-f64':>9} {'onnx-f64':>9}"
+            "  result"
+        )
+        lines += [head, "-" * len(head)]
+        for case, c in rows:
             lines.append(
-                f"{r.case[:34]:<34} {c.output[:10]:<10} {c.max_abs:9.2e} {c.max_rel:9.2e} "
+                f"{case:<{case_w}} {c.output:<{out_w}} {c.max_abs:9.2e} {c.max_rel:9.2e} "
                 f"{c.spread:9.2e} {c.onnx_vs_f64:9.2e}  {_verdict(c)}"
             )
     s, t = report.summary(), report.tolerance

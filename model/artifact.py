@@ -156,7 +156,7 @@ class Manifest:
         path = Path(directory) / MANIFEST_FILE
         if not path.is_file():
             raise ArtifactError(
-                f"no {MANIFEST_FILE} in {directory}: export an artifact there first (addnorm-export --out DIR)"
+                f"no {MANIFEST_FILE} in {directory}: export an artifact there first (addnorm-export --artifact DIR)"
             )
         try:
             text = path.read_bytes()

@@ -1,4 +1,5 @@
-"""onnxruntime provider settings that parity depends on, shared by export's parity checks and the service.
+"""onnxruntime provider settings that parity depends on, shared by export's parity checks and the service: which
+providers ``--providers auto|cpu|cuda`` means here (resolve_providers), their options, the rewrites left out.
 
 No torch, no onnxruntime import: plain names and options.
 """
@@ -16,6 +17,27 @@ CUDA_OPTIONS = {"use_tf32": "0"}
 def with_options(providers: list[str]) -> list[str | tuple[str, dict[str, str]]]:
     """``providers`` as onnxruntime takes them, CUDA with CUDA_OPTIONS."""
     return [(p, dict(CUDA_OPTIONS)) if p == CUDA else p for p in providers]
+
+
+class ProviderError(ValueError):
+    """The providers asked for cannot be had here (``--providers cuda`` without CUDA, an unknown name)."""
+
+
+def resolve_providers(requested: str, available: list[str]) -> list[str]:
+    """Map ``auto|cpu|cuda`` to an onnxruntime provider list. ``cuda`` never falls back silently."""
+    if requested == "cpu":
+        return [CPU]
+    if requested == "cuda":
+        if CUDA not in available:
+            raise ProviderError(
+                f"--providers cuda: CUDAExecutionProvider is not available (onnxruntime offers {available}). "
+                "Install the GPU build (pip install '.[gpu]' from the addnorm checkout, then remove the CPU 'onnxruntime' package, "
+                "which shadows it) on a machine with an NVIDIA driver, or use --providers cpu/auto."
+            )
+        return [CUDA, CPU]
+    if requested == "auto":
+        return [CUDA, CPU] if CUDA in available else [CPU]
+    raise ProviderError(f"unknown providers setting {requested!r}; use auto, cpu or cuda")
 
 
 # onnxruntime's optimizer rewrites each Add + LayerNormalization into its SkipLayerNormalization, whose CPU kernel

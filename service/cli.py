@@ -17,23 +17,16 @@ from addnorm.service.backend.engine import EngineError, check_artifact, freeze_h
 from addnorm.service.settings import Settings, explain
 from pydantic import ValidationError
 
-from addnorm import add_version
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> typing.NoReturn:
-        """One line, not the whole usage block."""
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+from addnorm.commands import Parser, readable
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = Parser(
         prog="addnorm-serve",
         description="Serve an addnorm artifact (from addnorm-export) with onnxruntime over HTTP: /v1 JSON API, "
         "/v2 Open Inference Protocol, /health/*, /metrics, /docs. Every flag also reads from its ADDNORM_* "
-        "environment variable (e.g. --model-dir <- ADDNORM_MODEL_DIR); flags win.",
+        "environment variable (e.g. --artifact <- ADDNORM_ARTIFACT); flags win.",
     )
-    add_version(p)
     fields = Settings.model_fields
     for name, info in fields.items():
         flag = "--" + name.replace("_", "-")
@@ -41,10 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
         kwargs: dict = {
             "dest": name,
             "default": None,
-            "help": f"{info.description} [{env}, default {info.default}]",
+            "help": f"{info.description} [{env}, default {readable(info.default)}]",
         }
-        if name in ("model_dir", "load_model", "model_threads"):
-            kwargs["action"] = "append"  # --model-dir A --model-dir B: two models
+        if name in ("artifact", "model_repository"):
+            kwargs["metavar"] = "DIR"
+        if name in ("artifact", "load_model", "model_threads"):
+            kwargs["action"] = "append"  # --artifact A --artifact B: two models
         elif info.annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(info.annotation) is typing.Literal:

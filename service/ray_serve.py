@@ -1,6 +1,6 @@
 """Ray Serve: the same FastAPI app as addnorm-serve, in N replicas that each own one onnxruntime session.
 
-    serve run addnorm.service.ray_serve:build model_dir=artifacts/default replicas=2
+    serve run addnorm.service.ray_serve:build artifact=artifacts/default replicas=2
     serve run deploy/ray/serve.yaml
 
 Needs the ``ray`` extra (``pip install '.[ray]'``). Each replica builds the app with ``create_app`` and
@@ -24,7 +24,7 @@ import ray
 from addnorm.model.artifact import MANIFEST_FILE
 from addnorm.service import logs
 from addnorm.service.front.app import create_app
-from addnorm.service.models.registry import model_dirs
+from addnorm.service.models.registry import artifact_dirs
 from addnorm.service.settings import Settings, explain
 from pydantic import ValidationError
 from ray import serve
@@ -105,13 +105,13 @@ class AddNormReplica:
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
         self.settings = replica_settings(overrides or {}, cpus)
         logs.configure(self.settings.log_level, self.settings.log_json)
-        for directory in model_dirs(self.settings):
+        for directory in artifact_dirs(self.settings):
             check_readable(directory)
         self.fastapi_app = create_app(self.settings, load_before_serving=True)
         self.fastapi_app.add_middleware(_ProxyRequestId)  # outside the front: it reads the proxy's id
         log.info(
             "replica starting: %s, %s onnxruntime threads",
-            ", ".join(map(str, model_dirs(self.settings))),
+            ", ".join(map(str, artifact_dirs(self.settings))),
             cpus,
         )
 
@@ -129,7 +129,7 @@ def build(args: dict[str, Any]) -> Application:
     """Application builder for ``serve run addnorm.service.ray_serve:build key=value ...`` and Serve config files.
 
     Keys: ``replicas``, ``num_cpus``, ``max_ongoing_requests``, and any addnorm setting by its field name
-    (``model_dir`` (comma-separated for several), ``providers``, ``max_batch_size``, ...). Relative artifact paths
+    (``artifact`` (comma-separated for several), ``providers``, ``max_batch_size``, ...). Relative artifact paths
     are made absolute here. A bad argument raises ValueError; under ``serve run`` it is one line on stderr and
     exit status 2 instead of Ray's traceback, and so is a proxy port another process holds.
     """
@@ -179,9 +179,9 @@ def _build(args: dict[str, Any]) -> Application:
             f"unknown argument {named} for addnorm.service.ray_serve:build; it takes {', '.join(BUILD_ARGS)} and any "
             "addnorm setting by its field name (addnorm-serve --help lists them: --max-batch-size is max_batch_size)"
         )
-    for key in ("model_dir", "model_repository"):
+    for key in ("artifact", "model_repository"):
         if key in args:
-            paths = str(args[key]).split(",") if key == "model_dir" else [str(args[key])]
+            paths = str(args[key]).split(",") if key == "artifact" else [str(args[key])]
             args[key] = ",".join(str(Path(p.strip()).expanduser().resolve()) for p in paths if p.strip())
     Settings(**args)  # a bad value fails here, on the driver, not in every replica
     if _from_serve_cli() and not sys.argv[2:3][0].endswith((".yaml", ".yml")):  # a config sets its own port

@@ -2,33 +2,32 @@
 
 from __future__ import annotations
 
-from importlib import metadata
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-DEFAULT_MODEL_DIR = Path("artifacts/default")
-try:  # the version pyproject.toml gives, as installed: the server's metadata on every transport and /docs
-    VERSION = metadata.version("addnorm")
-except metadata.PackageNotFoundError:  # run from a checkout that was never installed
-    VERSION = "unknown"
+from addnorm.commands import DEFAULT_ARTIFACT
+
+# Variables a deployment may still set under an old name: refused with the new one, never silently ignored.
+RENAMED_VARIABLES = {"ADDNORM_MODEL_DIR": "ADDNORM_ARTIFACT"}
 
 
 class Settings(BaseSettings):
-    """Every field reads from ``ADDNORM_<FIELD>`` (e.g. ``ADDNORM_MODEL_DIR``); flags of addnorm-serve win."""
+    """Every field reads from ``ADDNORM_<FIELD>`` (e.g. ``ADDNORM_ARTIFACT``); flags of addnorm-serve win."""
 
     model_config = SettingsConfigDict(env_prefix="ADDNORM_", extra="ignore", protected_namespaces=())
 
-    model_dir: Annotated[tuple[Path, ...], NoDecode] = Field(
+    artifact: Annotated[tuple[Path, ...], NoDecode] = Field(
         (),
         description="artifact directory (manifest.json, model.onnx); give it more than once (the variable: "
-        f"comma-separated) to serve several models, the first being the default [{DEFAULT_MODEL_DIR} when "
+        f"comma-separated) to serve several models, the first being the default [{DEFAULT_ARTIFACT} when "
         "neither this nor --model-repository is given]",
     )
     model_repository: Path | None = Field(
-        None, description="serve every artifact directory in this directory (after any --model-dir)"
+        None, description="serve every artifact directory in this directory (after any --artifact)"
     )
     follow_symlinks: bool = Field(
         False,
@@ -133,7 +132,7 @@ class Settings(BaseSettings):
         ge=1,
         description="most elements of seq x seq tensors one run may hold (batch x heads x seq^2 x the copies the "
         "artifact's attention form holds: 3 decomposed, 1 onnx, 1 mha with padding, 0 mha without); a request "
-        "needing more gets 413 (default: one 4096-long sequence of a decomposed graph at 12 heads)",
+        "needing more gets 413 (by default one 4096-long sequence of a decomposed graph at 12 heads)",
     )
     merge_lengths: Literal["cost", "pad"] = Field(
         "cost",
@@ -229,7 +228,7 @@ class Settings(BaseSettings):
             return tuple(n.strip() for v in value for n in str(v).split(",") if n.strip())
         return value
 
-    @field_validator("model_dir", mode="before")
+    @field_validator("artifact", mode="before")
     @classmethod
     def _paths(cls, value: object) -> object:
         """One path, a comma-separated string (the environment variable), or a list of either."""
@@ -238,6 +237,13 @@ class Settings(BaseSettings):
         if isinstance(value, (list, tuple)):
             return tuple(Path(p.strip()) for v in value for p in str(v).split(",") if p.strip())
         return value
+
+    @model_validator(mode="after")
+    def _no_renamed_variables(self) -> Settings:
+        old = [f"{o}: renamed, set {n} instead" for o, n in RENAMED_VARIABLES.items() if o in os.environ]
+        if old:
+            raise ValueError("; ".join(old))
+        return self
 
     def api_keys(self) -> tuple[str, ...]:
         """Every configured key: --api-key's comma-separated list, then the key file's lines (blank lines and
@@ -279,6 +285,9 @@ def explain(exc: ValidationError, by_field: bool = False) -> str:
         name = str(error["loc"][0]) if error["loc"] else ""
         what = error["msg"].removeprefix("Value error, ")
         key = name if by_field else f"--{name.replace('_', '-')}"
-        where = f"{key} (ADDNORM_{name.upper()})" if name else "settings"
-        parts.append(f"{where}: {what[:1].lower()}{what[1:]}, got {quote(error.get('input'))}")
+        if not name:  # a check of the settings together: no one value to show
+            parts.append(what)
+            continue
+        what = f"{what[:1].lower()}{what[1:]}"
+        parts.append(f"{key} (ADDNORM_{name.upper()}): {what}, got {quote(error.get('input'))}")
     return "; ".join(parts)

@@ -67,7 +67,7 @@ def repo_server(model_repository: Path) -> Iterator[ServerProcess]:
 def start_server(model_dir: Path, *extra: str, grpc: bool = False) -> ServerProcess:
     """addnorm-serve on ``model_dir`` in its own process (not yet waited for; ``with`` waits and stops it);
     ``grpc``: with its gRPC service on a free port (``.grpc_port``)."""
-    return ServerProcess(["-m", "addnorm.service", "--model-dir", str(model_dir), *extra], grpc=grpc)
+    return ServerProcess(["-m", "addnorm.service", "--artifact", str(model_dir), *extra], grpc=grpc)
 
 
 @pytest.fixture(scope="session")

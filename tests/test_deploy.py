@@ -67,7 +67,7 @@ def test_compose_file_is_valid_and_wires_export_api_gpu_and_ray():
     ray = services["ray"]
     assert ray["profiles"] == ["ray"] and ray["build"]["target"] == "ray"
     assert ray["command"][:3] == ["serve", "run", "addnorm.service.ray_serve:build"]
-    assert "model_dir=" + ray["environment"]["ADDNORM_MODEL_DIR"] in ray["command"]
+    assert "artifact=" + ray["environment"]["ADDNORM_ARTIFACT"] in ray["command"]
     assert [str(p).removesuffix("/tcp") for p in ray["ports"]] == ["127.0.0.1:8002:8000"]  # loopback only
     # as locked down as deploy/k8s: no capabilities, no escalation, read-only root (Ray too: its files go to /tmp)
     for name, svc in services.items():

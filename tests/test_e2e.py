@@ -28,7 +28,7 @@ def torch_layer_server(tmp_path_factory):
         sys.executable,
         "-m",
         "addnorm.export",
-        "--out",
+        "--artifact",
         str(tmp / "art"),
         "--checkpoint",
         str(tmp / "layer.safetensors"),
@@ -94,7 +94,7 @@ def test_server_refuses_to_start_on_a_tampered_artifact(tiny_artifact, tmp_path)
         (tmp_path / name).write_bytes((tiny_artifact / name).read_bytes())
     (tmp_path / "model.onnx").write_bytes((tmp_path / "model.onnx").read_bytes()[:-1] + b"\x01")
     r = subprocess.run(
-        [sys.executable, "-m", "addnorm.service", "--model-dir", str(tmp_path), "--port", "0"],
+        [sys.executable, "-m", "addnorm.service", "--artifact", str(tmp_path), "--port", "0"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -106,7 +106,7 @@ def test_server_refuses_to_start_on_a_tampered_artifact(tiny_artifact, tmp_path)
 @pytest.mark.skipif("CUDAExecutionProvider" in ort.get_available_providers(), reason="this machine has CUDA")
 def test_server_refuses_cuda_where_there_is_none(tiny_artifact):
     r = subprocess.run(
-        [sys.executable, "-m", "addnorm.service", "--model-dir", str(tiny_artifact), "--providers", "cuda"],
+        [sys.executable, "-m", "addnorm.service", "--artifact", str(tiny_artifact), "--providers", "cuda"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -119,7 +119,7 @@ def test_serve_help_lists_every_setting():
     out = subprocess.run(
         [sys.executable, "-m", "addnorm.service", "--help"], cwd=ROOT, capture_output=True, text=True
     ).stdout
-    for flag in ("--model-dir", "--providers", "--max-batch-size", "--max-elements", "ADDNORM_PORT"):
+    for flag in ("--artifact", "--providers", "--max-batch-size", "--max-elements", "ADDNORM_PORT"):
         assert flag in out
 
 

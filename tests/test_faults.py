@@ -27,7 +27,7 @@ class FailOnce:
 
 
 def test_an_engine_failure_answers_a_json_500_and_the_next_request_succeeds(tiny_artifact):
-    app = create_app(Settings(model_dir=tiny_artifact))
+    app = create_app(Settings(artifact=tiny_artifact))
     with TestClient(app, raise_server_exceptions=False) as client:
         wait_until_ready(client)
         engine = app.state.addnorm.loaded.models.default.engine

@@ -37,7 +37,7 @@ def test_export_side_commands_name_the_extra_without_torch(entry, command):
 def test_serve_runs_without_torch():
     code = NO_TORCH + "from service.cli import main; sys.exit(main(['--help']))"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and "--model-dir" in r.stdout
+    assert r.returncode == 0 and "--artifact" in r.stdout
 
 
 def test_the_wheel_installs_one_name_addnorm(tmp_path):

@@ -94,7 +94,7 @@ def test_rayservice_mounts_what_its_serve_config_reads():
     for pod in pods:
         for c in pod["containers"]:
             mounts = {m["mountPath"] for m in c["volumeMounts"]}
-            assert str(Path(app["args"]["model_dir"]).parent) in mounts and key_dir in mounts
+            assert str(Path(app["args"]["artifact"]).parent) in mounts and key_dir in mounts
             assert c["image"] == COMPOSE["services"]["ray"]["image"]
 
 
@@ -119,7 +119,7 @@ def test_k8s_api_deployment_matches_the_app_settings_and_compose():
     key_file = Path(env(api)["ADDNORM_API_KEY_FILE"])
     (secret,) = [n for n, v in volumes.items() if "secret" in v]
     assert key_file.parent == Path(mounts[secret])
-    assert env(api)["ADDNORM_MODEL_DIR"].startswith(mounts["artifacts"])
+    assert env(api)["ADDNORM_ARTIFACT"].startswith(mounts["artifacts"])
     # the Service reaches the container's port; selectors match
     assert svc["spec"]["ports"][0]["targetPort"] in ports
     assert svc["spec"]["selector"].items() <= pod_labels(dep).items()
@@ -151,7 +151,8 @@ def test_export_job_runs_the_compose_export_and_writes_the_triton_repository():
     }
     # deploy/kserve/triton.yaml reads the repository this Job writes
     triton_isvc = by_kind(DEPLOY / "kserve" / "triton.yaml")["InferenceService"]
-    repo = triton["command"][2].removeprefix("/artifacts/")
+    command = triton["command"]
+    repo = command[command.index("--model-repository") + 1].removeprefix("/artifacts/")
     assert triton_isvc["spec"]["predictor"]["model"]["storageUri"] == f"pvc://{next(iter(claims))}/{repo}"
 
 

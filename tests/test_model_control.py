@@ -229,7 +229,7 @@ def test_with_model_control_off_a_server_with_no_loadable_model_exits_non_zero(t
         if key.startswith("golden") and "sha256" in key:
             manifest[key] = sha256_file(art / "golden.safetensors")
     (art / "manifest.json").write_text(json.dumps(manifest))
-    srv = ServerProcess(["-m", "addnorm.service", "--model-dir", str(art)])
+    srv = ServerProcess(["-m", "addnorm.service", "--artifact", str(art)])
     try:
         assert srv.proc.wait(120) == 1, srv.output()[-2000:]
         lines = [line for line in srv.output().splitlines() if "no model can be served" in line]
@@ -320,7 +320,7 @@ def test_control_is_refused_before_the_manifests_are_read(tmp_path, versions):
     ("flags", "said"),
     [
         (["--workers", "2"], "model control loads models in one process: use --workers 1 with it"),
-        (["--model-dir", "{art}"], "--model-control-mode explicit loads models from a repository"),
+        (["--artifact", "{art}"], "--model-control-mode explicit loads models from a repository"),
     ],
 )
 def test_control_settings_that_cannot_work_are_refused_at_start(tmp_path, versions, capsys, flags, said):
@@ -328,7 +328,7 @@ def test_control_settings_that_cannot_work_are_refused_at_start(tmp_path, versio
 
     repo = repository(tmp_path, versions, "1")
     args = [f.format(art=versions["1"]) for f in flags] + ["--model-control-mode", "explicit", "--port", "0"]
-    if "--model-dir" not in flags:
+    if "--artifact" not in flags:
         args += ["--model-repository", str(repo)]
     logs.flush()  # lines an earlier test's server queued are written now, and dropped: not this command's
     capsys.readouterr()

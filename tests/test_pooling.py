@@ -87,7 +87,9 @@ def test_the_contract_and_the_config_say_what_pooling_adds():
 
 
 def test_the_cli_refuses_normalize_without_pooling(tmp_path, capsys):
-    code = export_cli.main(["--out", str(tmp_path / "a"), "--d-model", "32", "--nhead", "4", "--normalize"])
+    code = export_cli.main(
+        ["--artifact", str(tmp_path / "a"), "--d-model", "32", "--nhead", "4", "--normalize"]
+    )
     assert code == 2 and "normalize_pooled needs a pooling" in capsys.readouterr().err
     assert not (tmp_path / "a" / "manifest.json").exists()
 
@@ -111,7 +113,7 @@ def pooled_artifacts(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("pooled")
     shape = ["--d-model", "64", "--nhead", "4", "--dim-feedforward", "128", "--num-layers", "2"]
     flags = ["--pooling", "mean", "--normalize", "--name", "mean", "-q"]  # as the README's command
-    assert export_cli.main(["--out", str(root / "mean"), *shape, *flags]) == 0
+    assert export_cli.main(["--artifact", str(root / "mean"), *shape, *flags]) == 0
     assert load_verified(root / "mean")[0].config == dataclasses.replace(MEAN, dropout=0.1)
     return {"mean": root / "mean", "cls": export_to(root / "cls", CLS, name="cls", variant="int8")}
 
@@ -163,7 +165,7 @@ def test_merged_requests_of_different_lengths_each_get_their_own_pooled_rows(poo
 def server(pooled_artifacts) -> Iterator[ServerProcess]:
     args = ["-m", "addnorm.service", "--live-parity-rate", "1", "--max-queue-delay-ms", "1"]
     for directory in pooled_artifacts.values():
-        args += ["--model-dir", str(directory)]
+        args += ["--artifact", str(directory)]
     with ServerProcess(args, grpc=True) as srv:
         yield srv
 
@@ -243,7 +245,7 @@ def _get(url: str) -> dict:
     ],
 )
 def test_flags_change_a_sentence_transformers_directorys_pooling(flags, want):
-    args = export_cli.build_parser().parse_args(["--out", "x", "--from-bert", "d", *flags])
+    args = export_cli.build_parser().parse_args(["--artifact", "x", "--from-bert", "d", *flags])
     fields = {"d_model": 64, "nhead": 4, "dim_feedforward": 128, "num_layers": 1}
     config = export_cli.config_from_args(args, fields, None, {"pooling": "mean", "normalize_pooled": True})
     assert (config.pooling, config.normalize_pooled) == want

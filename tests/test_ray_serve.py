@@ -67,7 +67,7 @@ def ray_url(tiny_artifact: Path):
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build({"model_dir": str(tiny_artifact), "replicas": "2"}), name=APP, route_prefix="/")
+        serve.run(build({"artifact": str(tiny_artifact), "replicas": "2"}), name=APP, route_prefix="/")
         yield f"127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -219,7 +219,7 @@ def test_a_replica_whose_live_parity_fails_is_taken_out_and_replaced(ray_url, ti
     art = skew_gamma(tiny_artifact, tmp_path / "skewed")
     live = {"live_parity_rate": "1", "live_parity_budget": "1", "live_parity_action": "unready"}
     args = {
-        "model_dir": str(art),
+        "artifact": str(art),
         "replicas": "1",
         "verify_on_load": "warn",
         "live_parity_failures": "3",
@@ -242,11 +242,11 @@ def test_build_validates_its_arguments_on_the_driver(tmp_path):
         build({"replica": "2"})
     with pytest.raises(ValueError, match="max_batch_size"):
         build({"max_batch_size": "0"})
-    app = build({"model_dir": "artifacts/x", "replicas": "auto", "num_cpus": "2"})
+    app = build({"artifact": "artifacts/x", "replicas": "auto", "num_cpus": "2"})
     deployment = app._bound_deployment  # what `serve run` deploys
     assert deployment.ray_actor_options["num_cpus"] == 2
     assert deployment._deployment_config.autoscaling_config.max_replicas == 4
-    assert deployment.init_args[0]["model_dir"] == str(Path("artifacts/x").resolve())
+    assert deployment.init_args[0]["artifact"] == str(Path("artifacts/x").resolve())
 
 
 def test_replica_threads_follow_its_cpus_unless_set(monkeypatch):
@@ -266,11 +266,11 @@ def test_a_replica_that_cannot_read_the_artifact_refuses_loudly(tmp_path):
 
 def test_load_before_serving_holds_start_up_until_the_model_is_ready(tiny_artifact, tmp_path):
     """What Ray relies on: start-up ends with the model loaded, or fails, so no replica serves 503 'loading'."""
-    app = create_app(Settings(model_dir=tiny_artifact), load_before_serving=True)
+    app = create_app(Settings(artifact=tiny_artifact), load_before_serving=True)
     with TestClient(app) as c:
         assert app.state.addnorm.loaded is not None
         assert c.get("/health/ready").status_code == 200
-    broken = create_app(Settings(model_dir=tmp_path), load_before_serving=True)
+    broken = create_app(Settings(artifact=tmp_path), load_before_serving=True)
     with pytest.raises(RuntimeError, match="model failed to load"), TestClient(broken):
         pass
 
@@ -326,7 +326,7 @@ def test_serve_run_refuses_a_taken_proxy_port_in_one_line(tiny_artifact):
             holder.listen()
         except OSError:
             pass  # something else holds it: the refusal is the same
-        r = _serve_run("addnorm.service.ray_serve:build", f"model_dir={tiny_artifact}")
+        r = _serve_run("addnorm.service.ray_serve:build", f"artifact={tiny_artifact}")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "127.0.0.1:8000, which is taken" in r.stderr and "http_options.port" in r.stderr
 

@@ -144,7 +144,7 @@ def test_every_readme_block_runs_as_written_in_order(default_artifact, tmp_path)
     _bert_checkpoint(work / "bert-model")  # the README's "a BERT model directory you fetched"
     session = Session(work)
     try:
-        session.serve("addnorm-serve --model-dir artifacts/default")  # make serve's last step
+        session.serve("addnorm-serve --artifact artifacts/default")  # make serve's last step
         for b in runnable:
             code = session.localize(b.code)
             where = f"README line {b.line}"

@@ -168,7 +168,7 @@ def test_no_false_alarm_on_the_synthetic_cases_at_every_length_up_to_512(minilm,
     synthetic."""
     # --inputs embeddings: the block alone (with its tokenizer, the directory would be judged on real sentences)
     code = export_cli.main(
-        ["--from-bert", str(minilm), "--out", str(tmp_path / "a"), "--inputs", "embeddings"]
+        ["--from-bert", str(minilm), "--artifact", str(tmp_path / "a"), "--inputs", "embeddings"]
     )
     out = capsys.readouterr().out
     assert code == 0, out[-3000:]
@@ -187,7 +187,9 @@ def test_no_false_alarm_on_the_synthetic_cases_at_every_length_up_to_512(minilm,
 def test_a_flag_that_contradicts_config_json_is_an_error(minilm, tmp_path, capsys):
     """--nhead 8 on this 12-head checkpoint used to export a wrong model silently (file or directory alike)."""
     for source in (minilm, minilm / "model.safetensors"):
-        code = export_cli.main(["--from-bert", str(source), "--nhead", "8", "--out", str(tmp_path / "w")])
+        code = export_cli.main(
+            ["--from-bert", str(source), "--nhead", "8", "--artifact", str(tmp_path / "w")]
+        )
         err = capsys.readouterr().err
         assert code == 2 and "--nhead 8 (config.json: 12)" in err, err
 
@@ -348,7 +350,7 @@ def served(artifacts, encoder, tmp_path_factory) -> Iterator[ServerProcess]:
     (broken / "manifest.json").write_text(json.dumps(manifest))
     args = ["-m", "addnorm.service"]
     for directory in [*artifacts.values(), broken]:
-        args += ["--model-dir", str(directory)]
+        args += ["--artifact", str(directory)]
     # /health/ready stays 503 while a model is refused: wait until every model has left LOADING
     with ServerProcess([*args, "--max-queue-delay-ms", "1"], grpc=True, ready_path="/health/live") as srv:
         deadline = time.monotonic() + 600

@@ -34,7 +34,10 @@ def minilm() -> Path:
 def served(minilm: Path, tmp_path_factory) -> Iterator[ServerProcess]:
     repo = tmp_path_factory.mktemp("text-real")
     for name, extra in (("minilm", []), ("minilm-int8", ["--variant", "int8"])):
-        assert cli.main(["--from", str(minilm), "--out", str(repo / name), "--name", name, "-q", *extra]) == 0
+        assert (
+            cli.main(["--from", str(minilm), "--artifact", str(repo / name), "--name", name, "-q", *extra])
+            == 0
+        )
     with ServerProcess(["-m", "addnorm.service", "--model-repository", str(repo)]) as srv:
         yield srv
     shutil.rmtree(repo, ignore_errors=True)

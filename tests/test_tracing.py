@@ -65,7 +65,7 @@ def traced(tiny_artifact) -> Iterator[tuple[ServerProcess, Receiver]]:
         "OTEL_BSP_SCHEDULE_DELAY": "50",  # ms: export soon after each request
     }
     with ServerProcess(
-        ["-m", "addnorm.service", "--model-dir", str(tiny_artifact)], env=env, grpc=True
+        ["-m", "addnorm.service", "--artifact", str(tiny_artifact)], env=env, grpc=True
     ) as server:
         yield server, receiver
     receiver.shutdown()

@@ -17,7 +17,7 @@ from tests.conftest import start_server
 def test_settings_survive_the_environment(tmp_path, monkeypatch):
     """Every setting a worker needs arrives as it was given: tuples, secrets, paths, numbers, flags."""
     given = Settings(
-        model_dir=(tmp_path / "a", tmp_path / "b"),
+        artifact=(tmp_path / "a", tmp_path / "b"),
         api_key="k1,k2",
         model_threads=("a=1", "b=2"),
         max_batch_size=7,
@@ -88,7 +88,7 @@ def test_each_worker_shares_its_thread_budget_among_its_models(tiny_artifact, tm
     shutil.copytree(tiny_artifact, other)
     manifest = (other / "manifest.json").read_text().replace('"name": "encoder"', '"name": "second"', 1)
     (other / "manifest.json").write_text(manifest)
-    flags = ["--workers", "2", "--thread-budget", "4", "--model-dir", str(other)]
+    flags = ["--workers", "2", "--thread-budget", "4", "--artifact", str(other)]
     with start_server(tiny_artifact, *flags) as srv:
         _every_worker_ready(srv.base)
         deadline = time.monotonic() + 60

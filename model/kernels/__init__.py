@@ -1,6 +1,6 @@
 """int8's CPU kernels: an onnxruntime custom-op library for the two operators of export/int8_ops.py.
 
-    python -m addnorm.model.kernels [--include DIR] [--out DIR]     builds it (make serve and make test do)
+    python -m addnorm.model.kernels [--include DIR] [--build-dir DIR]     builds it (make serve and make test do)
 
 An int8 artifact's graph holds ``ai.addnorm.RowQuantize`` and ``ai.addnorm.QuantMatMul`` nodes, ONNX functions
 whose bodies are standard operators: every runtime can run it. Where this library is registered (the server's
@@ -38,7 +38,7 @@ SYSTEM_HEADERS = Path("/usr/include/onnxruntime")  # Debian's libonnxruntime-dev
 CACHE = Path.home() / ".cache" / "addnorm"
 INSTALLED = Path(
     "/usr/local/lib/addnorm"
-)  # where the images put it (Dockerfile: python -m addnorm.model.kernels --out)
+)  # where the images put it (Dockerfile: python -m addnorm.model.kernels --build-dir)
 NEEDS = ("avx2", "fma")
 ENV = "ADDNORM_KERNELS"  # the server's setting (--kernels); addnorm-export's gate reads it too
 # auto registers the library on every CPU that can run it: int8 on it was measured faster than on onnxruntime's

@@ -2,27 +2,28 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from addnorm.model.kernels import KernelError, build, cpu_lacks
 
-from addnorm import add_version
+from addnorm.commands import Parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m addnorm.model.kernels", description=__doc__.split(":", 1)[1].strip()
-    )
-    add_version(p)
+    p = Parser(prog="python -m addnorm.model.kernels", description=__doc__.split(":", 1)[1].strip())
     p.add_argument(
         "--include", type=Path, help="a directory holding onnxruntime's onnxruntime_lite_custom_op.h"
     )
-    p.add_argument("--out", type=Path, help="the directory to build into (default: beside the source)")
+    p.add_argument(
+        "--build-dir",
+        type=Path,
+        metavar="DIR",
+        help="the directory to build into (default: beside the source)",
+    )
     args = p.parse_args(argv)
     try:
-        path = build(args.include, args.out)
+        path = build(args.include, args.build_dir)
     except KernelError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -24,7 +24,15 @@ from addnorm.model.artifact import ArtifactError, Manifest, load_verified, read_
 from addnorm.model.attention import held_form, score_elements
 from addnorm.model.contract import EMBEDDINGS, MASK, positional
 from addnorm.model.golden import Verification, load_golden, verify
-from addnorm.model.runtime import CPU, CUDA, VNNI_FLAGS, cpu_flags, session_args
+from addnorm.model.runtime import (
+    CPU,
+    CUDA,
+    VNNI_FLAGS,
+    ProviderError,
+    cpu_flags,
+    resolve_providers,
+    session_args,
+)
 from addnorm.model.verdict import Tolerance
 from addnorm.service.backend.cores import default_threads
 from addnorm.service.backend.text import TextFront
@@ -45,23 +53,6 @@ class EngineError(RuntimeError):
     """The engine cannot start: bad artifact, or the requested provider is not usable."""
 
 
-def resolve_providers(requested: str, available: list[str]) -> list[str]:
-    """Map ``auto|cpu|cuda`` to an onnxruntime provider list. ``cuda`` never falls back silently."""
-    if requested == "cpu":
-        return [CPU]
-    if requested == "cuda":
-        if CUDA not in available:
-            raise EngineError(
-                f"--providers cuda: CUDAExecutionProvider is not available (onnxruntime offers {available}). "
-                "Install the GPU build (pip install '.[gpu]' from the addnorm checkout, then remove the CPU 'onnxruntime' package, "
-                "which shadows it) on a machine with an NVIDIA driver, or use --providers cpu/auto."
-            )
-        return [CUDA, CPU]
-    if requested == "auto":
-        return [CUDA, CPU] if CUDA in available else [CPU]
-    raise EngineError(f"unknown providers setting {requested!r}; use auto, cpu or cuda")
-
-
 class Engine:
     """Runs the artifact's graph: ``run(embeddings (B, S, E), mask (B, S)) -> {output name: (B, S, ...)}``, or
     (B, ...) for an output without a sequence axis (model.contract.positional)."""
@@ -79,7 +70,10 @@ class Engine:
             raise EngineError(str(exc)) from exc
         self.manifest, self.golden = verified.manifest, verified.golden
         self.directory = Path(model_dir)
-        wanted = resolve_providers(providers, ort.get_available_providers())
+        try:
+            wanted = resolve_providers(providers, ort.get_available_providers())
+        except ProviderError as exc:
+            raise EngineError(str(exc)) from exc
         if wanted[0] == CUDA and hasattr(ort, "preload_dlls"):
             ort.preload_dlls()  # CUDA and cuDNN from their pip packages (nvidia-*), when installed that way
         opts = ort.SessionOptions()

@@ -16,9 +16,11 @@ from addnorm.service.front.middleware import Front, install_error_handlers
 from addnorm.service.guard import Guard
 from addnorm.service.models.state import ServiceState, load_models, load_then_watch
 from addnorm.service.protocols import docs, health
-from addnorm.service.settings import VERSION, Settings
+from addnorm.service.settings import Settings
 from addnorm.service.tracing import TRACING
 from fastapi import FastAPI
+
+from addnorm import __version__ as VERSION
 
 
 def create_app(

@@ -15,12 +15,13 @@ where.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 
 import orjson
 from addnorm.service.settings import Settings
+
+from addnorm.commands import Parser
 
 # nginx's own refusals, each answered with the API's JSON error shape. 494 is nginx's code for a head over its
 # buffers, answered as the 431 RFC 6585 names; its 501 for a transfer coding it does not know, as a 400 (every bad
@@ -204,7 +205,7 @@ http {{
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m addnorm.service.front.proxy",
         description="Print an nginx.conf for the front proxy, from the ADDNORM_* settings (docs/reliability.md).",
     )

@@ -4,7 +4,7 @@
 ``ServingModel``), answers the lookup every request makes once (``get``: 404 for an unknown name, 503 for a model
 not ready), and makes every change of a model's state: the first load, a verified swap to another version, marking
 one unavailable, unloading, and draining a replaced or unloaded model after its last request in flight. Where models
-come from is read here too (``model_dirs``, ``read_manifests``, ``repository_models``). What a load builds is
+come from is read here too (``artifact_dirs``, ``read_manifests``, ``repository_models``). What a load builds is
 service/models/state.py's ``serving_model`` (the registry's ``build``), which also decides when to load and unload.
 """
 
@@ -26,7 +26,9 @@ from addnorm.service.batching.merging import Outputs, Timings
 from addnorm.service.errors import NotFound, NotReady, quote
 from addnorm.service.metrics import ModelStatistics, RequestTimer
 from addnorm.service.models.live_parity import LiveParity
-from addnorm.service.settings import DEFAULT_MODEL_DIR, Settings
+from addnorm.service.settings import Settings
+
+from addnorm.commands import DEFAULT_ARTIFACT
 
 log = logging.getLogger("addnorm.service")
 LOADING, READY, UNAVAILABLE = "LOADING", "READY", "UNAVAILABLE"  # the repository index's states
@@ -253,12 +255,12 @@ def _why(slot: Slot) -> str:
     return f"model {slot.name!r} is loading"
 
 
-def model_dirs(settings: Settings) -> tuple[Path, ...]:
-    """Every artifact directory to serve, in order: --model-dir's, then the repository's (each of its directories
+def artifact_dirs(settings: Settings) -> tuple[Path, ...]:
+    """Every artifact directory to serve, in order: --artifact's, then the repository's (each of its directories
     holding a manifest, or numbered version directories (Triton's ``name/1/``, ``name/2/``) of which the highest
     holding one is served; by name; hidden ones skipped; one already given is not repeated). Raises ValueError for
     a repository that is not a directory or holds no artifact."""
-    dirs = list(settings.model_dir)
+    dirs = list(settings.artifact)
     if settings.model_repository is not None:
         repo = settings.model_repository
         if not repo.is_dir():
@@ -270,14 +272,14 @@ def model_dirs(settings: Settings) -> tuple[Path, ...]:
             )
         given = {d.resolve() for d in dirs}
         dirs += [d for d in found if d.resolve() not in given]  # one directory named both ways: once
-    return tuple(dirs) or (DEFAULT_MODEL_DIR,)
+    return tuple(dirs) or (DEFAULT_ARTIFACT,)
 
 
 def read_manifests(settings: Settings) -> list[Slot]:
     """Every model to serve, named by its manifest, in order. Raises ValueError (with every directory involved)
     for an unreadable manifest, a missing repository or two models of one name."""
     slots: list[Slot] = []
-    for directory in model_dirs(settings):
+    for directory in artifact_dirs(settings):
         try:
             name = Manifest.load(directory).name
         except (ArtifactError, OSError) as exc:

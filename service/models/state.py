@@ -265,7 +265,7 @@ class ModelControl:
             with contextlib.suppress(ServiceError):  # refusals are logged and in the index
                 await self._load(name)
         for name, slot in list(models.slots.items()):
-            from_repo = repo is not None and slot.directory.is_relative_to(repo)  # not a --model-dir's
+            from_repo = repo is not None and slot.directory.is_relative_to(repo)  # not a --artifact's
             if name not in found and from_repo and slot.serving is not None:
                 await models.unload(name)
 

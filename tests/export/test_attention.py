@@ -22,7 +22,7 @@ CFG = EncoderConfig(d_model=64, nhead=4, dim_feedforward=128, num_layers=2, drop
 
 
 def export(out, *flags) -> dict:
-    assert cli.main(["--out", str(out), *SMALL, *flags, "-q"]) == 0
+    assert cli.main(["--artifact", str(out), *SMALL, *flags, "-q"]) == 0
     return json.loads((out / "manifest.json").read_text())
 
 
@@ -115,7 +115,7 @@ def test_choices_resolve_and_refuse_what_cannot_be_exported(tmp_path):
         export_onnx(build_encoder(CFG), tmp_path / "m.onnx", 17, attention="onnx")
     with pytest.raises(ValueError, match="unknown attention 'flash'"):
         resolve("flash", 17)
-    assert cli.main(["--out", str(tmp_path / "x"), *SMALL, "--attention", "onnx", "-q"]) == 2
+    assert cli.main(["--artifact", str(tmp_path / "x"), *SMALL, "--attention", "onnx", "-q"]) == 2
 
 
 def test_graph_check_names_a_graph_that_lacks_its_attention_nodes(tmp_path):

@@ -37,7 +37,7 @@ TINY_FLAGS = ["--d-model", "32", "--nhead", "4", "--dim-feedforward", "64", "--d
 
 
 def test_addnorm_export_exits_1_on_a_parity_failure_and_writes_no_manifest(tmp_path):
-    cmd = [sys.executable, "-c", SKEWED_EXPORT, "--out", str(tmp_path / "a"), *TINY_FLAGS]
+    cmd = [sys.executable, "-c", SKEWED_EXPORT, "--artifact", str(tmp_path / "a"), *TINY_FLAGS]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stderr
     assert "FAILED" in r.stderr and "error: parity failed" in r.stderr and "worst element" in r.stderr
@@ -50,7 +50,7 @@ def test_addnorm_parity_exits_1_when_the_weights_do_not_match_the_graph(tiny_art
     shutil.copytree(tiny_artifact, art)
     save_weights(build_encoder(TINY, seed=7), art / "weights.safetensors")  # not the graph's weights
     r = subprocess.run(
-        [sys.executable, "-m", "addnorm.export.parity_cli", str(art), "--no-steps"],
+        [sys.executable, "-m", "addnorm.export.parity_cli", "--artifact", str(art), "--no-steps"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -59,7 +59,7 @@ def test_addnorm_parity_exits_1_when_the_weights_do_not_match_the_graph(tiny_art
     assert r.returncode == 1, r.stdout + r.stderr
     assert "FAILED" in r.stdout and "worst element" in r.stdout
     ok = subprocess.run(
-        [sys.executable, "-m", "addnorm.export.parity_cli", str(tiny_artifact), "--no-steps"],
+        [sys.executable, "-m", "addnorm.export.parity_cli", "--artifact", str(tiny_artifact), "--no-steps"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -79,15 +79,15 @@ def test_if_missing_keeps_a_valid_artifact_and_replaces_a_broken_one(tiny_artifa
     art = tmp_path / "art"
     shutil.copytree(tiny_artifact, art)
     before = {p.name: p.stat().st_mtime_ns for p in art.iterdir()}
-    assert cli.main(["--out", str(art), *flags[:-1]]) == 0
+    assert cli.main(["--artifact", str(art), *flags[:-1]]) == 0
     assert "already holds a valid artifact; nothing to do" in capsys.readouterr().out
     assert {p.name: p.stat().st_mtime_ns for p in art.iterdir()} == before
 
     (art / "model.onnx").write_bytes((art / "model.onnx").read_bytes() + b"\0")  # tampered: no longer valid
-    assert cli.main(["--out", str(art), *flags]) == 0
+    assert cli.main(["--artifact", str(art), *flags]) == 0
     load_verified(art)  # a valid artifact again, its manifest describing the new graph
     assert Manifest.load(art).model_sha256 == sha256_file(art / "model.onnx")
 
     fresh = tmp_path / "fresh"  # absent
-    assert cli.main(["--out", str(fresh), *flags]) == 0
+    assert cli.main(["--artifact", str(fresh), *flags]) == 0
     load_verified(fresh)

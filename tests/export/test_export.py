@@ -121,7 +121,7 @@ def test_oracle_rescues_only_when_onnx_is_as_close_to_float64_as_torch():
 def test_cli_exports_with_flags_and_prints_json(tmp_path, capsys):
     rc = cli.main(
         [
-            "--out",
+            "--artifact",
             str(tmp_path / "a"),
             "--d-model",
             "32",
@@ -137,15 +137,17 @@ def test_cli_exports_with_flags_and_prints_json(tmp_path, capsys):
         ]
     )
     assert rc == 0
-    summary = json.loads(capsys.readouterr().out)
+    report = json.loads(capsys.readouterr().out)  # the full report, as addnorm-parity --json prints it
+    summary = report["summary"]
     assert summary["passed"] and summary["cases"] >= 20 and summary["max_abs_err"] <= 1e-5
+    assert len(report["cases"]) == summary["cases"]
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert manifest["config"]["norm_first"] is True and manifest["config"]["activation"] == "gelu"
 
 
 def test_cli_config_file_and_bad_config(tmp_path, capsys):
     (tmp_path / "c.json").write_text(json.dumps({"d_model": 30, "nhead": 4}))
-    assert cli.main(["--out", str(tmp_path / "a"), "--config", str(tmp_path / "c.json")]) == 2
+    assert cli.main(["--artifact", str(tmp_path / "a"), "--config", str(tmp_path / "c.json")]) == 2
     assert "divisible by nhead" in capsys.readouterr().err
     assert not (tmp_path / "a" / "manifest.json").exists()
 
@@ -200,7 +202,7 @@ def test_checkpoint_that_needs_unpickling_is_refused(tmp_path):
 def test_parity_cli_rechecks_an_artifact(tiny_artifact, capsys):
     from addnorm.export import parity_cli
 
-    assert parity_cli.main([str(tiny_artifact), "--json"]) == 0
+    assert parity_cli.main(["--artifact", str(tiny_artifact), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["summary"]["passed"] and len(report["cases"]) >= 20
 

@@ -6,6 +6,8 @@ of it) at the float32 floor for fp32 graphs, and within each lossy variant's own
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ from addnorm.model.text import TOKENIZER_FILE
 from addnorm.model.tokenize import TextTokenizer
 from addnorm.model.verdict import float32_floor
 
+from tests.conftest import ROOT
 from tests.text_models import TEXTS, make_model_dir, transformers_vectors
 
 pytestmark = pytest.mark.export
@@ -56,7 +59,7 @@ def test_text_through_the_exported_graphs_equals_transformers(
 ):
     directory = model_dirs[family]
     out = tmp_path / "artifact"
-    args = ["--from", str(directory), "--out", str(out), "--variant", variant, "--attention", attention]
+    args = ["--from", str(directory), "--artifact", str(out), "--variant", variant, "--attention", attention]
     if attention == "onnx":
         args += ["--opset", "23"]
     assert cli.main(args) == 0, capsys.readouterr().err
@@ -86,7 +89,7 @@ def test_an_unknown_model_type_names_the_supported_ones(model_dirs, tmp_path, ca
             (directory / f.name).write_bytes(f.read_bytes())
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
-    assert cli.main(["--from", str(directory), "--out", str(tmp_path / "out")]) == 2
+    assert cli.main(["--from", str(directory), "--artifact", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "model_type 'gpt2'" in err
     assert "bert, distilbert, mpnet, roberta, xlm-roberta" in err
@@ -95,7 +98,8 @@ def test_an_unknown_model_type_names_the_supported_ones(model_dirs, tmp_path, ca
 def test_inputs_embeddings_keeps_the_block_alone_and_ids_needs_a_tokenizer(model_dirs, tmp_path, capsys):
     out = tmp_path / "block"
     assert (
-        cli.main(["--from", str(model_dirs["bert"]), "--out", str(out), "--inputs", "embeddings", "-q"]) == 0
+        cli.main(["--from", str(model_dirs["bert"]), "--artifact", str(out), "--inputs", "embeddings", "-q"])
+        == 0
     )
     manifest = Manifest.load(out)
     assert manifest.text is None and not (out / "embedding.onnx").exists()
@@ -103,10 +107,12 @@ def test_inputs_embeddings_keeps_the_block_alone_and_ids_needs_a_tokenizer(model
     bare.mkdir()
     for name in ("config.json", "model.safetensors"):
         (bare / name).write_bytes((model_dirs["bert"] / name).read_bytes())
-    assert cli.main(["--from", str(bare), "--out", str(tmp_path / "x"), "--inputs", "ids"]) == 2
+    assert cli.main(["--from", str(bare), "--artifact", str(tmp_path / "x"), "--inputs", "ids"]) == 2
     assert "needs --from DIR, a model directory with a tokenizer.json" in capsys.readouterr().err
     # --from-bert is the same flag
-    assert cli.main(["--from-bert", str(model_dirs["bert"]), "--out", str(tmp_path / "alias"), "-q"]) == 0
+    assert (
+        cli.main(["--from-bert", str(model_dirs["bert"]), "--artifact", str(tmp_path / "alias"), "-q"]) == 0
+    )
     assert Manifest.load(tmp_path / "alias").text is not None
 
 
@@ -120,7 +126,7 @@ def test_the_joined_graph_speaks_transformers_names(model_dirs, tmp_path, family
     from addnorm.export import interop
 
     artifact = tmp_path / "artifact"
-    assert cli.main(["--from", str(model_dirs[family]), "--out", str(artifact), "-q"]) == 0
+    assert cli.main(["--from", str(model_dirs[family]), "--artifact", str(artifact), "-q"]) == 0
     path = interop.write(artifact, model_dirs[family], tmp_path / "st")
     assert (tmp_path / "st" / "tokenizer.json").is_file() and not (
         tmp_path / "st" / "model.safetensors"
@@ -145,3 +151,31 @@ def test_the_joined_graph_speaks_transformers_names(model_dirs, tmp_path, family
     np.testing.assert_allclose(pooled, want_pooled, atol=1e-5)
     with pytest.raises(FileExistsError):
         interop.write(artifact, model_dirs[family], tmp_path / "st")
+
+
+def test_export_prints_one_screen_and_no_progress_bars(model_dirs, tmp_path):
+    """Issue 66: a summary by default (the table with -v, names never cut), nothing from a dependency's progress
+    bars on either stream, errors only with -q: as a user's terminal sees it, in its own process."""
+
+    def export(*flags: str) -> subprocess.CompletedProcess:
+        argv = [
+            "-m",
+            "addnorm.export.cli",
+            "--from",
+            str(model_dirs["bert"]),
+            "--artifact",
+            str(tmp_path / "a"),
+        ]
+        return subprocess.run(
+            [sys.executable, *argv, *flags], cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
+
+    plain, verbose, quiet = export(), export("-v"), export("-q")
+    for r in (plain, verbose, quiet):
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "Loading weights" not in r.stdout + r.stderr and "it/s]" not in r.stdout + r.stderr
+    assert len(plain.stdout.splitlines()) <= 8 and "PASSED" in plain.stdout and "wrote" in plain.stdout
+    assert quiet.stdout == quiet.stderr == ""
+    words = {w for line in verbose.stdout.splitlines() for w in line.split()}
+    layers = Manifest.load(tmp_path / "a").config.num_layers
+    assert {f"add_norm_{i}" for i in range(2 * layers)} <= words  # every step, by its whole name

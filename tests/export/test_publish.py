@@ -21,7 +21,16 @@ TINY_FLAGS = ["--d-model", "32", "--nhead", "4", "--dim-feedforward", "64", "-q"
 
 
 def _export_cmd(out: Path, seed: int) -> list[str]:
-    return [sys.executable, "-m", "addnorm.export.cli", "--out", str(out), "--seed", str(seed), *TINY_FLAGS]
+    return [
+        sys.executable,
+        "-m",
+        "addnorm.export.cli",
+        "--artifact",
+        str(out),
+        "--weights-seed",
+        str(seed),
+        *TINY_FLAGS,
+    ]
 
 
 def _whole(directory: Path) -> str:
@@ -114,7 +123,7 @@ def test_a_write_that_fails_is_one_error_line_and_exit_2(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(weights, "save_file", full)
     out = tmp_path / "art"
-    assert cli.main(["--out", str(out), *TINY_FLAGS]) == 2
+    assert cli.main(["--artifact", str(out), *TINY_FLAGS]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert (
         len(err) == 1
@@ -125,7 +134,7 @@ def test_a_write_that_fails_is_one_error_line_and_exit_2(tmp_path, monkeypatch, 
     monkeypatch.undo()
     blocked = tmp_path / "file"
     blocked.write_text("not a directory")
-    assert cli.main(["--out", str(blocked / "art"), *TINY_FLAGS]) == 2
+    assert cli.main(["--artifact", str(blocked / "art"), *TINY_FLAGS]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: cannot write into"), err
 

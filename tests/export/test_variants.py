@@ -27,7 +27,7 @@ FLOAT32_FLOOR = 1e-6  # below this both sides are at float32 resolution for unit
 
 
 def export_cli(out, *flags) -> dict:
-    assert cli.main(["--out", str(out), *SMALL_FLAGS, *flags, "-q"]) == 0
+    assert cli.main(["--artifact", str(out), *SMALL_FLAGS, *flags, "-q"]) == 0
     return json.loads((out / "manifest.json").read_text())
 
 
@@ -127,7 +127,7 @@ def test_rms_norm_at_opset_23_and_a_clear_error_below(tmp_path, capsys):
     manifest = export_cli(tmp_path / "a", "--norm", "rms", "--opset", "23")
     counts = op_counts(onnx.load(str(tmp_path / "a" / "model.onnx")))
     assert counts["RMSNormalization"] == 2 and counts["ReduceMean"] == 0 and manifest["parity"]["passed"]
-    assert cli.main(["--out", str(tmp_path / "b"), *SMALL_FLAGS, "--norm", "rms", "-q"]) == 2
+    assert cli.main(["--artifact", str(tmp_path / "b"), *SMALL_FLAGS, "--norm", "rms", "-q"]) == 2
     assert "needs opset 23" in capsys.readouterr().err
 
 
@@ -177,7 +177,7 @@ def test_from_bert_matches_hugging_face(tmp_path):
     assert (
         cli.main(
             [
-                "--out",
+                "--artifact",
                 str(tmp_path / "a"),
                 "--nhead",
                 "4",
@@ -217,7 +217,7 @@ def test_from_bert_with_the_wrong_depth_names_it(tmp_path, capsys):
     assert (
         cli.main(
             [
-                "--out",
+                "--artifact",
                 str(tmp_path / "a"),
                 *SMALL_FLAGS,
                 "--num-layers",
@@ -265,7 +265,10 @@ def test_ill_conditioned_layer_norm_blames_the_right_side():
 
 
 def test_parity_report_files(tiny_artifact, tmp_path):
-    assert parity_cli.main([str(tiny_artifact), "--report", str(tmp_path / "r"), "--adversarial"]) == 0
+    assert (
+        parity_cli.main(["--artifact", str(tiny_artifact), "--report", str(tmp_path / "r"), "--adversarial"])
+        == 0
+    )
     doc = json.loads((tmp_path / "r" / "parity.json").read_text())
     outputs = {o["output"] for c in doc["cases"] for o in c["outputs"]}
     assert outputs == {"encoded", "add_norm_0", "add_norm_1"}  # per sublayer

@@ -20,14 +20,14 @@ from tests.helpers import wait_until_ready
 
 @pytest.fixture(scope="module")
 def client(tiny_artifact: Path):
-    app = create_app(Settings(model_dir=tiny_artifact, max_elements=10_000, max_body_bytes=200_000))
+    app = create_app(Settings(artifact=tiny_artifact, max_elements=10_000, max_body_bytes=200_000))
     with TestClient(app, raise_server_exceptions=False) as c:
         wait_until_ready(c)
         yield c
 
 
 def test_ready_is_503_until_loaded_and_names_a_failed_load(tmp_path):
-    app = create_app(Settings(model_dir=tmp_path / "missing"))
+    app = create_app(Settings(artifact=tmp_path / "missing"))
     c = TestClient(app)  # lifespan not started: nothing loaded
     r = c.get("/health/ready")
     assert r.status_code == 503 and r.json() == {"error": "model is loading"}
@@ -384,7 +384,7 @@ def test_access_lines_are_written_off_the_event_loop_with_their_request_id(
 
     monkeypatch.setattr(logs, "_write", recorded)
     try:
-        with TestClient(create_app(Settings(model_dir=tiny_artifact))) as c:
+        with TestClient(create_app(Settings(artifact=tiny_artifact))) as c:
             c.get("/health/live", headers={"x-request-id": "rid-7"})
             c.post("/v2/models/nope/infer", content=b"{}", headers={"x-request-id": "rid-8"})
         logs.flush()
@@ -449,7 +449,7 @@ def test_the_access_log_can_be_turned_off(tiny_artifact):
     logger.setLevel(logging.INFO)
     try:
         for access_log in (True, False):
-            with TestClient(create_app(Settings(model_dir=tiny_artifact, access_log=access_log))) as c:
+            with TestClient(create_app(Settings(artifact=tiny_artifact, access_log=access_log))) as c:
                 c.get("/health/live")
         assert handler.lines == [line for line in handler.lines if "GET /health/live 200" in line]
         assert len(handler.lines) == 1  # the first app logged its request, the second did not

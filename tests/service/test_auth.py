@@ -18,7 +18,7 @@ KEYS = ("key-one-7f3a", "key-two-91bc", "key-file-55de")
 def secured(tiny_artifact, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("secret") / "api_keys"
     key_file.write_text(f"# one key a line\n{KEYS[2]}\n\n")
-    settings = Settings(model_dir=tiny_artifact, api_key=f"{KEYS[0]}, {KEYS[1]}", api_key_file=key_file)
+    settings = Settings(artifact=tiny_artifact, api_key=f"{KEYS[0]}, {KEYS[1]}", api_key_file=key_file)
     app = create_app(settings)
     with TestClient(app, raise_server_exceptions=False) as client:
         wait_until_ready(client)
@@ -58,17 +58,17 @@ def test_each_key_works_for_inference(secured):
 
 
 def test_metrics_can_be_made_public(tiny_artifact):
-    app = create_app(Settings(model_dir=tiny_artifact, api_key="k", metrics_public=True))
+    app = create_app(Settings(artifact=tiny_artifact, api_key="k", metrics_public=True))
     client = TestClient(app)
     assert client.get("/metrics").status_code == 200
     assert client.get("/v2").status_code == 401
 
 
 def test_unreadable_or_empty_key_file_refuses_to_start(tiny_artifact, tmp_path, capsys):
-    assert cli.main(["--model-dir", str(tiny_artifact), "--api-key-file", str(tmp_path / "missing")]) == 2
+    assert cli.main(["--artifact", str(tiny_artifact), "--api-key-file", str(tmp_path / "missing")]) == 2
     assert "cannot be read" in capsys.readouterr().err
     (tmp_path / "empty").write_text("# nothing\n\n")
-    assert cli.main(["--model-dir", str(tiny_artifact), "--api-key-file", str(tmp_path / "empty")]) == 2
+    assert cli.main(["--artifact", str(tiny_artifact), "--api-key-file", str(tmp_path / "empty")]) == 2
     assert "holds no key" in capsys.readouterr().err
 
 
@@ -79,7 +79,7 @@ def test_start_up_warns_loudly_without_a_key_off_loopback(tiny_artifact, monkeyp
     monkeypatch.setattr(cli, "_run", lambda *a, **kw: True)  # and one process's server
 
     def stderr_of(*args: str) -> str:
-        assert cli.main(["--model-dir", str(tiny_artifact), *args]) == 0
+        assert cli.main(["--artifact", str(tiny_artifact), *args]) == 0
         logs.flush()  # the listener thread writes log lines on its own time
         return capsys.readouterr().err
 

@@ -2,9 +2,10 @@
 
 import numpy as np
 import pytest
+from addnorm.model.runtime import ProviderError, resolve_providers
 from addnorm.service.backend import engine as engine_mod
 from addnorm.service.backend.cores import physical_cores
-from addnorm.service.backend.engine import CPU, CUDA, Engine, EngineError, resolve_providers
+from addnorm.service.backend.engine import CPU, CUDA, Engine, EngineError
 
 
 @pytest.mark.parametrize(
@@ -21,9 +22,9 @@ def test_provider_resolution(requested, available, expected):
 
 
 def test_cuda_never_falls_back_silently():
-    with pytest.raises(EngineError, match="onnxruntime-gpu|GPU build"):
+    with pytest.raises(ProviderError, match="onnxruntime-gpu|GPU build"):
         resolve_providers("cuda", [CPU])
-    with pytest.raises(EngineError, match="unknown providers"):
+    with pytest.raises(ProviderError, match="unknown providers"):
         resolve_providers("tpu", [CPU])
 
 

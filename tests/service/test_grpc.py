@@ -226,7 +226,7 @@ def test_unavailable_while_loading_and_port_in_use():
     """The service before any model is read answers UNAVAILABLE; a second server on a taken port fails clearly."""
 
     async def main() -> None:
-        state = ServiceState(Settings(model_dir="nowhere", grpc_port=free_port()))
+        state = ServiceState(Settings(artifact="nowhere", grpc_port=free_port()))
         guard = Guard(state, PUBLIC_PATHS, MODEL_PREFIXES)  # what create_app gives it
         server = await grpc_server.start(state, guard)
         try:

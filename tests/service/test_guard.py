@@ -39,7 +39,7 @@ class Refused(ServiceError):
 
 @pytest.fixture(scope="module")
 def loaded_app(tiny_artifact):
-    app = create_app(Settings(model_dir=tiny_artifact))
+    app = create_app(Settings(artifact=tiny_artifact))
     with TestClient(app, raise_server_exceptions=False) as client:
         wait_until_ready(client)
         yield app, client
@@ -76,7 +76,7 @@ def test_a_failing_guard_stops_every_route(loaded_app, monkeypatch):
 
 def test_before_the_model_loads_model_routes_get_503_and_nothing_500s(tmp_path):
     """Readiness is the guard's: a model route it did not cover would reach its handler and answer 500."""
-    app = create_app(Settings(model_dir=tmp_path / "missing"))
+    app = create_app(Settings(artifact=tmp_path / "missing"))
     client = TestClient(app, raise_server_exceptions=False)  # no lifespan: nothing loads
     seen = {}
     for method, path in served_routes(app):
@@ -98,7 +98,7 @@ def grpc_app(tiny_artifact):
     from bench.server import free_port
 
     port = free_port()
-    app = create_app(Settings(model_dir=tiny_artifact, grpc_port=port, api_key="k1,k2"))
+    app = create_app(Settings(artifact=tiny_artifact, grpc_port=port, api_key="k1,k2"))
     with TestClient(app, raise_server_exceptions=False) as client:
         wait_until_ready(client)
         yield client, f"127.0.0.1:{port}"

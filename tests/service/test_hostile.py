@@ -177,7 +177,7 @@ def test_v1_codec_property_only_4xx(doc):
 
 @pytest.fixture(scope="module")
 def client(tiny_artifact):
-    with TestClient(create_app(Settings(model_dir=tiny_artifact)), raise_server_exceptions=False) as c:
+    with TestClient(create_app(Settings(artifact=tiny_artifact)), raise_server_exceptions=False) as c:
         wait_until_ready(c)
         yield c
 

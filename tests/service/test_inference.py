@@ -39,7 +39,7 @@ def blocked_app(tiny_artifact):
     """The app with gRPC on, and its model's runs held at a gate; yields (model, gRPC target, shapes run, gate,
     HTTP client)."""
     port = free_port()
-    app = create_app(Settings(model_dir=tiny_artifact, grpc_port=port, max_batch_size=1))
+    app = create_app(Settings(artifact=tiny_artifact, grpc_port=port, max_batch_size=1))
     with TestClient(app) as client:
         wait_until_ready(client)
         model = app.state.addnorm.loaded.models.default
@@ -170,7 +170,7 @@ def test_codec_steps_leave_the_event_loop_by_their_work_not_their_bytes(tiny_art
         <= inference.OFFLOAD_BYTES
     )
 
-    app = create_app(Settings(model_dir=tiny_artifact))
+    app = create_app(Settings(artifact=tiny_artifact))
     with TestClient(app) as client:
         wait_until_ready(client)
         hops = _hops(monkeypatch)

@@ -44,7 +44,7 @@ def _counts(client, model: str = "encoder") -> dict:
 
 
 def _app(model_dir, **settings):
-    return create_app(Settings(model_dir=model_dir, live_parity_rate=1.0, live_parity_budget=1.0, **settings))
+    return create_app(Settings(artifact=model_dir, live_parity_rate=1.0, live_parity_budget=1.0, **settings))
 
 
 VARIANTS = ("fused", "fp16", "int8")

@@ -47,7 +47,7 @@ def test_a_client_cannot_forge_log_lines_or_flood_them(tiny_artifact, monkeypatc
     monkeypatch.setattr(logging.getLogger("addnorm"), "propagate", False)
     try:
         with TestClient(
-            create_app(Settings(model_dir=tiny_artifact)), raise_server_exceptions=False
+            create_app(Settings(artifact=tiny_artifact)), raise_server_exceptions=False
         ) as client:
             client.get("/nowhere%0d%0a2026-01-01 00:00:00,000 INFO addnorm.access [x] GET /admin 200%1b[31m")
             client.get("/" + "a" * 5000)

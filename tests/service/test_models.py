@@ -98,7 +98,7 @@ def test_one_model_failing_leaves_the_other_serving(tiny_artifact, tmp_path):
     manifest = (broken / "manifest.json").read_text().replace('"name": "encoder"', '"name": "broken"', 1)
     (broken / "manifest.json").write_text(manifest)
     (broken / "model.onnx").write_bytes(b"not the graph the manifest describes")
-    client = started(Settings(model_dir=[tiny_artifact, broken]))
+    client = started(Settings(artifact=[tiny_artifact, broken]))
     x = _v2(np.ones((1, 2, E), np.float32))
     try:
         r = client.get("/health/ready")
@@ -139,7 +139,7 @@ def test_models_load_in_parallel(model_repository, monkeypatch):
 def test_two_models_of_one_name_refuse_to_start(tiny_artifact, tmp_path, capsys):
     twin = tmp_path / "twin"
     shutil.copytree(tiny_artifact, twin)
-    assert cli.main(["--model-dir", str(tiny_artifact), "--model-dir", str(twin), "--port", "0"]) == 1
+    assert cli.main(["--artifact", str(tiny_artifact), "--artifact", str(twin), "--port", "0"]) == 1
     err = capsys.readouterr().err
     assert "two models are named 'encoder'" in err and str(tiny_artifact) in err and str(twin) in err
     assert cli.main(["--model-repository", str(tmp_path / "none"), "--port", "0"]) == 1
@@ -201,7 +201,7 @@ def test_a_taken_grpc_port_refuses_to_start_before_loading(tiny_artifact, capsys
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert cli.main(["--model-dir", str(tiny_artifact), "--port", "0", "--grpc-port", str(port)]) == 1
+        assert cli.main(["--artifact", str(tiny_artifact), "--port", "0", "--grpc-port", str(port)]) == 1
     err = capsys.readouterr().err
     assert f"cannot serve gRPC on 127.0.0.1:{port}" in err and "0 to turn gRPC off" in err
 
@@ -218,7 +218,7 @@ def test_a_taken_http_port_refuses_in_one_line_before_loading(tiny_artifact, cap
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert cli.main(["--model-dir", str(tiny_artifact), "--port", str(port), "--grpc-port", "0"]) == 1
+        assert cli.main(["--artifact", str(tiny_artifact), "--port", str(port), "--grpc-port", "0"]) == 1
     logs.flush()  # the server's log lines go through its writer thread (addnorm does not propagate to caplog)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"cannot serve HTTP on 127.0.0.1:{port}" in err, err

@@ -136,7 +136,7 @@ def test_a_repository_entry_that_links_outside_it_is_skipped_unless_links_are_al
     import shutil
 
     from addnorm.service import create_app
-    from addnorm.service.models.registry import model_dirs, repository_models
+    from addnorm.service.models.registry import artifact_dirs, repository_models
     from addnorm.service.settings import Settings
     from fastapi.testclient import TestClient
 
@@ -149,11 +149,11 @@ def test_a_repository_entry_that_links_outside_it_is_skipped_unless_links_are_al
     manifest = (elsewhere / "manifest.json").read_text().replace('"name": "encoder"', '"name": "outside"')
     (elsewhere / "manifest.json").write_text(manifest)
     (repo / "outside").symlink_to(elsewhere, target_is_directory=True)
-    assert model_dirs(Settings(model_repository=repo)) == (repo / "inside",)
+    assert artifact_dirs(Settings(model_repository=repo)) == (repo / "inside",)
     refused: dict = {}
     assert list(repository_models(repo, refused)) == ["encoder"]
     assert "links outside the repository" in refused[repo / "outside"]
-    assert model_dirs(Settings(model_repository=repo, follow_symlinks=True)) == (
+    assert artifact_dirs(Settings(model_repository=repo, follow_symlinks=True)) == (
         repo / "inside",
         repo / "outside",
     )

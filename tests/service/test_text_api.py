@@ -35,7 +35,7 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def artifact(model_dir: Path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("text") / "artifact"
-    assert cli.main(["--from", str(model_dir), "--out", str(out), "--name", "tiny-bert", "-q"]) == 0
+    assert cli.main(["--from", str(model_dir), "--artifact", str(out), "--name", "tiny-bert", "-q"]) == 0
     return out
 
 

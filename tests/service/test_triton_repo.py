@@ -41,7 +41,21 @@ def check_against_graph(config: mc.ModelConfig, model_path, batched: bool) -> No
 
 def test_repository_matches_the_graph_and_triton_schema(tiny_artifact, tmp_path, capsys):
     repo = tmp_path / "repo"
-    assert main([str(tiny_artifact), str(repo), "--max-batch-size", "16", "--instances", "2"]) == 0
+    assert (
+        main(
+            [
+                "--artifact",
+                str(tiny_artifact),
+                "--model-repository",
+                str(repo),
+                "--max-batch-size",
+                "16",
+                "--instances",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert "config.pbtxt" in capsys.readouterr().out
     manifest = Manifest.load(tiny_artifact)
     model = repo / manifest.name
@@ -71,7 +85,21 @@ def test_repository_matches_the_graph_and_triton_schema(tiny_artifact, tmp_path,
 
 
 def test_gpu_kind_and_no_batching(tiny_artifact, tmp_path):
-    assert main([str(tiny_artifact), str(tmp_path), "--kind", "gpu", "--max-batch-size", "0"]) == 0
+    assert (
+        main(
+            [
+                "--artifact",
+                str(tiny_artifact),
+                "--model-repository",
+                str(tmp_path),
+                "--kind",
+                "gpu",
+                "--max-batch-size",
+                "0",
+            ]
+        )
+        == 0
+    )
     config = parse(tmp_path / "encoder" / "config.pbtxt")
     assert config.max_batch_size == 0 and not config.HasField("dynamic_batching")
     assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
@@ -81,7 +109,7 @@ def test_gpu_kind_and_no_batching(tiny_artifact, tmp_path):
 def test_a_seq_first_graph_is_written_unbatched(tmp_path):
     """(seq, batch, d_model) graphs: Triton batches along the first dim, so it must not batch these."""
     art = export_to(tmp_path / "seq_first", TINY.__class__(**{**TINY.to_dict(), "batch_first": False}))
-    assert main([str(art), str(tmp_path / "repo")]) == 0
+    assert main(["--artifact", str(art), "--model-repository", str(tmp_path / "repo")]) == 0
     config = parse(tmp_path / "repo" / "encoder" / "config.pbtxt")
     assert config.max_batch_size == 0
     check_against_graph(config, tmp_path / "repo" / "encoder" / "1" / "model.onnx", batched=False)
@@ -98,7 +126,7 @@ def test_a_bad_artifact_exits_1_naming_it(tiny_artifact, tmp_path, capsys, bad, 
             if f.is_file():
                 (src / f.name).write_bytes(f.read_bytes())
         (src / "model.onnx").write_bytes((src / "model.onnx").read_bytes() + b"\0")
-    assert main([str(src), str(tmp_path / "repo")]) == 1
+    assert main(["--artifact", str(src), "--model-repository", str(tmp_path / "repo")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and named in err, err  # each case its own cause, not the other's
     assert not (tmp_path / "repo").exists()
@@ -108,7 +136,7 @@ def test_a_graph_that_needs_its_mask_keeps_it_required(tmp_path):
     """The decomposed form reshapes the mask by the batch: a default would fail, so none is written and the mask
     stays required; the graph is the export's, byte for byte."""
     art = export_to(tmp_path / "decomposed", TINY, attention="decomposed")
-    assert main([str(art), str(tmp_path / "repo")]) == 0
+    assert main(["--artifact", str(art), "--model-repository", str(tmp_path / "repo")]) == 0
     config = parse(tmp_path / "repo" / "encoder" / "config.pbtxt")
     assert [i.optional for i in config.input] == [False, False]
     written = tmp_path / "repo" / "encoder" / "1" / "model.onnx"
@@ -136,7 +164,7 @@ def test_a_packed_graph_is_declared_for_triton_ragged_batching_and_answers_each_
     import dataclasses
 
     artifact = export_to(tmp_path / "a", dataclasses.replace(TINY, packed=True, pooling="mean"))
-    assert main([str(artifact), str(tmp_path / "repo")]) == 0
+    assert main(["--artifact", str(artifact), "--model-repository", str(tmp_path / "repo")]) == 0
     config = parse(tmp_path / "repo" / "encoder" / "config.pbtxt")
     assert config.max_batch_size == 32
     assert [(i.name, i.allow_ragged_batch, i.optional, list(i.dims)) for i in config.input] == [

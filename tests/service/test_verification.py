@@ -19,7 +19,7 @@ from onnx import numpy_helper
 @contextlib.contextmanager
 def start(model_dir, mode="strict"):
     """A started app: ready, or settled on why it is not."""
-    with TestClient(create_app(Settings(model_dir=model_dir, verify_on_load=mode))) as client:
+    with TestClient(create_app(Settings(artifact=model_dir, verify_on_load=mode))) as client:
         deadline = time.monotonic() + 30
         while (r := client.get("/health/ready")).status_code != 200:
             if "failed" in r.json()["error"] or time.monotonic() > deadline:

@@ -20,9 +20,10 @@ from addnorm.service.protocols.common import (
     timing_headers,
 )
 from addnorm.service.protocols.v2 import codec, metadata, schema
-from addnorm.service.settings import VERSION
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+
+from addnorm import __version__ as VERSION
 
 router = APIRouter(prefix="/v2", tags=["v2 (Open Inference Protocol)"])
 

@@ -1,6 +1,6 @@
 """addnorm-triton: write a Triton Inference Server model repository for an artifact.
 
-    addnorm-triton artifacts/default triton-repo [--max-batch-size 32] [--instances 1] [--kind cpu|gpu]
+    addnorm-triton --artifact artifacts/default --model-repository triton-repo [--max-batch-size 32] [--instances 1] [--kind cpu|gpu]
 
 writes ``REPO/<name>/config.pbtxt`` (onnxruntime backend, the graph's inputs and outputs, dynamic batching, an
 instance group), ``REPO/<name>/1/model.onnx`` and, beside it, the artifact's ``manifest.json`` for provenance.
@@ -28,7 +28,7 @@ from addnorm.model.contract import EMBEDDINGS, MASK, api_specs
 from addnorm.service.protocols.v2 import model_config
 from addnorm.service.protocols.v2.grpc_codec import varint
 
-from addnorm import add_version
+from addnorm.commands import Parser, add_artifact
 
 KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 VERSION = "1"
@@ -153,19 +153,25 @@ def write_repository(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="addnorm-triton",
         description="Write a Triton Inference Server model repository (onnxruntime backend) for an addnorm "
-        "artifact: REPO_DIR/<name>/config.pbtxt and REPO_DIR/<name>/1/model.onnx with the manifest beside it. "
+        "artifact: REPO/<name>/config.pbtxt and REPO/<name>/1/model.onnx with the manifest beside it. "
         "Triton batches only requests of equal shape: pad to a few sequence lengths (README 'Scaling out'), or "
         "export with --packed, which this declares for Triton's ragged batching (one sequence per request).",
     )
-    add_version(p)
-    p.add_argument("artifact_dir", type=Path, help="artifact directory from addnorm-export")
-    p.add_argument("repo_dir", type=Path, help="model repository to write into (created if missing)")
-    p.add_argument("--max-batch-size", type=int, default=32, help="largest batch Triton forms (default 32)")
-    p.add_argument("--instances", type=int, default=1, help="model instances (sessions) (default 1)")
-    p.add_argument("--kind", choices=sorted(KINDS), default="cpu", help="instance kind (default cpu)")
+    add_artifact(p, "artifact directory from addnorm-export")
+    p.add_argument(
+        "--model-repository",
+        type=Path,
+        required=True,
+        metavar="REPO",
+        help="Triton model repository to write into (created if missing; addnorm-serve and tritonserver read it "
+        "with --model-repository)",
+    )
+    p.add_argument("--max-batch-size", type=int, default=32, help="largest batch Triton forms")
+    p.add_argument("--instances", type=int, default=1, help="model instances (sessions)")
+    p.add_argument("--kind", choices=sorted(KINDS), default="cpu", help="instance kind")
     return p
 
 
@@ -176,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         model_dir = write_repository(
-            args.artifact_dir, args.repo_dir, args.max_batch_size, args.instances, args.kind
+            args.artifact, args.model_repository, args.max_batch_size, args.instances, args.kind
         )
     except (ArtifactError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,0 +1,114 @@
+"""The vocabulary every addnorm command shares (addnorm-export, -parity, -serve, -triton, python -m bench and the
+modules' own commands): one spelling for each thing and one default, ``--version`` on each, a usage error in one
+line that names a renamed flag's new name, and no dependency's progress bars. tests/test_commands.py holds every
+command to it; a new command takes its parser from here (``Parser``) and its shared flags from the ``add_*``
+functions."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import typing
+from pathlib import Path
+
+from addnorm import __version__
+
+DEFAULT_ARTIFACT = Path("artifacts/default")
+PROVIDERS = ("auto", "cpu", "cuda")
+# Old spellings a user may still type, answered with the new one instead of a bare "unrecognized arguments".
+RENAMED = {"--out": "--artifact", "--model-dir": "--artifact"}
+
+
+def readable(value: object) -> str:
+    """A default as a user reads it: ``on``/``off``, ``none`` for an empty list, words joined, never Python's repr."""
+    if value is None or value == () or value == []:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(readable, value))
+    return str(value)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Each option's help ends with its default, readable, unless it has none or the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            "default" in text
+            or action.default in (None, False, argparse.SUPPRESS)
+            or not action.option_strings
+        ):
+            return text
+        shown = readable(action.default).replace("%", "%%")  # help strings are %-formatted
+        return f"{text} (default {shown})"
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``argparse`` parser with ``--version``, help that shows every default readably (HelpFormatter), and
+    one-line usage errors."""
+
+    def __init__(self, *args, renamed: dict[str, str] | None = None, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.renamed = {**RENAMED, **(renamed or {})}
+        add_version(self)
+
+    def error(self, message: str) -> typing.NoReturn:
+        hints = [
+            f"{old} is now {new}"
+            for old, new in self.renamed.items()
+            if re.search(rf"(?<![\w-]){re.escape(old)}(?![\w-])", message)
+        ]
+        hint = f" ({'; '.join(hints)})" if hints else ""
+        self.exit(2, f"{self.prog}: error: {message}{hint} (see --help)\n")
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    """``--version``: the command's name and the installed version."""
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+
+
+def add_artifact(parser: argparse.ArgumentParser | argparse._ArgumentGroup, help: str) -> None:
+    """``--artifact DIR``: the artifact directory a command writes or reads (default artifacts/default)."""
+    parser.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT, metavar="DIR", help=help)
+
+
+def add_providers(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--providers auto|cpu|cuda``: where onnxruntime runs (model.runtime.resolve_providers)."""
+    parser.add_argument(
+        "--providers",
+        choices=PROVIDERS,
+        default="auto",
+        help="onnxruntime's execution provider: auto (CUDA when onnxruntime offers it, else CPU), cpu, or cuda "
+        "(an error when absent: never a silent fall back to CPU)",
+    )
+
+
+def add_output(parser: argparse.ArgumentParser) -> None:
+    """How much a command prints: a summary by default, ``-v`` everything, ``-q`` errors only, ``--json`` the
+    full parity report as JSON on stdout (nothing else there)."""
+    parser.add_argument("--json", action="store_true", help="print the full parity report as JSON on stdout")
+    loud = parser.add_mutually_exclusive_group()
+    loud.add_argument("-q", "--quiet", action="store_true", help="print errors only")
+    loud.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also print the parity table (a line per case and output)",
+    )
+
+
+def quiet_dependencies() -> None:
+    """No progress bars or advisory warnings from Hugging Face libraries: a command prints its own lines only."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    if "transformers" in sys.modules:  # imported before the command ran (in a test, say): its switches now
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
