@@ -118,6 +118,16 @@ class Batcher:
             item.queued[0] -= 1
             self.depth -= item.queued[0] == 0
 
+    def _withdraw(self, items: list[Request]) -> None:
+        """Take a request's pieces that are still queued out of the queue, so that they stop counting against
+        ADDNORM_MAX_QUEUE_SIZE and _BYTES at once, not when the inference thread next reaches them."""
+        with self._ready:
+            mine = {id(i) for i in items}
+            queued = [i for i in self._queue if id(i) in mine]
+            if queued:
+                self._queue = collections.deque(i for i in self._queue if id(i) not in mine)
+                self._left(queued)
+
     async def infer(
         self, x: np.ndarray, mask: np.ndarray | None, timeout: float | None = None
     ) -> tuple[Outputs, Timings]:
@@ -162,6 +172,8 @@ class Batcher:
                 timer.cancel()
             for item in items:
                 item.future.cancel()  # none if all were answered
+            if items[0].queued[0]:  # the client left or its deadline passed while it waited: out of the queue now
+                self._withdraw(items)
         timings = max((i.timings for i in items), key=lambda t: t.queue_s + t.infer_s)
         return (answers[0] if parts is None else packing.joined(mask, parts, answers)), timings
 
