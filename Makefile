@@ -20,7 +20,7 @@ help:
 	@echo "make serve   create .venv, export $(ARTIFACT) if missing, check parity, serve on $(HOST):$(PORT) (gRPC $(GRPC_PORT))"
 	@echo "make test    create .venv and run the test suite"
 	@echo "make kernels build int8's CPU kernels (model/kernels; make serve and make test do)"
-	@echo "make test-fast  the unit lane only (model/ and service/ in process; under a minute)"
+	@echo "make test-fast  the unit lane only (model/ and service/ in process, two workers, no fixed port; under a minute)"
 	@echo "make images  build the api, ray and export images with podman on a base made from Debian's packages"
 	@echo "make test-images  build the images and run them as docker-compose.yml does (tests/test_images.py)"
 	@echo "make matrix  every variant x attention x depth x placement x norm combination (tests/export/test_matrix.py)"
@@ -67,7 +67,7 @@ test: $(VENV)/.installed
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-fast: $(VENV)/.installed
-	$(BIN)/python -m pytest -m unit -q
+	$(BIN)/python -m pytest -m unit -q -n $(TEST_WORKERS) --dist loadfile
 
 # podman, on a base image made from Debian's packages (deploy/docker/base-image.sh): no image registry needed.
 images:

@@ -33,7 +33,7 @@ from addnorm.commands import Parser
 from bench.grpc_load import grpc_request, run_grpc_load
 from bench.loadgen import LoadResult, run_load
 from bench.measure import CLIENTS, json_request, process_cpu_s, v1_binary_request, v2_request
-from bench.server import HOST, ROOT, free_port
+from tests.server import HOST, ROOT, free_port
 
 
 def start(tree: Path, artifact: Path, env: dict[str, str]) -> tuple[subprocess.Popen, int, int]:

@@ -23,7 +23,7 @@ from bench.batched import medians
 from bench.measure import json_request, v2_request
 from bench.mixed import cell, draw, unpadded_limit
 from bench.report import artifact_given, save
-from bench.server import HOST, ROOT, ServerProcess, serve
+from tests.server import HOST, ROOT, ServerProcess, serve
 
 REQUESTS = 128  # drawn requests (their JSON bodies: about 35 MB at d_model 384)
 SERVERS = ("naive JSON", "addnorm /v1 JSON", "addnorm V2 binary")

@@ -27,7 +27,7 @@ from bench.ab import started
 from bench.measure import v2_request
 from bench.mixed import REQUESTS, cell, draw, http_load, packed_twin, padding_counts, unpadded_limit
 from bench.report import artifact_given, save
-from bench.server import ROOT
+from tests.server import ROOT
 
 
 def batches(

@@ -25,7 +25,7 @@ from bench.grpc_load import grpc_table, measure_grpc
 from bench.limits import limits_table, measure_limits
 from bench.measure import CLIENTS, DEFAULT, Setup
 from bench.report import plots, table, update_docs
-from bench.server import ROOT
+from tests.server import ROOT
 
 BIG_SHAPE = (8, 128)  # (batch, seq) of the single-request measurements
 SMALL_SHAPE = (1, 16)  # (batch, seq) of each concurrent client's request

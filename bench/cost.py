@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from addnorm.commands import Parser
-from bench.server import ROOT
+from tests.server import ROOT
 
 SEQS = (16, 64, 256, 1024, 2048, 4096, 8192)
 BATCHES = (1, 4, 16, 64)

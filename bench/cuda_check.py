@@ -31,7 +31,7 @@ import numpy as np
 from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, POOLED
 
 from addnorm.commands import Parser
-from bench.server import ROOT, ServerProcess
+from tests.server import ROOT, ServerProcess
 
 REAL = "real.npz"
 REAL_MODEL = "minilm-packed"

@@ -1,6 +1,6 @@
 """Run a command as if on a smaller x86 CPU: what an AVX2-only machine (or one without AMX) gets, measured here.
 
-    python -m bench.emulate avx2 -- python -m bench.int8_kernels
+    python -m bench.emulate avx2 -- python -m bench.studies.int8_kernels
     python -m bench.emulate avx512 -- python -m bench --real
     python -m bench.emulate avx2 -- make test
 
@@ -12,7 +12,7 @@ does it with Linux's CPUID faulting: every CPUID the programs execute answers wi
 /proc/cpuinfo: Intel CPUs, Linux >= 4.12; virtual machines pass it through on KVM); it says so where there is none.
 
 The instructions the emulated CPU runs are this CPU's: its speed is this core's at AVX2, not another machine's. Ratios
-measured side by side under it (graphs taking turns, as bench.int8_kernels does) are what it is for.
+measured side by side under it (graphs taking turns, as bench.studies.int8_kernels does) are what it is for.
 """
 
 from __future__ import annotations

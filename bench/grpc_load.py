@@ -20,7 +20,7 @@ from addnorm.service.protocols.v2 import inference_pb2 as pb
 from addnorm.service.protocols.v2.grpc_server import SERVICE
 
 from bench.loadgen import LoadResult, Send, run_clients, run_load
-from bench.server import HOST, serve
+from tests.server import HOST, serve
 
 INFER = f"/{SERVICE}/ModelInfer"
 STREAM = f"/{SERVICE}/ModelStreamInfer"

@@ -19,7 +19,7 @@ from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
 from addnorm.model.runtime import CPU, session_args
 
 from bench.loadgen import build_request, run_load
-from bench.server import HOST, ServerProcess, serve
+from tests.server import HOST, ServerProcess, serve
 
 CLIENTS = 32
 DEFAULT = "defaults"  # bench.limits' label for the server with default settings

@@ -24,7 +24,7 @@ from pathlib import Path
 from addnorm.service.backend.cores import default_threads
 
 from bench.loadgen import run_loads
-from bench.server import HOST, ServerProcess
+from tests.server import HOST, ServerProcess
 
 REPEATS = 3
 SERVERS = {

@@ -39,7 +39,7 @@ from bench.loadgen import _read_response
 from bench.measure import v2_request
 from bench.mixed import REQUESTS, draw, packed_twin, unpadded_limit
 from bench.report import artifact_given, save
-from bench.server import HOST, ROOT
+from tests.server import HOST, ROOT
 
 MAX_CONNECTIONS = (
     512  # more than the queue holds (256: a server sheds the rest, 429); beyond, a request waits here

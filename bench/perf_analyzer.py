@@ -210,7 +210,7 @@ def measure(artifact: Path, seconds: float = 3.0) -> dict:
 
     from bench.loadgen import run_load
     from bench.measure import v2_request
-    from bench.server import HOST, ServerProcess
+    from tests.server import HOST, ServerProcess
 
     command = binary()
     manifest = Manifest.load(artifact)
@@ -254,7 +254,7 @@ def main() -> int:
     """``python -m bench.perf_analyzer``: the table for the default artifact (``python -m bench --perf-analyzer``
     also exports it when missing and keeps the figures); requests of mixed lengths: ``python -m
     bench.perf_analyzer_real``."""
-    from bench.server import ROOT
+    from tests.server import ROOT
 
     try:
         res = measure(ROOT / "artifacts" / "default")

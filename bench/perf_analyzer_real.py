@@ -24,7 +24,7 @@ from addnorm.commands import Parser
 from bench.batched import medians
 from bench.perf_analyzer import TRANSPORTS, Unavailable, binary, run
 from bench.report import artifact_given, save
-from bench.server import HOST, ServerProcess
+from tests.server import HOST, ServerProcess
 
 REAL_REQUESTS = 64  # requests in perf_analyzer's data file (base64: 2.4 MB at d_model 384)
 
@@ -188,7 +188,7 @@ def table_rates(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
 
-    from bench.server import ROOT
+    from tests.server import ROOT
 
     p = Parser(prog="python -m bench.perf_analyzer_real", description=__doc__.split("\n\n")[0])
     p.add_argument(

@@ -20,7 +20,7 @@ from addnorm.service.ray_serve import build
 from ray import serve
 
 from addnorm.commands import Parser
-from bench.server import HOST
+from tests.server import HOST
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
 from addnorm.model.packing import answered
 
 from bench.loadgen import build_request
-from bench.server import HOST, serve
+from tests.server import HOST, serve
 
 ATOL, RTOL = 1e-4, 1e-3  # batching pads and merges: equal to an unbatched run within float32 reordering
 

@@ -37,7 +37,7 @@ from addnorm.model.runtime import cpu_flags
 from addnorm.commands import Parser
 from bench.loadgen import build_request
 from bench.mixed import cell
-from bench.server import HOST, ROOT, ServerProcess, free_port
+from tests.server import HOST, ROOT, ServerProcess, free_port
 
 CLIENTS = (1, 8, 32)
 SIZES = (1, 8)  # sentences per request

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     from addnorm.model.artifact import Manifest
     from addnorm.service.protocols.v2.triton_repo import write_repository
 
-    from bench.server import free_port
+    from tests.server import free_port
 
     args = argv if argv is not None else sys.argv[1:]
     artifact = Path(args[0] if args else "artifacts/default")

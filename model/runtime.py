@@ -43,7 +43,7 @@ def resolve_providers(requested: str, available: list[str]) -> list[str]:
 # onnxruntime's optimizer rewrites each Add + LayerNormalization into its SkipLayerNormalization, whose CPU kernel
 # takes longer than the two operators it replaces (its CPU kernel 1.4 ms against 0.4 for Add and LayerNormalization
 # on a [1024, 384] row block, onnxruntime 1.32). Without that rewrite, measured side by side on 2026-11-28
-# (python -m bench.fusions; docs/benchmarks.md): all-MiniLM-L6-v2 fp32 1.07-1.12x as fast, int8 on its kernels
+# (python -m bench.studies.fusions; docs/benchmarks.md): all-MiniLM-L6-v2 fp32 1.07-1.12x as fast, int8 on its kernels
 # 1.12-1.28x, the default d768 model 1.04-1.06x on a Xeon with AMX; 1.02-1.14x as an AVX2-only CPU (python -m
 # bench.emulate avx2); answers within float32 rounding. The server, the export gate and the benchmarks make CPU
 # sessions without it; CUDA sessions keep it (not measured there).

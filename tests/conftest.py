@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from addnorm.model.config import EncoderConfig
 
-from bench.server import ROOT, ServerProcess
+from tests.server import ROOT, ServerProcess
 
 __all__ = ["ROOT", "SMALL", "TINY", "export_to", "start_server"]
 # Apps the tests build in-process serve no gRPC unless a test asks for a port (the default, 8001, could be taken).

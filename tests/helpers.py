@@ -85,7 +85,7 @@ def front_proxy(upstream_port: int, **settings: object) -> Iterator[int]:
     from addnorm.service.front.proxy import render
     from addnorm.service.settings import Settings
 
-    from bench.server import free_port
+    from tests.server import free_port
 
     nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
     if nginx is None:

@@ -343,11 +343,11 @@ def test_limits_alternate_in_process_with_each_server(tiny_artifact):
 
 
 def test_int8_profile_sums_each_operators_kernel_time_per_run(tmp_path):
-    """bench/int8_profile.py's table: onnxruntime's profiler events summed by operator type, per measured run."""
+    """bench/studies/int8_profile.py's table: onnxruntime's profiler events summed by operator type, per measured run."""
     import onnx
     from onnx import TensorProto, helper
 
-    from bench.int8_profile import _profile
+    from bench.studies.int8_profile import _profile
 
     nodes = [helper.make_node("Relu", ["x"], ["h"]), helper.make_node("Relu", ["h"], ["y"])]
     io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [64, 64]) for n in ("x", "y")]
@@ -363,9 +363,9 @@ def test_int8_profile_sums_each_operators_kernel_time_per_run(tmp_path):
 
 
 def test_codec_cost_times_every_codec_and_says_which_steps_leave_the_loop(tiny_artifact, capsys):
-    """bench.codec_cost on the tiny artifact: a row per codec and shape, with the work service.core.inference counts
+    """bench.studies.codec_cost on the tiny artifact: a row per codec and shape, with the work service.core.inference counts
     and offload's verdict; at [8,1024,32] (1 MiB of float32) JSON leaves the loop both ways and raw data stays."""
-    from bench import codec_cost
+    from bench.studies import codec_cost
 
     assert (
         codec_cost.main(["--artifact", str(tiny_artifact), "--shapes", "1,4", "8,1024", "--runs", "5"]) == 0

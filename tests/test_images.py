@@ -20,8 +20,8 @@ import pytest
 from addnorm.model import kernels
 from addnorm.model.contract import EMBEDDINGS, ENCODED
 
-from bench.server import free_port
 from tests.conftest import ROOT
+from tests.server import free_port
 
 pytestmark = [
     pytest.mark.images,

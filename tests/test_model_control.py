@@ -23,9 +23,9 @@ import tritonclient.http as httpclient
 from addnorm.model.artifact import sha256_file
 from tritonclient.utils import InferenceServerException
 
-from bench.server import ServerProcess
 from tests.conftest import TINY, export_to
 from tests.helpers import wait_until
+from tests.server import ServerProcess
 
 E = TINY.d_model
 X = np.random.default_rng(7).standard_normal((1, 3, E)).astype(np.float32)

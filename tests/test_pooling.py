@@ -28,8 +28,8 @@ from addnorm.model.contract import ENCODED, POOLED, io_specs, output_names
 from addnorm.service.backend.engine import Engine
 from addnorm.service.batching.batcher import Batcher
 
-from bench.server import ServerProcess
 from tests.conftest import SMALL, export_to
+from tests.server import ServerProcess
 from tests.service.test_batcher import Recorder, until
 
 pytestmark = [pytest.mark.export, pytest.mark.server]

@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.server import free_port
 from tests.conftest import ROOT
 from tests.helpers import wait_until
+from tests.server import free_port
 
 SKIP = re.compile(r"<!-- readme-test: skip: (.+?) -->")
 SERVE = re.compile(r"^(\w+=\S+ )*addnorm-serve\b")

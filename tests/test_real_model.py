@@ -30,7 +30,7 @@ from addnorm.model.config import EncoderConfig
 from addnorm.model.verdict import float32_floor
 
 from bench.real import MORE, PASSAGE
-from bench.server import ServerProcess
+from tests.server import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.export]
 

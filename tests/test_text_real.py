@@ -16,7 +16,7 @@ import pytest
 from addnorm.export import cli
 from addnorm.export.hf import MORE, PASSAGE, SENTENCES
 
-from bench.server import ServerProcess
+from tests.server import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.export]
 TEXTS = [*SENTENCES, *MORE, PASSAGE * 3, PASSAGE * 5, PASSAGE * 12]  # 110, ~180 and (cut) > 256 tokens

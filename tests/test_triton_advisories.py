@@ -20,8 +20,8 @@ import pytest
 from addnorm.service.backend.engine import Engine
 
 from bench.reliability import proc_rss_mb
-from bench.server import ServerProcess
 from tests.helpers import raw_http
+from tests.server import ServerProcess
 
 pytestmark = pytest.mark.server
 

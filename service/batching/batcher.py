@@ -172,7 +172,9 @@ class Batcher:
                 timer.cancel()
             for item in items:
                 item.future.cancel()  # none if all were answered
-            if items[0].queued[0]:  # the client left or its deadline passed while it waited: out of the queue now
+            if items[0].queued[
+                0
+            ]:  # the client left or its deadline passed while it waited: out of the queue now
                 self._withdraw(items)
         timings = max((i.timings for i in items), key=lambda t: t.queue_s + t.infer_s)
         return (answers[0] if parts is None else packing.joined(mask, parts, answers)), timings

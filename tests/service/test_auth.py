@@ -8,6 +8,7 @@ from addnorm.service.settings import Settings
 from fastapi.testclient import TestClient
 
 from tests.helpers import wait_until_ready
+from tests.server import free_port
 from tests.service.test_guard import served_routes
 
 PROBES = {"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"}
@@ -78,8 +79,9 @@ def test_start_up_warns_loudly_without_a_key_off_loopback(tiny_artifact, monkeyp
     monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)  # stop short of binding (--workers > 1)
     monkeypatch.setattr(cli, "_run", lambda *a, **kw: True)  # and one process's server
 
-    def stderr_of(*args: str) -> str:
-        assert cli.main(["--artifact", str(tiny_artifact), *args]) == 0
+    def stderr_of(*args: str) -> str:  # on a free port: the check that it can be bound runs first
+        ports = ["--port", str(free_port()), "--grpc-port", "0"]
+        assert cli.main(["--artifact", str(tiny_artifact), *ports, *args]) == 0
         logs.flush()  # the listener thread writes log lines on its own time
         return capsys.readouterr().err
 

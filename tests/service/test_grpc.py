@@ -23,8 +23,8 @@ from tritonclient.grpc import service_pb2 as triton_pb
 from tritonclient.grpc import service_pb2_grpc as triton_grpc
 from tritonclient.utils import InferenceServerException
 
-from bench.server import free_port
 from tests.conftest import REPO_KEY as KEY
+from tests.server import free_port
 
 AUTH = {"authorization": f"Bearer {KEY}"}
 E = 32

@@ -95,7 +95,7 @@ def test_before_the_model_loads_model_routes_get_503_and_nothing_500s(tmp_path):
 @pytest.fixture(scope="module")
 def grpc_app(tiny_artifact):
     """The app with its gRPC service on a free port, in this process (so the guard can be swapped)."""
-    from bench.server import free_port
+    from tests.server import free_port
 
     port = free_port()
     app = create_app(Settings(artifact=tiny_artifact, grpc_port=port, api_key="k1,k2"))

@@ -16,8 +16,8 @@ from addnorm.service.protocols.v2 import inference_pb2 as pb
 from addnorm.service.settings import Settings
 from fastapi.testclient import TestClient
 
-from bench.server import free_port
 from tests.helpers import wait_until, wait_until_ready
+from tests.server import free_port
 
 E = 32  # tiny_artifact's d_model
 

@@ -1,11 +1,11 @@
 """onnxruntime's graph rewrites the server turns off on CPU (model.runtime.CPU_DISABLED_OPTIMIZERS), measured.
 
-    python -m bench.fusions [--artifact DIR] [--rounds 30]
+    python -m bench.studies.fusions [--artifact DIR] [--rounds 30]
 
 Each graph in two sessions, onnxruntime's defaults and as the server makes it (without the rewrites), taking turns
 run by run on the same input: all-MiniLM-L6-v2 fp32 and int8 (on model/kernels where built, as served), against
 transformers on real sentences, and an artifact (``make serve``'s default model). Prints each shape's medians and
-the ratio; run it as another CPU kind with ``python -m bench.emulate avx2 -- python -m bench.fusions``.
+the ratio; run it as another CPU kind with ``python -m bench.emulate avx2 -- python -m bench.studies.fusions``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _turns(sessions: dict, feed: dict, rounds: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m bench.fusions", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench.studies.fusions", description=__doc__.split("\n\n")[0])
     p.add_argument("--artifact", type=Path, default=Path("artifacts/default"), help="a model directory too")
     p.add_argument(
         "--rounds", type=int, default=30, help="runs of each session per shape (x10 for small ones)"

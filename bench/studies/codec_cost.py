@@ -1,6 +1,6 @@
 """What each codec step costs against a thread hop: which ones should leave the event loop.
 
-    python -m bench.codec_cost [--artifact DIR] [--shapes 1,16 1,128 8,128 8,512] [--runs N]
+    python -m bench.studies.codec_cost [--artifact DIR] [--shapes 1,16 1,128 8,128 8,512] [--runs N]
 
 In this process, on the artifact's manifest: the V2 codec's decode and encode of each ``[B,S,E]`` request with
 binary data and with JSON data, /v1's with a raw body and with JSON, the gRPC codec's with raw contents, each the
@@ -31,7 +31,7 @@ from addnorm.service.protocols.v2 import inference_pb2 as pb
 from starlette.concurrency import run_in_threadpool
 
 from addnorm.commands import Parser
-from bench.server import ROOT
+from tests.server import ROOT
 
 
 def median_ms(fn: Callable[[], object], runs: int) -> float:
@@ -119,7 +119,7 @@ async def hop_ms(n: int = 300) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m bench.codec_cost", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench.studies.codec_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--artifact", type=Path, default=ROOT / "artifacts" / "default")
     p.add_argument("--shapes", nargs="+", default=["1,16", "1,128", "8,128"], metavar="B,S")
     p.add_argument("--runs", type=int, default=25)

@@ -1,7 +1,7 @@
 """Where int8's time goes on this CPU, by operator: the real checkpoint's fp32, int8 and onnxruntime's
 ``quantize_dynamic`` graphs under onnxruntime's own profiler.
 
-    python -m bench.int8_profile [--runs 10] [--threads 2]
+    python -m bench.studies.int8_profile [--runs 10] [--threads 2]
 
 all-MiniLM-L6-v2 (the dev extra), int8's float channels chosen on its real sentences as ``--calibration`` would,
 ``quantize_dynamic`` as ``python -m bench --real`` builds it (per-channel, reduce_range). Each graph runs
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.real import MORE, real_model, three_graphs
 
-    p = Parser(prog="python -m bench.int8_profile", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench.studies.int8_profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=10, help="measured runs per graph (default 10)")
     p.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads (default 2)")
     args = p.parse_args(argv)

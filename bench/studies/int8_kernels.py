@@ -1,6 +1,6 @@
 """What int8's kernels buy on the real checkpoint: int8 on onnxruntime's standard operators and on model/kernels.
 
-    python -m bench.int8_kernels [--rounds 5] [--seconds 1] [--isa avx2|vnni|amx]
+    python -m bench.studies.int8_kernels [--rounds 5] [--seconds 1] [--isa avx2|vnni|amx]
 
 Issue 34 asks int8 at onnxruntime's ``quantize_dynamic`` speed with int8's accuracy. An int8 artifact's graph holds
 its two steps as ONNX functions (export/int8_ops.py): onnxruntime inlines them into about 20 standard operators per
@@ -9,7 +9,7 @@ is built), runs one kernel for each. This measures fp32, int8 both ways and ``qu
 all-MiniLM-L6-v2: each graph's answers on real sentences against transformers, and its time on ``[8,128,384]``
 (the graphs taking turns, median of the rounds). ``--isa`` caps the kernels' instructions (ADDNORM_KERNELS_ISA),
 onnxruntime's own kernels still using what this CPU has; ``python -m bench.emulate avx2 -- python -m
-bench.int8_kernels`` runs all of it as on a smaller CPU.
+bench.studies.int8_kernels`` runs all of it as on a smaller CPU.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from addnorm.commands import Parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m bench.int8_kernels", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench.studies.int8_kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5, help="rounds of the graphs taking turns (default 5)")
     p.add_argument("--seconds", type=float, default=1.0, help="time per graph per round (default 1)")
     p.add_argument(

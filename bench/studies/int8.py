@@ -1,7 +1,7 @@
 """int8 schemes side by side: fp32, onnxruntime's ``quantize_dynamic`` (the scheme before export/int8.py) and
 addnorm's per-row int8, on the same weights, in one process.
 
-    python -m bench.int8 [--d-model 768] [--layers 1] [--attention mha] [--seconds 2] [--rounds 3]
+    python -m bench.studies.int8 [--d-model 768] [--layers 1] [--attention mha] [--seconds 2] [--rounds 3]
 
 Speed: [8, 128, d_model], the three sessions alternating, ``--rounds`` rounds; the median per scheme and its ratio
 to fp32. Accuracy: the worst row's relative RMS error against the float64 oracle over the export gate's 20
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    p = Parser(prog="python -m bench.int8", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench.studies.int8", description=__doc__.split("\n\n")[0])
     p.add_argument("--d-model", type=int, default=768)
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--attention", default="mha")
