@@ -35,28 +35,36 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
+# Two installs: serving and exporting the default model (make serve, export, parity: the export extra, torch's CPU
+# build), and everything the tests and benchmarks use (make test, lint, bench: + dev, ray, otel). The second
+# includes the first.
+$(VENV)/.installed-serve: pyproject.toml setup.py | $(BIN)/python
+	$(BIN)/pip install -q $(PIP_TORCH_FLAGS) "$(TORCH)"
+	$(BIN)/pip install -q $(PIP_TORCH_FLAGS) -e ".[export]"
+	@touch $@
+
 $(VENV)/.installed: pyproject.toml setup.py | $(BIN)/python
 	$(BIN)/pip install -q $(PIP_TORCH_FLAGS) "$(TORCH)"
 	$(BIN)/pip install -q $(PIP_TORCH_FLAGS) -e ".[export,dev,ray,otel]"
-	@touch $@
+	@touch $@ $(VENV)/.installed-serve
 
-$(ARTIFACT)/manifest.json: | $(VENV)/.installed
+$(ARTIFACT)/manifest.json: | $(VENV)/.installed-serve
 	$(BIN)/addnorm-export --artifact $(ARTIFACT)
 
 # int8's kernel library (model/kernels): the server registers it where it is built, and int8 models run on
 # onnxruntime's standard operators where it is not (no g++, or no way to fetch onnxruntime's header).
-kernels: $(VENV)/.installed
+kernels: $(VENV)/.installed-serve
 	@$(BIN)/python -m addnorm.model.kernels || echo "warning: int8's kernels not built; int8 models will run on onnxruntime's standard operators"
 
 # The export already compared every Add & Norm step; before serving, the final output's gate is enough.
-serve: $(VENV)/.installed kernels $(ARTIFACT)/manifest.json
+serve: $(VENV)/.installed-serve kernels $(ARTIFACT)/manifest.json
 	$(BIN)/addnorm-parity --artifact $(ARTIFACT) --no-steps
 	$(BIN)/addnorm-serve --artifact $(ARTIFACT) --host $(HOST) --port $(PORT) --grpc-port $(GRPC_PORT)
 
-export: $(VENV)/.installed
+export: $(VENV)/.installed-serve
 	$(BIN)/addnorm-export --artifact $(ARTIFACT)
 
-parity: $(VENV)/.installed $(ARTIFACT)/manifest.json
+parity: $(VENV)/.installed-serve $(ARTIFACT)/manifest.json
 	$(BIN)/addnorm-parity --artifact $(ARTIFACT) --report $(ARTIFACT)/report
 
 # pytest exits 5 when it collects no test, so an empty run fails here too. TEST_WORKERS processes (pytest-xdist)

@@ -1,6 +1,7 @@
 """A serving-only install (no torch): the service runs; the export-side commands say what to install."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,30 +42,35 @@ def test_serve_runs_without_torch():
 
 
 def test_the_wheel_installs_one_name_addnorm(tmp_path):
-    """Issue 66: the wheel holds one top-level package, addnorm (the repository's model/, export/ and service/ as
-    addnorm.model, .export, .service; bench/ and tests/ are checkout tools), and installed into a clean venv it
-    puts nothing else at the top of site-packages; its console scripts resolve inside it."""
+    """Issue 66: ``python -m build`` makes the sdist and the wheel; the wheel holds one top-level package, addnorm
+    (the repository's model/, export/ and service/ as addnorm.model, .export, .service; bench/ and tests/ are
+    checkout tools) with complete metadata, and installed into a clean venv it puts nothing else at the top of
+    site-packages; its console scripts resolve inside it."""
     import zipfile
 
+    source = tmp_path / "src"  # the checkout's files as git sees them: no build/ or egg-info of an editable install
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, capture_output=True, check=True, timeout=60,
+    ).stdout.decode().split("\0")  # fmt: skip
+    for name in filter(None, listed):
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-w",
-            str(tmp_path),
-            str(ROOT),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(tmp_path / "dist"), str(source)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    (wheel,) = tmp_path.glob("addnorm-*.whl")
+    (wheel,) = (tmp_path / "dist").glob("addnorm-*.whl")
+    assert list((tmp_path / "dist").glob("addnorm-*.tar.gz"))
     names = zipfile.ZipFile(wheel).namelist()
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    fields = [line.split(": ", 1)[0] for line in metadata.splitlines() if ": " in line]
+    assert {"License-Expression", "License-File", "Classifier", "Requires-Python", "Keywords"} <= set(fields)
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    base = [line for line in metadata.splitlines() if line.startswith("Requires-Dist") and "extra ==" not in line]
+    assert base and not [d for d in base if any(p in d for p in ("torch", "ray", "opentelemetry"))], base
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"addnorm"}
     assert {
         "addnorm/py.typed",
