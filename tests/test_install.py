@@ -48,7 +48,9 @@ def test_the_wheel_installs_one_name_addnorm(tmp_path):
     site-packages; its console scripts resolve inside it."""
     import zipfile
 
-    source = tmp_path / "src"  # the checkout's files as git sees them: no build/ or egg-info of an editable install
+    source = (
+        tmp_path / "src"
+    )  # the checkout's files as git sees them: no build/ or egg-info of an editable install
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=ROOT, capture_output=True, check=True, timeout=60,
@@ -65,11 +67,15 @@ def test_the_wheel_installs_one_name_addnorm(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("addnorm-*.whl")
     assert list((tmp_path / "dist").glob("addnorm-*.tar.gz"))
     names = zipfile.ZipFile(wheel).namelist()
-    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    metadata = (
+        zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    )
     fields = [line.split(": ", 1)[0] for line in metadata.splitlines() if ": " in line]
     assert {"License-Expression", "License-File", "Classifier", "Requires-Python", "Keywords"} <= set(fields)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
-    base = [line for line in metadata.splitlines() if line.startswith("Requires-Dist") and "extra ==" not in line]
+    base = [
+        line for line in metadata.splitlines() if line.startswith("Requires-Dist") and "extra ==" not in line
+    ]
     assert base and not [d for d in base if any(p in d for p in ("torch", "ray", "opentelemetry"))], base
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"addnorm"}
     assert {
