@@ -28,23 +28,23 @@ help:
 	@echo "make export  (re-)export the default artifact into $(ARTIFACT)"
 	@echo "make parity  re-check $(ARTIFACT) and write a report into $(ARTIFACT)/report"
 	@echo "make bench   run the benchmarks (bench/) and the cost curve, write bench/results and docs/benchmarks.md"
-	@echo "make lint    ruff check + format check"
+	@echo "make lint    ruff check + format check, and the docs site built with mkdocs --strict"
 	@echo "make proto   regenerate service/protocols/v2/inference_pb2.py from inference.proto (grpcio-tools)"
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -qq --upgrade pip
 
 # Two installs: serving and exporting the default model (make serve, export, parity: the export extra, torch's CPU
 # build), and everything the tests and benchmarks use (make test, lint, bench: + dev, ray, otel). The second
 # includes the first.
 $(VENV)/.installed-serve: pyproject.toml setup.py | $(BIN)/python
-	$(BIN)/pip install -q $(PIP_TORCH_FLAGS) "$(TORCH)"
-	$(BIN)/pip install -q $(PIP_TORCH_FLAGS) -e ".[export]"
+	$(BIN)/pip install -qq $(PIP_TORCH_FLAGS) "$(TORCH)"
+	$(BIN)/pip install -qq $(PIP_TORCH_FLAGS) -e ".[export]"
 	@touch $@
 
 $(VENV)/.installed: pyproject.toml setup.py | $(BIN)/python
-	$(BIN)/pip install -q $(PIP_TORCH_FLAGS) "$(TORCH)"
+	$(BIN)/pip install -qq $(PIP_TORCH_FLAGS) "$(TORCH)"
 	$(BIN)/pip install -q $(PIP_TORCH_FLAGS) -e ".[export,dev,ray,otel]"
 	@touch $@ $(VENV)/.installed-serve
 
@@ -107,6 +107,7 @@ proto: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mkdocs build --strict --quiet
 
 format: $(VENV)/.installed
 	$(BIN)/ruff check --fix .

@@ -1,5 +1,8 @@
-"""Every code block of README.md runs as written, in order (issue 27): a new user's first hour, in a fresh
-directory with only the default artifact in it (what ``make serve`` leaves), with ``.venv/bin`` first on PATH.
+"""Every code block of README.md and of the guides in docs/ (GUIDES) runs as written, in order (issues 27, 66): a
+new user's first hour, in a fresh directory with only the default artifact in it (what ``make serve`` leaves), with
+``.venv/bin`` first on PATH; each page starts with the default artifact served, as its first line says. An output
+block right after a README block is what that block prints, exactly: the README prints rounded figures, so that
+they hold on every CPU kind.
 
 ``sh`` blocks run line by line in bash; a line that starts ``addnorm-serve`` starts that server in the background
 in place of the one running (as a user's second terminal would) and waits until it is ready. ``python`` blocks run
@@ -25,6 +28,8 @@ from tests.conftest import ROOT
 from tests.helpers import wait_until
 from tests.server import free_port
 
+# The pages whose blocks run, in this order, after README.md (the README's old sections, in their old order).
+GUIDES = ("docs/serving.md", "docs/export.md", "docs/configuration.md", "docs/deployment.md")
 SKIP = re.compile(r"<!-- readme-test: skip: (.+?) -->")
 SERVE = re.compile(r"^(\w+=\S+ )*addnorm-serve\b")
 
@@ -36,6 +41,7 @@ class Block:
     line: int  # where it starts in README.md
     skip: str | None  # why the test does not run it
     shows_error: bool  # the README's output block right after it shows an error answer
+    output: str | None = None  # the output block right after it, if any
 
 
 def readme_blocks(text: str) -> list[Block]:
@@ -50,8 +56,9 @@ def readme_blocks(text: str) -> list[Block]:
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
         skip = SKIP.search(lines[start - 1]) if start else None
         found.append(Block(lang, "\n".join(lines[start + 1 : end]), start + 1, skip and skip[1], False))
-        if lang == "" and len(found) > 1 and '"error"' in found[-1].code:
-            found[-2].shows_error = True
+        if lang == "" and len(found) > 1:
+            found[-2].output = found[-1].code
+            found[-2].shows_error = '"error"' in found[-1].code
         i = end + 1
     return found
 
@@ -130,38 +137,57 @@ def _bert_checkpoint(path: Path) -> None:
 
 
 def test_every_readme_block_runs_as_written_in_order(default_artifact, tmp_path):
-    blocks = readme_blocks((ROOT / "README.md").read_text())
-    runnable = [b for b in blocks if b.lang in ("sh", "python") and not b.skip]
-    assert len(runnable) >= 12, [b.line for b in runnable]  # the parser found the README's blocks
-    for b in blocks:  # a skipped block names the test file that runs it (one that exists), or needs a GPU
-        if b.skip:
-            named = re.findall(r"tests/[\w/]+\.py", b.skip)
-            assert named or "GPU" in b.skip, f"README line {b.line}: say which tests/*.py runs it"
-            missing = [n for n in named if not (ROOT / n).is_file()]
-            assert not missing, f"README line {b.line}: no such test file {missing}"
+    pages = {page: readme_blocks((ROOT / page).read_text()) for page in ("README.md", *GUIDES)}
+    runnable = {
+        page: [b for b in blocks if b.lang in ("sh", "python") and not b.skip]
+        for page, blocks in pages.items()
+    }
+    assert len(runnable["README.md"]) >= 3 and sum(map(len, runnable.values())) >= 15, (
+        runnable
+    )  # the parser found them
+    for (
+        page,
+        blocks,
+    ) in pages.items():  # a skipped block names the test file that runs it (one that exists), or a GPU
+        for b in blocks:
+            if b.skip:
+                named = re.findall(r"tests/[\w/]+\.py", b.skip)
+                assert named or "GPU" in b.skip, f"{page} line {b.line}: say which tests/*.py runs it"
+                missing = [n for n in named if not (ROOT / n).is_file()]
+                assert not missing, f"{page} line {b.line}: no such test file {missing}"
     work = tmp_path / "clone"
     shutil.copytree(default_artifact, work / "artifacts" / "default")  # what make serve leaves
-    _bert_checkpoint(work / "bert-model")  # the README's "a BERT model directory you fetched"
+    _bert_checkpoint(work / "bert-model")  # the export guide's "a BERT model directory you fetched"
     session = Session(work)
     try:
-        session.serve("addnorm-serve --artifact artifacts/default")  # make serve's last step
-        for b in runnable:
-            code = session.localize(b.code)
-            where = f"README line {b.line}"
-            if b.lang == "python":
-                session.run([sys.executable, "-c", code], f"{where} (python)", b.shows_error)
-                continue
-            for command in commands(code):
-                if SERVE.match(command):
-                    session.serve(command)
-                else:
-                    session.run(["bash", "-c", command], f"{where}: `{command}`", b.shows_error)
+        for page, blocks in runnable.items():
+            session.serve("addnorm-serve --artifact artifacts/default")  # make serve's last step
+            for b in blocks:
+                _run_block(session, b, f"{page} line {b.line}", exact=page == "README.md")
     finally:
         session.stop()
     left = sorted(p.name for p in work.iterdir())
     assert {"req.json", "v2.json", "layer.safetensors"} <= set(left), left  # and .gitignore has them
     ignored = (ROOT / ".gitignore").read_text().split()
     assert all(f"/{name}" in ignored for name in ("req.json", "v2.json", "layer.safetensors", "triton-repo/"))
+
+
+def _run_block(session: Session, b: Block, where: str, exact: bool) -> None:
+    """One block in the user's terminal; with ``exact``, what it prints must be its output block, as shown."""
+    code = session.localize(b.code)
+    if b.lang == "python":
+        printed = session.run([sys.executable, "-c", code], f"{where} (python)", b.shows_error)
+    else:
+        printed = ""
+        for command in commands(code):
+            if SERVE.match(command):
+                session.serve(command)
+            else:
+                printed = session.run(["bash", "-c", command], f"{where}: `{command}`", b.shows_error)
+    if exact and b.output is not None:  # a sh block's output block shows its last command's
+        assert printed.strip() == b.output.strip(), (
+            f"{where} printed {printed.strip()!r}, shows {b.output.strip()!r}"
+        )
 
 
 @pytest.mark.unit

@@ -164,6 +164,10 @@ class Costs:
     packed: bool = False
     attention: float = 1.0
 
+    def __str__(self) -> str:
+        graph = "packed graph" if self.packed else "padded graph"
+        return f"a run's fixed cost {self.fixed:.1f} token-positions, {graph}, attention weight {self.attention:g}"
+
     def run(self, rows: int, seq: int, e: int, tokens: int | None = None) -> float:
         """A run of ``rows`` x ``seq`` (``tokens`` the requests' own positions) on a model ``e`` wide."""
         per_token = tokens if self.packed and tokens is not None else rows * seq
