@@ -10,10 +10,13 @@ Results go to bench/results/latest.json, two PNG plots, and the generated part o
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +27,7 @@ from bench import measure
 from bench.grpc_load import grpc_table, measure_grpc
 from bench.limits import limits_table, measure_limits
 from bench.measure import CLIENTS, DEFAULT, Setup
-from bench.report import plots, table, update_docs
+from bench.report import plots, table, update_docs, write_block
 from tests.server import ROOT
 
 BIG_SHAPE = (8, 128)  # (batch, seq) of the single-request measurements
@@ -96,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--docs",
         type=Path,
         default=ROOT / "docs" / "benchmarks.md",
-        help="doc whose generated part is rewritten",
+        help="the doc whose block for this run (make bench's ratios, or the section's) is rewritten",
     )
     r = p.add_argument_group("reliability (instead of the ratios)")
     r.add_argument(
@@ -290,32 +293,52 @@ def perf_analyzer(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Tee(io.TextIOBase):
+    """stdout, and a copy of what a section prints for docs/benchmarks.md."""
+
+    def __init__(self, *streams: typing.TextIO) -> None:
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()
+
+
+def section(args: argparse.Namespace, argv: list[str], name: str, run: typing.Callable[[], int]) -> int:
+    """Run one section (``--limits``, ``--text``, ...) as it prints its table, and once it succeeds put what it
+    printed in its block of docs/benchmarks.md (``--docs``), under the command, the date and the CPU's flags."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(_Tee(sys.stdout, printed)):
+        code = run()
+    if code == 0 and printed.getvalue().strip():
+        write_block(args.docs, name, " ".join(["python -m bench", *argv]), printed.getvalue())
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    if args.perf_analyzer:
-        return perf_analyzer(args)
-    if args.soak or args.burst:
-        return reliability(args)
-    if args.ray:
-        return scale_out(args)
-    if args.cost_curve:
-        return cost_curve(args)
-    if args.grpc:
-        return grpc_only(args)
-    if args.models:
-        return models_only(args)
-    if args.limits:
-        return limits_only(args)
-    if args.lengths:
-        return mixed_lengths(args)
-    if args.real:
-        from bench import real
-
-        return real.main(args.rounds)
-    if args.text:
-        from bench import text
-
-        return text.main(["--rounds", str(args.rounds), "--seconds", str(args.seconds)])
+    sections = {  # the first flag given decides; each writes its own block of the doc
+        "perf_analyzer": lambda: perf_analyzer(args),
+        "soak": lambda: reliability(args),
+        "burst": lambda: reliability(args),
+        "ray": lambda: scale_out(args),
+        "cost_curve": lambda: cost_curve(args),
+        "grpc": lambda: grpc_only(args),
+        "models": lambda: models_only(args),
+        "limits": lambda: limits_only(args),
+        "lengths": lambda: mixed_lengths(args),
+        "real": lambda: _real(args),
+        "text": lambda: _text(args),
+    }
+    for name, run_section in sections.items():
+        if getattr(args, name):
+            return section(args, argv, name, run_section)
     start = time.perf_counter()
     res = run(args)
     res["bench_seconds"] = time.perf_counter() - start
@@ -326,6 +349,18 @@ def main(argv: list[str] | None = None) -> int:
     print(table(res))
     print(f"\n({res['bench_seconds']:.0f} s; wrote {args.results}/latest.json, PNGs, and {args.docs})")
     return 0
+
+
+def _real(args: argparse.Namespace) -> int:
+    from bench import real
+
+    return real.main(args.rounds)
+
+
+def _text(args: argparse.Namespace) -> int:
+    from bench import text
+
+    return text.main(["--rounds", str(args.rounds), "--seconds", str(args.seconds)])
 
 
 if __name__ == "__main__":

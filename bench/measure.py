@@ -339,14 +339,9 @@ def batch_histogram(port: int) -> dict[str, float]:
 
 
 def machine_info(threads: int) -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from bench.report import cpu_model
+
+    cpu = cpu_model()
     import onnxruntime
     import torch
 
