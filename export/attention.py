@@ -9,7 +9,7 @@
   onnxruntime's CPU kernel wants the mask as ``[B, 1, S, S]`` and answers zeros for a query whose keys are all
   padding, so the graph broadcasts the mask and puts the reference's answer (uniform weights) back for those rows.
 - ``decomposed``: MatMul, Where, Softmax, MatMul, op by op: runs anywhere, holds several score tensors.
-- ``auto``: ``mha`` (the fastest that passes the gate on CPU and CUDA: docs/benchmarks.md, "Cost curve").
+- ``auto``: ``mha`` (the fastest that passes the gate on CPU and CUDA: docs/benchmarks.md, "The cost curve").
 
 Every form computes ``model.encoder.attend``'s results: torch traces a stand-in whose eager value is exactly that
 function, and only its ONNX spelling differs. The parity gate checks each form against the float64 oracle.

@@ -2,7 +2,7 @@
 
 The manifest records the form (``attention``); export spells it (export/attention.py); the service budgets runs
 by it (service/batching/batcher.py, service/backend/engine.py). The score-tensor copies were measured as peak resident memory of
-one [1, 4096, 768] run above the same run's flash-attention peak (docs/benchmarks.md, "Cost curve").
+one [1, 4096, 768] run above the same run's flash-attention peak (docs/benchmarks.md, "The cost curve").
 """
 
 from __future__ import annotations

@@ -59,8 +59,9 @@ def test_gemm_roof_times_the_block_gemms(monkeypatch):
 def test_docs_update_replaces_only_the_generated_block(tmp_path, monkeypatch):
     """make bench and each section's command rewrite their own block of docs/benchmarks.md, with the command, the
     date and the CPU's flags above it; the prose around it and the other blocks stay."""
-    import bench.report as report
     from addnorm.model.runtime import cpu_flags
+
+    import bench.report as report
 
     monkeypatch.setattr(report, "table", lambda res: "| TABLE |")
     doc = tmp_path / "b.md"

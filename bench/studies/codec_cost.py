@@ -7,7 +7,7 @@ binary data and with JSON data, /v1's with a raw body and with JSON, the gRPC co
 median of ``--runs`` calls (JSON ones of a fifth as many); then a hop to a worker thread and back
 (``run_in_threadpool``, what ``service.core.inference.offload`` does) on uvloop, median and p90 of 300. Printed with
 each step's work as ``service.core.inference.work`` counts it (bytes of JSON text; a raw byte counts 1/RAW_SHARE), and
-whether ``offload`` sends it to a worker thread. docs/benchmarks.md, "Which codec steps leave the event loop".
+whether ``offload`` sends it to a worker thread. docs/benchmarks.md, "What the measurements decided".
 """
 
 from __future__ import annotations

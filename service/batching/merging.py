@@ -179,7 +179,7 @@ def choose(
 ) -> list[Request]:
     """The requests to run with ``head`` by the policy ``merge`` ("cost": ``by_cost``; "pad": ``in_order``), among
     the pieces of the oldest 2 x max_batch_size requests queued: in a long queue (an overload) newer ones of a
-    handier length do not overtake a request without end (docs/benchmarks.md, "Requests that arrive on their own")."""
+    handier length do not overtake a request without end (docs/benchmarks.md, "Latency against offered load")."""
     oldest: list[Request] = []
     reach: set[int] = set()
     for item in queued:

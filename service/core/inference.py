@@ -29,7 +29,7 @@ from starlette.concurrency import run_in_threadpool
 # A codec step's work is counted in bytes of JSON text (parsing 256 KB of it: 1.5-2 ms here). Up to OFFLOAD_BYTES it
 # runs on the event loop, beyond it in a worker thread (a hop costs 0.2-0.4 ms). A raw tensor byte (binary data,
 # copied and checked) is 40-140x less work than a JSON byte, counted as 1/RAW_SHARE; a float32 byte written as JSON,
-# about 1 (docs/benchmarks.md, "Which codec steps leave the event loop").
+# about 1 (docs/benchmarks.md, "What the measurements decided").
 OFFLOAD_BYTES = 256 * 1024
 RAW_SHARE = 16
 
