@@ -40,13 +40,10 @@ def resolve_providers(requested: str, available: list[str]) -> list[str]:
     raise ProviderError(f"unknown providers setting {requested!r}; use auto, cpu or cuda")
 
 
-# onnxruntime's optimizer rewrites each Add + LayerNormalization into its SkipLayerNormalization, whose CPU kernel
-# takes longer than the two operators it replaces (its CPU kernel 1.4 ms against 0.4 for Add and LayerNormalization
-# on a [1024, 384] row block, onnxruntime 1.32). Without that rewrite, measured side by side on 2026-11-28
-# (python -m bench.studies.fusions; docs/benchmarks.md): all-MiniLM-L6-v2 fp32 1.07-1.12x as fast, int8 on its kernels
-# 1.12-1.28x, the default d768 model 1.04-1.06x on a Xeon with AMX; 1.02-1.14x as an AVX2-only CPU (python -m
-# bench.emulate avx2); answers within float32 rounding. The server, the export gate and the benchmarks make CPU
-# sessions without it; CUDA sessions keep it (not measured there).
+# onnxruntime's optimizer rewrites each Add + LayerNormalization into its SkipLayerNormalization, whose CPU kernel is
+# slower than the two operators it replaces, with the same answers to float32 rounding (bench/studies/fusions.py;
+# docs/benchmarks.md, "What the measurements decided"). The server, the export gate and the benchmarks make CPU
+# sessions without it; CUDA sessions keep it.
 CPU_DISABLED_OPTIMIZERS = ("SkipLayerNormFusion",)
 
 

@@ -1,17 +1,21 @@
-"""One codec for the text APIs: a protocol gives how its JSON names the model, the inputs and its options
-(``read``), and how it writes the vectors (``write``); tokenizing, parts and pooling are the core's
-(service/core/text.py)."""
+"""One codec and one route body for the text APIs: a protocol gives how its JSON names the model, the inputs and
+its options (``read``), and how it writes the vectors (``write``); ``answer`` serves them; tokenizing, parts and
+pooling are the core's (service/core/text.py)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from addnorm.service.core import inference
 from addnorm.service.core.inference import work
 from addnorm.service.core.text import TextLimits, TextRequest, decode_texts
 from addnorm.service.errors import BadInput
-from addnorm.service.protocols.common import parse_json
+from addnorm.service.guard import Known
+from addnorm.service.protocols.common import http_call, parse_json, read_then_watch, timing_headers
+from fastapi import Request, Response
 
 if TYPE_CHECKING:
     from addnorm.service.batching.merging import Outputs
@@ -60,6 +64,20 @@ class TextCodec:
 
     def encode(self, req: TextRequest, model: ServingModel, outputs: Outputs) -> bytes:
         return self.write(req, model, outputs)
+
+
+async def answer(request: Request, loaded: Known, protocol: str, read: Callable, write: Callable) -> Response:
+    """A text API's route: the body read under the limits, the request core's text step run with this API's
+    ``read`` and ``write``, the JSON answer with its timing headers."""
+    start = time.perf_counter()
+    s = loaded.settings
+    call = http_call(request, protocol, start)
+    body = await read_then_watch(request, call, s.max_body_bytes)
+    how = TextCodec(read, write, s.max_elements, TextLimits.of(s))
+    payload, timings = await inference.run(loaded, call, how, body)
+    return Response(
+        payload, media_type="application/json", headers=timing_headers(timings, time.perf_counter() - start)
+    )
 
 
 def fields(doc: object, known: set[str], required: str) -> dict:

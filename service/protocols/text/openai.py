@@ -14,12 +14,11 @@ import base64
 import time
 
 import orjson
-from addnorm.service.core import inference
-from addnorm.service.core.text import TextLimits, text_inputs, vectors
+from addnorm.service.core.text import text_inputs, vectors
 from addnorm.service.errors import BadInput, quote
 from addnorm.service.guard import Known
-from addnorm.service.protocols.common import error_docs, http_call, read_then_watch, timing_headers
-from addnorm.service.protocols.text.codec import Read, TextCodec, fields, pooling
+from addnorm.service.protocols.common import error_docs
+from addnorm.service.protocols.text.codec import Read, answer, fields, pooling
 from fastapi import APIRouter, Request, Response
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -154,15 +153,7 @@ def write(req, model, outputs) -> bytes:
 
 @router.post("/embeddings", summary="Embeddings of texts or token ids (OpenAI's API)", openapi_extra=_DOC)
 async def embeddings(request: Request, loaded: Known) -> Response:
-    start = time.perf_counter()
-    s = loaded.settings
-    call = http_call(request, "openai", start)
-    body = await read_then_watch(request, call, s.max_body_bytes)
-    how = TextCodec(read, write, s.max_elements, TextLimits.of(s))
-    payload, timings = await inference.run(loaded, call, how, body)
-    return Response(
-        payload, media_type="application/json", headers=timing_headers(timings, time.perf_counter() - start)
-    )
+    return await answer(request, loaded, "openai", read, write)
 
 
 @router.get(

@@ -8,22 +8,16 @@ default model (TEI serves one); errors are this server's ``{"error": ...}``.
 
 from __future__ import annotations
 
-import time
-
 import orjson
-from addnorm.service.core import inference
-from addnorm.service.core.text import TextLimits, text_inputs, vectors
+from addnorm.service.core.text import text_inputs, vectors
 from addnorm.service.errors import BadInput, quote
 from addnorm.service.guard import Known
 from addnorm.service.protocols.common import (
     error_docs,
-    http_call,
     json_bool,
     parse_json,
-    read_then_watch,
-    timing_headers,
 )
-from addnorm.service.protocols.text.codec import Read, TextCodec, fields, pooling
+from addnorm.service.protocols.text.codec import Read, answer, fields, pooling
 from fastapi import APIRouter, Request, Response
 
 router = APIRouter(tags=["tei"])
@@ -125,15 +119,7 @@ def write(req, model, outputs) -> bytes:
     "/embed", summary="Embeddings of texts (text-embeddings-inference's API)", openapi_extra=_EMBED_DOC
 )
 async def embed(request: Request, loaded: Known) -> Response:
-    start = time.perf_counter()
-    s = loaded.settings
-    call = http_call(request, "tei", start)
-    body = await read_then_watch(request, call, s.max_body_bytes)
-    how = TextCodec(read, write, s.max_elements, TextLimits.of(s))
-    payload, timings = await inference.run(loaded, call, how, body)
-    return Response(
-        payload, media_type="application/json", headers=timing_headers(timings, time.perf_counter() - start)
-    )
+    return await answer(request, loaded, "tei", read, write)
 
 
 @router.post(
