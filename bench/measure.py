@@ -4,6 +4,7 @@ in the same run (bench.cli), never against a stored number.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -338,9 +339,18 @@ def batch_histogram(port: int) -> dict[str, float]:
     return out
 
 
-def machine_info(threads: int) -> dict:
-    from bench.report import cpu_model
+def cpu_model() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it ("unknown" where it cannot be read)."""
+    with contextlib.suppress(OSError, StopIteration):
+        return next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    return "unknown"
 
+
+def machine_info(threads: int) -> dict:
     cpu = cpu_model()
     import onnxruntime
     import torch

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 from pathlib import Path
@@ -154,17 +153,6 @@ def marks(name: str) -> tuple[str, str]:
     return f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->"
 
 
-def cpu_model() -> str:
-    """The CPU's model name, as /proc/cpuinfo gives it ("unknown" where it cannot be read)."""
-    with contextlib.suppress(OSError, StopIteration):
-        return next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    return "unknown"
-
-
 def machine_line(command: str) -> str:
     """What a generated table was measured with: the command, the date, the CPU and its SIMD flags, the runtime."""
     import datetime as dt
@@ -172,6 +160,8 @@ def machine_line(command: str) -> str:
 
     import onnxruntime
     from addnorm.model.runtime import cpu_flags
+
+    from bench.measure import cpu_model
 
     cpu = cpu_model()
     flags = " ".join(sorted(cpu_flags())) or "none of avx2/avx512/vnni/amx"

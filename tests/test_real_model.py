@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import logging
 import shutil
 import time
 import urllib.request
@@ -120,7 +121,7 @@ def artifacts(encoder, reference, real, tmp_path_factory) -> dict[str, Path]:
     given = calibration_cases(x[short, :64], mask[short, :64], x.shape[-1])
     root = tmp_path_factory.mktemp("real")
     out = {}
-    check = hf.reference_check(encoder, reference, given, encoder.config, quiet=True)  # the torch side: once
+    check = hf.reference_check(encoder, reference, given, encoder.config)  # the torch side: once
     # fp32-mha, fused and int8: one trace of the encoder (_one_trace_per_model)
     for name, (variant, attention, opset) in FORMS.items():
         export_artifact(
@@ -161,25 +162,26 @@ def test_addnorm_parity_rechecks_a_real_artifact_as_its_export_judged_it(artifac
     assert sum(r.representative for r in report.results) == 3
 
 
-def test_no_false_alarm_on_the_synthetic_cases_at_every_length_up_to_512(minilm, tmp_path, capsys):
+def test_no_false_alarm_on_the_synthetic_cases_at_every_length_up_to_512(minilm, tmp_path, capsys, caplog):
     """addnorm-export from the model directory with its config.json, the default (synthetic) gate at 1..512
     tokens, the one that refused this checkpoint with torch's own error as its yardstick (issue 34: 1.13x its
     allowance at s512), and the transformers check on its built-in sentences: passes, and says its inputs are
     synthetic."""
     # --inputs embeddings: the block alone (with its tokenizer, the directory would be judged on real sentences)
-    code = export_cli.main(
-        ["--from-bert", str(minilm), "--artifact", str(tmp_path / "a"), "--inputs", "embeddings"]
-    )
+    with caplog.at_level(logging.INFO, logger="addnorm"):  # the reference check's line is a log line
+        code = export_cli.main(
+            ["--from-bert", str(minilm), "--artifact", str(tmp_path / "a"), "--inputs", "embeddings", "-v"]
+        )
     out = capsys.readouterr().out
     assert code == 0, out[-3000:]
-    assert "inputs: synthetic" in out and "random b1 s512 masked" in out
-    assert "reference: transformers BertModel on 10 built-in sentences" in out
+    assert "inputs: synthetic" in out and "random b1 s512 masked" in out  # -v: every case's line
+    assert "reference: transformers BertModel on 10 built-in sentences" in caplog.text
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert manifest["config"]["nhead"] == 12 and manifest["config"]["num_layers"] == 6
     # the directory's sentence-transformers pipeline (modules.json) gives the graph its pooled output
     assert manifest["config"]["pooling"] == "mean" and manifest["config"]["normalize_pooled"] is True
     assert (
-        "mean pooled output max abs err" in out
+        "mean pooled output max abs err" in caplog.text
         and manifest["parity"]["reference"]["graph"]["pooled_max_abs"] < 1e-6
     )
 
