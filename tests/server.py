@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -16,9 +17,17 @@ HOST = "127.0.0.1"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: their sockets are all bound at once before any closes, so the OS cannot hand the
+    same port out twice (two ``free_port()`` calls in a row can, and did: a server's HTTP and gRPC on one port)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind((HOST, 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 class ServerProcess:
@@ -36,9 +45,8 @@ class ServerProcess:
         capture: bool = True,
         grpc: bool = False,
     ) -> None:
-        self.port = free_port()
+        self.port, self.grpc_port = free_ports(2) if grpc else (free_port(), 0)
         self.base = f"http://{HOST}:{self.port}"
-        self.grpc_port = free_port() if grpc else 0
         env = {"ADDNORM_GRPC_PORT": str(self.grpc_port), **(env or {})}
         self.ready_path = ready_path
         # The server's output goes to a file, never to a pipe nobody reads: a full pipe would block its logging.

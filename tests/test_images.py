@@ -21,7 +21,7 @@ from addnorm.model import kernels
 from addnorm.model.contract import EMBEDDINGS, ENCODED
 
 from tests.conftest import ROOT
-from tests.server import free_port
+from tests.server import free_port, free_ports
 
 pytestmark = [
     pytest.mark.images,
@@ -194,7 +194,12 @@ def test_the_api_container_serves_as_compose_runs_it(images, repository, default
     """Ready, the README's /v1 and V2 requests answered as in-process onnxruntime answers them, /metrics, the
     image's own healthcheck, a read-only root and uid 10001; then a restart answers the same."""
     want_v1, want_v2 = _in_process(default_artifact)
-    c = Container("localhost/addnorm-api:latest", repository, API_ENV, {8000: free_port(), 8001: free_port()})
+    c = Container(
+        "localhost/addnorm-api:latest",
+        repository,
+        API_ENV,
+        dict(zip((8000, 8001), free_ports(2), strict=True)),
+    )
     try:
         ready_s = c.wait_ready()
         print(f"api: run -> ready in {ready_s:.2f} s; image {images['api'] / 1e6:.0f} MB")
@@ -229,7 +234,9 @@ def test_sigterm_drains_the_requests_in_flight_and_exits_0(images, repository):
     delay (as long as they take to arrive: no window to miss) are all answered at once, the batchers drained when
     shutdown begins, and the server exits 0 well within the 20 s grace period."""
     env = {**API_ENV, "ADDNORM_MAX_QUEUE_DELAY_MS": "120000", "ADDNORM_MAX_BATCH_SIZE": "20"}
-    c = Container("localhost/addnorm-api:latest", repository, env, {8000: free_port(), 8001: free_port()})
+    c = Container(
+        "localhost/addnorm-api:latest", repository, env, dict(zip((8000, 8001), free_ports(2), strict=True))
+    )
     try:
         c.wait_ready()
         body = {EMBEDDINGS: [[0.1] * 768] * 4}
@@ -263,7 +270,7 @@ def test_the_proxy_container_fronts_the_api(images, repository, default_artifact
     over ADDNORM_MAX_BODY_BYTES (413, the same setting given to both), a method HTTP does not define (405)."""
     want_v1, want_v2 = _in_process(default_artifact)
     limits = {"ADDNORM_MAX_BODY_BYTES": str(40 * 1024 * 1024)}  # above [8,128,768] in binary, below 64 MiB
-    ports = {8000: free_port(), 8001: free_port(), 8080: free_port()}
+    ports = dict(zip((8000, 8001, 8080), free_ports(3), strict=True))
     api = Container("localhost/addnorm-api:latest", repository, {**API_ENV, **limits}, ports)
     proxy = None
     try:

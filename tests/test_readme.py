@@ -26,7 +26,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.helpers import wait_until
-from tests.server import free_port
+from tests.server import free_ports
 
 # The pages whose blocks run, in this order, after README.md (the README's old sections, in their old order).
 GUIDES = ("docs/serving.md", "docs/export.md", "docs/configuration.md", "docs/deployment.md")
@@ -74,7 +74,7 @@ class Session:
 
     def __init__(self, work: Path) -> None:
         self.work = work
-        self.http, self.grpc = free_port(), free_port()
+        self.http, self.grpc = free_ports(2)
         venv = Path(sys.executable).parent
         self.env = {
             **os.environ,
