@@ -98,3 +98,38 @@ def test_perf_analyzer_sends_requests_of_mixed_lengths_from_a_data_file(command,
     res = {"unpadded_limit_tokens_per_s": 3000.0, "unpadded_limits": [3000.0], "mean_tokens": 30.0}
     text = real.table_rates({**res, "loads": [1.0], "cells": cells})
     assert "100.0 requests/s of 30.0 tokens" in text and "| 1x | 0.90, 10 / 50 | 0.90, 10 / 50 |" in text
+
+
+def test_perf_analyzer_sends_text_as_bytes(command, tmp_path):
+    """Issue 65: perf_analyzer, unmodified, sends sentences from a data file as the V2 BYTES input ``text`` to a model
+    exported from a model directory, over HTTP, gRPC and a stream: the server tokenizes them, and the tokens it ran
+    per request lie between the shortest and the longest sentence's."""
+    import json
+
+    from addnorm.export import cli
+    from addnorm.model.text import TOKENIZER_FILE
+    from addnorm.model.tokenize import TextTokenizer
+
+    from bench.mixed import served
+    from tests.text_models import TEXTS, make_model_dir
+
+    artifact = tmp_path / "artifact"
+    model = make_model_dir("bert", tmp_path / "model")
+    assert cli.main(["--from", str(model), "--artifact", str(artifact), "--name", "tiny-text", "-q"]) == 0
+    data = tmp_path / "text.json"
+    data.write_text(json.dumps({"data": [{"text": {"content": [t], "shape": [1]}} for t in TEXTS]}))
+    tokenizer = TextTokenizer((artifact / TOKENIZER_FILE).read_bytes(), Manifest.load(artifact).text)
+    lengths = sorted(tokenizer.encode(TEXTS).lengths)
+    stable = ("--stability-percentage", "1000")
+    with start_server(artifact, grpc=True) as srv:
+        for label, protocol, extra in pa.TRANSPORTS:
+            before = served(srv.port)
+            url = f"127.0.0.1:{srv.port if protocol == 'http' else srv.grpc_port}"
+            [row] = pa.run(
+                command, url, protocol, "tiny-text", 1, ["--input-data", str(data)], [2], 500, stable + extra
+            )
+            assert row["infer_per_s"] > 0 and row["server_infer_ms"] > 0, (label, row)
+            after = served(srv.port)
+            tokens, requests = (after[k] - before[k] for k in ("requested", "requests"))
+            assert requests > 2 * len(TEXTS), (label, requests)  # every sentence sent, more than once
+            assert lengths[0] < tokens / requests < lengths[-1], (label, tokens, requests, lengths)
