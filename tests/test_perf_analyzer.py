@@ -72,17 +72,7 @@ def test_perf_analyzer_sends_requests_of_mixed_lengths_from_a_data_file(command,
     assert lengths[0] < lengths[-1], lengths
     stable = ("--stability-percentage", "1000")
     with start_server(tiny_artifact, grpc=True) as srv:
-        for label, protocol, extra in pa.TRANSPORTS:
-            before = served(srv.port)
-            url = f"127.0.0.1:{srv.port if protocol == 'http' else srv.grpc_port}"
-            [row] = pa.run(
-                command, url, protocol, "encoder", 1, ["--input-data", str(data)], [3], 500, stable + extra
-            )
-            assert row["infer_per_s"] > 0, (label, row)
-            after = served(srv.port)
-            tokens, requests = (after[k] - before[k] for k in ("requested", "requests"))
-            assert requests > 2 * len(xs), (label, requests)  # every entry sent, more than once
-            assert lengths[0] < tokens / requests < lengths[-1], (label, tokens, requests, lengths)
+        _every_transport_sends_every_entry(command, srv, "encoder", data, len(xs), lengths, 3)
         # open loop (bench.perf_analyzer_real --loads): perf_analyzer's own Poisson arrivals at a fixed rate
         before = served(srv.port)
         flags = ["--input-data", str(data)]
@@ -110,7 +100,6 @@ def test_perf_analyzer_sends_text_as_bytes(command, tmp_path):
     from addnorm.model.text import TOKENIZER_FILE
     from addnorm.model.tokenize import TextTokenizer
 
-    from bench.mixed import served
     from tests.text_models import TEXTS, make_model_dir
 
     artifact = tmp_path / "artifact"
@@ -120,16 +109,29 @@ def test_perf_analyzer_sends_text_as_bytes(command, tmp_path):
     data.write_text(json.dumps({"data": [{"text": {"content": [t], "shape": [1]}} for t in TEXTS]}))
     tokenizer = TextTokenizer((artifact / TOKENIZER_FILE).read_bytes(), Manifest.load(artifact).text)
     lengths = sorted(tokenizer.encode(TEXTS).lengths)
-    stable = ("--stability-percentage", "1000")
     with start_server(artifact, grpc=True) as srv:
-        for label, protocol, extra in pa.TRANSPORTS:
-            before = served(srv.port)
-            url = f"127.0.0.1:{srv.port if protocol == 'http' else srv.grpc_port}"
-            [row] = pa.run(
-                command, url, protocol, "tiny-text", 1, ["--input-data", str(data)], [2], 500, stable + extra
-            )
-            assert row["infer_per_s"] > 0 and row["server_infer_ms"] > 0, (label, row)
-            after = served(srv.port)
-            tokens, requests = (after[k] - before[k] for k in ("requested", "requests"))
-            assert requests > 2 * len(TEXTS), (label, requests)  # every sentence sent, more than once
-            assert lengths[0] < tokens / requests < lengths[-1], (label, tokens, requests, lengths)
+        rows = _every_transport_sends_every_entry(command, srv, "tiny-text", data, len(TEXTS), lengths, 2)
+    assert all(row["server_infer_ms"] > 0 for row in rows.values()), rows
+
+
+def _every_transport_sends_every_entry(command, srv, model, data, entries, lengths, concurrency) -> dict:
+    """perf_analyzer on the data file ``data`` (``entries`` entries, ``lengths`` their sorted token counts) over
+    each transport: every entry sent, more than once, and the tokens the server ran per request between the shortest
+    and the longest entry's. Returns each transport's row."""
+    from bench.mixed import served
+
+    rows = {}
+    for label, protocol, extra in pa.TRANSPORTS:
+        before = served(srv.port)
+        url = f"127.0.0.1:{srv.port if protocol == 'http' else srv.grpc_port}"
+        flags = ("--stability-percentage", "1000", *extra)
+        [row] = pa.run(
+            command, url, protocol, model, 1, ["--input-data", str(data)], [concurrency], 500, flags
+        )
+        assert row["infer_per_s"] > 0, (label, row)
+        after = served(srv.port)
+        tokens, requests = (after[k] - before[k] for k in ("requested", "requests"))
+        assert requests > 2 * entries, (label, requests)  # every entry sent, more than once
+        assert lengths[0] < tokens / requests < lengths[-1], (label, tokens, requests, lengths)
+        rows[label] = row
+    return rows
