@@ -37,11 +37,8 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (
-            "default" in text
-            or action.default in (None, False, argparse.SUPPRESS)
-            or not action.option_strings
-        ):
+        unset = any(action.default is v for v in (None, False, argparse.SUPPRESS))  # by identity: 0 == False
+        if "default" in text or unset or not action.option_strings:
             return text
         shown = readable(action.default).replace("%", "%%")  # help strings are %-formatted
         return f"{text} (default {shown})"

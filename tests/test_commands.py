@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from addnorm.commands import DEFAULT_ARTIFACT, PROVIDERS, readable
+from addnorm.commands import DEFAULT_ARTIFACT, PROVIDERS, Parser, readable
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.unit
@@ -87,6 +87,9 @@ def test_readable_defaults():
         "1 8",
         "0.5",
     ]
+    parser = Parser(prog="x")
+    parser.add_argument("--count", type=int, default=0, help="a count")  # 0 == False, yet a default to show
+    assert "a count (default 0)" in " ".join(parser.format_help().split())
 
 
 @pytest.mark.parametrize(
