@@ -136,9 +136,9 @@ class Settings(BaseSettings):
     )
     merge_lengths: Literal["cost", "pad"] = Field(
         "cost",
-        description="dynamic batching of requests of different lengths: cost = merge one only when padding it "
-        "to the batch's length costs less than a run of its own (a run's fixed cost is measured at load); pad = "
-        "merge whatever fits, padding every request to the longest",
+        description="dynamic batching of requests of different lengths: cost = the queue in the runs that cost "
+        "least in all, a run's fixed cost (measured at load) plus its padded positions; pad = merge whatever "
+        "fits, padding every request to the longest",
     )
     max_queue_delay_ms: float = Field(
         0.0,

@@ -523,6 +523,17 @@ def test_merge_by_cost_weighs_padding_against_the_fixed_cost(engine):
         assert model.shapes == want, fixed_cost
 
 
+def test_merge_by_cost_leaves_a_request_to_its_own_lengths_run(engine):
+    """Merging is weighed against the runs the queue will make anyway, not against a run per request: six
+    6-long requests behind a 10-long head run together on their own (2 runs: 18 + 44 token-positions at a fixed
+    cost of 8), where weighing each against a run of its own padded all six to 10 (1 run: 78). The head still
+    runs first."""
+    xs = [np.ones((1, n, 32), np.float32) for n in (10, 6, 6, 6, 6, 6, 6)]
+    model = Recorder(engine, threading.Event())
+    _queued_then_released(model, xs, merge="cost", costs=merging.Costs(8.0))
+    assert model.shapes == [(1, 1, 32), (1, 10, 32), (6, 6, 32)]
+
+
 def test_merge_by_cost_keeps_the_limits(engine):
     """What merge "cost" takes still fits the batch limits (rows here)."""
     xs = [np.ones((1, 6, 32), np.float32) for _ in range(5)]
