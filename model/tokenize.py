@@ -51,13 +51,21 @@ class TextTokenizer:
         self._cut.enable_truncation(text.max_length)
 
     def encode(self, texts: list[str], truncate: bool = False) -> Batch:
-        """Tokenize ``texts`` (TooLong for an input over ``max_length`` unless ``truncate``)."""
-        encodings = (self._cut if truncate else self._plain).encode_batch(texts)
+        """Tokenize ``texts`` into a padded batch (TooLong for an input over ``max_length`` unless ``truncate``)."""
+        return self.pad(*self.ids(texts, truncate))
+
+    def ids(self, texts: list[str], truncate: bool = False) -> tuple[list[list[int]], list[list[int]]]:
+        """Each of ``texts``' token ids and token type ids, unpadded (TooLong as ``encode``)."""
+        tokenizer = self._cut if truncate else self._plain
+        # One input on the caller's thread: encode_batch lets go of the GIL and must win it back, a wait as long as
+        # the interpreter's switch interval when another thread runs Python (the server's inference thread).
+        encodings = [tokenizer.encode(texts[0])] if len(texts) == 1 else tokenizer.encode_batch(texts)
+        ids = [e.ids for e in encodings]
         if not truncate:
-            for i, e in enumerate(encodings):
-                if len(e.ids) > self.text.max_length:
-                    raise TooLong(i, len(e.ids), self.text.max_length)
-        return self.pad([e.ids for e in encodings], [e.type_ids for e in encodings])
+            for i, row in enumerate(ids):
+                if len(row) > self.text.max_length:
+                    raise TooLong(i, len(row), self.text.max_length)
+        return ids, [e.type_ids for e in encodings]
 
     def tokens(self, texts: list[str], special: bool = True) -> list[list[tuple[int, str, bool, int, int]]]:
         """Each input's tokens as (id, text, special, start, stop), the offsets in characters of the input (TEI's

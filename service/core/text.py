@@ -140,14 +140,12 @@ def decode_texts(
     limit = front.config.max_length
     if isinstance(inputs[0], str):
         try:
-            whole = front.tokenizer.encode(inputs, truncate=truncate)
+            rows, types = front.tokenizer.ids(inputs, truncate=truncate)
         except TooLong as exc:
             raise TooLarge(
                 f"{where}[{exc.index}] has {exc.tokens} tokens, more than this model's {limit}: shorten it, or "
                 "send truncate: true"
             ) from None
-        rows = [whole.input_ids[i, :n].tolist() for i, n in enumerate(whole.lengths)]
-        types = [whole.token_type_ids[i, :n].tolist() for i, n in enumerate(whole.lengths)]
     else:
         vocab = front.config.vocab_size
         rows, types = [], None
