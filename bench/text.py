@@ -9,6 +9,10 @@ of 8 sentences, from 1, 8 and 32 closed-loop keep-alive clients, against:
   sentences per request, at most 256) or fewer, the fastest: what no server can beat with that many sentences to
   batch;
 - addnorm-serve at its defaults, on the model exported with its embedding layer (``--from DIR``);
+- addnorm's request core in this process, without HTTP: the server's own model (its batcher, as ``addnorm-serve``
+  loads it) fed by ``decode_texts`` and ``run_parts``, the sentence embeddings pooled, by closed-loop tasks: what
+  the server does less its HTTP, routing and JSON, so the gap to the limit splits into the batching's and the
+  front's;
 - what a user would pick instead, installed from PyPI and run on the same machine and model: a FastAPI app calling
   sentence-transformers (``bench/st_app.py``), and Infinity (``infinity-emb``, its OpenAI endpoint) where its
   ``infinity_emb`` command is found (``--infinity PATH``; else that column says why not).
@@ -97,6 +101,55 @@ def limits(
     return rates, share
 
 
+def core(artifact: Path, texts: list[str], seconds: float) -> dict[tuple[int, int], float]:
+    """Tokens/s of addnorm's request core in this process (no HTTP), by (sentences per request, clients): the
+    model as addnorm-serve loads it at its defaults, each client a task sending the same requests as ``requests``'
+    (tokenized, in parts, on the batcher, pooled) in a closed loop, after a second's warm-up."""
+    import asyncio
+
+    from addnorm.service.core.text import TextLimits, decode_texts, run_parts, vectors
+    from addnorm.service.models.state import ServiceState, serving_model
+    from addnorm.service.protocols.text.codec import pooling
+    from addnorm.service.settings import Settings
+
+    async def loop(model, limits: TextLimits, groups: list[list[str]], clients: int) -> float:
+        tokens = [0]
+
+        async def client(i: int, until: float) -> None:
+            while time.perf_counter() < until:
+                req = decode_texts(model, groups[i % len(groups)], False, limits)
+                with model.request(time.perf_counter()) as timer:
+                    outputs, _ = await run_parts(model.infer, req, 60.0, timer)
+                vectors(req, outputs, *pooling(model))
+                tokens[0] += req.tokens
+                i += clients
+
+        await asyncio.gather(*(client(i, time.perf_counter() + 1.0) for i in range(clients)))
+        tokens[0], start = 0, time.perf_counter()
+        await asyncio.gather(*(client(i, start + seconds) for i in range(clients)))
+        return tokens[0] / (time.perf_counter() - start)
+
+    async def main() -> dict[tuple[int, int], float]:
+        settings = Settings(artifact=(artifact,))
+        model = await serving_model(ServiceState(settings), artifact.name, artifact)
+        limits = TextLimits.of(settings)
+        try:
+            return {
+                (size, c): await loop(model, limits, groups(texts, size), c)
+                for size in SIZES
+                for c in CLIENTS
+            }
+        finally:
+            await model.batcher.stop()
+
+    return asyncio.run(main())
+
+
+def groups(texts: list[str], size: int) -> list[list[str]]:
+    """Requests of ``size`` sentences each, every sentence once per ``len(texts)`` requests."""
+    return [[texts[(i + k) % len(texts)] for k in range(size)] for i in range(len(texts))]
+
+
 def in_flight(clients: int, size: int) -> int:
     """Sentences a closed loop of ``clients`` keeps in flight, within what one run takes (256)."""
     return min(clients * size, 256)
@@ -107,8 +160,7 @@ def requests(
 ) -> list[tuple[int, bytes]]:
     """/v1/embeddings requests of ``size`` sentences each, every sentence once per ``len(texts)`` requests."""
     out = []
-    for i in range(len(texts)):
-        group = [texts[(i + k) % len(texts)] for k in range(size)]
+    for group in groups(texts, size):
         body = orjson.dumps({"input": group, "model": model})
         out.append(
             (
@@ -181,6 +233,9 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None) -> dict:
             for size, rate in rates.items():
                 by_size.setdefault(size, []).append(rate)
             shares.append(share)
+            for (size, c), rate in core(artifact, texts, seconds).items():
+                cells.setdefault(f"addnorm's core, in process|{size}|{c}", []).append(rate)
+            print("  addnorm's core done", file=sys.stderr, flush=True)
             servers = [
                 (
                     "addnorm",

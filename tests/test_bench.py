@@ -382,3 +382,33 @@ def test_codec_cost_times_every_codec_and_says_which_steps_leave_the_loop(tiny_a
         assert (decode_off.strip(), encode_off.strip()) == ((str(json_codec),) * 2), (codec, out)
         assert int(encode_work) == (2**20 if json_codec else 2**20 // 16)
     assert "thread hop (run_in_threadpool, uvloop): median" in out and "CPU flags: " in out
+
+
+def test_the_text_benchmarks_core_row_runs_the_servers_own_model(tmp_path, monkeypatch):
+    """``bench.text.core`` (the request core in process, no HTTP) loads the model as addnorm-serve does and answers
+    every client's requests through the batcher: each (sentences per request, clients) cell gets a rate, and the
+    model's own statistics count the requests it served (no timing asserted)."""
+    from addnorm.export import cli as export_cli
+    from addnorm.service.models import registry
+
+    from bench import text
+    from tests.text_models import TEXTS, make_model_dir
+
+    model_dir = make_model_dir("bert", tmp_path / "model")
+    artifact = tmp_path / "artifact"
+    assert (
+        export_cli.main(["--from", str(model_dir), "--artifact", str(artifact), "--name", "tiny", "-q"]) == 0
+    )
+    monkeypatch.setattr(text, "CLIENTS", (1, 3))
+    monkeypatch.setattr(text, "SIZES", (1, 2))
+    served = []
+    infer = registry.ServingModel.infer
+
+    async def counted(self, x, mask, timeout, timer):
+        served.append(x.shape[0])
+        return await infer(self, x, mask, timeout, timer)
+
+    monkeypatch.setattr(registry.ServingModel, "infer", counted)
+    rates = text.core(artifact, TEXTS, 0.1)
+    assert sorted(rates) == [(1, 1), (1, 3), (2, 1), (2, 3)]
+    assert all(rate > 0 for rate in rates.values()) and served and set(served) <= {1, 2}
