@@ -525,9 +525,9 @@ def test_merge_by_cost_weighs_padding_against_the_fixed_cost(engine):
 
 def test_merge_by_cost_leaves_a_request_to_its_own_lengths_run(engine):
     """Merging is weighed against the runs the queue will make anyway, not against a run per request: six
-    6-long requests behind a 10-long head run together on their own (2 runs: 18 + 44 token-positions at a fixed
-    cost of 8), where weighing each against a run of its own padded all six to 10 (1 run: 78). The head still
-    runs first."""
+    6-long requests behind a 10-long head run together on their own (2 runs: about 19 + 45 token-positions at a
+    fixed cost of 8), where weighing each against a run of its own padded all six to 10 (1 run: about 82). The
+    head still runs first."""
     xs = [np.ones((1, n, 32), np.float32) for n in (10, 6, 6, 6, 6, 6, 6)]
     model = Recorder(engine, threading.Event())
     _queued_then_released(model, xs, merge="cost", costs=merging.Costs(8.0))
