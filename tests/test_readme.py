@@ -2,7 +2,9 @@
 new user's first hour, in a fresh directory with only the default artifact in it (what ``make serve`` leaves), with
 ``.venv/bin`` first on PATH; each page starts with the default artifact served, as its first line says. An output
 block right after a README block is what that block prints, exactly: the README prints rounded figures, so that
-they hold on every CPU kind.
+they hold on every CPU kind. A guide's output block shows raw float32s: it is what its block prints but for the
+last digits of its numbers (``alike``: float32's spread between CPU kinds), and where the block cuts its output
+(``head -c``) up to the last number both show whole.
 
 ``sh`` blocks run line by line in bash; a line that starts ``addnorm-serve`` starts that server in the background
 in place of the one running (as a user's second terminal would) and waits until it is ready. ``python`` blocks run
@@ -32,6 +34,7 @@ from tests.server import free_ports
 GUIDES = ("docs/serving.md", "docs/export.md", "docs/configuration.md", "docs/deployment.md")
 SKIP = re.compile(r"<!-- readme-test: skip: (.+?) -->")
 SERVE = re.compile(r"^(\w+=\S+ )*addnorm-serve\b")
+NUMBER = re.compile(r"-?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?")
 
 
 @dataclass
@@ -47,7 +50,7 @@ class Block:
 def readme_blocks(text: str) -> list[Block]:
     lines = text.splitlines()
     found: list[Block] = []
-    i = 0
+    i = after = 0  # after: the line after the last block's closing fence
     while i < len(lines):
         if not lines[i].startswith("```"):
             i += 1
@@ -56,10 +59,11 @@ def readme_blocks(text: str) -> list[Block]:
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
         skip = SKIP.search(lines[start - 1]) if start else None
         found.append(Block(lang, "\n".join(lines[start + 1 : end]), start + 1, skip and skip[1], False))
-        if lang == "" and len(found) > 1:
+        # an output block is one right after its block (blank lines between at most), never one past some prose
+        if lang == "" and len(found) > 1 and not any(line.strip() for line in lines[after:start]):
             found[-2].output = found[-1].code
             found[-2].shows_error = '"error"' in found[-1].code
-        i = end + 1
+        i = after = end + 1
     return found
 
 
@@ -184,10 +188,59 @@ def _run_block(session: Session, b: Block, where: str, exact: bool) -> None:
                 session.serve(command)
             else:
                 printed = session.run(["bash", "-c", command], f"{where}: `{command}`", b.shows_error)
-    if exact and b.output is not None:  # a sh block's output block shows its last command's
+    if b.output is None:
+        return
+    if exact:  # a sh block's output block shows its last command's
         assert printed.strip() == b.output.strip(), (
             f"{where} printed {printed.strip()!r}, shows {b.output.strip()!r}"
         )
+    else:
+        assert alike(printed, b.output, cut="head -c" in code), (
+            f"{where} printed {printed!r}, shows {b.output!r}"
+        )
+
+
+def alike(printed: str, shown: str, cut: bool = False, rtol: float = 1e-4, atol: float = 1e-5) -> bool:
+    """``printed`` is ``shown`` but for its numbers' last digits: the text between numbers the same (runs of
+    spaces as one, none inside brackets: numpy aligns its columns by their digits), each number within ``atol + rtol * |shown|``.
+    ``cut``: both were cut after so many characters, so only the numbers both show whole are compared (and at
+    least all but two of the shorter's)."""
+    texts, numbers = [], []
+    for s in (printed, shown):
+        s = re.sub(r"([\[(]) | ([\])])", r"\1\2", re.sub(r"\s+", " ", s.strip()))
+        found = list(NUMBER.finditer(s))
+        if cut and found:  # the last one may be cut short
+            s, found = s[: found[-1].start()], found[:-1]
+        texts.append(NUMBER.split(s))
+        numbers.append([float(m[0]) for m in found])
+    n = min(map(len, numbers))
+    if cut:
+        if n < max(map(len, numbers)) - 2:
+            return False
+        texts = [t[: n + 1] for t in texts]
+        texts = [[*t[:-1], ""] for t in texts]  # what follows the last number compared is cut off too
+    elif len(numbers[0]) != len(numbers[1]):
+        return False
+    return texts[0] == texts[1] and all(
+        abs(a - b) <= atol + rtol * abs(b) for a, b in zip(numbers[0][:n], numbers[1][:n], strict=True)
+    )
+
+
+@pytest.mark.unit
+def test_a_guides_output_may_differ_in_its_numbers_last_digits_only():
+    shown = "(8, 128, 768) [ 0.40606278 -0.20658901  0.6748876 ]"
+    assert alike("(8, 128, 768) [ 0.40606275 -0.20658901  0.6748876 ]", shown)
+    assert alike("(8, 128, 768) [0.406063   -0.206589  0.674888]", shown)  # numpy's columns, shorter digits
+    assert not alike("(8, 128, 768) [ 0.41606278 -0.20658901  0.6748876 ]", shown)  # another answer
+    assert not alike("(8, 128, 767) [ 0.40606278 -0.20658901  0.6748876 ]", shown)
+    assert not alike("(8, 128, 768) [ 0.40606278 -0.20658901 ]", shown)
+    assert not alike('{"encoded":[[0.0296]]}', '{"encoding":[[0.0296]]}')
+    whole = '{"encoded":[[0.029600404,-0.5877869,-1.8657454,0.56703913,0.16583282],"shape":[1,5]}'
+    longer = '{"encoded":[[0.029600233,-0.58778715,-1.8657457,0.56703943,0.16583331],"shape":[1,5]}'
+    for n in (60, 64, 75):  # both cut after n characters: a number cut short is not compared ...
+        assert alike(longer[:n], whole[:n], cut=True)
+    assert not alike(longer[:64], whole[:64])  # ... which, taken whole, differs: "0.1658" against "0.16583"
+    assert not alike(longer.replace("-1.8657457", "-1.9657457")[:60], whole[:60], cut=True)
 
 
 @pytest.mark.unit
@@ -206,8 +259,15 @@ def test_the_parser_reads_blocks_skips_and_error_outputs():
             "```python",
             "print(1)",
             "```",
+            "Some prose, then a block of another page's output:",
+            "```",
+            "2",
+            "```",
         ]
     )
-    sh, out, py = readme_blocks(text)
+    sh, out, py, other = readme_blocks(text)
     assert sh.lang == "sh" and sh.shows_error and commands(sh.code) == ["curl -s x  -d y   # a comment"]
-    assert out.lang == "" and py.skip == "needs a GPU" and not py.shows_error
+    assert (
+        sh.output == '{"error":"bad"}' and out.lang == "" and py.skip == "needs a GPU" and not py.shows_error
+    )
+    assert py.output is None and other.code == "2"
