@@ -202,9 +202,9 @@ def _run_block(session: Session, b: Block, where: str, exact: bool) -> None:
 
 def alike(printed: str, shown: str, cut: bool = False, rtol: float = 1e-4, atol: float = 1e-5) -> bool:
     """``printed`` is ``shown`` but for its numbers' last digits: the text between numbers the same (runs of
-    spaces as one, none inside brackets: numpy aligns its columns by their digits), each number within ``atol + rtol * |shown|``.
-    ``cut``: both were cut after so many characters, so only the numbers both show whole are compared (and at
-    least all but two of the shorter's)."""
+    spaces as one, none inside brackets: numpy aligns its columns by their digits), each number within
+    ``atol + rtol * |shown|``. ``cut``: both were cut after so many characters, so only the numbers both show whole
+    are compared (at least all but two of the longer's)."""
     texts, numbers = [], []
     for s in (printed, shown):
         s = re.sub(r"([\[(]) | ([\])])", r"\1\2", re.sub(r"\s+", " ", s.strip()))
@@ -217,8 +217,7 @@ def alike(printed: str, shown: str, cut: bool = False, rtol: float = 1e-4, atol:
     if cut:
         if n < max(map(len, numbers)) - 2:
             return False
-        texts = [t[: n + 1] for t in texts]
-        texts = [[*t[:-1], ""] for t in texts]  # what follows the last number compared is cut off too
+        texts = [t[:n] for t in texts]  # the text before each number compared (what follows the last is cut)
     elif len(numbers[0]) != len(numbers[1]):
         return False
     return texts[0] == texts[1] and all(
