@@ -183,6 +183,7 @@ def cell(
         "tokens_per_s": tokens / result.seconds,
         "p50_ms": result.pct(50),
         "p99_ms": result.pct(99),
+        "requests": result.requests,
     }, tokens
 
 

@@ -18,7 +18,15 @@ of 8 sentences, from 1, 8 and 32 closed-loop keep-alive clients, against:
   ``infinity_emb`` command is found (``--infinity PATH``; else that column says why not).
 
 Servers run one at a time; ``--rounds`` rounds, the medians. Sentences/s and real tokens/s (special tokens
-included) per cell, and each server's ratio to the limit. Also: tokenization's share of the limit's CPU time.
+included) per cell, and each server's ratio to the limit. Also: tokenization's share of the limit's CPU time, and
+addnorm-serve's CPU per request at 32 clients from /proc (all its threads, its event loop's part) with
+tokenizing's part (``TextTokenizer.ids`` and ``pad`` on the same requests, timed in this process).
+
+And, where the machine has a core to spare, the same 32-client cells with onnxruntime on one core fewer in both
+the limit and addnorm-serve (``--intra-op-threads``): the server's HTTP front (uvicorn, FastAPI, JSON, the event
+loop) and the load generator then have a core of their own instead of taking it from the model's threads, which
+is what a machine with cores to spare gives. The gap between the two tables is the front's CPU on the model's
+cores.
 """
 
 from __future__ import annotations
@@ -68,15 +76,20 @@ def export_minilm(out: Path) -> Path:
 
 
 def limits(
-    artifact: Path, texts: list[str], sizes: tuple[int, ...], repeat: int = 3, copies: int = 16
+    artifact: Path,
+    texts: list[str],
+    sizes: tuple[int, ...],
+    repeat: int = 3,
+    copies: int = 16,
+    threads: int = 0,
 ) -> tuple[dict[int, float], float]:
     """Tokens/s of the graphs run in process on ``copies`` of ``texts`` (as a server under load sees each sentence
     many times), tokenization included, sorted by token count and run in batches of each of ``sizes`` sentences
     (a server with that many sentences in flight can batch no more); and tokenization's share of the time at the
-    largest size."""
+    largest size. ``threads``: onnxruntime's intra-op threads (0: the server's default, one per physical core)."""
     from addnorm.service.backend.engine import Engine
 
-    engine = Engine(artifact, "cpu")
+    engine = Engine(artifact, "cpu", intra_op_threads=threads)
     front = engine.text
     tok = front.tokenizer
     pool = texts * copies
@@ -214,8 +227,46 @@ def infinity(command: str | None, model: Path):
         proc.wait(30)
 
 
+def tokenize_ms(tok, texts: list[str], size: int, repeat: int = 3) -> float:
+    """Milliseconds of CPU the server's tokenizing takes per request of ``size`` sentences (``TextTokenizer.ids``
+    and ``pad``, as ``decode_texts`` calls them), in this process: the best of ``repeat`` passes over every
+    request."""
+    reqs = groups(texts, size)
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.process_time()
+        for group in reqs:
+            tok.pad(*tok.ids(group, truncate=True))
+        best = min(best, time.process_time() - start)
+    return best / len(reqs) * 1e3
+
+
+def addnorm_cells(artifact: Path, texts, counts, seconds: float, clients, flags=()) -> dict[str, dict]:
+    """addnorm-serve (``flags`` added) by ``size|clients``: its cell's row, and its CPU per request from /proc,
+    all of its threads and its event loop's alone (ms)."""
+    from bench.measure import process_cpu_s
+
+    out = {}
+    with ServerProcess(["-m", "addnorm.service", "--artifact", str(artifact), *flags], capture=False) as srv:
+        pid = srv.proc.pid
+        for size in SIZES:
+            load = requests(srv.port, texts, size, counts, "minilm")
+            for c in clients:
+                cpu0, loop0 = process_cpu_s(pid), process_cpu_s(pid, pid)
+                row, _ = cell(srv.port, load, c, seconds, f"addnorm {size}")
+                n = max(row["requests"], 1)
+                row["cpu_ms"] = (process_cpu_s(pid) - cpu0) / n * 1e3
+                row["loop_ms"] = (process_cpu_s(pid, pid) - loop0) / n * 1e3
+                out[f"{size}|{c}"] = row
+    return out
+
+
 def measure(rounds: int, seconds: float, infinity_cmd: str | None) -> dict:
+    from addnorm.service.backend.cores import default_threads
+
     texts = sentences()
+    threads = default_threads()
+    fewer = threads - 1  # onnxruntime on one core fewer: the HTTP front and the load generator get one
     with tempfile.TemporaryDirectory() as tmp:
         artifact = export_minilm(Path(tmp) / "minilm")
         from addnorm.model.artifact import Manifest
@@ -225,8 +276,10 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None) -> dict:
         tok = TextTokenizer((artifact / "tokenizer.json").read_bytes(), manifest.text)
         counts = dict(zip(texts, tok.encode(texts, truncate=True).lengths, strict=True))
         cells: dict[str, list[float]] = {}
+        cpu: dict[str, list[tuple[float, float]]] = {}
         sizes = tuple(sorted({in_flight(c, s) for c in CLIENTS for s in SIZES}))
         by_size: dict[int, list[float]] = {}
+        fewer_limit: dict[int, list[float]] = {}
         shares = []
         for _ in range(rounds):
             rates, share = limits(artifact, texts, sizes)
@@ -236,28 +289,30 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None) -> dict:
             for (size, c), rate in core(artifact, texts, seconds).items():
                 cells.setdefault(f"addnorm's core, in process|{size}|{c}", []).append(rate)
             print("  addnorm's core done", file=sys.stderr, flush=True)
-            servers = [
-                (
-                    "addnorm",
-                    lambda: ServerProcess(
-                        ["-m", "addnorm.service", "--artifact", str(artifact)], capture=False
-                    ),
-                    "/v1/embeddings",
-                ),
-                (
-                    "FastAPI + sentence-transformers",
-                    lambda: ServerProcess(["-m", "bench.st_app", "--model", str(minilm())]),
-                    "/v1/embeddings",
-                ),
-            ]
-            for name, start, _path in servers:
-                with start() as srv:
-                    for size in SIZES:
-                        load = requests(srv.port, texts, size, counts, "minilm")
-                        for c in CLIENTS:
-                            row, _ = cell(srv.port, load, c, seconds, f"{name} {size}")
-                            cells.setdefault(f"{name}|{size}|{c}", []).append(row["tokens_per_s"])
-                print(f"  {name} done", file=sys.stderr, flush=True)
+            for key, row in addnorm_cells(artifact, texts, counts, seconds, CLIENTS).items():
+                cells.setdefault(f"addnorm|{key}", []).append(row["tokens_per_s"])
+                cpu.setdefault(key, []).append((row["cpu_ms"], row["loop_ms"]))
+            print("  addnorm done", file=sys.stderr, flush=True)
+            if fewer:
+                top = tuple(sorted({in_flight(CLIENTS[-1], s) for s in SIZES}))
+                for size, rate in limits(artifact, texts, top, threads=fewer)[0].items():
+                    fewer_limit.setdefault(size, []).append(rate)
+                flags = ("--intra-op-threads", str(fewer))
+                for key, row in addnorm_cells(artifact, texts, counts, seconds, CLIENTS[-1:], flags).items():
+                    cells.setdefault(f"fewer|{key}", []).append(row["tokens_per_s"])
+                print(
+                    f"  addnorm, onnxruntime on {fewer} of {threads} threads, done",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            with ServerProcess(["-m", "bench.st_app", "--model", str(minilm())]) as srv:
+                name = "FastAPI + sentence-transformers"
+                for size in SIZES:
+                    load = requests(srv.port, texts, size, counts, "minilm")
+                    for c in CLIENTS:
+                        row, _ = cell(srv.port, load, c, seconds, f"{name} {size}")
+                        cells.setdefault(f"{name}|{size}|{c}", []).append(row["tokens_per_s"])
+            print(f"  {name} done", file=sys.stderr, flush=True)
             with infinity(infinity_cmd, minilm()) as port:
                 if port is not None:
                     for size in SIZES:
@@ -269,13 +324,29 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None) -> dict:
                             row, _ = cell(port, load, c, seconds, f"infinity {size}")
                             cells.setdefault(f"Infinity|{size}|{c}", []).append(row["tokens_per_s"])
     mean_tokens = float(np.mean(list(counts.values())))
+    medians = {k: statistics.median(v) for k, v in cells.items()}
     return {
         "cpu_flags": sorted(cpu_flags()),
         "sentences": len(texts),
         "mean_tokens": mean_tokens,
         "limit_tokens_per_s": {str(k): statistics.median(v) for k, v in by_size.items()},
         "tokenization_share": statistics.median(shares),
-        "cells": {k: statistics.median(v) for k, v in cells.items()},
+        "cells": {k: v for k, v in medians.items() if not k.startswith("fewer|")},
+        "server_cpu_ms": {
+            k: {
+                "total": statistics.median(c for c, _ in v),
+                "event_loop": statistics.median(loop for _, loop in v),
+                "tokenizing": tokenize_ms(tok, texts, int(k.split("|")[0])),
+            }
+            for k, v in cpu.items()
+            if k.endswith(f"|{CLIENTS[-1]}")
+        },
+        "fewer_threads": {
+            "threads": fewer,
+            "of": threads,
+            "limit_tokens_per_s": {str(k): statistics.median(v) for k, v in fewer_limit.items()},
+            "cells": {k.removeprefix("fewer|"): v for k, v in medians.items() if k.startswith("fewer|")},
+        },
         "mean_tokens_per_sentence": mean_tokens,
         "infinity": infinity_cmd or "not installed (pip install 'infinity-emb[server]')",
     }
@@ -294,10 +365,39 @@ def table(res: dict) -> str:
     ]
     for key, tps in res["cells"].items():
         name, size, clients = key.split("|")
-        # the best length-sorted batching of at most that many sentences (a bigger batch pads more here)
-        lim = max(v for k, v in lims.items() if int(k) <= in_flight(int(clients), int(size)))
+        lim = best_limit(lims, in_flight(int(clients), int(size)))
         lines.append(f"| {name} | {size} | {clients} | {tps / per:,.0f} | {tps:,.0f} | {tps / lim:.2f}x |")
+    lines += [
+        "",
+        "addnorm-serve's CPU per request (all its threads; its event loop's part; tokenizing's part):",
+    ]
+    for key, ms in res["server_cpu_ms"].items():
+        size, clients = key.split("|")
+        lines.append(
+            f"- {size} sentence(s) a request, {clients} clients: {ms['total']:.2f} ms; the event loop "
+            f"{ms['event_loop']:.2f} ms ({ms['event_loop'] / ms['total']:.0%}); tokenizing {ms['tokenizing']:.3f} "
+            f"ms ({ms['tokenizing'] / ms['total']:.1%})"
+        )
+    few = res["fewer_threads"]
+    if few["threads"]:
+        lines += [
+            "",
+            f"onnxruntime on {few['threads']} of the {few['of']} cores' threads, in the limit and in addnorm-serve "
+            "(--intra-op-threads), the other core left to the HTTP front and the load generator:",
+            "",
+            "| server | sentences / request | clients | tokens/s | the limit on as many threads | ratio |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for key, tps in few["cells"].items():
+            size, clients = key.split("|")
+            lim = best_limit(few["limit_tokens_per_s"], in_flight(int(clients), int(size)))
+            lines.append(f"| addnorm | {size} | {clients} | {tps:,.0f} | {lim:,.0f} | {tps / lim:.2f}x |")
     return "\n".join(lines)
+
+
+def best_limit(lims: dict[str, float], in_flight: int) -> float:
+    """The best length-sorted batching of at most ``in_flight`` sentences (a bigger batch pads more here)."""
+    return max(v for k, v in lims.items() if int(k) <= in_flight)
 
 
 def main(argv: list[str] | None = None) -> int:

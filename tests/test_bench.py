@@ -412,3 +412,63 @@ def test_the_text_benchmarks_core_row_runs_the_servers_own_model(tmp_path, monke
     rates = text.core(artifact, TEXTS, 0.1)
     assert sorted(rates) == [(1, 1), (1, 3), (2, 1), (2, 3)]
     assert all(rate > 0 for rate in rates.values()) and served and set(served) <= {1, 2}
+
+
+def test_the_text_benchmarks_addnorm_cells_count_the_servers_cpu(tmp_path, monkeypatch):
+    """``bench.text.addnorm_cells`` runs addnorm-serve with the flags given (here onnxruntime on one thread, as the
+    fewer-threads rows do) and puts the server's CPU per request beside each cell: its event loop's part is some of
+    all its threads' (no timing asserted)."""
+    from addnorm.export import cli as export_cli
+    from addnorm.model.artifact import Manifest
+    from addnorm.model.tokenize import TextTokenizer
+
+    from bench import text
+    from tests.text_models import TEXTS, make_model_dir
+
+    model_dir = make_model_dir("bert", tmp_path / "model")
+    artifact = tmp_path / "artifact"
+    assert (
+        export_cli.main(["--from", str(model_dir), "--artifact", str(artifact), "--name", "minilm", "-q"])
+        == 0
+    )
+    tok = TextTokenizer((artifact / "tokenizer.json").read_bytes(), Manifest.load(artifact).text)
+    counts = dict(zip(TEXTS, tok.encode(TEXTS, truncate=True).lengths, strict=True))
+    monkeypatch.setattr(text, "SIZES", (1, 2))
+    cells = text.addnorm_cells(artifact, TEXTS, counts, 0.3, (2,), ("--intra-op-threads", "1"))
+    assert sorted(cells) == ["1|2", "2|2"]
+    for row in cells.values():
+        assert row["requests"] > 0 and row["tokens_per_s"] > 0
+        assert 0 < row["loop_ms"] <= row["cpu_ms"]
+    assert 0 < text.tokenize_ms(tok, TEXTS, 2) < 1e3
+
+
+def test_the_text_benchmarks_table_judges_each_row_by_its_own_limit():
+    """Every row against the limit at its sentences in flight (the best batching of at most that many); the
+    fewer-threads rows against the limit on as many threads; the CPU lines as shares of the server's CPU."""
+    from bench import text
+
+    res = {
+        "cpu_flags": ["avx2"],
+        "sentences": 3,
+        "mean_tokens_per_sentence": 10.0,
+        "limit_tokens_per_s": {"1": 100.0, "8": 400.0, "32": 500.0, "256": 300.0},
+        "tokenization_share": 0.01,
+        "infinity": "not installed",
+        "cells": {"addnorm|1|32": 450.0, "addnorm|8|32": 400.0, "addnorm|1|1": 50.0},
+        "server_cpu_ms": {"1|32": {"total": 2.0, "event_loop": 0.5, "tokenizing": 0.02}},
+        "fewer_threads": {
+            "threads": 1,
+            "of": 2,
+            "limit_tokens_per_s": {"32": 200.0, "256": 150.0},
+            "cells": {"1|32": 190.0, "8|32": 210.0},
+        },
+    }
+    out = text.table(res)
+    assert "| addnorm | 1 | 32 | 45 | 450 | 0.90x |" in out
+    assert "| addnorm | 8 | 32 | 40 | 400 | 0.80x |" in out  # 256 in flight: the best of 1..256 is 32's 500
+    assert "| addnorm | 1 | 1 | 5 | 50 | 0.50x |" in out
+    assert "2.00 ms; the event loop 0.50 ms (25%); tokenizing 0.020 ms (1.0%)" in out
+    assert "| addnorm | 1 | 32 | 190 | 200 | 0.95x |" in out
+    assert "| addnorm | 8 | 32 | 210 | 200 | 1.05x |" in out
+    res["fewer_threads"]["threads"] = 0  # a one-core machine: no such rows
+    assert "on as many threads" not in text.table(res)
