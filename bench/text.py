@@ -280,6 +280,7 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None) -> dict:
         sizes = tuple(sorted({in_flight(c, s) for c in CLIENTS for s in SIZES}))
         by_size: dict[int, list[float]] = {}
         fewer_limit: dict[int, list[float]] = {}
+        fewer_cells: dict[str, list[float]] = {}
         shares = []
         for _ in range(rounds):
             rates, share = limits(artifact, texts, sizes)
@@ -299,7 +300,7 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None) -> dict:
                     fewer_limit.setdefault(size, []).append(rate)
                 flags = ("--intra-op-threads", str(fewer))
                 for key, row in addnorm_cells(artifact, texts, counts, seconds, CLIENTS[-1:], flags).items():
-                    cells.setdefault(f"fewer|{key}", []).append(row["tokens_per_s"])
+                    fewer_cells.setdefault(key, []).append(row["tokens_per_s"])
                 print(
                     f"  addnorm, onnxruntime on {fewer} of {threads} threads, done",
                     file=sys.stderr,
@@ -324,14 +325,13 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None) -> dict:
                             row, _ = cell(port, load, c, seconds, f"infinity {size}")
                             cells.setdefault(f"Infinity|{size}|{c}", []).append(row["tokens_per_s"])
     mean_tokens = float(np.mean(list(counts.values())))
-    medians = {k: statistics.median(v) for k, v in cells.items()}
     return {
         "cpu_flags": sorted(cpu_flags()),
         "sentences": len(texts),
         "mean_tokens": mean_tokens,
         "limit_tokens_per_s": {str(k): statistics.median(v) for k, v in by_size.items()},
         "tokenization_share": statistics.median(shares),
-        "cells": {k: v for k, v in medians.items() if not k.startswith("fewer|")},
+        "cells": {k: statistics.median(v) for k, v in cells.items()},
         "server_cpu_ms": {
             k: {
                 "total": statistics.median(c for c, _ in v),
@@ -345,7 +345,7 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None) -> dict:
             "threads": fewer,
             "of": threads,
             "limit_tokens_per_s": {str(k): statistics.median(v) for k, v in fewer_limit.items()},
-            "cells": {k.removeprefix("fewer|"): v for k, v in medians.items() if k.startswith("fewer|")},
+            "cells": {k: statistics.median(v) for k, v in fewer_cells.items()},
         },
         "mean_tokens_per_sentence": mean_tokens,
         "infinity": infinity_cmd or "not installed (pip install 'infinity-emb[server]')",
