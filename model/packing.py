@@ -10,9 +10,9 @@ concatenated, flat, and where each sequence starts (``offsets``, in elements) an
 Everything else speaks padded batches: the engine, the gate, the golden check. ``feed`` turns one into a packed
 graph's inputs, each row computed to its own length (``lengths``; the whole row by default, which is what makes
 a packed graph's answers comparable position by position with torch's on the same padded batch). The server
-computes each row to ``real_lengths``: neither the padding merging adds nor a request's own trailing padding. On a
-padded graph it does so by queueing a request's rows cut to their real lengths (``pieces``, ``joined``); either way
-those positions answer zeros (``answered``).
+computes each row to ``real_lengths``: neither the padding merging adds nor a request's own trailing padding. It
+queues a request's rows cut to their real lengths (``pieces``, ``joined``), which a padded graph needs for that and
+a packed one for its attention (padded to a run's longest); those positions answer zeros (``answered``).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ Piece = tuple[np.ndarray, int]  # a request's rows (their indices) and the lengt
 
 def pieces(mask: np.ndarray, most: int = MAX_PIECES) -> list[Piece] | None:
     """A padded request (``mask`` (B, S)) as pieces, its rows grouped by real length, each cut to its group's
-    longest: what a padded graph computes of it, queued apart (the batcher merges near lengths by cost). Rows of one
+    longest, queued apart (the batcher merges near lengths by cost). Rows of one
     length share a piece; past ``most`` lengths, runs of near lengths do (cut at the widest gaps between them; a
     shorter row's own padding in such a piece is computed, masked). None when no row has trailing padding."""
     lengths = real_lengths(mask)

@@ -154,11 +154,46 @@ def test_a_clients_own_trailing_padding_is_not_computed(artifacts):
         return answer["encoded"]
 
     got = asyncio.run(main())
-    assert calls == [[12, 5, 2, 9]] and runs[0].positions == runs[0].requested == 28, (calls, runs)
+    # queued as pieces by real length, merged back into one run here (the cost model's choice): their lengths
+    assert len(calls) == 1 and sorted(calls[0]) == [2, 5, 9, 12], (calls, runs)
+    assert runs[0].positions == runs[0].requested == 28, runs
     want = padded.run(x, mask)["encoded"]
     want[np.arange(12)[None, :] >= np.array([12, 5, 2, 9])[:, None]] = 0.0
     _close(got, want)
     assert not got[1, 5:].any() and got[3, 1].any()
+
+
+def test_on_a_packed_graph_a_clients_short_rows_do_not_pay_its_long_rows_attention(artifacts):
+    """A packed graph computes no padding's products, but its attention runs padded to its run's longest: a client's
+    batch of one long row and short ones is queued as pieces by real length too, so where attention weighs (the
+    cost model), the short rows run apart from the long one instead of paying seq^2 each; answers as the padded
+    twin's."""
+    engine, padded = Engine(artifacts[0], "cpu"), Engine(artifacts[1], "cpu")
+    calls: list = []
+
+    class Recorded:
+        packed, threads = True, engine.threads
+
+        def run(self, x, mask=None, lengths=None):
+            calls.append((x.shape[1], None if lengths is None else sorted(lengths.tolist())))
+            return engine.run(x, mask, lengths)
+
+    lengths = np.array([64, 2, 3, 2])
+    x = np.random.default_rng(5).standard_normal((4, 64, SMALL.d_model)).astype(np.float32)
+    mask = np.arange(64)[None, :] >= lengths[:, None]
+
+    async def main():
+        batcher = Batcher(Recorded(), costs=merging.Costs(8.0, True, 64.0))
+        batcher.start()
+        answer, _ = await batcher.infer(x, mask)
+        await batcher.stop()
+        return answer["encoded"]
+
+    got = asyncio.run(main())
+    assert sorted(calls) == [(3, [2, 2, 3]), (64, [64])], calls
+    want = padded.run(x, mask)["encoded"]
+    want[mask] = 0.0
+    _close(got, want)
 
 
 def test_a_padded_graph_queues_a_clients_rows_by_their_real_lengths(artifacts):
