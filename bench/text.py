@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -241,24 +242,40 @@ def tokenize_ms(tok, texts: list[str], size: int, repeat: int = 3) -> float:
     return best / len(reqs) * 1e3
 
 
-def addnorm_cells(artifact: Path, texts, counts, seconds: float, clients, flags=()) -> dict[str, dict]:
-    """addnorm-serve (``flags`` added) by ``size|clients``: its cell's row, and its CPU per request from /proc,
-    all of its threads and its event loop's alone (ms)."""
+def server_cells(
+    port: int, load_for, clients, seconds: float, what: str, pid: int | None = None
+) -> dict[str, dict]:
+    """One server's cells by ``size|clients`` (``load_for(size)``: its requests of that many sentences); with
+    ``pid``, its CPU per request from /proc beside each: all of its threads (``cpu_ms``) and its event loop's alone
+    (``loop_ms``)."""
     from bench.measure import process_cpu_s
 
     out = {}
-    with ServerProcess(["-m", "addnorm.service", "--artifact", str(artifact), *flags], capture=False) as srv:
-        pid = srv.proc.pid
-        for size in SIZES:
-            load = requests(srv.port, texts, size, counts, "minilm")
-            for c in clients:
+    for size in SIZES:
+        load = load_for(size)
+        for c in clients:
+            if pid is not None:
                 cpu0, loop0 = process_cpu_s(pid), process_cpu_s(pid, pid)
-                row, _ = cell(srv.port, load, c, seconds, f"addnorm {size}")
+            row, _ = cell(port, load, c, seconds, f"{what} {size}")
+            if pid is not None:
                 n = max(row["requests"], 1)
                 row["cpu_ms"] = (process_cpu_s(pid) - cpu0) / n * 1e3
                 row["loop_ms"] = (process_cpu_s(pid, pid) - loop0) / n * 1e3
-                out[f"{size}|{c}"] = row
+            out[f"{size}|{c}"] = row
     return out
+
+
+def addnorm_cells(artifact: Path, texts, counts, seconds: float, clients, flags=()) -> dict[str, dict]:
+    """addnorm-serve (``flags`` added): ``server_cells`` with its CPU per request."""
+    with ServerProcess(["-m", "addnorm.service", "--artifact", str(artifact), *flags], capture=False) as srv:
+        return server_cells(
+            srv.port,
+            partial(requests, srv.port, texts, counts=counts, model="minilm"),
+            clients,
+            seconds,
+            "addnorm",
+            srv.proc.pid,
+        )
 
 
 def measure(rounds: int, seconds: float, infinity_cmd: str | None) -> dict:
@@ -306,24 +323,23 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None) -> dict:
                     file=sys.stderr,
                     flush=True,
                 )
+            name = "FastAPI + sentence-transformers"
             with ServerProcess(["-m", "bench.st_app", "--model", str(minilm())]) as srv:
-                name = "FastAPI + sentence-transformers"
-                for size in SIZES:
-                    load = requests(srv.port, texts, size, counts, "minilm")
-                    for c in CLIENTS:
-                        row, _ = cell(srv.port, load, c, seconds, f"{name} {size}")
-                        cells.setdefault(f"{name}|{size}|{c}", []).append(row["tokens_per_s"])
+                load_for = partial(requests, srv.port, texts, counts=counts, model="minilm")
+                for key, row in server_cells(srv.port, load_for, CLIENTS, seconds, name).items():
+                    cells.setdefault(f"{name}|{key}", []).append(row["tokens_per_s"])
             print(f"  {name} done", file=sys.stderr, flush=True)
             with infinity(infinity_cmd, minilm()) as port:
                 if port is not None:
-                    for size in SIZES:
-                        load = [
+
+                    def infinity_load(size: int, port: int = port) -> list[tuple[int, bytes]]:
+                        return [
                             (n, r.replace(b"POST /v1/embeddings", b"POST /embeddings"))
                             for n, r in requests(port, texts, size, counts, str(minilm()))
                         ]
-                        for c in CLIENTS:
-                            row, _ = cell(port, load, c, seconds, f"infinity {size}")
-                            cells.setdefault(f"Infinity|{size}|{c}", []).append(row["tokens_per_s"])
+
+                    for key, row in server_cells(port, infinity_load, CLIENTS, seconds, "infinity").items():
+                        cells.setdefault(f"Infinity|{key}", []).append(row["tokens_per_s"])
     mean_tokens = float(np.mean(list(counts.values())))
     return {
         "cpu_flags": sorted(cpu_flags()),
