@@ -116,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="resident memory before, at the peak of and after N concurrent [1, 4096, d_model] requests",
     )
     r.add_argument("--clients", type=int, default=64, help="clients for --soak (default 64)")
+    r.add_argument(
+        "--stall",
+        action="store_true",
+        help="with --artifact DIR of a text model: 10 MB strings, 10 MB V2 BYTES elements (HTTP, gRPC), a 70 MB "
+        "body and the largest accepted text requests, each while another client probes; prints each one's answer, "
+        "the probe's slowest answers and the memory 10 s after",
+    )
     p.add_argument(
         "--cost-curve",
         action="store_true",
@@ -242,6 +249,14 @@ def reliability(args: argparse.Namespace) -> int:
     """--soak / --burst: print the figures as JSON; exit 1 when the soak saw a 5xx or a wrong answer."""
     from bench import reliability as rel
 
+    if args.stall:
+        from bench import stall
+
+        result = stall.stall(Path(args.artifact))
+        args.results.mkdir(parents=True, exist_ok=True)
+        (args.results / "stall.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(stall.table(result))
+        return 0
     artifact = setup(args).artifact
     if args.burst:
         print(json.dumps(rel.burst(artifact, args.burst), indent=2))
@@ -323,7 +338,7 @@ def section(args: argparse.Namespace, argv: list[str], name: str, run: typing.Ca
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    if args.soak or args.burst:  # the reliability figures: docs/reliability.md, written by hand
+    if args.soak or args.burst or args.stall:  # the reliability figures: docs/reliability.md
         return reliability(args)
     sections = {  # the first flag given decides; each writes its own block of the doc
         "perf_analyzer": lambda: perf_analyzer(args),

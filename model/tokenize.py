@@ -11,6 +11,30 @@ from addnorm.model.text import TextConfig
 from tokenizers import Tokenizer
 
 
+# A text of max_length tokens is never longer than this many characters a token (English runs 4-5, code 3, CJK 1-2):
+# a longer text is refused (or, asked to truncate, cut) before it is tokenized, so no request costs the tokenizer
+# more than max_length x this many characters an input (a 10 MB string took 10 s and 1 GB to tokenize whole).
+MAX_CHARS_PER_TOKEN = 32
+# Texts longer than this in all are tokenized by encode_batch, which lets go of the GIL while it works (a thread
+# tokenizing them leaves the event loop free); shorter ones by encode, cheaper for a sentence.
+BATCH_CHARS = 4096
+
+
+class TooManyChars(ValueError):
+    """An input is longer in characters than ``max_length`` tokens can be (``MAX_CHARS_PER_TOKEN``); ``truncated``:
+    it was cut to ``limit`` and still held fewer tokens than the model takes, so the cut would decide the answer."""
+
+    def __init__(self, index: int, chars: int, limit: int, truncated: bool = False) -> None:
+        self.index, self.chars, self.limit, self.truncated = index, chars, limit, truncated
+        self.reason = (
+            f"and its first {limit} hold fewer tokens than the model takes, so where a cut falls would change "
+            "the answer"
+            if truncated
+            else f"more than the model's max_length tokens can hold (at most {limit})"
+        )
+        super().__init__(f"input {index} has {chars} characters, {self.reason}")
+
+
 class TooLong(ValueError):
     """An input has more tokens than the model takes and the caller did not ask to truncate."""
 
@@ -50,17 +74,51 @@ class TextTokenizer:
         self._cut.no_padding()
         self._cut.enable_truncation(text.max_length)
 
+    @property
+    def max_chars(self) -> int:
+        """The longest text, in characters, this model's ``max_length`` tokens can hold (``MAX_CHARS_PER_TOKEN``)."""
+        return self.text.max_length * MAX_CHARS_PER_TOKEN
+
+    def within(self, texts: list[str], truncate: bool = False) -> tuple[list[str], list[int]]:
+        """``texts`` checked against ``max_chars`` before any is tokenized: TooManyChars for one over it, or, when
+        ``truncate``, cut to it at the last space in its final eighth (a word's boundary, so the tokens before the
+        cut are the whole text's). Also the indices of the texts cut."""
+        cap, cut = self.max_chars, []
+        for i, text in enumerate(texts):
+            if len(text) > cap:
+                if not truncate:
+                    raise TooManyChars(i, len(text), cap)
+                cut.append(i)
+        if not cut:
+            return texts, cut
+        texts = list(texts)
+        for i in cut:
+            head = texts[i][:cap]
+            space = head.rfind(" ", cap - cap // 8)
+            texts[i] = head[:space] if space > 0 else head
+        return texts, cut
+
     def encode(self, texts: list[str], truncate: bool = False) -> Batch:
         """Tokenize ``texts`` into a padded batch (TooLong for an input over ``max_length`` unless ``truncate``)."""
         return self.pad(*self.ids(texts, truncate))
 
     def ids(self, texts: list[str], truncate: bool = False) -> tuple[list[list[int]], list[list[int]]]:
-        """Each of ``texts``' token ids and token type ids, unpadded (TooLong as ``encode``)."""
+        """Each of ``texts``' token ids and token type ids, unpadded (TooLong as ``encode``; TooManyChars for a
+        text over ``max_chars``, checked before tokenizing: ``within``)."""
+        whole = texts
+        texts, cut = self.within(texts, truncate)
         tokenizer = self._cut if truncate else self._plain
-        # One input on the caller's thread: encode_batch lets go of the GIL and must win it back, a wait as long as
-        # the interpreter's switch interval when another thread runs Python (the server's inference thread).
-        encodings = [tokenizer.encode(texts[0])] if len(texts) == 1 else tokenizer.encode_batch(texts)
+        # One short input on the caller's thread: encode_batch lets go of the GIL and must win it back, a wait as long
+        # as the interpreter's switch interval when another thread runs Python (the server's inference thread). A long
+        # one goes through encode_batch, which holds no GIL while it works.
+        if len(texts) == 1 and len(texts[0]) <= BATCH_CHARS:
+            encodings = [tokenizer.encode(texts[0])]
+        else:
+            encodings = tokenizer.encode_batch(texts)
         ids = [e.ids for e in encodings]
+        for i in cut:
+            if len(ids[i]) < self.text.max_length:  # the cut text is short of the limit: the cut decided the answer
+                raise TooManyChars(i, len(whole[i]), self.max_chars, truncated=True)
         if not truncate:
             for i, row in enumerate(ids):
                 if len(row) > self.text.max_length:
@@ -69,7 +127,8 @@ class TextTokenizer:
 
     def tokens(self, texts: list[str], special: bool = True) -> list[list[tuple[int, str, bool, int, int]]]:
         """Each input's tokens as (id, text, special, start, stop), the offsets in characters of the input (TEI's
-        /tokenize); ``special``: with the special tokens the model adds."""
+        /tokenize); ``special``: with the special tokens the model adds. TooManyChars for a text over ``max_chars``."""
+        self.within(texts)
         encodings = self._plain.encode_batch(texts, add_special_tokens=special)
         return [
             [

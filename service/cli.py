@@ -171,20 +171,19 @@ def main(argv: list[str] | None = None) -> int:
     # handler it found: with this one in place, a drained server exits 0 instead of dying of the signal (-15).
     signal.signal(signal.SIGTERM, _drained)
     uv_log = "warning" if settings.log_level == "info" else settings.log_level
-    # uvicorn's documented options only (uvicorn.Config): its connection cap (--limit-concurrency: a plain-text 503
-    # beyond it, counting connections and requests in flight), idle keep-alive, no WebSocket (an Upgrade request
-    # is answered as plain HTTP). The rest of the connection's protections (the head's deadline and size, JSON
-    # refusals of bytes the parser rejects, trailer fields) belong to the front proxy: deploy/nginx/, and
-    # docs/reliability.md says which protection lives where.
+    # uvicorn runs the server (lifespan, signals, graceful shutdown, workers) with its documented options, and its
+    # `http` option takes addnorm's own HTTP/1.1 connection (service/front/http11.py), which holds every
+    # protection a connection needs (the head's deadline and size, idle and send deadlines, trailer fields that
+    # never reach the app, pipelined answers before a refusal, unread answers bounded, the connection cap: JSON
+    # refusals). The front proxy (deploy/nginx) adds to them; docs/reliability.md says which lives where.
     common = dict(
         host=settings.host,
         port=settings.port,
         log_config=None,
         log_level=uv_log,
         access_log=False,
-        http="httptools",
+        http="addnorm.service.front.http11:Http11",
         ws="none",
-        limit_concurrency=settings.max_connections,
         timeout_keep_alive=settings.keep_alive_s,
         # No X-Forwarded-For rewriting: nothing here reads the client's address, and it is one more layer per
         # request (the request path's CPU: docs/benchmarks.md).

@@ -154,14 +154,14 @@ class Settings(BaseSettings):
     max_connections: int = Field(
         1000,
         ge=1,
-        description="HTTP connections (or requests in flight) beyond this get 503 (uvicorn's limit_concurrency, per "
-        "worker); gRPC calls beyond it wait",
+        description="HTTP connections (or requests in flight) beyond this get 503, per worker; gRPC calls beyond it "
+        "wait",
     )
     header_timeout_s: float = Field(
         10.0,
         gt=0,
-        description="a gRPC connection's handshake must finish within this time (an HTTP request's head: the front "
-        "proxy's client_header_timeout, deploy/nginx)",
+        description="an HTTP request's head must be complete within this time of its first byte, else 408 and the "
+        "connection closes (a gRPC connection's handshake likewise)",
     )
     body_timeout_s: float = Field(
         30.0,
@@ -169,18 +169,28 @@ class Settings(BaseSettings):
         description="a request's body must arrive within this time of its start, else 408 and the connection closes "
         "(a gRPC message: else DEADLINE_EXCEEDED)",
     )
-    keep_alive_s: float = Field(5.0, gt=0, description="idle keep-alive connections close after this time")
+    keep_alive_s: float = Field(
+        5.0,
+        gt=0,
+        description="a new or kept-alive HTTP connection that sends nothing for this long is closed",
+    )
     send_timeout_s: float = Field(
         30.0,
         gt=0,
-        description="the front proxy drops a client that reads nothing of its answer for this long (nginx's "
-        "send_timeout, deploy/nginx)",
+        description="a client that reads nothing of its answer for this long is disconnected (a connection holds "
+        "one unread answer at most: its next pipelined request waits)",
+    )
+    max_unread_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=65536,
+        description="answer bytes held for clients that do not read them, all connections together; past it, the "
+        "connection holding the most is closed",
     )
     max_answer_buffer_bytes: int = Field(
         8 * 1024 * 1024,
         ge=65536,
-        description="answer bytes the front proxy holds for one slow client, in memory; beyond them it reads the "
-        "server only as fast as the client reads (at most this x ADDNORM_MAX_CONNECTIONS in all)",
+        description="answer bytes the front proxy (deploy/nginx) holds for one slow client, in memory; beyond them "
+        "it reads the server only as fast as the client reads (at most this x ADDNORM_MAX_CONNECTIONS in all)",
     )
     request_timeout_s: float = Field(30.0, gt=0, description="a request not answered in this time gets 504")
     verify_on_load: Literal["strict", "warn", "off"] = Field(

@@ -1,6 +1,7 @@
-"""Connections, on both fronts a deployment has: addnorm-serve alone (uvicorn's documented options and the app's
-front) and behind its front proxy (nginx, configured by service/front/proxy.py as deploy/nginx is). Limits are
-answered, clients that trickle heads or bodies cannot hold the server, and bytes no parser accepts get a JSON 400.
+"""Connections, on both fronts a deployment has: addnorm-serve alone (its HTTP/1.1 connection, service/front/http11.py,
+and the app's front) and behind its front proxy (nginx, configured by service/front/proxy.py as deploy/nginx is).
+Every protection holds on both: limits are answered, clients that trickle heads or bodies, idle, or never read
+cannot hold the server, pipelined requests are answered before a refusal, and bytes no parser accepts get a JSON 400.
 docs/reliability.md says which protection lives where."""
 
 import contextlib
@@ -14,11 +15,21 @@ import pytest
 from tests.conftest import start_server
 from tests.helpers import front_proxy, queue_depth, wait_until
 
+STRICT = [
+    "--max-connections",
+    "4",
+    "--body-timeout-s",
+    "0.5",
+    "--keep-alive-s",
+    "1",
+    "--header-timeout-s",
+    "0.5",
+]
+
 
 @pytest.fixture(scope="module")
 def strict_server(tiny_artifact):
-    flags = ["--max-connections", "4", "--body-timeout-s", "0.5", "--keep-alive-s", "1"]
-    with start_server(tiny_artifact, *flags) as srv:
+    with start_server(tiny_artifact, *STRICT) as srv:
         yield srv
 
 
@@ -32,10 +43,15 @@ class _Proxied:
 @pytest.fixture(scope="module")
 def proxied(tiny_artifact):
     """Its own server (the proxy's idle connections to it count against its cap), behind nginx."""
-    flags = ["--max-connections", "4", "--body-timeout-s", "0.5", "--keep-alive-s", "1"]
     limits = dict(max_connections=4, header_timeout_s=0.5, body_timeout_s=0.5, keep_alive_s=1)
-    with start_server(tiny_artifact, *flags) as srv, front_proxy(srv.port, **limits) as port:
+    with start_server(tiny_artifact, *STRICT) as srv, front_proxy(srv.port, **limits) as port:
         yield _Proxied(port)
+
+
+@pytest.fixture(params=["alone", "behind the proxy"])
+def front(request):
+    """Each test that takes it runs twice: against addnorm-serve alone, and behind nginx."""
+    return request.getfixturevalue("strict_server" if request.param == "alone" else "proxied")
 
 
 # A limit on waits only, never the thing asserted: every deadline these tests exercise is 0.5-1 s, and what shows
@@ -65,14 +81,15 @@ def _still_serves(srv) -> None:
 
 
 def test_past_the_connection_limit_a_503(strict_server):
-    """uvicorn's cap (--limit-concurrency, from --max-connections): a request past it is refused 503 (uvicorn's
-    plain text; behind the proxy, the proxy's JSON: below)."""
+    """addnorm-serve's cap (--max-connections): a request on a connection past it is refused with a JSON 503 naming
+    the setting (behind the proxy, the proxy's: below)."""
     held = [_connect(strict_server) for _ in range(4)]
     try:
         time.sleep(0.1)
         extra = _connect(strict_server)
         extra.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert b" 503 " in extra.recv(65536).split(b"\r\n")[0] + b" "
+        status, doc = _status_and_json(_read_all(extra))
+        assert status == 503 and "ADDNORM_MAX_CONNECTIONS" in doc["error"]
     finally:
         for s in held:
             s.close()
@@ -101,19 +118,23 @@ def test_behind_the_proxy_past_the_connection_limit_a_json_503(proxied):
 
 
 @pytest.mark.parametrize("when", ["trickled", "nothing"])
-def test_behind_the_proxy_a_head_not_sent_in_time_is_closed(proxied, when):
-    """A head trickled a byte at a time, or never begun: closed at the header deadline, unanswered (nginx's way),
-    and the server serves on."""
-    s = _connect(proxied)
+def test_a_head_not_sent_in_time_is_closed(front, when):
+    """A head trickled a byte at a time: closed at the header deadline (0.5 s), with a JSON 408 from addnorm-serve,
+    unanswered by nginx; a connection that never sends a byte: closed silently once idle. The server serves on."""
+    s = _connect(front)
+    trickled = b"POST /v1/encode HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: " + b"a" * 200
     if when == "trickled":
         try:
-            for byte in b"POST /v1/encode HTTP/1.1\r\nHost: x\r\n":  # one byte every 100 ms
+            for byte in trickled:  # one byte every 50 ms: 12 s in all, were it not cut off
                 s.sendall(bytes([byte]))
-                time.sleep(0.1)
+                time.sleep(0.05)
         except OSError:
-            pass  # closed by the proxy, as it should be
-    assert _read_all(s) == b""
-    _still_serves(proxied)
+            pass  # closed, as it should be
+    raw = _read_all(s)
+    if raw:
+        status, doc = _status_and_json(raw)
+        assert when == "trickled" and status == 408 and "not received in time" in doc["error"], raw
+    _still_serves(front)
 
 
 def test_a_body_that_never_arrives_gets_408_and_the_connection_closes(strict_server):
@@ -136,9 +157,9 @@ def test_behind_the_proxy_a_body_that_never_arrives_is_cut_off(proxied):
     _still_serves(proxied)
 
 
-def test_idle_keep_alive_connections_close(strict_server):
+def test_idle_keep_alive_connections_close(front):
     """Kept alive after an answer (a second request on it is answered), closed once idle, silently."""
-    s = _connect(strict_server)
+    s = _connect(front)
     for _ in range(2):
         s.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
         answer = b""
@@ -151,19 +172,12 @@ def test_idle_keep_alive_connections_close(strict_server):
 @pytest.mark.parametrize(
     "garbage", [b"\x16\x03\x01 not http at all\r\n\r\n", b"GET / HTTP/1.1\r\nHo st: x\r\n\r\n"]
 )
-def test_behind_the_proxy_garbage_is_a_json_400(proxied, garbage):
-    s = _connect(proxied)
+def test_garbage_is_a_json_400_and_the_server_serves_on(front, garbage):
+    s = _connect(front)
     s.sendall(garbage)
     status, doc = _status_and_json(_read_all(s))
     assert status == 400 and "malformed HTTP request" in doc["error"]
-
-
-def test_garbage_is_refused_and_the_server_serves_on(strict_server):
-    """addnorm-serve alone: uvicorn refuses what its parser cannot read with its own (plain-text) 400."""
-    s = _connect(strict_server)
-    s.sendall(b"\x16\x03\x01 not http at all\r\n\r\n")
-    assert _read_all(s).startswith(b"HTTP/1.1 400 ")
-    _still_serves(strict_server)
+    _still_serves(front)
 
 
 def test_a_client_still_sending_a_refused_body_gets_its_413(tiny_artifact):
@@ -259,10 +273,10 @@ def _encode_request(extra: bytes = b"") -> bytes:
 
 
 @pytest.mark.parametrize("valid", [1, 3])
-def test_behind_the_proxy_pipelined_requests_before_garbage_each_get_their_answer_first(proxied, valid):
+def test_pipelined_requests_before_garbage_each_get_their_answer_first(front, valid):
     """HTTP/1.1 pipelining: every complete request before a malformed one is answered, in order, then the 400
     (the 400 alone came back before, read by the client as the answer to its valid request; issue 24)."""
-    s = _connect(proxied)
+    s = _connect(front)
     s.sendall(_encode_request() * valid + b"NOT HTTP AT ALL\r\n\r\n")
     got = _responses(_read_all(s))
     assert [status for status, _ in got] == [200] * valid + [400], got
@@ -270,8 +284,8 @@ def test_behind_the_proxy_pipelined_requests_before_garbage_each_get_their_answe
     assert "malformed HTTP request" in got[-1][1]["error"]
 
 
-def test_behind_the_proxy_a_request_whose_body_breaks_behind_a_pipelined_one_is_never_run(proxied):
-    s = _connect(proxied)
+def test_a_request_whose_body_breaks_behind_a_pipelined_one_is_never_run(front):
+    s = _connect(front)
     broken = b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\n"
     s.sendall(_encode_request() + broken)
     assert [status for status, _ in _responses(_read_all(s))] == [200, 400]
@@ -336,9 +350,9 @@ def test_upgrade_requests_cannot_hold_every_connection(strict_server):
             s.close()
 
 
-def test_behind_the_proxy_a_transfer_coding_other_than_chunked_is_refused(proxied):
+def test_a_transfer_coding_other_than_chunked_is_refused(front):
     """Transfer-Encoding: gzip, chunked is a JSON 400 (nginx's 501, answered as a 4xx: a client's mistake)."""
-    s = _connect(proxied)
+    s = _connect(front)
     s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n")
     [(status, doc)] = _responses(_read_all(s))
     assert status == 400 and "Transfer-Encoding" in doc["error"]
@@ -356,28 +370,42 @@ def _answered(srv, route: str) -> int:
     )
 
 
-def test_behind_the_proxy_a_client_that_reads_none_of_its_answers_is_dropped(tiny_artifact):
-    """A client that pipelines requests and reads no answer: the proxy takes one request at a time, holds its
-    answer for the client (memory, then disk), and disconnects a client that reads nothing of it for
-    --send-timeout-s (nginx's send_timeout). The server behind it serves others throughout. (addnorm-serve alone
-    reads on while its answers fit its socket's buffers: docs/reliability.md.)"""
+@contextlib.contextmanager
+def _serving(tiny_artifact, where: str, **limits):
+    """addnorm-serve with ``limits`` (settings' names), alone or behind nginx with the same limits: yields (the
+    server, the front a client talks to)."""
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in limits.items()]
+    with start_server(tiny_artifact, *flags) as srv:
+        if where == "alone":
+            yield srv, srv
+        else:
+            with front_proxy(srv.port, **limits) as port:
+                yield srv, _Proxied(port)
+
+
+@pytest.mark.parametrize("where", ["alone", "behind the proxy"])
+def test_a_client_that_reads_none_of_its_answers_is_dropped(tiny_artifact, where):
+    """A client that pipelines requests and reads no answer: one request is taken at a time, the next only once
+    the last answer has drained (addnorm-serve holds one unread answer a connection; nginx holds it for the client,
+    in memory then on disk), and a client that reads nothing of it for --send-timeout-s is disconnected. The server
+    serves others throughout."""
     body = json.dumps({"embeddings": [[0.5] * 32] * 128}).encode()  # answered with ~5x its size in JSON
     request = b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-    with start_server(tiny_artifact) as srv, front_proxy(srv.port, send_timeout_s=1) as port:
+    with _serving(tiny_artifact, where, send_timeout_s=1) as (srv, front):
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a client that reads nothing holds little
-        s.connect(("127.0.0.1", port))
+        s.connect(("127.0.0.1", front.port))
         s.settimeout(2.0)
         sent, deadline = 0, time.monotonic() + GENEROUS_S
         try:
             while sent < 2000 and time.monotonic() < deadline:
-                s.sendall(request)  # blocks, then times out (or the proxy closes), once it stops reading
+                s.sendall(request)  # blocks, then times out (or is closed), once the server stops reading
                 sent += 1
         except OSError:
             pass
-        assert sent < 2000, f"the proxy read all {sent} requests of a client that reads nothing"
-        _still_serves(srv)
-        wait_until(lambda: _closed(s), GENEROUS_S, "the proxy dropping the client that reads nothing")
+        assert sent < 2000, f"all {sent} requests of a client that reads nothing were read"
+        _still_serves(front)
+        wait_until(lambda: _closed(s), GENEROUS_S, "the client that reads nothing dropped")
         answered = _answered(srv, "/v1/encode")
         assert 0 < answered < sent, (answered, sent)
         s.close()
@@ -395,37 +423,43 @@ def _closed(s: socket.socket) -> bool:
         return True
 
 
-def test_behind_the_proxy_24_clients_that_never_read_hold_no_memory_after_they_go(tiny_artifact):
-    """24 clients pipelining requests with large answers and reading none (issue 67: the server alone went from
-    219 MB to 907 MB and kept 705 MB after they closed). Behind the proxy the server answers each request whole to
-    nginx, which holds up to --max-answer-buffer-bytes of answers for its client and drops one that reads nothing
-    for --send-timeout-s: the
-    server's memory is back within 1.5x of its baseline 5 s after the clients close, and it serves throughout."""
+@pytest.mark.parametrize("where", ["alone", "behind the proxy"])
+def test_24_clients_that_never_read_hold_bounded_memory_and_none_after_they_go(tiny_artifact, where):
+    """24 clients pipelining requests with large answers (~1.2 MB each) and reading none (issue 74: addnorm-serve
+    alone went from 223 MB to 910 MB and kept 716 MB after 65 s). Alone, each connection holds one unread answer
+    at most, all of them at most --max-unread-bytes (8 MB here: the connections holding the most are closed past
+    it), and each is dropped after --send-timeout-s; behind the proxy, nginx holds them. The server's memory stays
+    within its baseline plus the bound while they hold on, is back within 1.5x of its baseline 5 s after they go,
+    and it serves throughout."""
     from bench.reliability import proc_rss_mb
 
     body = json.dumps({"embeddings": [[0.5] * 32] * 512}).encode()  # answered with ~5x its size in JSON
     request = b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-    limits = dict(send_timeout_s=2, max_answer_buffer_bytes=1 << 20)
-    with start_server(tiny_artifact) as srv, front_proxy(srv.port, **limits) as port:
+    limits = dict(send_timeout_s=2, max_answer_buffer_bytes=1 << 20, max_unread_bytes=8 << 20)
+    with _serving(tiny_artifact, where, **limits) as (srv, front):
         _still_serves(srv)
         baseline = proc_rss_mb(srv.proc.pid)
         clients = []
         for _ in range(24):
             s = socket.socket()
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            s.connect(("127.0.0.1", port))
+            s.connect(("127.0.0.1", front.port))
             s.settimeout(0.5)
             clients.append(s)
         deadline = time.monotonic() + GENEROUS_S
-        for s in clients:  # each writes until the proxy stops reading it (or it is dropped)
+        peak = baseline
+        for s in clients:  # each writes until the server stops reading it (or it is dropped)
             with contextlib.suppress(OSError):
                 for _ in range(200):
                     s.sendall(request)
+            peak = max(peak, proc_rss_mb(srv.proc.pid))
             assert time.monotonic() < deadline + GENEROUS_S
-        _still_serves(_Proxied(port))
+        _still_serves(front)
+        # the answers held (8 MB) and the requests being read (24 x ~0.3 MB), with the allocator's slack
+        assert peak <= baseline + 200, (baseline, peak)
         for s in clients:
             s.close()
         time.sleep(5)
         rss = proc_rss_mb(srv.proc.pid)
         assert rss <= 1.5 * baseline, (baseline, rss)
-        _still_serves(_Proxied(port))
+        _still_serves(front)

@@ -1,8 +1,8 @@
-"""Trailer fields and long heads on a real server behind its front proxy (issue 36; nginx as deploy/nginx runs it,
+"""Trailer fields and long heads on a real server, alone and behind its front proxy (nginx as deploy/nginx runs it,
 service/front/proxy.py): a chunked body's trailer section never reaches a decision (RFC 9110 6.5.1: a recipient
-must not merge trailer fields into the header section; nginx reads the body whole and drops the trailer), however
-the bytes arrive, on /v1 and V2; a head beyond ``MAX_HEAD_BYTES`` is refused and the server serves on. (uvicorn's
-httptools protocol alone adds trailer fields to the request's header list: docs/reliability.md.)"""
+must not merge trailer fields into the header section; addnorm-serve's connection (service/front/http11.py) and
+nginx both drop it), however the bytes arrive, on /v1 and V2; a head beyond ``MAX_HEAD_BYTES`` is refused and the
+server serves on."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from addnorm.service.front.proxy import MAX_HEAD_BYTES
+from addnorm.service.front.http11 import MAX_HEAD_BYTES
 
 from tests.conftest import start_server
 from tests.helpers import front_proxy, raw_http
@@ -36,14 +36,19 @@ AUTH = b"Authorization: Bearer " + KEY.encode()
 
 
 class _Front:
-    def __init__(self, port: int) -> None:
-        self.port = port
+    def __init__(self, port: int, where: str) -> None:
+        self.port, self.where = port, where
 
 
-@pytest.fixture(scope="module")
-def server(tiny_artifact) -> Iterator[_Front]:
-    with start_server(tiny_artifact, "--api-key", KEY) as srv, front_proxy(srv.port) as port:
-        yield _Front(port)
+@pytest.fixture(scope="module", params=["alone", "behind the proxy"])
+def server(request, tiny_artifact) -> Iterator[_Front]:
+    """addnorm-serve alone, then behind nginx: every test below holds on both."""
+    with start_server(tiny_artifact, "--api-key", KEY) as srv:
+        if request.param == "alone":
+            yield _Front(srv.port, "alone")
+        else:
+            with front_proxy(srv.port) as port:
+                yield _Front(port, "proxy")
 
 
 def _chunked(path: bytes, head: list[bytes], trailer: list[bytes]) -> bytes:
@@ -68,8 +73,9 @@ CASES = {
     "the same key again in the trailer": ([AUTH], [AUTH], 200),
     "another content type in the trailer": ([AUTH], [b"Content-Type: application/octet-stream"], 200),
     "an encoding in the trailer": ([AUTH], [b"Content-Encoding: gzip"], 200),
-    # a trailer that would frame the message again (RFC 9110 6.5.1: not allowed in a trailer) is dropped too
-    "a length in the trailer": ([AUTH], [b"Content-Length: 3"], 200),
+    # a trailer that would frame the message again (RFC 9110 6.5.1: not allowed in a trailer): nginx drops it, and
+    # addnorm-serve's parser refuses the request with a 400 naming it (the request is never run)
+    "a length in the trailer": ([AUTH], [b"Content-Length: 3"], {"alone": 400, "proxy": 200}),
     "a deadline in the trailer": ([AUTH], [b"Grpc-Timeout: 1n", b"X-Request-Timeout: 0"], 200),
 }
 
@@ -78,10 +84,13 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_trailer_never_decides_anything(server, path, case):
     head, trailer, want = CASES[case]
+    want = want[server.where] if isinstance(want, dict) else want
     status, body = raw_http(server.port, [_chunked(path, head, trailer)])
     assert status == want, (case, body[:300])
     doc = json.loads(body)
     assert ("encoded" in doc or "outputs" in doc) if want == 200 else ("error" in doc), doc
+    if want == 400:
+        assert "Content-Length" in doc["error"], doc
 
 
 def test_however_the_bytes_arrive(server):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from addnorm.model.contract import ENCODED, POOLED
-from addnorm.model.tokenize import Batch, TooLong
+from addnorm.model.tokenize import Batch, TooLong, TooManyChars
 from addnorm.service.batching.merging import Outputs, Timings
 from addnorm.service.errors import BadInput, TooLarge, quote
 from starlette.concurrency import run_in_threadpool
@@ -146,6 +146,9 @@ def decode_texts(
                 f"{where}[{exc.index}] has {exc.tokens} tokens, more than this model's {limit}: shorten it, or "
                 "send truncate: true"
             ) from None
+        except TooManyChars as exc:
+            hint = "split it" if exc.truncated else "shorten it, or send truncate: true"
+            raise TooLarge(f"{where}[{exc.index}] has {exc.chars} characters, {exc.reason}: {hint}") from None
     else:
         vocab = front.config.vocab_size
         rows, types = [], None

@@ -1,14 +1,13 @@
-"""The front proxy's configuration: nginx in front of addnorm-serve, for what uvicorn does not guard.
+"""The front proxy's configuration: nginx in front of addnorm-serve, for deployments facing the internet.
 
-uvicorn (addnorm-serve's server, used through its documented options only) caps connections, closes idle ones and
-never switches protocols; the app's front (``front.middleware.Front``) bounds each body's time and size. What neither can see
-happens before a request reaches the app, in the connection's bytes: a head trickled a byte at a time or grown
-without end, bytes the parser refuses (uvicorn answers them in plain text), trailer fields (uvicorn's httptools
-protocol adds them to the request's header list), a client that never reads its answers. nginx, a maintained
-server made for this, guards all of them; this module writes its configuration from the same ``ADDNORM_*``
-settings the server reads, so the two agree on every limit. ``deploy/nginx/nginx.conf`` is its output for an
-upstream named ``api`` (``tests/test_front_proxy.py`` keeps it current); docs/reliability.md says which protection lives
-where.
+addnorm-serve is safe on its own (its connection, ``front/http11.py``, holds the head, idle and send deadlines, the
+head's size, trailer fields, pipelining and the connection cap; the app's front, ``front/middleware.py``, each body's
+time and size). nginx in front adds defence in depth: TLS termination where a deployment wants it, only the header
+fields the app reads passed on, an answer buffered for a slow client so the server's memory is free at once, and
+limits a proxy tier enforces before a request costs the server anything. This module writes its configuration from
+the same ``ADDNORM_*`` settings the server reads, so the two agree on every limit. ``deploy/nginx/nginx.conf`` is its
+output for an upstream named ``api`` (``tests/test_front_proxy.py`` keeps it current); docs/reliability.md says
+which protection lives where.
 
 ``python -m addnorm.service.front.proxy --listen 0.0.0.0:8080 --upstream 127.0.0.1:8000 > nginx.conf``
 """
@@ -19,29 +18,15 @@ import math
 import sys
 
 import orjson
+from addnorm.service.front.http11 import MAX_HEAD_BYTES, MAX_TARGET_BYTES, REFUSALS
 from addnorm.service.settings import Settings
 
 from addnorm.commands import Parser
 
-# nginx's own refusals, each answered with the API's JSON error shape. 494 is nginx's code for a head over its
-# buffers, answered as the 431 RFC 6585 names; its 501 for a transfer coding it does not know, as a 400 (every bad
-# request is a 4xx here).
-REFUSALS = {
-    400: "malformed HTTP request",
-    408: "request not received in time",
-    405: "this method is not one HTTP defines",
-    413: "request body is above the limit of this server (ADDNORM_MAX_BODY_BYTES)",
-    414: "request line is too long",
-    431: "the request's head (request line and header fields) is too large",
-    494: "the request's head (request line and header fields) is too large",
-    501: "Transfer-Encoding is not supported; send chunked or a Content-Length",
-    502: "the server behind the proxy is not answering",
-    503: "server is at its connection limit (ADDNORM_MAX_CONNECTIONS)",
-    504: "the server behind the proxy did not answer in time",
-    505: "this HTTP version is not supported: send HTTP/1.1",
-}
-HEAD_BUFFERS = (4, 16)  # large_client_header_buffers: a head line at most 16 KiB ...
-MAX_HEAD_BYTES = (8 + HEAD_BUFFERS[0] * HEAD_BUFFERS[1]) * 1024  # ... and the whole head at most 72 KiB
+# nginx's own refusals answer with the messages addnorm-serve's connection uses (front/http11.py: one table), and
+# its head limits are the same: large_client_header_buffers 4 x 16 KiB after the 8 KiB first buffer.
+HEAD_BUFFERS = (4, MAX_TARGET_BYTES // 1024)
+assert (8 + HEAD_BUFFERS[0] * HEAD_BUFFERS[1]) * 1024 == MAX_HEAD_BYTES
 
 
 def _seconds(value: float) -> str:

@@ -158,7 +158,10 @@ def test_inputs_over_the_model_length_are_refused_or_cut_on_request(base, artifa
         ({"input": ""}, 400, "input[0] is an empty string"),
         ({"input": ["a", ""]}, 400, "input[1] is an empty string"),
         ({"input": ["a"] * 10_000}, 413, "10000 inputs, more than this server's 100"),
-        ({"input": "a " * 500_000}, 413, "more than this model's 48"),
+        # refused by its characters before it is tokenized (48 tokens x 32 characters a token at most)
+        ({"input": "a " * 500_000}, 413, "input[0] has 1000000 characters, more than the model's max_length"),
+        ({"input": ["a", "b" * 10_000_000]}, 413, "input[1] has 10000000 characters"),
+        ({"input": "b" * 10_000_000, "truncate": True}, 413, "where a cut falls would change the answer"),
         ({"input": [[1, 2, 10**6]]}, 400, "input[0] holds token id 1000000, outside this model's vocabulary"),
         ({"input": [[1, -1]]}, 400, "token id -1"),
         ({"input": [1.5]}, 400, "input[0] must be a string or a non-empty list of token ids"),
@@ -169,6 +172,11 @@ def test_inputs_over_the_model_length_are_refused_or_cut_on_request(base, artifa
         ({"input": [True]}, 400, "input[0] must be"),
         ({}, 400, "missing field 'input'"),
         ({"input": "a", "encoding_format": "int8"}, 400, "encoding_format must be one of"),
+        *(
+            ({"input": "a", "encoding_format": bad}, 400, "encoding_format must be one of")
+            for bad in (False, {}, 0, "", [], ["float"], 1.5)
+        ),
+        ({"input": "a", "user": 5}, 400, "user must be a string"),
         ({"input": "a", "dimensions": 0}, 400, "dimensions must be a positive integer"),
         ({"input": "a", "dimensions": 33}, 400, "dimensions 33 is more than this model's 32"),
         ({"input": "a", "model": "nope"}, 404, "unknown model 'nope'"),

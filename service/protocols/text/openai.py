@@ -118,12 +118,15 @@ def read(doc: object, max_inputs: int) -> Read:
     model = doc.get("model")
     if model is not None and not isinstance(model, str):
         raise BadInput(f"model must be a string, got {quote(model)}")
-    fmt = doc.get("encoding_format") or "float"
-    if fmt not in _FORMATS:
+    fmt = doc.get("encoding_format")
+    fmt = "float" if fmt is None else fmt
+    if not isinstance(fmt, str) or fmt not in _FORMATS:
         raise BadInput(f"encoding_format must be one of {list(_FORMATS)}, got {quote(fmt)}")
     dims = doc.get("dimensions")
     if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
         raise BadInput(f"dimensions must be a positive integer, got {quote(dims)}")
+    if (user := doc.get("user")) is not None and not isinstance(user, str):
+        raise BadInput(f"user must be a string, got {quote(user)}")
     truncate = doc.get("truncate", False)
     if not isinstance(truncate, bool):
         raise BadInput(f"truncate must be true or false, got {quote(truncate)}")

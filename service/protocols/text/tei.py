@@ -9,15 +9,13 @@ default model (TEI serves one); errors are this server's ``{"error": ...}``.
 from __future__ import annotations
 
 import orjson
+from addnorm.model.tokenize import TooManyChars
+from addnorm.service.core.inference import offload, work
 from addnorm.service.core.text import text_inputs, vectors
-from addnorm.service.errors import BadInput, quote
+from addnorm.service.errors import BadInput, TooLarge, quote
 from addnorm.service.guard import Known
-from addnorm.service.protocols.common import (
-    error_docs,
-    json_bool,
-    parse_json,
-)
-from addnorm.service.protocols.text.codec import Read, answer, fields, pooling
+from addnorm.service.protocols.common import error_docs, json_bool, parse_json, read_body
+from addnorm.service.protocols.text.codec import TEXT_WORK, Read, answer, fields, pooling
 from fastapi import APIRouter, Request, Response
 
 router = APIRouter(tags=["tei"])
@@ -126,8 +124,10 @@ async def embed(request: Request, loaded: Known) -> Response:
     "/tokenize", summary="Tokens of texts (text-embeddings-inference's API)", openapi_extra=_TOKENIZE_DOC
 )
 async def tokenize(request: Request, loaded: Known) -> Response:
+    """Read under the body limit as every route is; each text within the model's characters before it is
+    tokenized; the answer at most as many tokens as /embed could take in one request; big work off the loop."""
     s = loaded.settings
-    body = await request.body()
+    body = await read_body(request, s.max_body_bytes)
     doc = fields(parse_json(body, s.max_elements), _TOKENIZE, "inputs")
     model = loaded.models.get(None)
     front = model.engine.text
@@ -135,14 +135,31 @@ async def tokenize(request: Request, loaded: Known) -> Response:
         raise BadInput(f"model {quote(model.name)} takes embeddings, not text: export it with --inputs ids")
     texts = front.prompted(_texts(doc, s.max_client_batch_size), _prompt_name(doc))
     special = json_bool(doc, "add_special_tokens", "body", True)
-    answer = [
+    try:
+        front.tokenizer.within(texts)
+    except TooManyChars as exc:
+        raise TooLarge(f"inputs[{exc.index}] has {exc.chars} characters, {exc.reason}: shorten it") from None
+    amount = work(TEXT_WORK * len(body))
+    rows = await offload(amount, front.tokenizer.tokens, texts, special)
+    limit = s.max_client_batch_size * front.config.max_length
+    if (total := sum(map(len, rows))) > limit:
+        raise TooLarge(
+            f"inputs hold {total} tokens, more than /tokenize answers at once ({limit}: ADDNORM_MAX_CLIENT_BATCH_SIZE "
+            "x the model's max_length); split the request"
+        )
+    return Response(await offload(amount, _tokens_json, rows), media_type="application/json")
+
+
+def _tokens_json(rows: list) -> bytes:
+    return orjson.dumps(
         [
-            {"id": i, "text": t, "special": sp, "start": None if sp else a, "stop": None if sp else b}
-            for i, t, sp, a, b in row
+            [
+                {"id": i, "text": t, "special": sp, "start": None if sp else a, "stop": None if sp else b}
+                for i, t, sp, a, b in row
+            ]
+            for row in rows
         ]
-        for row in front.tokenizer.tokens(texts, special)
-    ]
-    return Response(orjson.dumps(answer), media_type="application/json")
+    )
 
 
 MODEL_PREFIXES = ("/embed", "/tokenize")

@@ -1,0 +1,170 @@
+"""Stall and memory: does one big request hold up everyone else, and does memory come back after it?
+
+Against a text model's server it starts on 127.0.0.1 (``python -m bench --stall --artifact DIR``, DIR exported with
+``--from`` a model directory), each case sends its big request(s) while a prober, another client on its own
+connection, asks ``/health/live`` and embeds one short sentence back to back. Per case: what the big request was
+answered, the prober's slowest answer of each kind while it ran (the goal: under 100 ms), and the server's resident
+memory 10 s after (the goal: within 1.5x of its warm baseline). The cases are the issue's: a 10 MB string to
+``/v1/embeddings`` and to ``/tokenize``, a 10 MB V2 BYTES element over HTTP and gRPC, a 70 MB body to ``/tokenize``,
+the largest text request that is accepted (every input at the model's characters, truncated), and a burst of them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from bench.reliability import proc_rss_mb
+from tests.server import serve
+
+SETTLE_S = 10.0  # memory is read this long after a case: the goal is within 1.5x of the warm baseline by then
+SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank."
+
+
+class Prober:
+    """Another client: /health/live and a one-sentence /v1/embeddings, back to back, each answer's time kept."""
+
+    def __init__(self, base: str) -> None:
+        self.base, self.live, self.small = base, [], []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.base, timeout=120) as client:
+            while not self._stop.is_set():
+                for path, times, kw in (
+                    ("/health/live", self.live, None),
+                    ("/v1/embeddings", self.small, {"input": SENTENCE}),
+                ):
+                    start = time.perf_counter()
+                    r = client.get(path) if kw is None else client.post(path, json=kw)
+                    times.append(time.perf_counter() - start)
+                    assert r.status_code == 200, r.text
+                time.sleep(0.005)
+
+    def __enter__(self) -> Prober:
+        self._thread.start()
+        time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _v2_text(text: str) -> dict:
+    return {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": [text]}]}
+
+
+def _grpc_big(port: int, model: str, text: bytes) -> str:
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    inp = grpcclient.InferInput("text", [1], "BYTES")
+    inp.set_data_from_numpy(np.array([text], dtype=object))
+    try:
+        client.infer(model, [inp])
+        return "OK"
+    except InferenceServerException as exc:
+        return f"{exc.status()}: {exc.message()[:120]}"
+    finally:
+        client.close()
+
+
+def cases(base: str, grpc_port: int, model: str, max_chars: int, max_inputs: int) -> dict[str, Callable[[], str]]:
+    big = "word " * 2_000_000  # 10 MB of text
+    longest = ("Retrieval pipelines embed long documents before they rerank them. " * 4096)[:max_chars]
+
+    def post(path: str, **kw) -> Callable[[], str]:
+        def send() -> str:
+            r = httpx.post(f"{base}{path}", timeout=300, **kw)
+            return f"{r.status_code} ({len(r.content)} bytes)"
+
+        return send
+
+    def burst() -> str:
+        statuses = []
+        threads = [
+            threading.Thread(
+                target=lambda: statuses.append(
+                    httpx.post(
+                        f"{base}/v1/embeddings", json={"input": [longest] * 64, "truncate": True}, timeout=300
+                    ).status_code
+                )
+            )
+            for _ in range(8)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return " ".join(map(str, sorted(statuses)))
+
+    return {
+        "10 MB string, /v1/embeddings": post("/v1/embeddings", json={"input": big}),
+        "10 MB string, /tokenize": post("/tokenize", json={"inputs": big}),
+        "10 MB V2 BYTES element, HTTP": post(f"/v2/models/{model}/infer", json=_v2_text(big)),
+        "10 MB V2 BYTES element, gRPC": lambda: _grpc_big(grpc_port, model, big.encode()),
+        "70 MB body, /tokenize": post("/tokenize", content=b'{"inputs": "' + b"a" * 70_000_000 + b'"}'),
+        f"largest accepted: {max_inputs} inputs x {max_chars} chars, truncated": post(
+            "/v1/embeddings", json={"input": [longest] * max_inputs, "truncate": True}
+        ),
+        "burst: 8 clients x 64 inputs at the cap": burst,
+    }
+
+
+def stall(artifact: Path) -> dict:
+    """Each case against one server: its answer, the prober's slowest answers while it ran, memory after."""
+    from addnorm.model.artifact import Manifest
+    from addnorm.model.tokenize import MAX_CHARS_PER_TOKEN
+
+    manifest = Manifest.load(artifact)
+    if manifest.text is None:
+        raise SystemExit(f"--stall needs a text model (addnorm-export --from DIR); {artifact} takes embeddings")
+    max_chars = manifest.text.max_length * MAX_CHARS_PER_TOKEN
+    max_inputs = 512  # the default ADDNORM_MAX_CLIENT_BATCH_SIZE
+    out: dict = {"model": manifest.name, "max_chars": max_chars, "cases": {}}
+    with serve(artifact, grpc=True) as srv:
+        for _ in range(50):  # warm: the arenas, the tokenizer, the prober's own route
+            httpx.post(f"{srv.base}/v1/embeddings", json={"input": [SENTENCE] * 8}, timeout=60)
+        time.sleep(1.0)
+        out["baseline_mb"] = baseline = proc_rss_mb(srv.proc.pid)
+        for name, send in cases(srv.base, srv.grpc_port, manifest.name, max_chars, max_inputs).items():
+            with Prober(srv.base) as probe:
+                start = time.perf_counter()
+                answer = send()
+                took = time.perf_counter() - start
+            time.sleep(SETTLE_S)
+            rss = proc_rss_mb(srv.proc.pid)
+            out["cases"][name] = {
+                "answer": answer,
+                "seconds": round(took, 3),
+                "live_worst_ms": round(1e3 * max(probe.live), 1),
+                "small_worst_ms": round(1e3 * max(probe.small), 1),
+                "probes": len(probe.live),
+                "rss_after_mb": round(rss, 1),
+                "rss_ratio": round(rss / baseline, 2),
+            }
+    return out
+
+
+def table(result: dict) -> str:
+    lines = [
+        f"model {result['model']}, at most {result['max_chars']} characters an input; warm baseline "
+        f"{result['baseline_mb']:.0f} MB",
+        "",
+        "| case | answer | took (s) | /health/live worst (ms) | one sentence worst (ms) | memory 10 s after |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, c in result["cases"].items():
+        lines.append(
+            f"| {name} | {c['answer']} | {c['seconds']} | {c['live_worst_ms']} | {c['small_worst_ms']} | "
+            f"{c['rss_after_mb']:.0f} MB ({c['rss_ratio']}x) |"
+        )
+    return "\n".join(lines)

