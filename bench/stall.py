@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import orjson
 
 from bench.reliability import proc_rss_mb
 from tests.server import serve
@@ -26,35 +27,49 @@ SETTLE_S = 10.0  # memory is read this long after a case: the goal is within 1.5
 SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank."
 
 
+def _probe(base: str, ready, stop, out) -> None:
+    """The prober's process: /health/live and a one-sentence /v1/embeddings back to back until ``stop``; each
+    answer's seconds put on ``out`` as two lists."""
+    live, small = [], []
+    with httpx.Client(base_url=base, timeout=120) as client:
+        while not stop.is_set():
+            for path, times, body in (
+                ("/health/live", live, None),
+                ("/v1/embeddings", small, {"input": SENTENCE}),
+            ):
+                start = time.perf_counter()
+                r = client.get(path) if body is None else client.post(path, json=body)
+                times.append(time.perf_counter() - start)
+                if r.status_code != 200:
+                    times[-1] = float("inf")  # a refused probe is a failed probe
+            ready.set()
+            time.sleep(0.005)
+    out.put((live, small))
+
+
 class Prober:
-    """Another client: /health/live and a one-sentence /v1/embeddings, back to back, each answer's time kept."""
+    """Another client, in its own process (the load generator's own work never delays it): /health/live and a
+    one-sentence /v1/embeddings, back to back, each answer's time kept (``live``, ``small``)."""
 
     def __init__(self, base: str) -> None:
-        self.base, self.live, self.small = base, [], []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        import multiprocessing
 
-    def _run(self) -> None:
-        with httpx.Client(base_url=self.base, timeout=120) as client:
-            while not self._stop.is_set():
-                for path, times, kw in (
-                    ("/health/live", self.live, None),
-                    ("/v1/embeddings", self.small, {"input": SENTENCE}),
-                ):
-                    start = time.perf_counter()
-                    r = client.get(path) if kw is None else client.post(path, json=kw)
-                    times.append(time.perf_counter() - start)
-                    assert r.status_code == 200, r.text
-                time.sleep(0.005)
+        ctx = multiprocessing.get_context("spawn")
+        self._ready, self._stop, self._out = ctx.Event(), ctx.Event(), ctx.Queue()
+        self._proc = ctx.Process(target=_probe, args=(base, self._ready, self._stop, self._out), daemon=True)
+        self.live: list[float] = []
+        self.small: list[float] = []
 
     def __enter__(self) -> Prober:
-        self._thread.start()
-        time.sleep(0.2)
+        self._proc.start()
+        assert self._ready.wait(60), "the prober did not start"
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
+        live, small = self._out.get(timeout=120)
+        self._proc.join(timeout=30)
+        self.live, self.small = live[1:], small[1:]  # the first probe of each: the prober's own start
 
 
 def _v2_text(text: str) -> dict:
@@ -77,43 +92,42 @@ def _grpc_big(port: int, model: str, text: bytes) -> str:
         client.close()
 
 
-def cases(base: str, grpc_port: int, model: str, max_chars: int, max_inputs: int) -> dict[str, Callable[[], str]]:
+def cases(
+    base: str, grpc_port: int, model: str, max_chars: int, max_inputs: int
+) -> dict[str, Callable[[], str]]:
     big = "word " * 2_000_000  # 10 MB of text
     longest = ("Retrieval pipelines embed long documents before they rerank them. " * 4096)[:max_chars]
 
-    def post(path: str, **kw) -> Callable[[], str]:
+    def post(path: str, doc: object = None, content: bytes | None = None) -> Callable[[], str]:
+        # encoded now, before the prober starts: sending it costs the load generator next to nothing
+        body = content if content is not None else orjson.dumps(doc)
+        headers = {"content-type": "application/json"}
+
         def send() -> str:
-            r = httpx.post(f"{base}{path}", timeout=300, **kw)
+            r = httpx.post(f"{base}{path}", content=body, headers=headers, timeout=300)
             return f"{r.status_code} ({len(r.content)} bytes)"
 
         return send
 
+    one = post("/v1/embeddings", {"input": [longest] * 64, "truncate": True})
+
     def burst() -> str:
         statuses = []
-        threads = [
-            threading.Thread(
-                target=lambda: statuses.append(
-                    httpx.post(
-                        f"{base}/v1/embeddings", json={"input": [longest] * 64, "truncate": True}, timeout=300
-                    ).status_code
-                )
-            )
-            for _ in range(8)
-        ]
+        threads = [threading.Thread(target=lambda: statuses.append(one())) for _ in range(8)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        return " ".join(map(str, sorted(statuses)))
+        return ", ".join(sorted(statuses))
 
     return {
-        "10 MB string, /v1/embeddings": post("/v1/embeddings", json={"input": big}),
-        "10 MB string, /tokenize": post("/tokenize", json={"inputs": big}),
-        "10 MB V2 BYTES element, HTTP": post(f"/v2/models/{model}/infer", json=_v2_text(big)),
+        "10 MB string, /v1/embeddings": post("/v1/embeddings", {"input": big}),
+        "10 MB string, /tokenize": post("/tokenize", {"inputs": big}),
+        "10 MB V2 BYTES element, HTTP": post(f"/v2/models/{model}/infer", _v2_text(big)),
         "10 MB V2 BYTES element, gRPC": lambda: _grpc_big(grpc_port, model, big.encode()),
         "70 MB body, /tokenize": post("/tokenize", content=b'{"inputs": "' + b"a" * 70_000_000 + b'"}'),
         f"largest accepted: {max_inputs} inputs x {max_chars} chars, truncated": post(
-            "/v1/embeddings", json={"input": [longest] * max_inputs, "truncate": True}
+            "/v1/embeddings", {"input": [longest] * max_inputs, "truncate": True}
         ),
         "burst: 8 clients x 64 inputs at the cap": burst,
     }
@@ -126,7 +140,9 @@ def stall(artifact: Path) -> dict:
 
     manifest = Manifest.load(artifact)
     if manifest.text is None:
-        raise SystemExit(f"--stall needs a text model (addnorm-export --from DIR); {artifact} takes embeddings")
+        raise SystemExit(
+            f"--stall needs a text model (addnorm-export --from DIR); {artifact} takes embeddings"
+        )
     max_chars = manifest.text.max_length * MAX_CHARS_PER_TOKEN
     max_inputs = 512  # the default ADDNORM_MAX_CLIENT_BATCH_SIZE
     out: dict = {"model": manifest.name, "max_chars": max_chars, "cases": {}}

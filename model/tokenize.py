@@ -10,10 +10,9 @@ import numpy as np
 from addnorm.model.text import TextConfig
 from tokenizers import Tokenizer
 
-
-# A text of max_length tokens is never longer than this many characters a token (English runs 4-5, code 3, CJK 1-2):
-# a longer text is refused (or, asked to truncate, cut) before it is tokenized, so no request costs the tokenizer
-# more than max_length x this many characters an input (a 10 MB string took 10 s and 1 GB to tokenize whole).
+# Real text runs far under this many characters a token (English about 4-5, code 3, CJK 1-2). A longer text is
+# refused (or, asked to truncate, cut) before it is tokenized: tokenizing costs time and memory by the character,
+# and one huge string must not cost the server more than max_length x this many characters of work.
 MAX_CHARS_PER_TOKEN = 32
 # Texts longer than this in all are tokenized by encode_batch, which lets go of the GIL while it works (a thread
 # tokenizing them leaves the event loop free); shorter ones by encode, cheaper for a sentence.
@@ -117,7 +116,9 @@ class TextTokenizer:
             encodings = tokenizer.encode_batch(texts)
         ids = [e.ids for e in encodings]
         for i in cut:
-            if len(ids[i]) < self.text.max_length:  # the cut text is short of the limit: the cut decided the answer
+            if (
+                len(ids[i]) < self.text.max_length
+            ):  # the cut text is short of the limit: the cut decided the answer
                 raise TooManyChars(i, len(whole[i]), self.max_chars, truncated=True)
         if not truncate:
             for i, row in enumerate(ids):

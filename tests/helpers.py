@@ -92,6 +92,9 @@ def front_proxy(upstream_port: int, **settings: object) -> Iterator[int]:
         pytest.skip("nginx is not installed (apt-get install nginx)")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="addnorm-nginx-") as prefix:
+        # As root, nginx's workers run as nobody: they must reach the temporary paths under the prefix (a body too
+        # big for memory is written there; the directory is created 0700).
+        Path(prefix).chmod(0o755)
         conf = Path(prefix) / "nginx.conf"
         conf.write_text(
             render(Settings(**settings), f"127.0.0.1:{port}", f"127.0.0.1:{upstream_port}", prefix)

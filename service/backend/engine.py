@@ -11,6 +11,7 @@ elsewhere than glibc both do nothing), and Python's (``freeze_heap``: docs/bench
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import dataclasses
 import gc
@@ -47,6 +48,7 @@ log = logging.getLogger("addnorm.engine")
 # nothing behind, and steady traffic, never idle that long, never pays for regrowing.
 SHRINK_EACH_ABOVE_BYTES = 512 * 1024 * 1024
 RELEASE_ABOVE_BYTES = 64 * 1024 * 1024
+RELEASES = 2
 
 
 class EngineError(RuntimeError):
@@ -118,7 +120,9 @@ class Engine:
         self.attention = self.manifest.attention
         # the seq x seq tensors its runs hold (model.attention): what the batcher budgets
         self.held_attention = held_form(self.attention, bool(self.manifest.config.relative_attention_buckets))
-        self._grown = False  # a run above RELEASE_ABOVE_BYTES came since the last release
+        # Releases still due: a run above RELEASE_ABOVE_BYTES makes it RELEASES (what its requests still hold when
+        # the first comes, the second gives back).
+        self._grown = 0
         self._shrink = ort.RunOptions()
         arenas = ["cpu:0", *(["gpu:0"] if self.providers[0] == CUDA else [])]
         self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", ";".join(arenas))
@@ -154,7 +158,7 @@ class Engine:
         since the last release. Called on the thread that runs the model. True when it released."""
         if not self._grown:
             return False
-        self._grown = False
+        self._grown -= 1
         self.session.run(self.output_names, self._feed(np.zeros((1, 1, self.d_model)), None), self._shrink)
         trim()
         return True
@@ -184,7 +188,8 @@ class Engine:
         padded = mask is not None and bool(mask.any())
         working = self.working_bytes(b, s, padded)
         big = working > SHRINK_EACH_ABOVE_BYTES
-        self._grown = self._grown or working > RELEASE_ABOVE_BYTES
+        if working > RELEASE_ABOVE_BYTES:
+            self._grown = RELEASES
         feed = self._feed(embeddings, mask, lengths)
         outs = self.session.run(self.output_names, feed, self._shrink if big else None)
         if big:
@@ -238,6 +243,29 @@ def trim() -> None:
     """Give the C heap's free pages back to the OS (glibc keeps them after large buffers are freed)."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
+
+
+# A request body at least this big frees buffers of its size when it is answered: the C heap is trimmed a second later
+# (``trim_later``), so memory returns after big refused or accepted bodies as it does after big runs.
+TRIM_BODY_BYTES = 4 * 1024 * 1024
+_trim_due = False
+
+
+def trim_later(delay_s: float = 1.0) -> None:
+    """``trim`` once, ``delay_s`` from now, in a worker thread (malloc_trim walks the heap); one pending at a time.
+    Called on the event loop."""
+    global _trim_due
+    if _LIBC is None or _trim_due:
+        return
+    _trim_due = True
+    loop = asyncio.get_running_loop()
+
+    def due() -> None:
+        global _trim_due
+        _trim_due = False
+        loop.run_in_executor(None, trim)
+
+    loop.call_later(delay_s, due)
 
 
 def freeze_heap() -> None:

@@ -35,6 +35,9 @@ class TextFront:
         opts.inter_op_num_threads = 1
         opts.log_severity_level = 3
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # No arena: a lookup, an add and a LayerNormalization gain nothing from one, and an arena keeps the largest
+        # part's buffers (tens of MB) for good after one big text request.
+        opts.enable_cpu_mem_arena = False
         self.session = ort.InferenceSession(verified.embedding, opts, **session_args(providers))
         self.golden = verified.embedding_golden
 

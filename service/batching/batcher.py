@@ -247,6 +247,10 @@ class Batcher:
         try:
             if self._release():
                 log.debug("idle for %g s: gave back the memory of the last runs", RELEASE_IDLE_S)
+                # The last runs' requests may still be being answered (a big text request assembles and encodes
+                # its answer after its last run), holding memory this release could not give back: ask again
+                # after the next idle second, until the model has nothing more to give.
+                self._ran_since_release = True
         except Exception:  # never the thread
             log.exception("releasing the model's memory failed")
 

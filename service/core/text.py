@@ -116,8 +116,10 @@ def text_inputs(value: object, where: str, max_inputs: int) -> Inputs:
 
 
 # Parts of one request queued at a time: their embeddings (each at most max_batch_tokens positions) exist only
-# while they are queued or running, so a request of many inputs holds a few parts' worth, not all of them.
-PARTS_IN_FLIGHT = 4
+# while they are queued or running, so a request of many inputs holds two parts' worth, not all of them. Two keep
+# the model busy (the next part waits in the queue while one runs) and let another client's request wait behind
+# at most one queued part of it, besides the run in progress (python -m bench --stall).
+PARTS_IN_FLIGHT = 2
 
 
 def decode_texts(

@@ -621,7 +621,11 @@ class _Cycle:
 
 async def _at_limit(scope: dict, receive: Any, send: Any) -> None:
     body = orjson.dumps({"error": REFUSALS[503]})
-    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(body)),
+        (b"retry-after", b"1"),
+    ]
     await send(
         {"type": "http.response.start", "status": 503, "headers": [*headers, (b"connection", b"close")]}
     )

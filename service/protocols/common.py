@@ -10,6 +10,7 @@ import zlib
 import numpy as np
 import orjson
 from addnorm.model.contract import EMBEDDINGS, MASK
+from addnorm.service.backend.engine import TRIM_BODY_BYTES, trim_later
 from addnorm.service.batching.merging import Timings
 from addnorm.service.core.inference import OFFLOAD_BYTES, Call, Disconnect
 from addnorm.service.errors import BadInput, ClientGone, TooLarge, UnsupportedMediaType, quote
@@ -85,6 +86,8 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
         if total > max_bytes:
             raise TooLarge(f"request body is above the limit of {max_bytes} bytes (ADDNORM_MAX_BODY_BYTES)")
     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    if total >= TRIM_BODY_BYTES:
+        trim_later()  # its buffers are freed once it is answered: the heap gives them back
     if coding is None:
         return body
     if len(body) > OFFLOAD_BYTES // 4:  # zlib lets go of the GIL: off the event loop, a thread inflates it

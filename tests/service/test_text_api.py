@@ -5,6 +5,7 @@ a big request back in input order, truncation, and every bad input a 4xx that na
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -203,6 +204,63 @@ def test_bytes_that_are_not_json_or_utf8_are_400(base):
         r = httpx.post(f"{base}{path}", json=body)
         assert r.status_code == 400 and r.json()["error"], (path, r.text)
     assert httpx.get(f"{base}/health/ready").status_code == 200  # still serving
+
+
+# Every field of each text route, given each JSON type it does not take: a 4xx naming the field.
+WRONG = (False, {}, 0, "", [], 1.5, ["x"], "no-such-value")
+FIELDS = {
+    "/v1/embeddings": ("input", {"model", "encoding_format", "dimensions", "user", "truncate"}),
+    "/embed": ("inputs", {"normalize", "truncate", "truncation_direction", "prompt_name", "dimensions"}),
+    "/tokenize": ("inputs", {"add_special_tokens", "prompt_name"}),
+}
+VALID = [
+    ("truncate", False),
+    ("normalize", False),
+    ("add_special_tokens", False),
+    ("user", ""),
+    ("user", "no-such-value"),
+]
+
+
+@pytest.mark.parametrize("path, field", [(p, f) for p, (_, fs) in FIELDS.items() for f in sorted(fs)])
+def test_every_field_of_the_wrong_type_is_a_4xx_naming_it(base, path, field):
+    key = FIELDS[path][0]
+    for value in WRONG:
+        if any(f == field and type(v) is type(value) and v == value for f, v in VALID):
+            continue
+        r = httpx.post(f"{base}{path}", json={key: "a sentence", field: value}, timeout=60)
+        assert 400 <= r.status_code < 500 and field in r.json()["error"], (
+            field,
+            value,
+            r.status_code,
+            r.text,
+        )
+
+
+@pytest.mark.parametrize("where", ["alone", "behind the proxy"])
+def test_one_huge_string_is_refused_before_it_is_tokenized(base, where):
+    """A 10 MB string to /v1/embeddings, /embed, /tokenize and V2: a 413 naming its characters, never tokenized,
+    on addnorm-serve alone and behind the front proxy; the server serves on."""
+    from tests.helpers import front_proxy
+
+    port = int(base.rsplit(":", 1)[1])
+    huge = "word " * 2_000_000
+    bodies = {
+        "/v1/embeddings": {"input": huge},
+        "/embed": {"inputs": huge},
+        "/tokenize": {"inputs": huge},
+        "/v2/models/tiny-bert/infer": {
+            "inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": [huge]}]
+        },
+    }
+    with contextlib.ExitStack() as stack:
+        if where != "alone":
+            port = stack.enter_context(front_proxy(port))
+        for path, body in bodies.items():
+            r = httpx.post(f"http://127.0.0.1:{port}{path}", json=body, timeout=60)
+            assert r.status_code == 413 and "10000000 characters" in r.json()["error"], (path, r.text)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"input": "still serving"}, timeout=60)
+        assert r.status_code == 200
 
 
 def test_a_model_that_takes_embeddings_says_so(tiny_artifact):

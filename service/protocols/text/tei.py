@@ -128,7 +128,8 @@ async def tokenize(request: Request, loaded: Known) -> Response:
     tokenized; the answer at most as many tokens as /embed could take in one request; big work off the loop."""
     s = loaded.settings
     body = await read_body(request, s.max_body_bytes)
-    doc = fields(parse_json(body, s.max_elements), _TOKENIZE, "inputs")
+    amount = work(TEXT_WORK * len(body))
+    doc = fields(await offload(amount, parse_json, body, s.max_elements), _TOKENIZE, "inputs")
     model = loaded.models.get(None)
     front = model.engine.text
     if front is None:
@@ -139,7 +140,6 @@ async def tokenize(request: Request, loaded: Known) -> Response:
         front.tokenizer.within(texts)
     except TooManyChars as exc:
         raise TooLarge(f"inputs[{exc.index}] has {exc.chars} characters, {exc.reason}: shorten it") from None
-    amount = work(TEXT_WORK * len(body))
     rows = await offload(amount, front.tokenizer.tokens, texts, special)
     limit = s.max_client_batch_size * front.config.max_length
     if (total := sum(map(len, rows))) > limit:
