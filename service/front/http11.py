@@ -60,6 +60,7 @@ MAX_TARGET_BYTES = (
 )  # a request line's target at most 16 KiB (nginx: one of large_client_header_buffers)
 MAX_HEAD_BYTES = 72 * 1024  # the whole head at most 72 KiB (nginx: client_header_buffer_size + 4 x 16 KiB)
 BODY_HIGH_WATER = 64 * 1024  # a body buffered beyond this stops reading until the app takes it
+SWEEP_S = 0.1  # how often the head and idle deadlines are checked: each fires within this much of its time
 
 _STATUS_LINES = {
     code: b"HTTP/1.1 %d %s\r\n" % (code, getattr(http.HTTPStatus(code), "phrase", "").encode())
@@ -124,6 +125,9 @@ class Http11(asyncio.Protocol):
 
     # The unread answers of every connection, for ``max_unread_bytes`` (one server per process).
     _paused: set[Http11] = set()
+    # Every open connection, whose deadlines one sweep checks.
+    _open: set[Http11] = set()
+    _sweeping: asyncio.AbstractEventLoop | None = None  # the loop a sweep is scheduled on
 
     def __init__(
         self, config: Any, server_state: Any, app_state: dict | None = None, _loop: Any = None
@@ -149,7 +153,10 @@ class Http11(asyncio.Protocol):
         self.reading = True
         self.write_paused = False
         self.drained: list[asyncio.Future] = []
-        self.timer: asyncio.TimerHandle | None = None  # idle, or the head's deadline
+        # idle, or the head's deadline: when (the loop's clock; 0: none) and what then. One sweep a server checks
+        # every connection's (``_sweep``): a timer per request (armed and cancelled twice a request) cost more.
+        self.due = 0.0
+        self.late: Any = None
         self.send_timer: asyncio.TimerHandle | None = None
         # the request being parsed
         self.url = b""
@@ -164,12 +171,17 @@ class Http11(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.server_state.connections.add(self)
+        Http11._open.add(self)
+        if Http11._sweeping is not self.loop:
+            Http11._sweeping = self.loop
+            self.loop.call_later(SWEEP_S, Http11._sweep, self.loop)
         self.server = _address(transport.get_extra_info("sockname"))
         self.client = _address(transport.get_extra_info("peername"))
         self._arm(self.limits.keep_alive_s, self._idle)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server_state.connections.discard(self)
+        Http11._open.discard(self)
         Http11._paused.discard(self)
         self._disarm()
         if self.send_timer is not None:
@@ -404,21 +416,33 @@ class Http11(asyncio.Protocol):
         self.drained.clear()
 
     def _arm(self, seconds: float, then: Any) -> None:
-        self._disarm()
-        self.timer = self.loop.call_later(seconds, then)
+        self.due, self.late = self.loop.time() + seconds, then
 
     def _disarm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        self.due = 0.0
+
+    @classmethod
+    def _sweep(cls, loop: asyncio.AbstractEventLoop) -> None:
+        """Every ``SWEEP_S`` while connections are open: each one past its deadline is told (``late``)."""
+        now = loop.time()
+        for conn in [c for c in cls._open if 0.0 < c.due <= now]:
+            conn.due = 0.0
+            try:
+                if not conn.transport.is_closing():
+                    conn.late()
+            except Exception:  # never the sweep: every other connection's deadline depends on it
+                log.exception("a connection's deadline failed")
+                conn.transport.abort()
+        if cls._open and cls._sweeping is loop:
+            loop.call_later(SWEEP_S, cls._sweep, loop)
+        elif cls._sweeping is loop:
+            cls._sweeping = None
 
     def _idle(self) -> None:
-        self.timer = None
         if self.running is None and not self.pending and self.parsing is None and not self.in_head:
             self.transport.close()
 
     def _head_late(self) -> None:
-        self.timer = None
         self._refuse(408)
 
     def _not_reading(self) -> None:
