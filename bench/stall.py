@@ -133,8 +133,9 @@ def cases(
     }
 
 
-def stall(artifact: Path) -> dict:
-    """Each case against one server: its answer, the prober's slowest answers while it ran, memory after."""
+def stall(artifact: Path, settle_s: float = SETTLE_S) -> dict:
+    """Each case against one server: its answer, the prober's slowest answers while it ran, memory ``settle_s``
+    after."""
     from addnorm.model.artifact import Manifest
     from addnorm.model.tokenize import MAX_CHARS_PER_TOKEN
 
@@ -156,7 +157,7 @@ def stall(artifact: Path) -> dict:
                 start = time.perf_counter()
                 answer = send()
                 took = time.perf_counter() - start
-            time.sleep(SETTLE_S)
+            time.sleep(settle_s)
             rss = proc_rss_mb(srv.proc.pid)
             out["cases"][name] = {
                 "answer": answer,
@@ -180,7 +181,15 @@ def table(result: dict) -> str:
     ]
     for name, c in result["cases"].items():
         lines.append(
-            f"| {name} | {c['answer']} | {c['seconds']} | {c['live_worst_ms']} | {c['small_worst_ms']} | "
+            f"| {name} | {_short(c['answer'])} | {c['seconds']} | {c['live_worst_ms']} | {c['small_worst_ms']} | "
             f"{c['rss_after_mb']:.0f} MB ({c['rss_ratio']}x) |"
         )
     return "\n".join(lines)
+
+
+def _short(answer: str) -> str:
+    """An answer for the table: several equal ones as N x one, a long one cut at 60 characters."""
+    parts = answer.split(", ") if answer.startswith(("2", "4", "5")) else [answer]
+    if len(parts) > 1 and len(set(parts)) == 1:
+        answer = f"{len(parts)} x {parts[0]}"
+    return answer if len(answer) <= 60 else answer[:57] + "..."

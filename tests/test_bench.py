@@ -472,3 +472,30 @@ def test_the_text_benchmarks_table_judges_each_row_by_its_own_limit():
     assert "| addnorm | 8 | 32 | 210 | 200 | 1.05x |" in out
     res["fewer_threads"]["threads"] = 0  # a one-core machine: no such rows
     assert "on as many threads" not in text.table(res)
+
+
+def test_the_stall_benchmark_sends_each_big_input_while_another_client_probes(tmp_path):
+    """``bench.stall.stall`` on a tiny text model: every case is answered as the server should (the huge inputs
+    413 or RESOURCE_EXHAUSTED, the largest accepted requests 200), the prober answered throughout, memory read
+    (no timing asserted)."""
+    from addnorm.export import cli as export_cli
+
+    from bench import stall
+    from tests.text_models import make_model_dir
+
+    model_dir = make_model_dir("bert", tmp_path / "model")
+    artifact = tmp_path / "artifact"
+    assert (
+        export_cli.main(["--from", str(model_dir), "--artifact", str(artifact), "--name", "tiny", "-q"]) == 0
+    )
+    result = stall.stall(artifact, settle_s=0.1)
+    answers = {name: case["answer"] for name, case in result["cases"].items()}
+    assert len(answers) == 7, answers
+    for name, answer in answers.items():
+        if "10 MB" in name or "70 MB" in name:
+            assert answer.startswith(("413", "StatusCode.RESOURCE_EXHAUSTED")), (name, answer)
+        else:
+            assert all(part.startswith("200 ") for part in answer.split(", ")), (name, answer)
+    for case in result["cases"].values():
+        assert case["probes"] > 0 and case["live_worst_ms"] < float("inf") and case["rss_after_mb"] > 0
+    assert "| case | answer |" in stall.table(result)
