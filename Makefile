@@ -8,13 +8,14 @@ ARTIFACT  ?= artifacts/default
 HOST      ?= $(or $(ADDNORM_HOST),127.0.0.1)
 PORT      ?= $(or $(ADDNORM_PORT),8000)
 GRPC_PORT ?= $(or $(ADDNORM_GRPC_PORT),8001)
+DOCS_PORT ?= 8002
 # torch is pinned: on these machines pip takes the CPU build from local disk. Elsewhere, point pip at the
 # CPU wheel index so no multi-GB CUDA build is pulled: make TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH     ?= torch==2.13.0
 TORCH_INDEX ?=
 PIP_TORCH_FLAGS := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: serve kernels test test-fast test-images images matrix fuzz-http export parity lint format bench proto clean help
+.PHONY: serve docs kernels test test-fast test-images images matrix fuzz-http export parity lint format bench proto clean help
 
 help:
 	@echo "make serve   create .venv, export $(ARTIFACT) if missing, check parity, serve on $(HOST):$(PORT) (gRPC $(GRPC_PORT))"
@@ -29,6 +30,7 @@ help:
 	@echo "make parity  re-check $(ARTIFACT) and write a report into $(ARTIFACT)/report"
 	@echo "make bench   run the benchmarks (bench/) and the cost curve, write bench/results and docs/benchmarks.md"
 	@echo "make lint    ruff check + format check, and the docs site built with mkdocs --strict"
+	@echo "make docs    the guides in docs/ as a site on $(HOST):$(DOCS_PORT) (installs mkdocs into .venv)"
 	@echo "make proto   regenerate service/protocols/v2/inference_pb2.py from inference.proto (grpcio-tools)"
 
 $(BIN)/python:
@@ -53,11 +55,27 @@ $(ARTIFACT)/manifest.json: | $(VENV)/.installed-serve
 
 # int8's kernel library (model/kernels): the server registers it where it is built, and int8 models run on
 # onnxruntime's standard operators where it is not (no g++, or no way to fetch onnxruntime's header).
-kernels: $(VENV)/.installed-serve
+# Built once with the install (onnxruntime's pinned header is fetched then, from Debian's archive, and kept in
+# ~/.cache/addnorm): a later make serve fetches nothing.
+$(VENV)/.kernels: $(VENV)/.installed-serve model/kernels/int8.cc
 	@$(BIN)/python -m addnorm.model.kernels || echo "warning: int8's kernels not built; int8 models will run on onnxruntime's standard operators"
+	@touch $@
+
+kernels: $(VENV)/.kernels
 
 # The export already compared every Add & Norm step; before serving, the final output's gate is enough.
-serve: $(VENV)/.installed-serve kernels $(ARTIFACT)/manifest.json
+# The guides as a site, beside make serve (its own port): mkdocs alone is installed for it.
+$(VENV)/.installed-docs: | $(BIN)/python
+	$(BIN)/pip install -qq "mkdocs>=1.6,<2"
+	@touch $@
+
+docs: $(VENV)/.installed-docs
+	$(BIN)/mkdocs serve --dev-addr $(HOST):$(DOCS_PORT)
+
+# The ports are checked first: a taken one is said at once, not after the parity check.
+serve: $(VENV)/.installed-serve $(VENV)/.kernels
+	@$(BIN)/python -m addnorm.service.cli --check-ports --host $(HOST) --port $(PORT) --grpc-port $(GRPC_PORT)
+	@$(MAKE) --no-print-directory $(ARTIFACT)/manifest.json
 	$(BIN)/addnorm-parity --artifact $(ARTIFACT) --no-steps
 	$(BIN)/addnorm-serve --artifact $(ARTIFACT) --host $(HOST) --port $(PORT) --grpc-port $(GRPC_PORT)
 

@@ -109,3 +109,30 @@ def quiet_dependencies() -> None:
 
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
+
+
+def _launch(module: str) -> int:
+    """A console script: ``--version`` answered before the command's module is imported (it may need an extra this
+    install lacks: addnorm-export without torch still tells its version), then the module's ``main``."""
+    if sys.argv[1:] == ["--version"]:
+        print(f"{os.path.basename(sys.argv[0])} {__version__}")
+        return 0
+    import importlib
+
+    return importlib.import_module(module).main()
+
+
+def export_main() -> int:
+    return _launch("addnorm.export.cli")
+
+
+def parity_main() -> int:
+    return _launch("addnorm.export.parity_cli")
+
+
+def serve_main() -> int:
+    return _launch("addnorm.service.cli")
+
+
+def triton_main() -> int:
+    return _launch("addnorm.service.protocols.v2.triton_repo")

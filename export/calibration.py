@@ -54,7 +54,7 @@ def _sentences(path: Path, reference) -> tuple[np.ndarray, np.ndarray]:
     if reference is None:
         raise ConfigError(
             f"--calibration {path}: sentences need the model's tokenizer and embedding layer; give "
-            "--from-bert a model directory (config.json, tokenizer) with transformers installed, or "
+            "--from a model directory (config.json, tokenizer) with transformers installed, or "
             "embeddings as .npy/.npz/.safetensors"
         )
     lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]

@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         "supported encoder family (config.json's model_type: bert, roberta, xlm-roberta, distilbert, mpnet), or a "
         "weights file of BertLayer(s). The head count, widths, layer count, eps and activation come from "
         "config.json (a file's directory is read for one too); a flag that contradicts it is an error. Without "
-        "config.json: BERT, gelu, eps 1e-12, post-norm unless flags say otherwise. --from-bert: the same",
+        "config.json: BERT, gelu, eps 1e-12, post-norm unless flags say otherwise. (--from-bert: the old spelling)",
     )
     p.add_argument(
         "--inputs",
@@ -88,17 +88,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="representative inputs: embeddings [N, S, E] as .npy, or .npz/.safetensors with 'embeddings' and "
         "optionally 'mask' [N, S] (true = padding) or 'lengths' [N]; or .txt, one sentence a line, embedded by "
-        "--from-bert's tokenizer (needs transformers). A lossy variant's quality is judged on them and a few "
+        "--from's tokenizer (needs transformers). A lossy variant's quality is judged on them and a few "
         "are kept as golden data; without it the gate's inputs are synthetic and the report says so",
     )
     p.add_argument(
         "--reference",
         choices=["auto", "transformers", "none"],
         default="auto",
-        help="also compare with transformers' BertModel on real sentences (--from-bert with a config.json): "
+        help="also compare with transformers' own model class on real sentences (--from a directory with a "
+        "config.json): "
         "the converted encoder must compute what it computes (a wrong head count is caught here), and the "
         "graph's agreement is reported and kept in the manifest; auto (default) = transformers when it is "
-        "installed and --from-bert has a config.json",
+        "installed and --from has a config.json",
     )
     p.add_argument(
         "--weights-seed",
@@ -138,12 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group(
         "model (defaults: 768 wide, 12 heads, ff 3072, 1 layer, post-norm, relu, eps 1e-5)"
     )
-    g.add_argument("--d-model", type=int)
-    g.add_argument("--nhead", type=int)
-    g.add_argument("--dim-feedforward", type=int)
-    g.add_argument("--num-layers", type=int)
-    g.add_argument("--activation", choices=["relu", "gelu"])
-    g.add_argument("--layer-norm-eps", type=float)
+    g.add_argument("--d-model", type=int, help="the embedding width E (default 768)")
+    g.add_argument("--nhead", type=int, help="attention heads; must divide --d-model (default 12)")
+    g.add_argument("--dim-feedforward", type=int, help="the feed-forward's inner width (default 3072)")
+    g.add_argument("--num-layers", type=int, help="encoder blocks stacked (default 1)")
+    g.add_argument(
+        "--activation", choices=["relu", "gelu"], help="the feed-forward's activation (default relu)"
+    )
+    g.add_argument("--layer-norm-eps", type=float, help="every LayerNorm's epsilon (default 1e-5)")
     g.add_argument("--dropout", type=float, help="kept in the config; inactive in the exported (eval) graph")
     g.add_argument(
         "--norm",
@@ -161,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(POOLINGS),
         help="add a 'pooled' output [batch, d_model] beside 'encoded': the sentence embedding, the mean over each "
         "sequence's real tokens or its first (cls) token, as sentence-transformers computes it (default none; "
-        "a sentence-transformers model directory's own pooling with --from-bert DIR)",
+        "a sentence-transformers model directory's own pooling with --from DIR)",
     )
     g.add_argument(
         "--normalize",

@@ -68,7 +68,8 @@ def format_table(report: ParityReport, verbose: bool = True) -> str:
     lines.append(f"{'PASSED' if report.passed else 'FAILED'}: {decided(report)}")
     lines.append(
         f"figures: {s['cases']} cases, max abs err {s['max_abs_err']:.3e}, "
-        f"max rel err {s['max_rel_err']:.3e}, worst row relative RMS {s['max_row_rel_rms']:.3e}; "
+        f"max rel err {s['max_rel_err']:.3e} (an element's |onnx - torch| / |torch|: large where torch's value is "
+        f"near 0, which the rule's atol covers), worst row relative RMS {s['max_row_rel_rms']:.3e}; "
         f"onnx vs float64 {s['max_onnx_vs_f64']:.3e}, torch vs float64 {s['max_torch_vs_f64']:.3e}, "
         f"float32's spread {s['max_spread']:.3e}; "
         f"float64 oracles (torch, numpy) agree to {s['max_oracles_gap']:.1e}"
@@ -84,7 +85,10 @@ def inputs_line(report: ParityReport) -> str:
     """What the inputs were: real ones (--calibration) or synthetic only, said every time."""
     if report.inputs == "given":
         n = sum(r.representative for r in report.results)
-        return f"inputs: {n} cases of given (calibration) inputs, judged for quality; the synthetic cases test the graph"
+        return (
+            f"inputs: {n} cases of real inputs (--calibration FILE, or a text model's built-in sentences), judged for "
+            "quality; the synthetic cases test the graph"
+        )
     return (
         "inputs: synthetic (seeded random embeddings); for a trained model give real ones with --calibration "
         "FILE, on which a lossy variant's quality is then judged"

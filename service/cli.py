@@ -75,6 +75,24 @@ def port_taken(host: str, port: int) -> str | None:
     return None
 
 
+def ports_free(host: str, port: int, grpc_port: int) -> bool:
+    """Whether the HTTP port and the gRPC port (0: none) can be bound; says which cannot, and how to choose
+    another, in one line on stderr."""
+    for what, name, value, off in (
+        ("HTTP", "port", port, ""),
+        ("gRPC", "grpc_port", grpc_port, ", or 0 to turn gRPC off"),
+    ):
+        if value and (why := port_taken(host, value)):
+            flag, env, make = f"--{name.replace('_', '-')}", f"ADDNORM_{name.upper()}", name.upper()
+            print(
+                f"error: cannot serve {what} on {host}:{value}: {why}. Give {flag} ({env}; under make: "
+                f"make serve {make}=N) another port{off}",
+                file=sys.stderr,
+            )
+            return False
+    return True
+
+
 _SERVING: list = []  # the app being served, whose state says whether it stopped itself (ServiceState.fatal)
 
 
@@ -148,18 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     # Both ports before any model loads: one line, not a bind error after the load.
-    ports = [("HTTP", "port", settings.port, "")]
-    if settings.grpc_port and settings.workers == 1:
-        ports.append(("gRPC", "grpc_port", settings.grpc_port, ", or 0 to turn gRPC off"))
-    for what, name, port, off in ports:
-        if port and (why := port_taken(settings.host, port)):
-            flag, env, make = f"--{name.replace('_', '-')}", f"ADDNORM_{name.upper()}", name.upper()
-            print(
-                f"error: cannot serve {what} on {settings.host}:{port}: {why}. Give {flag} ({env}; under make: "
-                f"make serve {make}=N) another port{off}",
-                file=sys.stderr,
-            )
-            return 1
+    if not ports_free(settings.host, settings.port, settings.grpc_port if settings.workers == 1 else 0):
+        return 1
     for slot in slots:
         log.info("model %s from %s", slot.name, slot.directory)
     grpc = f", gRPC on {settings.host}:{settings.grpc_port}" if settings.grpc_port else ""
@@ -212,4 +220,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # make serve's first step: python -m addnorm.service.cli --check-ports --host H --port P --grpc-port G
+    if sys.argv[1:2] == ["--check-ports"]:
+        check = argparse.ArgumentParser(prog="python -m addnorm.service.cli --check-ports")
+        check.add_argument("--host", default="127.0.0.1")
+        check.add_argument("--port", type=int, default=8000)
+        check.add_argument("--grpc-port", type=int, default=8001)
+        ports = check.parse_args(sys.argv[2:])
+        sys.exit(0 if ports_free(ports.host, ports.port, ports.grpc_port) else 1)
     sys.exit(main())

@@ -2,13 +2,15 @@
 
 The batcher, the engine, the guard and the codecs raise these, knowing no transport; ``CODES`` is the one table
 that turns them into each transport's status: an HTTP status and a gRPC status code name. Their HTTP shape, shared
-by every layer that answers, is here too (``from_error``): ``{"error": "..."}`` with its status.
+by every layer that answers, is here too (``from_error``): an API's own error body (``ErrorShape``; ``plain``:
+``{"error": "..."}``) with its status.
 """
 
 from __future__ import annotations
 
 import logging
 import reprlib
+from collections.abc import Callable
 
 from starlette.responses import JSONResponse
 
@@ -22,6 +24,8 @@ def quote(value: object, limit: int = 40) -> str:
     """A client's value (a name, a version, a header, a field) in an error message: its literal, cut past
     ``limit`` characters with a marker. Bounded in cost too: a megabyte string or a million-item list is never
     written out whole (reprlib), and no object's internals are: only literals come from a parsed request."""
+    if value is None or isinstance(value, bool):  # as the client wrote it: JSON's literals
+        return "null" if value is None else "true" if value else "false"
     text = _REPR.repr(value)
     return text if len(text) <= limit else f"{text[:limit]}...(cut)"
 
@@ -165,23 +169,35 @@ def grpc_code(exc: ServiceError) -> str:
 log = logging.getLogger("addnorm.service")
 
 
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    """The one shape of every error the API returns (its message bounded, as a domain error's is)."""
-    return JSONResponse({"error": bounded(message)}, status_code=status, headers=headers)
+# An API's error body from a status and its message: each API answers in its own shape (OpenAI's error object,
+# TEI's {error, error_type}); the protocols say which path speaks which (protocols.error_shape).
+ErrorShape = Callable[[int, str], dict]
 
 
-def from_error(exc: ServiceError) -> JSONResponse:
-    """A domain error as HTTP, through the one table (service.errors.CODES)."""
+def plain(status: int, message: str) -> dict:
+    """``{"error": message}``: /v1's, V2's (the Open Inference Protocol's own) and every path of no API's own."""
+    return {"error": message}
+
+
+def error_response(
+    status: int, message: str, headers: dict[str, str] | None = None, shape: ErrorShape = plain
+) -> JSONResponse:
+    """An error answer in ``shape`` (its message bounded, as a domain error's is)."""
+    return JSONResponse(shape(status, bounded(message)), status_code=status, headers=headers)
+
+
+def from_error(exc: ServiceError, shape: ErrorShape = plain) -> JSONResponse:
+    """A domain error as HTTP, through the one table (service.errors.CODES), in ``shape``."""
     status = http_status(exc)
     headers = {}
     if exc.retry_after is not None:
         headers["Retry-After"] = str(exc.retry_after)
     if status == 401:  # RFC 9110: a 401 says how to authenticate
         headers["WWW-Authenticate"] = 'Bearer realm="addnorm"'
-    return error_response(status, exc.message, headers or None)
+    return error_response(status, exc.message, headers or None, shape)
 
 
-def unexpected_error(exc: Exception, method: str, path: str) -> JSONResponse:
+def unexpected_error(exc: Exception, method: str, path: str, shape: ErrorShape = plain) -> JSONResponse:
     """A bug, not the client's fault: log it with its traceback, answer a JSON 500."""
     log.error("unhandled error on %s %s", method, path, exc_info=exc)
-    return error_response(500, f"internal error ({type(exc).__name__}); see the server log")
+    return error_response(500, f"internal error ({type(exc).__name__}); see the server log", shape=shape)

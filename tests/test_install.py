@@ -115,6 +115,10 @@ def test_the_wheel_installs_one_name_addnorm(tmp_path):
     )  # fmt: skip
     version, where = r.stdout.split()
     assert r.returncode == 0 and version == "0.1.0" and where.startswith(str(site / "addnorm" / "model")), r
+    # every command tells its version in this install too, which has none of the extras (nor the base's packages)
+    for command in ("addnorm-export", "addnorm-parity", "addnorm-serve", "addnorm-triton"):
+        r = subprocess.run([venv / "bin" / command, "--version"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout.strip() == f"{command} 0.1.0", (command, r.stdout, r.stderr)
 
 
 def test_make_serve_takes_the_servers_own_variables():

@@ -16,6 +16,7 @@ import pytest
 from addnorm.export import cli
 from addnorm.export.hf import MORE, PASSAGE, SENTENCES
 
+from tests.helpers import error_message
 from tests.server import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.export]
@@ -79,4 +80,4 @@ def test_a_text_over_256_tokens_is_refused_unless_cut(served):
     r = httpx.post(
         f"{served.base}/v1/embeddings", json={"input": [PASSAGE * 12], "model": "minilm"}, timeout=60
     )
-    assert r.status_code == 413 and "more than this model's 256" in r.json()["error"]
+    assert r.status_code == 413 and "more than this model's 256" in error_message(r)

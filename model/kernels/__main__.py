@@ -1,4 +1,4 @@
-"""python -m addnorm.model.kernels: build int8's kernel library (model/kernels/__init__.py) and print its path."""
+"""python -m addnorm.model.kernels: build int8's kernel library (model/kernels/__init__.py) and say where it is."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     lacks = cpu_lacks()
     note = f" (this CPU lacks {', '.join(lacks)}: the server will not load it here)" if lacks else ""
-    print(f"{path}{note}")
+    print(f"int8's kernels: {path}{note}")
     return 0
 
 

@@ -102,6 +102,11 @@ def text_inputs(value: object, where: str, max_inputs: int) -> Inputs:
             if not v:
                 raise BadInput(f"{where}[{i}] is an empty string")
         return value
+    if isinstance(value[0], str):  # strings, then something else: the first that is not one is at fault
+        i = next(i for i, v in enumerate(value) if not isinstance(v, str))
+        raise BadInput(
+            f"{where}[{i}] must be a string as {where}[0] is (every input of one kind); got {quote(value[i])}"
+        )
     for i, v in enumerate(value):
         if (
             not isinstance(v, list)

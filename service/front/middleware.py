@@ -3,7 +3,7 @@
 ``Front`` (pure ASGI, outermost in the app under any ASGI server: uvicorn, a test client, Ray Serve's proxy): the
 request's context (id, access line, metrics), the guard (service/guard.py, the same object gRPC's interceptor asks)
 and the body's deadline. FastAPI's routes do the rest, each written once (its declaration is its OpenAPI entry);
-``install_error_handlers`` answers every error as JSON ``{"error": ...}``.
+``install_error_handlers`` answers every error as JSON in its API's shape (``protocols.error_shape``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import uuid
 from addnorm.service import logs
 from addnorm.service.errors import BodyTimeout, ServiceError, error_response, from_error, unexpected_error
 from addnorm.service.guard import SCOPE_KEY, Guard
+from addnorm.service.protocols import error_shape
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -25,22 +26,25 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """Every error as JSON in the shape of the API its path belongs to (protocols.error_shape)."""
+
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError) -> Response:
-        return from_error(exc)
+        return from_error(exc, error_shape(request.url.path))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
         parts = [f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()]
-        return error_response(400, "; ".join(parts) or "invalid request")
+        return error_response(400, "; ".join(parts) or "invalid request", shape=error_shape(request.url.path))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return error_response(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+        headers = getattr(exc, "headers", None)
+        return error_response(exc.status_code, str(exc.detail), headers, error_shape(request.url.path))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
-        return unexpected_error(exc, request.method, request.url.path)
+        return unexpected_error(exc, request.method, request.url.path, error_shape(request.url.path))
 
 
 class Front:
@@ -85,7 +89,7 @@ class Front:
             try:
                 self._check(scope)
             except ServiceError as exc:
-                await from_error(exc)(scope, receive, send_with_id)
+                await from_error(exc, error_shape(scope["path"]))(scope, receive, send_with_id)
                 return
             await self.app(scope, body.receive, send_with_id)
         finally:

@@ -1,10 +1,12 @@
 """The protocols the server speaks, gathered in one place. Each HTTP protocol is a module (or package) with a
 FastAPI ``router``; a transport with its own listener (gRPC)
 has ``listen(state, guard)``, which the app's lifespan awaits; every way in names the ``MODEL_PREFIXES`` the guard must
-check for readiness and the ``PUBLIC_PATHS`` (health probes) it lets through.
+check for readiness and the ``PUBLIC_PATHS`` (health probes) it lets through; an API with an error shape of its own
+names its ``ERROR_PATHS`` and ``error_shape``.
 Adding a protocol is one line here. Inference routes come first: the router tries routes in order.
 """
 
+from addnorm.service.errors import ErrorShape, plain
 from addnorm.service.protocols import health
 from addnorm.service.protocols.text import openai, tei
 from addnorm.service.protocols.v1 import routes as v1
@@ -20,8 +22,24 @@ LISTENERS = (
 TRANSPORTS = (*PROTOCOLS, *LISTENERS)  # every way in, for the one guard
 
 ROUTERS = tuple(p.router for p in PROTOCOLS)
+# The paths whose errors a protocol answers in its API's own shape (``ERROR_PATHS``, ``error_shape``), longest first;
+# every other path answers {"error": ...} (errors.plain).
+ERROR_SHAPES = tuple(
+    sorted(
+        ((path, p.error_shape) for p in PROTOCOLS if hasattr(p, "ERROR_PATHS") for path in p.ERROR_PATHS),
+        key=lambda entry: -len(entry[0]),
+    )
+)
 MODEL_PREFIXES = tuple(prefix for p in TRANSPORTS for prefix in p.MODEL_PREFIXES)
 PUBLIC_PATHS = frozenset(path for p in TRANSPORTS for path in p.PUBLIC_PATHS)
+
+
+def error_shape(path: str) -> ErrorShape:
+    """The error shape of the API that serves ``path``."""
+    for prefix, shape in ERROR_SHAPES:
+        if path.startswith(prefix):
+            return shape
+    return plain
 
 
 def examples(model: str, d_model: int) -> dict[tuple[str, str], dict]:

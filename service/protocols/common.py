@@ -154,9 +154,9 @@ def timing_headers(timings: Timings, total_s: float) -> dict[str, str]:
 ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
 
 
-def error_docs(descriptions: dict[int, str]) -> dict[str, dict]:
-    """OpenAPI ``responses`` entries for errors, each a JSON ``{"error": ...}`` body."""
-    content = {"application/json": {"schema": ERROR_SCHEMA}}
+def error_docs(descriptions: dict[int, str], schema: dict = ERROR_SCHEMA) -> dict[str, dict]:
+    """OpenAPI ``responses`` entries for errors, each a JSON body of ``schema`` (the API's error shape)."""
+    content = {"application/json": {"schema": schema}}
     return {str(code): {"description": text, "content": content} for code, text in descriptions.items()}
 
 

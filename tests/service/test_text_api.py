@@ -20,6 +20,7 @@ from addnorm.model.text import TOKENIZER_FILE
 from addnorm.model.tokenize import TextTokenizer
 
 from tests.conftest import start_server
+from tests.helpers import error_message
 from tests.text_models import TEXTS, make_model_dir, transformers_vectors
 
 pytestmark = pytest.mark.server
@@ -84,8 +85,48 @@ def test_with_an_api_key_the_client_needs_it(artifact):
         good = OpenAI(base_url=f"{srv.base}/v1", api_key=KEY, max_retries=0)
         assert len(good.embeddings.create(model="tiny-bert", input=["a", "b"]).data) == 2
         bad = OpenAI(base_url=f"{srv.base}/v1", api_key="wrong", max_retries=0)
-        with pytest.raises(AuthenticationError):
+        with pytest.raises(AuthenticationError) as got:
             bad.embeddings.create(model="tiny-bert", input="a")
+        assert "API key" in got.value.message and got.value.code == "invalid_api_key", got.value.message
+        r = httpx.post(f"{srv.base}/embed", json={"inputs": "a"})  # the guard answers in each API's shape
+        assert (
+            r.status_code == 401 and r.json()["error_type"] == "validation" and "API key" in error_message(r)
+        )
+
+
+def test_each_apis_errors_reach_its_official_client(base):
+    """Errors in each API's own shape, read by the clients users point at it: the ``openai`` client's exception
+    carries the server's message, field and code (OpenAI's error object); TEI's ``{error, error_type}``; V2's
+    ``{"error"}`` through tritonclient over HTTP, and gRPC's status and message."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from openai import BadRequestError, NotFoundError, OpenAI
+    from tritonclient.utils import InferenceServerException
+
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(NotFoundError) as got:
+        client.embeddings.create(model="nope", input="a")
+    assert "unknown model 'nope'" in got.value.message and got.value.code == "model_not_found"
+    with pytest.raises(BadRequestError) as got:
+        client.embeddings.create(model="tiny-bert", input=["a", ""], encoding_format="float")
+    assert "input[1] is an empty string" in got.value.message
+    assert (got.value.param, got.value.type) == ("input", "invalid_request_error")
+    r = httpx.post(f"{base}/embed", json={"inputs": "a", "dimensions": 0})
+    assert r.status_code == 400 and r.json() == {
+        "error": "dimensions must be a positive integer, got 0",
+        "error_type": "validation",
+    }
+    host = base.removeprefix("http://")
+    text = httpclient.InferInput("text", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b""], dtype=object))
+    with pytest.raises(InferenceServerException) as v2:
+        httpclient.InferenceServerClient(host).infer("tiny-bert", [text])
+    assert "is an empty string" in v2.value.message(), v2.value
+    text = grpcclient.InferInput("text", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b""], dtype=object))
+    with pytest.raises(InferenceServerException) as rpc:
+        grpcclient.InferenceServerClient(f"127.0.0.1:{GRPC_PORT}").infer("tiny-bert", [text])
+    assert rpc.value.status() == "StatusCode.INVALID_ARGUMENT" and "is an empty string" in rpc.value.message()
 
 
 def test_dimensions_cut_then_normalize_and_token_ids_equal_text(base, artifact):
@@ -142,7 +183,7 @@ def test_inputs_over_the_model_length_are_refused_or_cut_on_request(base, artifa
     refused = httpx.post(f"{base}/v1/embeddings", json={"input": ["a", long]})
     assert (
         refused.status_code == 413
-        and f"input[1] has 82 tokens, more than this model's {MAX_LENGTH}" in refused.json()["error"]
+        and f"input[1] has 82 tokens, more than this model's {MAX_LENGTH}" in error_message(refused)
     )
     cut = httpx.post(f"{base}/v1/embeddings", json={"input": [long], "truncate": True}).json()
     np.testing.assert_allclose(
@@ -171,6 +212,8 @@ def test_inputs_over_the_model_length_are_refused_or_cut_on_request(base, artifa
         ({"input": []}, 400, "input must be a string"),
         ({"input": None}, 400, "input must be a string"),
         ({"input": [True]}, 400, "input[0] must be"),
+        ({"input": ["a", "b", 3]}, 400, "input[2] must be a string as input[0] is"),
+        ({"input": "a", "dimensions": True}, 400, "dimensions must be a positive integer, got true"),
         ({}, 400, "missing field 'input'"),
         ({"input": "a", "encoding_format": "int8"}, 400, "encoding_format must be one of"),
         *(
@@ -189,20 +232,30 @@ def test_inputs_over_the_model_length_are_refused_or_cut_on_request(base, artifa
 )
 def test_bad_input_is_a_4xx_naming_its_field(base, body, status, names):
     r = httpx.post(f"{base}/v1/embeddings", json=body, timeout=60)
-    assert r.status_code == status and names in r.json()["error"], r.text
+    assert r.status_code == status and names in error_message(r), r.text
+
+
+def test_tei_errors_name_its_own_fields(base):
+    for body, names in (
+        ({"inputs": ["a", ""]}, "inputs[1] is an empty string"),
+        ({"inputs": "a " * 500_000}, "inputs[0] has 1000000 characters"),
+        ({"inputs": "a", "normalize": None}, "normalize must be true or false, got null"),
+    ):
+        r = httpx.post(f"{base}/embed", json=body)
+        assert 400 <= r.status_code < 500 and names in error_message(r), (body, r.text)
 
 
 def test_bytes_that_are_not_json_or_utf8_are_400(base):
     for body in (b'\xff\xfe{"input": "a"}', b'{"input": "\xc3\x28"}', b"", b"{"):
         r = httpx.post(f"{base}/v1/embeddings", content=body, headers={"content-type": "application/json"})
-        assert r.status_code == 400 and r.json()["error"], (body, r.text)
+        assert r.status_code == 400 and error_message(r), (body, r.text)
     for path, body in (
         ("/embed", {"inputs": [""]}),
         ("/embed", {"inputs": "a", "normalize": "no"}),
         ("/tokenize", {}),
     ):
         r = httpx.post(f"{base}{path}", json=body)
-        assert r.status_code == 400 and r.json()["error"], (path, r.text)
+        assert r.status_code == 400 and error_message(r), (path, r.text)
     assert httpx.get(f"{base}/health/ready").status_code == 200  # still serving
 
 
@@ -229,7 +282,7 @@ def test_every_field_of_the_wrong_type_is_a_4xx_naming_it(base, path, field):
         if any(f == field and type(v) is type(value) and v == value for f, v in VALID):
             continue
         r = httpx.post(f"{base}{path}", json={key: "a sentence", field: value}, timeout=60)
-        assert 400 <= r.status_code < 500 and field in r.json()["error"], (
+        assert 400 <= r.status_code < 500 and field in error_message(r), (
             field,
             value,
             r.status_code,
@@ -258,7 +311,7 @@ def test_one_huge_string_is_refused_before_it_is_tokenized(base, where):
             port = stack.enter_context(front_proxy(port))
         for path, body in bodies.items():
             r = httpx.post(f"http://127.0.0.1:{port}{path}", json=body, timeout=60)
-            assert r.status_code == 413 and "10000000 characters" in r.json()["error"], (path, r.text)
+            assert r.status_code == 413 and "10000000 characters" in error_message(r), (path, r.text)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"input": "still serving"}, timeout=60)
         assert r.status_code == 200
 
@@ -266,7 +319,7 @@ def test_one_huge_string_is_refused_before_it_is_tokenized(base, where):
 def test_a_model_that_takes_embeddings_says_so(tiny_artifact):
     with start_server(tiny_artifact) as srv:
         r = httpx.post(f"{srv.base}/v1/embeddings", json={"input": "a"})
-        assert r.status_code == 400 and "takes embeddings, not text or token ids" in r.json()["error"]
+        assert r.status_code == 400 and "takes embeddings, not text or token ids" in error_message(r)
         assert httpx.post(f"{srv.base}/tokenize", json={"inputs": "a"}).status_code == 400
 
 
@@ -351,7 +404,7 @@ def test_tritonclient_sends_text_as_bytes_over_http_and_grpc(base, artifact):
 )
 def test_bad_v2_text_is_a_400_naming_it(base, inputs, names):
     r = httpx.post(f"{base}/v2/models/tiny-bert/infer", json={"inputs": inputs})
-    assert r.status_code in (400, 413) and names in r.json()["error"], r.text
+    assert r.status_code in (400, 413) and names in error_message(r), r.text
 
 
 @pytest.mark.parametrize(
@@ -381,7 +434,7 @@ def test_bad_binary_bytes_are_a_400(base, raw, names):
         content=header + raw,
         headers={"Inference-Header-Content-Length": str(len(header))},
     )
-    assert r.status_code == 400 and names in r.json()["error"], r.text
+    assert r.status_code == 400 and names in error_message(r), r.text
 
 
 def test_v1_encode_takes_token_ids_for_a_model_that_takes_ids(base, artifact):
@@ -402,13 +455,13 @@ def test_v1_encode_takes_token_ids_for_a_model_that_takes_ids(base, artifact):
         ({"input_ids": [["a"]]}, "input_ids[0] must be"),
     ):
         r = httpx.post(f"{base}/v1/encode", json=body)
-        assert r.status_code == 400 and names in r.json()["error"], r.text
+        assert r.status_code == 400 and names in error_message(r), r.text
 
 
 def test_v1_encode_refuses_ids_for_a_model_that_takes_embeddings(tiny_artifact):
     with start_server(tiny_artifact) as srv:
         r = httpx.post(f"{srv.base}/v1/encode", json={"input_ids": [[1, 2]]})
-        assert r.status_code == 400 and "takes embeddings, not text or token ids" in r.json()["error"]
+        assert r.status_code == 400 and "takes embeddings, not text or token ids" in error_message(r)
 
 
 def test_the_embedding_layer_is_checked_at_load(artifact, tmp_path):
@@ -443,6 +496,6 @@ def test_a_request_whose_embeddings_could_never_queue_is_413(artifact):
     with start_server(artifact, "--max-queue-bytes", "100000", "--max-batch-tokens", "64") as srv:
         many = ["water " * 40] * 100  # 100 x 42 tokens x 32 wide x 4 bytes = 537,600 bytes
         r = httpx.post(f"{srv.base}/v1/embeddings", json={"input": many}, timeout=60)
-        assert r.status_code == 413 and "ADDNORM_MAX_QUEUE_BYTES" in r.json()["error"], r.text
+        assert r.status_code == 413 and "ADDNORM_MAX_QUEUE_BYTES" in error_message(r), r.text
         fits = httpx.post(f"{srv.base}/v1/embeddings", json={"input": many[:15]}, timeout=60)  # 8 parts of 2
         assert fits.status_code == 200 and len(fits.json()["data"]) == 15

@@ -37,6 +37,7 @@ class Read:
     truncate: bool
     options: dict
     prompt: str | None = None  # one of the model's named prompts, put before each text
+    field: str = "input"  # what the API calls its inputs, in error messages (TEI: "inputs")
 
 
 @dataclass
@@ -58,7 +59,7 @@ class TextCodec:
         limits = self.limits
         read = self.read(parse_json(body, self.max_elements), limits.max_inputs)
         model = resolve(read.model)
-        req = decode_texts(model, read.inputs, read.truncate, limits, "input", read.prompt)
+        req = decode_texts(model, read.inputs, read.truncate, limits, read.field, read.prompt)
         req.model, req.options = read.model, read.options
         return req
 

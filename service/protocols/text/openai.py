@@ -11,6 +11,7 @@ input order. ``truncate`` (not OpenAI's; TEI's and vLLM's idea): cut inputs over
 from __future__ import annotations
 
 import base64
+import re
 import time
 
 import orjson
@@ -23,6 +24,23 @@ from fastapi import APIRouter, Request, Response
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 _KNOWN = {"input", "model", "encoding_format", "dimensions", "user", "truncate"}
+# OpenAI's error object (what error_shape writes)
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": "string", "nullable": True},
+                "code": {"type": "string", "nullable": True},
+            },
+        }
+    },
+}
 _FORMATS = ("float", "base64")
 
 REQUEST = {
@@ -99,7 +117,8 @@ _DOC = {
             "content": {"application/json": {"schema": ANSWER}},
         },
         **error_docs(
-            {
+            schema=ERROR_SCHEMA,
+            descriptions={
                 400: "bad input (a field named)",
                 401: "missing or invalid API key",
                 404: "unknown model",
@@ -107,7 +126,7 @@ _DOC = {
                 429: "queue full; retry after Retry-After seconds",
                 503: "model not loaded yet",
                 504: "not answered within the request timeout",
-            }
+            },
         ),
     },
 }
@@ -162,7 +181,7 @@ async def embeddings(request: Request, loaded: Known) -> Response:
 @router.get(
     "/models",
     summary="The served models (OpenAI's list)",
-    responses=error_docs({401: "missing or invalid API key"}),
+    responses=error_docs({401: "missing or invalid API key"}, ERROR_SCHEMA),
 )
 async def models(loaded: Known) -> dict:
     created = int(time.time())
@@ -176,4 +195,18 @@ async def models(loaded: Known) -> dict:
 
 
 MODEL_PREFIXES = ("/v1/",)
+ERROR_PATHS = ("/v1/embeddings", "/v1/models")
+_CODES = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limit_exceeded"}
+
+
+def error_shape(status: int, message: str) -> dict:
+    """OpenAI's error object, which its clients read (``openai.APIStatusError.message``): the field at fault as
+    ``param`` when the message starts with one."""
+    kind = "server_error" if status >= 500 else "requests" if status == 429 else "invalid_request_error"
+    field = re.match(r"([a-z_]+)\b", message)
+    param = field[1] if field and field[1] in _KNOWN else None
+    code = _CODES.get(status) if status != 404 or "model" in message else None
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 PUBLIC_PATHS: tuple[str, ...] = ()

@@ -21,6 +21,15 @@ from fastapi import APIRouter, Request, Response
 router = APIRouter(tags=["tei"])
 _EMBED = {"inputs", "normalize", "truncate", "truncation_direction", "prompt_name", "dimensions"}
 _TOKENIZE = {"inputs", "add_special_tokens", "prompt_name"}
+# text-embeddings-inference's error body (what error_shape writes)
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error", "error_type"],
+    "properties": {
+        "error": {"type": "string"},
+        "error_type": {"type": "string", "enum": ["validation", "overloaded", "unhealthy", "backend"]},
+    },
+}
 _ERRORS = error_docs(
     {
         400: "bad input (a field named)",
@@ -28,7 +37,8 @@ _ERRORS = error_docs(
         413: "too many inputs, or an input over the model's length",
         429: "queue full; retry after Retry-After seconds",
         503: "model not loaded yet",
-    }
+    },
+    ERROR_SCHEMA,
 )
 _INPUTS = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
 
@@ -104,7 +114,8 @@ def read(doc: object, max_inputs: int) -> Read:
         raise BadInput(f"dimensions must be a positive integer, got {quote(dims)}")
     options = {"normalize": json_bool(doc, "normalize", "body", True), "dimensions": dims}
     inputs = text_inputs(doc["inputs"], "inputs", max_inputs)
-    return Read(None, inputs, json_bool(doc, "truncate", "body", False), options, _prompt_name(doc))
+    truncate = json_bool(doc, "truncate", "body", False)
+    return Read(None, inputs, truncate, options, _prompt_name(doc), field="inputs")
 
 
 def write(req, model, outputs) -> bytes:
@@ -163,4 +174,14 @@ def _tokens_json(rows: list) -> bytes:
 
 
 MODEL_PREFIXES = ("/embed", "/tokenize")
+ERROR_PATHS = ("/embed", "/tokenize")
+
+
+def error_shape(status: int, message: str) -> dict:
+    """text-embeddings-inference's ``{"error", "error_type"}`` (its ErrorType: validation, overloaded, unhealthy,
+    backend)."""
+    kind = {429: "overloaded", 503: "unhealthy"}.get(status, "backend" if status >= 500 else "validation")
+    return {"error": message, "error_type": kind}
+
+
 PUBLIC_PATHS: tuple[str, ...] = ()

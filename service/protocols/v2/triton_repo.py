@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="addnorm-triton",
         description="Write a Triton Inference Server model repository (onnxruntime backend) for an addnorm "
         "artifact: REPO/<name>/config.pbtxt and REPO/<name>/1/model.onnx with the manifest beside it. "
-        "Triton batches only requests of equal shape: pad to a few sequence lengths (README 'Scaling out'), or "
+        "Triton batches only requests of equal shape: pad to a few sequence lengths (docs/deployment.md, 'Scaling out'), or "
         "export with --packed, which this declares for Triton's ragged batching (one sequence per request).",
     )
     add_artifact(p, "artifact directory from addnorm-export")
