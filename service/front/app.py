@@ -70,7 +70,8 @@ def create_app(
         title="addnorm",
         summary="A Transformer encoder block (Add & Norm) on onnxruntime",
         description="`/v1`: a simple JSON (or binary) API. `/v2`: the Open Inference Protocol with the binary "
-        'tensor extension, for tritonclient and other KServe V2 clients. Errors are always `{"error": "..."}`.',
+        'tensor extension, for tritonclient and other KServe V2 clients. Errors are `{"error": "..."}`, and in their API\'s '
+        "own shape on the OpenAI and text-embeddings-inference routes.",
         version=VERSION,
         lifespan=lifespan,
         docs_url=None,  # service/protocols/docs.py: the same pages from installed assets, not a CDN
