@@ -7,8 +7,9 @@ last digits of its numbers (``alike``: float32's spread between CPU kinds), and 
 (``head -c``) up to the last number both show whole.
 
 ``sh`` blocks run line by line in bash; a line that starts ``addnorm-serve`` starts that server in the background
-in place of the one running (as a user's second terminal would) and waits until it is ready. ``python`` blocks run
-each in its own interpreter. The README's addresses (127.0.0.1:8000, :8001) are the test's free ports. A block
+(as a user's other terminal would) and waits until it is ready: beside ``make serve``'s on 8000/8001 when it names
+ports of its own (the README's text quickstart, 8100/8101), in place of it otherwise. ``python`` blocks run each in
+its own interpreter. Every port a page names (8000, 8001, 8100, ...) is one of the test's free ports. A block
 the test cannot run has ``<!-- readme-test: skip: why -->`` on the line above it, and the reason must name where
 else it is tested. An answer holding ``"error"`` fails, unless the README's own output block after it shows one.
 """
@@ -73,12 +74,17 @@ def commands(code: str) -> list[str]:
     return [c for c in (line.strip() for line in joined.splitlines()) if c and not c.startswith("#")]
 
 
+PORT = re.compile(r"(?<=:)(8[0-9]{3})\b|(?<=--port )(8[0-9]{3})\b|(?<=--grpc-port )(8[0-9]{3})\b")
+
+
 class Session:
-    """The user's terminal: a working directory, an environment, one server at a time."""
+    """The user's terminals: a working directory, an environment, a server per HTTP port the pages name (make
+    serve's on 8000), each of the pages' ports one of the test's free ports."""
 
     def __init__(self, work: Path) -> None:
         self.work = work
-        self.http, self.grpc = free_ports(2)
+        self.ports: dict[str, int] = {}
+        self.http, self.grpc = self.port("8000"), self.port("8001")
         venv = Path(sys.executable).parent
         self.env = {
             **os.environ,
@@ -87,27 +93,37 @@ class Session:
             "ADDNORM_GRPC_PORT": str(self.grpc),
             "PYTHONPATH": "",
         }
-        self.server: subprocess.Popen | None = None
+        self.servers: dict[int, subprocess.Popen] = {}  # by HTTP port
         self.log = work / "server.log"
 
+    def port(self, shown: str) -> int:
+        """The free port standing for the port ``shown`` on a page."""
+        if shown not in self.ports:
+            self.ports[shown] = free_ports(1)[0]
+        return self.ports[shown]
+
     def localize(self, text: str) -> str:
-        for host in ("127.0.0.1", "localhost"):
-            text = text.replace(f"{host}:8000", f"{host}:{self.http}").replace(
-                f"{host}:8001", f"{host}:{self.grpc}"
-            )
-        return text
+        """Every port the text names (an address's, or a --port/--grpc-port flag's) as its free port."""
+        return PORT.sub(lambda m: str(self.port(m.group(0))), text)
 
     def serve(self, command: str) -> None:
-        self.stop()
-        with self.log.open("w") as log:
-            self.server = subprocess.Popen(
+        """``command`` in the background, on the HTTP port it names (else make serve's), replacing only a server on
+        that port; ready when its /health/ready answers 200."""
+        command = command.removesuffix("&").strip()  # the page runs it in the background: so does the test
+        named = re.search(r"--port (\d+)", command)
+        port = int(named[1]) if named else self.http
+        self.stop(port)
+        log_path = self.work / f"server-{port}.log"
+        with log_path.open("w") as log:
+            server = subprocess.Popen(
                 ["bash", "-c", f"exec env {command}"], cwd=self.work, env=self.env, stdout=log, stderr=log
             )
+        self.servers[port] = server
 
         def ready() -> bool:
-            assert self.server.poll() is None, f"`{command}` exited: {self.log.read_text()[-3000:]}"
+            assert server.poll() is None, f"`{command}` exited: {log_path.read_text()[-3000:]}"
             try:
-                return httpx.get(f"http://127.0.0.1:{self.http}/health/ready", timeout=5).status_code == 200
+                return httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=5).status_code == 200
             except httpx.HTTPError:
                 return False
 
@@ -120,11 +136,13 @@ class Session:
         assert shows_error or '"error"' not in r.stdout, f"{what} answered an error:\n{out[-3000:]}"
         return out
 
-    def stop(self) -> None:
-        if self.server is not None and self.server.poll() is None:
-            self.server.terminate()
-            self.server.wait(30)
-        self.server = None
+    def stop(self, port: int | None = None) -> None:
+        """The server on ``port``, or every one."""
+        for p in [port] if port is not None else list(self.servers):
+            server = self.servers.pop(p, None)
+            if server is not None and server.poll() is None:
+                server.terminate()
+                server.wait(30)
 
 
 def _bert_checkpoint(path: Path) -> None:
@@ -165,9 +183,14 @@ def test_every_readme_block_runs_as_written_in_order(default_artifact, tmp_path)
     session = Session(work)
     try:
         for page, blocks in runnable.items():
-            session.serve("addnorm-serve --artifact artifacts/default")  # make serve's last step
+            session.stop()
+            session.serve(
+                "addnorm-serve --artifact artifacts/default"
+            )  # make serve's last step, in its terminal
             for b in blocks:
                 _run_block(session, b, f"{page} line {b.line}", exact=page == "README.md")
+            if page == "README.md":  # what the README starts runs beside make serve's, never in its place
+                assert session.http in session.servers and len(session.servers) >= 2, session.servers
     finally:
         session.stop()
     left = sorted(p.name for p in work.iterdir())
