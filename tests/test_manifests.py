@@ -140,7 +140,7 @@ def test_export_job_runs_the_compose_export_and_writes_the_triton_repository():
     assert export["args"] == COMPOSE["services"]["export"]["command"]
     assert triton["image"] == COMPOSE["services"]["api"]["image"]
     scripts = (ROOT / "pyproject.toml").read_text()
-    assert f'{triton["command"][0]} = "addnorm.service.protocols.v2.triton_repo:main"' in scripts
+    assert f'{triton["command"][0]} = "addnorm.commands:triton_main"' in scripts
     kustomize = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
     assert sorted(kustomize["resources"]) == sorted(
         p.name for p in (DEPLOY / "k8s").glob("*.yaml") if p.name != "kustomization.yaml"

@@ -203,7 +203,9 @@ def error_shape(status: int, message: str) -> dict:
     """OpenAI's error object, which its clients read (``openai.APIStatusError.message``): the field at fault as
     ``param`` when the message starts with one."""
     kind = "server_error" if status >= 500 else "requests" if status == 429 else "invalid_request_error"
-    field = re.match(r"([a-z_]+)\b", message)
+    field = (
+        re.match(r"([a-z_]+)\b", message) if status in (400, 413) else None
+    )  # a refused field names itself
     param = field[1] if field and field[1] in _KNOWN else None
     code = _CODES.get(status) if status != 404 or "model" in message else None
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
