@@ -109,6 +109,7 @@ class Session:
     def serve(self, command: str) -> None:
         """``command`` in the background, on the HTTP port it names (else make serve's), replacing only a server on
         that port; ready when its /health/ready answers 200."""
+        command = re.sub(r"\s+# .*$", "", command)  # a comment after it
         command = command.removesuffix("&").strip()  # the page runs it in the background: so does the test
         named = re.search(r"--port (\d+)", command)
         port = int(named[1]) if named else self.http
