@@ -198,12 +198,12 @@ class Http11(asyncio.Protocol):
             return
         try:
             self.parser.feed_data(data)
-        except _Refused as exc:
-            self._refuse(exc.status, exc.message)
         except httptools.HttpParserUpgrade:
             self._upgrade()
         except httptools.HttpParserError as exc:
-            cause = exc.__context__
+            cause = (
+                exc.__context__
+            )  # httptools raises a callback's exception as a callback error, with it as context
             if isinstance(cause, _Refused):
                 self._refuse(cause.status, cause.message)
             else:
