@@ -116,6 +116,12 @@ class Settings(BaseSettings):
     max_batch_tokens: int = Field(
         8192, ge=1, description="dynamic batching: most batch x seq positions per run"
     )
+    express_tokens: int = Field(
+        256,
+        ge=0,
+        description="the express lane: small requests (at most this many batch x seq positions a run) run beside "
+        "a run that has lasted 50 ms, so that one long run never holds them up; 0 = off",
+    )
     max_client_batch_size: int = Field(
         512,
         ge=1,

@@ -169,6 +169,7 @@ async def serving_model(state: ServiceState, name: str, directory: Path, version
         else None,  # a GPU run holds no CPU threads to speak of
         merge=s.merge_lengths,
         costs=costs,
+        express_tokens=s.express_tokens,
     )
     batcher.start()
     return ServingModel(engine, batcher, verification, statistics, version, live=state.live)

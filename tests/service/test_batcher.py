@@ -461,6 +461,97 @@ def test_an_idle_model_is_asked_to_release_its_memory_while_it_gives_some(engine
     assert set(released) == {"addnorm-infer"}
 
 
+class LongRuns(Recorder):
+    """Holds every run longer than ``seq`` positions at the gate (a long run in progress); records each run's
+    shape and the thread that ran it."""
+
+    def __init__(self, model, seq: int):
+        super().__init__(model, threading.Event())
+        self.seq, self.threads = seq, []
+
+    def run(self, x, mask=None):
+        self.threads.append((x.shape, threading.current_thread().name))
+        if x.shape[1] > self.seq:
+            return super().run(x, mask)
+        return self.model.run(x, mask)
+
+
+def test_the_express_lane_answers_small_requests_while_a_long_run_holds_the_model(engine, monkeypatch):
+    """While a run of a request bigger than --express-tokens has lasted EXPRESS_AFTER_S (held at the gate for good
+    here), small requests (within --express-tokens) queued behind it are answered by the express lane, merged, with the answers they get
+    alone; a large one waits for the main lane. No clock decides: EXPRESS_AFTER_S is 0."""
+    from addnorm.service.batching import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "EXPRESS_AFTER_S", 0.0)
+    model = LongRuns(engine, seq=8)
+    rng = np.random.default_rng(3)
+    small = [rng.standard_normal((1, 3 + i, 32)).astype(np.float32) for i in range(3)]
+
+    async def main():
+        batcher = Batcher(model, max_batch_size=8, max_batch_tokens=1024, express_tokens=16)
+        batcher.start()
+        long = asyncio.ensure_future(batcher.infer(np.zeros((1, 64, 32), np.float32), None))
+        await until(model.entered.is_set)
+        big = asyncio.ensure_future(
+            batcher.infer(np.zeros((1, 20, 32), np.float32), None)
+        )  # 20 > 16: not express
+        answers = await asyncio.wait_for(asyncio.gather(*(batcher.infer(x, None) for x in small)), 10)
+        assert not long.done() and not big.done() and batcher.depth == 1
+        model.gate.set()
+        await asyncio.gather(long, big)
+        await batcher.stop()
+        return answers
+
+    answers = run(main())
+    for x, (out, _) in zip(small, answers, strict=True):
+        np.testing.assert_allclose(out["encoded"], engine.run(x)["encoded"], atol=FP32_ATOL, rtol=FP32_RTOL)
+    express = [shape for shape, thread in model.threads if thread == "addnorm-express"]
+    main_lane = [shape for shape, thread in model.threads if thread == "addnorm-infer"]
+    assert sum(b for b, _, _ in express) == 3 and all(b * s <= 16 for b, s, _ in express)
+    assert main_lane == [(1, 64, 32), (1, 20, 32)]
+
+
+def _behind_a_held_run(model: LongRuns, first: int, express_tokens: int) -> list:
+    """A [1, ``first``, 32] request held at the gate, a [1, 3, 32] one queued behind it, then the gate opened:
+    which thread ran each (``model.threads``)."""
+
+    async def main():
+        batcher = Batcher(model, max_batch_size=8, express_tokens=express_tokens)
+        batcher.start()
+        assert (batcher._express_thread is not None) == bool(express_tokens)
+        held = asyncio.ensure_future(batcher.infer(np.zeros((1, first, 32), np.float32), None))
+        await until(model.entered.is_set)
+        small = asyncio.ensure_future(batcher.infer(np.zeros((1, 3, 32), np.float32), None))
+        await until(lambda: batcher.depth == 1)
+        model.gate.set()
+        await asyncio.gather(held, small)
+        await batcher.stop()
+
+    run(main())
+    return model.threads
+
+
+@pytest.mark.parametrize("express_tokens", [16, 0])
+def test_the_express_lane_leaves_runs_shorter_than_its_wait_alone(engine, monkeypatch, express_tokens):
+    """A small request queued behind a run that has not lasted EXPRESS_AFTER_S (an hour here) waits for the main
+    lane, as with no express lane at all (--express-tokens 0: no second thread)."""
+    from addnorm.service.batching import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "EXPRESS_AFTER_S", 3600.0)
+    threads = _behind_a_held_run(LongRuns(engine, seq=8), 64, express_tokens)
+    assert threads == [((1, 64, 32), "addnorm-infer"), ((1, 3, 32), "addnorm-infer")]
+
+
+def test_the_express_lane_never_overtakes_a_run_of_small_requests(engine, monkeypatch):
+    """A run that holds only requests the express lane could take (here one held at the gate for good) is not
+    overtaken, however long it lasts: small requests queued behind it wait their turn among peers."""
+    from addnorm.service.batching import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "EXPRESS_AFTER_S", 0.0)
+    threads = _behind_a_held_run(LongRuns(engine, seq=0), 4, 16)  # every run waits at the gate
+    assert threads == [((1, 4, 32), "addnorm-infer"), ((1, 3, 32), "addnorm-infer")]
+
+
 def _queued_then_released(model, xs, masks=None, **kwargs):
     """Queue every request while the model holds its first run at the gate, then let them all run; returns the
     answers in the order of ``xs``. The first request runs alone (it is taken before the others arrive)."""
