@@ -8,19 +8,29 @@ busy models whose pools are each the whole budget therefore take turns, each run
 running side by side on twice as many threads as there are cores (onnxruntime's pools then preempt each other);
 models given a share each (``--model-threads a=1,b=1`` on 2 cores) run side by side. Waiters are served in
 arrival order, so a busy model never starves another. Only CPU runs draw from it.
+
+A request's CPU-heavy steps beside the model's runs (decoding a big body, tokenizing many texts, embedding a text
+part, joining a request's parts, encoding a big answer) leave the event loop for a worker thread, a few at a time
+(``in_worker``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import math
 import os
 import threading
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from addnorm.service.settings import Settings
+from starlette.concurrency import run_in_threadpool
+
+T = TypeVar("T")
 
 
 class CoreBudget:
@@ -129,3 +139,19 @@ def threads_for(settings: Settings, name: str, budget: int, models: int = 1) -> 
         if key.strip() == name:
             return int(n)
     return settings.intra_op_threads or max(1, budget // max(1, models))
+
+
+# Each event loop's gate on its worker threads' heavy steps: at most half the cores' worth run at once. With no gate,
+# eight clients' big text requests tokenizing at once on 2 cores held another client's one sentence 130-145 ms (its
+# own steps, on the event loop, got a share of the cores among ten threads); the rest of the cores stay the model's.
+_GATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+
+
+async def in_worker(fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)`` in a worker thread, behind the running event loop's gate of max(1, cores / 2) such steps."""
+    loop = asyncio.get_running_loop()
+    gate = _GATES.get(loop)
+    if gate is None:
+        gate = _GATES[loop] = asyncio.Semaphore(max(1, default_threads() // 2))
+    async with gate:
+        return await run_in_threadpool(fn, *args)

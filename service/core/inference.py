@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import numpy as np
+from addnorm.service.backend.cores import in_worker
 from addnorm.service.batching.merging import Outputs, Timings
 from addnorm.service.core.text import run_parts, text_of
 from addnorm.service.errors import ClientDeadline, ClientGone, ServiceError, TimedOut
@@ -24,7 +25,6 @@ from addnorm.service.metrics import RequestTimer
 from addnorm.service.models.registry import ServingModel
 from addnorm.service.models.state import KnownModels
 from addnorm.service.tracing import TRACING, Carrier, RequestSpan
-from starlette.concurrency import run_in_threadpool
 
 # A codec step's work is counted in bytes of JSON text (parsing 256 KB of it: 1.5-2 ms here). Up to OFFLOAD_BYTES it
 # runs on the event loop, beyond it in a worker thread (a hop costs 0.2-0.4 ms). A raw tensor byte (binary data,
@@ -241,7 +241,7 @@ async def offload(amount: int, fn: Callable[..., T], *args: object) -> T:
     if amount <= OFFLOAD_BYTES:
         return fn(*args)
     try:
-        return await run_in_threadpool(fn, *args)
+        return await in_worker(fn, *args)
     except ServiceError as exc:
         # A refusal raised in the worker holds, through its traceback, the thread's frames (the decoded document:
         # 100,000 parsed entries, say), and the thread pool's future holds the refusal: a cycle that only a full

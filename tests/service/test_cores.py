@@ -94,3 +94,37 @@ def test_a_two_model_server_gives_each_model_an_equal_share(model_repository):
             assert app.state.addnorm.cores.threads == 2
             serving = app.state.addnorm.loaded.models.get("encoder")
             assert serving.batcher.cores is app.state.addnorm.cores  # every CPU run draws from the budget
+
+
+@pytest.mark.parametrize("cores, at_once", [(2, 1), (8, 4)])
+def test_heavy_steps_run_in_workers_a_few_at_a_time(monkeypatch, cores, at_once):
+    """``in_worker``: a request's heavy steps leave the event loop for worker threads, at most max(1, cores / 2)
+    at once; the rest wait their turn and each still gets its own answer. Each step holds until all that may run
+    at once have started (no clock: a step past the gate would find the count above ``at_once``)."""
+    import asyncio
+
+    from addnorm.service.backend import cores as module
+
+    monkeypatch.setattr(module, "default_threads", lambda *a, **k: cores)
+    lock, running, peak, loop_thread = threading.Lock(), [0], [0], []
+    full = threading.Event()
+
+    def step(i: int) -> tuple[int, bool]:
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+            if running[0] == at_once:
+                full.set()
+        full.wait(10)
+        with lock:
+            running[0] -= 1
+        return i, threading.current_thread() is loop_thread[0]
+
+    async def main():
+        loop_thread.append(threading.current_thread())
+        return await asyncio.gather(*(module.in_worker(step, i) for i in range(3 * at_once)))
+
+    answers = asyncio.run(main())
+    assert [i for i, _ in answers] == list(range(3 * at_once))
+    assert not any(on_loop for _, on_loop in answers)
+    assert peak[0] == at_once
