@@ -2,7 +2,7 @@
 
 The request core (``inference.run``) offers each answered request with probability ``--live-parity-rate``: its
 input and the answer it was sent are copied to a bounded queue, or dropped and counted when the queue is full; the
-request never waits. One low-priority thread takes samples and recomputes each with the numpy reference
+request never waits. One thread takes samples and recomputes each with the numpy reference
 (``model.reference``, no torch) in float64 (the oracle), in float32 (what any float32 implementation's own error
 looks like, standing in for the gate's torch fp32) and, for a lossy variant (int8, fp16), in that variant's own
 arithmetic (``model.schemes``, as the gate's scheme), then judges the served answer with ``model.verdict.compare``
@@ -19,7 +19,6 @@ import collections
 import contextlib
 import dataclasses
 import logging
-import os
 import queue
 import random
 import threading
@@ -176,9 +175,9 @@ class LiveParity:
     # --- the checker thread ---
 
     def _work(self) -> None:
-        # Nice 19: only the CPU the server leaves idle (Linux: a thread is a task with its own nice value).
-        with contextlib.suppress(AttributeError, OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        # At the server's own priority: at nice 19 (once, for only the CPU the server left idle) it held the
+        # interpreter lock while the busy cores were given to others, and every thread waited for it (a one-sentence
+        # request 180-440 ms during a burst of big text requests, python -m bench --stall). Its budget keeps it small.
         while (sample := self._queue.get()) is not None:
             start = time.perf_counter()  # wall time: numpy's BLAS threads work for it too
             try:

@@ -70,7 +70,7 @@ def test_a_healthy_model_raises_no_failure_over_hundreds_of_requests_in_every_va
     """fp32: 240 requests, ordinary, ill-conditioned, padded or not, all checked, none failed; fused, fp16 and
     int8 likewise over 60 each, each judged with its own tolerance and its own arithmetic's allowance (the
     int8 and fp16 schemes computed in numpy, model/schemes.py). The queue is made long enough for every sample:
-    on a busy machine the nice-19 checker falls behind and would drop some (which a later test covers)."""
+    on a busy machine the checker falls behind and would drop some (which a later test covers)."""
     from addnorm.service.models import live_parity
 
     monkeypatch.setattr(live_parity, "QUEUE", 1000)  # as every_sample_kept
@@ -81,7 +81,7 @@ def test_a_healthy_model_raises_no_failure_over_hundreds_of_requests_in_every_va
         for model, n in sent.items():
             for path, doc in _requests(np.random.default_rng(3), n, model):
                 assert client.post(path, json=doc).status_code == 200
-        for model, n in sent.items():  # a nice-19 thread: slow on a busy machine
+        for model, n in sent.items():  # the checker thread: slow on a busy machine
             wait_until(lambda m=model, n=n: _counts(client, m)["checked"] == n, 300, f"{model}: {n} checked")
             counts = _counts(client, model)
             assert counts["failed"] == 0 and counts["dropped"] == 0 and counts["judged"], (model, counts)
@@ -90,7 +90,7 @@ def test_a_healthy_model_raises_no_failure_over_hundreds_of_requests_in_every_va
 
 @pytest.fixture
 def every_sample_kept(monkeypatch):
-    """A queue long enough for every sample a test waits on: with QUEUE (8) a busy machine's nice-19 checker falls
+    """A queue long enough for every sample a test waits on: with QUEUE (8) a busy machine's checker falls
     behind a fast client and the rest are dropped for good, so a wait for all of them checked waits on luck (the
     drops themselves: test_a_full_queue_drops_and_counts_and_never_blocks)."""
     from addnorm.service.models import live_parity
