@@ -6,9 +6,11 @@
 Each directory is a checkout (``git worktree add /tmp/before <commit>``); each serves the same artifact from its
 own code (``PYTHONPATH`` = the checkout), both run at once, and every phase (V2 binary, /v1 binary, /v1 JSON on
 [8,128,E] with 1 client; V2 binary on [1,128,E] with 1 client and 32 x [1,16,E]; /v1 JSON on 32 x [1,16,E];
-gRPC on [8,128,E] and 32 x [1,16,E], unary and on one ModelStreamInfer stream per client) alternates between them, ``--rounds`` times. Printed per phase and side:
-the median throughput, the server process's CPU per request and its event-loop thread's, from the OS; then each
-after/before ratio taken per round, median (the sides swap order every round). ``--env`` settings apply to the
+gRPC on [8,128,E] and 32 x [1,16,E], unary and on one ModelStreamInfer stream per client; with a text model's
+artifact, /v1/embeddings of 32 clients x 1 and x 8 real sentences of mixed lengths) alternates between them,
+``--rounds`` times. Printed per phase and side: the median throughput, the server process's CPU per request and its
+event-loop thread's, from the OS; then each after/before ratio taken per round, median (the sides swap order every
+round), p99 latency's too. ``--env`` settings apply to the
 after side only (say ADDNORM_ACCESS_LOG=false); ``--only`` keeps the phases whose name contains the text
 (``--only clients``: the 32-client phases alone, for more rounds in the same time).
 """
@@ -33,6 +35,7 @@ from addnorm.commands import Parser
 from bench.grpc_load import grpc_request, run_grpc_load
 from bench.loadgen import LoadResult, run_load
 from bench.measure import CLIENTS, json_request, process_cpu_s, v1_binary_request, v2_request
+from bench.mixed import http_load
 from tests.server import HOST, ROOT, free_port
 
 
@@ -118,6 +121,20 @@ def main(argv: list[str] | None = None) -> int:
         f"gRPC {CLIENTS} clients x [1,16,{e}]": grpc(small, CLIENTS),
         f"gRPC stream {CLIENTS} clients x [1,16,{e}]": grpc(small, CLIENTS, stream=True),
     }
+    if m.text is not None:  # real text of mixed lengths, as bench --text sends it
+        from addnorm.model.tokenize import TextTokenizer
+
+        from bench.text import requests, sentences
+
+        texts = sentences()
+        tokenizer = TextTokenizer((args.artifact / "tokenizer.json").read_bytes(), m.text)
+        counts = dict(zip(texts, tokenizer.encode(texts, truncate=True).lengths, strict=True))
+        for size in (1, 8):
+            phases[f"/v1/embeddings {CLIENTS} clients x {size} real sentences"] = (
+                lambda port, grpc_port, size=size: http_load(
+                    port, requests(port, texts, size, counts, name), CLIENTS, args.seconds
+                )[0]
+            )
     phases = {name: ph for name, ph in phases.items() if args.only in name}
     if not phases:
         p.error(f"--only {args.only!r} matches no phase")
@@ -148,13 +165,16 @@ def main(argv: list[str] | None = None) -> int:
             f"| {ph} | {med(b, 'throughput_rps'):.1f} | {med(a, 'throughput_rps'):.1f} | {med(b, 'cpu_ms'):.2f} "
             f"| {med(a, 'cpu_ms'):.2f} | {med(b, 'loop_ms'):.3f} | {med(a, 'loop_ms'):.3f} |"
         )
-    print("\n| phase | after / before, per round, median: req/s | CPU per request | event loop per request |")
-    print("| --- | --- | --- | --- |")
+    print(
+        "\n| phase | after / before, per round, median: req/s | CPU per request | event loop per request | p99 |"
+    )
+    print("| --- | --- | --- | --- | --- |")
     for ph, by in rows.items():
         ratio = lambda key, by=by: statistics.median(  # noqa: E731
             a[key] / b[key] for b, a in zip(by["before"], by["after"], strict=True)
         )
-        print(f"| {ph} | {ratio('throughput_rps'):.3f} | {ratio('cpu_ms'):.3f} | {ratio('loop_ms'):.3f} |")
+        cells = " | ".join(f"{ratio(key):.3f}" for key in ("throughput_rps", "cpu_ms", "loop_ms", "p99_ms"))
+        print(f"| {ph} | {cells} |")
     return 0
 
 
