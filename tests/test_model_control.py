@@ -367,15 +367,15 @@ def test_a_model_swapped_while_a_large_body_is_decoded_decodes_and_serves_it_wit
             manifests.append(args[2])  # decode_infer(body, header_length, manifest, max_elements)
         return real(*args, **kwargs)
 
-    threadpool = inference.run_in_threadpool
+    worker = inference.in_worker
 
-    async def held_threadpool(fn, *args):  # the decode's turn in a worker thread comes after the swap
+    async def held_worker(fn, *args):  # the decode's turn in a worker thread comes after the swap
         held.set()
         await asyncio.to_thread(release.wait, 30)
-        return await threadpool(fn, *args)
+        return await worker(fn, *args)
 
     monkeypatch.setattr(module, attr, traced_decode)
-    monkeypatch.setattr(inference, "run_in_threadpool", held_threadpool)
+    monkeypatch.setattr(inference, "in_worker", held_worker)
     app = create_app(Settings(model_repository=repo, model_control_mode="explicit", load_model=("encoder",)))
     with TestClient(app) as client:
         wait_until_ready(client)

@@ -132,13 +132,13 @@ def test_a_request_whose_own_timeout_passes_gets_408(blocked_app):
 
 def _hops(monkeypatch) -> list[str]:
     """The codec steps ``inference.offload`` sends to a worker thread, by function name, from now on."""
-    hops, threadpool = [], inference.run_in_threadpool
+    hops, worker = [], inference.in_worker
 
     async def counted(fn, *args):
         hops.append(fn.__name__)
-        return await threadpool(fn, *args)
+        return await worker(fn, *args)
 
-    monkeypatch.setattr(inference, "run_in_threadpool", counted)
+    monkeypatch.setattr(inference, "in_worker", counted)
     return hops
 
 
