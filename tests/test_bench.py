@@ -307,7 +307,6 @@ def test_ab_compares_two_checkouts_phase_by_phase(tiny_artifact, capsys):
     assert "/v1 JSON 32 clients" in out and "/v1 JSON [8,128" not in out
 
 
-
 def test_ab_sends_real_text_to_a_text_model(tmp_path, capsys):
     """bench.ab on a text model's artifact: the /v1/embeddings phases of real sentences (1 and 8 a request) run on
     both sides, and the ratios include p99's."""
@@ -324,8 +323,11 @@ def test_ab_sends_real_text_to_a_text_model(tmp_path, capsys):
     assert ab.main([*args, "--only", "real sentences"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| /v1/embeddings")]
-    assert len(rows) == 4 and all(" 0.0 |" not in row for row in rows[:2])  # both sides answered, then the ratios
+    assert len(rows) == 4 and all(
+        " 0.0 |" not in row for row in rows[:2]
+    )  # both sides answered, then the ratios
     assert "| p99 |" in out
+
 
 def test_limits_alternate_in_process_with_each_server(tiny_artifact):
     """bench.limits with the defaults and a server without batching: every round has both limits and both

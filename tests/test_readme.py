@@ -32,7 +32,7 @@ from tests.helpers import wait_until
 from tests.server import free_ports
 
 # The pages whose blocks run, in this order, after README.md (the README's old sections, in their old order).
-GUIDES = ("docs/serving.md", "docs/export.md", "docs/configuration.md", "docs/deployment.md")
+GUIDES = ("docs/text.md", "docs/serving.md", "docs/export.md", "docs/configuration.md", "docs/deployment.md")
 SKIP = re.compile(r"<!-- readme-test: skip: (.+?) -->")
 SERVE = re.compile(r"^(\w+=\S+ )*addnorm-serve\b")
 NUMBER = re.compile(r"-?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?")
@@ -195,9 +195,10 @@ def test_every_readme_block_runs_as_written_in_order(default_artifact, tmp_path)
     finally:
         session.stop()
     left = sorted(p.name for p in work.iterdir())
-    assert {"req.json", "v2.json", "layer.safetensors"} <= set(left), left  # and .gitignore has them
+    made = ("req.json", "v2.json", "layer.safetensors", "model-dir.txt")
+    assert set(made) <= set(left), left  # and .gitignore has them
     ignored = (ROOT / ".gitignore").read_text().split()
-    assert all(f"/{name}" in ignored for name in ("req.json", "v2.json", "layer.safetensors", "triton-repo/"))
+    assert all(f"/{name}" in ignored for name in (*made, "triton-repo/"))
 
 
 def _run_block(session: Session, b: Block, where: str, exact: bool) -> None:
