@@ -16,7 +16,6 @@ from pathlib import Path
 from addnorm import __version__
 
 DEFAULT_ARTIFACT = Path("artifacts/default")
-PROVIDERS = ("auto", "cpu", "cuda")
 # Old spellings a user may still type, answered with the new one instead of a bare "unrecognized arguments".
 RENAMED = {"--out": "--artifact", "--model-dir": "--artifact"}
 
@@ -75,13 +74,26 @@ def add_artifact(parser: argparse.ArgumentParser | argparse._ArgumentGroup, help
 
 
 def add_providers(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """``--providers auto|cpu|cuda``: where onnxruntime runs (model.runtime.resolve_providers)."""
+    """``--providers``: where onnxruntime runs (model.runtime: PROVIDERS, resolve_providers)."""
+    from addnorm.model.runtime import SETTINGS
+
     parser.add_argument(
         "--providers",
-        choices=PROVIDERS,
+        choices=SETTINGS,
         default="auto",
-        help="onnxruntime's execution provider: auto (CUDA when onnxruntime offers it, else CPU), cpu, or cuda "
-        "(an error when absent: never a silent fall back to CPU)",
+        help=providers_help(),
+    )
+
+
+def providers_help() -> str:
+    """``--providers``' help, from model.runtime's table (addnorm-serve's setting says the same)."""
+    from addnorm.model.runtime import PROVIDERS
+
+    named = ", ".join(p.setting for p in PROVIDERS)
+    first = " or ".join(p.setting.upper() for p in PROVIDERS[:-1])
+    return (
+        f"onnxruntime's execution provider: auto ({first} when onnxruntime offers it, else CPU), or one of {named} "
+        "(an error when absent: never a silent fall back to CPU)"
     )
 
 

@@ -6,10 +6,11 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
+from addnorm.model.runtime import SETTINGS as PROVIDER_SETTINGS
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from addnorm.commands import DEFAULT_ARTIFACT
+from addnorm.commands import DEFAULT_ARTIFACT, providers_help
 
 # Variables a deployment may still set under an old name: refused with the new one, never silently ignored.
 RENAMED_VARIABLES = {"ADDNORM_MODEL_DIR": "ADDNORM_ARTIFACT"}
@@ -81,10 +82,7 @@ class Settings(BaseSettings):
         description="gRPC port (the Open Inference Protocol's GRPCInferenceService, for tritonclient.grpc); "
         "0 = no gRPC",
     )
-    providers: Literal["auto", "cpu", "cuda"] = Field(
-        "auto",
-        description="execution provider: auto (CUDA when available, else CPU), cpu, or cuda (fail if absent)",
-    )
+    providers: Literal[PROVIDER_SETTINGS] = Field("auto", description=providers_help())
     kernels: str = Field(
         "auto",
         description="int8's operators on the CPU provider: auto (the kernel library python -m addnorm.model.kernels built, "

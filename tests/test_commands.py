@@ -8,8 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from addnorm.model.runtime import SETTINGS as PROVIDERS
 
-from addnorm.commands import DEFAULT_ARTIFACT, PROVIDERS, Parser, readable
+from addnorm.commands import DEFAULT_ARTIFACT, Parser, readable
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.unit

@@ -21,6 +21,26 @@ def test_provider_resolution(requested, available, expected):
     assert resolve_providers(requested, available) == expected
 
 
+def test_a_new_execution_provider_is_a_row_of_the_table():
+    """model.runtime.PROVIDERS is the one place a provider is named: a row for OpenVINO (setting, onnxruntime's
+    name, how to install it, its options) makes --providers openvino resolve, auto prefer it where onnxruntime
+    offers it, and its absence an error that says how to have it."""
+    from addnorm.model.runtime import PROVIDERS, Provider
+
+    openvino = "OpenVINOExecutionProvider"
+    table = (
+        Provider("openvino", openvino, "pip install onnxruntime-openvino", {"device_type": "CPU"}),
+        *PROVIDERS,
+    )
+    assert resolve_providers("openvino", [openvino, CPU], table) == [openvino, CPU]
+    assert resolve_providers("auto", [openvino, CPU], table) == [openvino, CPU]
+    assert resolve_providers("auto", [CPU], table) == [CPU]
+    with pytest.raises(ProviderError, match="pip install onnxruntime-openvino"):
+        resolve_providers("openvino", [CPU], table)
+    with pytest.raises(ProviderError, match="use auto, openvino, cuda, cpu"):
+        resolve_providers("tpu", [CPU], table)
+
+
 def test_cuda_never_falls_back_silently():
     with pytest.raises(ProviderError, match="onnxruntime-gpu|GPU build"):
         resolve_providers("cuda", [CPU])
