@@ -212,3 +212,54 @@ def test_the_app_only_assembles():
     process-wide step goes to the module that owns it (state.py, registry.py, ...)."""
     lines = (ROOT / "service" / "front" / "app.py").read_text().splitlines()
     assert len(lines) <= 120, len(lines)
+
+
+def test_a_served_model_is_reached_through_the_backend_interface():
+    """service/backend/interface.py declares what a served model offers the layers above (``Backend``): the
+    onnxruntime engine has every member it declares; the only module above the backend that names the engine is
+    the one place a model is built (service/models/state.py); no module probes a backend with ``getattr``."""
+    import typing
+
+    from addnorm.service.backend.engine import Engine
+    from addnorm.service.backend.interface import Backend
+
+    declared = set(typing.get_type_hints(Backend, localns={"Manifest": object, "TextFront": object}))
+    methods = {
+        n
+        for n, v in vars(Backend).items()
+        if not n.startswith("_") and (callable(v) or isinstance(v, property))
+    }
+    assert {"run", "release", "verify", "name", "on_cpu"} <= methods and {
+        "manifest",
+        "packed",
+        "threads",
+    } <= declared
+    assert [m for m in sorted(methods) if not hasattr(Engine, m)] == []
+    engine = next(
+        n
+        for n in ast.walk(ast.parse((ROOT / "service" / "backend" / "engine.py").read_text()))
+        if isinstance(n, ast.ClassDef) and n.name == "Engine"
+    )
+    assigned = {  # the instance attributes Engine's methods set (self.x = ..., self.x, self.y = ...)
+        t.attr
+        for n in ast.walk(engine)
+        if isinstance(n, ast.Assign)
+        for target in n.targets
+        for t in (target.elts if isinstance(target, ast.Tuple) else [target])
+        if isinstance(t, ast.Attribute) and ast.unparse(t.value) == "self"
+    }
+    assert sorted(declared - assigned) == []
+    builders, probes = [], []
+    for path in MODULES:
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] != "service" or rel.parts[:2] == ("service", "backend"):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "addnorm.service.backend.engine":
+                builders += [str(rel) for a in node.names if a.name == "Engine"]
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "getattr":
+                target = ast.unparse(node.args[0]) if node.args else ""
+                probes += [f"{rel}: {ast.unparse(node)}" for word in ("model", "engine") if word in target]
+    assert builders == ["service/models/state.py"], builders
+    assert probes == [], probes

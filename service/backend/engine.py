@@ -56,8 +56,9 @@ class EngineError(RuntimeError):
 
 
 class Engine:
-    """Runs the artifact's graph: ``run(embeddings (B, S, E), mask (B, S)) -> {output name: (B, S, ...)}``, or
-    (B, ...) for an output without a sequence axis (model.contract.positional)."""
+    """The onnxruntime backend (service.backend.interface.Backend): runs the artifact's graph, ``run(embeddings (B,
+    S, E), mask (B, S)) -> {output name: (B, S, ...)}``, or (B, ...) for an output without a sequence axis
+    (model.contract.positional)."""
 
     def __init__(
         self,
@@ -101,14 +102,15 @@ class Engine:
         self.providers = self.session.get_providers()
         # an ids artifact's tokenizer and embedding graph (service/backend/text.py), on the providers the block got
         self.text = TextFront(verified, self.providers) if verified.embedding is not None else None
-        if wanted[0] == CUDA and self.providers[0] != CUDA:
-            # onnxruntime drops CUDA without an error when its libraries fail to load; make that loud.
-            if providers == "cuda":
+        if self.providers[0] != wanted[0]:
+            # onnxruntime drops a provider without an error when its libraries fail to load (CUDA's: CUDA, cuDNN or
+            # no GPU); make that loud.
+            if providers != "auto":
                 raise EngineError(
-                    "CUDAExecutionProvider is installed but failed to initialize (CUDA/cuDNN libraries missing "
-                    f"or no GPU); session providers are {self.providers}. Refusing to fall back to CPU."
+                    f"{wanted[0]} is installed but failed to initialize (its libraries missing, or no device); "
+                    f"session providers are {self.providers}. Refusing to fall back to CPU."
                 )
-            log.warning("CUDA is installed but failed to initialize; serving on %s", self.providers)
+            log.warning("%s is installed but failed to initialize; serving on %s", wanted[0], self.providers)
         self.threads = opts.intra_op_num_threads
         spec = self.manifest.input(EMBEDDINGS)
         self.input_dtype = np.dtype(np.float16 if spec.dtype == "float16" else np.float32)
@@ -141,6 +143,13 @@ class Engine:
     @property
     def name(self) -> str:
         return self.manifest.name
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.providers[0] == CPU
+
+    def verify(self, mode: str) -> Verification:
+        return verify_engine(self, mode)
 
     def working_bytes(self, rows: int, seq: int, padded: bool) -> int:
         """About the activation memory a run of ``rows`` x ``seq`` holds at its peak: per position the block's

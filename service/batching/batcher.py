@@ -26,29 +26,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 import numpy as np
 from addnorm.model import packing
 from addnorm.service.backend.cores import CoreBudget
+from addnorm.service.backend.interface import Backend
 from addnorm.service.batching import merging
 from addnorm.service.batching.merging import BatchObserver, Outputs, Request, Run, Timings
 from addnorm.service.errors import InferenceFailed, Overloaded, ServiceError, ShuttingDown, TimedOut
 
 log = logging.getLogger("addnorm.batcher")
-# After this long without work following a run, the model may give back the memory its runs held (its ``release``,
-# when it has one: ``Engine.release`` decides whether there is any to give).
+# After this long without work following a run, the model may give back the memory its runs held (its ``release``
+# decides whether there is any to give).
 RELEASE_IDLE_S = 1.0
 # The express lane takes small requests once the run in progress has lasted this long: a small request waits at most
 # this plus its own run beside the long one (the "no request stalls another" bound: 100 ms).
 EXPRESS_AFTER_S = 0.05
-
-
-class Model(Protocol):
-    """What the batcher runs (service.backend.engine.Engine). One with ``packed`` true also takes ``run(x, mask,
-    lengths)``: each row computed to its own length only (model/packing.py)."""
-
-    def run(self, embeddings: np.ndarray, mask: np.ndarray | None = None) -> Outputs: ...
 
 
 class Batcher:
@@ -56,7 +49,7 @@ class Batcher:
 
     def __init__(
         self,
-        model: Model,
+        model: Backend,
         max_batch_size: int = 32,
         max_batch_tokens: int = 8192,
         max_queue_delay_ms: float = 0.0,
@@ -75,11 +68,11 @@ class Batcher:
         self.merge = (
             merge  # "cost" or "pad": how requests of different lengths merge (service/batching/merging.py)
         )
-        self.packed = bool(getattr(model, "packed", False))  # computes real positions only (model/packing.py)
+        self.packed = model.packed  # computes real positions only (model/packing.py)
         # its cost model (merging.measure_costs), of the layout the model has
         self.costs = dataclasses.replace(costs or merging.Costs(), packed=self.packed)
         self.cores = cores  # the server's CPU thread budget: each run holds the model's threads of it
-        self._threads = getattr(model, "threads", cores.threads if cores else 1)  # its intra-op pool
+        self._threads = model.threads  # what one run holds of the budget
         self.limits = merging.Limits(max_batch_size, max_batch_tokens, max_batch_attention, heads, attention)
         # what the express lane runs: requests within these, while a long run is in progress (0: no lane)
         express = min(express_tokens, max_batch_tokens)
@@ -106,7 +99,6 @@ class Batcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._hurry = False  # stop() or drain(): no request waits for company any more
-        self._release = getattr(model, "release", None)
         self._ran_since_release = False
         self._idle_due = False  # _take waited RELEASE_IDLE_S for work after a run, and none came
 
@@ -303,7 +295,7 @@ class Batcher:
         """The model has had no work for RELEASE_IDLE_S after a run: let it give back what its runs held."""
         self._ran_since_release = self._idle_due = False
         try:
-            if self._release():
+            if self.model.release():
                 log.debug("idle for %g s: gave back the memory of the last runs", RELEASE_IDLE_S)
                 # The last runs' requests may still be being answered (a big text request assembles and encodes
                 # its answer after its last run), holding memory this release could not give back: ask again
@@ -332,7 +324,7 @@ class Batcher:
         without one following a run), then up to max_delay for more, and take what fits; None once stopped."""
         with self._ready:
             while wait and not self._queue and not self._closed:
-                if self._release is not None and self._ran_since_release:
+                if self._ran_since_release:
                     if not self._ready.wait(RELEASE_IDLE_S) and not self._queue:
                         self._idle_due = True  # idle that long: the caller lets the model release its memory
                         return []

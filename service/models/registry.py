@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from addnorm.model.artifact import MANIFEST_FILE, ArtifactError, Manifest
 from addnorm.model.golden import Verification
-from addnorm.service.backend.engine import Engine
+from addnorm.service.backend.interface import Backend
 from addnorm.service.batching.batcher import Batcher
 from addnorm.service.batching.merging import Outputs, Timings
 from addnorm.service.errors import NotFound, NotReady, quote
@@ -65,9 +65,9 @@ class ServingModel:
     version it serves (its numbered directory in a repository, else "1") and the server's live parity sampler
     (service/models/live_parity.py; None in bare tests), which every answer it gives is offered to."""
 
-    engine: Engine
+    engine: Backend
     batcher: Batcher
-    verification: Verification  # the load-time golden check (service.backend.engine.verify_engine)
+    verification: Verification  # the load-time golden check (its backend's ``verify``)
     statistics: ModelStatistics
     version: str = "1"
     inflight: InFlight = field(default_factory=InFlight, compare=False)

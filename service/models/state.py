@@ -4,7 +4,7 @@ models it serves: service/models/registry.py), and when its models load: at star
 At start-up (``load_models``) every manifest is read first (names known, so model routes can answer 404 and 503 by
 name), then each model loads in parallel, each ending READY or UNAVAILABLE with its reason (the registry's
 ``load_all``). What one load builds is ``serving_model`` (the registry's ``build``): the engine, its golden check
-on this server's provider (service/backend/engine.py's ``verify_engine``), the batcher. ``load_then_watch`` is the
+on this server's provider (its ``verify``), the batcher. ``load_then_watch`` is the
 start-up policy: stop a server that can serve nothing, or watch the repository.
 
 Model control (Triton's model repository extension): load, unload and reload the repository's models while
@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
-from addnorm.model.runtime import CPU
 from addnorm.service.backend.cores import CoreBudget, default_threads, threads_for
-from addnorm.service.backend.engine import Engine, accept, verify_engine
+from addnorm.service.backend.engine import Engine, accept
+from addnorm.service.backend.interface import Backend
 from addnorm.service.batching.batcher import Batcher
 from addnorm.service.batching.merging import Costs, Observers, measure_costs
 from addnorm.service.errors import BadInput, ControlOff, LoadRefused, NotFound, ServiceError, quote
@@ -136,11 +136,12 @@ async def serving_model(state: ServiceState, name: str, directory: Path, version
     models = len(state.loaded.models.slots) if state.loaded is not None else 1
     threads = threads_for(s, name, state.cores.threads, models)
     try:
-        engine = await asyncio.to_thread(Engine, directory, s.providers, threads, s.kernels)
+        # the one place a backend is built (service/backend/interface.py): everything after speaks to Backend
+        engine: Backend = await asyncio.to_thread(Engine, directory, s.providers, threads, s.kernels)
     except Exception as exc:  # any failure keeps the model (and /health/ready) unavailable, with the reason
         raise LoadFailed(str(exc)) from None
     try:
-        verification = await asyncio.to_thread(verify_engine, engine, s.verify_on_load)
+        verification = await asyncio.to_thread(engine.verify, s.verify_on_load)
     except Exception as exc:  # unreadable golden data: not ready, with the reason
         raise LoadFailed(f"golden check could not run: {type(exc).__name__}: {exc}") from None
     state.metrics.verification(engine.name, verification)
@@ -148,7 +149,7 @@ async def serving_model(state: ServiceState, name: str, directory: Path, version
         raise LoadFailed(f"golden check failed on {verification.provider}: {verification.message}")
     costs = Costs(0.0, engine.packed)
     if s.merge_lengths == "cost" and s.max_batch_size > 1:
-        costs = await asyncio.to_thread(measure_costs, engine, engine.manifest.config.d_model, engine.packed)
+        costs = await asyncio.to_thread(measure_costs, engine, engine.d_model, engine.packed)
         log.info("%s: merging by cost, measured: %s", engine.name, costs)
     statistics = ModelStatistics(engine.name, version)
     # The queue-depth gauge reads the batcher (made just below) at each scrape.
@@ -161,12 +162,10 @@ async def serving_model(state: ServiceState, name: str, directory: Path, version
         max_queue_size=s.max_queue_size,
         observer=Observers(metrics, statistics),
         max_batch_attention=s.max_batch_attention,
-        heads=engine.manifest.config.nhead,
+        heads=engine.heads,
         attention=engine.held_attention,
         max_queue_bytes=s.max_queue_bytes,
-        cores=state.cores
-        if engine.providers[0] == CPU
-        else None,  # a GPU run holds no CPU threads to speak of
+        cores=state.cores if engine.on_cpu else None,  # a GPU run holds no CPU threads to speak of
         merge=s.merge_lengths,
         costs=costs,
         express_tokens=s.express_tokens,

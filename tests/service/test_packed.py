@@ -131,7 +131,7 @@ def test_a_clients_own_trailing_padding_is_not_computed(artifacts):
     calls: list = []
 
     class Recorded:
-        packed, threads = True, engine.threads
+        packed, threads, release = True, engine.threads, engine.release
 
         def run(self, x, mask=None, lengths=None):
             calls.append(None if lengths is None else lengths.tolist())
@@ -172,7 +172,7 @@ def test_on_a_packed_graph_a_clients_short_rows_do_not_pay_its_long_rows_attenti
     calls: list = []
 
     class Recorded:
-        packed, threads = True, engine.threads
+        packed, threads, release = True, engine.threads, engine.release
 
         def run(self, x, mask=None, lengths=None):
             calls.append((x.shape[1], None if lengths is None else sorted(lengths.tolist())))

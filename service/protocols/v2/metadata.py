@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from addnorm.model.artifact import Manifest
 from addnorm.model.contract import TEXT_SPEC, api_specs
-from addnorm.model.runtime import CUDA
 from addnorm.service.errors import NotFound, quote
 from addnorm.service.models.registry import READY, Registry, ServingModel
 from addnorm.service.protocols.v2 import model_config
@@ -39,7 +38,7 @@ def model_metadata(manifest: Manifest, version: str = "1") -> dict:
 def model_configuration(model: ServingModel) -> dict:
     """Triton's ModelConfig for a served model (GET .../config, gRPC ModelConfig): its batcher's real limits."""
     b = model.batcher
-    gpu = model.engine.providers[0] == CUDA
+    gpu = not model.engine.on_cpu
     return model_config.served(
         model.engine.manifest, b.limits.max_batch_size, b.max_delay, b.max_queue_size, gpu
     )
