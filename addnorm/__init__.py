@@ -8,12 +8,33 @@ top-level folders ``model/``, ``export/`` and ``service/``; an install puts them
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
+import sys
 from importlib import metadata
 from pathlib import Path
 
+FOLDERS = ("model", "export", "service")  # what installs under addnorm (setup.py), and nothing else
+
+
+class _Checkout(importlib.abc.MetaPathFinder):
+    """In a checkout, ``addnorm.model``, ``.export`` and ``.service`` are the repository's top-level folders (and
+    only those: ``addnorm.bench`` or ``addnorm.tests`` is no module, as in an install)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def find_spec(self, fullname, path=None, target=None):
+        parent, _, name = fullname.rpartition(".")
+        if parent != __name__ or name not in FOLDERS:
+            return None
+        init = self.root / name / "__init__.py"
+        return importlib.util.spec_from_file_location(fullname, init, submodule_search_locations=[str(init.parent)])
+
+
 _here = Path(__file__).resolve().parent
-if not (_here / "model").is_dir():  # a checkout: the subpackages are the repository's top-level folders
-    __path__.append(str(_here.parent))  # type: ignore[name-defined]
+if not (_here / "model").is_dir():  # a checkout (installed editable, or on PYTHONPATH): this one's folders
+    sys.meta_path.insert(0, _Checkout(_here.parent))
 
 try:
     __version__ = metadata.version("addnorm")

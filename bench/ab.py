@@ -29,14 +29,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
-from addnorm.model.artifact import Manifest
 
-from addnorm.commands import Parser
+from addnorm.commands import DEFAULT_ARTIFACT, Parser
+from addnorm.model.artifact import Manifest
 from bench.grpc_load import grpc_request, run_grpc_load
 from bench.loadgen import LoadResult, run_load
 from bench.measure import CLIENTS, json_request, process_cpu_s, v1_binary_request, v2_request
 from bench.mixed import http_load
-from tests.server import HOST, ROOT, free_port
+from bench.server import HOST, ROOT, free_port
 
 
 def start(tree: Path, artifact: Path, env: dict[str, str]) -> tuple[subprocess.Popen, int, int]:
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m bench.ab", description=__doc__.split("\n\n")[0])
     p.add_argument("before", type=Path)
     p.add_argument("after", type=Path)
-    p.add_argument("--artifact", type=Path, default=ROOT / "artifacts" / "default")
+    p.add_argument("--artifact", type=Path, default=ROOT / DEFAULT_ARTIFACT)
     p.add_argument("--seconds", type=float, default=6.0)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
@@ -123,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     if m.text is not None:  # real text of mixed lengths, as bench --text sends it
         from addnorm.model.tokenize import TextTokenizer
-
         from bench.text import requests, sentences
 
         texts = sentences()

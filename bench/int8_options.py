@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
+
 from addnorm.model.schemes import LEGACY, Form
 
 
@@ -86,8 +87,9 @@ def _static(model: onnx.ModelProto, x: np.ndarray, mask: np.ndarray) -> onnx.Mod
     import tempfile
     from pathlib import Path
 
-    from addnorm.model.contract import EMBEDDINGS, MASK
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    from addnorm.model.contract import EMBEDDINGS, MASK
 
     class Sentences(CalibrationDataReader):
         def __init__(self) -> None:

@@ -32,7 +32,7 @@ from bench.measure import (
     timed,
     v2_request,
 )
-from tests.server import HOST, serve
+from bench.server import HOST, serve
 
 SLICES = 2  # alternations per round (each slice of a load phase starts with a ramp of a batch or two)
 

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from addnorm.model.artifact import WEIGHTS_FILE, Manifest
 from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
 from addnorm.model.runtime import CPU, session_args
-
 from bench.loadgen import build_request, run_load
-from tests.server import HOST, ServerProcess, serve
+from bench.server import HOST, ServerProcess, serve
 
 CLIENTS = 32
 DEFAULT = "defaults"  # bench.limits' label for the server with default settings
@@ -221,6 +221,7 @@ def measure_inproc(s: Setup) -> dict:
 def measure_torch(s: Setup) -> dict:
     """torch eager on the same weights."""
     import torch
+
     from addnorm.export.weights import load_weights
     from addnorm.model.encoder import Encoder
 
@@ -280,6 +281,7 @@ def measure_concurrency(s: Setup) -> dict:
 def measure_variants(s: Setup) -> dict:
     """int8 and fused graphs of the same weights, in-process, the big shape."""
     import onnxruntime as ort
+
     from addnorm.export.variants import build_graph
     from addnorm.export.weights import load_weights
     from addnorm.model.encoder import Encoder

@@ -31,8 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
+from addnorm.commands import DEFAULT_ARTIFACT
 from bench.loadgen import LoadResult, Send, _read_response, run_clients
-from tests.server import HOST, serve
+from bench.server import HOST, serve
 
 # (weight, mu, sigma) of log(tokens), fitted by fit() (2026-11-25: 2,182 summary lines, 2,579 paragraphs)
 MIXTURE = ((0.5, 2.729, 0.600), (0.5, 3.646, 0.683))
@@ -387,6 +388,6 @@ if __name__ == "__main__":
     if "--fit" in sys.argv:
         print(fit())
     elif "--ceiling" in sys.argv:
-        from tests.server import ROOT
+        from bench.server import ROOT
 
-        print(packed_ceiling(ROOT / "artifacts" / "default"))
+        print(packed_ceiling(ROOT / DEFAULT_ARTIFACT))

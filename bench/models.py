@@ -22,9 +22,8 @@ import tempfile
 from pathlib import Path
 
 from addnorm.service.backend.cores import default_threads
-
 from bench.loadgen import run_loads
-from tests.server import HOST, ServerProcess
+from bench.server import HOST, ServerProcess
 
 REPEATS = 3
 SERVERS = {

@@ -8,13 +8,15 @@ from __future__ import annotations
 import os
 
 import torch
-from addnorm.export.weights import load_weights
-from addnorm.model.artifact import Manifest
-from addnorm.model.encoder import Encoder
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-_dir = os.environ.get("ADDNORM_BENCH_ARTIFACT", "artifacts/default")
+from addnorm.commands import DEFAULT_ARTIFACT
+from addnorm.export.weights import load_weights
+from addnorm.model.artifact import Manifest
+from addnorm.model.encoder import Encoder
+
+_dir = os.environ.get("ADDNORM_BENCH_ARTIFACT", str(DEFAULT_ARTIFACT))
 _model = load_weights(Encoder(Manifest.load(_dir).config), f"{_dir}/weights.safetensors").eval()
 app = FastAPI()
 

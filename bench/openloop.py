@@ -30,16 +30,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from addnorm.model.artifact import Manifest
 
-from addnorm.commands import Parser
+from addnorm.commands import DEFAULT_ARTIFACT, Parser
+from addnorm.model.artifact import Manifest
 from bench.ab import started
 from bench.batched import batches, medians
 from bench.loadgen import _read_response
 from bench.measure import v2_request
 from bench.mixed import REQUESTS, draw, packed_twin, unpadded_limit
 from bench.report import artifact_given, save
-from tests.server import HOST, ROOT
+from bench.server import HOST, ROOT
 
 MAX_CONNECTIONS = (
     512  # more than the queue holds (256: a server sheds the rest, 429); beyond, a request waits here
@@ -247,7 +247,7 @@ def table(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m bench.openloop", description=__doc__.split("\n\n")[0])
-    p.add_argument("--artifact", type=Path, default=Path("artifacts/default"), help="an exported artifact")
+    p.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT, help="an exported artifact")
     p.add_argument("--sentences", type=int, default=1, help="sentences per request (default 1)")
     p.add_argument(
         "--load",

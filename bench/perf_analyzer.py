@@ -23,6 +23,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from addnorm.commands import DEFAULT_ARTIFACT
 from addnorm.model.contract import EMBEDDINGS, MASK
 
 WHEEL = "perf-analyzer==2.60.0"
@@ -206,11 +207,11 @@ def measure(artifact: Path, seconds: float = 3.0) -> dict:
     """perf_analyzer over HTTP and gRPC and bench.loadgen over HTTP, on one addnorm-serve at its defaults (gRPC
     on), for [1,16,E] requests at 1, 4 and 16 concurrent and [8,128,E] at 1; the two tools alternate per row."""
     import numpy as np
-    from addnorm.model.artifact import Manifest
 
+    from addnorm.model.artifact import Manifest
     from bench.loadgen import run_load
     from bench.measure import v2_request
-    from tests.server import HOST, ServerProcess
+    from bench.server import HOST, ServerProcess
 
     command = binary()
     manifest = Manifest.load(artifact)
@@ -254,10 +255,10 @@ def main() -> int:
     """``python -m bench.perf_analyzer``: the table for the default artifact (``python -m bench --perf-analyzer``
     also exports it when missing and keeps the figures); requests of mixed lengths: ``python -m
     bench.perf_analyzer_real``."""
-    from tests.server import ROOT
+    from bench.server import ROOT
 
     try:
-        res = measure(ROOT / "artifacts" / "default")
+        res = measure(ROOT / DEFAULT_ARTIFACT)
     except Unavailable as exc:
         print(f"perf_analyzer is not available here: {exc}", file=sys.stderr)
         return 1

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-from addnorm.model.contract import EMBEDDINGS, MASK
 
-from addnorm.commands import Parser
+from addnorm.commands import DEFAULT_ARTIFACT, Parser
+from addnorm.model.contract import EMBEDDINGS, MASK
 from bench.batched import medians
 from bench.perf_analyzer import TRANSPORTS, Unavailable, binary, run
 from bench.report import artifact_given, save
-from tests.server import HOST, ServerProcess
+from bench.server import HOST, ServerProcess
 
 REAL_REQUESTS = 64  # requests in perf_analyzer's data file (base64: 2.4 MB at d_model 384)
 
@@ -62,7 +62,6 @@ def _rounds(artifact: Path, rounds: int) -> Iterator[_Round]:
     """``rounds`` rounds over one data file of ``real_lengths``: each measures the unpadded limit in-process, then
     starts a server for the round's loads."""
     from addnorm.model.artifact import Manifest
-
     from bench.mixed import unpadded_limit
 
     manifest = Manifest.load(artifact)
@@ -188,12 +187,10 @@ def table_rates(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
 
-    from tests.server import ROOT
+    from bench.server import ROOT
 
     p = Parser(prog="python -m bench.perf_analyzer_real", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--artifact", type=Path, default=ROOT / "artifacts" / "default", help="an exported artifact"
-    )
+    p.add_argument("--artifact", type=Path, default=ROOT / DEFAULT_ARTIFACT, help="an exported artifact")
     p.add_argument(
         "--clients", type=int, nargs="+", default=[1, 8, 32], help="client counts (default 1 8 32)"
     )

@@ -16,11 +16,11 @@ import urllib.request
 from pathlib import Path
 
 import ray
-from addnorm.service.ray_serve import build
 from ray import serve
 
 from addnorm.commands import Parser
-from tests.server import HOST
+from addnorm.service.ray_serve import build
+from bench.server import HOST
 
 
 def main() -> None:

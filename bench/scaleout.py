@@ -17,7 +17,7 @@ import numpy as np
 
 from bench.loadgen import run_loads
 from bench.measure import CLIENTS, Setup, batch_histogram, process_cpu_s, v2_request
-from tests.server import HOST, ServerProcess, serve
+from bench.server import HOST, ServerProcess, serve
 
 REPS = 3
 

@@ -21,7 +21,7 @@ import numpy as np
 import orjson
 
 from bench.reliability import proc_rss_mb
-from tests.server import serve
+from bench.server import serve
 
 SETTLE_S = 10.0  # memory is read this long after a case: the goal is within 1.5x of the warm baseline by then
 SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank."

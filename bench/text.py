@@ -45,12 +45,12 @@ from pathlib import Path
 
 import numpy as np
 import orjson
-from addnorm.model.runtime import cpu_flags
 
 from addnorm.commands import Parser
+from addnorm.model.runtime import cpu_flags
 from bench.loadgen import build_request
 from bench.mixed import cell
-from tests.server import HOST, ROOT, ServerProcess, free_port
+from bench.server import HOST, ROOT, ServerProcess, free_port
 
 CLIENTS = (1, 8, 32)
 SIZES = (1, 8)  # sentences per request

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from addnorm.commands import DEFAULT_ARTIFACT
 from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
 
 MODEL_PY = """import os
@@ -74,13 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     import httpx
     import onnxruntime as ort
     import tritonclient.http as httpclient
+
     from addnorm.model.artifact import Manifest
     from addnorm.service.protocols.v2.triton_repo import write_repository
-
-    from tests.server import free_port
+    from bench.server import free_port
 
     args = argv if argv is not None else sys.argv[1:]
-    artifact = Path(args[0] if args else "artifacts/default")
+    artifact = Path(args[0]) if args else DEFAULT_ARTIFACT
     manifest = Manifest.load(artifact)
     site = os.environ.get("ADDNORM_PYTRITON_SITE") or next(p for p in sys.path if p.endswith("site-packages"))
     core = Path(site) / "pytriton" / "tritonserver"

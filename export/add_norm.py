@@ -15,8 +15,9 @@ from pathlib import Path
 
 import onnx
 import torch
-from addnorm.export.onnx_export import DEFAULT_OPSET, export_module, load_checked
 from torch import Tensor, nn
+
+from addnorm.export.onnx_export import DEFAULT_OPSET, export_module, load_checked
 
 
 class AddNormModule(nn.Module):

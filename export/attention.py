@@ -23,13 +23,14 @@ from collections.abc import Callable, Iterator
 import onnxscript
 import torch
 import torch.nn.functional as F
-from addnorm.model.attention import FORMS
-from addnorm.model.config import EncoderConfig
-from addnorm.model.encoder import Encoder, attend
 from onnx import TensorProto
 from onnx.defs import OpSchema
 from onnxscript import opset17 as op
 from torch import Tensor
+
+from addnorm.model.attention import FORMS
+from addnorm.model.config import EncoderConfig
+from addnorm.model.encoder import Encoder, attend
 
 CHOICES = ("auto", *FORMS)
 AUTO = "mha"

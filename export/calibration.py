@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+
 from addnorm.export.cases import Given
 from addnorm.model.config import ConfigError
 from addnorm.model.contract import EMBEDDINGS, MASK

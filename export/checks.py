@@ -6,6 +6,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 import onnx
+
 from addnorm.export import attention as attn
 from addnorm.export.onnx_export import MIN_OPSET, opset_of
 from addnorm.export.variants import get_variant, norm_op

@@ -9,6 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
+from addnorm.commands import Parser, add_artifact, add_output, quiet_dependencies
 from addnorm.export import attention, hf
 from addnorm.export.calibration import calibration_cases, load_arrays
 from addnorm.export.checks import GraphCheckError
@@ -24,8 +25,6 @@ from addnorm.model.artifact import ArtifactError, load_verified
 from addnorm.model.config import POOLINGS, ConfigError, EncoderConfig
 from addnorm.model.embedding import EmbeddingAddNorm
 from addnorm.model.text import IDS, INPUTS, TOKENIZER_FILE, TextConfig
-
-from addnorm.commands import Parser, add_artifact, add_output, quiet_dependencies
 
 log = logging.getLogger("addnorm.export")
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
+
 from addnorm.export.onnx_export import ExportError, export_module, load_checked
 from addnorm.export.parity import make_session
 from addnorm.model.contract import BATCH, EMBEDDINGS, SEQ

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from addnorm.export.families import Family, family_of
 from addnorm.export.parity import make_session
 from addnorm.export.weights import CheckpointError, read_state_dict

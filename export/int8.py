@@ -47,6 +47,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import onnx
+from onnx import TensorProto, helper, numpy_helper
+
 from addnorm.export import int8_ops
 from addnorm.export.int8_ops import QUANT_MATMUL, ROW_QUANTIZE
 from addnorm.model.kernels import DOMAIN
@@ -61,7 +63,6 @@ from addnorm.model.schemes import (  # the scheme's numbers, shared with the ser
     float_channel_count,
     quantize_weight,
 )
-from onnx import TensorProto, helper, numpy_helper
 
 ChannelsOf = Callable[[np.ndarray], np.ndarray]  # a graph weight (E, N) -> its float input channels
 

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+from onnx import TensorProto, helper, numpy_helper
+
 from addnorm.model.kernels import DOMAIN
 from addnorm.model.schemes import STEPS, TINY, ZERO_POINT
-from onnx import TensorProto, helper, numpy_helper
 
 ROW_QUANTIZE = "RowQuantize"
 QUANT_MATMUL = "QuantMatMul"

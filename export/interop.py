@@ -15,12 +15,12 @@ import sys
 from pathlib import Path
 
 import onnx
-from addnorm.model.artifact import MODEL_FILE, Manifest
-from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
-from addnorm.model.text import ATTENTION_MASK, EMBEDDING_FILE
 from onnx import TensorProto, compose, helper
 
 from addnorm.commands import Parser
+from addnorm.model.artifact import MODEL_FILE, Manifest
+from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
+from addnorm.model.text import ATTENTION_MASK, EMBEDDING_FILE
 
 LAST_HIDDEN_STATE = "last_hidden_state"
 

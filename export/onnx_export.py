@@ -10,6 +10,8 @@ from pathlib import Path
 
 import onnx
 import torch
+from torch import Tensor, nn
+
 from addnorm.export import attention as attn
 from addnorm.export import traces
 from addnorm.model.contract import (
@@ -24,7 +26,6 @@ from addnorm.model.contract import (
 )
 from addnorm.model.contract import output_names as contract_outputs
 from addnorm.model.encoder import Encoder, Packing
-from torch import Tensor, nn
 
 MIN_OPSET = 17  # LayerNormalization entered the standard in opset 17
 RMS_MIN_OPSET = 23  # RMSNormalization entered the standard in opset 23

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+
 from addnorm.export import traces
 from addnorm.export.cases import Case, Given, default_cases
 from addnorm.export.yardsticks import (  # noqa: F401  torch_outputs and float32_yardstick: export.parity's API too

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import onnxruntime as ort
+
+from addnorm.commands import Parser, add_artifact, add_output, add_providers
 from addnorm.export.cases import Given, adversarial_cases, default_cases, synthetic
 from addnorm.export.gate import gate
 from addnorm.export.onnx_export import ExportError
@@ -19,8 +21,6 @@ from addnorm.model.contract import EMBEDDINGS, MASK
 from addnorm.model.encoder import Encoder
 from addnorm.model.golden import load_golden, representative
 from addnorm.model.runtime import ProviderError, resolve_providers
-
-from addnorm.commands import Parser, add_artifact, add_output, add_providers
 
 
 def build_parser() -> argparse.ArgumentParser:

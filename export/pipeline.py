@@ -13,6 +13,7 @@ from importlib import metadata
 from pathlib import Path
 
 import numpy as np
+
 from addnorm.export import traces
 from addnorm.export.attention import AttentionError
 from addnorm.export.attention import resolve as resolve_attention

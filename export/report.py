@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+
 from addnorm.export.parity import ORACLES_AGREE, ParityReport
 from addnorm.model.verdict import Comparison
 

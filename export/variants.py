@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
+
 from addnorm.export import int8, traces
 from addnorm.export.onnx_export import DEFAULT_OPSET, ExportError, export_onnx
 from addnorm.export.yardsticks import SchemeModel, torch_outputs

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from addnorm.model.encoder import Encoder
 from safetensors.torch import load_file, save_file
+
+from addnorm.model.encoder import Encoder
 
 
 class CheckpointError(ValueError):

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+
 from addnorm.model import reference
 from addnorm.model.contract import ENCODED, STEP_OUTPUT
 from addnorm.model.encoder import Encoder

@@ -5,8 +5,9 @@ type's embeddings (``LayerNorm(word + position [+ token_type])``), exported as i
 from __future__ import annotations
 
 import torch
-from addnorm.model.text import TextConfig
 from torch import Tensor, nn
+
+from addnorm.model.text import TextConfig
 
 
 class EmbeddingAddNorm(nn.Module):

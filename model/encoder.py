@@ -14,10 +14,11 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
+
 from addnorm.model.attention import RELATIVE_MAX_DISTANCE, relative_buckets
 from addnorm.model.config import EncoderConfig
 from addnorm.model.contract import ENCODED, POOLED
-from torch import Tensor, nn
 
 Sublayer = Callable[[Tensor], Tensor]
 

@@ -19,10 +19,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, positional
-from addnorm.model.verdict import Tolerance, compare
 from safetensors.numpy import load as load_bytes
 from safetensors.numpy import load_file, save_file
+
+from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, positional
+from addnorm.model.verdict import Tolerance, compare
 
 FIELDS = (EMBEDDINGS, MASK)
 REPRESENTATIVE = "representative"

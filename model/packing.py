@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
 from addnorm.model.contract import EMBEDDINGS, LONGEST, MASK, OFFSETS, positional
 
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
+
 from addnorm.model.attention import RELATIVE_MAX_DISTANCE, relative_buckets
 from addnorm.model.config import EncoderConfig
 from addnorm.model.contract import ENCODED, POOLED

@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from addnorm.model.text import TextConfig
 from tokenizers import Tokenizer
+
+from addnorm.model.text import TextConfig
 
 # Real text runs far under this many characters a token (English about 4-5, code 3, CJK 1-2). A longer text is
 # refused (or, asked to truncate, cut) before it is tokenized: tokenizing costs time and memory by the character,

@@ -11,13 +11,13 @@ import socket
 import sys
 import typing
 
+from pydantic import ValidationError
+
+from addnorm.commands import Parser, readable
 from addnorm.model import kernels
 from addnorm.service import logs
 from addnorm.service.backend.engine import EngineError, check_artifact, freeze_heap, resolve_providers
 from addnorm.service.settings import Settings, explain
-from pydantic import ValidationError
-
-from addnorm.commands import Parser, readable
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         # Fail before binding a port: a missing or tampered artifact, two models of one name, or cuda asked for
         # but absent.
         import onnxruntime as ort
+
         from addnorm.service.models.registry import read_manifests
 
         if settings.model_control_mode != "none" and settings.workers > 1:

@@ -17,12 +17,13 @@ import hmac
 from collections.abc import Callable, Sequence
 from typing import Annotated
 
+from fastapi import Depends, Request
+
 from addnorm.service.errors import (
     NotReady,
     Unauthenticated,
 )
 from addnorm.service.models.state import KnownModels, ServiceState
-from fastapi import Depends, Request
 
 SCOPE_KEY = "addnorm.loaded"  # where the guard leaves the KnownModels for the routes past it
 

@@ -21,15 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from pydantic import ValidationError
+from ray import serve
+from ray.serve import Application
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from addnorm.model.artifact import MANIFEST_FILE
 from addnorm.service import logs
 from addnorm.service.front.app import create_app
 from addnorm.service.models.registry import artifact_dirs
 from addnorm.service.settings import Settings, explain
-from pydantic import ValidationError
-from ray import serve
-from ray.serve import Application
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("addnorm.ray")
 

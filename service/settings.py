@@ -6,11 +6,11 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from addnorm.model.runtime import SETTINGS as PROVIDER_SETTINGS
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from addnorm.commands import DEFAULT_ARTIFACT, providers_help
+from addnorm.model.runtime import SETTINGS as PROVIDER_SETTINGS
 
 # Variables a deployment may still set under an old name: refused with the new one, never silently ignored.
 RENAMED_VARIABLES = {"ADDNORM_MODEL_DIR": "ADDNORM_ARTIFACT"}

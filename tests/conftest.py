@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from addnorm.model.config import EncoderConfig
 
-from tests.server import ROOT, ServerProcess
+from addnorm.model.config import EncoderConfig
+from bench.server import ROOT, ServerProcess
 
 __all__ = ["ROOT", "SMALL", "TINY", "export_to", "start_server"]
 # Apps the tests build in-process serve no gRPC unless a test asks for a port (the default, 8001, could be taken).

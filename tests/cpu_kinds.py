@@ -12,9 +12,9 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
-from addnorm.model.runtime import cpu_flags
 
-from tests.server import ROOT
+from addnorm.model.runtime import cpu_flags
+from bench.server import ROOT
 
 QEMU = shutil.which("qemu-x86_64")
 AVX2_ONLY = "Haswell-v4"  # AVX2 and FMA; no AVX-512, no VNNI

@@ -41,8 +41,9 @@ def skew_gamma(source: Path, art: Path) -> Path:
     import shutil
 
     import onnx
-    from addnorm.model.artifact import MANIFEST_FILE, sha256_file
     from onnx import numpy_helper
+
+    from addnorm.model.artifact import MANIFEST_FILE, sha256_file
 
     shutil.copytree(source, art)
     model = onnx.load(str(art / "model.onnx"))
@@ -82,10 +83,10 @@ def front_proxy(upstream_port: int, **settings: object) -> Iterator[int]:
     (service.front.proxy.render) from ``Settings(**settings)``; yields its port. Skips where nginx is not installed
     (Debian's nginx; .ci/run installs it, and in CI the skip fails)."""
     import pytest
+
     from addnorm.service.front.proxy import render
     from addnorm.service.settings import Settings
-
-    from tests.server import free_port
+    from bench.server import free_port
 
     nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
     if nginx is None:

@@ -59,9 +59,8 @@ def test_gemm_roof_times_the_block_gemms(monkeypatch):
 def test_docs_update_replaces_only_the_generated_block(tmp_path, monkeypatch):
     """make bench and each section's command rewrite their own block of docs/benchmarks.md, with the command, the
     date and the CPU's flags above it; the prose around it and the other blocks stay."""
-    from addnorm.model.runtime import cpu_flags
-
     import bench.report as report
+    from addnorm.model.runtime import cpu_flags
 
     monkeypatch.setattr(report, "table", lambda res: "| TABLE |")
     doc = tmp_path / "b.md"
@@ -311,7 +310,6 @@ def test_ab_sends_real_text_to_a_text_model(tmp_path, capsys):
     """bench.ab on a text model's artifact: the /v1/embeddings phases of real sentences (1 and 8 a request) run on
     both sides, and the ratios include p99's."""
     from addnorm.export import cli as export_cli
-
     from bench import ab
     from tests.conftest import ROOT
     from tests.text_models import make_model_dir
@@ -333,7 +331,6 @@ def test_limits_alternate_in_process_with_each_server(tiny_artifact):
     """bench.limits with the defaults and a server without batching: every round has both limits and both
     servers, the server without batching ran one row per run, and the table names both."""
     from addnorm.model.artifact import Manifest
-
     from bench.limits import limits_table, measure_limits
     from bench.measure import Setup
 
@@ -412,7 +409,6 @@ def test_the_text_benchmarks_core_row_runs_the_servers_own_model(tmp_path, monke
     model's own statistics count the requests it served (no timing asserted)."""
     from addnorm.export import cli as export_cli
     from addnorm.service.models import registry
-
     from bench import text
     from tests.text_models import TEXTS, make_model_dir
 
@@ -443,7 +439,6 @@ def test_the_text_benchmarks_addnorm_cells_count_the_servers_cpu(tmp_path, monke
     from addnorm.export import cli as export_cli
     from addnorm.model.artifact import Manifest
     from addnorm.model.tokenize import TextTokenizer
-
     from bench import text
     from tests.text_models import TEXTS, make_model_dir
 
@@ -501,7 +496,6 @@ def test_the_stall_benchmark_sends_each_big_input_while_another_client_probes(tm
     413 or RESOURCE_EXHAUSTED, the largest accepted requests 200), the prober answered throughout, memory read
     (no timing asserted)."""
     from addnorm.export import cli as export_cli
-
     from bench import stall
     from tests.text_models import make_model_dir
 

@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
-from addnorm.model.runtime import SETTINGS as PROVIDERS
 
 from addnorm.commands import DEFAULT_ARTIFACT, Parser, readable
+from addnorm.model.runtime import SETTINGS as PROVIDERS
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.unit
@@ -107,8 +107,9 @@ def test_an_old_spelling_is_answered_with_the_new_one(argv, hint):
 
 
 def test_an_old_variable_is_refused_by_name(monkeypatch):
-    from addnorm.service.settings import Settings, explain
     from pydantic import ValidationError
+
+    from addnorm.service.settings import Settings, explain
 
     monkeypatch.setenv("ADDNORM_MODEL_DIR", "x")
     with pytest.raises(ValidationError) as exc:

@@ -181,6 +181,6 @@ def test_the_healthcheck_follows_the_port(server, monkeypatch):
     assert healthcheck.main([port]) == 0
     monkeypatch.setenv("ADDNORM_PORT", port)
     assert healthcheck.main([]) == 0
-    from tests.server import free_port
+    from bench.server import free_port
 
     assert healthcheck.main([str(free_port())]) == 1  # nothing there

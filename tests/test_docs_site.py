@@ -15,8 +15,8 @@ import threading
 import pytest
 import yaml
 
+from bench.server import free_port
 from tests.conftest import ROOT
-from tests.server import free_port
 from tests.test_docs_offline import CHROMIUM, _dom
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install chromium)")

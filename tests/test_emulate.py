@@ -9,11 +9,11 @@ import subprocess
 import sys
 
 import pytest
-from addnorm.model.runtime import cpu_flags
 
+from addnorm.model.runtime import cpu_flags
 from bench import emulate
+from bench.server import ROOT
 from tests.cpu_kinds import EXACT, PAIRS_K, SATURATED, saturation_probe
-from tests.server import ROOT
 
 # What the process sees: /proc/cpuinfo's flags, numpy's and the kernels' own dispatch, and onnxruntime's MLAS through
 # a product whose u8 x s8 pairs saturate in int16 on AVX2 (VPMADDUBSW) and nowhere else; in a forked child too.

@@ -5,10 +5,10 @@ import threading
 
 import httpx
 import numpy as np
-from addnorm.service import create_app
-from addnorm.service.settings import Settings
 from fastapi.testclient import TestClient
 
+from addnorm.service import create_app
+from addnorm.service.settings import Settings
 from tests.conftest import start_server
 from tests.helpers import queue_depth, wait_until, wait_until_ready
 

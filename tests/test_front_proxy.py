@@ -6,9 +6,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from addnorm.service.front.proxy import passed_headers, render
 from addnorm.service.settings import Settings
-
 from tests.conftest import ROOT
 
 DEPLOYED = ROOT / "deploy" / "nginx" / "nginx.conf"

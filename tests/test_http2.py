@@ -19,12 +19,12 @@ import h2.exceptions
 import h2.settings
 import numpy as np
 import pytest
+
 from addnorm.service.backend.engine import Engine
 from addnorm.service.protocols.v2.grpc_server import HTTP2_LIMITS, SERVICE
-
 from bench.reliability import proc_rss_mb
+from bench.server import ServerProcess
 from tests.conftest import start_server
-from tests.server import ServerProcess
 
 pytestmark = pytest.mark.server
 

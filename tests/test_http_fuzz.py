@@ -30,9 +30,9 @@ from boofuzz import (
     TCPSocketConnection,
 )
 
+from bench.server import ServerProcess
 from tests.conftest import start_server
 from tests.helpers import raw_http
-from tests.server import ServerProcess
 
 pytestmark = pytest.mark.server
 

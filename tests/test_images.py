@@ -17,11 +17,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+
 from addnorm.model import kernels
 from addnorm.model.contract import EMBEDDINGS, ENCODED
-
+from bench.server import free_port, free_ports
 from tests.conftest import ROOT
-from tests.server import free_port, free_ports
 
 pytestmark = [
     pytest.mark.images,

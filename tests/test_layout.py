@@ -7,7 +7,6 @@ import tokenize
 from pathlib import Path
 
 from addnorm.model.contract import INPUT_NAMES, OUTPUT_NAMES
-
 from tests.conftest import ROOT
 
 PACKAGES = ("model", "export", "service", "bench")
@@ -136,11 +135,11 @@ def _asserts(node: ast.AST, helpers: set[str]) -> bool:
 
 
 def test_every_test_asserts_something():
-    """Each ``test_*`` function asserts, or calls a function of tests/ (server.py included) that does: a test
+    """Each ``test_*`` function asserts, or calls a function of tests/ (or bench/server.py) that does: a test
     that only runs code passes whatever the code does, unless the code raises."""
     functions: dict[str, list[ast.AST]] = {}
     tests = []
-    for path in TESTS + [ROOT / "tests" / "server.py"]:
+    for path in TESTS + [ROOT / "bench" / "server.py"]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 functions.setdefault(node.name, []).append(node)
@@ -263,3 +262,37 @@ def test_a_served_model_is_reached_through_the_backend_interface():
                 probes += [f"{rel}: {ast.unparse(node)}" for word in ("model", "engine") if word in target]
     assert builders == ["service/models/state.py"], builders
     assert probes == [], probes
+
+
+def test_the_checkout_tools_arrow_runs_from_tests_to_bench():
+    """bench/ (what a user runs) never imports tests/: the server launcher both use is bench/server.py, and the
+    default artifact is named once (addnorm.commands.DEFAULT_ARTIFACT)."""
+    wrong, spelled = [], []
+    for path in MODULES:
+        text = path.read_text()
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            wrong += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "tests"]
+        if '"artifacts" / "default"' in text or '"artifacts/default"' in text:
+            spelled.append(str(path.relative_to(ROOT)))
+    assert wrong == [], wrong
+    assert spelled == [], spelled
+
+
+def test_one_first_party_package():
+    """Tools see one package: ruff sorts every ``addnorm.*`` import as first-party, wherever its folder sits, and in a
+    checkout only what installs is under ``addnorm`` (model, export, service; not bench, tests or deploy)."""
+    import subprocess
+    import sys
+    import tomllib
+
+    isort = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]["lint"]["isort"]
+    assert "addnorm" in isort["known-first-party"]
+    probe = (
+        "import importlib.util as u; "
+        "print([n for n in ('model', 'export', 'service', 'bench', 'tests', 'deploy') if u.find_spec('addnorm.' + n)])"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd="/", capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['model', 'export', 'service']", out.stdout + out.stderr

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ray.serve.schema import ServeDeploySchema
+
 from addnorm.service.front.app import create_app
 from addnorm.service.ray_serve import DEPLOYMENT, build
 from addnorm.service.settings import Settings
-from ray.serve.schema import ServeDeploySchema
-
 from tests.conftest import ROOT
 from tests.service.test_guard import served_routes
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc as tg
 import tritonclient.http as th
+
 from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
 from addnorm.model.packing import answered, real_lengths
 from addnorm.service.backend.engine import Engine
-
 from bench.mixed import padding_counts
 from tests.conftest import start_server
 

@@ -20,12 +20,12 @@ import onnxruntime as ort
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from addnorm.model.artifact import sha256_file
 from tritonclient.utils import InferenceServerException
 
+from addnorm.model.artifact import sha256_file
+from bench.server import ServerProcess
 from tests.conftest import TINY, export_to
 from tests.helpers import wait_until
-from tests.server import ServerProcess
 
 E = TINY.d_model
 X = np.random.default_rng(7).standard_normal((1, 3, E)).astype(np.float32)
@@ -241,10 +241,10 @@ def test_with_model_control_off_a_server_with_no_loadable_model_exits_non_zero(t
 def test_control_refusals_over_http_and_unload_by_http(tmp_path, versions):
     """Triton's repository API over HTTP: refused where control is off (saying how to turn it on), parameters it
     does not take refused by name (tritonclient's unload_dependents taken), unload and load by HTTP."""
-    from addnorm.service import create_app
-    from addnorm.service.settings import Settings
     from fastapi.testclient import TestClient
 
+    from addnorm.service import create_app
+    from addnorm.service.settings import Settings
     from tests.helpers import wait_until_ready
 
     repo = repository(tmp_path, versions, "1")
@@ -278,10 +278,10 @@ def test_a_reload_of_an_unreadable_manifest_is_refused_naming_why(tmp_path, vers
     """A new version whose manifest.json is half-written (an export killed mid-write, say): the load is refused
     with a 4xx that names the directory and why (it answered "no model 'encoder' in the repository" before, the
     cause only in the server's log), and the version serving goes on."""
-    from addnorm.service import create_app
-    from addnorm.service.settings import Settings
     from fastapi.testclient import TestClient
 
+    from addnorm.service import create_app
+    from addnorm.service.settings import Settings
     from tests.helpers import wait_until_ready
 
     repo = repository(tmp_path, versions, "1")
@@ -347,13 +347,13 @@ def test_a_model_swapped_while_a_large_body_is_decoded_decodes_and_serves_it_wit
     serves it: V2 names the model in its path, looked up once before the body is read (version 1's manifest
     decodes it and version 1 serves it to its end); /v1 names it in its payload, looked up by the decode itself
     (version 2, after the swap)."""
+    from fastapi.testclient import TestClient
+
     from addnorm.service import create_app
     from addnorm.service.core import inference
     from addnorm.service.protocols.v1 import codec as v1_codec
     from addnorm.service.protocols.v2 import codec as v2_codec
     from addnorm.service.settings import Settings
-    from fastapi.testclient import TestClient
-
     from tests.helpers import wait_until_ready
 
     repo = repository(tmp_path, versions, "1")

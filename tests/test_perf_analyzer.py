@@ -8,8 +8,8 @@ nor Debian can be reached, the test is skipped and says why; it never passes wit
 from __future__ import annotations
 
 import pytest
-from addnorm.model.artifact import Manifest
 
+from addnorm.model.artifact import Manifest
 from bench import perf_analyzer as pa
 from tests.conftest import start_server
 
@@ -99,7 +99,6 @@ def test_perf_analyzer_sends_text_as_bytes(command, tmp_path):
     from addnorm.export import cli
     from addnorm.model.text import TOKENIZER_FILE
     from addnorm.model.tokenize import TextTokenizer
-
     from tests.text_models import TEXTS, make_model_dir
 
     artifact = tmp_path / "artifact"

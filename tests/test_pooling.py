@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from addnorm.export import cli as export_cli
 from addnorm.export.gate import ParityError
 from addnorm.model import encoder as torch_encoder
@@ -27,9 +28,8 @@ from addnorm.model.config import ConfigError, EncoderConfig
 from addnorm.model.contract import ENCODED, POOLED, io_specs, output_names
 from addnorm.service.backend.engine import Engine
 from addnorm.service.batching.batcher import Batcher
-
+from bench.server import ServerProcess
 from tests.conftest import SMALL, export_to
-from tests.server import ServerProcess
 from tests.service.test_batcher import Recorder, until
 
 pytestmark = [pytest.mark.export, pytest.mark.server]

@@ -21,14 +21,14 @@ import onnxruntime as ort
 import pytest
 import ray
 import tritonclient.http as triton
+from fastapi.testclient import TestClient
+from ray import serve
+
 from addnorm.model.packing import answered
 from addnorm.service.backend.cores import threads_for
 from addnorm.service.front.app import create_app
 from addnorm.service.ray_serve import DEPLOYMENT, ArtifactUnreadable, build, check_readable, replica_settings
 from addnorm.service.settings import Settings
-from fastapi.testclient import TestClient
-from ray import serve
-
 from tests.helpers import skew_gamma, wait_until
 
 APP = "addnorm"

@@ -27,9 +27,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.server import free_ports
 from tests.conftest import ROOT
 from tests.helpers import wait_until
-from tests.server import free_ports
 
 # The pages whose blocks run, in this order, after README.md (the README's old sections, in their old order).
 GUIDES = ("docs/text.md", "docs/serving.md", "docs/export.md", "docs/configuration.md", "docs/deployment.md")

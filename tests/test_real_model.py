@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch.nn.functional as F
+
 from addnorm.export import cli as export_cli
 from addnorm.export import hf, traces
 from addnorm.export.calibration import calibration_cases
@@ -29,9 +30,8 @@ from addnorm.export.pipeline import export_artifact, prepare_encoder
 from addnorm.export.variants import build_graph, get_variant
 from addnorm.model.config import EncoderConfig
 from addnorm.model.verdict import float32_floor
-
 from bench.real import MORE, PASSAGE
-from tests.server import ServerProcess
+from bench.server import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.export]
 
@@ -204,6 +204,7 @@ def test_int8_is_within_0_999_per_sentence_and_the_gate_refuses_its_first_form(e
     rows +-their reach from their mean) stays near 0.998, and its gate fails on quality, however faithfully the
     graph computes its scheme (no rescue); the report names both verdicts and the least sentence cosine."""
     import onnxruntime as ort
+
     from addnorm.export.report import decided
     from addnorm.model.schemes import FLOAT_CHANNELS_KEY, LEGACY, Form
 
@@ -277,6 +278,7 @@ def test_int8_refuses_a_5_percent_gamma_step_by_step(encoder, real, tmp_path):
     (the faithful graph passes in the artifacts fixture's gate, steps and all; every norm measured in
     docs/parity.md: 1.8-2.2x at its step, the last norm 0.84x there and failing on quality)."""
     import torch
+
     from addnorm.export.gate import _with_plan
     from addnorm.export.pipeline import plan_for
 
@@ -341,6 +343,7 @@ def served(artifacts, encoder, tmp_path_factory) -> Iterator[ServerProcess]:
     """One server holding every form, and a copy of fp32-mha whose graph has a skewed gamma (its hashes made
     consistent): that one fails its golden check at load and is refused; the others keep serving."""
     import onnx
+
     from addnorm.model.artifact import MODEL_FILE, sha256_file
 
     broken = tmp_path_factory.mktemp("broken") / "skewed"

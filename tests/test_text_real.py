@@ -13,11 +13,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+
 from addnorm.export import cli
 from addnorm.export.hf import MORE, PASSAGE, SENTENCES
-
+from bench.server import ServerProcess
 from tests.helpers import error_message
-from tests.server import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.export]
 TEXTS = [*SENTENCES, *MORE, PASSAGE * 3, PASSAGE * 5, PASSAGE * 12]  # 110, ~180 and (cut) > 256 tokens

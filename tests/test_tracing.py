@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from bench.server import ServerProcess
 from tests.helpers import wait_until
-from tests.server import ServerProcess
 
 pytest.importorskip(
     "opentelemetry.exporter.otlp.proto.http", reason="needs the 'otel' extra (make installs it)"

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from addnorm.service.front.http11 import MAX_HEAD_BYTES
 
+from addnorm.service.front.http11 import MAX_HEAD_BYTES
 from tests.conftest import start_server
 from tests.helpers import front_proxy, raw_http
 

@@ -23,9 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
+
 from addnorm.service.protocols.v2 import inference_pb2 as pb
 from addnorm.service.protocols.v2.grpc_codec import varint
-
 from tests.conftest import start_server
 from tests.helpers import front_proxy
 

@@ -17,11 +17,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from addnorm.service.backend.engine import Engine
 
+from addnorm.service.backend.engine import Engine
 from bench.reliability import proc_rss_mb
+from bench.server import ServerProcess
 from tests.helpers import raw_http
-from tests.server import ServerProcess
 
 pytestmark = pytest.mark.server
 

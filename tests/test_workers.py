@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import onnxruntime as ort
-from addnorm.service.settings import Settings
 
+from addnorm.service.settings import Settings
 from tests.conftest import start_server
 
 

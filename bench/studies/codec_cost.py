@@ -20,6 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import uvloop
+from starlette.concurrency import run_in_threadpool
+
+from addnorm.commands import DEFAULT_ARTIFACT, Parser
 from addnorm.model.artifact import Manifest
 from addnorm.model.contract import EMBEDDINGS, ENCODED
 from addnorm.model.runtime import cpu_flags
@@ -28,10 +31,7 @@ from addnorm.service.protocols.v1 import codec as v1
 from addnorm.service.protocols.v2 import codec as v2
 from addnorm.service.protocols.v2 import grpc_codec
 from addnorm.service.protocols.v2 import inference_pb2 as pb
-from starlette.concurrency import run_in_threadpool
-
-from addnorm.commands import Parser
-from tests.server import ROOT
+from bench.server import ROOT
 
 
 def median_ms(fn: Callable[[], object], runs: int) -> float:
@@ -120,7 +120,7 @@ async def hop_ms(n: int = 300) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m bench.studies.codec_cost", description=__doc__.split("\n\n")[0])
-    p.add_argument("--artifact", type=Path, default=ROOT / "artifacts" / "default")
+    p.add_argument("--artifact", type=Path, default=ROOT / DEFAULT_ARTIFACT)
     p.add_argument("--shapes", nargs="+", default=["1,16", "1,128", "8,128"], metavar="B,S")
     p.add_argument("--runs", type=int, default=25)
     args = p.parse_args(argv)

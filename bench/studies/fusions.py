@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from addnorm.model.runtime import CPU, CPU_DISABLED_OPTIMIZERS, cpu_flags
 
-from addnorm.commands import Parser
+from addnorm.commands import DEFAULT_ARTIFACT, Parser
+from addnorm.model.runtime import CPU, CPU_DISABLED_OPTIMIZERS, cpu_flags
 
 SHAPES = ((8, 128), (1, 16), (32, 16))
 
@@ -53,7 +53,7 @@ def _turns(sessions: dict, feed: dict, rounds: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m bench.studies.fusions", description=__doc__.split("\n\n")[0])
-    p.add_argument("--artifact", type=Path, default=Path("artifacts/default"), help="a model directory too")
+    p.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT, help="a model directory too")
     p.add_argument(
         "--rounds", type=int, default=30, help="runs of each session per shape (x10 for small ones)"
     )
@@ -63,7 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     from addnorm.model import kernels
     from addnorm.model.artifact import MODEL_FILE, Manifest
     from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
-
     from bench.real import MORE, real_model, three_graphs
 
     config, encoder, reference = real_model()

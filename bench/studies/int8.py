@@ -18,14 +18,17 @@ import time
 from pathlib import Path
 
 import numpy as np
-from addnorm.model.runtime import CPU, session_args
 
 from addnorm.commands import Parser
+from addnorm.model.runtime import CPU, session_args
 
 
 def main(argv: list[str] | None = None) -> int:
     import onnx
     import onnxruntime as ort
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
     from addnorm.export.cases import adversarial_cases, default_cases
     from addnorm.export.parity import torch_outputs
     from addnorm.export.pipeline import plan_for
@@ -34,8 +37,6 @@ def main(argv: list[str] | None = None) -> int:
     from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
     from addnorm.model.encoder import build_encoder
     from addnorm.model.runtime import cpu_flags
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-    from onnxruntime.quantization.shape_inference import quant_pre_process
 
     p = Parser(prog="python -m bench.studies.int8", description=__doc__.split("\n\n")[0])
     p.add_argument("--d-model", type=int, default=768)

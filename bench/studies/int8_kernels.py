@@ -20,9 +20,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from addnorm.model.runtime import CPU, session_args
 
 from addnorm.commands import Parser
+from addnorm.model.runtime import CPU, session_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,11 +37,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["ADDNORM_KERNELS_ISA"] = args.isa
 
     import onnxruntime as ort
+
     from addnorm.export import hf
     from addnorm.model import kernels
     from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
     from addnorm.model.runtime import cpu_flags
-
     from bench.real import MORE, alternate, real_model, three_graphs
 
     try:

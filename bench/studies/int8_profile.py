@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from addnorm.model.runtime import CPU, session_args
 
 from addnorm.commands import Parser
+from addnorm.model.runtime import CPU, session_args
 
 SHAPE = (8, 128, 384)
 WARMUP = 3
@@ -32,7 +32,6 @@ def main(argv: list[str] | None = None) -> int:
     from addnorm.export import hf
     from addnorm.model.contract import EMBEDDINGS, MASK
     from addnorm.model.runtime import cpu_flags
-
     from bench.real import MORE, real_model, three_graphs
 
     p = Parser(prog="python -m bench.studies.int8_profile", description=__doc__.split("\n\n")[0])

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
 from addnorm.export.weights import CheckpointError
 from addnorm.model.config import ConfigError
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from addnorm.model.kernels import KernelError, build, cpu_lacks
-
 from addnorm.commands import Parser
+from addnorm.model.kernels import KernelError, build, cpu_lacks
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,8 +27,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
-from addnorm.service.settings import Settings
 from starlette.concurrency import run_in_threadpool
+
+from addnorm.service.settings import Settings
 
 T = TypeVar("T")
 

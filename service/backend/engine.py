@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+
 from addnorm.model import kernels, packing
 from addnorm.model.artifact import ArtifactError, Manifest, load_verified, read_verified
 from addnorm.model.attention import held_form, score_elements

@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import onnxruntime as ort
+
 from addnorm.model.artifact import Verified
 from addnorm.model.contract import EMBEDDINGS
 from addnorm.model.runtime import session_args

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+
 from addnorm.model import packing
 from addnorm.service.backend.cores import CoreBudget
 from addnorm.service.backend.interface import Backend

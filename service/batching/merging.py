@@ -25,6 +25,7 @@ from functools import cached_property
 from typing import Protocol
 
 import numpy as np
+
 from addnorm.model.attention import score_elements
 from addnorm.model.contract import positional
 from addnorm.model.packing import real_lengths

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import numpy as np
+
 from addnorm.service.backend.cores import in_worker
 from addnorm.service.batching.merging import Outputs, Timings
 from addnorm.service.core.text import run_parts, text_of

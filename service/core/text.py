@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from addnorm.model.contract import ENCODED, POOLED
 from addnorm.model.tokenize import Batch, TooLong, TooManyChars
 from addnorm.service.backend.cores import in_worker

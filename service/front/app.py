@@ -10,6 +10,9 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from fastapi import FastAPI
+
+from addnorm import __version__ as VERSION
 from addnorm.service import logs, protocols
 from addnorm.service.backend.engine import freeze_heap, limit_arenas
 from addnorm.service.front.middleware import Front, install_error_handlers
@@ -18,9 +21,6 @@ from addnorm.service.models.state import ServiceState, load_models, load_then_wa
 from addnorm.service.protocols import docs, health
 from addnorm.service.settings import Settings
 from addnorm.service.tracing import TRACING
-from fastapi import FastAPI
-
-from addnorm import __version__ as VERSION
 
 
 def create_app(

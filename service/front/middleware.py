@@ -14,15 +14,16 @@ import itertools
 import time
 import uuid
 
-from addnorm.service import logs
-from addnorm.service.errors import BodyTimeout, ServiceError, error_response, from_error, unexpected_error
-from addnorm.service.guard import SCOPE_KEY, Guard
-from addnorm.service.protocols import error_shape
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from addnorm.service import logs
+from addnorm.service.errors import BodyTimeout, ServiceError, error_response, from_error, unexpected_error
+from addnorm.service.guard import SCOPE_KEY, Guard
+from addnorm.service.protocols import error_shape
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -18,10 +18,10 @@ import math
 import sys
 
 import orjson
-from addnorm.service.front.http11 import MAX_HEAD_BYTES, MAX_TARGET_BYTES, REFUSALS
-from addnorm.service.settings import Settings
 
 from addnorm.commands import Parser
+from addnorm.service.front.http11 import MAX_HEAD_BYTES, MAX_TARGET_BYTES, REFUSALS
+from addnorm.service.settings import Settings
 
 # nginx's own refusals answer with the messages addnorm-serve's connection uses (front/http11.py: one table), and
 # its head limits are the same: large_client_header_buffers 4 x 16 KiB after the 8 KiB first buffer.

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from addnorm.model import reference, schemes
 from addnorm.model.artifact import Manifest, read_weights
 from addnorm.model.contract import positional

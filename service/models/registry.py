@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from addnorm.commands import DEFAULT_ARTIFACT
 from addnorm.model.artifact import MANIFEST_FILE, ArtifactError, Manifest
 from addnorm.model.golden import Verification
 from addnorm.service.backend.interface import Backend
@@ -27,8 +29,6 @@ from addnorm.service.errors import NotFound, NotReady, quote
 from addnorm.service.metrics import ModelStatistics, RequestTimer
 from addnorm.service.models.live_parity import LiveParity
 from addnorm.service.settings import Settings
-
-from addnorm.commands import DEFAULT_ARTIFACT
 
 log = logging.getLogger("addnorm.service")
 LOADING, READY, UNAVAILABLE = "LOADING", "READY", "UNAVAILABLE"  # the repository index's states

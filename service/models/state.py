@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
+from fastapi import Depends, Request
+
 from addnorm.service.backend.cores import CoreBudget, default_threads, threads_for
 from addnorm.service.backend.engine import Engine, accept
 from addnorm.service.backend.interface import Backend
@@ -45,7 +47,6 @@ from addnorm.service.models.registry import (
     repository_models,
 )
 from addnorm.service.settings import Settings
-from fastapi import Depends, Request
 
 log = logging.getLogger("addnorm.service")
 

@@ -9,12 +9,13 @@ import zlib
 
 import numpy as np
 import orjson
+from fastapi import Request
+
 from addnorm.model.contract import EMBEDDINGS, MASK
 from addnorm.service.backend.engine import TRIM_BODY_BYTES, trim_later
 from addnorm.service.batching.merging import Timings
 from addnorm.service.core.inference import OFFLOAD_BYTES, Call, Disconnect
 from addnorm.service.errors import BadInput, ClientGone, TooLarge, UnsupportedMediaType, quote
-from fastapi import Request
 
 _CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 

@@ -14,14 +14,15 @@ from __future__ import annotations
 import copy
 from importlib.resources import files
 
+from fastapi import APIRouter, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
+from fastapi.responses import FileResponse, HTMLResponse, Response
+
 from addnorm.service import protocols
 from addnorm.service.errors import NotFound, from_error, quote
 from addnorm.service.models.registry import READY
 from addnorm.service.models.state import KnownModels
 from addnorm.service.protocols.common import error_docs
-from fastapi import APIRouter, Request
-from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
-from fastapi.responses import FileResponse, HTMLResponse, Response
 
 ASSETS = files("fastapi_offline") / "static"
 MEDIA = {

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from addnorm.service.models.state import State
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
+
+from addnorm.service.models.state import State
 
 router = APIRouter(tags=["health"])
 METRICS_PATH = "/metrics"  # public too with ADDNORM_METRICS_PUBLIC

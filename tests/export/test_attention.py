@@ -9,6 +9,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+
 from addnorm.export import cli, parity_cli, traces
 from addnorm.export.attention import AUTO, resolve, spelled
 from addnorm.export.checks import GraphCheckError, check_graph, op_counts

@@ -2,9 +2,10 @@
 
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
+
 from addnorm.export.calibration import calibration_cases, load_arrays
 from addnorm.model.config import ConfigError
-from safetensors.numpy import save_file
 
 pytestmark = pytest.mark.unit
 

@@ -7,7 +7,6 @@ import sys
 
 from addnorm.export.weights import save_weights
 from addnorm.model.encoder import build_encoder
-
 from tests.conftest import ROOT, TINY
 
 # addnorm-export with a fault injected: the fp32 builder scales the first LayerNorm's gamma by 1.05 (a graph that

@@ -15,9 +15,9 @@ import sys
 import numpy as np
 import onnx
 import pytest
-from addnorm.model.runtime import cpu_flags
 from onnx import TensorProto, helper, numpy_helper
 
+from addnorm.model.runtime import cpu_flags
 from tests.cpu_kinds import (
     CAN_EMULATE,
     EXACT,
@@ -63,10 +63,11 @@ def test_int8_passes_its_golden_check_on_avx2_with_the_same_answers(model_reposi
 def test_per_tensor_u8s8_quantization_fails_the_golden_check_on_avx2(model_repository, tmp_path):
     """What onnxruntime's quantize_dynamic writes (8-bit weights, per-tensor u8 activations), judged by the int8
     tolerance: refused on the emulated AVX2 CPU. This is the scheme the per-row one replaced."""
-    from addnorm.export.variants import VARIANTS, _toposort
-    from addnorm.model.artifact import MANIFEST_FILE, MODEL_FILE, sha256_file
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    from addnorm.export.variants import VARIANTS, _toposort
+    from addnorm.model.artifact import MANIFEST_FILE, MODEL_FILE, sha256_file
 
     old = tmp_path / "old"
     shutil.copytree(model_repository / "a-fp32", old)

@@ -6,6 +6,9 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from safetensors.torch import save_file
+from torch import nn
+
 from addnorm.export import cli
 from addnorm.export.cases import Case, default_cases
 from addnorm.export.checks import GraphCheckError, check_graph, op_counts
@@ -17,9 +20,6 @@ from addnorm.export.report import format_table
 from addnorm.export.weights import CheckpointError, load_weights
 from addnorm.model.config import EncoderConfig
 from addnorm.model.encoder import Encoder, build_encoder
-from safetensors.torch import save_file
-from torch import nn
-
 from tests.conftest import TINY
 
 

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from addnorm.export import cli, hf, traces
 from addnorm.model.artifact import Manifest
 from addnorm.model.contract import ENCODED, POOLED
 from addnorm.model.text import TOKENIZER_FILE
 from addnorm.model.tokenize import TextTokenizer
 from addnorm.model.verdict import float32_floor
-
 from tests.conftest import ROOT
 from tests.text_models import TEXTS, make_model_dir, transformers_vectors
 
@@ -123,6 +123,7 @@ def test_the_joined_graph_speaks_transformers_names(model_dirs, tmp_path, family
     sentence-transformers' backend="onnx" itself needs optimum-onnx, which pins transformers < 4.58 (the dev extra has
     5.x): it loaded the joined all-MiniLM-L6-v2 graph in a separate environment (issue 65's note)."""
     import onnxruntime as ort
+
     from addnorm.export import interop
 
     artifact = tmp_path / "artifact"

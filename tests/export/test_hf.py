@@ -4,10 +4,11 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
+
 from addnorm.export import hf
 from addnorm.export.weights import CheckpointError
 from addnorm.model.config import ConfigError
-from safetensors.torch import save_file
 
 pytestmark = pytest.mark.unit
 

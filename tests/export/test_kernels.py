@@ -13,12 +13,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from onnx import TensorProto, helper, numpy_helper
+
 from addnorm.export import int8_ops
 from addnorm.model import kernels
 from addnorm.model.runtime import cpu_flags
 from addnorm.model.schemes import DEFAULT_FORM
-from onnx import TensorProto, helper, numpy_helper
-
 from tests.conftest import ROOT
 
 FLAGS = cpu_flags()
@@ -219,7 +219,6 @@ def test_an_engine_serves_int8_on_the_kernels_verified_and_answering_as_without(
     the float side's rounding; a library path that is not there stops the engine with the reason; an fp32 graph
     runs without it."""
     from addnorm.service.backend.engine import Engine, EngineError, verify_engine
-
     from tests.conftest import SMALL, export_to
 
     artifact = export_to(tmp_path / "a", SMALL, variant="int8")

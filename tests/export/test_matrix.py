@@ -20,15 +20,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from addnorm.export import parity_cli, traces
 from addnorm.export.checks import op_counts
 from addnorm.export.parity import make_session
 from addnorm.model import packing
 from addnorm.model.config import EncoderConfig
-
+from bench.server import ServerProcess
 from tests.conftest import IN_CI
 from tests.cpu_kinds import CAN_EMULATE, HOST_IS_AVX2_ONLY, WHY_NOT, golden_check
-from tests.server import ServerProcess
 
 VARIANTS = ("fp32", "fp16", "int8", "fused")
 ATTENTION = ("mha", "onnx", "decomposed")

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from addnorm.model.artifact import read_verified
 
+from addnorm.model.artifact import read_verified
 from tests.conftest import ROOT, TINY, export_to
 
 pytestmark = pytest.mark.export
@@ -115,8 +115,9 @@ def test_an_export_killed_at_each_step_of_its_publish_leaves_one_whole_artifact(
 def test_a_write_that_fails_is_one_error_line_and_exit_2(tmp_path, monkeypatch, capsys):
     """A full disk while the weights are written (safetensors' own error, an uncaught traceback and exit 1 before),
     and a directory that cannot be written: one 'error:' line naming the file, exit 2, nothing published."""
-    from addnorm.export import cli, weights
     from safetensors import SafetensorError
+
+    from addnorm.export import cli, weights
 
     def full(*args, **kwargs):
         raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")

@@ -6,10 +6,11 @@ from __future__ import annotations
 import collections
 import copy
 
-import addnorm.export.onnx_export as onnx_export
 import numpy as np
 import onnx
 import torch.nn.functional as F
+
+import addnorm.export.onnx_export as onnx_export
 from addnorm.export import traces
 from addnorm.export.onnx_export import export_onnx, output_names
 from addnorm.export.parity import make_session

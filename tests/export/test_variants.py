@@ -6,6 +6,8 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from safetensors.torch import save_file
+
 from addnorm.export import cli, parity_cli, traces
 from addnorm.export.add_norm import AddNormModule, export_add_norm
 from addnorm.export.cases import Case, adversarial_cases, default_cases
@@ -17,8 +19,6 @@ from addnorm.export.report import format_table
 from addnorm.export.variants import VARIANTS
 from addnorm.model.config import EncoderConfig
 from addnorm.model.encoder import AddNorm, build_encoder
-from safetensors.torch import save_file
-
 from tests.model.test_layernorm_seeds import SEED_INPUT, SEED_OUTPUT
 
 SMALL_FLAGS = ["--d-model", "64", "--nhead", "4", "--dim-feedforward", "128"]

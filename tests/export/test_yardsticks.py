@@ -4,12 +4,12 @@ import dataclasses
 
 import numpy as np
 import pytest
+
 from addnorm.export.parity import torch_outputs
 from addnorm.export.variants import VARIANTS
 from addnorm.export.yardsticks import teacher_forced
 from addnorm.model.contract import STEP_OUTPUT
 from addnorm.model.encoder import build_encoder
-
 from tests.conftest import TINY
 
 

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+
 from addnorm.model.artifact import ArtifactError, Manifest, load_verified, sha256_file
 
 

@@ -1,4 +1,5 @@
 import pytest
+
 from addnorm.model.config import ConfigError, EncoderConfig
 
 

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
+from torch import nn
+
 from addnorm.model.config import EncoderConfig
 from addnorm.model.encoder import AddNorm, Encoder, EncoderBlock, build_encoder
-from torch import nn
 
 EXACT_ATOL = 1e-6  # same math, different kernels
 

@@ -7,6 +7,7 @@ import hashlib
 import io
 
 import pytest
+
 from addnorm.model import kernels
 
 

@@ -5,8 +5,9 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from addnorm.model.encoder import AddNorm
 from onnx import TensorProto, helper
+
+from addnorm.model.encoder import AddNorm
 
 SEED_DECIMALS = 4  # the seeds print four decimals
 SEED_INPUT = [[[0.2, 0.1, 0.3], [0.5, 0.1, 0.1]]]  # seeds 000 and 001: [B=1, S=2, E=3]

@@ -2,9 +2,10 @@
 mask: rows of any lengths, padding inside a row or on its left, rows of padding only."""
 
 import numpy as np
-from addnorm.model.packing import answered, joined, pieces, real_lengths
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from addnorm.model.packing import answered, joined, pieces, real_lengths
 
 
 @st.composite

@@ -8,6 +8,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+
 from addnorm.model.config import EncoderConfig
 from addnorm.model.encoder import build_encoder
 from addnorm.model.reference import forward, load_weights
@@ -51,6 +52,7 @@ def test_seq_first_layout_and_an_artifacts_own_weights(tiny_artifact):
     assert np.abs(forward(config, weights, x) - want).max() < 1e-12
 
     import onnxruntime as ort
+
     from addnorm.model.artifact import Manifest
 
     manifest = Manifest.load(tiny_artifact)

@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
+
 from addnorm.model.attention import RELATIVE_MAX_DISTANCE, relative_buckets
 from addnorm.model.config import ConfigError, EncoderConfig
 from addnorm.model.encoder import Packing, build_encoder

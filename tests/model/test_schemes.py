@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from addnorm.model.schemes import LEGACY, PAIR_BOUND, Form, quantize_weight, quantize_weight_pairs
 
 

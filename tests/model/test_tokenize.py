@@ -7,9 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer
+
 from addnorm.model.text import TextConfig
 from addnorm.model.tokenize import MAX_CHARS_PER_TOKEN, TextTokenizer, TooManyChars
-from tokenizers import Tokenizer
 
 pytestmark = pytest.mark.unit
 MAX_LENGTH = 64

@@ -3,6 +3,7 @@
 import dataclasses
 
 import numpy as np
+
 from addnorm.model.verdict import Tolerance, compare, row_errors
 
 ROWS = Tolerance(atol=None, rtol=0.0, oracle_factor=2.0, row_rel_rms=0.03, row_cosine=0.9995, row_peak=0.15)

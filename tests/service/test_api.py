@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import orjson
 import pytest
+from fastapi.testclient import TestClient
+
 from addnorm.service import create_app
 from addnorm.service.metrics import Metrics
 from addnorm.service.settings import Settings
-from fastapi.testclient import TestClient
-
 from tests.helpers import wait_until_ready
 
 

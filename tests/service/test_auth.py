@@ -3,12 +3,12 @@
 import logging
 
 import pytest
-from addnorm.service import cli, create_app, logs
-from addnorm.service.settings import Settings
 from fastapi.testclient import TestClient
 
+from addnorm.service import cli, create_app, logs
+from addnorm.service.settings import Settings
+from bench.server import free_port
 from tests.helpers import error_message, wait_until_ready
-from tests.server import free_port
 from tests.service.test_guard import served_routes
 
 PROBES = {"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"}

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+
 from addnorm.model.packing import answered
 from addnorm.service.backend.engine import Engine
 from addnorm.service.batching import merging

@@ -5,6 +5,7 @@ import io
 import numpy as np
 import orjson
 import pytest
+
 from addnorm.service.errors import NotAcceptable, ServiceError, TooLarge, UnsupportedMediaType, http_status
 from addnorm.service.protocols.v1 import codec as codec_v1
 

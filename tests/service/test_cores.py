@@ -7,9 +7,9 @@ import threading
 import time
 
 import pytest
+
 from addnorm.service.backend.cores import CoreBudget, threads_for
 from addnorm.service.settings import Settings
-
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.unit
@@ -77,9 +77,9 @@ def test_model_threads_setting():
 def test_a_two_model_server_gives_each_model_an_equal_share(model_repository):
     """--thread-budget 2 over two models: one thread each (measured: side by side they serve 1.02x / 1.03x what
     one model alone on both cores does; docs/benchmarks.md); --model-threads overrides one model's share."""
-    from addnorm.service import create_app
     from fastapi.testclient import TestClient
 
+    from addnorm.service import create_app
     from tests.helpers import wait_until_ready
 
     for extra, want in (

@@ -7,9 +7,9 @@ import grpc
 import httpx
 import numpy as np
 import pytest
+
 from addnorm.service.errors import MAX_MESSAGE, BadInput, bounded, quote
 from addnorm.service.protocols.v2 import inference_pb2 as pb
-
 from tests.conftest import REPO_KEY
 
 AUTH = {"authorization": f"Bearer {REPO_KEY}"}

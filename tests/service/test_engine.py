@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from addnorm.model.runtime import ProviderError, resolve_providers
 from addnorm.service.backend import engine as engine_mod
 from addnorm.service.backend.cores import physical_cores
@@ -67,6 +68,7 @@ def test_cpu_sessions_keep_add_and_layer_norm_apart(tiny_artifact, tmp_path, mon
     with it; the name is one onnxruntime knows: its optimized graph keeps LayerNormalization instead of fusing."""
     import onnx
     import onnxruntime as ort
+
     from addnorm.model.runtime import CPU_DISABLED_OPTIMIZERS, disabled_optimizers
 
     made = []
@@ -93,6 +95,7 @@ def test_cpu_sessions_keep_add_and_layer_norm_apart(tiny_artifact, tmp_path, mon
 def test_engine_runs_the_graph_and_answers_by_output_name(tiny_artifact):
     """The engine's outputs, by name, equal PyTorch on the artifact's own weights; padding changes nothing else."""
     import torch
+
     from addnorm.export.weights import load_weights
     from addnorm.model.encoder import Encoder
 
@@ -197,7 +200,6 @@ def two_versions(tiny_artifact, tmp_path_factory):
     import shutil
 
     from addnorm.model.artifact import MODEL_FILE
-
     from tests.conftest import TINY, export_to
 
     root = tmp_path_factory.mktemp("versions")
@@ -213,6 +215,7 @@ def test_the_graph_onnxruntime_gets_is_the_one_whose_sha256_was_checked(two_vers
     """The graph on disk replaced after its sha256 matched and before onnxruntime is given it (the window that
     reading the file twice had): the engine still runs the verified graph."""
     import onnxruntime as ort
+
     from addnorm.model.artifact import MODEL_FILE
 
     root, artifact, theirs, x, want, shutil = two_versions
@@ -285,6 +288,7 @@ def test_the_server_freezes_what_it_built_before_serving_and_models_stay_collect
     import weakref
 
     import uvicorn
+
     from addnorm.service import cli
 
     frozen_when_serving = []

@@ -6,6 +6,7 @@ import random
 import httpx
 import numpy as np
 import pytest
+
 from addnorm.model.artifact import Manifest
 from addnorm.service.errors import ServiceError, http_status
 from addnorm.service.protocols.v1 import codec as codec_v1

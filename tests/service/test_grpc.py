@@ -11,6 +11,11 @@ import onnxruntime as ort
 import pytest
 import tritonclient.grpc as tg
 import tritonclient.grpc.aio as tga
+from tritonclient.grpc import model_config_pb2 as triton_mc
+from tritonclient.grpc import service_pb2 as triton_pb
+from tritonclient.grpc import service_pb2_grpc as triton_grpc
+from tritonclient.utils import InferenceServerException
+
 from addnorm.model.packing import answered
 from addnorm.service.guard import Guard
 from addnorm.service.models.state import ServiceState
@@ -18,13 +23,8 @@ from addnorm.service.protocols import MODEL_PREFIXES, PUBLIC_PATHS
 from addnorm.service.protocols.v2 import grpc_server
 from addnorm.service.protocols.v2 import inference_pb2 as pb
 from addnorm.service.settings import Settings
-from tritonclient.grpc import model_config_pb2 as triton_mc
-from tritonclient.grpc import service_pb2 as triton_pb
-from tritonclient.grpc import service_pb2_grpc as triton_grpc
-from tritonclient.utils import InferenceServerException
-
+from bench.server import free_port
 from tests.conftest import REPO_KEY as KEY
-from tests.server import free_port
 
 AUTH = {"authorization": f"Bearer {KEY}"}
 E = 32
@@ -283,6 +283,7 @@ def test_the_answer_written_by_hand_is_the_message_protobuf_writes():
     """encode_infer writes raw_output_contents itself (one copy of the tensor): protobuf reads back exactly the
     message it would have serialized, for one output and several, small and past a 2-byte varint."""
     import numpy as np
+
     from addnorm.service.protocols.v2 import codec, grpc_codec
     from addnorm.service.protocols.v2 import inference_pb2 as pb
 

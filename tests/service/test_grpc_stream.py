@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import tritonclient.grpc as tg
 import tritonclient.grpc.aio as tga
-from addnorm.service.errors import BadInput
-from addnorm.service.protocols.v2 import grpc_stream
-from addnorm.service.protocols.v2 import inference_pb2 as pb
 from tritonclient.grpc import service_pb2 as triton_pb
 from tritonclient.grpc import service_pb2_grpc as triton_grpc
 
+from addnorm.service.errors import BadInput
+from addnorm.service.protocols.v2 import grpc_stream
+from addnorm.service.protocols.v2 import inference_pb2 as pb
 from tests.service.test_grpc import AUTH, E, _input, reference
 
 

@@ -4,14 +4,14 @@ import re
 
 import grpc
 import pytest
+from fastapi.testclient import TestClient
+
 from addnorm.service import create_app
 from addnorm.service.errors import ServiceError
 from addnorm.service.guard import Guard
 from addnorm.service.protocols import PUBLIC_PATHS
 from addnorm.service.protocols.v2 import grpc_server
 from addnorm.service.settings import Settings
-from fastapi.testclient import TestClient
-
 from tests.helpers import error_message, wait_until_ready
 
 PARAMS = {"name": "encoder", "version": "1"}
@@ -95,7 +95,7 @@ def test_before_the_model_loads_model_routes_get_503_and_nothing_500s(tmp_path):
 @pytest.fixture(scope="module")
 def grpc_app(tiny_artifact):
     """The app with its gRPC service on a free port, in this process (so the guard can be swapped)."""
-    from tests.server import free_port
+    from bench.server import free_port
 
     port = free_port()
     app = create_app(Settings(artifact=tiny_artifact, grpc_port=port, api_key="k1,k2"))

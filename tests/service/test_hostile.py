@@ -6,16 +6,16 @@ import json
 
 import numpy as np
 import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from addnorm.model.artifact import Manifest
 from addnorm.service import create_app
 from addnorm.service.errors import ServiceError, http_status
 from addnorm.service.protocols.v1 import codec as codec_v1
 from addnorm.service.protocols.v2 import codec as codec_v2
 from addnorm.service.settings import Settings
-from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from tests.helpers import wait_until_ready
 
 D = 32

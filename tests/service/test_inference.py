@@ -9,15 +9,15 @@ from types import SimpleNamespace
 import grpc
 import numpy as np
 import pytest
+from fastapi.testclient import TestClient
+
 from addnorm.service import create_app
 from addnorm.service.core import inference
 from addnorm.service.protocols.v2 import grpc_server
 from addnorm.service.protocols.v2 import inference_pb2 as pb
 from addnorm.service.settings import Settings
-from fastapi.testclient import TestClient
-
+from bench.server import free_port
 from tests.helpers import wait_until, wait_until_ready
-from tests.server import free_port
 
 E = 32  # tiny_artifact's d_model
 

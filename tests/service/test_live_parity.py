@@ -10,11 +10,11 @@ import threading
 
 import numpy as np
 import pytest
+from fastapi.testclient import TestClient
+
 from addnorm.service import create_app
 from addnorm.service.models.live_parity import QUEUE, LiveParity
 from addnorm.service.settings import Settings
-from fastapi.testclient import TestClient
-
 from tests.conftest import TINY, export_to
 from tests.helpers import skew_gamma, wait_until, wait_until_ready
 

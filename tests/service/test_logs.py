@@ -38,9 +38,10 @@ def test_the_writer_survives_a_closed_stderr_and_keeps_order(monkeypatch, capsys
 def test_a_client_cannot_forge_log_lines_or_flood_them(tiny_artifact, monkeypatch, capsys):
     """A CR LF (or an escape sequence) in a URL reaches the log escaped, on the request's one line; a long path is
     cut. Found by the hardening review (issue 24): the access line wrote the decoded path as it was."""
+    from fastapi.testclient import TestClient
+
     from addnorm.service import create_app
     from addnorm.service.settings import Settings
-    from fastapi.testclient import TestClient
 
     logs.configure("info")
     capsys.readouterr()

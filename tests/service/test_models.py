@@ -9,11 +9,11 @@ import time
 import numpy as np
 import pytest
 import tritonclient.http as th
+from fastapi.testclient import TestClient
+
 from addnorm.service import cli, create_app
 from addnorm.service.models import state
 from addnorm.service.settings import Settings
-from fastapi.testclient import TestClient
-
 from tests.conftest import REPO_KEY
 
 E = 32

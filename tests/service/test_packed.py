@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 import pytest
+
 from addnorm.model.attention import score_elements
 from addnorm.model.config import EncoderConfig
 from addnorm.model.packing import real_lengths
@@ -17,7 +18,6 @@ from addnorm.service.backend.engine import Engine
 from addnorm.service.batching import merging
 from addnorm.service.batching.batcher import Batcher
 from addnorm.service.errors import Overloaded, TimedOut, TooLarge
-
 from tests.conftest import SMALL, export_to, start_server
 from tests.service.test_batcher import Recorder, RunLog, until
 
@@ -403,6 +403,7 @@ def test_no_reduction_of_the_packed_graph_sees_an_empty_axis_with_one_sequence(a
     sequence shows their shapes; none may have a 0."""
     import onnx
     import onnxruntime as ort
+
     from addnorm.model import packing
     from addnorm.model.artifact import MODEL_FILE
 

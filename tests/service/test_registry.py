@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
 from addnorm.service.errors import NotFound, NotReady
 from addnorm.service.models.registry import (
     READY,
@@ -135,11 +136,11 @@ def test_a_repository_entry_that_links_outside_it_is_skipped_unless_links_are_al
     its reason (and a load that names it is refused saying why), unless --follow-symlinks."""
     import shutil
 
+    from fastapi.testclient import TestClient
+
     from addnorm.service import create_app
     from addnorm.service.models.registry import artifact_dirs, repository_models
     from addnorm.service.settings import Settings
-    from fastapi.testclient import TestClient
-
     from tests.helpers import wait_until_ready
 
     repo = tmp_path / "repo"

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import orjson
 import pytest
+
 from addnorm.model.artifact import Manifest
 from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, POOLED
 from addnorm.service.protocols.v1 import codec as v1

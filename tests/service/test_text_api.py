@@ -13,12 +13,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+
 from addnorm.export import cli, hf
 from addnorm.model.artifact import Manifest
 from addnorm.model.contract import ENCODED, POOLED
 from addnorm.model.text import TOKENIZER_FILE
 from addnorm.model.tokenize import TextTokenizer
-
 from tests.conftest import start_server
 from tests.helpers import error_message
 from tests.text_models import TEXTS, make_model_dir, transformers_vectors
@@ -470,9 +470,10 @@ def test_the_embedding_layer_is_checked_at_load(artifact, tmp_path):
     import hashlib
     import shutil
 
+    from safetensors.numpy import load_file, save_file
+
     from addnorm.model.text import EMBEDDING_GOLDEN_FILE
     from addnorm.service.backend.engine import Engine, verify_engine
-    from safetensors.numpy import load_file, save_file
 
     good = verify_engine(Engine(artifact, "cpu"), "strict")
     assert good.passed and "embedding layer: 2 golden cases" in good.message, good.message

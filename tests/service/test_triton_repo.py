@@ -10,11 +10,11 @@ import json
 import numpy as np
 import onnxruntime as ort
 import pytest
-from addnorm.model.artifact import Manifest, sha256_file
-from addnorm.service.protocols.v2.triton_repo import main
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from addnorm.model.artifact import Manifest, sha256_file
+from addnorm.service.protocols.v2.triton_repo import main
 from tests.conftest import TINY, export_to
 
 ORT_TO_TRITON = {"tensor(float)": mc.TYPE_FP32, "tensor(bool)": mc.TYPE_BOOL, "tensor(float16)": mc.TYPE_FP16}

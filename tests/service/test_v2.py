@@ -10,11 +10,12 @@ import onnxruntime as ort
 import pytest
 import tritonclient.http as triton
 import tritonclient.http.aio as triton_aio
+from tritonclient.utils import InferenceServerException
+
 from addnorm.model.artifact import Manifest
 from addnorm.model.packing import answered
 from addnorm.service.errors import ServiceError, http_status
 from addnorm.service.protocols.v2 import codec as codec_v2
-from tritonclient.utils import InferenceServerException
 
 D = 32
 MODEL = "encoder"

@@ -8,12 +8,13 @@ import time
 import numpy as np
 import onnx
 import pytest
+from fastapi.testclient import TestClient
+from onnx import numpy_helper
+
 from addnorm.model.artifact import GOLDEN_FILE, MODEL_FILE, sha256_file
 from addnorm.model.golden import load_golden, save_golden
 from addnorm.service import create_app
 from addnorm.service.settings import Settings
-from fastapi.testclient import TestClient
-from onnx import numpy_helper
 
 
 @contextlib.contextmanager

@@ -9,13 +9,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fastapi import Request, Response
+
 from addnorm.service.core import inference
 from addnorm.service.core.inference import work
 from addnorm.service.core.text import TextLimits, TextRequest, decode_texts
 from addnorm.service.errors import BadInput
 from addnorm.service.guard import Known
 from addnorm.service.protocols.common import http_call, parse_json, read_then_watch, timing_headers
-from fastapi import Request, Response
 
 if TYPE_CHECKING:
     from addnorm.service.batching.merging import Outputs

@@ -15,12 +15,13 @@ import re
 import time
 
 import orjson
+from fastapi import APIRouter, Request, Response
+
 from addnorm.service.core.text import text_inputs, vectors
 from addnorm.service.errors import BadInput, quote
 from addnorm.service.guard import Known
 from addnorm.service.protocols.common import error_docs
 from addnorm.service.protocols.text.codec import Read, answer, fields, pooling
-from fastapi import APIRouter, Request, Response
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 _KNOWN = {"input", "model", "encoding_format", "dimensions", "user", "truncate"}

@@ -9,6 +9,8 @@ default model (TEI serves one); errors are this server's ``{"error": ...}``.
 from __future__ import annotations
 
 import orjson
+from fastapi import APIRouter, Request, Response
+
 from addnorm.model.tokenize import TooManyChars
 from addnorm.service.core.inference import offload, work
 from addnorm.service.core.text import text_inputs, vectors
@@ -16,7 +18,6 @@ from addnorm.service.errors import BadInput, TooLarge, quote
 from addnorm.service.guard import Known
 from addnorm.service.protocols.common import error_docs, json_bool, parse_json, read_body
 from addnorm.service.protocols.text.codec import TEXT_WORK, Read, answer, fields, pooling
-from fastapi import APIRouter, Request, Response
 
 router = APIRouter(tags=["tei"])
 _EMBED = {"inputs", "normalize", "truncate", "truncation_direction", "prompt_name", "dimensions"}

@@ -7,6 +7,7 @@ import io
 import math
 
 import numpy as np
+
 from addnorm.service.errors import BadInput, quote
 
 SHAPE_HEADER = "x-shape"  # e.g. "2,128,768"

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import orjson
+
 from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, positional
 from addnorm.model.text import INPUT_IDS
 from addnorm.service.batching.merging import Outputs

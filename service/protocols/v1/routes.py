@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from fastapi import APIRouter, Request, Response
+
 from addnorm.model.contract import EMBEDDINGS, ENCODED
 from addnorm.service.core import inference
 from addnorm.service.core.text import TextLimits
@@ -11,7 +13,6 @@ from addnorm.service.guard import Known
 from addnorm.service.models.live_parity import judged
 from addnorm.service.protocols.common import error_docs, http_call, read_then_watch, timing_headers
 from addnorm.service.protocols.v1 import codec, schema
-from fastapi import APIRouter, Request, Response
 
 router = APIRouter(prefix="/v1", tags=["v1"])
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import orjson
+
 from addnorm.model.artifact import Manifest
 from addnorm.model.contract import EMBEDDINGS, MASK, TEXT, client_inputs
 from addnorm.service.batching.merging import Outputs

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
 from addnorm.model.artifact import Manifest
 from addnorm.service.batching.merging import Outputs
 from addnorm.service.core.inference import work
@@ -20,8 +23,6 @@ from addnorm.service.errors import BadInput
 from addnorm.service.protocols.common import timeout_param
 from addnorm.service.protocols.v2 import codec
 from addnorm.service.protocols.v2 import inference_pb2 as pb
-from google.protobuf import json_format
-from google.protobuf.message import Message
 
 if TYPE_CHECKING:
     from addnorm.service.core.inference import Resolve

@@ -17,6 +17,9 @@ import time
 from collections.abc import Awaitable, Callable
 
 import grpc
+from google.protobuf.message import DecodeError, Message
+
+from addnorm import __version__ as VERSION
 from addnorm.service import logs
 from addnorm.service.core import inference
 from addnorm.service.core.text import TextLimits
@@ -26,9 +29,6 @@ from addnorm.service.models.registry import READY
 from addnorm.service.models.state import KnownModels, ServiceState, check_parameters
 from addnorm.service.protocols.v2 import codec, grpc_codec, grpc_stream, metadata, model_config
 from addnorm.service.protocols.v2 import inference_pb2 as pb
-from google.protobuf.message import DecodeError, Message
-
-from addnorm import __version__ as VERSION
 
 SERVICE = "inference.GRPCInferenceService"
 # What the guard reads for this transport (service/protocols/__init__.py gathers them): methods are paths.

@@ -28,11 +28,12 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import grpc
+from google.protobuf.message import DecodeError
+
 from addnorm.service import logs
 from addnorm.service.errors import BadInput, ClientDeadline, ServiceError, grpc_code
 from addnorm.service.protocols.v2 import inference_pb2 as pb
 from addnorm.service.protocols.v2.grpc_codec import varint
-from google.protobuf.message import DecodeError
 
 if TYPE_CHECKING:
     from addnorm.service.models.state import ServiceState

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+from google.protobuf import json_format, text_format
+
 from addnorm.model.artifact import Manifest
 from addnorm.model.contract import EMBEDDINGS, LONGEST, MASK, OFFSETS, TEXT, TEXT_SPEC, TensorSpec, api_specs
 from addnorm.service.protocols.v2 import inference_pb2 as pb
-from google.protobuf import json_format, text_format
 
 PLATFORM, BACKEND = "onnxruntime_onnx", "onnxruntime"
 # model_config.proto's DataType for each dtype a manifest names

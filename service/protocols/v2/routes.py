@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import time
 
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from addnorm import __version__ as VERSION
 from addnorm.model.contract import EMBEDDINGS, ENCODED
 from addnorm.service.core import inference
 from addnorm.service.core.text import TextLimits
@@ -20,10 +24,6 @@ from addnorm.service.protocols.common import (
     timing_headers,
 )
 from addnorm.service.protocols.v2 import codec, metadata, schema
-from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
-
-from addnorm import __version__ as VERSION
 
 router = APIRouter(prefix="/v2", tags=["v2 (Open Inference Protocol)"])
 

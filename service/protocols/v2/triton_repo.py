@@ -23,12 +23,11 @@ import json
 import sys
 from pathlib import Path
 
+from addnorm.commands import Parser, add_artifact
 from addnorm.model.artifact import MANIFEST_FILE, ArtifactError, Manifest, load_verified
 from addnorm.model.contract import EMBEDDINGS, MASK, api_specs
 from addnorm.service.protocols.v2 import model_config
 from addnorm.service.protocols.v2.grpc_codec import varint
-
-from addnorm.commands import Parser, add_artifact
 
 KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 VERSION = "1"
