@@ -296,3 +296,19 @@ def test_one_first_party_package():
     )
     out = subprocess.run([sys.executable, "-c", probe], cwd="/", capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "['model', 'export', 'service']", out.stdout + out.stderr
+
+
+def test_the_request_core_knows_requests_not_text():
+    """service/core/inference.py runs any decoded request through its ``Decoded`` interface (rows, its deadline,
+    ``run``): it imports nothing of text and reads no request's ``text`` (core/text.py is the text APIs' and V2's
+    shared step; each request type runs its own: protocols/common.py's ``Tensors``, core/text.py's ``TextRequest``)."""
+    tree = ast.parse((ROOT / "service" / "core" / "inference.py").read_text())
+    runtime = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("addnorm.")
+    ]
+    assert runtime and not [n.module for n in runtime if n.module.endswith(".text")]
+    assert not [
+        n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "text"
+    ]  # no branch on it

@@ -20,7 +20,6 @@ import numpy as np
 
 from addnorm.service.backend.cores import in_worker
 from addnorm.service.batching.merging import Outputs, Timings
-from addnorm.service.core.text import run_parts, text_of
 from addnorm.service.errors import ClientDeadline, ClientGone, ServiceError, TimedOut
 from addnorm.service.metrics import RequestTimer
 from addnorm.service.models.registry import ServingModel
@@ -41,12 +40,23 @@ def work(text: int = 0, raw: int = 0) -> int:
     return text + raw // RAW_SHARE
 
 
-class Decoded(Protocol):
-    """What a codec's decode gives the core (each protocol's request type has these)."""
+# A model's way in for a decoded batch: (x (B, S, E), mask (B, S), timeout s, timer) -> (outputs, timings), as
+# ``ServingModel.infer`` is.
+Infer = Callable[[np.ndarray, np.ndarray | None, float, RequestTimer], Awaitable[tuple[Outputs, Timings]]]
 
-    embeddings: np.ndarray  # (B, S, E) float32
-    mask: np.ndarray | None  # (B, S) bool, true = padding
+
+class Decoded(Protocol):
+    """What a codec's decode gives the core (each protocol's request type has these): how many rows it asks for, its
+    own deadline, and how it runs on its model. The core knows no more of it: embeddings queue as one batch
+    (service/protocols/common.py's ``Tensors``), text in parts (service/core/text.py's ``TextRequest``), each the
+    request's own concern."""
+
     timeout_s: float | None  # the protocol's own timeout parameter (V2's ``timeout``), None if it has none
+
+    @property
+    def rows(self) -> int: ...
+
+    async def run(self, infer: Infer, timeout: float, timer: RequestTimer) -> tuple[Outputs, Timings]: ...
 
 
 P = TypeVar("P")  # a payload as its transport delivers it: an HTTP body's bytes, a gRPC message
@@ -186,8 +196,7 @@ async def _serve(
 ) -> tuple[T, Timings]:
     """A decoded request, on its model: queue (deadline, cancellation), then encode."""
     timer.decoded()
-    text = text_of(req)
-    span.model(model.name, text.rows if text is not None else req.embeddings.shape[0])
+    span.model(model.name, req.rows)
     outputs, timings = await _queue(loaded, call, model, req, timer)
     span.ran(timings)
     nbytes = sum(out.nbytes for out in outputs.values())
@@ -215,11 +224,7 @@ async def _queue(
     call.gone.notify(handler.cancel)
     limit = deadline(loaded, call, req)
     try:
-        text = text_of(req)
-        if text is not None:  # in parts of at most max_batch_tokens (service/core/text.py)
-            outputs, timings = await run_parts(model.infer, text, limit, timer)
-        else:
-            outputs, timings = await model.infer(req.embeddings, req.mask, limit, timer)
+        outputs, timings = await req.run(model.infer, limit, timer)
     except TimedOut:
         if limit >= loaded.settings.request_timeout_s:
             raise

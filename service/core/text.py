@@ -1,8 +1,8 @@
 """Text and token ids in: what the text APIs (/v1/embeddings, TEI's /embed, V2's BYTES ``text``) share between their
 JSON and the request core. ``decode_texts`` tokenizes with the model's tokenizer, cuts the request into parts of
 at most ``max_batch_tokens`` padded positions (its inputs sorted by length, so each part pads little) and runs each
-part's embedding layer: the core queues the parts on the model's batcher side by side (``run_parts``), where they
-merge with other requests by token cost as any tensors do. ``vectors`` gives each input's sentence embedding.
+part's embedding layer: the request runs its parts on the model's batcher side by side (``TextRequest.run``,
+``run_parts``), where they merge with other requests by token cost as any tensors do. ``vectors`` gives each input's sentence embedding.
 """
 
 from __future__ import annotations
@@ -42,12 +42,6 @@ class TextLimits:
         )
 
 
-def text_of(req: object) -> TextRequest | None:
-    """A decoded request's text step: the request itself (the text APIs), or a protocol request's ``text`` (V2's
-    BYTES input); None for a tensor request."""
-    return req if isinstance(req, TextRequest) else getattr(req, "text", None)
-
-
 @dataclass
 class Part:
     """Some of a request's inputs, padded together: their rows in the request, ids and embeddings."""
@@ -61,8 +55,8 @@ class Part:
 
 @dataclass
 class TextRequest:
-    """A decoded text request (the core's ``Decoded``, in parts): ``embeddings`` and ``mask`` are its first part's
-    (a request of one part is an ordinary one)."""
+    """A decoded text request: a ``core.inference.Decoded`` that runs in parts, its inputs' rows in each;
+    ``embeddings`` and ``mask`` are its first part's (what /v1's and V2's request types carry beside it)."""
 
     parts: list[Part]
     tokens: int  # real tokens in all, special tokens included (usage.prompt_tokens)
@@ -84,6 +78,10 @@ class TextRequest:
     @property
     def rows(self) -> int:
         return sum(len(p.rows) for p in self.parts)
+
+    async def run(self, infer, timeout: float, timer) -> tuple[Outputs, Timings]:
+        """Its parts on the model (``infer``: ServingModel.infer) within ``timeout``: ``run_parts``."""
+        return await run_parts(infer, self, timeout, timer)
 
 
 def text_inputs(value: object, where: str, max_inputs: int) -> Inputs:

@@ -13,9 +13,11 @@ from fastapi import Request
 
 from addnorm.model.contract import EMBEDDINGS, MASK
 from addnorm.service.backend.engine import TRIM_BODY_BYTES, trim_later
-from addnorm.service.batching.merging import Timings
-from addnorm.service.core.inference import OFFLOAD_BYTES, Call, Disconnect
+from addnorm.service.batching.merging import Outputs, Timings
+from addnorm.service.core.inference import OFFLOAD_BYTES, Call, Disconnect, Infer
+from addnorm.service.core.text import TextRequest
 from addnorm.service.errors import BadInput, ClientGone, TooLarge, UnsupportedMediaType, quote
+from addnorm.service.metrics import RequestTimer
 
 _CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
@@ -243,3 +245,22 @@ def holds_literal(data: list) -> bool:
 
 
 _NONE = type(None)
+
+
+class Tensors:
+    """A decoded request of embeddings (``embeddings`` (B, S, E), ``mask`` (B, S) true at padding), or of what a
+    text step made of its inputs (``text``: token ids or texts, embedded by the model's own layer, in parts): the
+    ``Decoded`` half of /v1's and V2's request types."""
+
+    embeddings: np.ndarray
+    mask: np.ndarray | None
+    text: TextRequest | None
+
+    @property
+    def rows(self) -> int:
+        return self.text.rows if self.text is not None else self.embeddings.shape[0]
+
+    async def run(self, infer: Infer, timeout: float, timer: RequestTimer) -> tuple[Outputs, Timings]:
+        if self.text is not None:
+            return await self.text.run(infer, timeout, timer)
+        return await infer(self.embeddings, self.mask, timeout, timer)

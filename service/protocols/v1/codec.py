@@ -21,7 +21,7 @@ from addnorm.service.batching.merging import Outputs
 from addnorm.service.core.inference import work
 from addnorm.service.core.text import TextLimits, TextRequest, decode_texts, text_inputs
 from addnorm.service.errors import BadInput, NotAcceptable, UnsupportedMediaType, quote
-from addnorm.service.protocols.common import check_batch, holds_literal, parse_json
+from addnorm.service.protocols.common import Tensors, check_batch, holds_literal, parse_json
 from addnorm.service.protocols.v1 import binary
 from addnorm.service.protocols.v1.binary import NPY, OCTET
 
@@ -45,7 +45,7 @@ MEDIA = (
 
 
 @dataclass
-class EncodeRequest:
+class EncodeRequest(Tensors):
     """A decoded /v1 request: a (B, S, E) batch, its mask, and how to shape the answer."""
 
     embeddings: np.ndarray  # (B, S, E) float32

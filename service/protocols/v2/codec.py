@@ -24,7 +24,14 @@ from addnorm.service.core.inference import work
 from addnorm.service.core.text import TextLimits, TextRequest, decode_texts, text_inputs
 from addnorm.service.errors import BadInput, TooLarge, quote
 from addnorm.service.protocols import common
-from addnorm.service.protocols.common import check_batch, holds_literal, json_bool, json_object, parse_json
+from addnorm.service.protocols.common import (
+    Tensors,
+    check_batch,
+    holds_literal,
+    json_bool,
+    json_object,
+    parse_json,
+)
 
 if TYPE_CHECKING:
     from addnorm.service.core.inference import Resolve
@@ -53,7 +60,7 @@ class RequestedOutput:
 
 
 @dataclass
-class InferRequest:
+class InferRequest(Tensors):
     id: str | None
     embeddings: np.ndarray  # (B, S, E) float32
     mask: np.ndarray | None  # (B, S) bool
