@@ -6,9 +6,15 @@
 
 import os
 
+# The libraries' own thread pools, the one place the server sets them (each read once, when its library loads: here,
+# the first import of the package, is before either loads). An operator's value still decides.
 # numpy's OpenBLAS threads (only live parity's checker multiplies matrices in numpy here) would spin on the cores
-# onnxruntime runs on: one thread, set before numpy loads (measured: docs/benchmarks.md, "Live parity's cost").
+# onnxruntime runs on: one thread (docs/benchmarks.md, "Live parity's cost").
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# Hugging Face tokenizers splits a request's inputs over a thread per core: here requests already run side by side
+# and the cores are the model's; its threads took more CPU than tokenizing in the caller's thread
+# (docs/benchmarks.md, "What the measurements decided": tokenizing on the request's thread).
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 __all__ = ["Settings", "create_app"]
 

@@ -3,8 +3,6 @@ block's engine. ``embed(batch)``: padded token ids -> the block's input embeddin
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import onnxruntime as ort
 
@@ -15,11 +13,6 @@ from addnorm.model.text import INPUT_IDS, TOKEN_TYPE_IDS
 from addnorm.model.tokenize import Batch, TextTokenizer
 from addnorm.model.verdict import FP32_ATOL, float32_floor
 from addnorm.service.errors import BadInput, quote
-
-# Hugging Face tokenizers splits a request's inputs over a thread per core: here requests already run side by side
-# and the cores are the model's; its threads took 1.6x the CPU of tokenizing in the caller's thread (8 real
-# sentences: 234 against 160 us, 2-core EPYC). The variable, set by an operator, still decides.
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 class TextFront:
