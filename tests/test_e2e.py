@@ -149,11 +149,14 @@ def test_backpressure_and_timeouts_over_http(tiny_artifact):
     stays up."""
     with start_server(tiny_artifact, "--max-queue-size", "1", "--max-batch-size", "1") as srv:
         base = srv.base
-        x = np.zeros((8, 512, 32), np.float32).tolist()
+        # raw float32: decoded on the event loop (a JSON body this big is decoded in a worker, a few at a time:
+        # cores.in_worker), so the 16 clients reach the queue at once
+        x = np.zeros((8, 512, 32), np.float32).tobytes()
+        binary = {"content-type": "application/octet-stream", "x-shape": "8,512,32"}
         with httpx.Client(base_url=base, timeout=60) as c:
 
             def call(_):
-                return c.post("/v1/encode", json={"embeddings": x})
+                return c.post("/v1/encode", content=x, headers=binary)
 
             with ThreadPoolExecutor(16) as pool:
                 responses = list(pool.map(call, range(48)))
