@@ -306,7 +306,7 @@ def test_control_is_refused_before_the_manifests_are_read(tmp_path, versions):
     import asyncio
 
     from addnorm.service.errors import ControlOff
-    from addnorm.service.models.state import ModelControl
+    from addnorm.service.models.control import ModelControl
     from addnorm.service.settings import Settings
 
     repo = repository(tmp_path, versions, "1")

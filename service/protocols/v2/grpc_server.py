@@ -25,8 +25,9 @@ from addnorm.service.core import inference
 from addnorm.service.core.text import TextLimits
 from addnorm.service.errors import BadInput, ClientDeadline, ServiceError, grpc_code
 from addnorm.service.guard import Guard
+from addnorm.service.models.control import check_parameters
 from addnorm.service.models.registry import READY
-from addnorm.service.models.state import KnownModels, ServiceState, check_parameters
+from addnorm.service.models.state import KnownModels, ServiceState
 from addnorm.service.protocols.v2 import codec, grpc_codec, grpc_stream, metadata, model_config
 from addnorm.service.protocols.v2 import inference_pb2 as pb
 

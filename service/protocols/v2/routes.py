@@ -13,8 +13,9 @@ from addnorm.service.core import inference
 from addnorm.service.core.text import TextLimits
 from addnorm.service.errors import BadInput
 from addnorm.service.guard import Known
+from addnorm.service.models.control import check_parameters
 from addnorm.service.models.registry import ServingModel
-from addnorm.service.models.state import KnownModels, State, check_parameters
+from addnorm.service.models.state import KnownModels, State
 from addnorm.service.protocols.common import (
     error_docs,
     http_call,
