@@ -152,9 +152,12 @@ http {{
         default 0;
     }}
 
+    # An idle connection to the app is kept for half the app's own idle time (ADDNORM_KEEP_ALIVE_S; nginx's default
+    # is 60 s): a request sent on one the app is closing as idle fails with a 502, which nginx never resends for a POST.
     upstream addnorm {{
         server {upstream};
         keepalive {pool};
+        keepalive_timeout {_seconds(settings.keep_alive_s / 2)};
     }}
 
     server {{
