@@ -142,9 +142,9 @@ def threads_for(settings: Settings, name: str, budget: int, models: int = 1) -> 
     return settings.intra_op_threads or max(1, budget // max(1, models))
 
 
-# Each event loop's gate on its worker threads' heavy steps: at most half the cores' worth run at once. With no gate,
-# eight clients' big text requests tokenizing at once on 2 cores held another client's one sentence 130-145 ms (its
-# own steps, on the event loop, got a share of the cores among ten threads); the rest of the cores stay the model's.
+# Each event loop's gate on its worker threads' heavy steps: at most half the cores' worth run at once, so that many
+# clients' big requests decoding together leave the event loop (another client's small request) and the model their
+# cores (docs/reliability.md, "One big request, and the others").
 _GATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
 
 

@@ -232,10 +232,9 @@ class Batcher:
             self._ran_since_release = True
             try:
                 with self.cores.hold(self._threads) if self.cores else contextlib.nullcontext():
+                    # a big request's run: the express lane may overtake it once it lasts
                     if self.express is not None and not all(map(self._small, batch)):
-                        with (
-                            self._ready
-                        ):  # a big request's run: the express lane may overtake it once it lasts
+                        with self._ready:
                             self._running_since = time.perf_counter()
                             self._express_ready.notify()
                     done = self._run(batch, *stacked)

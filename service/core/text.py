@@ -212,8 +212,8 @@ async def run_parts(infer, req: TextRequest, limit: float, timer) -> tuple[Outpu
         answers = await asyncio.gather(*(one(p) for p in req.parts))
     if len(answers) == 1 and np.array_equal(req.parts[0].rows, np.arange(req.rows)):
         return answers[0]
-    # Joining copies every output (a [512, 256, 384] one is 200 MB, 0.8 s here): in a worker thread, where numpy's
-    # copies leave the interpreter to the event loop.
+    # Joining copies every output (the largest request's run to hundreds of MB): in a worker thread, where numpy's
+    # copies leave the interpreter to the event loop (docs/reliability.md, "One big request, and the others").
     return await in_worker(_joined, req, answers)
 
 
