@@ -29,7 +29,9 @@ class _Checkout(importlib.abc.MetaPathFinder):
         if parent != __name__ or name not in FOLDERS:
             return None
         init = self.root / name / "__init__.py"
-        return importlib.util.spec_from_file_location(fullname, init, submodule_search_locations=[str(init.parent)])
+        return importlib.util.spec_from_file_location(
+            fullname, init, submodule_search_locations=[str(init.parent)]
+        )
 
 
 _here = Path(__file__).resolve().parent
