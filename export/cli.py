@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from addnorm.commands import Parser, add_artifact, add_output, quiet_dependencies
-from addnorm.export import attention, hf
+from addnorm.export import attention, families, hf
 from addnorm.export.calibration import calibration_cases, load_arrays
 from addnorm.export.checks import GraphCheckError
 from addnorm.export.embedding import embed_sentences
@@ -22,7 +22,7 @@ from addnorm.export.report import format_table
 from addnorm.export.variants import VARIANTS
 from addnorm.export.weights import CheckpointError
 from addnorm.model.artifact import ArtifactError, load_verified
-from addnorm.model.config import POOLINGS, ConfigError, EncoderConfig
+from addnorm.model.config import FEED_FORWARDS, POOLINGS, ConfigError, EncoderConfig
 from addnorm.model.embedding import EmbeddingAddNorm
 from addnorm.model.text import IDS, INPUTS, TOKENIZER_FILE, TextConfig
 
@@ -36,6 +36,7 @@ _CONFIG_FLAGS = {
     "d_model": int,
     "nhead": int,
     "dim_feedforward": int,
+    "feed_forward": str,
     "num_layers": int,
     "activation": str,
     "layer_norm_eps": float,
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="DIR|FILE",
         help="a Hugging Face model directory (config.json + model.safetensors, and its tokenizer.json) of a "
-        "supported encoder family (config.json's model_type: bert, roberta, xlm-roberta, distilbert, mpnet), or a "
+        f"supported encoder family (config.json's model_type: {', '.join(families.supported())}), or a "
         "weights file of BertLayer(s). The head count, widths, layer count, eps and activation come from "
         "config.json (a file's directory is read for one too); a flag that contradicts it is an error. Without "
         "config.json: BERT, gelu, eps 1e-12, post-norm unless flags say otherwise. (--from-bert: the old spelling)",
@@ -141,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--d-model", type=int, help="the embedding width E (default 768)")
     g.add_argument("--nhead", type=int, help="attention heads; must divide --d-model (default 12)")
     g.add_argument("--dim-feedforward", type=int, help="the feed-forward's inner width (default 3072)")
+    g.add_argument(
+        "--feed-forward",
+        choices=list(FEED_FORWARDS),
+        help="plain (default): linear2(act(linear1(x))); gated: a GLU as ModernBERT's, linear1 twice as wide, "
+        "its first half activated times its second",
+    )
     g.add_argument("--num-layers", type=int, help="encoder blocks stacked (default 1)")
     g.add_argument(
         "--activation", choices=["relu", "gelu"], help="the feed-forward's activation (default relu)"
@@ -256,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         state, detected, declared, where = None, None, None, None
         if args.from_bert:  # its layer count and widths come from the weights, the rest from config.json
             state, declared, where = hf.read_model_dir(args.from_bert)
-            detected = where.family.shape(state)
+            detected = where.family.shape(state, declared)
         pipeline = hf.sentence_pooling(where.directory) if where else None
         config = config_from_args(args, detected, declared, pipeline)
         reference = _reference(args, where)

@@ -266,7 +266,7 @@ def _describe(config: EncoderConfig) -> str:
     placement = "pre-norm" if config.norm_first else "post-norm"
     return (
         f"{config.num_layers}-layer {placement} encoder (d_model {config.d_model}, nhead {config.nhead}, "
-        f"ff {config.dim_feedforward}, {config.activation})"
+        f"ff {config.dim_feedforward}{' gated' if config.feed_forward == 'gated' else ''}, {config.activation})"
         + (
             f" with {config.pooling} pooling{', L2-normalized' if config.normalize_pooled else ''}"
             if config.pooling != "none"

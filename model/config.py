@@ -10,6 +10,7 @@ from typing import Any
 
 ACTIVATIONS = ("relu", "gelu")
 NORMS = ("layer", "rms")
+FEED_FORWARDS = ("plain", "gated")
 POOLINGS = (
     "none",
     "mean",
@@ -32,6 +33,9 @@ class EncoderConfig:
     exported graph takes sequences of different lengths end to end, without padding (model/packing.py); the
     torch module is the same. ``relative_attention_buckets``: MPNet's relative position bias, a learned value per
     head and bucket of key - query distance added to every layer's attention scores (model/attention.py); 0: none.
+    ``feed_forward``: ``plain`` = ``linear2(activation(linear1(x)))``; ``gated`` = a GLU as ModernBERT's:
+    ``linear1`` projects to twice ``dim_feedforward``, its first half activated times its second (the gate), then
+    ``linear2``. The state_dict's keys are the same either way; ``linear1``'s rows are ``feed_forward_rows``.
     """
 
     d_model: int = 768
@@ -48,6 +52,7 @@ class EncoderConfig:
     normalize_pooled: bool = False
     packed: bool = False
     relative_attention_buckets: int = 0
+    feed_forward: str = "plain"
 
     def __post_init__(self) -> None:
         for name in ("d_model", "nhead", "dim_feedforward", "num_layers"):
@@ -72,6 +77,8 @@ class EncoderConfig:
             raise ConfigError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
         if self.activation not in ACTIVATIONS:
             raise ConfigError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.feed_forward not in FEED_FORWARDS:
+            raise ConfigError(f"feed_forward must be one of {FEED_FORWARDS}, got {self.feed_forward!r}")
         if self.norm not in NORMS:
             raise ConfigError(f"norm must be one of {NORMS}, got {self.norm!r}")
         eps = self.layer_norm_eps
@@ -90,6 +97,11 @@ class EncoderConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.nhead
+
+    @property
+    def feed_forward_rows(self) -> int:
+        """``linear1``'s output width: ``dim_feedforward``, twice that for a gated feed-forward (input and gate)."""
+        return self.dim_feedforward * (2 if self.feed_forward == "gated" else 1)
 
     @property
     def num_norms(self) -> int:

@@ -172,13 +172,14 @@ class EncoderBlock(nn.Module):
     """One encoder layer: self-attention then feed-forward, each wrapped in Add & Norm.
 
     Its state_dict has exactly the keys of ``torch.nn.TransformerEncoderLayer`` (feed-forward weights sit at the
-    top level as ``linear1``/``linear2``, as they do there).
+    top level as ``linear1``/``linear2``, as they do there); a gated feed-forward's ``linear1`` is twice as tall.
     """
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
         self.self_attn = SelfAttention(config.d_model, config.nhead)
-        self.linear1 = nn.Linear(config.d_model, config.dim_feedforward)
+        self.gated = config.feed_forward == "gated"
+        self.linear1 = nn.Linear(config.d_model, config.feed_forward_rows)
         self.dropout = nn.Dropout(config.dropout)
         self.linear2 = nn.Linear(config.dim_feedforward, config.d_model)
         self.activation = F.relu if config.activation == "relu" else F.gelu  # exact (erf) GELU, as PyTorch's
@@ -188,8 +189,13 @@ class EncoderBlock(nn.Module):
         self.dropout2 = nn.Dropout(config.dropout)
 
     def feed_forward(self, x: Tensor) -> Tensor:
-        """(B, S, E) -> (B, S, F) -> (B, S, E)."""
-        return self.linear2(self.dropout(self.activation(self.linear1(x))))
+        """(B, S, E) -> (B, S, F) -> (B, S, E); gated: (B, S, 2F) -> its halves -> activation(input) * gate."""
+        hidden = self.linear1(x)
+        if not self.gated:
+            return self.linear2(self.dropout(self.activation(hidden)))
+        # Halves by slicing, not chunk(): no Split(num_outputs), an opset-18 attribute (as SelfAttention's q, k, v)
+        width = hidden.shape[-1] // 2
+        return self.linear2(self.dropout(self.activation(hidden[..., :width]) * hidden[..., width:]))
 
     def attention_step(
         self,

@@ -3,7 +3,7 @@
 ``forward(config, weights, embeddings, mask)`` computes what ``model.encoder.Encoder`` computes, from the same
 state_dict (``weights.safetensors``: ``layers.{i}.self_attn.in_proj_weight``, ``linear1``, ``norm1``, ... and the
 final ``norm`` of a pre-norm stack), for every form the exporter produces: post- and pre-norm, LayerNorm and
-RMSNorm, relu and exact (erf) GELU, key padding masks, MPNet's relative position bias, stacks, batch-first or not. The attention form (mha, onnx,
+RMSNorm, relu and exact (erf) GELU, plain and gated feed-forwards, key padding masks, MPNet's relative position bias, stacks, batch-first or not. The attention form (mha, onnx,
 decomposed) does not change the math, so there is one attention here. No torch: the serving side can run it.
 
 ``arithmetic`` (model/schemes.py) computes a lossy variant's own scheme instead: int8's quantized weight products,
@@ -131,7 +131,11 @@ def forward(
 
         def feed_forward(h: np.ndarray, p: str = p) -> np.ndarray:
             hidden = a.linear(h, weights[f"{p}.linear1.weight"], weights[f"{p}.linear1.bias"])
-            hidden = a.cast(_activation(hidden, config.activation))
+            if config.feed_forward == "gated":  # input and gate: the two halves of linear1's output
+                f = config.dim_feedforward
+                hidden = a.cast(a.cast(_activation(hidden[..., :f], config.activation)) * hidden[..., f:])
+            else:
+                hidden = a.cast(_activation(hidden, config.activation))
             return a.linear(hidden, weights[f"{p}.linear2.weight"], weights[f"{p}.linear2.bias"])
 
         for sublayer, norm in ((attend, f"{p}.norm1"), (feed_forward, f"{p}.norm2")):

@@ -2,14 +2,18 @@
 ``config.json``'s ``model_type``.
 
 A family is one module here with a ``FAMILY`` (``Family``): which ``model_type``s it reads, its per-layer key names,
-its embedding layer's, and what its config.json says of the block (``fields``) and of the embedding layer and the
-tokenizer (``text``). Adding a family is that module, one line in ``_MODULES`` and its test
-(tests/export/test_families.py builds a tiny random model of each with transformers' own classes).
+its embedding layer's, and what its config.json says of the block (``fields``: EncoderConfig's options, such as a
+gated feed-forward or MPNet's relative position bias, which the shared block, the numpy oracle and the export
+compute) and of the embedding layer and the tokenizer (``text``). Every module here with a ``FAMILY`` is one:
+adding a family is that module and its test (tests/export/test_families.py builds a tiny random model of each with
+transformers' own classes); a block option no family has had yet is a field of model/config.py's EncoderConfig,
+computed by model/encoder.py and model/reference.py (tests/export/test_family_shape.py shows the shape).
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,14 +62,24 @@ class Family:
             raise CheckpointError(f"{self.name} layers are not numbered 0..n-1: found {sorted(prefixes)}")
         return prefixes
 
-    def shape(self, state: dict[str, torch.Tensor]) -> dict[int, int]:
-        """What the weights say of the block: its layer count, width and feed-forward width."""
+    def shape(self, state: dict[str, torch.Tensor], config: dict | None = None) -> dict[str, int]:
+        """What the weights say of the block: its layer count, width and feed-forward width (half the input
+        projection's rows for a gated feed-forward, which ``fields(config)`` says the block has)."""
         layers = self._layers(state)
         key = f"{layers[0]}{self.layer_keys['linear1.weight']}"
         if key not in state:
             raise CheckpointError(f"{self.name} layer 0 lacks {key!r}")
-        ff, width = state[key].shape
-        return {"num_layers": len(layers), "d_model": int(width), "dim_feedforward": int(ff)}
+        rows, width = state[key].shape
+        gated = self.fields(config or {}).get("feed_forward") == "gated"
+        if gated and rows % 2:
+            raise CheckpointError(
+                f"{self.name}'s gated feed-forward projects to {rows} rows: not input and gate"
+            )
+        return {
+            "num_layers": len(layers),
+            "d_model": int(width),
+            "dim_feedforward": int(rows // 2 if gated else rows),
+        }
 
     def block_state(
         self, state: dict[str, torch.Tensor], num_layers: int | None = None
@@ -118,16 +132,10 @@ class Family:
         return out
 
 
-_MODULES = {
-    "bert": "addnorm.export.families.bert",
-    "roberta": "addnorm.export.families.roberta",
-    "distilbert": "addnorm.export.families.distilbert",
-    "mpnet": "addnorm.export.families.mpnet",
-}
-
-
 def families() -> list[Family]:
-    return [importlib.import_module(m).FAMILY for m in _MODULES.values()]
+    """Every module of this package with a ``FAMILY``, by module name."""
+    found = (importlib.import_module(f"{__name__}.{m.name}") for m in pkgutil.iter_modules(__path__))
+    return [module.FAMILY for module in sorted(found, key=lambda m: m.__name__) if hasattr(module, "FAMILY")]
 
 
 def supported() -> list[str]:
@@ -136,8 +144,7 @@ def supported() -> list[str]:
 
 def family_of(config: dict | None, source: str = "config.json") -> Family:
     """The family ``config.json``'s ``model_type`` names (BERT without a config.json: a bare weights file)."""
-    if config is None:
-        return importlib.import_module(_MODULES["bert"]).FAMILY
+    config = config or {}
     model_type = config.get("model_type", "bert")
     for family in families():
         if model_type in family.model_types:

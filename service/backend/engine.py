@@ -157,7 +157,7 @@ class Engine:
         [E]- and [FFN]-wide intermediates (4 E + 2 FFN values: measured 1.1x of this for mha at d768), plus the
         attention form's seq x seq tensors (model.attention)."""
         c = self.manifest.config
-        values = rows * seq * (4 * c.d_model + 2 * c.dim_feedforward)
+        values = rows * seq * (4 * c.d_model + 2 * c.feed_forward_rows)
         return self.input_dtype.itemsize * (
             values + score_elements(self.held_attention, rows, self.heads, seq, padded)
         )

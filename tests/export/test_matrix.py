@@ -2,7 +2,7 @@
 the adversarial suite, verified at load by a real server on its golden data, and served over V2 equal to
 in-process onnxruntime.
 
-``make test`` runs SUBSET (every variant, every attention form, a stack, pre-norm, rms); ``make matrix``
+``make test`` runs SUBSET (every variant, every attention form, a stack, pre-norm, rms, packed, gated); ``make matrix``
 (ADDNORM_MATRIX=full) runs every combination. Combinations that cannot exist are in SKIPS, with the reason.
 """
 
@@ -46,11 +46,13 @@ class Combo:
     placement: str
     norm: str
     packed: bool = False  # the padding-free graph (model/packing.py)
+    feed_forward: str = "plain"  # or gated (a GLU: EncoderConfig.feed_forward)
 
     @property
     def id(self) -> str:
         packed = "-packed" if self.packed else ""
-        return f"{self.variant}-{self.attention}-L{self.depth}-{self.placement}-{self.norm}{packed}"
+        gated = "-gated" if self.feed_forward == "gated" else ""
+        return f"{self.variant}-{self.attention}-L{self.depth}-{self.placement}-{self.norm}{packed}{gated}"
 
     @property
     def opset(self) -> int:
@@ -67,6 +69,7 @@ class Combo:
             norm_first=self.placement == "pre",
             norm=self.norm,
             packed=self.packed,
+            feed_forward=self.feed_forward,
         )
 
 
@@ -104,8 +107,13 @@ PACKED = [
         ("fused", "mha", "pre"),
     )
 ]
-ALL = PADDED + PACKED
-SUBSET = {c.id for c in PACKED} | {
+# A gated feed-forward where its halves meet a scheme of their own: int8's quantized products and the fused graph
+GATED = [
+    Combo("int8", "mha", 2, "post", "layer", feed_forward="gated"),
+    Combo("fused", "decomposed", 2, "pre", "layer", packed=True, feed_forward="gated"),
+]
+ALL = PADDED + PACKED + GATED
+SUBSET = {c.id for c in PACKED + GATED} | {
     "fp32-mha-L1-post-layer",
     "fp16-onnx-L1-pre-layer",
     "int8-decomposed-L3-post-layer",
@@ -286,7 +294,7 @@ def test_the_table_holds_every_combination_once_and_each_skip_says_why(tmp_path)
     from addnorm.export.variants import build_graph
     from addnorm.model.encoder import build_encoder
 
-    assert len({c.id for c in ALL}) == len(ALL) == 4 * 3 * 2 * 2 * 2 + 4
+    assert len({c.id for c in ALL}) == len(ALL) == 4 * 3 * 2 * 2 * 2 + len(PACKED) + len(GATED)
     skipped = [c for c in ALL if skip_reason(c)]
     assert skipped and all(
         c.variant == "fused" and (c.norm == "rms" or c.attention == "onnx") for c in skipped
