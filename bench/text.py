@@ -1,6 +1,6 @@
 """``python -m bench.text`` (``python -m bench --text``): text to vectors, side by side in one run.
 
-Real sentences of mixed lengths (``export.hf.builtin_sentences``: queries, sentences and passages, 9 to 110
+Real sentences of mixed lengths (``export.sentences.builtin_sentences``: queries, sentences and passages, 9 to 110
 tokens) through all-MiniLM-L6-v2 (the dev extra's package), as OpenAI-shaped ``/v1/embeddings`` requests of 1 and
 of 8 sentences, from 1, 8 and 32 closed-loop keep-alive clients, against:
 
@@ -57,7 +57,7 @@ SIZES = (1, 8)  # sentences per request
 
 
 def sentences() -> list[str]:
-    from addnorm.export.hf import builtin_sentences
+    from addnorm.export.sentences import builtin_sentences
 
     return builtin_sentences()
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from addnorm.commands import Parser, add_artifact, add_output, quiet_dependencies
-from addnorm.export import attention, families, hf
+from addnorm.export import attention, families, hf, model_dir, sentences
 from addnorm.export.calibration import calibration_cases, load_arrays
 from addnorm.export.checks import GraphCheckError
 from addnorm.export.embedding import embed_sentences
@@ -210,17 +210,17 @@ def config_from_args(
 ) -> EncoderConfig:
     """--config's file, then the flags; ``detected``: what a BERT checkpoint's weights say (layers, widths),
     under both; ``declared``: what its config.json says, which neither may contradict; ``pipeline``: the pooling
-    a sentence-transformers directory applies (hf.sentence_pooling), which --config and the flags may change."""
+    a sentence-transformers directory applies (model_dir.sentence_pooling), which --config and the flags may change."""
     fields = EncoderConfig.load(args.config).to_dict() if args.config else {}
     flags = {name: getattr(args, name) for name in (*_CONFIG_FLAGS, *_SWITCHES)}
     if declared:
-        if wrong := hf.contradictions(declared, {**fields, **flags}):
+        if wrong := model_dir.contradictions(declared, {**fields, **flags}):
             raise ConfigError(
                 "the model's config.json says otherwise than "
                 + ", ".join(wrong)
                 + ": leave those flags out (config.json decides)"
             )
-        if wrong := hf.contradictions(declared, detected or {}, flags=False):
+        if wrong := model_dir.contradictions(declared, detected or {}, flags=False):
             raise ConfigError("the model's weights say otherwise than its config.json: " + ", ".join(wrong))
     if args.from_bert:
         fields = {**BERT_DEFAULTS, **(detected or {}), **(declared or {}), **(pipeline or {}), **fields}
@@ -262,9 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         variant = variant_from_args(args)
         state, detected, declared, where = None, None, None, None
         if args.from_bert:  # its layer count and widths come from the weights, the rest from config.json
-            state, declared, where = hf.read_model_dir(args.from_bert)
+            state, declared, where = model_dir.read_model_dir(args.from_bert)
             detected = where.family.shape(state, declared)
-        pipeline = hf.sentence_pooling(where.directory) if where else None
+        pipeline = model_dir.sentence_pooling(where.directory) if where else None
         config = config_from_args(args, detected, declared, pipeline)
         reference = _reference(args, where)
         given = []
@@ -280,13 +280,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         text = _text(args, where, state, config)
         if text is not None and not given:  # real text, not synthetic embeddings, for a model that takes text
-            sentences = hf.builtin_sentences()
-            x, mask = embed_sentences(text.module, text.tokenizer.read_bytes(), sentences)
+            builtin = sentences.builtin_sentences()
+            x, mask = embed_sentences(text.module, text.tokenizer.read_bytes(), builtin)
             given = calibration_cases(x, mask, config.d_model)
             log.info(
                 "no --calibration: the gate judges on %d built-in sentences (%d-%d tokens), tokenized and embedded "
                 "by the model's own tokenizer and embedding layer",
-                len(sentences),
+                len(builtin),
                 int((~mask).sum(1).min()),
                 int((~mask).sum(1).max()),
             )
@@ -322,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _text(args: argparse.Namespace, where: hf.ModelDir | None, state: dict | None, config: EncoderConfig):
+def _text(
+    args: argparse.Namespace, where: model_dir.ModelDir | None, state: dict | None, config: EncoderConfig
+):
     """The embedding layer and tokenizer to export beside the block (--inputs ids), or None."""
     has_tokenizer = (
         where is not None and where.directory is not None and (where.directory / TOKENIZER_FILE).is_file()
@@ -339,7 +341,7 @@ def _text(args: argparse.Namespace, where: hf.ModelDir | None, state: dict | Non
     fields = {
         "family": where.config.get("model_type", "bert"),
         **layer,
-        **hf.text_limits(where.directory, layer),
+        **model_dir.text_limits(where.directory, layer),
     }
     text = TextConfig.from_dict(fields)
     module = EmbeddingAddNorm(text, config.d_model)
@@ -378,7 +380,7 @@ def _both(checks: list):
     return check
 
 
-def _reference(args: argparse.Namespace, where: hf.ModelDir | None) -> hf.Reference | None:
+def _reference(args: argparse.Namespace, where: model_dir.ModelDir | None) -> hf.Reference | None:
     """transformers' BertModel for --reference (a BERT model directory), or None (auto: when it can be had)."""
     if args.reference == "none":
         return None

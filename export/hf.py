@@ -1,163 +1,28 @@
-"""Hugging Face BERT model directories as users have them (``config.json`` + ``model.safetensors``, a tokenizer),
-and transformers' own ``BertModel`` as a reference for the exported layers.
-
-``read_model_dir`` reads the weights and what ``config.json`` says of the encoder layers; transformers is needed
-only for ``Reference`` (real sentences through the model's own tokenizer and embedding layer, and its encoder's
-output on them) and is imported there, from the local directory only: nothing is fetched from a hub.
+"""transformers' own models as the export's references, read from the local model directory only (nothing is
+fetched from a hub): ``Reference`` (BERT: real sentences through its tokenizer and embedding layer, and its
+encoder's output on given embeddings) and ``reference_check`` for --inputs embeddings, ``ids_check`` (any family:
+``AutoModel`` on the ids the server's tokenizer makes) for --inputs ids. transformers is imported where it is used.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from addnorm.export.families import Family, family_of
+from addnorm.export.agreement import agreement
+from addnorm.export.model_dir import TOKENIZER_FILES
 from addnorm.export.parity import make_session
-from addnorm.export.weights import CheckpointError, read_state_dict
+from addnorm.export.sentences import SENTENCES
 from addnorm.model.config import ConfigError
 from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, POOLED, output_names
 from addnorm.model.reference import pool as reference_pool
 from addnorm.model.verdict import FP32_ATOL, FP32_RTOL
 
 log = logging.getLogger("addnorm.export")
-
-CONFIG_FILE = "config.json"
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
-# Sentences for the reference check when no --calibration is given: short queries and a few passages, the
-# lengths sentence-embedding users send.
-SENTENCES = (
-    "A man is eating food.",
-    "A man is eating a piece of bread.",
-    "The girl is carrying a baby.",
-    "A man is riding a white horse on an enclosed ground.",
-    "A woman is playing violin.",
-    "Someone in a gorilla costume is playing a set of drums.",
-    "How do I reset my password if I no longer have access to the email address on my account?",
-    "What is the boiling point of water at high altitude?",
-    "The quarterly report shows revenue grew eight percent while operating costs fell, driven mostly by lower "
-    "energy prices and a smaller workforce in the European division.",
-    "Photosynthesis converts light energy into chemical energy stored in glucose, releasing oxygen as a "
-    "by-product; it takes place in the chloroplasts of plant cells, mostly in the leaves.",
-)
-
-# More real text of mixed lengths (the benchmarks' and the built-in calibration's), and a long passage.
-MORE = (
-    "A cheetah is running behind its prey.",
-    "The new movie is awesome.",
-    "The new movie is so great.",
-    "The cat sits outside.",
-    "The dog plays in the garden.",
-    "I love pasta.",
-    "Do you like pizza?",
-    "Two men pushed carts through the woods.",
-    "A monkey is playing drums.",
-    "A man is playing a flute.",
-    "A woman is slicing an onion.",
-    "Stock markets fell sharply after the central bank raised interest rates again.",
-)
-PASSAGE = (
-    "The committee met on Tuesday to review the proposed changes to the city's zoning rules, which would allow "
-    "taller residential buildings near the new light rail stations and reduce parking minimums. "
-)
-
-
-@dataclass(frozen=True)
-class ModelDir:
-    """A BERT checkpoint: its weights file, and its directory when that holds a config.json."""
-
-    weights: Path
-    directory: Path | None  # holds config.json (and usually the tokenizer)
-
-    @property
-    def family(self) -> Family:
-        """Its encoder family, by config.json's model_type (BERT for a bare weights file)."""
-        config = self.config
-        return family_of(config, str(self.directory / CONFIG_FILE) if config is not None else CONFIG_FILE)
-
-    @property
-    def config(self) -> dict | None:
-        if self.directory is None:
-            return None
-        try:
-            return json.loads((self.directory / CONFIG_FILE).read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"cannot read {self.directory / CONFIG_FILE}: {exc}") from None
-
-
-def locate(path: str | Path) -> ModelDir:
-    """``path``: a model directory (config.json + model.safetensors or pytorch_model.bin), or a weights file
-    (whose directory's config.json, if any, is read too)."""
-    path = Path(path)
-    if path.is_dir():
-        weights = next((path / f for f in WEIGHT_FILES if (path / f).is_file()), None)
-        if weights is None:
-            raise CheckpointError(f"model directory {path} holds none of {', '.join(WEIGHT_FILES)}")
-        if not (path / CONFIG_FILE).is_file():
-            raise CheckpointError(f"model directory {path} has no {CONFIG_FILE}")
-        return ModelDir(weights, path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist (give a model directory or a weights file)")
-    return ModelDir(path, path.parent if (path.parent / CONFIG_FILE).is_file() else None)
-
-
-def config_fields(config: dict, source: str = CONFIG_FILE) -> dict:
-    """What a Hugging Face config.json says of the encoder layers, as EncoderConfig fields (its family's reading:
-    export/families)."""
-    return family_of(config, source).fields(config)
-
-
-def read_model_dir(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, ModelDir]:
-    """(state_dict, config.json's EncoderConfig fields ({} without one), where it came from)."""
-    where = locate(path)
-    config = where.config
-    fields = config_fields(config, str(where.directory / CONFIG_FILE)) if config is not None else {}
-    return read_state_dict(where.weights), fields, where
-
-
-# sentence-transformers' Pooling modes this graph computes (1_Pooling/config.json's keys), as --pooling values
-_ST_POOLING = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
-
-
-def sentence_pooling(directory: Path | None) -> dict:
-    """What a sentence-transformers model directory's pipeline (modules.json: Pooling, then Normalize) makes of the
-    encoder's output, as EncoderConfig fields (``pooling``, ``normalize_pooled``); {} for a plain BERT directory
-    or a pooling this graph does not compute (max, weighted mean: logged, and no pooled output)."""
-    if directory is None or not (directory / "modules.json").is_file():
-        return {}
-    try:
-        modules = json.loads((directory / "modules.json").read_text())
-        kinds = [m["type"].rsplit(".", 1)[-1] for m in modules]
-        pooling = next(m for m in modules if m["type"].endswith(".Pooling"))
-        config = json.loads((directory / pooling.get("path", "") / CONFIG_FILE).read_text())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, StopIteration):
-        return {}
-    modes = [mode for key, mode in _ST_POOLING.items() if config.get(key)]
-    others = sorted(
-        k for k, v in config.items() if k.startswith("pooling_mode_") and v and k not in _ST_POOLING
-    )
-    if len(modes) != 1 or others:
-        what = ", ".join(others) or "several modes at once"
-        log.warning(
-            "%s pools with %s: the graph computes mean or cls pooling only: no pooled output", directory, what
-        )
-        return {}
-    return {"pooling": modes[0], "normalize_pooled": "Normalize" in kinds[kinds.index("Pooling") + 1 :]}
-
-
-def contradictions(from_config: dict, given: dict, flags: bool = True) -> list[str]:
-    """Values that say otherwise than config.json, as '--flag X (config.json: Y)' (``flags``) or 'field X (...)'."""
-    return [
-        f"{'--' + name.replace('_', '-') if flags else name} {given[name]} (config.json: {value})"
-        for name, value in from_config.items()
-        if given.get(name) is not None and given[name] != value
-    ]
 
 
 class Reference:
@@ -205,60 +70,6 @@ class Reference:
         with torch.no_grad():
             out = self.model.encoder(torch.from_numpy(embeddings), attention_mask=additive)
         return out.last_hidden_state.numpy()
-
-
-def pooled(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Mean over each sequence's real tokens (sentence-transformers' mean pooling), (N, E) float64."""
-    keep = (~mask)[..., None].astype(np.float64)
-    return (x.astype(np.float64) * keep).sum(1) / np.maximum(keep.sum(1), 1.0)
-
-
-def sentence_cosines(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Cosine of each sequence's mean-pooled embedding in ``a`` with its own in ``b``."""
-    pa, pb = pooled(a, mask), pooled(b, mask)
-    return (pa * pb).sum(1) / np.maximum(np.linalg.norm(pa, axis=1) * np.linalg.norm(pb, axis=1), 1e-300)
-
-
-def ranking_spearman(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> float:
-    """Spearman correlation of the pairwise cosine similarities of the sentences under ``a`` and under ``b``:
-    1.0 when every pair ranks the same (what retrieval users need to hold)."""
-
-    def similarities(x: np.ndarray) -> np.ndarray:
-        p = pooled(x, mask)
-        p = p / np.maximum(np.linalg.norm(p, axis=1, keepdims=True), 1e-300)
-        return (p @ p.T)[np.triu_indices(len(p), 1)]
-
-    sa, sb = similarities(a), similarities(b)
-    if sa.size < 2:
-        return 1.0
-    ra, rb = np.argsort(np.argsort(sa)), np.argsort(np.argsort(sb))
-    return float(np.corrcoef(ra, rb)[0, 1])
-
-
-@dataclass(frozen=True)
-class Agreement:
-    """How one encoder's output on real tokens compares with transformers'."""
-
-    max_abs: float  # over real (unpadded) tokens
-    min_sentence_cosine: float
-    spearman: float
-    sentences: int
-    tokens: int
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-def agreement(out: np.ndarray, want: np.ndarray, mask: np.ndarray) -> Agreement:
-    keep = ~mask
-    diff = np.abs(out.astype(np.float64) - want.astype(np.float64))[keep]
-    return Agreement(
-        max_abs=float(diff.max()) if diff.size else 0.0,
-        min_sentence_cosine=float(sentence_cosines(out, want, mask).min()),
-        spearman=ranking_spearman(out, want, mask),
-        sentences=int(out.shape[0]),
-        tokens=int(keep.sum()),
-    )
 
 
 def reference_check(encoder, reference: Reference, given: list, config):
@@ -333,39 +144,6 @@ def _stacked(cases: list) -> tuple[np.ndarray, np.ndarray]:
     x = [np.pad(c.embeddings, ((0, 0), (0, seq - c.seq), (0, 0))) for c in cases]
     mask = [np.pad(c.mask, ((0, 0), (0, seq - c.seq)), constant_values=True) for c in cases]
     return np.concatenate(x), np.concatenate(mask)
-
-
-def builtin_sentences() -> list[str]:
-    """The built-in real text a model that takes text is judged on without --calibration: queries, sentences and
-    passages of mixed lengths, one past 128 tokens."""
-    return [*SENTENCES, *MORE, PASSAGE * 3]
-
-
-def text_limits(directory: Path, text_fields: dict) -> dict:
-    """What a model directory says of its inputs: ``max_length`` (sentence-transformers' ``max_seq_length``
-    where it has one, within the positions the embedding layer has) and ``prompts``."""
-    offset = text_fields["pad_token_id"] + 1 if text_fields["positions"] == "after_padding" else 0
-    positions = text_fields["max_positions"] - offset
-    limits: dict = {"max_length": positions, "prompts": {}}
-    for name, key in (
-        ("sentence_bert_config.json", "max_seq_length"),
-        ("tokenizer_config.json", "model_max_length"),
-    ):
-        try:
-            value = json.loads((directory / name).read_text()).get(key)
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(value, int) and value > 0:
-            limits["max_length"] = min(value, positions)
-            break
-    try:
-        prompts = (
-            json.loads((directory / "config_sentence_transformers.json").read_text()).get("prompts") or {}
-        )
-        limits["prompts"] = {str(k): str(v) for k, v in prompts.items()}
-    except (OSError, ValueError, AttributeError):
-        pass
-    return limits
 
 
 def run_ids(model_dir: Path, config, batch) -> dict[str, np.ndarray]:

@@ -21,23 +21,23 @@ import numpy as np
 import pytest
 import torch.nn.functional as F
 
+from addnorm.export import agreement, hf, model_dir, sentences, traces
 from addnorm.export import cli as export_cli
-from addnorm.export import hf, traces
 from addnorm.export.calibration import calibration_cases
 from addnorm.export.cases import Case, default_cases
 from addnorm.export.parity import float32_yardstick, make_session, run_parity
 from addnorm.export.pipeline import export_artifact, prepare_encoder
+from addnorm.export.sentences import MORE, PASSAGE
 from addnorm.export.variants import build_graph, get_variant
 from addnorm.model.config import EncoderConfig
 from addnorm.model.verdict import float32_floor
-from bench.real import MORE, PASSAGE
 from bench.server import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.export]
 
 # Queries and passages of the lengths sentence-embedding users send (bench/real.py's); the last one is long
 # (truncated to 512 tokens).
-SENTENCES = [*hf.SENTENCES, *MORE[:8], PASSAGE * 30]
+SENTENCES = [*sentences.SENTENCES, *MORE[:8], PASSAGE * 30]
 # Served answers against transformers: fp32 graphs within the float32 floor of the output's scale on real tokens
 # (measured 2.6e-6 against a floor of 2.2e-5); lossy ones by their sentence embeddings.
 FP16_SENTENCE_COSINE = 0.9999
@@ -76,10 +76,12 @@ def real(reference: hf.Reference) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def encoder(minilm: Path):
-    state, fields, where = hf.read_model_dir(minilm)
+    state, fields, where = model_dir.read_model_dir(minilm)
     from addnorm.export.families.bert import FAMILY as BERT
 
-    pooling = hf.sentence_pooling(minilm)  # its sentence-transformers pipeline: mean pooling, then Normalize
+    pooling = model_dir.sentence_pooling(
+        minilm
+    )  # its sentence-transformers pipeline: mean pooling, then Normalize
     assert pooling == {"pooling": "mean", "normalize_pooled": True}
     config = EncoderConfig.from_dict({**fields, **BERT.shape(state), **pooling, "dropout": 0.0})
     return prepare_encoder(config, where.weights, from_bert=True, state=state).eval()
@@ -220,7 +222,7 @@ def test_int8_is_within_0_999_per_sentence_and_the_gate_refuses_its_first_form(e
         path = tmp_path / f"{label}.onnx"
         build_graph(encoder, path, "int8", attention="mha", plan=p)
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        agree = hf.agreement(session.run(["encoded"], {"embeddings": x, "mask": mask})[0], want, mask)
+        agree = agreement.agreement(session.run(["encoded"], {"embeddings": x, "mask": mask})[0], want, mask)
         scheme = functools.partial(variant.scheme, plan=p)
         report = run_parity(encoder, make_session(path), given, tol=variant.tolerance, scheme=scheme)
         message = decided(report)
@@ -425,8 +427,10 @@ def test_served_answers_equal_transformers_on_real_tokens(served, real, minilm):
             answers[key], pooled[key] = result.as_numpy("encoded"), result.as_numpy("pooled")
         for how, got in answers.items():
             if variant in LOSSY:
-                cos = hf.sentence_cosines(got, want, mask).min()
-                assert cos >= SENTENCE_COSINE[variant] and hf.ranking_spearman(got, want, mask) > 0.995, (
+                cos = agreement.sentence_cosines(got, want, mask).min()
+                assert (
+                    cos >= SENTENCE_COSINE[variant] and agreement.ranking_spearman(got, want, mask) > 0.995
+                ), (
                     name,
                     how,
                     cos,

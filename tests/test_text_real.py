@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from addnorm.export import cli
-from addnorm.export.hf import MORE, PASSAGE, SENTENCES
+from addnorm.export.sentences import MORE, PASSAGE, SENTENCES
 from bench.server import ServerProcess
 from tests.helpers import error_message
 

@@ -59,14 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
 
-    from addnorm.export import hf
+    from addnorm.export import agreement
+    from addnorm.export.sentences import MORE, SENTENCES
     from addnorm.model import kernels
     from addnorm.model.artifact import MODEL_FILE, Manifest
     from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
-    from bench.real import MORE, real_model, three_graphs
+    from bench.real import real_model, three_graphs
 
     config, encoder, reference = real_model()
-    x, mask = reference.embed([*hf.SENTENCES, *MORE])
+    x, mask = reference.embed([*SENTENCES, *MORE])
     want = reference.encode(x, mask)
     emulated = os.environ.get("ADDNORM_EMULATE")
     print(
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             sessions = _sessions(path, lib)
             if width == config.d_model and "MiniLM" in name:
                 agree = {
-                    k: hf.agreement(s.run([ENCODED], {EMBEDDINGS: x, MASK: mask})[0], want, mask)
+                    k: agreement.agreement(s.run([ENCODED], {EMBEDDINGS: x, MASK: mask})[0], want, mask)
                     for k, s in sessions.items()
                 }
                 print(

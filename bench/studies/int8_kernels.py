@@ -38,11 +38,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import onnxruntime as ort
 
-    from addnorm.export import hf
+    from addnorm.export import agreement
+    from addnorm.export.sentences import MORE, SENTENCES
     from addnorm.model import kernels
     from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
     from addnorm.model.runtime import cpu_flags
-    from bench.real import MORE, alternate, real_model, three_graphs
+    from bench.real import alternate, real_model, three_graphs
 
     try:
         library = kernels.build()
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     if lacks := kernels.cpu_lacks():
         p.error(f"the kernels need {', '.join(lacks)}; this CPU's flags: {' '.join(sorted(cpu_flags()))}")
     config, encoder, reference = real_model()
-    x, mask = reference.embed([*hf.SENTENCES, *MORE])
+    x, mask = reference.embed([*SENTENCES, *MORE])
     want = reference.encode(x, mask)
     emulated = (
         f" (emulated: python -m bench.emulate {os.environ['ADDNORM_EMULATE']})"
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{'[8,128,384] ms':>15} {'vs fp32':>8} {'vs quantize_dynamic':>20}"
         )
         for name, session in sessions.items():
-            agree = hf.agreement(session.run([ENCODED], {EMBEDDINGS: x, MASK: mask})[0], want, mask)
+            agree = agreement.agreement(session.run([ENCODED], {EMBEDDINGS: x, MASK: mask})[0], want, mask)
             print(
                 f"{name:<26} {agree.max_abs:24.2e} {agree.min_sentence_cosine:13.6f} {agree.spearman:9.4f} "
                 f"{ms[name]:15.2f} {ms['fp32'] / ms[name]:7.2f}x {ms['quantize_dynamic'] / ms[name]:19.2f}x"

@@ -29,10 +29,10 @@ WARMUP = 3
 
 def main(argv: list[str] | None = None) -> int:
 
-    from addnorm.export import hf
+    from addnorm.export.sentences import MORE, SENTENCES
     from addnorm.model.contract import EMBEDDINGS, MASK
     from addnorm.model.runtime import cpu_flags
-    from bench.real import MORE, real_model, three_graphs
+    from bench.real import real_model, three_graphs
 
     p = Parser(prog="python -m bench.studies.int8_profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=10, help="measured runs per graph (default 10)")
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     _, encoder, reference = real_model()
-    x, mask = reference.embed([*hf.SENTENCES, *MORE])
+    x, mask = reference.embed([*SENTENCES, *MORE])
     feed = {
         EMBEDDINGS: np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32),
         MASK: np.zeros(SHAPE[:2], bool),

@@ -36,7 +36,7 @@ class Family:
     one layer; ``qkv``: its three attention projections (stacked into ``in_proj``); ``embeddings``: the embedding
     layer's parts (``EMBEDDING_PARTS``) -> the checkpoint's names under ``…embeddings.``; ``fields(config)``: the
     block's EncoderConfig fields; ``text(config)``: the embedding layer's TextConfig fields but ``max_length`` and
-    ``prompts`` (the model directory's, export/hf.py); ``stack_keys``: the stack's own weights, outside any layer
+    ``prompts`` (the model directory's, export/model_dir.py); ``stack_keys``: the stack's own weights, outside any layer
     (``Encoder`` key -> the checkpoint key's ending: MPNet's relative position bias)."""
 
     name: str

@@ -1,4 +1,4 @@
-"""Hugging Face model directories (export/hf.py): what config.json says, and what it refuses."""
+"""Hugging Face model directories (export/model_dir.py): what config.json says, and what it refuses."""
 
 import json
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from addnorm.export import hf
+from addnorm.export import agreement, model_dir
 from addnorm.export.weights import CheckpointError
 from addnorm.model.config import ConfigError
 
@@ -23,7 +23,7 @@ MINILM = {
 
 
 def test_config_json_gives_the_block_its_shape():
-    fields = hf.config_fields(MINILM)
+    fields = model_dir.config_fields(MINILM)
     assert fields == {
         "d_model": 384,
         "nhead": 12,
@@ -33,7 +33,7 @@ def test_config_json_gives_the_block_its_shape():
         "activation": "gelu",
         "norm_first": False,
     }
-    assert hf.contradictions(fields, {"nhead": 8, "d_model": 384, "activation": None}) == [
+    assert model_dir.contradictions(fields, {"nhead": 8, "d_model": 384, "activation": None}) == [
         "--nhead 8 (config.json: 12)"
     ]
 
@@ -44,25 +44,25 @@ def test_config_json_gives_the_block_its_shape():
 )
 def test_what_the_block_cannot_compute_is_refused(change, want):
     with pytest.raises(ConfigError, match=want):
-        hf.config_fields({**MINILM, **change})
+        model_dir.config_fields({**MINILM, **change})
 
 
 def test_a_directory_a_file_beside_config_json_and_what_is_missing(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     with pytest.raises(CheckpointError, match="holds none of model.safetensors"):
-        hf.locate(model)
+        model_dir.locate(model)
     save_file({"w": torch.zeros(1)}, str(model / "model.safetensors"))
     with pytest.raises(CheckpointError, match="has no config.json"):
-        hf.locate(model)
+        model_dir.locate(model)
     (model / "config.json").write_text(json.dumps(MINILM))
-    assert hf.locate(model) == hf.ModelDir(model / "model.safetensors", model)
-    assert hf.locate(model / "model.safetensors").directory == model  # its config.json is read too
+    assert model_dir.locate(model) == model_dir.ModelDir(model / "model.safetensors", model)
+    assert model_dir.locate(model / "model.safetensors").directory == model  # its config.json is read too
     alone = tmp_path / "alone.safetensors"
     save_file({"w": torch.zeros(1)}, str(alone))
-    assert hf.locate(alone).directory is None and hf.locate(alone).config is None
+    assert model_dir.locate(alone).directory is None and model_dir.locate(alone).config is None
     with pytest.raises(CheckpointError, match="does not exist"):
-        hf.locate(tmp_path / "nowhere")
+        model_dir.locate(tmp_path / "nowhere")
 
 
 def test_sentence_measures():
@@ -74,8 +74,8 @@ def test_sentence_measures():
     mask[1, 3:] = True
     noisy = x.copy()
     noisy[1, 3:] = 1e6  # padding: never read
-    assert np.allclose(hf.sentence_cosines(noisy, x, mask), 1.0)
-    agree = hf.agreement(noisy, x, mask)
+    assert np.allclose(agreement.sentence_cosines(noisy, x, mask), 1.0)
+    agree = agreement.agreement(noisy, x, mask)
     assert agree.max_abs == 0.0 and agree.tokens == 18 and abs(agree.spearman - 1) < 1e-12
 
 
@@ -112,7 +112,7 @@ def test_a_sentence_transformers_directory_gives_its_pooling(tmp_path, caplog, m
     """modules.json's Pooling (1_Pooling/config.json) and a Normalize after it; a mode the graph does not compute
     leaves the pooled output out, and says so."""
     _pipeline(tmp_path, modules, pooling)
-    got = hf.sentence_pooling(tmp_path)
+    got = model_dir.sentence_pooling(tmp_path)
     if want is None:
         assert got == {} and "no pooled output" in caplog.text
     else:
@@ -120,6 +120,6 @@ def test_a_sentence_transformers_directory_gives_its_pooling(tmp_path, caplog, m
 
 
 def test_a_plain_bert_directory_has_no_pooling(tmp_path):
-    assert hf.sentence_pooling(tmp_path) == {} and hf.sentence_pooling(None) == {}
+    assert model_dir.sentence_pooling(tmp_path) == {} and model_dir.sentence_pooling(None) == {}
     (tmp_path / "modules.json").write_text("not json")
-    assert hf.sentence_pooling(tmp_path) == {}
+    assert model_dir.sentence_pooling(tmp_path) == {}

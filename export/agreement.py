@@ -1,0 +1,62 @@
+"""How one encoder's output on real tokens compares with another's (transformers', as a rule): the largest
+difference, each sentence's cosine of its mean-pooled vectors, and whether every pair of sentences ranks the same."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def pooled(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Mean over each sequence's real tokens (sentence-transformers' mean pooling), (N, E) float64."""
+    keep = (~mask)[..., None].astype(np.float64)
+    return (x.astype(np.float64) * keep).sum(1) / np.maximum(keep.sum(1), 1.0)
+
+
+def sentence_cosines(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Cosine of each sequence's mean-pooled embedding in ``a`` with its own in ``b``."""
+    pa, pb = pooled(a, mask), pooled(b, mask)
+    return (pa * pb).sum(1) / np.maximum(np.linalg.norm(pa, axis=1) * np.linalg.norm(pb, axis=1), 1e-300)
+
+
+def ranking_spearman(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> float:
+    """Spearman correlation of the pairwise cosine similarities of the sentences under ``a`` and under ``b``:
+    1.0 when every pair ranks the same (what retrieval users need to hold)."""
+
+    def similarities(x: np.ndarray) -> np.ndarray:
+        p = pooled(x, mask)
+        p = p / np.maximum(np.linalg.norm(p, axis=1, keepdims=True), 1e-300)
+        return (p @ p.T)[np.triu_indices(len(p), 1)]
+
+    sa, sb = similarities(a), similarities(b)
+    if sa.size < 2:
+        return 1.0
+    ra, rb = np.argsort(np.argsort(sa)), np.argsort(np.argsort(sb))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How one encoder's output on real tokens compares with transformers'."""
+
+    max_abs: float  # over real (unpadded) tokens
+    min_sentence_cosine: float
+    spearman: float
+    sentences: int
+    tokens: int
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def agreement(out: np.ndarray, want: np.ndarray, mask: np.ndarray) -> Agreement:
+    keep = ~mask
+    diff = np.abs(out.astype(np.float64) - want.astype(np.float64))[keep]
+    return Agreement(
+        max_abs=float(diff.max()) if diff.size else 0.0,
+        min_sentence_cosine=float(sentence_cosines(out, want, mask).min()),
+        spearman=ranking_spearman(out, want, mask),
+        sentences=int(out.shape[0]),
+        tokens=int(keep.sum()),
+    )
