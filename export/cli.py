@@ -13,18 +13,17 @@ from addnorm.commands import Parser, add_artifact, add_output, quiet_dependencie
 from addnorm.export import attention, families, hf, model_dir, sentences
 from addnorm.export.calibration import calibration_cases, load_arrays
 from addnorm.export.checks import GraphCheckError
-from addnorm.export.embedding import embed_sentences
+from addnorm.export.embedding import embed_sentences, text_export
 from addnorm.export.families.bert import FAMILY as BERT
 from addnorm.export.gate import ParityError
 from addnorm.export.onnx_export import DEFAULT_OPSET, MIN_OPSET, ExportError
-from addnorm.export.pipeline import TextExport, export_artifact, prepare_encoder
+from addnorm.export.pipeline import export_artifact, prepare_encoder
 from addnorm.export.report import format_table
 from addnorm.export.variants import VARIANTS
 from addnorm.export.weights import CheckpointError
 from addnorm.model.artifact import ArtifactError, load_verified
 from addnorm.model.config import FEED_FORWARDS, POOLINGS, ConfigError, EncoderConfig
-from addnorm.model.embedding import EmbeddingAddNorm
-from addnorm.model.text import IDS, INPUTS, TOKENIZER_FILE, TextConfig
+from addnorm.model.text import IDS, INPUTS, TOKENIZER_FILE
 
 log = logging.getLogger("addnorm.export")
 
@@ -336,25 +335,7 @@ def _text(
             f"--inputs ids needs --from DIR, a model directory with a {TOKENIZER_FILE} (the server tokenizes with "
             "it); or give --inputs embeddings"
         )
-    family = where.family
-    layer = family.text(where.config)
-    fields = {
-        "family": where.config.get("model_type", "bert"),
-        **layer,
-        **model_dir.text_limits(where.directory, layer),
-    }
-    text = TextConfig.from_dict(fields)
-    module = EmbeddingAddNorm(text, config.d_model)
-    weights = family.embedding_state(state)
-    shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    if wrong := [
-        f"{k}: {tuple(v.shape)} vs {shapes.get(k)}"
-        for k, v in weights.items()
-        if tuple(v.shape) != shapes.get(k)
-    ]:
-        raise ConfigError(f"the embedding layer's weights do not fit config.json: {', '.join(wrong)}")
-    module.load_state_dict({k: v.float() for k, v in weights.items()}, strict=True)
-    return TextExport(module.eval(), where.directory / TOKENIZER_FILE)
+    return text_export(where, state, config.d_model)
 
 
 def _wants_reference(args: argparse.Namespace) -> bool:

@@ -1,4 +1,5 @@
-"""The embedding layer's graph (``embedding.onnx``): export, checks and its parity gate.
+"""The embedding layer: built from a model directory (``text_export``), its graph (``embedding.onnx``): export,
+checks and its parity gate.
 
 ``input_ids`` [, ``token_type_ids``] int64 (batch, seq) -> ``embeddings`` float32 (batch, seq, d_model), the
 block's input. One Add & Norm: Gather of each table, Add, ONNX's native ``LayerNormalization``. It stays float32
@@ -16,10 +17,13 @@ import numpy as np
 import onnx
 import torch
 
+from addnorm.export.model_dir import ModelDir, text_limits
 from addnorm.export.onnx_export import ExportError, export_module, load_checked
 from addnorm.export.parity import make_session
+from addnorm.model.config import ConfigError
 from addnorm.model.contract import BATCH, EMBEDDINGS, SEQ
 from addnorm.model.embedding import EmbeddingAddNorm
+from addnorm.model.text import TOKENIZER_FILE, TextConfig
 from addnorm.model.verdict import FP32_ATOL, float32_floor
 
 # (batch, seq) of the gate's id cases: a single token, short, padded, and the longest the artifact accepts
@@ -118,3 +122,40 @@ def gate_embedding(module: EmbeddingAddNorm, path: Path) -> EmbeddingGate:
         worst_torch = max(worst_torch, float(np.abs(ours - want).max()))
         tokens += feed["input_ids"].size
     return EmbeddingGate(worst, floor, worst_torch, len(cases), tokens, passed)
+
+
+@dataclass(frozen=True)
+class TextExport:
+    """What an artifact that takes token ids carries besides the block (``--inputs ids``): the embedding layer
+    with its weights, and the model directory's tokenizer.json."""
+
+    module: EmbeddingAddNorm
+    tokenizer: Path
+
+    @property
+    def config(self) -> TextConfig:
+        return self.module.text
+
+
+def text_export(where: ModelDir, state: dict[str, torch.Tensor], d_model: int) -> TextExport:
+    """The model directory's embedding layer (its family's names and config.json's sizes, with the
+    sentence-transformers files' longest input and prompts) with the checkpoint's weights, and its tokenizer."""
+    family = where.family
+    layer = family.text(where.config)
+    fields = {
+        "family": where.config.get("model_type", "bert"),
+        **layer,
+        **text_limits(where.directory, layer),
+    }
+    text = TextConfig.from_dict(fields)
+    module = EmbeddingAddNorm(text, d_model)
+    weights = family.embedding_state(state)
+    shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    if wrong := [
+        f"{k}: {tuple(v.shape)} vs {shapes.get(k)}"
+        for k, v in weights.items()
+        if tuple(v.shape) != shapes.get(k)
+    ]:
+        raise ConfigError(f"the embedding layer's weights do not fit config.json: {', '.join(wrong)}")
+    module.load_state_dict({k: v.float() for k, v in weights.items()}, strict=True)
+    return TextExport(module.eval(), where.directory / TOKENIZER_FILE)

@@ -19,7 +19,7 @@ from addnorm.export.attention import AttentionError
 from addnorm.export.attention import resolve as resolve_attention
 from addnorm.export.cases import Case, default_cases, synthetic
 from addnorm.export.checks import check_graph
-from addnorm.export.embedding import export_embedding, gate_embedding, write_embedding_golden
+from addnorm.export.embedding import TextExport, export_embedding, gate_embedding, write_embedding_golden
 from addnorm.export.families import Family
 from addnorm.export.families.bert import FAMILY as BERT
 from addnorm.export.gate import ParityError, gate
@@ -32,24 +32,10 @@ from addnorm.export.weights import load_state, read_state_dict, save_weights
 from addnorm.model.artifact import GOLDEN_FILE, MANIFEST_FILE, MODEL_FILE, WEIGHTS_FILE, Manifest, sha256_file
 from addnorm.model.config import EncoderConfig
 from addnorm.model.contract import io_specs
-from addnorm.model.embedding import EmbeddingAddNorm
 from addnorm.model.encoder import Encoder, build_encoder
-from addnorm.model.text import EMBEDDING_FILE, EMBEDDING_GOLDEN_FILE, TOKENIZER_FILE, TextConfig
+from addnorm.model.text import EMBEDDING_FILE, EMBEDDING_GOLDEN_FILE, TOKENIZER_FILE
 
 log = logging.getLogger("addnorm.export")
-
-
-@dataclass(frozen=True)
-class TextExport:
-    """What an artifact that takes token ids carries besides the block (``--inputs ids``): the embedding layer
-    with its weights, and the model directory's tokenizer.json."""
-
-    module: EmbeddingAddNorm
-    tokenizer: Path
-
-    @property
-    def config(self) -> TextConfig:
-        return self.module.text
 
 
 @dataclass
