@@ -81,7 +81,7 @@ HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 CMD ["pyt
 ENTRYPOINT ["addnorm-serve"]
 
 # The front proxy (docs/reliability.md, "Which protection lives where"): nginx, from Debian's packages, in front of
-# the api service, configured at start by `python -m addnorm.service.front.proxy` from the same ADDNORM_* settings the
+# the api service, configured at start by `python -m addnorm.service.front.nginx_conf` from the same ADDNORM_* settings the
 # server reads (the api image's code; its limits then agree with the server's). Runs as uid 10001 on a read-only
 # root: the configuration, pid file and nginx's buffers live under /tmp.
 FROM api AS proxy

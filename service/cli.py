@@ -113,8 +113,8 @@ def _run(app: typing.Any, **options: typing.Any) -> bool:
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets: list | None = None) -> None:
-            loaded = app.state.addnorm.loaded
-            for model in loaded.models if loaded is not None else ():
+            known = app.state.addnorm.known
+            for model in known.models if known is not None else ():
                 model.batcher.drain()
             await super().shutdown(sockets)
 

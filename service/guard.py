@@ -25,7 +25,7 @@ from addnorm.service.errors import (
 )
 from addnorm.service.models.state import KnownModels, ServiceState
 
-SCOPE_KEY = "addnorm.loaded"  # where the guard leaves the KnownModels for the routes past it
+SCOPE_KEY = "addnorm.known"  # where the guard leaves the KnownModels for the routes past it
 
 
 class Guard:
@@ -54,9 +54,9 @@ class Guard:
             check_key(credentials(), self.state.api_keys)
         if not path.startswith(self.model_prefixes):
             return None
-        if self.state.loaded is None:
+        if self.state.known is None:
             raise NotReady(self.state.not_ready_reason() or "model is loading")
-        return self.state.loaded
+        return self.state.known
 
 
 def check_key(credentials: Sequence[bytes], api_keys: tuple[bytes, ...]) -> None:
@@ -80,7 +80,7 @@ def check_key(credentials: Sequence[bytes], api_keys: tuple[bytes, ...]) -> None
 
 # Async on purpose: FastAPI runs a plain ``def`` dependency in a worker thread, a hop that costs more than the
 # rest of a small request's handling (bench/).
-async def loaded_state(request: Request) -> KnownModels:
+async def known_models(request: Request) -> KnownModels:
     """The models the guard let this request reach (FastAPI dependency)."""
     try:
         return request.scope[SCOPE_KEY]
@@ -91,4 +91,4 @@ async def loaded_state(request: Request) -> KnownModels:
         ) from None
 
 
-Known = Annotated[KnownModels, Depends(loaded_state)]
+Known = Annotated[KnownModels, Depends(known_models)]

@@ -80,11 +80,11 @@ def raw_http(port: int, pieces: list[bytes], timeout: float = 30.0) -> tuple[int
 @contextlib.contextmanager
 def front_proxy(upstream_port: int, **settings: object) -> Iterator[int]:
     """nginx on a free loopback port in front of ``127.0.0.1:upstream_port``, configured as deploy/nginx is
-    (service.front.proxy.render) from ``Settings(**settings)``; yields its port. Skips where nginx is not installed
+    (service.front.nginx_conf.render) from ``Settings(**settings)``; yields its port. Skips where nginx is not installed
     (Debian's nginx; .ci/run installs it, and in CI the skip fails)."""
     import pytest
 
-    from addnorm.service.front.proxy import render
+    from addnorm.service.front.nginx_conf import render
     from addnorm.service.settings import Settings
     from bench.server import free_port
 

@@ -1,5 +1,5 @@
 """Connections, on both fronts a deployment has: addnorm-serve alone (its HTTP/1.1 connection, service/front/http11.py,
-and the app's front) and behind its front proxy (nginx, configured by service/front/proxy.py as deploy/nginx is).
+and the app's front) and behind its front proxy (nginx, configured by service/front/nginx_conf.py as deploy/nginx is).
 Every protection holds on both: limits are answered, clients that trickle heads or bodies, idle, or never read
 cannot hold the server, pipelined requests are answered before a refusal, and bytes no parser accepts get a JSON 400.
 docs/reliability.md says which protection lives where."""

@@ -30,7 +30,7 @@ def test_an_engine_failure_answers_a_json_500_and_the_next_request_succeeds(tiny
     app = create_app(Settings(artifact=tiny_artifact))
     with TestClient(app, raise_server_exceptions=False) as client:
         wait_until_ready(client)
-        engine = app.state.addnorm.loaded.models.default.engine
+        engine = app.state.addnorm.known.models.default.engine
         engine.session = FailOnce(engine.session)
         body = {"embeddings": [[0.5] * 32]}
         r = client.post("/v1/encode", json=body)

@@ -1,4 +1,4 @@
-"""The front proxy's configuration (service/front/proxy.py): the deployed file is its output, nginx accepts it, and
+"""The front proxy's configuration (service/front/nginx_conf.py): the deployed file is its output, nginx accepts it, and
 it passes on every header field the app reads."""
 
 import shutil
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from addnorm.service.front.proxy import passed_headers, render
+from addnorm.service.front.nginx_conf import passed_headers, render
 from addnorm.service.settings import Settings
 from tests.conftest import ROOT
 
@@ -15,7 +15,7 @@ DEPLOYED = ROOT / "deploy" / "nginx" / "nginx.conf"
 
 
 def test_the_deployed_configuration_is_the_renderers_output():
-    """deploy/nginx/nginx.conf (an upstream named api, as docker-compose names the server): `python -m addnorm.service.front.proxy --listen 8080
+    """deploy/nginx/nginx.conf (an upstream named api, as docker-compose names the server): `python -m addnorm.service.front.nginx_conf --listen 8080
     --upstream api:8000 > deploy/nginx/nginx.conf` writes it again after a change of the renderer or a default."""
     assert DEPLOYED.read_text() == render(Settings(_env_file=None), "8080", "api:8000")
 

@@ -379,7 +379,7 @@ def test_a_model_swapped_while_a_large_body_is_decoded_decodes_and_serves_it_wit
     app = create_app(Settings(model_repository=repo, model_control_mode="explicit", load_model=("encoder",)))
     with TestClient(app) as client:
         wait_until_ready(client)
-        models = app.state.addnorm.loaded.models
+        models = app.state.addnorm.known.models
         first = models.get("encoder")
         answer: dict = {}
 

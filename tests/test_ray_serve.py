@@ -268,7 +268,7 @@ def test_load_before_serving_holds_start_up_until_the_model_is_ready(tiny_artifa
     """What Ray relies on: start-up ends with the model loaded, or fails, so no replica serves 503 'loading'."""
     app = create_app(Settings(artifact=tiny_artifact), load_before_serving=True)
     with TestClient(app) as c:
-        assert app.state.addnorm.loaded is not None
+        assert app.state.addnorm.known is not None
         assert c.get("/health/ready").status_code == 200
     broken = create_app(Settings(artifact=tmp_path), load_before_serving=True)
     with pytest.raises(RuntimeError, match="model failed to load"), TestClient(broken):

@@ -1,5 +1,5 @@
 """Trailer fields and long heads on a real server, alone and behind its front proxy (nginx as deploy/nginx runs it,
-service/front/proxy.py): a chunked body's trailer section never reaches a decision (RFC 9110 6.5.1: a recipient
+service/front/nginx_conf.py): a chunked body's trailer section never reaches a decision (RFC 9110 6.5.1: a recipient
 must not merge trailer fields into the header section; addnorm-serve's connection (service/front/http11.py) and
 nginx both drop it), however the bytes arrive, on /v1 and V2; a head beyond ``MAX_HEAD_BYTES`` is refused and the
 server serves on."""

@@ -37,7 +37,7 @@ AUTH = b"Authorization: Bearer " + KEY.encode() + b"\r\n"
 
 
 class _Front:
-    """HTTP through the front proxy (nginx, as deploy/nginx runs it: service/front/proxy.py), gRPC on the server's
+    """HTTP through the front proxy (nginx, as deploy/nginx runs it: service/front/nginx_conf.py), gRPC on the server's
     own port, and the server's process."""
 
     def __init__(self, port: int, srv) -> None:

@@ -33,7 +33,7 @@ from addnorm.model import packing
 from addnorm.service.backend.cores import CoreBudget
 from addnorm.service.backend.interface import Backend
 from addnorm.service.batching import merging
-from addnorm.service.batching.merging import BatchObserver, Outputs, Request, Run, Timings
+from addnorm.service.batching.merging import BatchObserver, Outputs, Queued, Run, Timings
 from addnorm.service.errors import InferenceFailed, Overloaded, ServiceError, ShuttingDown, TimedOut
 
 log = logging.getLogger("addnorm.batcher")
@@ -86,7 +86,7 @@ class Batcher:
         self.max_queue_size = max_queue_size
         self.max_queue_bytes = max_queue_bytes
         self.observer = observer
-        self._queue: collections.deque[Request] = collections.deque()
+        self._queue: collections.deque[Queued] = collections.deque()
         self._queued_bytes = 0
         self.depth = 0  # requests queued: one is until the last of its pieces leaves
         # The queue is shared by the event loop (adding) and the inference threads (taking): all under one lock,
@@ -130,17 +130,17 @@ class Batcher:
             self._hurry = True
             self._ready.notify_all()
 
-    def _pop(self) -> Request:
+    def _pop(self) -> Queued:
         self._left([item := self._queue.popleft()])
         return item
 
-    def _left(self, items: list[Request]) -> None:
+    def _left(self, items: list[Queued]) -> None:
         for item in items:
             self._queued_bytes -= item.x.nbytes
             item.queued[0] -= 1
             self.depth -= item.queued[0] == 0
 
-    def _withdraw(self, items: list[Request]) -> None:
+    def _withdraw(self, items: list[Queued]) -> None:
         """Take a request's pieces that are still queued out of the queue, so that they stop counting against
         ADDNORM_MAX_QUEUE_SIZE and _BYTES at once, not when the inference thread next reaches them."""
         with self._ready:
@@ -167,7 +167,7 @@ class Batcher:
         loop = asyncio.get_running_loop()
         parts = packing.pieces(mask) if padded else None
         cuts = [(x, mask)] if parts is None else [(x[rows, :n], mask[rows, :n]) for rows, n in parts]
-        items = [Request(px, pm, loop.create_future(), padded=padded and bool(pm.any())) for px, pm in cuts]
+        items = [Queued(px, pm, loop.create_future(), padded=padded and bool(pm.any())) for px, pm in cuts]
         for item in items:  # what runs: each piece alone must fit
             self.limits.check(item.rows, item.seq, item.padded)
         size = sum(item.x.nbytes for item in items)
@@ -251,7 +251,7 @@ class Batcher:
             if (done := self._run(batch, *self._stack(batch))) is not None:
                 self._post(self._deliver, *done)
 
-    def _stack(self, batch: list[Request]) -> tuple[np.ndarray, np.ndarray | None, float, float]:
+    def _stack(self, batch: list[Queued]) -> tuple[np.ndarray, np.ndarray | None, float, float]:
         """``batch`` as one (x, mask), with when its run started and when merging it ended."""
         started = time.perf_counter()
         for item in batch:
@@ -260,8 +260,8 @@ class Batcher:
         return x, mask, started, time.perf_counter()
 
     def _run(
-        self, batch: list[Request], x: np.ndarray, mask: np.ndarray | None, started: float, merged: float
-    ) -> tuple[list[Request], list[Outputs], Run] | None:
+        self, batch: list[Queued], x: np.ndarray, mask: np.ndarray | None, started: float, merged: float
+    ) -> tuple[list[Queued], list[Outputs], Run] | None:
         """Run a stacked batch: (its requests, their rows, the run) to deliver; None when it failed (its requests
         are failed on the loop)."""
         try:
@@ -311,7 +311,7 @@ class Batcher:
         except RuntimeError:
             log.warning("event loop closed: a finished batch of inference was not delivered")
 
-    def _deliver(self, batch: list[Request], rows: list[Outputs], run: Run) -> None:
+    def _deliver(self, batch: list[Queued], rows: list[Outputs], run: Run) -> None:
         """On the event loop: each request's rows to its future (unless it timed out or its client left)."""
         for item, result in zip(batch, rows, strict=True):
             if not item.future.done():
@@ -319,7 +319,7 @@ class Batcher:
         if self.observer is not None:
             self.observer.batch_done(run)
 
-    def _take(self, wait: bool = True) -> list[Request] | None:
+    def _take(self, wait: bool = True) -> list[Queued] | None:
         """Wait for a first request (``wait``; else return [] when none is queued; [] too after RELEASE_IDLE_S
         without one following a run), then up to max_delay for more, and take what fits; None once stopped."""
         with self._ready:
@@ -356,7 +356,7 @@ class Batcher:
                 self._left(chosen)
             return [head, *chosen]
 
-    def _take_express(self) -> list[Request] | None:
+    def _take_express(self) -> list[Queued] | None:
         """Wait until a small request is queued while the main lane's run of a bigger one has lasted EXPRESS_AFTER_S,
         then take it and the small ones that merge with it within ``express``; None once stopped."""
         with self._ready:
@@ -372,11 +372,11 @@ class Batcher:
                 self._express_ready.wait(wait)
             return None
 
-    def _small(self, item: Request) -> bool:
+    def _small(self, item: Queued) -> bool:
         """Whether ``item`` fits the express lane."""
         return self.express.fits(item.rows, item.seq, item.padded)
 
-    def _express_batch(self, now: float) -> list[Request]:
+    def _express_batch(self, now: float) -> list[Queued]:
         """Out of the queue: the oldest live request that fits the express lane, and those to run with it."""
         small = [i for i in self._queue if not i.dropped(now) and self._small(i)]
         if not small:
@@ -393,11 +393,11 @@ def _timed_out(timeout: float) -> TimedOut:
     return TimedOut(f"request not answered within {timeout:g} s (ADDNORM_REQUEST_TIMEOUT_S)")
 
 
-def _expire(items: list[Request], timeout: float) -> None:
+def _expire(items: list[Queued], timeout: float) -> None:
     _fail(items, _timed_out(timeout))
 
 
-def _fail(batch: list[Request], exc: Exception) -> None:
+def _fail(batch: list[Queued], exc: Exception) -> None:
     for item in batch:
         if not item.future.done():
             item.future.set_exception(exc)

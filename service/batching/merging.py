@@ -48,7 +48,7 @@ class Run:
     """One model run, as its observers are told of it (on the event loop): its rows and requests, the seconds
     spent merging, running and cutting it, and its positions: ``positions`` computed (rows x the batch's seq; on a
     packed graph the requests' own), ``requested`` the requests' own (each request's rows x its seq; on a packed
-    graph less their trailing padding, which it does not compute: ``Request.tokens``); the rest is padding added by
+    graph less their trailing padding, which it does not compute: ``Queued.tokens``); the rest is padding added by
     merging."""
 
     rows: int
@@ -78,8 +78,9 @@ class Observers:
 
 
 @dataclass
-class Request:
-    """One queued request: its (rows, seq, E) embeddings, mask, the future its answer goes to, and its timings."""
+class Queued:
+    """One queued request, or a piece of one: its (rows, seq, E) embeddings, mask, the future its answer goes to, and
+    its timings."""
 
     x: np.ndarray  # (rows, seq, E)
     mask: np.ndarray | None  # (rows, seq), true where a position is padding
@@ -176,13 +177,11 @@ class Costs:
         return self.fixed + per_token + self.attention * rows * seq * seq / (6.0 * e)
 
 
-def choose(
-    merge: str, head: Request, queued: Iterable[Request], limits: Limits, costs: Costs
-) -> list[Request]:
+def choose(merge: str, head: Queued, queued: Iterable[Queued], limits: Limits, costs: Costs) -> list[Queued]:
     """The requests to run with ``head`` by the policy ``merge`` ("cost": ``by_cost``; "pad": ``in_order``), among
     the pieces of the oldest 2 x max_batch_size requests queued: in a long queue (an overload) newer ones of a
     handier length do not overtake a request without end (docs/benchmarks.md, "Latency against offered load")."""
-    oldest: list[Request] = []
+    oldest: list[Queued] = []
     reach: set[int] = set()
     for item in queued:
         reach.add(id(item.queued))  # its request's: the pieces of one request share it
@@ -194,11 +193,11 @@ def choose(
     return in_order(head, oldest, limits.fits)
 
 
-def in_order(head: Request, queued: Sequence[Request], fits: Fits) -> list[Request]:
+def in_order(head: Queued, queued: Sequence[Queued], fits: Fits) -> list[Queued]:
     """``--merge-lengths pad``: the requests that follow ``head`` in the queue, in order, while the run ``fits``
     (shorter ones padded), up to the first that must run alone."""
     rows, seq, padded = head.rows, head.seq, head.padded
-    chosen: list[Request] = []
+    chosen: list[Queued] = []
     for item in queued:
         new_rows, new_seq = rows + item.rows, max(seq, item.seq)
         new_padded = padded or item.padded or item.seq != seq
@@ -209,12 +208,13 @@ def in_order(head: Request, queued: Sequence[Request], fits: Fits) -> list[Reque
     return chosen
 
 
-# The most queued pieces ``by_cost`` partitions (those nearest the head's length): its work grows with them
-# (0.1 ms for 32, 0.7 ms for 128 on a 2-core EPYC), a run's with what it takes.
+# The most queued pieces ``by_cost`` partitions (those nearest the head's length): its work grows faster than their
+# number, a run's only with what it takes, and this many keeps planning a small share of a run (bench.ab's phases
+# of mixed lengths show it: docs/benchmarks.md, "Merging by cost").
 PARTITION_ITEMS = 128
 
 
-def by_cost(head: Request, queued: Sequence[Request], fits: Fits, costs: Costs) -> list[Request]:
+def by_cost(head: Queued, queued: Sequence[Queued], fits: Fits, costs: Costs) -> list[Queued]:
     """The requests of ``queued`` to run with ``head``: its run in the cheapest partition of ``head`` and
     ``queued`` into runs that ``fit``, by ``Costs.run`` (each run its fixed cost, its positions padded to its
     longest, or on a packed graph its own and attention's padding). Ordered by length, such a partition's runs are
@@ -285,7 +285,7 @@ def _fastest(runs: Sequence[Callable[[], object]], repeats: int) -> list[float]:
     return [min(took) for took in times]
 
 
-def stack(batch: Sequence[Request]) -> tuple[np.ndarray, np.ndarray | None]:
+def stack(batch: Sequence[Queued]) -> tuple[np.ndarray, np.ndarray | None]:
     """Stack requests along the batch dim, padding shorter sequences and masking the padding."""
     if len(batch) == 1:
         return batch[0].x, batch[0].mask
@@ -302,7 +302,7 @@ def stack(batch: Sequence[Request]) -> tuple[np.ndarray, np.ndarray | None]:
     return x, mask
 
 
-def split(batch: Sequence[Request], out: Outputs) -> list[Outputs]:
+def split(batch: Sequence[Queued], out: Outputs) -> list[Outputs]:
     """Each request's own rows of every output of a run of ``stack(batch)`` (and its own positions of a positional
     one), contiguous: a shorter request's slice of the padded batch is a strided view that codecs writing raw
     buffers cannot take (and that would keep the whole batch alive)."""

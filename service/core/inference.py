@@ -26,10 +26,11 @@ from addnorm.service.models.registry import ServingModel
 from addnorm.service.models.state import KnownModels
 from addnorm.service.tracing import TRACING, Carrier, RequestSpan
 
-# A codec step's work is counted in bytes of JSON text (parsing 256 KB of it: 1.5-2 ms here). Up to OFFLOAD_BYTES it
-# runs on the event loop, beyond it in a worker thread (a hop costs 0.2-0.4 ms). A raw tensor byte (binary data,
-# copied and checked) is 40-140x less work than a JSON byte, counted as 1/RAW_SHARE; a float32 byte written as JSON,
-# about 1 (docs/benchmarks.md, "What the measurements decided").
+# A codec step's work is counted in bytes of JSON text. Up to OFFLOAD_BYTES it runs on the event loop, where it
+# costs less than the hop to a worker thread would; beyond it, in a worker thread, so one big body does not hold up
+# every other client. A raw tensor byte (binary data, copied and checked) is far less work than a JSON byte, counted
+# as 1/RAW_SHARE; a float32 byte written as JSON, about 1 (bench/studies/codec_cost.py measures each: docs/
+# benchmarks.md, "Codec steps leave the event loop by their work").
 OFFLOAD_BYTES = 256 * 1024
 RAW_SHARE = 16
 
@@ -128,7 +129,7 @@ class Codec(Protocol[P, R, T]):
 
 
 async def run(
-    loaded: KnownModels,
+    known: KnownModels,
     call: Call,
     codec: Codec[P, R, T],
     payload: P | None = None,
@@ -146,17 +147,17 @@ async def run(
             if call.named is None:  # the payload names it: reading and decoding count as its input stage
                 if read is not None:
                     payload = await read()
-                req, model = await _decode_unnamed(loaded, codec, payload)
+                req, model = await _decode_unnamed(known, codec, payload)
                 with model.request(call.started) as timer:
-                    return await _serve(loaded, call, model, req, timer, span, codec)
+                    return await _serve(known, call, model, req, timer, span, codec)
             # The model is counted in flight from the moment it is looked up (no await between the two), so
             # the registry stops a replaced or unloaded one only after its last request (service/models/registry.py).
-            model = loaded.models.get(call.named)
+            model = known.models.get(call.named)
             with model.request(call.started) as timer:  # a failed read or decode counts
                 if read is not None:
                     payload = await read()
                 req = await offload(codec.decode_work(payload), codec.decode, payload, lambda _name: model)
-                return await _serve(loaded, call, model, req, timer, span, codec)
+                return await _serve(known, call, model, req, timer, span, codec)
     finally:
         if call.watch is not None:
             call.watch.cancel()
@@ -165,28 +166,28 @@ async def run(
 class _FirstLookup:
     """A ``Resolve`` that looks its model up once and keeps it (``model``; None until asked)."""
 
-    def __init__(self, loaded: KnownModels) -> None:
-        self.loaded, self.model = loaded, None
+    def __init__(self, known: KnownModels) -> None:
+        self.known, self.model = known, None
 
     def __call__(self, name: str | None) -> ServingModel:
         if self.model is None:
-            self.model = self.loaded.models.get(name)
+            self.model = self.known.models.get(name)
         return self.model
 
 
-async def _decode_unnamed(loaded: KnownModels, codec: Codec[P, R, T], payload: P) -> tuple[R, ServingModel]:
+async def _decode_unnamed(known: KnownModels, codec: Codec[P, R, T], payload: P) -> tuple[R, ServingModel]:
     """A payload that names its own model: decoded against the model its name resolves to, and that model, the
     one serving now (decoded again in the rare case model control swapped it during the decode)."""
     while True:
-        lookup = _FirstLookup(loaded)
+        lookup = _FirstLookup(known)
         req = await offload(codec.decode_work(payload), codec.decode, payload, lookup)
-        model = loaded.models.get(getattr(req, "model", None))
+        model = known.models.get(getattr(req, "model", None))
         if lookup.model is None or lookup.model is model:
             return req, model
 
 
 async def _serve(
-    loaded: KnownModels,
+    known: KnownModels,
     call: Call,
     model: ServingModel,
     req: R,
@@ -197,22 +198,22 @@ async def _serve(
     """A decoded request, on its model: queue (deadline, cancellation), then encode."""
     timer.decoded()
     span.model(model.name, req.rows)
-    outputs, timings = await _queue(loaded, call, model, req, timer)
+    outputs, timings = await _queue(known, call, model, req, timer)
     span.ran(timings)
     nbytes = sum(out.nbytes for out in outputs.values())
     with span.encoding():
         return await offload(codec.encode_work(req, nbytes), codec.encode, req, model, outputs), timings
 
 
-def deadline(loaded: KnownModels, call: Call, req: Decoded) -> float:
+def deadline(known: KnownModels, call: Call, req: Decoded) -> float:
     """The one rule: the sooner of the client's deadline, the protocol's timeout parameter and
     ADDNORM_REQUEST_TIMEOUT_S (a client can only shorten the server's own)."""
-    limits = (loaded.settings.request_timeout_s, req.timeout_s, call.deadline_s)
+    limits = (known.settings.request_timeout_s, req.timeout_s, call.deadline_s)
     return min(limit for limit in limits if limit is not None)
 
 
 async def _queue(
-    loaded: KnownModels, call: Call, model: ServingModel, req: Decoded, timer: RequestTimer
+    known: KnownModels, call: Call, model: ServingModel, req: Decoded, timer: RequestTimer
 ) -> tuple[Outputs, Timings]:
     """The model's run (``ServingModel.infer``: its batcher and statistics), within the request's deadline; the
     client going away cancels the wait (and so the queued work)."""
@@ -222,15 +223,15 @@ async def _queue(
     if call.gone.gone:
         raise ClientGone
     call.gone.notify(handler.cancel)
-    limit = deadline(loaded, call, req)
+    limit = deadline(known, call, req)
     try:
         outputs, timings = await req.run(model.infer, limit, timer)
     except TimedOut:
-        if limit >= loaded.settings.request_timeout_s:
+        if limit >= known.settings.request_timeout_s:
             raise
         raise ClientDeadline(
             f"not answered within the request's own deadline of {limit:g} s (its timeout parameter or the call's "
-            f"deadline; the server's own is {loaded.settings.request_timeout_s:g} s)"
+            f"deadline; the server's own is {known.settings.request_timeout_s:g} s)"
         ) from None
     except asyncio.CancelledError:
         if call.gone.gone:  # cancelled because the client went away, not by a shutdown

@@ -62,8 +62,8 @@ def create_app(
             state.live.stop()
             for listener in listeners:  # in-flight calls finish, new ones are refused
                 await listener.stop(settings.request_timeout_s)
-            if state.loaded is not None:  # replaced models drain, then every batcher stops
-                await state.loaded.models.close()
+            if state.known is not None:  # replaced models drain, then every batcher stops
+                await state.known.models.close()
             TRACING.shutdown()
 
     app = _App(
@@ -97,4 +97,4 @@ class _App(FastAPI):
 
     def openapi(self) -> dict:
         """FastAPI's schema, true to this server (service/protocols/docs.py): no 422s, examples for the served model."""
-        return docs.finish(super().openapi(), self.state.addnorm.loaded)
+        return docs.finish(super().openapi(), self.state.addnorm.known)

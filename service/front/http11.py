@@ -19,7 +19,7 @@ workers stay uvicorn's), httptools parses, and this module decides what a connec
 
 The body's own deadline (``body_timeout_s``: a JSON 408) is the app's front's (front/middleware.py), as it must hold
 under any ASGI server. Refusals use the API's error shape, ``{"error": ...}``, with the messages of ``REFUSALS``,
-which the front proxy (front/proxy.py) answers with too.
+which the front proxy (front/nginx_conf.py) answers with too.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import orjson
 
 log = logging.getLogger("addnorm.http")
 
-# Every refusal at the connection, here and by the front proxy (nginx: front/proxy.py), as {"error": message}.
+# Every refusal at the connection, here and by the front proxy (nginx: front/nginx_conf.py), as {"error": message}.
 # 494 is nginx's code for a head over its buffers, answered as the 431 RFC 6585 names; 501 for a transfer coding
 # it does not know, answered as a 400 (every bad request is a 4xx here).
 REFUSALS = {

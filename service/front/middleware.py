@@ -104,11 +104,11 @@ class Front:
 
     def _check(self, scope: Scope) -> None:
         """The guard: a ServiceError refuses; a model route finds its models in its scope (``Known``)."""
-        loaded = self.guard.check(
+        known = self.guard.check(
             scope["path"], lambda: [v for k, v in scope["headers"] if k == b"authorization"]
         )
-        if loaded is not None:
-            scope[SCOPE_KEY] = loaded
+        if known is not None:
+            scope[SCOPE_KEY] = known
 
 
 _BODILESS = frozenset(("GET", "HEAD"))  # a body they carry is never read (uvicorn drops it)

@@ -42,7 +42,7 @@ QUEUE = 8  # samples waiting for the checker; more are dropped (and counted)
 WEIGHTS_KEPT = 4  # artifacts whose weights the checker keeps in memory
 # After checking a sample this large (elements of its input), the heap's free pages go back to the OS: its float64
 # temporaries run to megabytes. A smaller one's fit in what the heap keeps anyway, and malloc_trim walks and locks
-# every arena the request path allocates from (about 9 ms a call, measured under 32 clients).
+# every arena the request path allocates from: trimming after every sample would stall the requests it samples.
 TRIM_AFTER_ELEMENTS = 1 << 16
 # The reference holds a request's seq x seq scores in float64: one [1, 4096, 768] request would take 1.6 GB. A
 # request whose batch x heads x seq^2 is above this (32 MB of scores; [8, 128] at 12 heads is 1.6M) is not sampled.

@@ -54,11 +54,11 @@ class KnownModels:
 class ServiceState:
     """Built whole: what lives as long as the server (the parsed API keys, the thread budget, live parity, model
     control) is made here, once; what changes while it serves is the registry once the manifests are read
-    (``loaded``) and why nothing can be served (``load_error``, ``fatal``)."""
+    (``known``) and why nothing can be served (``load_error``, ``fatal``)."""
 
     settings: Settings
     metrics: Metrics = field(default_factory=Metrics)
-    loaded: KnownModels | None = None  # set once every model's manifest is read (names known)
+    known: KnownModels | None = None  # set once every model's manifest is read (names known)
     load_error: str | None = None  # the manifests could not be read: nothing is served
     fatal: str | None = None  # why the server stopped itself (no model loadable with model control off)
     api_keys: tuple[bytes, ...] = field(init=False)  # parsed once, for the guard of every transport
@@ -73,21 +73,21 @@ class ServiceState:
         self.cores = CoreBudget(self.settings.thread_budget or default_threads(self.settings.workers))
         self.live = LiveParity.from_settings(self.settings, self.metrics, unready=self.mark_unready)
         self.control = ModelControl(
-            self.settings, lambda: self.loaded.models if self.loaded is not None else None
+            self.settings, lambda: self.known.models if self.known is not None else None
         )
 
     def mark_unready(self, name: str, reason: str) -> None:
         """Live parity's action ``unready`` (service.models.registry.Registry.mark_unready)."""
-        if self.loaded is not None:
-            self.loaded.models.mark_unready(name, reason)
+        if self.known is not None:
+            self.known.models.mark_unready(name, reason)
 
     def not_ready_reason(self) -> str | None:
         """None when every model is loaded; otherwise why not."""
         if self.load_error:
             return f"model failed to load: {self.load_error}"
-        if self.loaded is None:
+        if self.known is None:
             return "model is loading"
-        return self.loaded.models.not_ready_reason()
+        return self.known.models.not_ready_reason()
 
 
 async def get_state(request: Request) -> ServiceState:
@@ -115,7 +115,7 @@ async def load_models(state: ServiceState) -> None:
         slots = [s for s in slots if s.name in settings.load_model]
     build = functools.partial(serving_model, state)
     models = Registry(slots, build, allow_empty=settings.model_control_mode != "none")
-    state.loaded = KnownModels(settings, models)
+    state.known = KnownModels(settings, models)
     await models.load_all()
     if state.not_ready_reason() is None:
         log.info("ready: %s", ", ".join(f"{s.name} on {s.serving.engine.providers}" for s in slots))
@@ -125,7 +125,7 @@ async def serving_model(state: ServiceState, name: str, directory: Path, version
     """The model ``name`` (its manifest's) in ``directory``, verified and with its batcher started; raises
     LoadFailed."""
     s = state.settings
-    models = len(state.loaded.models.slots) if state.loaded is not None else 1
+    models = len(state.known.models.slots) if state.known is not None else 1
     threads = threads_for(s, name, state.cores.threads, models)
     try:
         # the one place a backend is built (service/backend/interface.py): everything after speaks to Backend
@@ -173,8 +173,8 @@ async def load_then_watch(state: ServiceState, exit_on_error: bool) -> None:
     await load_models(state)
     settings = state.settings
     if settings.model_control_mode == "none" and exit_on_error:
-        loaded = state.loaded
-        if state.load_error or (loaded is not None and not any(True for _ in loaded.models)):
+        known = state.known
+        if state.load_error or (known is not None and not any(True for _ in known.models)):
             state.fatal = state.not_ready_reason() or "no model could be loaded"
             log.error("no model can be served, stopping (--model-control-mode none): %s", state.fatal)
             os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful stop; the CLI then exits 1

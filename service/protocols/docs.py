@@ -82,7 +82,7 @@ async def asset(name: str) -> Response:
 _FASTAPI_ONLY = ("HTTPValidationError", "ValidationError")  # the 422 shapes, never sent here
 
 
-def finish(schema: dict, loaded: KnownModels | None) -> dict:
+def finish(schema: dict, known: KnownModels | None) -> dict:
     """A copy of FastAPI's ``schema`` without 422s (a 400 ``{"error"}`` in their place) and, once the default model
     is loaded, with request examples and the ``{name}`` path parameter's example for it."""
     schema = copy.deepcopy(schema)
@@ -94,7 +94,7 @@ def finish(schema: dict, loaded: KnownModels | None) -> dict:
     components = schema.get("components", {}).get("schemas", {})
     for name in _FASTAPI_ONLY:
         components.pop(name, None)
-    first = next(iter(loaded.models.slots.values()), None) if loaded is not None else None
+    first = next(iter(known.models.slots.values()), None) if known is not None else None
     if first is not None and first.state == READY and first.serving is not None:
         for (path, method), example in protocols.examples(first.name, first.serving.engine.d_model).items():
             content = schema["paths"][path][method]["requestBody"]["content"]["application/json"]

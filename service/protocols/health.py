@@ -23,10 +23,10 @@ async def live() -> dict:
 )
 async def ready(state: State) -> Response:
     reason = state.not_ready_reason()
-    if reason is not None or state.loaded is None:
+    if reason is not None or state.known is None:
         reason = reason or "model is loading"
         return JSONResponse({"error": reason}, status_code=503, headers={"Retry-After": "1"})
-    models = list(state.loaded.models)  # the loaded ones: none at all is ready too, under model control
+    models = list(state.known.models)  # the loaded ones: none at all is ready too, under model control
     default = models[0].engine if models else None
     return JSONResponse(
         {

@@ -671,8 +671,8 @@ def test_a_run_takes_from_the_oldest_requests_only():
     loop = asyncio.new_event_loop()
     try:
 
-        def request(seq: int) -> merging.Request:
-            return merging.Request(np.zeros((1, seq, 32), np.float32), None, loop.create_future())
+        def request(seq: int) -> merging.Queued:
+            return merging.Queued(np.zeros((1, seq, 32), np.float32), None, loop.create_future())
 
         head, near = request(8), request(8)
         for max_batch_size in (2, 3):

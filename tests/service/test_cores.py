@@ -92,7 +92,7 @@ def test_a_two_model_server_gives_each_model_an_equal_share(model_repository):
             got = {m: client.get(f"/v1/model?model={m}").json()["intra_op_threads"] for m in want}
             assert got == want, (extra, got)
             assert app.state.addnorm.cores.threads == 2
-            serving = app.state.addnorm.loaded.models.get("encoder")
+            serving = app.state.addnorm.known.models.get("encoder")
             assert serving.batcher.cores is app.state.addnorm.cores  # every CPU run draws from the budget
 
 

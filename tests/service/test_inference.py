@@ -23,15 +23,15 @@ E = 32  # tiny_artifact's d_model
 
 
 def test_the_deadline_is_the_soonest_of_the_client_the_protocol_and_the_server():
-    loaded = SimpleNamespace(settings=SimpleNamespace(request_timeout_s=30.0))
+    known = SimpleNamespace(settings=SimpleNamespace(request_timeout_s=30.0))
     req = SimpleNamespace(timeout_s=None)
-    assert inference.deadline(loaded, inference.Call("v1"), req) == 30.0
-    assert inference.deadline(loaded, inference.Call("v2"), SimpleNamespace(timeout_s=2.5)) == 2.5
+    assert inference.deadline(known, inference.Call("v1"), req) == 30.0
+    assert inference.deadline(known, inference.Call("v2"), SimpleNamespace(timeout_s=2.5)) == 2.5
     assert (
-        inference.deadline(loaded, inference.Call("grpc", deadline_s=0.7), SimpleNamespace(timeout_s=2.5))
+        inference.deadline(known, inference.Call("grpc", deadline_s=0.7), SimpleNamespace(timeout_s=2.5))
         == 0.7
     )
-    assert inference.deadline(loaded, inference.Call("grpc", deadline_s=90.0), req) == 30.0  # never longer
+    assert inference.deadline(known, inference.Call("grpc", deadline_s=90.0), req) == 30.0  # never longer
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def blocked_app(tiny_artifact):
     app = create_app(Settings(artifact=tiny_artifact, grpc_port=port, max_batch_size=1))
     with TestClient(app) as client:
         wait_until_ready(client)
-        model = app.state.addnorm.loaded.models.default
+        model = app.state.addnorm.known.models.default
         run, gate, shapes = model.engine.run, threading.Event(), []
 
         def held(x, mask=None):

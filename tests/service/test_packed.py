@@ -291,8 +291,8 @@ def test_merging_by_cost_on_a_packed_graph_pays_only_for_attentions_padding():
     """A 64-long head and an 8-long request: padded, merging costs 56 positions of every weight product (more
     than a run's fixed cost); packed, only the attention's padding."""
 
-    def request(seq: int) -> merging.Request:
-        return merging.Request(np.zeros((1, seq, 768), np.float32), None, asyncio.Future(loop=loop))
+    def request(seq: int) -> merging.Queued:
+        return merging.Queued(np.zeros((1, seq, 768), np.float32), None, asyncio.Future(loop=loop))
 
     loop = asyncio.new_event_loop()
     try:

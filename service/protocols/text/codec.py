@@ -29,7 +29,7 @@ TEXT_WORK = 8
 
 
 @dataclass(frozen=True)
-class Read:
+class TextQuery:
     """What a text API's JSON asks: the model (None: the default), its inputs (texts or token id lists), whether
     to cut inputs over the model's length, and the protocol's own options for ``write``."""
 
@@ -45,7 +45,7 @@ class Read:
 class TextCodec:
     """A text API's codec for one request (service.core.inference.Codec)."""
 
-    read: Callable[[object, int], Read]  # (parsed JSON, max inputs) -> Read
+    read: Callable[[object, int], TextQuery]  # (parsed JSON, max inputs) -> TextQuery
     write: Callable[[TextRequest, ServingModel, Outputs], bytes]
     max_elements: int
     limits: TextLimits
@@ -68,15 +68,15 @@ class TextCodec:
         return self.write(req, model, outputs)
 
 
-async def answer(request: Request, loaded: Known, protocol: str, read: Callable, write: Callable) -> Response:
+async def answer(request: Request, known: Known, protocol: str, read: Callable, write: Callable) -> Response:
     """A text API's route: the body read under the limits, the request core's text step run with this API's
     ``read`` and ``write``, the JSON answer with its timing headers."""
     start = time.perf_counter()
-    s = loaded.settings
+    s = known.settings
     call = http_call(request, protocol, start)
     body = await read_then_watch(request, call, s.max_body_bytes)
-    how = TextCodec(read, write, s.max_elements, TextLimits.of(s))
-    payload, timings = await inference.run(loaded, call, how, body)
+    text_codec = TextCodec(read, write, s.max_elements, TextLimits.of(s))
+    payload, timings = await inference.run(known, call, text_codec, body)
     return Response(
         payload, media_type="application/json", headers=timing_headers(timings, time.perf_counter() - start)
     )

@@ -21,7 +21,7 @@ from addnorm.service.core.text import text_inputs, vectors
 from addnorm.service.errors import BadInput, quote
 from addnorm.service.guard import Known
 from addnorm.service.protocols.common import error_docs
-from addnorm.service.protocols.text.codec import Read, answer, fields, pooling
+from addnorm.service.protocols.text.codec import TextQuery, answer, fields, pooling
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 _KNOWN = {"input", "model", "encoding_format", "dimensions", "user", "truncate"}
@@ -133,7 +133,7 @@ _DOC = {
 }
 
 
-def read(doc: object, max_inputs: int) -> Read:
+def read(doc: object, max_inputs: int) -> TextQuery:
     doc = fields(doc, _KNOWN, "input")
     model = doc.get("model")
     if model is not None and not isinstance(model, str):
@@ -151,14 +151,14 @@ def read(doc: object, max_inputs: int) -> Read:
     if not isinstance(truncate, bool):
         raise BadInput(f"truncate must be true or false, got {quote(truncate)}")
     inputs = text_inputs(doc["input"], "input", max_inputs)
-    return Read(model, inputs, truncate, {"format": fmt, "dimensions": dims})
+    return TextQuery(model, inputs, truncate, {"format": fmt, "dimensions": dims})
 
 
 def write(req, model, outputs) -> bytes:
     dims = req.options["dimensions"]
-    how, normalized = pooling(model)
+    pooled_by, normalized = pooling(model)
     # Matryoshka: cut, then normalize again
-    out = vectors(req, outputs, how, normalized, True if dims is not None else None, dims)
+    out = vectors(req, outputs, pooled_by, normalized, True if dims is not None else None, dims)
     if req.options["format"] == "base64":
         data = [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in out]
     else:
@@ -175,8 +175,8 @@ def write(req, model, outputs) -> bytes:
 
 
 @router.post("/embeddings", summary="Embeddings of texts or token ids (OpenAI's API)", openapi_extra=_DOC)
-async def embeddings(request: Request, loaded: Known) -> Response:
-    return await answer(request, loaded, "openai", read, write)
+async def embeddings(request: Request, known: Known) -> Response:
+    return await answer(request, known, "openai", read, write)
 
 
 @router.get(
@@ -184,13 +184,13 @@ async def embeddings(request: Request, loaded: Known) -> Response:
     summary="The served models (OpenAI's list)",
     responses=error_docs({401: "missing or invalid API key"}, ERROR_SCHEMA),
 )
-async def models(loaded: Known) -> dict:
+async def models(known: Known) -> dict:
     created = int(time.time())
     return {
         "object": "list",
         "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "addnorm"}
-            for name in (m.name for m in loaded.models)
+            for name in (m.name for m in known.models)
         ],
     }
 

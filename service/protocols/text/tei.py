@@ -17,7 +17,7 @@ from addnorm.service.core.text import text_inputs, vectors
 from addnorm.service.errors import BadInput, TooLarge, quote
 from addnorm.service.guard import Known
 from addnorm.service.protocols.common import error_docs, json_bool, parse_json, read_body
-from addnorm.service.protocols.text.codec import TEXT_WORK, Read, answer, fields, pooling
+from addnorm.service.protocols.text.codec import TEXT_WORK, TextQuery, answer, fields, pooling
 
 router = APIRouter(tags=["tei"])
 _EMBED = {"inputs", "normalize", "truncate", "truncation_direction", "prompt_name", "dimensions"}
@@ -106,7 +106,7 @@ def _texts(doc: dict, max_inputs: int) -> list[str]:
     return inputs
 
 
-def read(doc: object, max_inputs: int) -> Read:
+def read(doc: object, max_inputs: int) -> TextQuery:
     doc = fields(doc, _EMBED, "inputs")
     if doc.get("truncation_direction", "Right") != "Right":
         raise BadInput("truncation_direction must be 'Right' (the end of an input is cut)")
@@ -116,33 +116,33 @@ def read(doc: object, max_inputs: int) -> Read:
     options = {"normalize": json_bool(doc, "normalize", "body", True), "dimensions": dims}
     inputs = text_inputs(doc["inputs"], "inputs", max_inputs)
     truncate = json_bool(doc, "truncate", "body", False)
-    return Read(None, inputs, truncate, options, _prompt_name(doc), field="inputs")
+    return TextQuery(None, inputs, truncate, options, _prompt_name(doc), field="inputs")
 
 
 def write(req, model, outputs) -> bytes:
-    how, normalized = pooling(model)
-    out = vectors(req, outputs, how, normalized, req.options["normalize"], req.options["dimensions"])
+    pooled_by, normalized = pooling(model)
+    out = vectors(req, outputs, pooled_by, normalized, req.options["normalize"], req.options["dimensions"])
     return orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 @router.post(
     "/embed", summary="Embeddings of texts (text-embeddings-inference's API)", openapi_extra=_EMBED_DOC
 )
-async def embed(request: Request, loaded: Known) -> Response:
-    return await answer(request, loaded, "tei", read, write)
+async def embed(request: Request, known: Known) -> Response:
+    return await answer(request, known, "tei", read, write)
 
 
 @router.post(
     "/tokenize", summary="Tokens of texts (text-embeddings-inference's API)", openapi_extra=_TOKENIZE_DOC
 )
-async def tokenize(request: Request, loaded: Known) -> Response:
+async def tokenize(request: Request, known: Known) -> Response:
     """Read under the body limit as every route is; each text within the model's characters before it is
     tokenized; the answer at most as many tokens as /embed could take in one request; big work off the loop."""
-    s = loaded.settings
+    s = known.settings
     body = await read_body(request, s.max_body_bytes)
     amount = work(TEXT_WORK * len(body))
     doc = fields(await offload(amount, parse_json, body, s.max_elements), _TOKENIZE, "inputs")
-    model = loaded.models.get(None)
+    model = known.models.get(None)
     front = model.engine.text
     if front is None:
         raise BadInput(f"model {quote(model.name)} takes embeddings, not text: export it with --inputs ids")

@@ -62,17 +62,17 @@ _ENCODE_DOC = {
 
 
 @router.post("/encode", summary="Encode embeddings with the served encoder block", openapi_extra=_ENCODE_DOC)
-async def encode(request: Request, loaded: Known) -> Response:
+async def encode(request: Request, known: Known) -> Response:
     """Decode by Content-Type, run, answer in the type Accept asks for."""
     start = time.perf_counter()
-    settings, headers = loaded.settings, request.headers
+    settings, headers = known.settings, request.headers
     media = codec.negotiate(headers.get("accept"))
     named = request.query_params.get(codec.MODEL)
     output = codec.output_param(request.query_params.get(codec.OUTPUT))
     # The model is named in the payload (or ?model=), so reading and decoding count as its input stage.
     call = http_call(request, "v1", start)
     body = await read_then_watch(request, call, settings.max_body_bytes)
-    how = codec.EncodeCodec(
+    request_codec = codec.EncodeCodec(
         headers.get("content-type", ""),
         headers,
         named,
@@ -81,7 +81,7 @@ async def encode(request: Request, loaded: Known) -> Response:
         settings.max_elements,
         TextLimits.of(settings),
     )
-    (payload, answer_headers), timings = await inference.run(loaded, call, how, body)
+    (payload, answer_headers), timings = await inference.run(known, call, request_codec, body)
     answer_headers.update(timing_headers(timings, time.perf_counter() - start))
     return Response(payload, media_type=media, headers=answer_headers)
 
@@ -93,8 +93,8 @@ async def encode(request: Request, loaded: Known) -> Response:
         {401: "missing or invalid API key", 404: "unknown model", 503: "model not loaded yet"}
     ),
 )
-async def model(loaded: Known, model: str | None = None) -> dict:
-    served = loaded.models.get(model)
+async def model(known: Known, model: str | None = None) -> dict:
+    served = known.models.get(model)
     live = served.live_parity()
     if live is not None:
         live["judged"] = judged(served.engine.manifest)

@@ -58,15 +58,15 @@ class InferenceService:
     def __init__(self, state: ServiceState) -> None:
         self.state = state
 
-    def _loaded(self) -> KnownModels:
+    def _known(self) -> KnownModels:
         """The models, which the guard made sure of before the method ran."""
         if (
-            self.state.loaded is None
+            self.state.known is None
         ):  # the guard refuses model calls until then; a method it missed fails loudly
             raise RuntimeError(
                 "a gRPC method ran before the models' manifests were read: the guard missed it"
             )
-        return self.state.loaded
+        return self.state.known
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
@@ -78,13 +78,13 @@ class InferenceService:
         return pb.ServerMetadataResponse(name="addnorm", version=VERSION, extensions=codec.EXTENSIONS)
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
-        models = self._loaded().models
+        models = self._known().models
         slot = models.slot(request.name)
         metadata.check_version(models, request.name, request.version)
         return pb.ModelReadyResponse(ready=slot.state == READY)
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context) -> pb.ModelMetadataResponse:
-        models = self._loaded().models
+        models = self._known().models
         model = models.get(request.name)
         metadata.check_version(models, request.name, request.version)
         return grpc_codec.from_dict(
@@ -92,16 +92,16 @@ class InferenceService:
         )
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context) -> pb.ModelConfigResponse:
-        models = self._loaded().models
+        models = self._known().models
         model = models.get(request.name)
         metadata.check_version(models, request.name, request.version)
         return pb.ModelConfigResponse(config=model_config.as_message(metadata.model_configuration(model)))
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context) -> bytes:
-        loaded = self._loaded()
+        known = self._known()
         name = request.model_name
-        loaded.models.get(name)  # 404 or 503 before the version (as over HTTP)
-        metadata.check_version(loaded.models, name, request.model_version)
+        known.models.get(name)  # 404 or 503 before the version (as over HTTP)
+        metadata.check_version(known.models, name, request.model_version)
 
         # A call its client cancels needs no Disconnect: grpc.aio cancels this task, which drops the queued
         # work as a gone HTTP client's does (tests/service/test_inference.py).
@@ -109,14 +109,16 @@ class InferenceService:
             return next((v for k, v in context.invocation_metadata() or () if k == key), None)
 
         call = inference.Call("grpc", named=name, deadline_s=context.time_remaining(), carrier=carrier)
-        how = grpc_codec.GrpcInferCodec(name, loaded.settings.max_elements, TextLimits.of(loaded.settings))
-        answer, _ = await inference.run(loaded, call, how, request)
+        infer_codec = grpc_codec.GrpcInferCodec(
+            name, known.settings.max_elements, TextLimits.of(known.settings)
+        )
+        answer, _ = await inference.run(known, call, infer_codec, request)
         return answer
 
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context
     ) -> pb.ModelStatisticsResponse:
-        models = self._loaded().models
+        models = self._known().models
         doc = metadata.statistics(models, request.name, request.version)
         return grpc_codec.from_dict(doc, pb.ModelStatisticsResponse)
 
@@ -137,7 +139,7 @@ class InferenceService:
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context
     ) -> pb.RepositoryIndexResponse:
-        models = self._loaded().models
+        models = self._known().models
         return grpc_codec.from_dict(
             {"models": metadata.repository_index(models, request.ready)}, pb.RepositoryIndexResponse
         )

@@ -81,25 +81,25 @@ _INFER_DOC = {
 }
 
 
-def _model(loaded: KnownModels, name: str, version: str | None) -> ServingModel:
+def _model(known: KnownModels, name: str, version: str | None) -> ServingModel:
     """The model a path names: 404 for an unknown model or version, 503 while it loads or when it failed to."""
-    model = loaded.models.get(name)
-    metadata.check_version(loaded.models, name, version)
+    model = known.models.get(name)
+    metadata.check_version(known.models, name, version)
     return model
 
 
-async def _infer(request: Request, loaded: KnownModels, name: str, version: str | None) -> Response:
+async def _infer(request: Request, known: KnownModels, name: str, version: str | None) -> Response:
     """POST /v2/models/{name}[/versions/{version}]/infer: the model resolved once, by the request core, before the
     body is read (404 or 503 first)."""
     start = time.perf_counter()
-    metadata.check_version(loaded.models, name, version)
-    settings = loaded.settings
-    how = codec.InferCodec(
+    metadata.check_version(known.models, name, version)
+    settings = known.settings
+    request_codec = codec.InferCodec(
         name, request.headers.get(codec.HEADER_LENGTH), settings.max_elements, TextLimits.of(settings)
     )
     call = http_call(request, "v2", start, named=name)
     body = lambda: read_then_watch(request, call, settings.max_body_bytes)  # noqa: E731 (read once resolved)
-    (payload, headers), timings = await inference.run(loaded, call, how, read=body)
+    (payload, headers), timings = await inference.run(known, call, request_codec, read=body)
     headers.update(timing_headers(timings, time.perf_counter() - start))
     return Response(payload, headers=headers, media_type=headers.pop("Content-Type"))
 
@@ -107,15 +107,15 @@ async def _infer(request: Request, loaded: KnownModels, name: str, version: str 
 # Two functions, not one with an optional ``version``: that would document a ``?version=`` query parameter on the
 # first path. The inference routes are declared first: the router tries routes in order, and these carry the traffic.
 @router.post("/models/{name}/infer", summary="Inference", openapi_extra=_INFER_DOC)
-async def model_infer(name: str, request: Request, loaded: Known) -> Response:
-    return await _infer(request, loaded, name, None)
+async def model_infer(name: str, request: Request, known: Known) -> Response:
+    return await _infer(request, known, name, None)
 
 
 @router.post(
     "/models/{name}/versions/{version}/infer", summary="Inference (one version)", openapi_extra=_INFER_DOC
 )
-async def model_version_infer(name: str, version: str, request: Request, loaded: Known) -> Response:
-    return await _infer(request, loaded, name, version)
+async def model_version_infer(name: str, version: str, request: Request, known: Known) -> Response:
+    return await _infer(request, known, name, version)
 
 
 @router.get("", summary="Server metadata")
@@ -148,14 +148,14 @@ async def ready(state: State) -> Response:
 @router.get(
     "/models/{name}/versions/{version}/stats", summary="Statistics of one model version", responses=_ERRORS
 )
-async def model_statistics(loaded: Known, name: str | None = None, version: str | None = None) -> dict:
-    return metadata.statistics(loaded.models, name, version, live_parity=True)
+async def model_statistics(known: Known, name: str | None = None, version: str | None = None) -> dict:
+    return metadata.statistics(known.models, name, version, live_parity=True)
 
 
 @router.get("/models/{name}", summary="Model metadata", responses=_ERRORS)
 @router.get("/models/{name}/versions/{version}", summary="Model metadata (one version)", responses=_ERRORS)
-async def model_metadata(name: str, loaded: Known, version: str | None = None) -> dict:
-    model = _model(loaded, name, version)
+async def model_metadata(name: str, known: Known, version: str | None = None) -> dict:
+    model = _model(known, name, version)
     return {
         **metadata.model_metadata(model.engine.manifest, model.version),
         "parameters": {"verification": model.verification.to_dict()},
@@ -168,16 +168,16 @@ async def model_metadata(name: str, loaded: Known, version: str | None = None) -
     summary="Model configuration (one version)",
     responses=_ERRORS,
 )
-async def model_configuration(name: str, loaded: Known, version: str | None = None) -> dict:
-    return metadata.model_configuration(_model(loaded, name, version))
+async def model_configuration(name: str, known: Known, version: str | None = None) -> dict:
+    return metadata.model_configuration(_model(known, name, version))
 
 
 @router.get("/models/{name}/ready", summary="Model readiness", responses=_ERRORS)
 @router.get(
     "/models/{name}/versions/{version}/ready", summary="Model readiness (one version)", responses=_ERRORS
 )
-async def model_ready(name: str, loaded: Known, version: str | None = None) -> dict:
-    _model(loaded, name, version)
+async def model_ready(name: str, known: Known, version: str | None = None) -> dict:
+    _model(known, name, version)
     return {"name": name, "ready": True}
 
 
@@ -186,7 +186,7 @@ async def model_ready(name: str, loaded: Known, version: str | None = None) -> d
     summary="Every model this server was given, with its state (READY, LOADING, UNAVAILABLE)",
     responses=_ERRORS,
 )
-async def repository_index(request: Request, loaded: Known) -> Response:
+async def repository_index(request: Request, known: Known) -> Response:
     body = await read_body(request, 4096)
     ready_only = False
     if body.strip():
@@ -194,7 +194,7 @@ async def repository_index(request: Request, loaded: Known) -> Response:
         ready_only = doc.get("ready", False) if isinstance(doc, dict) else None
         if not isinstance(ready_only, bool):
             raise BadInput('the body must be empty or {"ready": true|false}')
-    return JSONResponse(metadata.repository_index(loaded.models, ready_only))
+    return JSONResponse(metadata.repository_index(known.models, ready_only))
 
 
 async def _control_parameters(request: Request, unload: bool = False) -> None:
@@ -212,7 +212,7 @@ async def _control_parameters(request: Request, unload: bool = False) -> None:
     summary="Load or reload a model of the repository (model control: explicit mode)",
     responses=_ERRORS,
 )
-async def repository_model_load(name: str, request: Request, state: State, loaded: Known) -> dict:
+async def repository_model_load(name: str, request: Request, state: State, known: Known) -> dict:
     await _control_parameters(request)
     await state.control.load(name)
     return {}
@@ -223,7 +223,7 @@ async def repository_model_load(name: str, request: Request, state: State, loade
     summary="Unload a model once its requests in flight are answered (model control: explicit mode)",
     responses=_ERRORS,
 )
-async def repository_model_unload(name: str, request: Request, state: State, loaded: Known) -> dict:
+async def repository_model_unload(name: str, request: Request, state: State, known: Known) -> dict:
     await _control_parameters(request, unload=True)
     await state.control.unload(name)
     return {}

@@ -9,7 +9,7 @@ the same ``ADDNORM_*`` settings the server reads, so the two agree on every limi
 output for an upstream named ``api`` (``tests/test_front_proxy.py`` keeps it current); docs/reliability.md says
 which protection lives where.
 
-``python -m addnorm.service.front.proxy --listen 0.0.0.0:8080 --upstream 127.0.0.1:8000 > nginx.conf``
+``python -m addnorm.service.front.nginx_conf --listen 0.0.0.0:8080 --upstream 127.0.0.1:8000 > nginx.conf``
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def render(settings: Settings, listen: str, upstream: str, prefix: str | None = 
     # (ADDNORM_MAX_CONNECTIONS, uvicorn's limit_concurrency), so every refusal at the limit is nginx's JSON one.
     pool = max(1, min(32, settings.max_connections // 2))
     active = max(1, settings.max_connections - pool - 1)  # uvicorn refuses at its cap, not past it
-    return f"""# addnorm's front proxy (service/front/proxy.py wrote this from the ADDNORM_* settings; docs/reliability.md).
+    return f"""# addnorm's front proxy (service/front/nginx_conf.py wrote this from the ADDNORM_* settings; docs/reliability.md).
 worker_processes 1;
 {pid}
 error_log stderr warn;
@@ -194,7 +194,7 @@ http {{
 
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(
-        prog="python -m addnorm.service.front.proxy",
+        prog="python -m addnorm.service.front.nginx_conf",
         description="Print an nginx.conf for the front proxy, from the ADDNORM_* settings (docs/reliability.md).",
     )
     parser.add_argument(
