@@ -60,3 +60,21 @@ def agreement(out: np.ndarray, want: np.ndarray, mask: np.ndarray) -> Agreement:
         sentences=int(out.shape[0]),
         tokens=int(keep.sum()),
     )
+
+
+def scores_agreement(got: np.ndarray, want: np.ndarray) -> dict:
+    """How a classification head's scores (N, labels) agree with another's: the largest difference, the cosine of
+    the two as flat vectors, and what a user reads of them: with one label (a cross-encoder's relevance) the
+    Spearman correlation of the N scores' ranks, with several the share of rows whose top label is the same."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    norms = np.linalg.norm(got) * np.linalg.norm(want)
+    out = {
+        "scores_max_abs": float(np.abs(got - want).max()) if got.size else 0.0,
+        "scores_cosine": float((got * want).sum() / norms) if norms > 0 else 1.0,
+    }
+    if got.shape[-1] == 1:
+        ranks = [np.argsort(np.argsort(a[:, 0])) for a in (got, want)]
+        out["scores_spearman"] = float(np.corrcoef(*ranks)[0, 1]) if len(got) > 1 else 1.0
+    else:
+        out["label_agreement"] = float((got.argmax(-1) == want.argmax(-1)).mean())
+    return out

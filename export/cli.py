@@ -22,7 +22,7 @@ from addnorm.export.report import format_table
 from addnorm.export.variants import VARIANTS
 from addnorm.export.weights import CheckpointError
 from addnorm.model.artifact import ArtifactError, load_verified
-from addnorm.model.config import FEED_FORWARDS, POOLINGS, ConfigError, EncoderConfig
+from addnorm.model.config import FEED_FORWARDS, HEAD_ACTIVATIONS, HEADS, POOLINGS, ConfigError, EncoderConfig
 from addnorm.model.text import IDS, INPUTS, TOKENIZER_FILE
 
 log = logging.getLogger("addnorm.export")
@@ -36,12 +36,16 @@ _CONFIG_FLAGS = {
     "nhead": int,
     "dim_feedforward": int,
     "feed_forward": str,
+    "head": str,
+    "num_labels": int,
+    "head_activation": str,
     "num_layers": int,
     "activation": str,
     "layer_norm_eps": float,
     "dropout": float,
     "norm": str,
 }
+HEAD_FIELDS = ("head", "num_labels", "head_activation")
 _SWITCHES = ("norm_first", "batch_first", "pooling", "normalize_pooled", "packed")  # the flags without a type
 
 
@@ -149,6 +153,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--num-layers", type=int, help="encoder blocks stacked (default 1)")
     g.add_argument(
+        "--head",
+        choices=list(HEADS),
+        help="classify: a sequence-classification head on the first token (the scores output, --num-labels "
+        "wide: a cross-encoder's one relevance score, or a classifier's logits); --from reads it from config.json's "
+        "architectures (default none)",
+    )
+    g.add_argument("--num-labels", type=int, help="the classify head's outputs (config.json's id2label)")
+    g.add_argument(
+        "--head-activation",
+        choices=list(HEAD_ACTIVATIONS),
+        help="between the head's two products: tanh (BERT, RoBERTa, MPNet; default) or relu (DistilBERT)",
+    )
+    g.add_argument(
         "--activation", choices=["relu", "gelu"], help="the feed-forward's activation (default relu)"
     )
     g.add_argument("--layer-norm-eps", type=float, help="every LayerNorm's epsilon (default 1e-5)")
@@ -212,6 +229,8 @@ def config_from_args(
     a sentence-transformers directory applies (model_dir.sentence_pooling), which --config and the flags may change."""
     fields = EncoderConfig.load(args.config).to_dict() if args.config else {}
     flags = {name: getattr(args, name) for name in (*_CONFIG_FLAGS, *_SWITCHES)}
+    if declared and flags["head"] is not None:  # --head decides over config.json's architectures
+        declared = {k: v for k, v in declared.items() if k not in HEAD_FIELDS}
     if declared:
         if wrong := model_dir.contradictions(declared, {**fields, **flags}):
             raise ConfigError(
@@ -305,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             given=given,
             check=check,
             text=text,
+            labels=_labels(where, config),
         )
     except ParityError as exc:
         print(format_table(exc.report, verbose=args.verbose), file=sys.stderr)
@@ -336,6 +356,14 @@ def _text(
             "it); or give --inputs embeddings"
         )
     return text_export(where, state, config.d_model)
+
+
+def _labels(where: model_dir.ModelDir | None, config: EncoderConfig) -> tuple[str, ...]:
+    """config.json's label names for the head, where it names as many as the head has."""
+    if where is None or where.config is None or config.head == "none":
+        return ()
+    labels = where.family.labels(where.config)
+    return labels if len(labels) == config.num_labels else ()
 
 
 def _wants_reference(args: argparse.Namespace) -> bool:

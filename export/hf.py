@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from addnorm.export.agreement import agreement
+from addnorm.export.agreement import agreement, scores_agreement
 from addnorm.export.model_dir import TOKENIZER_FILES
 from addnorm.export.parity import make_session
 from addnorm.export.sentences import SENTENCES
 from addnorm.model.config import ConfigError
-from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, POOLED, output_names
+from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, POOLED, SCORES, output_names
 from addnorm.model.reference import pool as reference_pool
 from addnorm.model.verdict import FP32_ATOL, FP32_RTOL
 
@@ -178,18 +178,22 @@ IDS_MIN_COSINE = 0.99
 def ids_check(directory: Path, text, config):
     """The pipeline's ``check`` for an ids artifact: built-in sentences (one past 128 tokens) tokenized as the
     server tokenizes them, through the embedding graph and the block, against transformers' ``AutoModel`` on the
-    same ids (its ``last_hidden_state``, and sentence-transformers' pooling of it)."""
+    same ids (its ``last_hidden_state``, and sentence-transformers' pooling of it); with a classification head,
+    ``AutoModelForSequenceClassification``'s last hidden state and logits."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        from transformers import AutoModel
+        from transformers import AutoModel, AutoModelForSequenceClassification
     except ImportError:
         raise ConfigError("--reference transformers needs transformers (pip install transformers)") from None
     from addnorm.model.text import TOKENIZER_FILE
     from addnorm.model.tokenize import TextTokenizer
 
-    model = AutoModel.from_pretrained(
-        str(directory), local_files_only=True, attn_implementation="eager"
-    ).eval()
+    head = config.head != "none"
+    model = (
+        (AutoModelForSequenceClassification if head else AutoModel)
+        .from_pretrained(str(directory), local_files_only=True, attn_implementation="eager")
+        .eval()
+    )
     tokenizer = TextTokenizer((directory / TOKENIZER_FILE).read_bytes(), text)
     sentences = [*SENTENCES, " ".join(SENTENCES)]
     batch = tokenizer.encode(sentences, truncate=True)
@@ -200,7 +204,9 @@ def ids_check(directory: Path, text, config):
     if text.type_vocab_size:
         feed["token_type_ids"] = torch.from_numpy(batch.token_type_ids)
     with torch.no_grad():
-        want = model(**feed).last_hidden_state.numpy()
+        answer = model(**feed, output_hidden_states=head)
+    want = (answer.hidden_states[-1] if head else answer.last_hidden_state).numpy()
+    want_scores = answer.logits.numpy() if head else None
     source = f"{len(sentences)} built-in sentences ({min(batch.lengths)}-{max(batch.lengths)} tokens)"
 
     def check(model_path: Path) -> dict:
@@ -218,6 +224,13 @@ def ids_check(directory: Path, text, config):
                 np.abs(outs[POOLED] - reference_pool(config, want.astype(np.float64), batch.mask)).max()
             )
             result["ids"]["graph"]["pooled_max_abs"] = err
+        if want_scores is not None:
+            result["ids"]["graph"].update(scores_agreement(outs[SCORES], want_scores))
+            if result["ids"]["graph"]["scores_cosine"] < IDS_MIN_COSINE:
+                raise ConfigError(
+                    f"the classification head's scores do not match transformers' {type(model).__name__} on "
+                    f"{source}: cosine {result['ids']['graph']['scores_cosine']:.4f}; the family's head mapping is wrong"
+                )
         if graph.min_sentence_cosine < IDS_MIN_COSINE:
             raise ConfigError(
                 f"text through the exported graphs does not match transformers' {type(model).__name__} on {source}: "

@@ -1,6 +1,7 @@
 """An ids artifact as one graph under transformers' names, for the tools that load Hugging Face ONNX exports
 (sentence-transformers' ``backend="onnx"``, TEI's onnxruntime backend, optimum): ``input_ids``,
-``attention_mask`` (int64, 1 = a real token) [, ``token_type_ids``] -> ``last_hidden_state`` [, ``pooled``].
+``attention_mask`` (int64, 1 = a real token) [, ``token_type_ids``] -> ``last_hidden_state`` [, ``pooled``]
+[, ``logits``: a classification head's scores, as transformers' ``*ForSequenceClassification`` names them].
 
 The embedding graph and the block are joined as they are (the same nodes and weights the server runs), with one
 adapter between them: the block's mask (bool, true = padding) is ``attention_mask == 0``.
@@ -19,7 +20,7 @@ from onnx import TensorProto, compose, helper
 
 from addnorm.commands import Parser
 from addnorm.model.artifact import MODEL_FILE, Manifest
-from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
+from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, SCORES
 from addnorm.model.text import ATTENTION_MASK, EMBEDDING_FILE
 
 LAST_HIDDEN_STATE = "last_hidden_state"
@@ -41,7 +42,7 @@ def joined(artifact: Path) -> onnx.ModelProto:
         for n in manifest.text.input_names
     ]
     attention = helper.make_tensor_value_info(ATTENTION_MASK, TensorProto.INT64, ["batch", "seq"])
-    names = {ENCODED: LAST_HIDDEN_STATE}
+    names = {ENCODED: LAST_HIDDEN_STATE, SCORES: "logits"}
     outputs = [
         helper.make_tensor_value_info(
             names.get(o.name[len("block/") :], o.name[len("block/") :]), TensorProto.FLOAT, None

@@ -67,7 +67,7 @@ def locate(path: str | Path) -> ModelDir:
 def config_fields(config: dict, source: str = CONFIG_FILE) -> dict:
     """What a Hugging Face config.json says of the encoder layers, as EncoderConfig fields (its family's reading:
     export/families)."""
-    return family_of(config, source).fields(config)
+    return family_of(config, source).block_fields(config)
 
 
 def read_model_dir(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, ModelDir]:

@@ -31,7 +31,7 @@ from addnorm.export.yardsticks import (  # noqa: F401  torch_outputs and float32
     torch_outputs,
 )
 from addnorm.model import kernels, packing, reference
-from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, output_names, positional
+from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, SCORES, output_names, positional
 from addnorm.model.encoder import Encoder
 from addnorm.model.golden import REPRESENTATIVE
 from addnorm.model.runtime import CPU, CUDA, session_args
@@ -285,7 +285,10 @@ def run_parity(
                     tol,
                     forced[0].get(name, scheme_outs.get(name)),
                     roundoff if name in forced[0] else spread.get(name),
-                    quality=case.representative,
+                    # a head's scores are a few logits a row, whose own relative error says nothing near 0: their
+                    # quality is the encoded first token's (the head runs in float in every scheme), and on real
+                    # text their ranking against transformers' (hf.ids_check); the graph is held to its scheme
+                    quality=case.representative and name != SCORES,
                     real=_real(cfg, name, mask, served),
                     sequence_axis=0 if not cfg.batch_first and name in served else 1,
                     scheme_ref=forced[1].get(name),

@@ -73,7 +73,7 @@ def prepare_encoder(
     if family is None and from_bert:
         family = BERT
     if family is not None:
-        state = family.block_state(state, config.num_layers)
+        state = family.block_state(state, config.num_layers, head=config.head != "none")
     return load_state(encoder, state, checkpoint)
 
 
@@ -89,6 +89,7 @@ def export_artifact(
     given: list[Case] | None = None,
     check: Callable[[Path], dict] | None = None,
     text: TextExport | None = None,
+    labels: tuple[str, ...] = (),
 ) -> ExportResult:
     """Export, check the graph, run the parity gate, then publish model, weights and manifest into ``out_dir``.
 
@@ -98,6 +99,7 @@ def export_artifact(
     of the gated graph (its path -> figures kept in the manifest's parity as ``reference``; raises to refuse it),
     e.g. the comparison with transformers (export.cli); with ``text``, the embedding graph and tokenizer lie beside
     it when it runs. ``text``: the artifact takes token ids too (export/embedding.py: its own graph and gate).
+    ``labels``: a classification head's label names by index (config.json's ``id2label``), kept in the manifest.
 
     Everything is written into a staging directory first; ``out_dir`` only changes when every gate passed, and then
     in one atomic swap (export/publish.py): whenever the export dies, ``out_dir`` holds the previous complete
@@ -175,6 +177,7 @@ def export_artifact(
             weights_sha256=sha256_file(staging / WEIGHTS_FILE),
             scheme=plan,
             text=None if text is None else text.config,
+            labels=tuple(labels),
             embedding_sha256=sha256_file(staging / EMBEDDING_FILE) if text else "",
             tokenizer_sha256=sha256_file(staging / TOKENIZER_FILE) if text else "",
             embedding_golden_sha256=sha256_file(staging / EMBEDDING_GOLDEN_FILE) if text else "",

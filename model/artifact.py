@@ -62,6 +62,18 @@ class Manifest:
     embedding_sha256: str = ""
     tokenizer_sha256: str = ""
     embedding_golden_sha256: str = ""
+    labels: tuple[str, ...] = ()  # a classification head's label names by index; () for none, or unnamed
+
+    def __post_init__(self) -> None:
+        if self.labels and len(self.labels) != self.config.num_labels:
+            raise ArtifactError(
+                f"manifest labels name {len(self.labels)} label(s) but the head has {self.config.num_labels}"
+            )
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        """The head's label names by index: the manifest's, else LABEL_0, LABEL_1, ... (transformers' defaults)."""
+        return self.labels or tuple(f"LABEL_{i}" for i in range(self.config.num_labels))
 
     def input(self, name: str) -> TensorSpec:
         for spec in self.inputs:
@@ -106,6 +118,7 @@ class Manifest:
                 if self.text
                 else {}
             ),
+            **({"labels": list(self.labels)} if self.labels else {}),
             "parity": self.parity,
             "created_at": self.created_at,
         }
@@ -140,6 +153,7 @@ class Manifest:
                 embedding_sha256=str(data.get("embedding_sha256", "")),
                 tokenizer_sha256=str(data.get("tokenizer_sha256", "")),
                 embedding_golden_sha256=str(data.get("embedding_golden_sha256", "")),
+                labels=_labels(data.get("labels", [])),
             )
         except (KeyError, TypeError, ValueError, ConfigError) as exc:
             if isinstance(exc, ArtifactError):
@@ -174,6 +188,12 @@ class Manifest:
         if not isinstance(data, dict):
             raise ArtifactError(f"{path} must hold a JSON object")
         return cls.from_dict(data)
+
+
+def _labels(data: Any) -> tuple[str, ...]:
+    if not isinstance(data, list) or not all(isinstance(x, str) for x in data):
+        raise ArtifactError(f"manifest labels must be a list of names, got {data!r}")
+    return tuple(data)
 
 
 def _scheme(data: Any) -> dict[str, Any]:

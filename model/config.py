@@ -11,6 +11,8 @@ from typing import Any
 ACTIVATIONS = ("relu", "gelu")
 NORMS = ("layer", "rms")
 FEED_FORWARDS = ("plain", "gated")
+HEADS = ("none", "classify")
+HEAD_ACTIVATIONS = ("tanh", "relu")
 POOLINGS = (
     "none",
     "mean",
@@ -36,6 +38,10 @@ class EncoderConfig:
     ``feed_forward``: ``plain`` = ``linear2(activation(linear1(x)))``; ``gated`` = a GLU as ModernBERT's:
     ``linear1`` projects to twice ``dim_feedforward``, its first half activated times its second (the gate), then
     ``linear2``. The state_dict's keys are the same either way; ``linear1``'s rows are ``feed_forward_rows``.
+    ``head``: ``classify`` adds a sequence-classification head, the ``scores`` output (batch, ``num_labels``): the
+    first token's vector through ``head.dense``, ``head_activation`` and ``head.out``, the logits transformers'
+    ``*ForSequenceClassification`` computes (BERT's pooler and classifier, RoBERTa's and MPNet's classification head,
+    DistilBERT's pre-classifier; a cross-encoder for reranking has one label).
     """
 
     d_model: int = 768
@@ -53,6 +59,9 @@ class EncoderConfig:
     packed: bool = False
     relative_attention_buckets: int = 0
     feed_forward: str = "plain"
+    head: str = "none"
+    num_labels: int = 0
+    head_activation: str = "tanh"
 
     def __post_init__(self) -> None:
         for name in ("d_model", "nhead", "dim_feedforward", "num_layers"):
@@ -79,6 +88,19 @@ class EncoderConfig:
             raise ConfigError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if self.feed_forward not in FEED_FORWARDS:
             raise ConfigError(f"feed_forward must be one of {FEED_FORWARDS}, got {self.feed_forward!r}")
+        if self.head not in HEADS:
+            raise ConfigError(f"head must be one of {HEADS}, got {self.head!r}")
+        if self.head_activation not in HEAD_ACTIVATIONS:
+            raise ConfigError(
+                f"head_activation must be one of {HEAD_ACTIVATIONS}, got {self.head_activation!r}"
+            )
+        labels = self.num_labels
+        if isinstance(labels, bool) or not isinstance(labels, int) or labels < 0:
+            raise ConfigError(f"num_labels must be a non-negative integer, got {labels!r}")
+        if (self.head == "classify") != (labels > 0):
+            raise ConfigError(
+                f"num_labels is {labels} with head {self.head!r}: a classify head has at least one label, no head none"
+            )
         if self.norm not in NORMS:
             raise ConfigError(f"norm must be one of {NORMS}, got {self.norm!r}")
         eps = self.layer_norm_eps

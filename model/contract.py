@@ -18,6 +18,7 @@ MASK = "mask"  # bool (batch, seq), true = padding
 TEXT = "text"  # V2 BYTES (batch,): texts, for a model exported with its tokenizer (model/text.py)
 ENCODED = "encoded"  # float32, the embeddings' shape
 POOLED = "pooled"  # float32 (batch, d_model): the sentence embedding, in graphs exported with a pooling
+SCORES = "scores"  # float32 (batch, num_labels): a classification head's logits, in graphs exported with one
 INPUT_NAMES = (EMBEDDINGS, MASK)
 # A packed graph (config.packed) takes sequences of different lengths laid end to end, no padding, in the
 # layout of Triton's ragged batching: ``embeddings`` float32 (tokens x d_model,), the tokens concatenated;
@@ -28,6 +29,7 @@ PACKED_INPUT_NAMES = (EMBEDDINGS, MASK, OFFSETS, LONGEST)
 OUTPUT_NAMES = (
     ENCODED,
     POOLED,
+    SCORES,
 )  # every output a graph may have, in graph order; output_names(config): its own
 STEP_OUTPUT = "add_norm_{}"  # debug graphs only: one extra output per Add & Norm step, never served
 BATCH, SEQ = "batch", "seq"  # the symbolic dims
@@ -53,13 +55,17 @@ class TensorSpec:
 
 def output_names(config: EncoderConfig) -> tuple[str, ...]:
     """The outputs of the graph exported for ``config``, in graph order."""
-    return OUTPUT_NAMES if config.pooling != "none" else (ENCODED,)
+    return (
+        ENCODED,
+        *((POOLED,) if config.pooling != "none" else ()),
+        *((SCORES,) if config.head != "none" else ()),
+    )
 
 
 def positional(name: str) -> bool:
     """Whether an output has a sequence axis (one row per position, cut and masked per token) or one row per
-    sequence (the pooled embedding)."""
-    return name != POOLED
+    sequence (the pooled embedding, a head's scores)."""
+    return name not in (POOLED, SCORES)
 
 
 def input_names(config: EncoderConfig) -> tuple[str, ...]:
@@ -87,6 +93,8 @@ def io_specs(config: EncoderConfig) -> tuple[tuple[TensorSpec, ...], tuple[Tenso
     outputs = [TensorSpec(ENCODED, "float32", emb_shape)]
     if config.pooling != "none":
         outputs.append(TensorSpec(POOLED, "float32", (BATCH, config.d_model)))
+    if config.head != "none":
+        outputs.append(TensorSpec(SCORES, "float32", (BATCH, config.num_labels)))
     return inputs, tuple(outputs)
 
 

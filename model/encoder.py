@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from addnorm.model.attention import RELATIVE_MAX_DISTANCE, relative_buckets
 from addnorm.model.config import EncoderConfig
-from addnorm.model.contract import ENCODED, POOLED
+from addnorm.model.contract import ENCODED, POOLED, SCORES
 
 Sublayer = Callable[[Tensor], Tensor]
 
@@ -231,6 +231,23 @@ class EncoderBlock(nn.Module):
         return x
 
 
+class ClassificationHead(nn.Module):
+    """A sequence-classification head on the first token: ``out(activation(dense(x)))``, (B, E) -> (B, labels).
+
+    Its products are written as matrix products, not ``F.linear``: a lossy variant's scheme of the block's weight
+    products (int8's) leaves them in float, as a head of a few thousand weights costs nothing to keep exact."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.d_model, config.d_model)
+        self.out = nn.Linear(config.d_model, config.num_labels)
+        self.activation = torch.tanh if config.head_activation == "tanh" else F.relu
+
+    def forward(self, first: Tensor) -> Tensor:
+        hidden = self.activation(first @ self.dense.weight.T + self.dense.bias)
+        return hidden @ self.out.weight.T + self.out.bias
+
+
 class Encoder(nn.Module):
     """A stack of ``num_layers`` blocks, plus a final norm for pre-norm stacks (as ``nn.TransformerEncoder(norm=)``).
 
@@ -238,7 +255,8 @@ class Encoder(nn.Module):
     bool, true where a position is padding. Returns the encoded tensor in the input's layout.
 
     With ``relative_attention_buckets`` (MPNet) the stack holds ``relative_attention_bias`` (buckets, H), as
-    transformers' MPNetEncoder does, and every layer's attention adds ``position_bias`` to its scores.
+    transformers' MPNetEncoder does, and every layer's attention adds ``position_bias`` to its scores. With a
+    ``head`` it holds it (``head.dense``, ``head.out``), and ``outputs`` gives its ``scores``.
     """
 
     def __init__(self, config: EncoderConfig) -> None:
@@ -251,6 +269,7 @@ class Encoder(nn.Module):
             self.relative_attention_bias = nn.Embedding(config.relative_attention_buckets, config.nhead)
             table = torch.tensor(relative_buckets(config.relative_attention_buckets), dtype=torch.long)
             self.register_buffer("bucket_of_distance", table, persistent=False)
+        self.head = ClassificationHead(config) if config.head == "classify" else None
 
     def position_bias(self, seq: Tensor | int) -> Tensor | None:
         """(1, H, S, S): each head's learned bias for the bucket of every key - query distance; None without one.
@@ -283,13 +302,18 @@ class Encoder(nn.Module):
         """Every output of the graph's contract by name (model.contract.OUTPUT_NAMES), as export, the parity gate
         and the golden data read them; ``forward`` returns ``encoded`` alone, as ``nn.TransformerEncoder`` does."""
         encoded = self(embeddings, mask, steps)
-        if self.config.pooling == "none":
-            return {ENCODED: encoded}
-        tokens = encoded if self.config.batch_first else encoded.transpose(0, 1)
-        return {
-            ENCODED: encoded,
-            POOLED: pool(tokens, mask, self.config.pooling, self.config.normalize_pooled),
-        }
+        return self._with_heads(
+            encoded, encoded if self.config.batch_first else encoded.transpose(0, 1), mask
+        )
+
+    def _with_heads(self, encoded: Tensor, tokens: Tensor, mask: Tensor | None) -> dict[str, Tensor]:
+        """The outputs computed from the encoded ``tokens`` (B, S, E): the pooled embedding, a head's scores."""
+        out = {ENCODED: encoded}
+        if self.config.pooling != "none":
+            out[POOLED] = pool(tokens, mask, self.config.pooling, self.config.normalize_pooled)
+        if self.head is not None:
+            out[SCORES] = self.head(tokens[:, 0])
+        return out
 
     def packed_outputs(
         self, tokens: Tensor, packing: Packing, steps: list[Tensor] | None = None
@@ -308,10 +332,7 @@ class Encoder(nn.Module):
         if steps is not None:
             steps.extend(packing.pad(t) for t in packed_steps or [])
         encoded = packing.pad(x)
-        if self.config.pooling == "none":
-            return {ENCODED: encoded}
-        pooled = pool(encoded, packing.mask, self.config.pooling, self.config.normalize_pooled)
-        return {ENCODED: encoded, POOLED: pooled}
+        return self._with_heads(encoded, encoded, packing.mask)
 
 
 def pool(tokens: Tensor, mask: Tensor | None, how: str, normalize: bool) -> Tensor:

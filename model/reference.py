@@ -20,7 +20,7 @@ import numpy as np
 
 from addnorm.model.attention import RELATIVE_MAX_DISTANCE, relative_buckets
 from addnorm.model.config import EncoderConfig
-from addnorm.model.contract import ENCODED, POOLED
+from addnorm.model.contract import ENCODED, POOLED, SCORES
 from addnorm.model.schemes import Exact
 
 EXACT = Exact()
@@ -177,7 +177,20 @@ def outputs(
     """Every output of the graph's contract by name (model.contract.output_names), as ``forward`` computes
     ``encoded``; the pooled output is computed from it in the same dtype."""
     encoded = forward(config, weights, embeddings, mask, arithmetic, steps)
-    if config.pooling == "none":
-        return {ENCODED: encoded}
     tokens = encoded if config.batch_first else encoded.transpose(1, 0, 2)
-    return {ENCODED: encoded, POOLED: arithmetic.cast(pool(config, tokens, mask))}
+    out = {ENCODED: encoded}
+    if config.pooling != "none":
+        out[POOLED] = arithmetic.cast(pool(config, tokens, mask))
+    if config.head != "none":
+        out[SCORES] = head(config, weights, tokens[:, 0], arithmetic)
+    return out
+
+
+def head(
+    config: EncoderConfig, weights: Mapping[str, np.ndarray], first: np.ndarray, a: Exact = EXACT
+) -> np.ndarray:
+    """A classification head's scores (B, labels) of the first tokens (B, E) (model.encoder.ClassificationHead),
+    in float under every scheme (``float_linear``)."""
+    hidden = a.float_linear(first, weights["head.dense.weight"], weights["head.dense.bias"])
+    hidden = np.tanh(hidden) if config.head_activation == "tanh" else np.maximum(hidden, 0.0)
+    return a.float_linear(a.cast(hidden), weights["head.out.weight"], weights["head.out.bias"])

@@ -139,6 +139,10 @@ class Exact:
         """``x @ weight.T + bias`` (torch's Linear layout: weight is (N, E))."""
         return x @ weight.T + bias
 
+    def float_linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
+        """A weight product the scheme keeps in float (a classification head's): only stored results rounded."""
+        return self.cast(x @ self.cast(weight).T + self.cast(bias))
+
 
 class Int8(Exact):
     """export/int8.py's scheme, computed exactly in the arrays' dtype, in the ``form`` an artifact records

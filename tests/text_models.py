@@ -116,8 +116,12 @@ def _tokenizer(specials: tuple[str, ...], cls: str, sep: str, unk: str, pad: str
     return tok, len(vocab)
 
 
-def make_model_dir(family: str, directory: Path, seed: int = 0, max_positions: int = 64) -> Path:
-    """A tiny random ``family`` model directory (bert, roberta, xlm-roberta, distilbert, mpnet)."""
+def make_model_dir(
+    family: str, directory: Path, seed: int = 0, max_positions: int = 64, labels: int = 0
+) -> Path:
+    """A tiny random ``family`` model directory (bert, roberta, xlm-roberta, distilbert, mpnet): a
+    sentence-transformers embedder, or with ``labels`` its ``*ForSequenceClassification`` (one label: a
+    cross-encoder; several: a classifier whose labels are named ``label_{i}``)."""
     import torch
     import transformers as tf
 
@@ -141,6 +145,11 @@ def make_model_dir(family: str, directory: Path, seed: int = 0, max_positions: i
             config, cls = tf.RobertaConfig(**shape, type_vocab_size=1, **common), tf.RobertaModel
         else:
             config, cls = tf.XLMRobertaConfig(**shape, type_vocab_size=1, **common), tf.XLMRobertaModel
+    if labels:
+        cls = getattr(tf, cls.__name__.replace("Model", "ForSequenceClassification"))
+        config.num_labels = labels
+        config.id2label = {i: f"label_{i}" for i in range(labels)}
+        config.label2id = {f"label_{i}": i for i in range(labels)}
     torch.manual_seed(seed)
     model = cls(config).eval()
     with torch.no_grad():  # LayerNorms away from 1 and 0: a wrong eps or a swapped gamma shows
@@ -149,9 +158,13 @@ def make_model_dir(family: str, directory: Path, seed: int = 0, max_positions: i
                 p.add_(torch.randn_like(p) * 0.2)
             if "relative_attention_bias" in name:  # std 0.4, large enough that a wrong bucket shows
                 p.mul_(20.0)
+            if labels and name.startswith("classifier") and name.endswith("weight") and "dense" not in name:
+                p.mul_(300.0)  # logits that differ by units from one text to the next, not by hundredths
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory))
     tok.save(str(directory / "tokenizer.json"))
+    if labels:
+        return directory
     (directory / "modules.json").write_text(
         json.dumps(
             [

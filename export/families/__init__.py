@@ -37,7 +37,9 @@ class Family:
     layer's parts (``EMBEDDING_PARTS``) -> the checkpoint's names under ``…embeddings.``; ``fields(config)``: the
     block's EncoderConfig fields; ``text(config)``: the embedding layer's TextConfig fields but ``max_length`` and
     ``prompts`` (the model directory's, export/model_dir.py); ``stack_keys``: the stack's own weights, outside any layer
-    (``Encoder`` key -> the checkpoint key's ending: MPNet's relative position bias)."""
+    (``Encoder`` key -> the checkpoint key's ending: MPNet's relative position bias); ``head_keys``: its
+    ``*ForSequenceClassification`` head's weights, the same way (``head.dense``, ``head.out``), and
+    ``head_activation`` between them."""
 
     name: str
     model_types: tuple[str, ...]
@@ -47,6 +49,30 @@ class Family:
     fields: Callable[[dict], dict]
     text: Callable[[dict], dict]
     stack_keys: dict[str, str] = field(default_factory=dict)
+    head_keys: dict[str, str] = field(default_factory=dict)
+    head_activation: str = "tanh"
+
+    def block_fields(self, config: dict) -> dict:
+        """What config.json says of the block: ``fields``, and a classification head where its ``architectures``
+        name one (``*ForSequenceClassification``: as many labels as its ``id2label``, else ``num_labels``)."""
+        fields = self.fields(config)
+        architectures = config.get("architectures") or []
+        if any(str(a).endswith("ForSequenceClassification") for a in architectures):
+            labels = config.get("id2label") or {}
+            count = len(labels) if isinstance(labels, dict) and labels else config.get("num_labels", 2)
+            fields.update(head="classify", num_labels=count, head_activation=self.head_activation)
+        return fields
+
+    @staticmethod
+    def labels(config: dict) -> tuple[str, ...]:
+        """A classification head's label names by index (config.json's ``id2label``); () without them."""
+        labels = config.get("id2label") or {}
+        try:
+            return tuple(str(labels[k]) for k in sorted(labels, key=int))
+        except (TypeError, ValueError, AttributeError):
+            raise ConfigError(
+                f"config.json's id2label must map label indices to names, got {labels!r}"
+            ) from None
 
     def _layers(self, state: dict[str, torch.Tensor]) -> dict[int, str]:
         query = f"{self.qkv[0]}.weight"
@@ -82,9 +108,10 @@ class Family:
         }
 
     def block_state(
-        self, state: dict[str, torch.Tensor], num_layers: int | None = None
+        self, state: dict[str, torch.Tensor], num_layers: int | None = None, head: bool = False
     ) -> dict[str, torch.Tensor]:
-        """The checkpoint's layers as ``Encoder`` keys (``layers.{i}.…``); everything else in it is ignored."""
+        """The checkpoint's layers as ``Encoder`` keys (``layers.{i}.…``), and its classification head's with
+        ``head``; everything else in it is ignored."""
         prefixes = self._layers(state)
         if num_layers is not None and num_layers != len(prefixes):
             raise CheckpointError(
@@ -104,11 +131,16 @@ class Family:
                     out[f"layers.{i}.{dst}"] = state[f"{prefix}{src}"]
             except KeyError as exc:
                 raise CheckpointError(f"{self.name} layer {i} lacks {exc.args[0]!r}") from None
-        for dst, ending in self.stack_keys.items():
+        for dst, ending in {**self.stack_keys, **(self.head_keys if head else {})}.items():
             found = [k for k in state if k == ending or k.endswith(f".{ending}")]
             if len(found) != 1:
                 raise CheckpointError(
                     f"the {self.name} checkpoint has {len(found)} keys ending in {ending!r}, not one: {found[:3]}"
+                    + (
+                        ": a classification head's weights (--head none exports the encoder alone)"
+                        if head
+                        else ""
+                    )
                 )
             out[dst] = state[found[0]]
         return out

@@ -47,4 +47,13 @@ def text(config: dict) -> dict:
     }
 
 
-FAMILY = Family("BERT", ("bert",), BERT_LAYER_KEYS, BERT_QKV, BERT_EMBEDDINGS, fields, text)
+# BertForSequenceClassification: the pooler (a dense layer and tanh on the first token), then the classifier
+BERT_HEAD_KEYS = {
+    "head.dense.weight": "pooler.dense.weight",
+    "head.dense.bias": "pooler.dense.bias",
+    "head.out.weight": "classifier.weight",
+    "head.out.bias": "classifier.bias",
+}
+FAMILY = Family(
+    "BERT", ("bert",), BERT_LAYER_KEYS, BERT_QKV, BERT_EMBEDDINGS, fields, text, head_keys=BERT_HEAD_KEYS
+)

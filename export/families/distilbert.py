@@ -56,4 +56,21 @@ def text(config: dict) -> dict:
     }
 
 
-FAMILY = Family("DistilBERT", ("distilbert",), LAYER_KEYS, QKV, EMBEDDINGS, fields, text)
+# DistilBertForSequenceClassification: pre_classifier and relu on the first token, then the classifier
+HEAD_KEYS = {
+    "head.dense.weight": "pre_classifier.weight",
+    "head.dense.bias": "pre_classifier.bias",
+    "head.out.weight": "classifier.weight",
+    "head.out.bias": "classifier.bias",
+}
+FAMILY = Family(
+    "DistilBERT",
+    ("distilbert",),
+    LAYER_KEYS,
+    QKV,
+    EMBEDDINGS,
+    fields,
+    text,
+    head_keys=HEAD_KEYS,
+    head_activation="relu",
+)

@@ -37,4 +37,14 @@ def text(config: dict) -> dict:
     return {**roberta.text(config), "type_vocab_size": 0, "pad_token_id": 1}
 
 
-FAMILY = Family("MPNet", ("mpnet",), LAYER_KEYS, QKV, EMBEDDINGS, fields, text, STACK_KEYS)
+FAMILY = Family(
+    "MPNet",
+    ("mpnet",),
+    LAYER_KEYS,
+    QKV,
+    EMBEDDINGS,
+    fields,
+    text,
+    STACK_KEYS,
+    head_keys=roberta.CLASSIFICATION_HEAD_KEYS,
+)

@@ -14,6 +14,13 @@ def text(config: dict) -> dict:
     }
 
 
+# RobertaClassificationHead (XLM-RoBERTa's and MPNet's too): a dense layer and tanh on the first token, out_proj
+CLASSIFICATION_HEAD_KEYS = {
+    "head.dense.weight": "classifier.dense.weight",
+    "head.dense.bias": "classifier.dense.bias",
+    "head.out.weight": "classifier.out_proj.weight",
+    "head.out.bias": "classifier.out_proj.bias",
+}
 FAMILY = Family(
     "RoBERTa",
     ("roberta", "xlm-roberta"),
@@ -22,4 +29,5 @@ FAMILY = Family(
     bert.BERT_EMBEDDINGS,
     bert.fields,
     text,
+    head_keys=CLASSIFICATION_HEAD_KEYS,
 )

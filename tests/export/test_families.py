@@ -180,3 +180,61 @@ def test_export_prints_one_screen_and_no_progress_bars(model_dirs, tmp_path):
     words = {w for line in verbose.stdout.splitlines() for w in line.split()}
     layers = Manifest.load(tmp_path / "a").config.num_layers
     assert {f"add_norm_{i}" for i in range(2 * layers)} <= words  # every step, by its whole name
+
+
+# (family, labels, variant): a cross-encoder (one label) of every family in fp32, classifiers in the lossy variants
+HEADS = [(f, 1, "fp32") for f in FAMILIES] + [("bert", 3, "int8"), ("distilbert", 3, "fp16")]
+
+
+@pytest.mark.parametrize("family, labels, variant", HEADS)
+def test_a_classification_head_exports_with_its_model_and_scores_as_transformers(
+    tmp_path, family, labels, variant, capsys
+):
+    """*ForSequenceClassification's head (config.json's architectures) is part of the one graph, gated with the
+    block, and scores text as transformers' model does: its logits within float32's floor for fp32 (the ranking
+    and the top label the same in every variant); the manifest names the labels."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    directory = make_model_dir(family, tmp_path / "model", seed=7, labels=labels)
+    out = tmp_path / "artifact"
+    assert cli.main(["--from", str(directory), "--artifact", str(out), "--variant", variant, "-q"]) == 0, (
+        capsys.readouterr().err
+    )
+    manifest = Manifest.load(out)
+    config = manifest.config
+    assert (config.head, config.num_labels) == ("classify", labels)
+    assert config.head_activation == ("relu" if family == "distilbert" else "tanh")
+    assert manifest.labels == tuple(f"label_{i}" for i in range(labels))
+    assert [o.name for o in manifest.outputs] == [ENCODED, "scores"]
+    reference = manifest.parity["reference"]["ids"]["graph"]
+    assert reference["scores_cosine"] > 0.999
+    batch = TextTokenizer((out / TOKENIZER_FILE).read_bytes(), manifest.text).encode(TEXTS, truncate=True)
+    got = hf.run_ids(out, config, batch)["scores"]
+    model = AutoModelForSequenceClassification.from_pretrained(str(directory), attn_implementation="eager")
+    feed = {
+        "input_ids": torch.from_numpy(batch.input_ids),
+        "attention_mask": torch.from_numpy(~batch.mask).long(),
+    }
+    if manifest.text.type_vocab_size:
+        feed["token_type_ids"] = torch.from_numpy(batch.token_type_ids)
+    with torch.no_grad():
+        want = model.eval()(**feed).logits.double().numpy()
+    assert np.abs(want).max() > 0.1  # logits of units (tests/text_models.py scales the head): a wrong head shows
+    if variant == "fp32":
+        assert np.abs(got - want).max() <= 4 * max(float32_floor(want), 1e-6), np.abs(got - want).max()
+        assert (np.argsort(got[:, 0]) == np.argsort(want[:, 0])).all()
+    else:
+        assert np.abs(got - want).max() < 0.01 * np.abs(want).max()
+        assert (got.argmax(1) == want.argmax(1)).all()
+
+
+def test_head_none_exports_a_classifiers_encoder_and_a_head_needs_its_weights(model_dirs, tmp_path, capsys):
+    classifier = make_model_dir("bert", tmp_path / "classifier", labels=2)
+    out = tmp_path / "encoder"
+    assert cli.main(["--from", str(classifier), "--artifact", str(out), "--head", "none", "-q"]) == 0
+    assert Manifest.load(out).config.head == "none" and not Manifest.load(out).labels
+    args = ["--from", str(model_dirs["bert"]), "--artifact", str(tmp_path / "x"), "--head", "classify"]
+    assert cli.main([*args, "--num-labels", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "classifier.weight" in err and "--head none exports the encoder alone" in err
