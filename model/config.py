@@ -121,6 +121,14 @@ class EncoderConfig:
         return self.d_model // self.nhead
 
     @property
+    def task(self) -> str:
+        """What a served model of this config answers: ``rerank`` (a classify head of one label: a cross-encoder's
+        relevance), ``classify`` (several labels) or ``embed`` (vectors)."""
+        if self.head == "classify":
+            return "rerank" if self.num_labels == 1 else "classify"
+        return "embed"
+
+    @property
     def feed_forward_rows(self) -> int:
         """``linear1``'s output width: ``dim_feedforward``, twice that for a gated feed-forward (input and gate)."""
         return self.dim_feedforward * (2 if self.feed_forward == "gated" else 1)

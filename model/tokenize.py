@@ -35,6 +35,15 @@ class TooManyChars(ValueError):
         super().__init__(f"input {index} has {chars} characters, {self.reason}")
 
 
+class QueryTooLong(ValueError):
+    """A pair's first text (a query) alone takes more tokens than the model's length: truncation cuts only the second
+    (the document), so the pair cannot be made to fit."""
+
+    def __init__(self, index: int, limit: int) -> None:
+        super().__init__(f"pair {index}'s first text alone takes more than this model's {limit} tokens")
+        self.index, self.limit = index, limit
+
+
 class TooLong(ValueError):
     """An input has more tokens than the model takes and the caller did not ask to truncate."""
 
@@ -73,6 +82,10 @@ class TextTokenizer:
         self._cut = Tokenizer.from_str(raw)
         self._cut.no_padding()
         self._cut.enable_truncation(text.max_length)
+        # a pair (a query and a document) is cut in its second text only, never the query (TEI's rerank)
+        self._cut_second = Tokenizer.from_str(raw)
+        self._cut_second.no_padding()
+        self._cut_second.enable_truncation(text.max_length, strategy="only_second")
 
     @property
     def max_chars(self) -> int:
@@ -98,13 +111,20 @@ class TextTokenizer:
             texts[i] = head[:space] if space > 0 else head
         return texts, cut
 
-    def encode(self, texts: list[str], truncate: bool = False) -> Batch:
-        """Tokenize ``texts`` into a padded batch (TooLong for an input over ``max_length`` unless ``truncate``)."""
-        return self.pad(*self.ids(texts, truncate))
+    def encode(self, texts: list[str], truncate: bool = False, seconds: list[str] | None = None) -> Batch:
+        """Tokenize ``texts`` into a padded batch (TooLong for an input over ``max_length`` unless ``truncate``);
+        with ``seconds``, each text paired with its second (``ids``)."""
+        return self.pad(*self.ids(texts, truncate, seconds))
 
-    def ids(self, texts: list[str], truncate: bool = False) -> tuple[list[list[int]], list[list[int]]]:
+    def ids(
+        self, texts: list[str], truncate: bool = False, seconds: list[str] | None = None
+    ) -> tuple[list[list[int]], list[list[int]]]:
         """Each of ``texts``' token ids and token type ids, unpadded (TooLong as ``encode``; TooManyChars for a
-        text over ``max_chars``, checked before tokenizing: ``within``)."""
+        text over ``max_chars``, checked before tokenizing: ``within``). With ``seconds``, one per text, each
+        text and its second as a pair (the tokenizer's pair template: a cross-encoder's query and document); cut,
+        when ``truncate``, in the second only (QueryTooLong when the first alone is over the length)."""
+        if seconds is not None:
+            return self._pairs(texts, seconds, truncate)
         whole = texts
         texts, cut = self.within(texts, truncate)
         tokenizer = self._cut if truncate else self._plain
@@ -115,17 +135,41 @@ class TextTokenizer:
             encodings = [tokenizer.encode(texts[0])]
         else:
             encodings = tokenizer.encode_batch(texts)
+        return self._checked(encodings, cut, whole, truncate)
+
+    def _checked(
+        self, encodings: list, cut: list[int], whole: list[str], truncate: bool
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        """The encodings' ids and type ids, once no input is too long (TooLong, unless ``truncate``) and no text
+        ``cut`` to ``max_chars`` (``whole``: as given) came out short of the limit (the cut decided the answer)."""
         ids = [e.ids for e in encodings]
         for i in cut:
-            if (
-                len(ids[i]) < self.text.max_length
-            ):  # the cut text is short of the limit: the cut decided the answer
+            if len(ids[i]) < self.text.max_length:
                 raise TooManyChars(i, len(whole[i]), self.max_chars, truncated=True)
         if not truncate:
             for i, row in enumerate(ids):
                 if len(row) > self.text.max_length:
                     raise TooLong(i, len(row), self.text.max_length)
         return ids, [e.type_ids for e in encodings]
+
+    def _pairs(
+        self, firsts: list[str], seconds: list[str], truncate: bool
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        if len(firsts) != len(seconds):
+            raise ValueError(f"{len(firsts)} first texts for {len(seconds)} second ones")
+        self.within(firsts)  # a query is never cut
+        whole = seconds
+        seconds, cut = self.within(seconds, truncate)
+        tokenizer = self._cut_second if truncate else self._plain
+        try:
+            encodings = tokenizer.encode_batch(list(zip(firsts, seconds, strict=True)))
+        except (
+            Exception
+        ):  # tokenizers' "second sequence not long enough to be truncated": the query is too long
+            alone = self._plain.encode_batch(firsts)
+            index = next((i for i, e in enumerate(alone) if len(e.ids) >= self.text.max_length), 0)
+            raise QueryTooLong(index, self.text.max_length) from None
+        return self._checked(encodings, cut, whole, truncate)
 
     def tokens(self, texts: list[str], special: bool = True) -> list[list[tuple[int, str, bool, int, int]]]:
         """Each input's tokens as (id, text, special, start, stop), the offsets in characters of the input (TEI's

@@ -122,15 +122,19 @@ def front_proxy(upstream_port: int, **settings: object) -> Iterator[int]:
 
 def error_message(r) -> str:
     """The message of an HTTP error answer (an httpx response), after checking its body is in the shape of the API
-    its path belongs to: OpenAI's error object, text-embeddings-inference's {error, error_type}, else {error}."""
+    its path belongs to: OpenAI's error object, text-embeddings-inference's {error, error_type}, Cohere's {message},
+    else {error}."""
     doc = r.json()
     path = r.request.url.path
     if path.startswith(("/v1/embeddings", "/v1/models")):
         error = doc["error"]
         assert set(doc) == {"error"} and set(error) == {"message", "type", "param", "code"}, doc
         return error["message"]
-    if path.startswith(("/embed", "/tokenize")):
+    if path.startswith(("/embed", "/tokenize", "/rerank", "/predict")):
         assert set(doc) == {"error", "error_type"} and isinstance(doc["error"], str), doc
         return doc["error"]
+    if path.startswith(("/v1/rerank", "/v2/rerank")):  # Cohere's
+        assert set(doc) == {"message"} and isinstance(doc["message"], str), doc
+        return doc["message"]
     assert set(doc) == {"error"} and isinstance(doc["error"], str), doc
     return doc["error"]

@@ -32,7 +32,14 @@ from tests.conftest import ROOT
 from tests.helpers import wait_until
 
 # The pages whose blocks run, in this order, after README.md (the README's old sections, in their old order).
-GUIDES = ("docs/text.md", "docs/serving.md", "docs/export.md", "docs/configuration.md", "docs/deployment.md")
+GUIDES = (
+    "docs/text.md",
+    "docs/serving.md",
+    "docs/export.md",
+    "docs/configuration.md",
+    "docs/deployment.md",
+    "docs/tasks.md",  # last: its model joins the artifacts/ the serving guide lists
+)
 SKIP = re.compile(r"<!-- readme-test: skip: (.+?) -->")
 SERVE = re.compile(r"^(\w+=\S+ )*addnorm-serve\b")
 NUMBER = re.compile(r"-?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?")

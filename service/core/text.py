@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from addnorm.model.contract import ENCODED, POOLED
-from addnorm.model.tokenize import Batch, TooLong, TooManyChars
+from addnorm.model.contract import ENCODED, POOLED, SCORES
+from addnorm.model.tokenize import Batch, QueryTooLong, TooLong, TooManyChars
 from addnorm.service.backend.cores import in_worker
 from addnorm.service.batching.merging import Outputs, Timings
 from addnorm.service.errors import BadInput, TooLarge, quote
@@ -126,13 +126,38 @@ def text_inputs(value: object, where: str, max_inputs: int) -> Inputs:
 PARTS_IN_FLIGHT = 2
 
 
+# What each task's model answers, and the routes that ask it (a request for another task names them)
+TASK_ROUTES = {
+    "embed": "/v1/embeddings, /embed or V2's infer",
+    "rerank": "/rerank, /v1/rerank, /v2/rerank or /predict",
+    "classify": "/predict",
+}
+
+
+def need_task(model, tasks: tuple[str, ...], route: str) -> None:
+    """BadInput unless ``model``'s task (EncoderConfig.task) is one of ``tasks``: naming its task and its routes."""
+    task = model.engine.manifest.config.task
+    if task not in tasks:
+        raise BadInput(
+            f"model {quote(model.name)} is a{'n' if task[0] in 'ae' else ''} {task} model; {route} needs "
+            f"{' or '.join(tasks)}: ask it on {TASK_ROUTES[task]}"
+        )
+
+
 def decode_texts(
-    model, inputs: Inputs, truncate: bool, limits: TextLimits, where: str = "input", prompt: str | None = None
+    model,
+    inputs: Inputs,
+    truncate: bool,
+    limits: TextLimits,
+    where: str = "input",
+    prompt: str | None = None,
+    seconds: list[str] | None = None,
 ) -> TextRequest:
     """Tokenize (or check the ids of) ``inputs`` (``text_inputs``'s) with ``model``'s text front, behind its prompt
     ``prompt``, in parts of at most ``limits.max_batch_tokens`` positions; the first part embedded. Cut to the
     model's length when ``truncate`` or ``limits.auto_truncate``; refused when its embeddings could never fit the
-    queue (``limits.max_bytes``)."""
+    queue (``limits.max_bytes``). ``seconds``: each text's second, tokenized as a pair (a query and a document;
+    cut in the second only)."""
     front = model.engine.text
     if front is None:
         raise BadInput(
@@ -146,7 +171,12 @@ def decode_texts(
     limit = front.config.max_length
     if isinstance(inputs[0], str):
         try:
-            rows, types = front.tokenizer.ids(inputs, truncate=truncate)
+            rows, types = front.tokenizer.ids(inputs, truncate=truncate, seconds=seconds)
+        except QueryTooLong as exc:
+            raise TooLarge(
+                f"{where}[{exc.index}]'s query alone takes more than this model's {exc.limit} tokens: only documents "
+                "are cut; shorten the query"
+            ) from None
         except TooLong as exc:
             raise TooLarge(
                 f"{where}[{exc.index}] has {exc.tokens} tokens, more than this model's {limit}: shorten it, or "
@@ -265,6 +295,19 @@ def vectors(
     if wanted:
         out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
     return out
+
+
+def scores(outputs: Outputs, raw: bool) -> np.ndarray:
+    """(N, labels) a classification head's scores in input order: its logits when ``raw``, else as
+    text-embeddings-inference and sentence-transformers' CrossEncoder give them: one label through a sigmoid (a
+    relevance in (0, 1)), several through a softmax (probabilities)."""
+    logits = outputs[SCORES].astype(np.float64)
+    if raw:
+        return logits
+    if logits.shape[1] == 1:
+        return 1.0 / (1.0 + np.exp(-logits))
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return shifted / shifted.sum(axis=1, keepdims=True)
 
 
 def _mask(req: TextRequest, seq: int) -> np.ndarray:

@@ -163,6 +163,24 @@ def error_docs(descriptions: dict[int, str], schema: dict = ERROR_SCHEMA) -> dic
     return {str(code): {"description": text, "content": content} for code, text in descriptions.items()}
 
 
+def json_route_doc(
+    required: list[str], properties: dict, example: dict, answer: dict, description: str, errors: dict
+) -> dict:
+    """A JSON route's OpenAPI ``openapi_extra``: its request body (an object with ``properties``, ``required``
+    present) and example, its 200 answer's schema and description, and its ``errors`` (``error_docs``)."""
+    schema = {"type": "object", "required": required, "properties": properties}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": schema, "example": example}},
+        },
+        "responses": {
+            "200": {"description": description, "content": {"application/json": {"schema": answer}}},
+            **errors,
+        },
+    }
+
+
 def parse_json(body: bytes, max_elements: int) -> object:
     """Parse a JSON body, refusing one that holds more numbers than any acceptable tensor before parsing it."""
     if not body:

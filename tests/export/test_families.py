@@ -220,7 +220,9 @@ def test_a_classification_head_exports_with_its_model_and_scores_as_transformers
         feed["token_type_ids"] = torch.from_numpy(batch.token_type_ids)
     with torch.no_grad():
         want = model.eval()(**feed).logits.double().numpy()
-    assert np.abs(want).max() > 0.1  # logits of units (tests/text_models.py scales the head): a wrong head shows
+    assert (
+        np.abs(want).max() > 0.1
+    )  # logits of units (tests/text_models.py scales the head): a wrong head shows
     if variant == "fp32":
         assert np.abs(got - want).max() <= 4 * max(float32_floor(want), 1e-6), np.abs(got - want).max()
         assert (np.argsort(got[:, 0]) == np.argsort(want[:, 0])).all()

@@ -13,7 +13,7 @@ from fastapi import Request, Response
 
 from addnorm.service.core import inference
 from addnorm.service.core.inference import work
-from addnorm.service.core.text import TextLimits, TextRequest, decode_texts
+from addnorm.service.core.text import TextLimits, TextRequest, decode_texts, need_task
 from addnorm.service.errors import BadInput
 from addnorm.service.guard import Known
 from addnorm.service.protocols.common import http_call, parse_json, read_then_watch, timing_headers
@@ -31,7 +31,9 @@ TEXT_WORK = 8
 @dataclass(frozen=True)
 class TextQuery:
     """What a text API's JSON asks: the model (None: the default), its inputs (texts or token id lists), whether
-    to cut inputs over the model's length, and the protocol's own options for ``write``."""
+    to cut inputs over the model's length, and the protocol's own options for ``write``; ``seconds``: each input's
+    second text, the two scored as a pair (a query and a document); ``tasks``: the models' tasks that answer it
+    (EncoderConfig.task)."""
 
     model: str | None
     inputs: list
@@ -39,6 +41,8 @@ class TextQuery:
     options: dict
     prompt: str | None = None  # one of the model's named prompts, put before each text
     field: str = "input"  # what the API calls its inputs, in error messages (TEI: "inputs")
+    seconds: list[str] | None = None
+    tasks: tuple[str, ...] = ("embed",)
 
 
 @dataclass
@@ -49,6 +53,7 @@ class TextCodec:
     write: Callable[[TextRequest, ServingModel, Outputs], bytes]
     max_elements: int
     limits: TextLimits
+    route: str = ""  # the path asked, in a refusal for another task's model
 
     def decode_work(self, body: bytes) -> int:
         return work(TEXT_WORK * len(body))
@@ -60,7 +65,8 @@ class TextCodec:
         limits = self.limits
         read = self.read(parse_json(body, self.max_elements), limits.max_inputs)
         model = resolve(read.model)
-        req = decode_texts(model, read.inputs, read.truncate, limits, read.field, read.prompt)
+        need_task(model, read.tasks, self.route)
+        req = decode_texts(model, read.inputs, read.truncate, limits, read.field, read.prompt, read.seconds)
         req.model, req.options = read.model, read.options
         return req
 
@@ -75,7 +81,7 @@ async def answer(request: Request, known: Known, protocol: str, read: Callable, 
     s = known.settings
     call = http_call(request, protocol, start)
     body = await read_then_watch(request, call, s.max_body_bytes)
-    text_codec = TextCodec(read, write, s.max_elements, TextLimits.of(s))
+    text_codec = TextCodec(read, write, s.max_elements, TextLimits.of(s), request.url.path)
     payload, timings = await inference.run(known, call, text_codec, body)
     return Response(
         payload, media_type="application/json", headers=timing_headers(timings, time.perf_counter() - start)

@@ -1,27 +1,37 @@
-"""text-embeddings-inference's API, so its clients switch by URL: ``POST /embed`` and ``POST /tokenize``.
+"""text-embeddings-inference's API, so its clients switch by URL: ``POST /embed``, ``/tokenize``, ``/rerank`` and
+``/predict``.
 
 ``/embed``: ``{"inputs": str | [str], "normalize": true, "truncate": false, "prompt_name": null, "dimensions":
 null}`` -> ``[[float, ...], ...]``, one vector per input in input order. ``/tokenize``: ``{"inputs": str | [str],
-"add_special_tokens": true}`` -> per input, its tokens as ``{"id", "text", "special", "start", "stop"}``. Both on the
-default model (TEI serves one); errors are this server's ``{"error": ...}``.
+"add_special_tokens": true}`` -> per input, its tokens as ``{"id", "text", "special", "start", "stop"}``.
+``/rerank`` (a cross-encoder): ``{"query", "texts": [str], "raw_scores": false, "return_text": false, "truncate":
+false}`` -> ``[{"index", "score", "text"?}]``, best first; each text scored with the query as a pair, cut (with
+``truncate``) in the text, never the query. ``/predict`` (a classifier or a cross-encoder): ``{"inputs": str |
+[str, str] | [[str] | [str, str], ...], "raw_scores": false, "truncate": false}`` -> ``[{"label", "score"}]`` per
+input, best first (a list of them for a batch); scores are a softmax over the labels, a sigmoid of one label, or
+the logits with ``raw_scores``. All on the default model (TEI serves one); errors are TEI's ``{"error",
+"error_type"}``.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import orjson
 from fastapi import APIRouter, Request, Response
 
 from addnorm.model.tokenize import TooManyChars
 from addnorm.service.core.inference import offload, work
-from addnorm.service.core.text import text_inputs, vectors
+from addnorm.service.core.text import scores, text_inputs, vectors
 from addnorm.service.errors import BadInput, TooLarge, quote
 from addnorm.service.guard import Known
-from addnorm.service.protocols.common import error_docs, json_bool, parse_json, read_body
+from addnorm.service.protocols.common import error_docs, json_bool, json_route_doc, parse_json, read_body
 from addnorm.service.protocols.text.codec import TEXT_WORK, TextQuery, answer, fields, pooling
 
 router = APIRouter(tags=["tei"])
 _EMBED = {"inputs", "normalize", "truncate", "truncation_direction", "prompt_name", "dimensions"}
 _TOKENIZE = {"inputs", "add_special_tokens", "prompt_name"}
+_RERANK = {"query", "texts", "truncate", "truncation_direction", "raw_scores", "return_text"}
+_PREDICT = {"inputs", "truncate", "truncation_direction", "raw_scores"}
 # text-embeddings-inference's error body (what error_shape writes)
 ERROR_SCHEMA = {
     "type": "object",
@@ -44,21 +54,10 @@ _ERRORS = error_docs(
 _INPUTS = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
 
 
-def _doc(properties: dict, answer: dict, example: dict) -> dict:
-    schema = {"type": "object", "required": ["inputs"], "properties": {"inputs": _INPUTS, **properties}}
-    return {
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": schema, "example": example}},
-        },
-        "responses": {
-            "200": {
-                "description": "one entry per input",
-                "content": {"application/json": {"schema": answer}},
-            },
-            **_ERRORS,
-        },
-    }
+def _doc(properties: dict, answer: dict, example: dict, description: str = "one entry per input") -> dict:
+    return json_route_doc(
+        ["inputs"], {"inputs": _INPUTS, **properties}, example, answer, description, _ERRORS
+    )
 
 
 _EMBED_DOC = _doc(
@@ -92,6 +91,45 @@ _TOKENIZE_DOC = _doc(
 )
 
 
+_RANK = {
+    "type": "object",
+    "properties": {"index": {"type": "integer"}, "score": {"type": "number"}, "text": {"type": "string"}},
+}
+_PREDICTION = {"type": "object", "properties": {"label": {"type": "string"}, "score": {"type": "number"}}}
+_RERANK_DOC = json_route_doc(
+    ["query", "texts"],
+    {
+        "query": {"type": "string"},
+        "texts": {"type": "array", "items": {"type": "string"}},
+        "raw_scores": {"type": "boolean", "default": False},
+        "return_text": {"type": "boolean", "default": False},
+        "truncate": {"type": "boolean", "default": False},
+        "truncation_direction": {"type": "string", "enum": ["Right"], "default": "Right"},
+    },
+    {"query": "What is Deep Learning?", "texts": ["Deep Learning is ...", "Paris is ..."]},
+    {"type": "array", "items": _RANK},
+    "the texts by score, best first",
+    _ERRORS,
+)
+_ONE = {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 2}
+_PREDICT_DOC = _doc(
+    {
+        "inputs": {"oneOf": [{"type": "string"}, _ONE, {"type": "array", "items": _ONE}]},
+        "raw_scores": {"type": "boolean", "default": False},
+        "truncate": {"type": "boolean", "default": False},
+        "truncation_direction": {"type": "string", "enum": ["Right"], "default": "Right"},
+    },
+    {
+        "oneOf": [
+            {"type": "array", "items": _PREDICTION},
+            {"type": "array", "items": {"type": "array", "items": _PREDICTION}},
+        ]
+    },
+    {"inputs": "I like you. I love you."},
+    "each input's labels by score, best first (a list of them for a batch)",
+)
+
+
 def _prompt_name(doc: dict) -> str | None:
     name = doc.get("prompt_name")
     if name is not None and not isinstance(name, str):
@@ -108,8 +146,7 @@ def _texts(doc: dict, max_inputs: int) -> list[str]:
 
 def read(doc: object, max_inputs: int) -> TextQuery:
     doc = fields(doc, _EMBED, "inputs")
-    if doc.get("truncation_direction", "Right") != "Right":
-        raise BadInput("truncation_direction must be 'Right' (the end of an input is cut)")
+    _right(doc)
     dims = doc.get("dimensions")
     if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
         raise BadInput(f"dimensions must be a positive integer, got {quote(dims)}")
@@ -117,6 +154,107 @@ def read(doc: object, max_inputs: int) -> TextQuery:
     inputs = text_inputs(doc["inputs"], "inputs", max_inputs)
     truncate = json_bool(doc, "truncate", "body", False)
     return TextQuery(None, inputs, truncate, options, _prompt_name(doc), field="inputs")
+
+
+def _right(doc: dict) -> None:
+    if doc.get("truncation_direction", "Right") not in ("Right", "right"):
+        raise BadInput("truncation_direction must be 'Right' (the end of an input is cut)")
+
+
+def text_list(value: object, where: str, max_inputs: int) -> list[str]:
+    """A JSON list of non-empty strings, at most ``max_inputs`` (the documents of a rerank)."""
+    if not isinstance(value, list) or not value:
+        raise BadInput(f"{where} must be a non-empty list of strings")
+    if len(value) > max_inputs:
+        raise TooLarge(
+            f"{where} holds {len(value)} texts, more than this server's {max_inputs} (ADDNORM_MAX_CLIENT_BATCH_SIZE)"
+        )
+    for i, v in enumerate(value):
+        if not isinstance(v, str) or not v:
+            raise BadInput(f"{where}[{i}] must be a non-empty string, got {quote(v)}")
+    return value
+
+
+def query_text(value: object, where: str = "query") -> str:
+    if not isinstance(value, str) or not value:
+        raise BadInput(f"{where} must be a non-empty string, got {quote(value)}")
+    return value
+
+
+def read_rerank(doc: object, max_inputs: int) -> TextQuery:
+    doc = fields(doc, _RERANK, "query")
+    _right(doc)
+    query = query_text(doc["query"])
+    if "texts" not in doc:
+        raise BadInput("missing field 'texts'")
+    texts = text_list(doc["texts"], "texts", max_inputs)
+    options = {
+        "raw": json_bool(doc, "raw_scores", "body", False),
+        "texts": texts if json_bool(doc, "return_text", "body", False) else None,
+    }
+    truncate = json_bool(doc, "truncate", "body", False)
+    return TextQuery(
+        None, [query] * len(texts), truncate, options, field="texts", seconds=texts, tasks=("rerank",)
+    )
+
+
+def write_rerank(req, model, outputs) -> bytes:
+    score = scores(outputs, req.options["raw"])[:, 0]
+    texts = req.options["texts"]
+    ranks = [
+        {"index": int(i), "score": float(score[i]), **({"text": texts[i]} if texts is not None else {})}
+        for i in np.argsort(-score, kind="stable")
+    ]
+    return orjson.dumps(ranks)
+
+
+def _sequences(value: object, max_inputs: int) -> tuple[list[str], list[str] | None, bool]:
+    """TEI's predict inputs: a text, a pair [text, text], or a batch of [text] or [text, text] (all of one kind
+    here) -> (firsts, seconds or None, whether it was a batch)."""
+    if isinstance(value, str):
+        return [query_text(value, "inputs")], None, False
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        if len(value) > 2:
+            raise BadInput(
+                "inputs is a text, a pair [text, text], or a batch [[text], [text, text], ...]; got a list of "
+                f"{len(value)} strings (a batch of texts is [[text], [text], ...])"
+            )
+        texts = [query_text(v, f"inputs[{i}]") for i, v in enumerate(value)]
+        return texts[:1], texts[1:] or None, False
+    if not isinstance(value, list) or not value:
+        raise BadInput("inputs must be a text, a pair [text, text], or a non-empty batch of them")
+    if len(value) > max_inputs:
+        raise TooLarge(
+            f"inputs holds {len(value)} inputs, more than this server's {max_inputs} (ADDNORM_MAX_CLIENT_BATCH_SIZE)"
+        )
+    for i, v in enumerate(value):
+        if not isinstance(v, list) or len(v) not in (1, 2):
+            raise BadInput(f"inputs[{i}] must be [text] or [text, text], got {quote(v)}")
+        for j, t in enumerate(v):
+            query_text(t, f"inputs[{i}][{j}]")
+    if len({len(v) for v in value}) > 1:
+        raise BadInput("inputs mixes single texts and pairs: send them in two requests")
+    return [v[0] for v in value], ([v[1] for v in value] if len(value[0]) == 2 else None), True
+
+
+def read_predict(doc: object, max_inputs: int) -> TextQuery:
+    doc = fields(doc, _PREDICT, "inputs")
+    _right(doc)
+    firsts, seconds, batch = _sequences(doc["inputs"], max_inputs)
+    options = {"raw": json_bool(doc, "raw_scores", "body", False), "batch": batch}
+    truncate = json_bool(doc, "truncate", "body", False)
+    return TextQuery(
+        None, firsts, truncate, options, field="inputs", seconds=seconds, tasks=("classify", "rerank")
+    )
+
+
+def write_predict(req, model, outputs) -> bytes:
+    labels = model.engine.manifest.label_names
+    rows = [
+        [{"score": float(row[i]), "label": labels[i]} for i in np.argsort(-row, kind="stable")]
+        for row in scores(outputs, req.options["raw"])
+    ]
+    return orjson.dumps(rows if req.options["batch"] else rows[0])
 
 
 def write(req, model, outputs) -> bytes:
@@ -130,6 +268,24 @@ def write(req, model, outputs) -> bytes:
 )
 async def embed(request: Request, known: Known) -> Response:
     return await answer(request, known, "tei", read, write)
+
+
+@router.post(
+    "/rerank",
+    summary="A query's texts ranked by a cross-encoder (text-embeddings-inference's API)",
+    openapi_extra=_RERANK_DOC,
+)
+async def rerank(request: Request, known: Known) -> Response:
+    return await answer(request, known, "tei", read_rerank, write_rerank)
+
+
+@router.post(
+    "/predict",
+    summary="Labels of texts or pairs by a classifier (text-embeddings-inference's API)",
+    openapi_extra=_PREDICT_DOC,
+)
+async def predict(request: Request, known: Known) -> Response:
+    return await answer(request, known, "tei", read_predict, write_predict)
 
 
 @router.post(
@@ -174,8 +330,8 @@ def _tokens_json(rows: list) -> bytes:
     )
 
 
-MODEL_PREFIXES = ("/embed", "/tokenize")
-ERROR_PATHS = ("/embed", "/tokenize")
+MODEL_PREFIXES = ("/embed", "/tokenize", "/rerank", "/predict")
+ERROR_PATHS = MODEL_PREFIXES
 
 
 def error_shape(status: int, message: str) -> dict:

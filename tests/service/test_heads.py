@@ -1,0 +1,215 @@
+"""A cross-encoder and a classifier (tiny random BERTs built with transformers, exported with their heads), served by
+a real server: TEI's /rerank and /predict, the rerank API of Cohere (the official ``cohere`` client, v1 and v2) and
+V2's scores output, each equal to sentence-transformers' CrossEncoder or transformers' text-classification pipeline
+on the same texts and pairs; every bad input a 4xx in
+its API's shape that names the problem, a request for a task the model lacks included."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from addnorm.export import cli
+from tests.conftest import start_server
+from tests.helpers import error_message
+from tests.text_models import TEXTS, make_model_dir
+
+pytestmark = pytest.mark.server
+QUERY = "A man is eating food."
+# real text of mixed lengths, one past the model's 64 positions once paired with the query
+DOCUMENTS = [*TEXTS, " ".join(TEXTS) * 2]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("heads")
+    return {
+        "ce": make_model_dir("bert", root / "ce", seed=3, labels=1),
+        "clf": make_model_dir("bert", root / "clf", seed=4, labels=3),
+        "emb": make_model_dir("bert", root / "emb", seed=5),
+    }
+
+
+@pytest.fixture(scope="module")
+def artifacts(dirs, tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("artifacts")
+    for name, directory in dirs.items():
+        assert cli.main(["--from", str(directory), "--artifact", str(out / name), "--name", name, "-q"]) == 0
+    return {name: out / name for name in dirs}
+
+
+@pytest.fixture(scope="module")
+def reranker(artifacts) -> Iterator[str]:
+    """The cross-encoder (the default model, TEI's routes' one) beside an embedder; small parts, few documents."""
+    args = ("--artifact", str(artifacts["emb"]), "--max-batch-tokens", "256", "--max-client-batch-size", "40")
+    with start_server(artifacts["ce"], *args) as srv:
+        yield srv.base
+
+
+@pytest.fixture(scope="module")
+def classifier(artifacts) -> Iterator[str]:
+    with start_server(artifacts["clf"]) as srv:
+        yield srv.base
+
+
+def _cross_encoder(directory: Path):
+    from sentence_transformers import CrossEncoder
+
+    return CrossEncoder(str(directory), local_files_only=True, max_length=64)
+
+
+def _identity():
+    import torch
+
+    return torch.nn.Identity()
+
+
+def _by_index(ranks: list[dict], key: str) -> np.ndarray:
+    out = np.full(len(ranks), np.nan)
+    for rank in ranks:
+        out[rank["index"]] = rank[key]
+    return out
+
+
+def test_tei_rerank_equals_sentence_transformers_cross_encoder(reranker, dirs):
+    model = _cross_encoder(dirs["ce"])
+    pairs = [(QUERY, d) for d in DOCUMENTS]
+    want = model.predict(pairs)  # its sigmoid of the one logit
+    body = {"query": QUERY, "texts": DOCUMENTS, "truncate": True, "return_text": True}
+    ranks = httpx.post(f"{reranker}/rerank", json=body).json()
+    got = _by_index(ranks, "score")
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    assert [r["score"] for r in ranks] == sorted(got, reverse=True)  # best first
+    assert all(r["text"] == DOCUMENTS[r["index"]] for r in ranks)
+    raw = httpx.post(f"{reranker}/rerank", json={**body, "raw_scores": True, "return_text": False}).json()
+    np.testing.assert_allclose(
+        _by_index(raw, "score"), model.predict(pairs, activation_fn=_identity()), atol=2e-5
+    )
+    assert all("text" not in r for r in raw)
+
+
+def test_the_official_cohere_clients_rerank_unmodified(reranker, dirs):
+    import cohere
+
+    want = _cross_encoder(dirs["ce"]).predict([(QUERY, d) for d in DOCUMENTS])
+    v2 = cohere.ClientV2(api_key="unused", base_url=reranker)
+    answer = v2.rerank(model="ce", query=QUERY, documents=DOCUMENTS, top_n=3)
+    best = np.argsort(-want, kind="stable")[:3]
+    assert [r.index for r in answer.results] == list(best)
+    np.testing.assert_allclose([r.relevance_score for r in answer.results], want[best], atol=1e-6)
+    # top_n past the documents: all of them, as Cohere does
+    assert len(v2.rerank(model="ce", query=QUERY, documents=DOCUMENTS[:2], top_n=10).results) == 2
+    v1 = cohere.Client(api_key="unused", base_url=reranker)
+    docs = [DOCUMENTS[0], {"text": DOCUMENTS[1]}]  # v1's documents: strings or {"text"}
+    old = v1.rerank(model="ce", query=QUERY, documents=docs, return_documents=True)
+    assert {r.index: r.document.text for r in old.results} == {0: DOCUMENTS[0], 1: DOCUMENTS[1]}
+    with pytest.raises(cohere.BadRequestError) as caught:
+        v2.rerank(model="ce", query="", documents=DOCUMENTS)
+    assert (
+        caught.value.status_code == 400 and "query must be a non-empty string" in caught.value.body["message"]
+    )
+
+
+def _close(got: list[dict], want: list[dict]) -> None:
+    """Two answers of labels by score, best first: the same labels in the same order, scores within float32's."""
+    assert [p["label"] for p in got] == [p["label"] for p in want]
+    np.testing.assert_allclose([p["score"] for p in got], [p["score"] for p in want], atol=2e-5)
+
+
+def test_tei_predict_equals_transformers_text_classification_pipeline(classifier, dirs):
+    """TEI's answer is the pipeline's own shape: every label by score, best first, the manifest's label names."""
+    from transformers import pipeline
+
+    reference = pipeline("text-classification", model=str(dirs["clf"]), top_k=None)
+    batch = httpx.post(f"{classifier}/predict", json={"inputs": [[t] for t in TEXTS]}).json()
+    assert len(batch) == len(TEXTS)
+    for got, want in zip(batch, reference(TEXTS), strict=True):
+        _close(got, want)
+    _close(
+        httpx.post(f"{classifier}/predict", json={"inputs": TEXTS[0]}).json(), batch[0]
+    )  # one: not in a list
+    pair = httpx.post(f"{classifier}/predict", json={"inputs": [QUERY, TEXTS[1]]}).json()
+    _close(pair, reference({"text": QUERY, "text_pair": TEXTS[1]}))
+    raw = httpx.post(f"{classifier}/predict", json={"inputs": TEXTS[0], "raw_scores": True}).json()
+    _close(raw, reference(TEXTS[0], function_to_apply="none")[0])
+
+
+def test_v2_answers_a_heads_scores_for_text(classifier, dirs):
+    body = {
+        "inputs": [{"name": "text", "shape": [2, 1], "datatype": "BYTES", "data": TEXTS[:2]}],
+        "outputs": [{"name": "scores"}],
+    }
+    answer = httpx.post(f"{classifier}/v2/models/clf/infer", json=body).json()
+    (out,) = answer["outputs"]
+    assert out["name"] == "scores" and out["shape"] == [2, 3]
+    from transformers import pipeline
+
+    reference = pipeline("text-classification", model=str(dirs["clf"]), top_k=None, function_to_apply="none")
+    logits = [
+        [next(p["score"] for p in row if p["label"] == f"label_{i}") for i in range(3)]
+        for row in reference(TEXTS[:2])
+    ]
+    np.testing.assert_allclose(np.reshape(out["data"], (2, 3)), logits, atol=2e-5)
+    meta = httpx.get(f"{classifier}/v2/models/clf").json()
+    assert {"name": "scores", "datatype": "FP32", "shape": [-1, 3]} in meta["outputs"]
+
+
+@pytest.mark.parametrize(
+    "path, body, status, words",
+    [
+        ("/rerank", {"texts": ["a"]}, 400, "missing field 'query'"),
+        ("/rerank", {"query": "q"}, 400, "missing field 'texts'"),
+        ("/rerank", {"query": "q", "texts": []}, 400, "texts must be a non-empty list"),
+        ("/rerank", {"query": "q", "texts": ["a", ""]}, 400, "texts[1] must be a non-empty string"),
+        ("/rerank", {"query": "q", "texts": ["a"] * 41}, 413, "41 texts, more than this server's 40"),
+        ("/rerank", {"query": "q", "texts": ["word " * 80]}, 413, "texts[0] has"),
+        ("/rerank", {"query": "word " * 80, "texts": ["a"], "truncate": True}, 413, "query alone takes more"),
+        (
+            "/rerank",
+            {"query": "q", "texts": ["a"], "raw_scores": "yes"},
+            400,
+            "raw_scores must be true or false",
+        ),
+        (
+            "/rerank",
+            {"query": "q", "texts": ["a"], "truncation_direction": "Left"},
+            400,
+            "truncation_direction",
+        ),
+        (
+            "/v2/rerank",
+            {"query": "q", "documents": ["a"], "top_n": 0},
+            400,
+            "top_n must be a positive integer",
+        ),
+        ("/v2/rerank", {"query": "q", "documents": ["a"] * 100_000}, 413, "100000 texts"),
+        (
+            "/v2/rerank",
+            {"query": "q", "documents": [{"txt": "a"}]},
+            400,
+            "documents[0] must be a non-empty string",
+        ),
+        ("/v2/rerank", {"query": "q", "documents": ["a"], "max_tokens_per_doc": 10}, 400, "not supported"),
+        ("/v2/rerank", {"query": "q", "documents": ["a"], "model": "nope"}, 404, "unknown model 'nope'"),
+        ("/v1/rerank", {"query": "q", "documents": ["a"], "model": "emb"}, 400, "'emb' is an embed model"),
+        ("/predict", {"inputs": ["a", "b", "c"]}, 400, "a batch of texts is [[text], [text], ...]"),
+        ("/predict", {"inputs": [["a"], ["b", "c"]]}, 400, "mixes single texts and pairs"),
+        ("/predict", {"inputs": [["a", "b", "c"]]}, 400, "inputs[0] must be [text] or [text, text]"),
+        ("/embed", {"inputs": "a"}, 400, "is a rerank model; /embed needs embed: ask it on /rerank"),
+    ],
+)
+def test_every_bad_rerank_or_predict_is_a_4xx_naming_it(reranker, path, body, status, words):
+    r = httpx.post(f"{reranker}{path}", json=body)
+    assert r.status_code == status, r.text
+    assert words in error_message(r), error_message(r)
+    assert httpx.get(f"{reranker}/health/ready").status_code == 200
+
+
+def test_a_classifier_refuses_rerank_and_names_predict(classifier):
+    r = httpx.post(f"{classifier}/rerank", json={"query": "q", "texts": ["a"]})
+    assert r.status_code == 400
+    assert "'clf' is a classify model; /rerank needs rerank: ask it on /predict" in error_message(r)
