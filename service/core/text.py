@@ -297,6 +297,14 @@ def vectors(
     return out
 
 
+def token_vectors(req: TextRequest, outputs: Outputs) -> list[np.ndarray]:
+    """Each input's token vectors in input order, (its tokens, E): the encoder's last hidden state of its real
+    tokens, special tokens included (text-embeddings-inference's /embed_all)."""
+    encoded = outputs[ENCODED]
+    keep = ~_mask(req, encoded.shape[1])
+    return [row[k] for row, k in zip(encoded, keep, strict=True)]
+
+
 def scores(outputs: Outputs, raw: bool) -> np.ndarray:
     """(N, labels) a classification head's scores in input order: its logits when ``raw``, else as
     text-embeddings-inference and sentence-transformers' CrossEncoder give them: one label through a sigmoid (a

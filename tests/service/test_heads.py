@@ -213,3 +213,12 @@ def test_a_classifier_refuses_rerank_and_names_predict(classifier):
     r = httpx.post(f"{classifier}/rerank", json={"query": "q", "texts": ["a"]})
     assert r.status_code == 400
     assert "'clf' is a classify model; /rerank needs rerank: ask it on /predict" in error_message(r)
+
+
+def test_tei_info_says_a_heads_kind_and_labels(reranker, classifier):
+    ranker = httpx.get(f"{reranker}/info").json()
+    assert ranker["model_id"] == "ce" and ranker["model_type"] == {
+        "reranker": {"id2label": {"0": "label_0"}, "label2id": {"label_0": 0}}
+    }
+    labels = httpx.get(f"{classifier}/info").json()["model_type"]["classifier"]["id2label"]
+    assert labels == {"0": "label_0", "1": "label_1", "2": "label_2"}

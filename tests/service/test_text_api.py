@@ -235,6 +235,32 @@ def test_bad_input_is_a_4xx_naming_its_field(base, body, status, names):
     assert r.status_code == status and names in error_message(r), r.text
 
 
+def test_tei_embed_all_is_transformers_last_hidden_state_per_real_token_and_info_says_the_limits(
+    base, artifact, model_dir
+):
+    """/embed_all: each input's tokens' vectors (late interaction), in input order across parts; /info: what TEI's
+    clients read of the model and the limits."""
+    rows = httpx.post(f"{base}/embed_all", json={"inputs": TEXTS}).json()
+    tokenizer = TextTokenizer((artifact / TOKENIZER_FILE).read_bytes(), Manifest.load(artifact).text)
+    batch = tokenizer.encode(TEXTS)
+    hidden, _ = transformers_vectors(model_dir, batch)
+    assert [len(r) for r in rows] == batch.lengths
+    for row, want, n in zip(rows, hidden, batch.lengths, strict=True):
+        np.testing.assert_allclose(row, want[:n], atol=1e-5)
+    with start_server(artifact, "--max-elements", "2000") as small:  # token vectors are capped as tensors are
+        r = httpx.post(f"{small.base}/embed_all", json={"inputs": ["word " * 40] * 3, "truncate": True})
+        assert r.status_code == 413, r.text
+        assert "values of token vectors, more than this server answers at once (2000" in error_message(r)
+        assert httpx.post(f"{small.base}/embed_all", json={"inputs": "a man"}).status_code == 200
+    info = httpx.get(f"{base}/info").json()
+    assert info["model_id"] == "tiny-bert" and info["model_type"] == {"embedding": {"pooling": "mean"}}
+    assert (info["max_input_length"], info["max_batch_tokens"], info["max_client_batch_size"]) == (
+        MAX_LENGTH,
+        64,
+        100,
+    )
+
+
 def test_tei_errors_name_its_own_fields(base):
     for body, names in (
         ({"inputs": ["a", ""]}, "inputs[1] is an empty string"),

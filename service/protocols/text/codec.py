@@ -14,7 +14,7 @@ from fastapi import Request, Response
 from addnorm.service.core import inference
 from addnorm.service.core.inference import work
 from addnorm.service.core.text import TextLimits, TextRequest, decode_texts, need_task
-from addnorm.service.errors import BadInput
+from addnorm.service.errors import BadInput, TooLarge
 from addnorm.service.guard import Known
 from addnorm.service.protocols.common import http_call, parse_json, read_then_watch, timing_headers
 
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 # Tokenizing and embedding cost about as much per byte of text as parsing JSON does per byte: counted 8x, a
 # request of more than 32 KB of text leaves the event loop.
 TEXT_WORK = 8
+TOKEN_ROWS = "token_rows"  # (the request's options: its answer writes every token's vector)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class TextQuery:
     field: str = "input"  # what the API calls its inputs, in error messages (TEI: "inputs")
     seconds: list[str] | None = None
     tasks: tuple[str, ...] = ("embed",)
+    token_rows: bool = False  # the answer writes every token's vector, not one a text (TEI's /embed_all)
 
 
 @dataclass
@@ -59,7 +61,8 @@ class TextCodec:
         return work(TEXT_WORK * len(body))
 
     def encode_work(self, req: TextRequest, nbytes: int) -> int:
-        return work(nbytes // 8)  # pooled vectors: a small share of the outputs' bytes
+        # pooled vectors: a small share of the outputs' bytes; token vectors: about all of them
+        return work(nbytes if req.options.get(TOKEN_ROWS) else nbytes // 8)
 
     def decode(self, body: bytes, resolve: Resolve) -> TextRequest:
         limits = self.limits
@@ -67,7 +70,12 @@ class TextCodec:
         model = resolve(read.model)
         need_task(model, read.tasks, self.route)
         req = decode_texts(model, read.inputs, read.truncate, limits, read.field, read.prompt, read.seconds)
-        req.model, req.options = read.model, read.options
+        req.model, req.options = read.model, {**read.options, TOKEN_ROWS: read.token_rows}
+        if read.token_rows and (values := req.tokens * model.engine.d_model) > self.max_elements:
+            raise TooLarge(
+                f"{read.field} hold {req.tokens} tokens: {values} values of token vectors, more than this server "
+                f"answers at once ({self.max_elements}: ADDNORM_MAX_ELEMENTS); split the request"
+            )
         return req
 
     def encode(self, req: TextRequest, model: ServingModel, outputs: Outputs) -> bytes:

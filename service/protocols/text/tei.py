@@ -1,9 +1,11 @@
-"""text-embeddings-inference's API, so its clients switch by URL: ``POST /embed``, ``/tokenize``, ``/rerank`` and
-``/predict``.
+"""text-embeddings-inference's API, so its clients switch by URL: ``POST /embed``, ``/embed_all``, ``/tokenize``,
+``/rerank``, ``/predict`` and ``GET /info``.
 
 ``/embed``: ``{"inputs": str | [str], "normalize": true, "truncate": false, "prompt_name": null, "dimensions":
 null}`` -> ``[[float, ...], ...]``, one vector per input in input order. ``/tokenize``: ``{"inputs": str | [str],
 "add_special_tokens": true}`` -> per input, its tokens as ``{"id", "text", "special", "start", "stop"}``.
+``/embed_all``: ``{"inputs", "truncate", "prompt_name"}`` -> per input, each of its tokens' vectors (the encoder's
+last hidden state, special tokens included: late interaction). ``/info``: the model, its kind and the limits.
 ``/rerank`` (a cross-encoder): ``{"query", "texts": [str], "raw_scores": false, "return_text": false, "truncate":
 false}`` -> ``[{"index", "score", "text"?}]``, best first; each text scored with the query as a pair, cut (with
 ``truncate``) in the text, never the query. ``/predict`` (a classifier or a cross-encoder): ``{"inputs": str |
@@ -19,9 +21,10 @@ import numpy as np
 import orjson
 from fastapi import APIRouter, Request, Response
 
+from addnorm import __version__
 from addnorm.model.tokenize import TooManyChars
 from addnorm.service.core.inference import offload, work
-from addnorm.service.core.text import scores, text_inputs, vectors
+from addnorm.service.core.text import scores, text_inputs, token_vectors, vectors
 from addnorm.service.errors import BadInput, TooLarge, quote
 from addnorm.service.guard import Known
 from addnorm.service.protocols.common import error_docs, json_bool, json_route_doc, parse_json, read_body
@@ -30,6 +33,7 @@ from addnorm.service.protocols.text.codec import TEXT_WORK, TextQuery, answer, f
 router = APIRouter(tags=["tei"])
 _EMBED = {"inputs", "normalize", "truncate", "truncation_direction", "prompt_name", "dimensions"}
 _TOKENIZE = {"inputs", "add_special_tokens", "prompt_name"}
+_EMBED_ALL = {"inputs", "truncate", "truncation_direction", "prompt_name"}
 _RERANK = {"query", "texts", "truncate", "truncation_direction", "raw_scores", "return_text"}
 _PREDICT = {"inputs", "truncate", "truncation_direction", "raw_scores"}
 # text-embeddings-inference's error body (what error_shape writes)
@@ -70,6 +74,16 @@ _EMBED_DOC = _doc(
     },
     {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
     {"inputs": "What is Deep Learning?"},
+)
+_EMBED_ALL_DOC = _doc(
+    {
+        "truncate": {"type": "boolean", "default": False},
+        "truncation_direction": {"type": "string", "enum": ["Right"], "default": "Right"},
+        "prompt_name": {"type": "string", "nullable": True},
+    },
+    {"type": "array", "items": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}},
+    {"inputs": "What is Deep Learning?"},
+    "per input, each of its tokens' vectors",
 )
 _TOKEN = {
     "type": "object",
@@ -257,6 +271,18 @@ def write_predict(req, model, outputs) -> bytes:
     return orjson.dumps(rows if req.options["batch"] else rows[0])
 
 
+def read_embed_all(doc: object, max_inputs: int) -> TextQuery:
+    doc = fields(doc, _EMBED_ALL, "inputs")
+    _right(doc)
+    inputs = text_inputs(doc["inputs"], "inputs", max_inputs)
+    truncate = json_bool(doc, "truncate", "body", False)
+    return TextQuery(None, inputs, truncate, {}, _prompt_name(doc), field="inputs", token_rows=True)
+
+
+def write_embed_all(req, model, outputs) -> bytes:
+    return orjson.dumps(token_vectors(req, outputs), option=orjson.OPT_SERIALIZE_NUMPY)
+
+
 def write(req, model, outputs) -> bytes:
     pooled_by, normalized = pooling(model)
     out = vectors(req, outputs, pooled_by, normalized, req.options["normalize"], req.options["dimensions"])
@@ -268,6 +294,53 @@ def write(req, model, outputs) -> bytes:
 )
 async def embed(request: Request, known: Known) -> Response:
     return await answer(request, known, "tei", read, write)
+
+
+@router.post(
+    "/embed_all",
+    summary="Every token's vector of texts (text-embeddings-inference's API)",
+    openapi_extra=_EMBED_ALL_DOC,
+)
+async def embed_all(request: Request, known: Known) -> Response:
+    return await answer(request, known, "tei", read_embed_all, write_embed_all)
+
+
+@router.get("/info", summary="The served model and the server's limits (text-embeddings-inference's API)")
+async def info(known: Known) -> dict:
+    """What TEI's clients read first: the model, its kind (an embedder's pooling, a classifier's or a reranker's
+    labels), its longest input, and the batching limits."""
+    model = known.models.get(None)
+    manifest, s = model.engine.manifest, known.settings
+    config = manifest.config
+    if config.task == "embed":
+        kind = {"embedding": {"pooling": config.pooling if config.pooling != "none" else "mean"}}
+    else:
+        labels = manifest.label_names
+        kind = {
+            ("reranker" if config.task == "rerank" else "classifier"): {
+                "id2label": {str(i): name for i, name in enumerate(labels)},
+                "label2id": {name: i for i, name in enumerate(labels)},
+            }
+        }
+    front = model.engine.text
+    return {
+        "model_id": model.name,
+        "model_sha": manifest.model_sha256,
+        "model_dtype": "float16" if manifest.variant == "fp16" else "float32",
+        "served_model_name": model.name,
+        "model_type": kind,
+        "prompts": dict(front.config.prompts) if front is not None else {},
+        "max_concurrent_requests": s.max_queue_size,
+        "max_input_length": front.config.max_length if front is not None else None,
+        "max_batch_tokens": s.max_batch_tokens,
+        "max_batch_requests": s.max_batch_size,
+        "max_client_batch_size": s.max_client_batch_size,
+        "auto_truncate": s.auto_truncate,
+        "tokenization_workers": 1,
+        "version": __version__,
+        "sha": None,
+        "docker_label": None,
+    }
 
 
 @router.post(
@@ -330,7 +403,7 @@ def _tokens_json(rows: list) -> bytes:
     )
 
 
-MODEL_PREFIXES = ("/embed", "/tokenize", "/rerank", "/predict")
+MODEL_PREFIXES = ("/embed", "/tokenize", "/rerank", "/predict", "/info")
 ERROR_PATHS = MODEL_PREFIXES
 
 
