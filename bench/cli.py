@@ -189,6 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
         "/v1/embeddings at 1, 8 and 32 clients, 1 and 8 sentences a request, against the in-process limit, a FastAPI "
         "app calling sentence-transformers and Infinity (where installed); writes bench/results/text.json",
     )
+    p.add_argument(
+        "--rerank",
+        action="store_true",
+        help="instead of the ratios: one query against 100 documents of real text (bench/rerank.py) on a cross-encoder "
+        "(all-MiniLM-L6-v2's encoder with a head) at 1, 8 and 32 clients, against the in-process limit, a FastAPI app "
+        "calling sentence-transformers' CrossEncoder and Infinity (where installed); writes bench/results/rerank.json",
+    )
     return p
 
 
@@ -350,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         "lengths": lambda: mixed_lengths(args),
         "real": lambda: _real(args),
         "text": lambda: _text(args),
+        "rerank": lambda: _rerank(args),
     }
     for name, run_section in sections.items():
         if getattr(args, name):
@@ -376,6 +384,12 @@ def _text(args: argparse.Namespace) -> int:
     from bench import text
 
     return text.main(["--rounds", str(args.rounds), "--seconds", str(args.seconds)])
+
+
+def _rerank(args: argparse.Namespace) -> int:
+    from bench import rerank
+
+    return rerank.main(["--rounds", str(args.rounds), "--seconds", str(args.seconds)])
 
 
 if __name__ == "__main__":

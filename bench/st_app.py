@@ -1,6 +1,7 @@
 """What a user would write instead of addnorm for text: FastAPI calling sentence-transformers, OpenAI's
 ``/v1/embeddings`` shape, one ``model.encode`` per request in FastAPI's thread pool (as its docs suggest for
-blocking work). ``python -m bench.st_app --model DIR --port P`` (``bench.text`` starts it)."""
+blocking work). ``python -m bench.st_app --model DIR --port P`` (``bench.text`` starts it); with ``--cross-encoder``,
+TEI's ``/rerank`` shape on ``CrossEncoder.predict`` instead (``bench.rerank``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,31 @@ from addnorm.commands import Parser
 class EmbeddingRequest(BaseModel):
     input: str | list[str]
     model: str | None = None
+
+
+class RerankRequest(BaseModel):
+    query: str
+    texts: list[str]
+    truncate: bool = False
+
+
+def create_reranker(model_dir: str) -> FastAPI:
+    from sentence_transformers import CrossEncoder
+
+    model = CrossEncoder(model_dir, device="cpu", local_files_only=True)
+    app = FastAPI()
+
+    @app.get("/health/ready")
+    def ready() -> dict:
+        return {"ready": True}
+
+    @app.post("/rerank")
+    async def rerank(req: RerankRequest) -> list[dict]:
+        scores = await run_in_threadpool(model.predict, [(req.query, t) for t in req.texts], batch_size=32)
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])
+        return [{"index": i, "score": float(scores[i])} for i in order]
+
+    return app
 
 
 def create(model_dir: str) -> FastAPI:
@@ -46,8 +72,10 @@ def main() -> None:
     p = Parser(prog="python -m bench.st_app")
     p.add_argument("--model", required=True)
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--cross-encoder", action="store_true", help="serve /rerank with CrossEncoder.predict")
     args = p.parse_args()
-    uvicorn.run(create(args.model), host="127.0.0.1", port=args.port, log_level="warning")
+    app = create_reranker(args.model) if args.cross_encoder else create(args.model)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

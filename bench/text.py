@@ -416,8 +416,11 @@ def best_limit(lims: dict[str, float], in_flight: int) -> float:
     return max(v for k, v in lims.items() if int(k) <= in_flight)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m bench.text", description=__doc__.split("\n\n")[0])
+def against_peers_main(module: str, doc: str, measure, table, results: str, argv: list[str] | None) -> int:
+    """A peers benchmark's command (``bench.text``, ``bench.rerank``): ``--rounds``, ``--seconds`` and
+    ``--infinity``, ``measure(rounds, seconds, infinity)`` run, its ``table`` printed, its figures written to
+    ``bench/results/RESULTS``."""
+    p = Parser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument(
@@ -426,9 +429,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     res = measure(args.rounds, args.seconds, args.infinity)
     print(table(res))
-    out = ROOT / "bench" / "results" / "text.json"
-    out.write_bytes(orjson.dumps(res, option=orjson.OPT_INDENT_2))
+    (ROOT / "bench" / "results" / results).write_bytes(orjson.dumps(res, option=orjson.OPT_INDENT_2))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return against_peers_main("bench.text", __doc__, measure, table, "text.json", argv)
 
 
 if __name__ == "__main__":

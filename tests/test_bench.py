@@ -515,3 +515,38 @@ def test_the_stall_benchmark_sends_each_big_input_while_another_client_probes(tm
     for case in result["cases"].values():
         assert case["probes"] > 0 and case["live_worst_ms"] < float("inf") and case["rss_after_mb"] > 0
     assert "| case | answer |" in stall.table(result)
+
+
+def test_the_rerank_benchmark_scores_the_pairs_in_process_and_through_the_server(tmp_path, monkeypatch):
+    """``bench.rerank``: the in-process limit runs the query's pairs on the exported cross-encoder at each batch
+    size; a cell sends /rerank with every document to addnorm-serve and counts pairs; the table judges each row
+    by the limit at its pairs in flight (no timing asserted)."""
+    import orjson
+
+    from addnorm.export import cli as export_cli
+    from bench import rerank
+    from bench.server import ServerProcess
+    from tests.text_models import make_model_dir
+
+    model_dir = make_model_dir("bert", tmp_path / "model", labels=1)
+    artifact = tmp_path / "artifact"
+    assert export_cli.main(["--from", str(model_dir), "--artifact", str(artifact), "-q"]) == 0
+    docs = rerank.documents()[:12]
+    rates = rerank.limits(artifact, docs, (4, 12), repeat=1)
+    assert sorted(rates) == [4, 12] and all(r > 0 for r in rates.values())
+    ((_, request),) = rerank.requests(8000, "/rerank", docs)
+    body = orjson.loads(request.split(b"\r\n\r\n", 1)[1])
+    assert body == {"query": rerank.QUERY, "texts": docs, "truncate": True}
+    monkeypatch.setattr(rerank, "CLIENTS", (2,))
+    with ServerProcess(["-m", "addnorm.service", "--artifact", str(artifact)]) as srv:
+        cells = rerank.server_cells(srv.port, docs, 0.3, "addnorm")
+    assert list(cells) == [2] and cells[2]["requests"] > 0 and cells[2]["tokens_per_s"] > 0
+    res = {
+        "cpu_flags": ["avx2"],
+        "documents": 100,
+        "mean_pair_tokens": 30.0,
+        "limit_pairs_per_s": {"8": 300.0, "100": 100.0, "256": 80.0},
+        "infinity": "not installed",
+        "cells": {"addnorm-serve|1": {"tokens_per_s": 270.0, "p50_ms": 300.0, "p99_ms": 400.0}},
+    }
+    assert "| addnorm-serve | 1 | 270 | 300 | 400 | 0.90x |" in rerank.table(res)
