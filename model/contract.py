@@ -16,6 +16,7 @@ from addnorm.model.config import EncoderConfig
 EMBEDDINGS = "embeddings"  # float32 (batch, seq, d_model); (seq, batch, d_model) in a --no-batch-first graph
 MASK = "mask"  # bool (batch, seq), true = padding
 TEXT = "text"  # V2 BYTES (batch,): texts, for a model exported with its tokenizer (model/text.py)
+QUERY = "query"  # V2 BYTES (batch,): beside ``text``, each text's query, the two scored as a pair (a head's model)
 ENCODED = "encoded"  # float32, the embeddings' shape
 POOLED = "pooled"  # float32 (batch, d_model): the sentence embedding, in graphs exported with a pooling
 SCORES = "scores"  # float32 (batch, num_labels): a classification head's logits, in graphs exported with one
@@ -106,8 +107,17 @@ def api_specs(config: EncoderConfig) -> tuple[tuple[TensorSpec, ...], tuple[Tens
     return io_specs(EncoderConfig.from_dict({**config.to_dict(), "batch_first": True, "packed": False}))
 
 
-# The V2 ``text`` input of a model that takes text: one string a row (Triton's [batch, 1] convention)
+# The V2 ``text`` input of a model that takes text: one string a row (Triton's [batch, 1] convention); ``query``
+# beside it for a model with a head (a cross-encoder: each text scored with its query)
 TEXT_SPEC = TensorSpec(TEXT, "bytes", (BATCH, 1))
+QUERY_SPEC = TensorSpec(QUERY, "bytes", (BATCH, 1))
+
+
+def text_specs(config: EncoderConfig, takes_text: bool) -> tuple[TensorSpec, ...]:
+    """The BYTES inputs a model takes besides its tensors: none, ``text``, or with a head ``text`` and ``query``."""
+    if not takes_text:
+        return ()
+    return (TEXT_SPEC, QUERY_SPEC) if config.head != "none" else (TEXT_SPEC,)
 
 
 @functools.cache

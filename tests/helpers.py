@@ -130,7 +130,7 @@ def error_message(r) -> str:
         error = doc["error"]
         assert set(doc) == {"error"} and set(error) == {"message", "type", "param", "code"}, doc
         return error["message"]
-    if path.startswith(("/embed", "/tokenize", "/rerank", "/predict")):
+    if path.startswith(("/embed", "/tokenize", "/rerank", "/predict", "/info")):
         assert set(doc) == {"error", "error_type"} and isinstance(doc["error"], str), doc
         return doc["error"]
     if path.startswith(("/v1/rerank", "/v2/rerank")):  # Cohere's

@@ -185,6 +185,12 @@ def decode_texts(
         except TooManyChars as exc:
             hint = "split it" if exc.truncated else "shorten it, or send truncate: true"
             raise TooLarge(f"{where}[{exc.index}] has {exc.chars} characters, {exc.reason}: {hint}") from None
+        types_held = front.config.type_vocab_size
+        if seconds is not None and types_held and max(max(row) for row in types) >= types_held:
+            raise BadInput(  # the artifact's tokenizer marks a pair's second text with a type its embeddings lack
+                f"model {quote(model.name)} does not take pairs: its tokenizer gives a pair's second text a token "
+                f"type its embedding layer does not have ({types_held} type(s))"
+            )
     else:
         vocab = front.config.vocab_size
         rows, types = [], None

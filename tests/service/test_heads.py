@@ -22,6 +22,7 @@ pytestmark = pytest.mark.server
 QUERY = "A man is eating food."
 # real text of mixed lengths, one past the model's 64 positions once paired with the query
 DOCUMENTS = [*TEXTS, " ".join(TEXTS) * 2]
+GRPC_PORT = 0  # the reranker's, set by its fixture
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,9 @@ def artifacts(dirs, tmp_path_factory) -> dict[str, Path]:
 def reranker(artifacts) -> Iterator[str]:
     """The cross-encoder (the default model, TEI's routes' one) beside an embedder; small parts, few documents."""
     args = ("--artifact", str(artifacts["emb"]), "--max-batch-tokens", "256", "--max-client-batch-size", "40")
-    with start_server(artifacts["ce"], *args) as srv:
+    with start_server(artifacts["ce"], *args, grpc=True) as srv:
+        global GRPC_PORT
+        GRPC_PORT = srv.grpc_port
         yield srv.base
 
 
@@ -156,6 +159,46 @@ def test_v2_answers_a_heads_scores_for_text(classifier, dirs):
     np.testing.assert_allclose(np.reshape(out["data"], (2, 3)), logits, atol=2e-5)
     meta = httpx.get(f"{classifier}/v2/models/clf").json()
     assert {"name": "scores", "datatype": "FP32", "shape": [-1, 3]} in meta["outputs"]
+
+
+def test_v2_scores_pairs_of_query_and_text_over_http_and_grpc_with_tritonclient(reranker, dirs):
+    """V2's ``query`` input beside ``text`` (one query for every text, or one a text): each text scored with its
+    query, the logits of the pair; tritonclient over HTTP and gRPC, unmodified."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    docs = DOCUMENTS[:4]
+    want = _cross_encoder(dirs["ce"]).predict([(QUERY, d) for d in docs], activation_fn=_identity())
+    for module, url in (
+        (httpclient, reranker.removeprefix("http://")),
+        (grpcclient, f"127.0.0.1:{GRPC_PORT}"),
+    ):
+        client = module.InferenceServerClient(url)
+        text, query = module.InferInput("text", [4, 1], "BYTES"), module.InferInput("query", [1, 1], "BYTES")
+        text.set_data_from_numpy(np.array([[d.encode()] for d in docs], dtype=object))
+        query.set_data_from_numpy(np.array([[QUERY.encode()]], dtype=object))
+        answer = client.infer("ce", [text, query], outputs=[module.InferRequestedOutput("scores")])
+        np.testing.assert_allclose(answer.as_numpy("scores")[:, 0], want, atol=2e-5)
+    meta = httpx.get(f"{reranker}/v2/models/ce").json()
+    assert {"name": "query", "datatype": "BYTES", "shape": [-1, 1]} in meta["inputs"]
+    bytes_input = {"shape": [2, 1], "datatype": "BYTES", "data": ["a", "b"]}
+    for inputs, words in (
+        ([{"name": "query", **bytes_input}], "input 'query' comes with input 'text'"),
+        (
+            [
+                {"name": "text", **bytes_input},
+                {"name": "query", **bytes_input, "shape": [3, 1], "data": ["q"] * 3},
+            ],
+            "holds 3 queries for 2 texts",
+        ),
+    ):
+        r = httpx.post(f"{reranker}/v2/models/ce/infer", json={"inputs": inputs})
+        assert r.status_code == 400 and words in error_message(r), r.text
+    r = httpx.post(
+        f"{reranker}/v2/models/emb/infer",
+        json={"inputs": [{"name": "text", **bytes_input}, {"name": "query", **bytes_input}]},
+    )
+    assert r.status_code == 400, r.text  # an embedder takes no query
 
 
 @pytest.mark.parametrize(

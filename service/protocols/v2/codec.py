@@ -18,10 +18,10 @@ import numpy as np
 import orjson
 
 from addnorm.model.artifact import Manifest
-from addnorm.model.contract import EMBEDDINGS, MASK, TEXT, client_inputs
+from addnorm.model.contract import EMBEDDINGS, MASK, QUERY, TEXT, client_inputs, text_specs
 from addnorm.service.batching.merging import Outputs
 from addnorm.service.core.inference import work
-from addnorm.service.core.text import TextLimits, TextRequest, decode_texts, text_inputs
+from addnorm.service.core.text import TextLimits, TextRequest, decode_texts, need_task, text_inputs
 from addnorm.service.errors import BadInput, TooLarge, quote
 from addnorm.service.protocols import common
 from addnorm.service.protocols.common import (
@@ -71,7 +71,7 @@ class InferRequest(Tensors):
 
 
 # (texts, request parameters) -> the request's text step, for a model that takes text (None: it does not)
-Texts = Callable[[list[str], dict], TextRequest] | None
+Texts = Callable[[list[str], dict, list[str] | None], TextRequest] | None  # (texts, parameters, queries)
 
 
 def text_step(model: ServingModel, limits: TextLimits) -> Texts:
@@ -79,10 +79,20 @@ def text_step(model: ServingModel, limits: TextLimits) -> Texts:
     if model.engine.text is None:
         return None
 
-    def step(texts: list[str], params: dict) -> TextRequest:
+    def step(texts: list[str], params: dict, queries: list[str] | None = None) -> TextRequest:
         where = f"input {TEXT!r}"
         truncate = json_bool(params, "truncate", "parameters", False)
-        return decode_texts(model, text_inputs(texts, where, limits.max_inputs), truncate, limits, where)
+        texts = text_inputs(texts, where, limits.max_inputs)
+        if queries is None:
+            return decode_texts(model, texts, truncate, limits, where)
+        need_task(model, ("rerank", "classify"), f"input {QUERY!r}")
+        if len(queries) not in (1, len(texts)):
+            raise BadInput(
+                f"input {QUERY!r} holds {len(queries)} queries for {len(texts)} texts: one, or one a text"
+            )
+        queries = text_inputs(queries, f"input {QUERY!r}", limits.max_inputs)
+        firsts = queries * len(texts) if len(queries) == 1 else queries
+        return decode_texts(model, firsts, truncate, limits, where, seconds=texts)
 
     return step
 
@@ -131,10 +141,28 @@ def decode_infer(
     return InferRequest(request_id, x, mask, outputs, timeout_s, params, text)
 
 
+def _strings(tensors: dict[str, np.ndarray], name: str) -> list[str]:
+    """A BYTES input ([batch] or [batch, 1]) as its strings."""
+    strings = tensors[name]
+    if strings.dtype.kind != "O":
+        raise BadInput(f"input {name!r} must be BYTES (strings), not {_v2_name(strings.dtype)}")
+    if strings.ndim not in (1, 2) or strings.ndim == 2 and strings.shape[1] != 1:
+        raise BadInput(f"input {name!r} must be BYTES [batch] or [batch, 1], got shape {list(strings.shape)}")
+    decoded = []
+    for i, s in enumerate(strings.reshape(-1)):
+        try:
+            decoded.append(s.decode("utf-8") if isinstance(s, bytes) else s)
+        except UnicodeDecodeError:
+            raise BadInput(f"input {name!r}[{i}] is not valid UTF-8") from None
+    if not decoded:
+        raise BadInput(f"input {name!r} is empty")
+    return decoded
+
+
 def inputs_of(manifest: Manifest) -> tuple[str, ...]:
     """The inputs a client may send this model: the block's, and ``text`` where the model takes text."""
     known = client_inputs(manifest.config)
-    return (*known, TEXT) if manifest.text is not None else known
+    return (*known, *(s.name for s in text_specs(manifest.config, manifest.text is not None)))
 
 
 def to_batch(
@@ -147,29 +175,18 @@ def to_batch(
     """The decoded inputs (by name) as the model's (B, S, E) float32 batch and optional (B, S) mask, or a text
     request (a BYTES ``text`` input: its first part's batch and mask, and the request in parts); every transport
     of the protocol ends here."""
+    if QUERY in tensors and TEXT not in tensors:
+        raise BadInput(f"input {QUERY!r} comes with input {TEXT!r}: each text is scored with its query")
     if TEXT in tensors:
-        if len(tensors) > 1:
+        if set(tensors) - {TEXT, QUERY}:
             raise BadInput(
-                f"input {TEXT!r} comes alone: the model embeds the texts itself (no {EMBEDDINGS!r} or {MASK!r})"
+                f"input {TEXT!r} comes alone (or with {QUERY!r}): the model embeds the texts itself (no "
+                f"{EMBEDDINGS!r} or {MASK!r})"
             )
         if texts is None:
             raise BadInput(f"model {quote(manifest.name)} takes embeddings, not text")
-        strings = tensors[TEXT]
-        if strings.dtype.kind != "O":
-            raise BadInput(f"input {TEXT!r} must be BYTES (strings), not {_v2_name(strings.dtype)}")
-        if strings.ndim not in (1, 2) or strings.ndim == 2 and strings.shape[1] != 1:
-            raise BadInput(
-                f"input {TEXT!r} must be BYTES [batch] or [batch, 1], got shape {list(strings.shape)}"
-            )
-        decoded = []
-        for i, s in enumerate(strings.reshape(-1)):
-            try:
-                decoded.append(s.decode("utf-8") if isinstance(s, bytes) else s)
-            except UnicodeDecodeError:
-                raise BadInput(f"input {TEXT!r}[{i}] is not valid UTF-8") from None
-        if not decoded:
-            raise BadInput(f"input {TEXT!r} is empty")
-        req = texts(decoded, params or {})
+        queries = _strings(tensors, QUERY) if QUERY in tensors else None
+        req = texts(_strings(tensors, TEXT), params or {}, queries)
         return req.embeddings, req.mask, req
     if EMBEDDINGS not in tensors:
         raise BadInput(f"missing input {EMBEDDINGS!r} (FP32 [batch, seq, d_model])")

@@ -6,7 +6,7 @@ extension's answer. The tensors themselves are codec.py's.
 from __future__ import annotations
 
 from addnorm.model.artifact import Manifest
-from addnorm.model.contract import TEXT_SPEC, api_specs
+from addnorm.model.contract import api_specs, text_specs
 from addnorm.service.errors import NotFound, quote
 from addnorm.service.models.registry import READY, Registry, ServingModel
 from addnorm.service.protocols.v2 import model_config
@@ -24,8 +24,7 @@ def model_metadata(manifest: Manifest, version: str = "1") -> dict:
         }
 
     inputs, outputs = api_specs(manifest.config)
-    if manifest.text is not None:
-        inputs = (*inputs, TEXT_SPEC)
+    inputs = (*inputs, *text_specs(manifest.config, manifest.text is not None))
     return {
         "name": manifest.name,
         "versions": [version],

@@ -13,7 +13,7 @@ from collections.abc import Collection, Sequence
 from google.protobuf import json_format, text_format
 
 from addnorm.model.artifact import Manifest
-from addnorm.model.contract import EMBEDDINGS, LONGEST, MASK, OFFSETS, TEXT, TEXT_SPEC, TensorSpec, api_specs
+from addnorm.model.contract import EMBEDDINGS, LONGEST, MASK, OFFSETS, TensorSpec, api_specs, text_specs
 from addnorm.service.protocols.v2 import inference_pb2 as pb
 
 PLATFORM, BACKEND = "onnxruntime_onnx", "onnxruntime"
@@ -111,7 +111,8 @@ def served(
     inputs, outputs = api_specs(manifest.config)
     optional: tuple[str, ...] = (MASK,)
     if manifest.text is not None:  # texts, or embeddings: either
-        inputs, optional = (*inputs, TEXT_SPEC), (MASK, EMBEDDINGS, TEXT)
+        texts = text_specs(manifest.config, True)
+        inputs, optional = (*inputs, *texts), (MASK, EMBEDDINGS, *(s.name for s in texts))
     return build(
         manifest.name,
         inputs,
