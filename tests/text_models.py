@@ -104,10 +104,10 @@ def _tokenizer(specials: tuple[str, ...], cls: str, sep: str, unk: str, pad: str
     tok = Tokenizer(WordPiece(vocab, unk_token=unk, max_input_chars_per_word=100))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    # a pair as each family's own tokenizer writes it: BERT's second text of token type 1, RoBERTa's </s></s> between
+    pair = f"{cls} $A {sep} $B:1 {sep}:1" if cls == "[CLS]" else f"{cls} $A {sep} {sep} $B {sep}"
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{cls} $A {sep}",
-        pair=f"{cls} $A {sep} $B:1 {sep}:1",
-        special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])],
+        single=f"{cls} $A {sep}", pair=pair, special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])]
     )
     tok.enable_padding(
         pad_id=vocab[pad], pad_token=pad, length=16

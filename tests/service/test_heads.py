@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from addnorm.export import cli
+from addnorm.model.artifact import Manifest
 from tests.conftest import start_server
 from tests.helpers import error_message
 from tests.text_models import TEXTS, make_model_dir
@@ -32,6 +33,8 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
         "ce": make_model_dir("bert", root / "ce", seed=3, labels=1),
         "clf": make_model_dir("bert", root / "clf", seed=4, labels=3),
         "emb": make_model_dir("bert", root / "emb", seed=5),
+        # the other families' cross-encoders: pairs as their tokenizers write them (RoBERTa's </s></s>, no types)
+        **{f: make_model_dir(f, root / f, seed=6, labels=1) for f in ("roberta", "distilbert", "mpnet")},
     }
 
 
@@ -46,7 +49,10 @@ def artifacts(dirs, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def reranker(artifacts) -> Iterator[str]:
     """The cross-encoder (the default model, TEI's routes' one) beside an embedder; small parts, few documents."""
-    args = ("--artifact", str(artifacts["emb"]), "--max-batch-tokens", "256", "--max-client-batch-size", "40")
+    others = [
+        arg for f in ("emb", "roberta", "distilbert", "mpnet") for arg in ("--artifact", str(artifacts[f]))
+    ]
+    args = (*others, "--max-batch-tokens", "256", "--max-client-batch-size", "40")
     with start_server(artifacts["ce"], *args, grpc=True) as srv:
         global GRPC_PORT
         GRPC_PORT = srv.grpc_port
@@ -59,10 +65,10 @@ def classifier(artifacts) -> Iterator[str]:
         yield srv.base
 
 
-def _cross_encoder(directory: Path):
+def _cross_encoder(directory: Path, max_length: int = 64):
     from sentence_transformers import CrossEncoder
 
-    return CrossEncoder(str(directory), local_files_only=True, max_length=64)
+    return CrossEncoder(str(directory), local_files_only=True, max_length=max_length)
 
 
 def _identity():
@@ -93,6 +99,37 @@ def test_tei_rerank_equals_sentence_transformers_cross_encoder(reranker, dirs):
         _by_index(raw, "score"), model.predict(pairs, activation_fn=_identity()), atol=2e-5
     )
     assert all("text" not in r for r in raw)
+
+
+def _transformers_pairs(directory: Path, max_length: int, docs: list[str]) -> np.ndarray:
+    """transformers' *ForSequenceClassification on each (QUERY, doc) as the directory's tokenizer.json pairs and
+    cuts them (in the document), through the sigmoid CrossEncoder applies: the reference where transformers' own
+    tokenizer class would read these tiny WordPiece tokenizer.json files as something else (RoBERTa's BPE)."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForSequenceClassification
+
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tok.no_padding()
+    tok.enable_truncation(max_length, strategy="only_second")
+    model = AutoModelForSequenceClassification.from_pretrained(
+        str(directory), attn_implementation="eager"
+    ).eval()
+    out = []
+    for encoding in tok.encode_batch([(QUERY, d) for d in docs]):
+        with torch.no_grad():
+            out.append(model(input_ids=torch.tensor([encoding.ids])).logits[0, 0].item())
+    return 1 / (1 + np.exp(-np.array(out)))
+
+
+@pytest.mark.parametrize("family", ["roberta", "distilbert", "mpnet"])
+def test_every_familys_cross_encoder_reranks_as_transformers(reranker, dirs, artifacts, family):
+    """RoBERTa's pairs (</s></s> between, no token types; XLM-RoBERTa's are the same), DistilBERT's and MPNet's."""
+    length = Manifest.load(artifacts[family]).text.max_length  # positions after the padding index: 62 of 64
+    want = _transformers_pairs(dirs[family], length, DOCUMENTS)
+    body = {"model": family, "query": QUERY, "documents": DOCUMENTS}
+    results = httpx.post(f"{reranker}/v2/rerank", json=body).json()["results"]
+    np.testing.assert_allclose(_by_index(results, "relevance_score"), want, atol=1e-6)
 
 
 def test_the_official_cohere_clients_rerank_unmodified(reranker, dirs):
