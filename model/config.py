@@ -99,7 +99,8 @@ class EncoderConfig:
             raise ConfigError(f"num_labels must be a non-negative integer, got {labels!r}")
         if (self.head == "classify") != (labels > 0):
             raise ConfigError(
-                f"num_labels is {labels} with head {self.head!r}: a classify head has at least one label, no head none"
+                f"num_labels is {labels} with head {self.head!r}: a classify head needs at least one label, and "
+                "head none takes none"
             )
         if self.norm not in NORMS:
             raise ConfigError(f"norm must be one of {NORMS}, got {self.norm!r}")
