@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         state, detected, declared, where = None, None, None, None
         if args.from_bert:  # its layer count and widths come from the weights, the rest from config.json
             state, declared, where = model_dir.read_model_dir(args.from_bert)
-            detected = where.family.shape(state, declared)
+            detected = where.family.shape(state, where.config)
         pipeline = model_dir.sentence_pooling(where.directory) if where else None
         config = config_from_args(args, detected, declared, pipeline)
         reference = _reference(args, where)

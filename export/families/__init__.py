@@ -90,7 +90,7 @@ class Family:
 
     def shape(self, state: dict[str, torch.Tensor], config: dict | None = None) -> dict[str, int]:
         """What the weights say of the block: its layer count, width and feed-forward width (half the input
-        projection's rows for a gated feed-forward, which ``fields(config)`` says the block has)."""
+        projection's rows for a gated feed-forward, which ``fields`` of ``config``, config.json, says it has)."""
         layers = self._layers(state)
         key = f"{layers[0]}{self.layer_keys['linear1.weight']}"
         if key not in state:

@@ -33,7 +33,11 @@ GATED_BERT = Family(
     bert.BERT_LAYER_KEYS,
     bert.BERT_QKV,
     bert.BERT_EMBEDDINGS,
-    fields=lambda config: {**bert.fields(config), "feed_forward": "gated"},
+    # config.json says it (as a real family's would): what the weights' shape is read with, too (Family.shape)
+    fields=lambda config: {
+        **bert.fields(config),
+        "feed_forward": "gated" if config.get("gated_mlp") else "plain",
+    },
     text=bert.text,
 )
 
@@ -91,6 +95,7 @@ def _checkpoint(model, mlps, directory: Path) -> Path:
         "intermediate_size": FF,
         "num_hidden_layers": LAYERS,
         "hidden_act": "gelu",
+        "gated_mlp": True,
         "layer_norm_eps": 1e-12,
         "vocab_size": model.config.vocab_size,
     }
