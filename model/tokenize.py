@@ -157,7 +157,10 @@ class TextTokenizer:
     ) -> tuple[list[list[int]], list[list[int]]]:
         if len(firsts) != len(seconds):
             raise ValueError(f"{len(firsts)} first texts for {len(seconds)} second ones")
-        self.within(firsts)  # a query is never cut
+        try:
+            self.within(firsts)  # a query is never cut
+        except TooManyChars as exc:
+            raise QueryTooLong(exc.index, self.text.max_length) from None
         whole = seconds
         seconds, cut = self.within(seconds, truncate)
         tokenizer = self._cut_second if truncate else self._plain

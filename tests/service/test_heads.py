@@ -248,6 +248,7 @@ def test_v2_scores_pairs_of_query_and_text_over_http_and_grpc_with_tritonclient(
         ("/rerank", {"query": "q", "texts": ["a"] * 41}, 413, "41 texts, more than this server's 40"),
         ("/rerank", {"query": "q", "texts": ["word " * 80]}, 413, "texts[0] has"),
         ("/rerank", {"query": "word " * 80, "texts": ["a"], "truncate": True}, 413, "query alone takes more"),
+        ("/rerank", {"query": "w" * 70_000, "texts": ["a"]}, 413, "query alone takes more"),
         (
             "/rerank",
             {"query": "q", "texts": ["a"], "raw_scores": "yes"},
