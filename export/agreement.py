@@ -62,10 +62,14 @@ def agreement(out: np.ndarray, want: np.ndarray, mask: np.ndarray) -> Agreement:
     )
 
 
+TOP_K = 3  # a reranker's top documents, whose overlap a user reads
+
+
 def scores_agreement(got: np.ndarray, want: np.ndarray) -> dict:
     """How a classification head's scores (N, labels) agree with another's: the largest difference, the cosine of
     the two as flat vectors, and what a user reads of them: with one label (a cross-encoder's relevance) the
-    Spearman correlation of the N scores' ranks, with several the share of rows whose top label is the same."""
+    Spearman correlation of the N scores' ranks and the overlap of the top 3, with several the share of rows whose
+    top label is the same."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     norms = np.linalg.norm(got) * np.linalg.norm(want)
     out = {
@@ -75,6 +79,8 @@ def scores_agreement(got: np.ndarray, want: np.ndarray) -> dict:
     if got.shape[-1] == 1:
         ranks = [np.argsort(np.argsort(a[:, 0])) for a in (got, want)]
         out["scores_spearman"] = float(np.corrcoef(*ranks)[0, 1]) if len(got) > 1 else 1.0
+        top = [set(np.argsort(-a[:, 0], kind="stable")[:TOP_K]) for a in (got, want)]
+        out["top3_overlap"] = len(top[0] & top[1]) / min(TOP_K, len(got))
     else:
         out["label_agreement"] = float((got.argmax(-1) == want.argmax(-1)).mean())
     return out

@@ -16,7 +16,7 @@ import torch
 from addnorm.export.agreement import agreement, scores_agreement
 from addnorm.export.model_dir import TOKENIZER_FILES
 from addnorm.export.parity import make_session
-from addnorm.export.sentences import SENTENCES
+from addnorm.export.sentences import MORE, SENTENCES
 from addnorm.model.config import ConfigError
 from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, POOLED, SCORES, output_names
 from addnorm.model.reference import pool as reference_pool
@@ -138,6 +138,22 @@ def reference_check(encoder, reference: Reference, given: list, config):
     return check
 
 
+def _pairs_reference(model, tokenizer, text) -> tuple:
+    """A cross-encoder's reference on pairs: a built-in query with each built-in sentence (tokenized as the server
+    pairs them, cut in the document), transformers' logits on those ids: (batch, logits, what they are)."""
+    query, documents = SENTENCES[6], [*SENTENCES, *MORE]
+    batch = tokenizer.encode([query] * len(documents), truncate=True, seconds=documents)
+    feed = {
+        "input_ids": torch.from_numpy(batch.input_ids),
+        "attention_mask": torch.from_numpy(~batch.mask).long(),
+    }
+    if text.type_vocab_size:
+        feed["token_type_ids"] = torch.from_numpy(batch.token_type_ids)
+    with torch.no_grad():
+        logits = model(**feed).logits.numpy()
+    return batch, logits, f"a built-in query with {len(documents)} built-in sentences as pairs"
+
+
 def _stacked(cases: list) -> tuple[np.ndarray, np.ndarray]:
     """Given cases as one batch, each padded (and masked) to the longest."""
     seq = max(c.seq for c in cases)
@@ -207,6 +223,7 @@ def ids_check(directory: Path, text, config):
         answer = model(**feed, output_hidden_states=head)
     want = (answer.hidden_states[-1] if head else answer.last_hidden_state).numpy()
     want_scores = answer.logits.numpy() if head else None
+    pairs = _pairs_reference(model, tokenizer, text) if config.task == "rerank" else None
     source = f"{len(sentences)} built-in sentences ({min(batch.lengths)}-{max(batch.lengths)} tokens)"
 
     def check(model_path: Path) -> dict:
@@ -231,6 +248,10 @@ def ids_check(directory: Path, text, config):
                     f"the classification head's scores do not match transformers' {type(model).__name__} on "
                     f"{source}: cosine {result['ids']['graph']['scores_cosine']:.4f}; the family's head mapping is wrong"
                 )
+        if pairs is not None:  # a cross-encoder's ranking of documents for a query, as its users read it
+            pair_batch, pair_scores, pair_source = pairs
+            ranked = scores_agreement(run_ids(model_path.parent, config, pair_batch)[SCORES], pair_scores)
+            result["ids"]["pairs"] = {"inputs": pair_source, **ranked}
         if graph.min_sentence_cosine < IDS_MIN_COSINE:
             raise ConfigError(
                 f"text through the exported graphs does not match transformers' {type(model).__name__} on {source}: "

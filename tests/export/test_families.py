@@ -209,6 +209,11 @@ def test_a_classification_head_exports_with_its_model_and_scores_as_transformers
     assert [o.name for o in manifest.outputs] == [ENCODED, "scores"]
     reference = manifest.parity["reference"]["ids"]["graph"]
     assert reference["scores_cosine"] > 0.999
+    if (
+        labels == 1
+    ):  # a cross-encoder's ranking of documents for a query, against transformers on the same pairs
+        pairs = manifest.parity["reference"]["ids"]["pairs"]
+        assert pairs["scores_spearman"] >= 0.99 and pairs["top3_overlap"] == 1.0, pairs
     batch = TextTokenizer((out / TOKENIZER_FILE).read_bytes(), manifest.text).encode(TEXTS, truncate=True)
     got = hf.run_ids(out, config, batch)["scores"]
     model = AutoModelForSequenceClassification.from_pretrained(str(directory), attn_implementation="eager")
