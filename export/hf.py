@@ -143,15 +143,20 @@ def _pairs_reference(model, tokenizer, text) -> tuple:
     pairs them, cut in the document), transformers' logits on those ids: (batch, logits, what they are)."""
     query, documents = SENTENCES[6], [*SENTENCES, *MORE]
     batch = tokenizer.encode([query] * len(documents), truncate=True, seconds=documents)
+    with torch.no_grad():
+        logits = model(**_feed(batch, text)).logits.numpy()
+    return batch, logits, f"a built-in query with {len(documents)} built-in sentences as pairs"
+
+
+def _feed(batch, text) -> dict:
+    """A tokenized batch as transformers' model takes it (token types where the embedding layer has them)."""
     feed = {
         "input_ids": torch.from_numpy(batch.input_ids),
         "attention_mask": torch.from_numpy(~batch.mask).long(),
     }
     if text.type_vocab_size:
         feed["token_type_ids"] = torch.from_numpy(batch.token_type_ids)
-    with torch.no_grad():
-        logits = model(**feed).logits.numpy()
-    return batch, logits, f"a built-in query with {len(documents)} built-in sentences as pairs"
+    return feed
 
 
 def _stacked(cases: list) -> tuple[np.ndarray, np.ndarray]:
@@ -213,14 +218,8 @@ def ids_check(directory: Path, text, config):
     tokenizer = TextTokenizer((directory / TOKENIZER_FILE).read_bytes(), text)
     sentences = [*SENTENCES, " ".join(SENTENCES)]
     batch = tokenizer.encode(sentences, truncate=True)
-    feed = {
-        "input_ids": torch.from_numpy(batch.input_ids),
-        "attention_mask": torch.from_numpy(~batch.mask).long(),
-    }
-    if text.type_vocab_size:
-        feed["token_type_ids"] = torch.from_numpy(batch.token_type_ids)
     with torch.no_grad():
-        answer = model(**feed, output_hidden_states=head)
+        answer = model(**_feed(batch, text), output_hidden_states=head)
     want = (answer.hidden_states[-1] if head else answer.last_hidden_state).numpy()
     want_scores = answer.logits.numpy() if head else None
     pairs = _pairs_reference(model, tokenizer, text) if config.task == "rerank" else None
