@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fastapi import Request, Response
+from fastapi import APIRouter, Request, Response
 
 from addnorm.service.core import inference
 from addnorm.service.core.inference import work
@@ -94,6 +94,19 @@ async def answer(request: Request, known: Known, protocol: str, read: Callable, 
     return Response(
         payload, media_type="application/json", headers=timing_headers(timings, time.perf_counter() - start)
     )
+
+
+def text_route(
+    router: APIRouter, path: str, protocol: str, read: Callable, write: Callable, summary: str, doc: dict
+) -> None:
+    """A text API's route: ``POST path`` on ``router``, its body read and answered by ``answer`` with this API's
+    ``read`` and ``write``; ``summary`` and ``doc`` (its ``openapi_extra``) are its OpenAPI entry."""
+
+    async def route(request: Request, known: Known) -> Response:
+        return await answer(request, known, protocol, read, write)
+
+    name = path.strip("/").replace("/", "_")
+    router.add_api_route(path, route, methods=["POST"], name=name, summary=summary, openapi_extra=doc)
 
 
 def fields(doc: object, known: set[str], required: str) -> dict:

@@ -15,13 +15,13 @@ import re
 import time
 
 import orjson
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter
 
 from addnorm.service.core.text import text_inputs, vectors
 from addnorm.service.errors import BadInput, quote
 from addnorm.service.guard import Known
 from addnorm.service.protocols.common import error_docs
-from addnorm.service.protocols.text.codec import TextQuery, answer, fields, pooling
+from addnorm.service.protocols.text.codec import TextQuery, fields, pooling, text_route
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 _KNOWN = {"input", "model", "encoding_format", "dimensions", "user", "truncate"}
@@ -174,9 +174,9 @@ def write(req, model, outputs) -> bytes:
     )
 
 
-@router.post("/embeddings", summary="Embeddings of texts or token ids (OpenAI's API)", openapi_extra=_DOC)
-async def embeddings(request: Request, known: Known) -> Response:
-    return await answer(request, known, "openai", read, write)
+text_route(
+    router, "/embeddings", "openai", read, write, "Embeddings of texts or token ids (OpenAI's API)", _DOC
+)
 
 
 @router.get(

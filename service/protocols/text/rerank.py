@@ -15,13 +15,12 @@ import uuid
 
 import numpy as np
 import orjson
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter
 
 from addnorm.service.core.text import scores
 from addnorm.service.errors import BadInput, quote
-from addnorm.service.guard import Known
 from addnorm.service.protocols.common import error_docs, json_bool, json_route_doc
-from addnorm.service.protocols.text.codec import TextQuery, answer, fields
+from addnorm.service.protocols.text.codec import TextQuery, fields, text_route
 from addnorm.service.protocols.text.tei import query_text, text_list
 
 router = APIRouter(tags=["rerank"])
@@ -141,16 +140,16 @@ def write(req, model, outputs) -> bytes:
     )
 
 
-@router.post(
-    "/v1/rerank", summary="Documents ranked by relevance (Cohere's, Jina's, vLLM's API)", openapi_extra=_DOC
-)
-async def rerank_v1(request: Request, known: Known) -> Response:
-    return await answer(request, known, "rerank", read, write)
-
-
-@router.post("/v2/rerank", summary="Documents ranked by relevance (Cohere's v2 API)", openapi_extra=_DOC)
-async def rerank_v2(request: Request, known: Known) -> Response:
-    return await answer(request, known, "rerank", read, write)
+for path in ("/v1/rerank", "/v2/rerank"):
+    text_route(
+        router,
+        path,
+        "rerank",
+        read,
+        write,
+        "Documents ranked by relevance (Cohere's, Jina's, vLLM's API)",
+        _DOC,
+    )
 
 
 MODEL_PREFIXES = ("/v2/rerank",)  # /v1/rerank is under the openai module's /v1/

@@ -28,7 +28,7 @@ from addnorm.service.core.text import scores, text_inputs, token_vectors, vector
 from addnorm.service.errors import BadInput, TooLarge, quote
 from addnorm.service.guard import Known
 from addnorm.service.protocols.common import error_docs, json_bool, json_route_doc, parse_json, read_body
-from addnorm.service.protocols.text.codec import TEXT_WORK, TextQuery, answer, fields, pooling
+from addnorm.service.protocols.text.codec import TEXT_WORK, TextQuery, fields, pooling, text_route
 
 router = APIRouter(tags=["tei"])
 _EMBED = {"inputs", "normalize", "truncate", "truncation_direction", "prompt_name", "dimensions"}
@@ -289,20 +289,18 @@ def write(req, model, outputs) -> bytes:
     return orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-@router.post(
-    "/embed", summary="Embeddings of texts (text-embeddings-inference's API)", openapi_extra=_EMBED_DOC
+text_route(
+    router, "/embed", "tei", read, write, "Embeddings of texts (text-embeddings-inference's API)", _EMBED_DOC
 )
-async def embed(request: Request, known: Known) -> Response:
-    return await answer(request, known, "tei", read, write)
-
-
-@router.post(
+text_route(
+    router,
     "/embed_all",
-    summary="Every token's vector of texts (text-embeddings-inference's API)",
-    openapi_extra=_EMBED_ALL_DOC,
+    "tei",
+    read_embed_all,
+    write_embed_all,
+    "Every token's vector of texts (text-embeddings-inference's API)",
+    _EMBED_ALL_DOC,
 )
-async def embed_all(request: Request, known: Known) -> Response:
-    return await answer(request, known, "tei", read_embed_all, write_embed_all)
 
 
 @router.get("/info", summary="The served model and the server's limits (text-embeddings-inference's API)")
@@ -343,22 +341,24 @@ async def info(known: Known) -> dict:
     }
 
 
-@router.post(
+text_route(
+    router,
     "/rerank",
-    summary="A query's texts ranked by a cross-encoder (text-embeddings-inference's API)",
-    openapi_extra=_RERANK_DOC,
+    "tei",
+    read_rerank,
+    write_rerank,
+    "A query's texts ranked by a cross-encoder (text-embeddings-inference's API)",
+    _RERANK_DOC,
 )
-async def rerank(request: Request, known: Known) -> Response:
-    return await answer(request, known, "tei", read_rerank, write_rerank)
-
-
-@router.post(
+text_route(
+    router,
     "/predict",
-    summary="Labels of texts or pairs by a classifier (text-embeddings-inference's API)",
-    openapi_extra=_PREDICT_DOC,
+    "tei",
+    read_predict,
+    write_predict,
+    "Labels of texts or pairs by a classifier (text-embeddings-inference's API)",
+    _PREDICT_DOC,
 )
-async def predict(request: Request, known: Known) -> Response:
-    return await answer(request, known, "tei", read_predict, write_predict)
 
 
 @router.post(
