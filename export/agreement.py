@@ -84,3 +84,30 @@ def scores_agreement(got: np.ndarray, want: np.ndarray) -> dict:
     else:
         out["label_agreement"] = float((got.argmax(-1) == want.argmax(-1)).mean())
     return out
+
+
+def sparse_agreement(got: np.ndarray, want: np.ndarray) -> dict:
+    """How SPLADE weights (N, vocab) agree with another's: the largest difference, the least per-text cosine, and
+    the Jaccard index of each text's non-zero entries (the terms a sparse index stores), its least over the texts."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    norms = np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1)
+    cosines = np.where(norms > 0, (got * want).sum(1) / np.where(norms > 0, norms, 1.0), 1.0)
+    union = ((got > 0) | (want > 0)).sum(1)
+    jaccard = np.where(union > 0, ((got > 0) & (want > 0)).sum(1) / np.maximum(union, 1), 1.0)
+    return {
+        "sparse_max_abs": float(np.abs(got - want).max()) if got.size else 0.0,
+        "sparse_min_cosine": float(cosines.min()) if got.size else 1.0,
+        "sparse_min_jaccard": float(jaccard.min()) if got.size else 1.0,
+        "sparse_nonzero": int((want > 0).sum(1).mean()) if got.size else 0,
+    }
+
+
+def splade(
+    logits: np.ndarray, mask: np.ndarray, pooling: str = "max", activation: str = "relu"
+) -> np.ndarray:
+    """sentence-transformers' SpladePooling of masked-LM logits (N, S, vocab), float64: log1p(relu) (twice for
+    ``log1p_relu``) of the real tokens (``mask`` true = padding), pooled over the sequence by max or sum."""
+    values = np.maximum(np.asarray(logits, np.float64), 0.0) * (~np.asarray(mask, bool))[..., None]
+    for _ in range(2 if activation == "log1p_relu" else 1):
+        values = np.log1p(values)
+    return values.max(axis=1) if pooling == "max" else values.sum(axis=1)

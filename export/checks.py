@@ -63,7 +63,9 @@ def check_graph(
         )
     for op, expected in expected_ops.items():
         if counts[op] != expected:
-            final = " + 1 final norm" if config.norm_first else ""
+            final = (" + 1 final norm" if config.norm_first else "") + (
+                " + the sparse head's norm" if config.head == "sparse" else ""
+            )
             why = f" ({config.num_layers} layer(s) x 2 Add & Norm steps{final})" if op == norm else ""
             raise GraphCheckError(
                 f"{variant} variant, {attention} attention: expected {expected} {op} node(s){why}, found "

@@ -39,13 +39,14 @@ _CONFIG_FLAGS = {
     "head": str,
     "num_labels": int,
     "head_activation": str,
+    "vocab_size": int,
     "num_layers": int,
     "activation": str,
     "layer_norm_eps": float,
     "dropout": float,
     "norm": str,
 }
-HEAD_FIELDS = ("head", "num_labels", "head_activation")
+HEAD_FIELDS = ("head", "num_labels", "head_activation", "vocab_size")
 _SWITCHES = ("norm_first", "batch_first", "pooling", "normalize_pooled", "packed")  # the flags without a type
 
 
@@ -76,6 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
         "weights file of BertLayer(s). The head count, widths, layer count, eps and activation come from "
         "config.json (a file's directory is read for one too); a flag that contradicts it is an error. Without "
         "config.json: BERT, gelu, eps 1e-12, post-norm unless flags say otherwise. (--from-bert: the old spelling)",
+    )
+    p.add_argument(
+        "--task",
+        choices=list(model_dir.TASKS),
+        help="what the exported model answers, read with its head from --from's directory: embed (pooled "
+        "vectors), rerank (a cross-encoder: *ForSequenceClassification of one label), classify (of several), sparse "
+        "(SPLADE: *ForMaskedLM's logits through SpladePooling), tokens (every token's vector, no pooling). Default: "
+        "what the directory says (a SparseEncoder's modules.json: sparse; config.json's architectures: a "
+        "classification head; else embed)",
     )
     p.add_argument(
         "--inputs",
@@ -156,14 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--head",
         choices=list(HEADS),
         help="classify: a sequence-classification head on the first token (the scores output, --num-labels "
-        "wide: a cross-encoder's one relevance score, or a classifier's logits); --from reads it from config.json's "
-        "architectures (default none)",
+        "wide: a cross-encoder's one relevance score, or a classifier's logits); sparse: a masked-LM head and "
+        "SPLADE's pooling (the sparse_weights output, --vocab-size wide). A model directory's head: --task (default none)",
     )
+    g.add_argument("--vocab-size", type=int, help="the sparse head's outputs (the vocabulary's size)")
     g.add_argument("--num-labels", type=int, help="the classify head's outputs (config.json's id2label)")
     g.add_argument(
         "--head-activation",
         choices=list(HEAD_ACTIVATIONS),
-        help="between the head's two products: tanh (BERT, RoBERTa, MPNet; default) or relu (DistilBERT)",
+        help="between the head's two products: tanh (BERT, RoBERTa, MPNet; default) or relu (DistilBERT); a "
+        "sparse head's: its family's (gelu)",
     )
     g.add_argument(
         "--activation", choices=["relu", "gelu"], help="the feed-forward's activation (default relu)"
@@ -249,6 +261,8 @@ def config_from_args(
     for name, value in flags.items():
         if value is not None:
             fields[name] = value
+    if fields.get("head") == "sparse" and "head_activation" not in fields:
+        fields["head_activation"] = "gelu"  # a masked-LM head's transform (tanh is the classification head's)
     return EncoderConfig.from_dict(fields)
 
 
@@ -279,10 +293,17 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("give either --checkpoint or --from-bert, not both")
         variant = variant_from_args(args)
         state, detected, declared, where = None, None, None, None
+        if args.task and (not args.from_bert or args.head is not None):
+            raise ConfigError(
+                "--task reads a model directory's head (--from DIR); --head builds one for a model without it: "
+                "give one of them"
+            )
         if args.from_bert:  # its layer count and widths come from the weights, the rest from config.json
-            state, declared, where = model_dir.read_model_dir(args.from_bert)
+            state, declared, where = model_dir.read_model_dir(args.from_bert, args.task)
             detected = where.family.shape(state, where.config)
         pipeline = model_dir.sentence_pooling(where.directory) if where else None
+        if args.task in ("tokens", "sparse"):  # every token's vector, or the sparse head's: no pooled vector
+            pipeline = {**(pipeline or {}), "pooling": "none", "normalize_pooled": False}
         config = config_from_args(args, detected, declared, pipeline)
         reference = _reference(args, where)
         given = []
@@ -360,7 +381,7 @@ def _text(
 
 def _labels(where: model_dir.ModelDir | None, config: EncoderConfig) -> tuple[str, ...]:
     """config.json's label names for the head, where it names as many as the head has."""
-    if where is None or where.config is None or config.head == "none":
+    if where is None or where.config is None or config.head != "classify":
         return ()
     labels = where.family.labels(where.config)
     return labels if len(labels) == config.num_labels else ()

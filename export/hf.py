@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from addnorm.export.agreement import agreement, scores_agreement
+from addnorm.export.agreement import agreement, scores_agreement, sparse_agreement, splade
 from addnorm.export.model_dir import TOKENIZER_FILES
 from addnorm.export.parity import make_session
 from addnorm.export.sentences import MORE, SENTENCES
 from addnorm.model.config import ConfigError
-from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, POOLED, SCORES, output_names
+from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, POOLED, SCORES, SPARSE, output_names
 from addnorm.model.reference import pool as reference_pool
 from addnorm.model.verdict import FP32_ATOL, FP32_RTOL
 
@@ -200,18 +200,20 @@ def ids_check(directory: Path, text, config):
     """The pipeline's ``check`` for an ids artifact: built-in sentences (one past 128 tokens) tokenized as the
     server tokenizes them, through the embedding graph and the block, against transformers' ``AutoModel`` on the
     same ids (its ``last_hidden_state``, and sentence-transformers' pooling of it); with a classification head,
-    ``AutoModelForSequenceClassification``'s last hidden state and logits."""
+    ``AutoModelForSequenceClassification``'s last hidden state and logits; with a sparse head,
+    ``AutoModelForMaskedLM``'s, its logits through SpladePooling."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        from transformers import AutoModel, AutoModelForSequenceClassification
+        from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
     except ImportError:
         raise ConfigError("--reference transformers needs transformers (pip install transformers)") from None
     from addnorm.model.text import TOKENIZER_FILE
     from addnorm.model.tokenize import TextTokenizer
 
     head = config.head != "none"
+    kind = {"classify": AutoModelForSequenceClassification, "sparse": AutoModelForMaskedLM}.get(config.head)
     model = (
-        (AutoModelForSequenceClassification if head else AutoModel)
+        (kind or AutoModel)
         .from_pretrained(str(directory), local_files_only=True, attn_implementation="eager")
         .eval()
     )
@@ -221,7 +223,11 @@ def ids_check(directory: Path, text, config):
     with torch.no_grad():
         answer = model(**_feed(batch, text), output_hidden_states=head)
     want = (answer.hidden_states[-1] if head else answer.last_hidden_state).numpy()
-    want_scores = answer.logits.numpy() if head else None
+    want_scores = answer.logits.numpy() if config.head == "classify" else None
+    want_sparse = None
+    if config.head == "sparse":
+        logits = answer.logits.double().numpy()
+        want_sparse = splade(logits, batch.mask, config.sparse_pooling, config.sparse_activation)
     pairs = _pairs_reference(model, tokenizer, text) if config.task == "rerank" else None
     source = f"{len(sentences)} built-in sentences ({min(batch.lengths)}-{max(batch.lengths)} tokens)"
 
@@ -246,6 +252,14 @@ def ids_check(directory: Path, text, config):
                 raise ConfigError(
                     f"the classification head's scores do not match transformers' {type(model).__name__} on "
                     f"{source}: cosine {result['ids']['graph']['scores_cosine']:.4f}; the family's head mapping is wrong"
+                )
+        if want_sparse is not None:
+            result["ids"]["graph"].update(sparse_agreement(outs[SPARSE], want_sparse))
+            if result["ids"]["graph"]["sparse_min_cosine"] < IDS_MIN_COSINE:
+                raise ConfigError(
+                    f"the sparse head's weights do not match transformers' {type(model).__name__} through "
+                    f"SpladePooling on {source}: least cosine {result['ids']['graph']['sparse_min_cosine']:.4f}; "
+                    "the family's masked-LM head mapping is wrong"
                 )
         if pairs is not None:  # a cross-encoder's ranking of documents for a query, as its users read it
             pair_batch, pair_scores, pair_source = pairs

@@ -64,7 +64,8 @@ from addnorm.model.schemes import (  # the scheme's numbers, shared with the ser
     quantize_weight,
 )
 
-ChannelsOf = Callable[[np.ndarray], np.ndarray]  # a graph weight (E, N) -> its float input channels
+ChannelsOf = Callable[[np.ndarray], np.ndarray | None]  # a graph weight (E, N) -> its float input channels
+# (None: the whole product stays float)
 
 
 def quantize_graph(
@@ -165,7 +166,11 @@ def quantize_graph(
             nodes.append(node)
             continue
         weight = numpy_helper.to_array(w)
-        idx = np.sort(np.asarray(channels_of(weight) if channels_of else [], np.int64))
+        chosen = channels_of(weight) if channels_of else []
+        if chosen is None:  # a product the scheme keeps in float (a head's: model.schemes.Exact.float_linear)
+            nodes.extend([node, *([biases[node.output[0]]] if node.output[0] in biases else [])])
+            continue
+        idx = np.sort(np.asarray(chosen, np.int64))
         rest = weight.astype(np.float64)
         rest[idx] = 0.0
         wq, w_scale = form.quantize(rest) if weight_levels is None else quantize_weight(rest, weight_levels)
@@ -254,17 +259,19 @@ def float_channels(encoder, inputs: list[tuple[np.ndarray, np.ndarray]]) -> dict
 def owner_channels(state: Mapping[str, np.ndarray], channels: Mapping[str, list[int]]) -> ChannelsOf:
     """``channels_of`` for ``quantize_graph``: a graph weight (E, N) is the transpose of rows of one torch weight
     (q, k and v are row blocks of one in_proj weight); its float channels are that weight's. A graph weight no
-    torch weight holds is an error (the scheme would compute something else)."""
+    torch weight holds is an error (the scheme would compute something else). A head's weight (``head.…``) is
+    kept in float: None."""
     owners: dict[bytes, list[str]] = {}
-    for name in channels:
+    heads = [k for k, v in state.items() if k.startswith("head.") and np.ndim(v) == 2]
+    for name in (*channels, *heads):
         for row in np.asarray(state[name], np.float32):
             owners.setdefault(row.tobytes(), []).append(name)
 
-    def channels_of(weight: np.ndarray) -> np.ndarray:
+    def channels_of(weight: np.ndarray) -> np.ndarray | None:
         columns = [np.ascontiguousarray(weight[:, j], np.float32).tobytes() for j in range(weight.shape[1])]
         for name in dict.fromkeys(owners.get(columns[0], [])):  # equal rows in two weights: check them all
             if all(name in owners.get(c, ()) for c in columns):
-                return np.asarray(channels[name], np.int64)
+                return None if name in heads else np.asarray(channels[name], np.int64)
         raise ValueError(f"a {list(weight.shape)} graph weight matches no weight of the encoder")
 
     return channels_of

@@ -64,18 +64,59 @@ def locate(path: str | Path) -> ModelDir:
     return ModelDir(path, path.parent if (path.parent / CONFIG_FILE).is_file() else None)
 
 
-def config_fields(config: dict, source: str = CONFIG_FILE) -> dict:
-    """What a Hugging Face config.json says of the encoder layers, as EncoderConfig fields (its family's reading:
-    export/families)."""
-    return family_of(config, source).block_fields(config)
+# What an exported model answers (EncoderConfig.task), as --task names it: ``tokens`` is an embedder without pooling
+TASKS = ("embed", "rerank", "classify", "sparse", "tokens")
 
 
-def read_model_dir(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, ModelDir]:
-    """(state_dict, config.json's EncoderConfig fields ({} without one), where it came from)."""
+def config_fields(config: dict, source: str = CONFIG_FILE, task: str | None = None) -> dict:
+    """What a Hugging Face config.json says of the encoder layers and the head ``task`` asks for (None: the one
+    its ``architectures`` name), as EncoderConfig fields (its family's reading: export/families)."""
+    return family_of(config, source).block_fields(config, task)
+
+
+def read_model_dir(
+    path: str | Path, task: str | None = None
+) -> tuple[dict[str, torch.Tensor], dict, ModelDir]:
+    """(state_dict, config.json's EncoderConfig fields ({} without one), where it came from); ``task``: the head
+    to read (TASKS), else the directory's own (``directory_task``, then config.json's ``architectures``)."""
     where = locate(path)
     config = where.config
-    fields = config_fields(config, str(where.directory / CONFIG_FILE)) if config is not None else {}
+    task = task or directory_task(where.directory)
+    if config is None and task not in (None, "embed", "tokens"):
+        raise CheckpointError(
+            f"--task {task} needs a model directory with its config.json, not a bare weights file"
+        )
+    fields = config_fields(config, str(where.directory / CONFIG_FILE), task) if config is not None else {}
     return read_state_dict(where.weights), fields, where
+
+
+def _modules(directory: Path | None) -> list[dict]:
+    """A sentence-transformers directory's pipeline (modules.json), [] without one or unreadable."""
+    if directory is None or not (directory / "modules.json").is_file():
+        return []
+    try:
+        modules = json.loads((directory / "modules.json").read_text())
+        return [m for m in modules if isinstance(m, dict) and isinstance(m.get("type"), str)]
+    except (OSError, ValueError, TypeError):
+        return []
+
+
+def _splade(directory: Path | None) -> dict | None:
+    """A SparseEncoder's SpladePooling module's config (its pooling and activation), None without one."""
+    module = next((m for m in _modules(directory) if m["type"].endswith("SpladePooling")), None)
+    if module is None:
+        return None
+    try:
+        return json.loads((directory / module.get("path", "") / CONFIG_FILE).read_text()) or {}
+    except (OSError, ValueError):
+        return {}
+
+
+def directory_task(directory: Path | None) -> str | None:
+    """The task a sentence-transformers directory's pipeline says: ``sparse`` for a SparseEncoder (SpladePooling);
+    None otherwise (config.json's ``architectures`` decide: many embedders name ``*ForMaskedLM`` there, with no
+    masked-LM head in their weights)."""
+    return "sparse" if _splade(directory) is not None else None
 
 
 # sentence-transformers' Pooling modes this graph computes (1_Pooling/config.json's keys), as --pooling values
@@ -83,9 +124,18 @@ _ST_POOLING = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cl
 
 
 def sentence_pooling(directory: Path | None) -> dict:
-    """What a sentence-transformers model directory's pipeline (modules.json: Pooling, then Normalize) makes of the
-    encoder's output, as EncoderConfig fields (``pooling``, ``normalize_pooled``); {} for a plain BERT directory
+    """What a sentence-transformers model directory's pipeline (modules.json: Pooling, then Normalize; or a
+    SparseEncoder's SpladePooling) makes of the encoder's output, as EncoderConfig fields (``pooling``,
+    ``normalize_pooled``; ``sparse_pooling``, ``sparse_activation``); {} for a plain BERT directory
     or a pooling this graph does not compute (max, weighted mean: logged, and no pooled output)."""
+    splade = _splade(directory)
+    if splade is not None:  # SpladePooling: the sparse head's pooling; no dense pooled output
+        return {
+            "pooling": "none",
+            "normalize_pooled": False,
+            "sparse_pooling": splade.get("pooling_strategy", "max"),
+            "sparse_activation": splade.get("activation_function", "relu"),
+        }
     if directory is None or not (directory / "modules.json").is_file():
         return {}
     try:

@@ -73,7 +73,7 @@ def prepare_encoder(
     if family is None and from_bert:
         family = BERT
     if family is not None:
-        state = family.block_state(state, config.num_layers, head=config.head != "none")
+        state = family.block_state(state, config.num_layers, head=config.head)
     return load_state(encoder, state, checkpoint)
 
 

@@ -66,7 +66,7 @@ def norm_op(config: EncoderConfig) -> str:
 
 def _norms(config: EncoderConfig) -> dict[str, int]:
     """One native norm per Add & Norm step (two per layer), plus the final norm of a pre-norm stack."""
-    return {norm_op(config): config.num_norms}
+    return {norm_op(config): config.num_norms + config.head_norms}
 
 
 def _export_fp32(
@@ -214,7 +214,10 @@ def _int8_ops(config: EncoderConfig) -> dict[str, int]:
 
 def _fused_ops(config: EncoderConfig) -> dict[str, int]:
     # Every residual add followed by a norm fuses; a pre-norm stack's first norm has no add before it.
-    return {"SkipLayerNormalization": 2 * config.num_layers, "LayerNormalization": int(config.norm_first)}
+    return {
+        "SkipLayerNormalization": 2 * config.num_layers,
+        "LayerNormalization": int(config.norm_first) + config.head_norms,
+    }
 
 
 # fp16 computes in half precision with LayerNorm statistics in float32 (stash_type 1). Both are lossy: judged

@@ -11,8 +11,13 @@ from typing import Any
 ACTIVATIONS = ("relu", "gelu")
 NORMS = ("layer", "rms")
 FEED_FORWARDS = ("plain", "gated")
-HEADS = ("none", "classify")
-HEAD_ACTIVATIONS = ("tanh", "relu")
+HEADS = ("none", "classify", "sparse")
+HEAD_ACTIVATIONS = ("tanh", "relu", "gelu")
+SPARSE_POOLINGS = ("max", "sum")  # SpladePooling's pooling_strategy
+SPARSE_ACTIVATIONS = ("relu", "log1p_relu")  # SpladePooling's activation_function
+# A sparse head's logits are vocabulary-wide for every position of a run (BERT's 30,522 a position): one run holds at
+# most this many of them (256 MB of float32), so a run's positions are capped by the vocabulary (run_tokens)
+SPARSE_RUN_VALUES = 64 * 1024 * 1024
 POOLINGS = (
     "none",
     "mean",
@@ -41,7 +46,11 @@ class EncoderConfig:
     ``head``: ``classify`` adds a sequence-classification head, the ``scores`` output (batch, ``num_labels``): the
     first token's vector through ``head.dense``, ``head_activation`` and ``head.out``, the logits transformers'
     ``*ForSequenceClassification`` computes (BERT's pooler and classifier, RoBERTa's and MPNet's classification head,
-    DistilBERT's pre-classifier; a cross-encoder for reranking has one label).
+    DistilBERT's pre-classifier; a cross-encoder for reranking has one label). ``sparse`` adds a masked-LM head
+    and SPLADE's pooling, the ``sparse_weights`` output (batch, ``vocab_size``): every token through ``head.dense``,
+    ``head_activation``, ``head.norm`` and ``head.decoder`` (transformers' ``*ForMaskedLM`` logits), then over each
+    sequence's real tokens ``log(1 + relu(logits))`` pooled by ``sparse_pooling`` (``max`` or ``sum``), with one
+    more ``log1p`` for ``sparse_activation`` ``log1p_relu``: sentence-transformers' ``SpladePooling``.
     """
 
     d_model: int = 768
@@ -62,6 +71,9 @@ class EncoderConfig:
     head: str = "none"
     num_labels: int = 0
     head_activation: str = "tanh"
+    vocab_size: int = 0
+    sparse_pooling: str = "max"
+    sparse_activation: str = "relu"
 
     def __post_init__(self) -> None:
         for name in ("d_model", "nhead", "dim_feedforward", "num_layers"):
@@ -100,7 +112,25 @@ class EncoderConfig:
         if (self.head == "classify") != (labels > 0):
             raise ConfigError(
                 f"num_labels is {labels} with head {self.head!r}: a classify head needs at least one label, and "
-                "head none takes none"
+                "no other head takes any"
+            )
+        vocab = self.vocab_size
+        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 0:
+            raise ConfigError(f"vocab_size must be a non-negative integer, got {vocab!r}")
+        if (self.head == "sparse") != (vocab > 0):
+            raise ConfigError(
+                f"vocab_size is {vocab} with head {self.head!r}: a sparse head needs the vocabulary's size, and "
+                "no other head takes one"
+            )
+        if self.head == "sparse" and self.head_activation == "tanh":
+            raise ConfigError(
+                "head_activation tanh is a classification head's; a sparse (masked-LM) head's is gelu or relu"
+            )
+        if self.sparse_pooling not in SPARSE_POOLINGS:
+            raise ConfigError(f"sparse_pooling must be one of {SPARSE_POOLINGS}, got {self.sparse_pooling!r}")
+        if self.sparse_activation not in SPARSE_ACTIVATIONS:
+            raise ConfigError(
+                f"sparse_activation must be one of {SPARSE_ACTIVATIONS}, got {self.sparse_activation!r}"
             )
         if self.norm not in NORMS:
             raise ConfigError(f"norm must be one of {NORMS}, got {self.norm!r}")
@@ -124,10 +154,11 @@ class EncoderConfig:
     @property
     def task(self) -> str:
         """What a served model of this config answers: ``rerank`` (a classify head of one label: a cross-encoder's
-        relevance), ``classify`` (several labels) or ``embed`` (vectors)."""
+        relevance), ``classify`` (several labels), ``sparse`` (SPLADE's vocabulary-wide weights) or ``embed``
+        (vectors)."""
         if self.head == "classify":
             return "rerank" if self.num_labels == 1 else "classify"
-        return "embed"
+        return "sparse" if self.head == "sparse" else "embed"
 
     @property
     def feed_forward_rows(self) -> int:
@@ -136,8 +167,19 @@ class EncoderConfig:
 
     @property
     def num_norms(self) -> int:
-        """Normalization nodes in the graph: two Add & Norm steps per layer, plus a final norm for pre-norm."""
+        """The block's normalization steps: two Add & Norm steps per layer, plus a final norm for pre-norm (each a
+        debug graph's step output)."""
         return 2 * self.num_layers + (1 if self.norm_first else 0)
+
+    @property
+    def head_norms(self) -> int:
+        """A head's own LayerNormalization nodes, beyond the block's steps: the sparse (masked-LM) head's one."""
+        return 1 if self.head == "sparse" else 0
+
+    def run_tokens(self, limit: int) -> int:
+        """Padded positions one run may hold, ``limit`` the server's (--max-batch-tokens): with a sparse head no
+        more than SPARSE_RUN_VALUES of its logits (a single input longer than that still runs, alone)."""
+        return min(limit, max(1, SPARSE_RUN_VALUES // self.vocab_size)) if self.head == "sparse" else limit
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -20,6 +20,9 @@ QUERY = "query"  # V2 BYTES (batch,): beside ``text``, each text's query, the tw
 ENCODED = "encoded"  # float32, the embeddings' shape
 POOLED = "pooled"  # float32 (batch, d_model): the sentence embedding, in graphs exported with a pooling
 SCORES = "scores"  # float32 (batch, num_labels): a classification head's logits, in graphs exported with one
+SPARSE = (
+    "sparse_weights"  # float32 (batch, vocab_size): SPLADE's weight of each vocabulary entry (a sparse head)
+)
 INPUT_NAMES = (EMBEDDINGS, MASK)
 # A packed graph (config.packed) takes sequences of different lengths laid end to end, no padding, in the
 # layout of Triton's ragged batching: ``embeddings`` float32 (tokens x d_model,), the tokens concatenated;
@@ -31,6 +34,7 @@ OUTPUT_NAMES = (
     ENCODED,
     POOLED,
     SCORES,
+    SPARSE,
 )  # every output a graph may have, in graph order; output_names(config): its own
 STEP_OUTPUT = "add_norm_{}"  # debug graphs only: one extra output per Add & Norm step, never served
 BATCH, SEQ = "batch", "seq"  # the symbolic dims
@@ -59,14 +63,15 @@ def output_names(config: EncoderConfig) -> tuple[str, ...]:
     return (
         ENCODED,
         *((POOLED,) if config.pooling != "none" else ()),
-        *((SCORES,) if config.head != "none" else ()),
+        *((SCORES,) if config.head == "classify" else ()),
+        *((SPARSE,) if config.head == "sparse" else ()),
     )
 
 
 def positional(name: str) -> bool:
     """Whether an output has a sequence axis (one row per position, cut and masked per token) or one row per
-    sequence (the pooled embedding, a head's scores)."""
-    return name not in (POOLED, SCORES)
+    sequence (the pooled embedding, a head's scores or sparse weights)."""
+    return name not in (POOLED, SCORES, SPARSE)
 
 
 def input_names(config: EncoderConfig) -> tuple[str, ...]:
@@ -94,8 +99,10 @@ def io_specs(config: EncoderConfig) -> tuple[tuple[TensorSpec, ...], tuple[Tenso
     outputs = [TensorSpec(ENCODED, "float32", emb_shape)]
     if config.pooling != "none":
         outputs.append(TensorSpec(POOLED, "float32", (BATCH, config.d_model)))
-    if config.head != "none":
+    if config.head == "classify":
         outputs.append(TensorSpec(SCORES, "float32", (BATCH, config.num_labels)))
+    if config.head == "sparse":
+        outputs.append(TensorSpec(SPARSE, "float32", (BATCH, config.vocab_size)))
     return inputs, tuple(outputs)
 
 
@@ -108,16 +115,17 @@ def api_specs(config: EncoderConfig) -> tuple[tuple[TensorSpec, ...], tuple[Tens
 
 
 # The V2 ``text`` input of a model that takes text: one string a row (Triton's [batch, 1] convention); ``query``
-# beside it for a model with a head (a cross-encoder: each text scored with its query)
+# beside it for a model with a classification head (a cross-encoder: each text scored with its query)
 TEXT_SPEC = TensorSpec(TEXT, "bytes", (BATCH, 1))
 QUERY_SPEC = TensorSpec(QUERY, "bytes", (BATCH, 1))
 
 
 def text_specs(config: EncoderConfig, takes_text: bool) -> tuple[TensorSpec, ...]:
-    """The BYTES inputs a model takes besides its tensors: none, ``text``, or with a head ``text`` and ``query``."""
+    """The BYTES inputs a model takes besides its tensors: none, ``text``, or with a classification head ``text``
+    and ``query``."""
     if not takes_text:
         return ()
-    return (TEXT_SPEC, QUERY_SPEC) if config.head != "none" else (TEXT_SPEC,)
+    return (TEXT_SPEC, QUERY_SPEC) if config.head == "classify" else (TEXT_SPEC,)
 
 
 @functools.cache

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from addnorm.model.attention import RELATIVE_MAX_DISTANCE, relative_buckets
 from addnorm.model.config import EncoderConfig
-from addnorm.model.contract import ENCODED, POOLED, SCORES
+from addnorm.model.contract import ENCODED, POOLED, SCORES, SPARSE
 
 Sublayer = Callable[[Tensor], Tensor]
 
@@ -249,6 +249,46 @@ class ClassificationHead(nn.Module):
         return hidden @ self.out.weight.T + self.out.bias
 
 
+class SparseHead(nn.Module):
+    """A masked-LM head and SPLADE's pooling, (B, S, E) tokens and their padding mask -> (B, vocab) weights.
+
+    ``decoder(norm(activation(dense(x))))`` are transformers' ``*ForMaskedLM`` logits of every token; then, as
+    sentence-transformers' ``SpladePooling``, ``log(1 + relu(logits))`` of the real tokens pooled over the sequence
+    (``max`` or ``sum``). Under ``max`` the ``log1p`` follows the max (it is increasing, so the answer is the same):
+    the vocabulary-wide work per token is one product and a ``relu``. Its products are matrix products kept in float
+    under every scheme, as ``ClassificationHead``'s."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.dense = nn.Linear(config.d_model, config.d_model)
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(config.d_model, config.vocab_size)
+
+    def forward(self, tokens: Tensor, mask: Tensor | None) -> Tensor:
+        hidden = tokens @ self.dense.weight.T + self.dense.bias
+        hidden = self.norm(F.gelu(hidden) if self.config.head_activation == "gelu" else F.relu(hidden))
+        weights = F.relu(hidden @ self.decoder.weight.T + self.decoder.bias)  # (B, S, V)
+        if mask is not None:
+            weights = weights * (~mask).unsqueeze(-1).to(weights.dtype)
+        times = 2 if self.config.sparse_activation == "log1p_relu" else 1
+        if self.config.sparse_pooling == "max":
+            pooled = weights.amax(1)
+            for _ in range(times):
+                pooled = log1p(pooled)
+            return pooled
+        for _ in range(times):
+            weights = log1p(weights)
+        return weights.sum(1)
+
+
+def log1p(x: Tensor) -> Tensor:
+    """log(1 + x) for x >= 0, accurate where x is tiny (exported as Log: opset 17 has no Log1p): where 1 + x rounds
+    to 1 it is x, else log(1 + x) scaled by x over what 1 + x kept of it (Goldberg's correction)."""
+    u = 1.0 + x
+    return torch.where(u == 1.0, x, torch.log(u) * (x / (u - 1.0)))
+
+
 class Encoder(nn.Module):
     """A stack of ``num_layers`` blocks, plus a final norm for pre-norm stacks (as ``nn.TransformerEncoder(norm=)``).
 
@@ -270,7 +310,8 @@ class Encoder(nn.Module):
             self.relative_attention_bias = nn.Embedding(config.relative_attention_buckets, config.nhead)
             table = torch.tensor(relative_buckets(config.relative_attention_buckets), dtype=torch.long)
             self.register_buffer("bucket_of_distance", table, persistent=False)
-        self.head = ClassificationHead(config) if config.head == "classify" else None
+        heads = {"classify": ClassificationHead, "sparse": SparseHead}
+        self.head = heads[config.head](config) if config.head in heads else None
 
     def position_bias(self, seq: Tensor | int) -> Tensor | None:
         """(1, H, S, S): each head's learned bias for the bucket of every key - query distance; None without one.
@@ -312,8 +353,10 @@ class Encoder(nn.Module):
         out = {ENCODED: encoded}
         if self.config.pooling != "none":
             out[POOLED] = pool(tokens, mask, self.config.pooling, self.config.normalize_pooled)
-        if self.head is not None:
+        if self.config.head == "classify":
             out[SCORES] = self.head(tokens[:, 0])
+        elif self.config.head == "sparse":
+            out[SPARSE] = self.head(tokens, mask)
         return out
 
     def packed_outputs(

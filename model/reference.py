@@ -20,7 +20,7 @@ import numpy as np
 
 from addnorm.model.attention import RELATIVE_MAX_DISTANCE, relative_buckets
 from addnorm.model.config import EncoderConfig
-from addnorm.model.contract import ENCODED, POOLED, SCORES
+from addnorm.model.contract import ENCODED, POOLED, SCORES, SPARSE
 from addnorm.model.schemes import Exact
 
 EXACT = Exact()
@@ -181,8 +181,10 @@ def outputs(
     out = {ENCODED: encoded}
     if config.pooling != "none":
         out[POOLED] = arithmetic.cast(pool(config, tokens, mask))
-    if config.head != "none":
+    if config.head == "classify":
         out[SCORES] = head(config, weights, tokens[:, 0], arithmetic)
+    elif config.head == "sparse":
+        out[SPARSE] = sparse_head(config, weights, tokens, mask, arithmetic)
     return out
 
 
@@ -194,3 +196,29 @@ def head(
     hidden = a.float_linear(first, weights["head.dense.weight"], weights["head.dense.bias"])
     hidden = np.tanh(hidden) if config.head_activation == "tanh" else np.maximum(hidden, 0.0)
     return a.float_linear(a.cast(hidden), weights["head.out.weight"], weights["head.out.bias"])
+
+
+def sparse_head(
+    config: EncoderConfig,
+    weights: Mapping[str, np.ndarray],
+    tokens: np.ndarray,
+    mask: np.ndarray | None,
+    a: Exact = EXACT,
+) -> np.ndarray:
+    """SPLADE's weights (B, vocab) of tokens (B, S, E) (model.encoder.SparseHead): the masked-LM logits of every
+    token, ``log1p(relu(.))`` (twice for ``log1p_relu``) of the real ones, pooled by max or sum; in float."""
+    hidden = a.float_linear(tokens, weights["head.dense.weight"], weights["head.dense.bias"])
+    hidden = a.cast(_activation(hidden, "relu" if config.head_activation == "relu" else "gelu"))
+    mean = hidden.mean(axis=-1, keepdims=True)
+    var = ((hidden - mean) ** 2).mean(axis=-1, keepdims=True)
+    hidden = a.cast(
+        (hidden - mean) / np.sqrt(var + config.layer_norm_eps) * weights["head.norm.weight"]
+        + weights["head.norm.bias"]
+    )
+    logits = a.float_linear(hidden, weights["head.decoder.weight"], weights["head.decoder.bias"])
+    values = np.maximum(logits, 0.0)
+    if mask is not None:
+        values = values * (~np.asarray(mask, bool))[..., None]
+    for _ in range(2 if config.sparse_activation == "log1p_relu" else 1):
+        values = np.log1p(values)
+    return a.cast(values.max(axis=1) if config.sparse_pooling == "max" else values.sum(axis=1))

@@ -117,11 +117,17 @@ def _tokenizer(specials: tuple[str, ...], cls: str, sep: str, unk: str, pad: str
 
 
 def make_model_dir(
-    family: str, directory: Path, seed: int = 0, max_positions: int = 64, labels: int = 0
+    family: str,
+    directory: Path,
+    seed: int = 0,
+    max_positions: int = 64,
+    labels: int = 0,
+    sparse: str | None = None,
 ) -> Path:
     """A tiny random ``family`` model directory (bert, roberta, xlm-roberta, distilbert, mpnet): a
     sentence-transformers embedder, or with ``labels`` its ``*ForSequenceClassification`` (one label: a
-    cross-encoder; several: a classifier whose labels are named ``label_{i}``)."""
+    cross-encoder; several: a classifier whose labels are named ``label_{i}``), or with ``sparse`` (a SpladePooling
+    ``pooling_strategy``: max or sum) a SparseEncoder: its ``*ForMaskedLM`` and SpladePooling."""
     import torch
     import transformers as tf
 
@@ -150,6 +156,9 @@ def make_model_dir(
         config.num_labels = labels
         config.id2label = {i: f"label_{i}" for i in range(labels)}
         config.label2id = {f"label_{i}": i for i in range(labels)}
+    if sparse:
+        cls = getattr(tf, cls.__name__.replace("Model", "ForMaskedLM"))
+        config.architectures = [cls.__name__]
     torch.manual_seed(seed)
     model = cls(config).eval()
     with torch.no_grad():  # LayerNorms away from 1 and 0: a wrong eps or a swapped gamma shows
@@ -160,10 +169,34 @@ def make_model_dir(
                 p.mul_(20.0)
             if labels and name.startswith("classifier") and name.endswith("weight") and "dense" not in name:
                 p.mul_(300.0)  # logits that differ by units from one text to the next, not by hundredths
+        if sparse:  # most of the vocabulary's logits below 0, as a trained SPLADE model's: sparse answers
+            bias = model.get_output_embeddings().bias
+            bias.copy_(torch.randn_like(bias) * 0.05 - 0.15)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory))
     tok.save(str(directory / "tokenizer.json"))
     if labels:
+        return directory
+    if sparse:
+        prefix = "sentence_transformers.sparse_encoder.models."
+        (directory / "modules.json").write_text(
+            json.dumps(
+                [
+                    {"idx": 0, "name": "0", "path": "", "type": prefix + "MLMTransformer"},
+                    {"idx": 1, "name": "1", "path": "1_SpladePooling", "type": prefix + "SpladePooling"},
+                ]
+            )
+        )
+        (directory / "1_SpladePooling").mkdir(exist_ok=True)
+        (directory / "1_SpladePooling" / "config.json").write_text(
+            json.dumps(
+                {"pooling_strategy": sparse, "activation_function": "relu", "word_embedding_dimension": None}
+            )
+        )
+        (directory / "config_sentence_transformers.json").write_text(
+            json.dumps({"model_type": "SparseEncoder"})
+        )
+        (directory / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 48}))
         return directory
     (directory / "modules.json").write_text(
         json.dumps(

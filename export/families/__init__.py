@@ -39,7 +39,9 @@ class Family:
     ``prompts`` (the model directory's, export/model_dir.py); ``stack_keys``: the stack's own weights, outside any layer
     (``Encoder`` key -> the checkpoint key's ending: MPNet's relative position bias); ``head_keys``: its
     ``*ForSequenceClassification`` head's weights, the same way (``head.dense``, ``head.out``), and
-    ``head_activation`` between them."""
+    ``head_activation`` between them; ``sparse_keys``: its ``*ForMaskedLM`` head's (``head.dense``, ``head.norm``,
+    ``head.decoder``; the decoder's weight is the word embeddings' where the checkpoint ties them, as transformers
+    saves it), and ``sparse_activation`` inside it (None: the block's, config.json's ``hidden_act``)."""
 
     name: str
     model_types: tuple[str, ...]
@@ -51,16 +53,35 @@ class Family:
     stack_keys: dict[str, str] = field(default_factory=dict)
     head_keys: dict[str, str] = field(default_factory=dict)
     head_activation: str = "tanh"
+    sparse_keys: dict[str, str] = field(default_factory=dict)
+    sparse_activation: str | None = None
 
-    def block_fields(self, config: dict) -> dict:
-        """What config.json says of the block: ``fields``, and a classification head where its ``architectures``
-        name one (``*ForSequenceClassification``: as many labels as its ``id2label``, else ``num_labels``)."""
+    def block_fields(self, config: dict, task: str | None = None) -> dict:
+        """What config.json says of the block: ``fields``, and the head ``task`` asks for (TASKS; None: a
+        classification head where ``architectures`` name one, ``*ForSequenceClassification``, with as many labels
+        as its ``id2label``, else ``num_labels``; none otherwise)."""
         fields = self.fields(config)
-        architectures = config.get("architectures") or []
-        if any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        architectures = [str(a) for a in config.get("architectures") or []]
+        classifier = any(a.endswith("ForSequenceClassification") for a in architectures)
+        if task in ("rerank", "classify") and not classifier:
+            raise ConfigError(
+                f"--task {task} needs a *ForSequenceClassification checkpoint (a cross-encoder or a classifier); "
+                f"config.json's architectures are {architectures}"
+            )
+        if classifier and task in (None, "rerank", "classify"):
             labels = config.get("id2label") or {}
             count = len(labels) if isinstance(labels, dict) and labels else config.get("num_labels", 2)
+            if task is not None and (count == 1) != (task == "rerank"):
+                raise ConfigError(
+                    f"--task {task}: config.json's head has {count} label(s); a cross-encoder (--task rerank) has "
+                    "one, a classifier (--task classify) several"
+                )
             fields.update(head="classify", num_labels=count, head_activation=self.head_activation)
+        if task == "sparse":
+            activation_name = self.sparse_activation or fields.get("activation", "gelu")
+            fields.update(
+                head="sparse", vocab_size=int(config["vocab_size"]), head_activation=activation_name
+            )
         return fields
 
     @staticmethod
@@ -108,10 +129,10 @@ class Family:
         }
 
     def block_state(
-        self, state: dict[str, torch.Tensor], num_layers: int | None = None, head: bool = False
+        self, state: dict[str, torch.Tensor], num_layers: int | None = None, head: str = "none"
     ) -> dict[str, torch.Tensor]:
-        """The checkpoint's layers as ``Encoder`` keys (``layers.{i}.…``), and its classification head's with
-        ``head``; everything else in it is ignored."""
+        """The checkpoint's layers as ``Encoder`` keys (``layers.{i}.…``), and its ``head``'s (EncoderConfig.head:
+        ``classify``, ``sparse``); everything else in it is ignored."""
         prefixes = self._layers(state)
         if num_layers is not None and num_layers != len(prefixes):
             raise CheckpointError(
@@ -131,14 +152,19 @@ class Family:
                     out[f"layers.{i}.{dst}"] = state[f"{prefix}{src}"]
             except KeyError as exc:
                 raise CheckpointError(f"{self.name} layer {i} lacks {exc.args[0]!r}") from None
-        for dst, ending in {**self.stack_keys, **(self.head_keys if head else {})}.items():
+        head_keys = {"classify": self.head_keys, "sparse": self.sparse_keys}.get(head, {})
+        for dst, ending in {**self.stack_keys, **head_keys}.items():
             found = [k for k in state if k == ending or k.endswith(f".{ending}")]
+            if not found and dst == "head.decoder.weight":  # tied to the word embeddings, saved once
+                found = [
+                    k for k in state if k.endswith(f"embeddings.{self.embeddings['word_embeddings']}.weight")
+                ]
             if len(found) != 1:
                 raise CheckpointError(
                     f"the {self.name} checkpoint has {len(found)} keys ending in {ending!r}, not one: {found[:3]}"
                     + (
-                        ": a classification head's weights (--head none exports the encoder alone)"
-                        if head
+                        f": the {head} head's weights (--task embed exports the encoder alone)"
+                        if dst in head_keys
                         else ""
                     )
                 )

@@ -54,6 +54,23 @@ BERT_HEAD_KEYS = {
     "head.out.weight": "classifier.weight",
     "head.out.bias": "classifier.bias",
 }
+# BertForMaskedLM: the prediction head's transform (dense, hidden_act, LayerNorm), then the decoder
+BERT_SPARSE_KEYS = {
+    "head.dense.weight": "cls.predictions.transform.dense.weight",
+    "head.dense.bias": "cls.predictions.transform.dense.bias",
+    "head.norm.weight": "cls.predictions.transform.LayerNorm.weight",
+    "head.norm.bias": "cls.predictions.transform.LayerNorm.bias",
+    "head.decoder.weight": "cls.predictions.decoder.weight",
+    "head.decoder.bias": "cls.predictions.bias",
+}
 FAMILY = Family(
-    "BERT", ("bert",), BERT_LAYER_KEYS, BERT_QKV, BERT_EMBEDDINGS, fields, text, head_keys=BERT_HEAD_KEYS
+    "BERT",
+    ("bert",),
+    BERT_LAYER_KEYS,
+    BERT_QKV,
+    BERT_EMBEDDINGS,
+    fields,
+    text,
+    head_keys=BERT_HEAD_KEYS,
+    sparse_keys=BERT_SPARSE_KEYS,
 )

@@ -63,6 +63,15 @@ HEAD_KEYS = {
     "head.out.weight": "classifier.weight",
     "head.out.bias": "classifier.bias",
 }
+# DistilBertForMaskedLM: vocab_transform, the activation, vocab_layer_norm, vocab_projector
+SPARSE_KEYS = {
+    "head.dense.weight": "vocab_transform.weight",
+    "head.dense.bias": "vocab_transform.bias",
+    "head.norm.weight": "vocab_layer_norm.weight",
+    "head.norm.bias": "vocab_layer_norm.bias",
+    "head.decoder.weight": "vocab_projector.weight",
+    "head.decoder.bias": "vocab_projector.bias",
+}
 FAMILY = Family(
     "DistilBERT",
     ("distilbert",),
@@ -73,4 +82,5 @@ FAMILY = Family(
     text,
     head_keys=HEAD_KEYS,
     head_activation="relu",
+    sparse_keys=SPARSE_KEYS,
 )

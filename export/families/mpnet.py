@@ -47,4 +47,6 @@ FAMILY = Family(
     text,
     STACK_KEYS,
     head_keys=roberta.CLASSIFICATION_HEAD_KEYS,
+    sparse_keys=roberta.LM_HEAD_KEYS,
+    sparse_activation="gelu",
 )

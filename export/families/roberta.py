@@ -21,6 +21,15 @@ CLASSIFICATION_HEAD_KEYS = {
     "head.out.weight": "classifier.out_proj.weight",
     "head.out.bias": "classifier.out_proj.bias",
 }
+# RobertaLMHead (XLM-RoBERTa's and MPNet's too): dense, GELU (always), layer_norm, then the decoder
+LM_HEAD_KEYS = {
+    "head.dense.weight": "lm_head.dense.weight",
+    "head.dense.bias": "lm_head.dense.bias",
+    "head.norm.weight": "lm_head.layer_norm.weight",
+    "head.norm.bias": "lm_head.layer_norm.bias",
+    "head.decoder.weight": "lm_head.decoder.weight",
+    "head.decoder.bias": "lm_head.bias",
+}
 FAMILY = Family(
     "RoBERTa",
     ("roberta", "xlm-roberta"),
@@ -30,4 +39,6 @@ FAMILY = Family(
     bert.fields,
     text,
     head_keys=CLASSIFICATION_HEAD_KEYS,
+    sparse_keys=LM_HEAD_KEYS,
+    sparse_activation="gelu",
 )

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from addnorm.model.contract import ENCODED, POOLED, SCORES
+from addnorm.model.contract import ENCODED, POOLED, SCORES, SPARSE
 from addnorm.model.tokenize import Batch, QueryTooLong, TooLong, TooManyChars
 from addnorm.service.backend.cores import in_worker
 from addnorm.service.batching.merging import Outputs, Timings
@@ -131,6 +131,7 @@ TASK_ROUTES = {
     "embed": "/v1/embeddings, /embed, /embed_all or V2's infer",
     "rerank": "/rerank, /v1/rerank, /v2/rerank or /predict",
     "classify": "/predict",
+    "sparse": "/embed_sparse or V2's infer",
 }
 
 
@@ -165,7 +166,8 @@ def decode_texts(
             "with --inputs ids"
         )
     truncate = truncate or limits.auto_truncate
-    max_batch_tokens, max_bytes = limits.max_batch_tokens, limits.max_bytes
+    max_batch_tokens = model.engine.manifest.config.run_tokens(limits.max_batch_tokens)
+    max_bytes = limits.max_bytes
     if isinstance(inputs[0], str):
         inputs = front.prompted(inputs, prompt)
     limit = front.config.max_length
@@ -322,6 +324,16 @@ def scores(outputs: Outputs, raw: bool) -> np.ndarray:
         return 1.0 / (1.0 + np.exp(-logits))
     shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
     return shifted / shifted.sum(axis=1, keepdims=True)
+
+
+def sparse_rows(outputs: Outputs) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each input's SPLADE weights in input order as (indices, values) of its non-zero entries, indices ascending
+    (text-embeddings-inference's /embed_sparse; the terms a sparse index stores)."""
+    out = []
+    for row in outputs[SPARSE]:
+        (index,) = np.nonzero(row)
+        out.append((index, row[index]))
+    return out
 
 
 def _mask(req: TextRequest, seq: int) -> np.ndarray:

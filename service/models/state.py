@@ -149,7 +149,7 @@ async def serving_model(state: ServiceState, name: str, directory: Path, version
     batcher = Batcher(
         engine,
         max_batch_size=s.max_batch_size,
-        max_batch_tokens=s.max_batch_tokens,
+        max_batch_tokens=engine.manifest.config.run_tokens(s.max_batch_tokens),
         max_queue_delay_ms=s.max_queue_delay_ms,
         max_queue_size=s.max_queue_size,
         observer=Observers(metrics, statistics),

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from addnorm.export import cli, hf, traces
+from addnorm.export import cli, hf, model_dir, traces
 from addnorm.model.artifact import Manifest
 from addnorm.model.contract import ENCODED, POOLED
 from addnorm.model.text import TOKENIZER_FILE
@@ -244,4 +244,80 @@ def test_head_none_exports_a_classifiers_encoder_and_a_head_needs_its_weights(mo
     args = ["--from", str(model_dirs["bert"]), "--artifact", str(tmp_path / "x"), "--head", "classify"]
     assert cli.main([*args, "--num-labels", "1"]) == 2
     err = capsys.readouterr().err
-    assert "classifier.weight" in err and "--head none exports the encoder alone" in err
+    assert "classifier.weight" in err and "--task embed exports the encoder alone" in err
+
+
+# (family, pooling, variant): a SPLADE model of every family in fp32, and int8 (fp16 keeps the head in float as
+# int8 does, its block's tolerance is the embedders'); SpladePooling's sum: tests/model/test_sparse_head.py
+SPARSE = [(f, "max", "fp32") for f in FAMILIES] + [("bert", "max", "int8")]
+
+
+@pytest.mark.parametrize("family, pooling, variant", SPARSE)
+def test_a_sparse_encoder_exports_with_its_masked_lm_head_and_weighs_terms_as_transformers(
+    tmp_path, family, pooling, variant, capsys
+):
+    """A SparseEncoder's directory (modules.json: SpladePooling) exports with *ForMaskedLM's head in the one graph,
+    gated with the block: its weights equal SpladePooling of transformers' logits on the same ids, the same non-zero
+    terms and values within float32's floor for fp32; the lossy variants keep nearly every term."""
+    import torch
+    from transformers import AutoModelForMaskedLM
+
+    from addnorm.export.agreement import splade
+
+    directory = make_model_dir(family, tmp_path / "model", seed=9, sparse=pooling)
+    out = tmp_path / "artifact"
+    assert cli.main(["--from", str(directory), "--artifact", str(out), "--variant", variant, "-q"]) == 0, (
+        capsys.readouterr().err
+    )
+    manifest = Manifest.load(out)
+    config = manifest.config
+    assert (config.head, config.task, config.sparse_pooling, config.pooling) == (
+        "sparse",
+        "sparse",
+        pooling,
+        "none",
+    )
+    assert config.vocab_size == manifest.text.vocab_size and not manifest.labels
+    assert [o.name for o in manifest.outputs] == [ENCODED, "sparse_weights"]
+    reference = manifest.parity["reference"]["ids"]["graph"]
+    assert reference["sparse_min_cosine"] > 0.999 and reference["sparse_nonzero"] > 0, reference
+    batch = TextTokenizer((out / TOKENIZER_FILE).read_bytes(), manifest.text).encode(TEXTS, truncate=True)
+    got = hf.run_ids(out, config, batch)["sparse_weights"]
+    model = AutoModelForMaskedLM.from_pretrained(str(directory), attn_implementation="eager").eval()
+    feed = {
+        "input_ids": torch.from_numpy(batch.input_ids),
+        "attention_mask": torch.from_numpy(~batch.mask).long(),
+    }
+    with torch.no_grad():
+        want = splade(model(**feed).logits.double().numpy(), batch.mask, pooling)
+    nonzero = (want > 0).sum(1)
+    assert (nonzero > 0).all() and (
+        nonzero < want.shape[1]
+    ).all()  # sparse answers: a wrong bias or mask shows
+    if variant == "fp32":
+        assert ((got > 0) == (want > 0)).all()
+        assert np.abs(got - want).max() <= 4 * max(float32_floor(want), 1e-6), np.abs(got - want).max()
+    else:  # terms near zero may come and go; the weights that matter stay
+        assert ((got > 0) == (want > 0)).mean() > 0.97
+        assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
+
+
+def test_task_picks_or_refuses_a_directorys_head(model_dirs, tmp_path, capsys):
+    """--task: what the model answers, read from the directory; a head the checkpoint lacks is an error naming it."""
+    splade_dir = make_model_dir("bert", tmp_path / "splade", seed=2, sparse="sum")
+    assert model_dir.sentence_pooling(splade_dir)["sparse_pooling"] == "sum"  # SpladePooling's own config
+    classifier = make_model_dir("bert", tmp_path / "clf", labels=3)
+    out = tmp_path / "tokens"
+    assert cli.main(["--from", str(splade_dir), "--artifact", str(out), "--task", "tokens", "-q"]) == 0
+    config = Manifest.load(out).config
+    assert (config.head, config.pooling, config.task) == ("none", "none", "embed")
+    for directory, task, words in (
+        (model_dirs["bert"], "sparse", "cls.predictions.transform.dense.weight"),
+        (model_dirs["bert"], "classify", "needs a *ForSequenceClassification checkpoint"),
+        (classifier, "rerank", "head has 3 label(s); a cross-encoder (--task rerank) has one"),
+    ):
+        args = ["--from", str(directory), "--artifact", str(tmp_path / task), "--task", task, "-q"]
+        assert cli.main(args) == 2
+        assert words in capsys.readouterr().err
+    assert cli.main(["--artifact", str(tmp_path / "x"), "--task", "sparse", "-q"]) == 2
+    assert "--task reads a model directory's head (--from DIR)" in capsys.readouterr().err

@@ -5,7 +5,8 @@
 null}`` -> ``[[float, ...], ...]``, one vector per input in input order. ``/tokenize``: ``{"inputs": str | [str],
 "add_special_tokens": true}`` -> per input, its tokens as ``{"id", "text", "special", "start", "stop"}``.
 ``/embed_all``: ``{"inputs", "truncate", "prompt_name"}`` -> per input, each of its tokens' vectors (the encoder's
-last hidden state, special tokens included: late interaction). ``/info``: the model, its kind and the limits.
+last hidden state, special tokens included: late interaction). ``/embed_sparse`` (a SPLADE model): ``{"inputs",
+"truncate", "prompt_name"}`` -> per input, its non-zero weights as ``[{"index", "value"}]``, indices ascending. ``/info``: the model, its kind and the limits.
 ``/rerank`` (a cross-encoder): ``{"query", "texts": [str], "raw_scores": false, "return_text": false, "truncate":
 false}`` -> ``[{"index", "score", "text"?}]``, best first; each text scored with the query as a pair, cut (with
 ``truncate``) in the text, never the query. ``/predict`` (a classifier or a cross-encoder): ``{"inputs": str |
@@ -24,7 +25,7 @@ from fastapi import APIRouter, Request, Response
 from addnorm import __version__
 from addnorm.model.tokenize import TooManyChars
 from addnorm.service.core.inference import offload, work
-from addnorm.service.core.text import scores, text_inputs, token_vectors, vectors
+from addnorm.service.core.text import scores, sparse_rows, text_inputs, token_vectors, vectors
 from addnorm.service.errors import BadInput, TooLarge, quote
 from addnorm.service.guard import Known
 from addnorm.service.protocols.common import error_docs, json_bool, json_route_doc, parse_json, read_body
@@ -34,6 +35,7 @@ router = APIRouter(tags=["tei"])
 _EMBED = {"inputs", "normalize", "truncate", "truncation_direction", "prompt_name", "dimensions"}
 _TOKENIZE = {"inputs", "add_special_tokens", "prompt_name"}
 _EMBED_ALL = {"inputs", "truncate", "truncation_direction", "prompt_name"}
+_EMBED_SPARSE = _EMBED_ALL
 _RERANK = {"query", "texts", "truncate", "truncation_direction", "raw_scores", "return_text"}
 _PREDICT = {"inputs", "truncate", "truncation_direction", "raw_scores"}
 # text-embeddings-inference's error body (what error_shape writes)
@@ -84,6 +86,20 @@ _EMBED_ALL_DOC = _doc(
     {"type": "array", "items": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}},
     {"inputs": "What is Deep Learning?"},
     "per input, each of its tokens' vectors",
+)
+_SPARSE_VALUE = {
+    "type": "object",
+    "properties": {"index": {"type": "integer"}, "value": {"type": "number"}},
+}
+_EMBED_SPARSE_DOC = _doc(
+    {
+        "truncate": {"type": "boolean", "default": False},
+        "truncation_direction": {"type": "string", "enum": ["Right"], "default": "Right"},
+        "prompt_name": {"type": "string", "nullable": True},
+    },
+    {"type": "array", "items": {"type": "array", "items": _SPARSE_VALUE}},
+    {"inputs": "What is Deep Learning?"},
+    "per input, its non-zero vocabulary weights, indices ascending",
 )
 _TOKEN = {
     "type": "object",
@@ -283,6 +299,23 @@ def write_embed_all(req, model, outputs) -> bytes:
     return orjson.dumps(token_vectors(req, outputs), option=orjson.OPT_SERIALIZE_NUMPY)
 
 
+def read_embed_sparse(doc: object, max_inputs: int) -> TextQuery:
+    doc = fields(doc, _EMBED_SPARSE, "inputs")
+    _right(doc)
+    inputs = text_inputs(doc["inputs"], "inputs", max_inputs)
+    truncate = json_bool(doc, "truncate", "body", False)
+    return TextQuery(None, inputs, truncate, {}, _prompt_name(doc), field="inputs", tasks=("sparse",))
+
+
+def write_embed_sparse(req, model, outputs) -> bytes:
+    return orjson.dumps(
+        [
+            [{"index": int(i), "value": float(v)} for i, v in zip(index, values, strict=True)]
+            for index, values in sparse_rows(outputs)
+        ]
+    )
+
+
 def write(req, model, outputs) -> bytes:
     pooled_by, normalized = pooling(model)
     out = vectors(req, outputs, pooled_by, normalized, req.options["normalize"], req.options["dimensions"])
@@ -302,6 +335,16 @@ text_route(
     _EMBED_ALL_DOC,
 )
 
+text_route(
+    router,
+    "/embed_sparse",
+    "tei",
+    read_embed_sparse,
+    write_embed_sparse,
+    "SPLADE's sparse vectors of texts (text-embeddings-inference's API)",
+    _EMBED_SPARSE_DOC,
+)
+
 
 @router.get("/info", summary="The served model and the server's limits (text-embeddings-inference's API)")
 async def info(known: Known) -> dict:
@@ -310,8 +353,11 @@ async def info(known: Known) -> dict:
     model = known.models.get(None)
     manifest, s = model.engine.manifest, known.settings
     config = manifest.config
-    if config.task == "embed":
-        kind = {"embedding": {"pooling": config.pooling if config.pooling != "none" else "mean"}}
+    if config.task in ("embed", "sparse"):
+        pooled = (
+            "splade" if config.task == "sparse" else config.pooling if config.pooling != "none" else "mean"
+        )
+        kind = {"embedding": {"pooling": pooled}}
     else:
         labels = manifest.label_names
         kind = {
