@@ -3,8 +3,9 @@
 - ``mha``: onnxruntime's ``com.microsoft.MultiHeadAttention``, any opset, CPU and CUDA. With no padding in a
   batch it runs onnxruntime's flash-attention kernel, which never holds a seq x seq tensor; a key padding mask
   turns that kernel off (one score tensor then). So each layer holds an ``If`` on "is any position padding?"
-  with one MultiHeadAttention in each branch, the mask given only where there is padding. With MPNet's relative
-  position bias (its ``attention_bias`` input) there is no flash kernel to keep: one MultiHeadAttention, masked.
+  with one MultiHeadAttention in each branch, the mask given only where there is padding. With a bias on the scores
+  (its ``attention_bias`` input: MPNet's relative positions, a local layer's window) there is no flash kernel to
+  keep: one MultiHeadAttention, masked.
 - ``onnx``: ONNX's own ``Attention`` operator (opset >= 23), for runtimes without onnxruntime's contrib ops.
   onnxruntime's CPU kernel wants the mask as ``[B, 1, S, S]`` and answers zeros for a query whose keys are all
   padding, so the graph broadcasts the mask and puts the reference's answer (uniform weights) back for those rows.
@@ -57,11 +58,9 @@ def resolve(choice: str, opset: int) -> str:
 
 def expected_ops(form: str, config: EncoderConfig) -> dict[str, int]:
     """The attention nodes a graph of ``form`` must hold (If branches counted), and no Softmax unless decomposed."""
-    layers = config.num_layers
-    if form == "mha" and config.relative_attention_buckets:
-        return {"If": 0, "MultiHeadAttention": layers, "Softmax": 0}
-    if form == "mha":
-        return {"If": layers, "MultiHeadAttention": 2 * layers, "Softmax": 0}
+    layers, biased = config.num_layers, config.biased_layers
+    if form == "mha":  # a layer with a bias on its scores has no flash kernel to keep: one, masked
+        return {"If": layers - biased, "MultiHeadAttention": 2 * (layers - biased) + biased, "Softmax": 0}
     if form == "onnx":
         return {"Attention": layers, "Softmax": 0}
     return {"Softmax": layers}
@@ -185,7 +184,10 @@ def _attend_onnx(
         else:  # MPNet's relative positions, then the padding: the reference's order
             added = bias.expand(B, nhead, S, S).masked_fill(key_padding_mask[:, None, None, :], _LOWEST)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=added)
-        all_padding = key_padding_mask.all(dim=-1)[:, None, None, None]
+        if bias is None:
+            all_padding = key_padding_mask.all(dim=-1)[:, None, None, None]
+        else:  # a query whose keys are all masked, by its window and padding: (B, H, S, 1)
+            all_padding = (added <= _LOWEST).all(dim=-1, keepdim=True)
         # The reference's uniform weights; a sum, not mean(): ReduceMean is what the graph checks take for a
         # LayerNorm spelled out.
         out = torch.where(all_padding, v.sum(dim=-2, keepdim=True) / S, out)

@@ -66,7 +66,7 @@ def norm_op(config: EncoderConfig) -> str:
 
 def _norms(config: EncoderConfig) -> dict[str, int]:
     """One native norm per Add & Norm step (two per layer), plus the final norm of a pre-norm stack."""
-    return {norm_op(config): config.num_norms + config.head_norms}
+    return {norm_op(config): config.norm_nodes}
 
 
 def _export_fp32(
@@ -188,6 +188,10 @@ def _export_fused(
             "LayerNormalization is fused; use --attention mha (the default) or decomposed"
         )
     export_onnx(encoder, path, opset, with_steps, attention)
+    if (
+        not cfg.bias
+    ):  # the optimizer's SkipLayerNormalization fusion reads a bias input: give it zeros (exact)
+        _zero_norm_biases(path)
     with _quiet():
         # opt_level 0: only the graph fusions, no onnxruntime session-level rewrites baked into the file.
         optimized = optimize_model(
@@ -198,6 +202,22 @@ def _export_fused(
     _toposort(model.graph)
     onnx.save(model, str(path))
     return model
+
+
+def _zero_norm_biases(path: Path) -> None:
+    """Each LayerNormalization without its bias input (a bias-free block's) in the graph at ``path`` given a
+    bias of zeros: the same results, in the form onnxruntime's transformer optimizer fuses."""
+    model = onnx.load(str(path))
+    for i, node in enumerate(model.graph.node):
+        if node.op_type == "LayerNormalization" and (len(node.input) < 3 or not node.input[2]):
+            scale = next(t for t in model.graph.initializer if t.name == node.input[1])
+            name = f"zero_norm_bias_{i}"
+            model.graph.initializer.append(
+                onnx.numpy_helper.from_array(np.zeros(scale.dims, np.float32), name)
+            )
+            del node.input[2:]
+            node.input.append(name)
+    onnx.save(model, str(path))
 
 
 def _int8_ops(config: EncoderConfig) -> dict[str, int]:
@@ -216,7 +236,8 @@ def _fused_ops(config: EncoderConfig) -> dict[str, int]:
     # Every residual add followed by a norm fuses; a pre-norm stack's first norm has no add before it.
     return {
         "SkipLayerNormalization": 2 * config.num_layers,
-        "LayerNormalization": int(config.norm_first) + config.head_norms,
+        # a pre-norm stack's first norm reads the input, no Add to fuse (none without a first attention norm)
+        "LayerNormalization": int(config.norm_first and config.first_attention_norm) + config.head_norms,
     }
 
 

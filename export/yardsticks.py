@@ -50,10 +50,10 @@ def _steps(
     key_mask = torch.from_numpy(mask)
     out = []
     with torch.no_grad():
-        bias = encoder.position_bias(first.shape[1])
-        for i, layer in enumerate(encoder.layers):
+        positional = encoder.positional(first.shape[1], dtype)  # each layer's score bias and rotary positions
+        for i, (layer, (bias, rotary)) in enumerate(zip(encoder.layers, positional, strict=True)):
             step_in = given(first if i == 0 else graph_steps[2 * i - 1])
-            out.append(layer.attention_step(step_in, key_mask, bias=bias))
+            out.append(layer.attention_step(step_in, key_mask, bias=bias, rotary=rotary))
             out.append(layer.feed_forward_step(given(graph_steps[2 * i])))
         if encoder.norm is not None:
             out.append(encoder.norm(given(graph_steps[2 * len(encoder.layers) - 1])))

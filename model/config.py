@@ -51,6 +51,13 @@ class EncoderConfig:
     ``head_activation``, ``head.norm`` and ``head.decoder`` (transformers' ``*ForMaskedLM`` logits), then over each
     sequence's real tokens ``log(1 + relu(logits))`` pooled by ``sparse_pooling`` (``max`` or ``sum``), with one
     more ``log1p`` for ``sparse_activation`` ``log1p_relu``: sentence-transformers' ``SpladePooling``.
+    ModernBERT's block: ``bias`` false drops every bias of the block's products and norms (ONNX
+    ``LayerNormalization`` without its B input); ``first_attention_norm`` false: the first layer's attention step
+    adds its sublayer to an un-normalized input (pre-norm only: the embedding layer's norm came just before);
+    ``rotary_theta``: rotary position embeddings (RoPE) of every head's queries and keys at this base (0: none),
+    ``rotary_theta_local`` for local layers; ``attention_window``: local layers' queries attend to keys at most this
+    many positions away (0: every layer global), and every layer whose index is a multiple of ``global_every`` is
+    global (ModernBERT: a window of 64 each side, every third layer global from the first).
     """
 
     d_model: int = 768
@@ -74,6 +81,12 @@ class EncoderConfig:
     vocab_size: int = 0
     sparse_pooling: str = "max"
     sparse_activation: str = "relu"
+    bias: bool = True
+    first_attention_norm: bool = True
+    rotary_theta: float = 0.0
+    rotary_theta_local: float = 0.0
+    attention_window: int = 0
+    global_every: int = 1
 
     def __post_init__(self) -> None:
         for name in ("d_model", "nhead", "dim_feedforward", "num_layers"):
@@ -144,6 +157,29 @@ class EncoderConfig:
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.normalize_pooled and self.pooling == "none":
             raise ConfigError("normalize_pooled needs a pooling ('mean' or 'cls'): there is no pooled output")
+        for name in ("bias", "first_attention_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not self.first_attention_norm and not self.norm_first:
+            raise ConfigError(
+                "first_attention_norm false needs norm_first (pre-norm): a post-norm step always normalizes"
+            )
+        for name in ("rotary_theta", "rotary_theta_local"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(
+                    f"{name} must be a non-negative number (0: no rotary positions), got {value!r}"
+                )
+        if (self.rotary_theta > 0) != (self.rotary_theta_local > 0):
+            raise ConfigError("rotary_theta and rotary_theta_local are both set (rotary positions) or both 0")
+        if self.rotary_theta and self.head_dim % 2:
+            raise ConfigError(
+                f"rotary positions rotate pairs of features: the head width {self.head_dim} is odd"
+            )
+        for name, least in (("attention_window", 0), ("global_every", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"{name} must be an integer of at least {least}, got {value!r}")
         if self.packed and not self.batch_first:
             raise ConfigError("packed needs batch_first: a packed graph's tokens have no batch axis to order")
 
@@ -170,6 +206,28 @@ class EncoderConfig:
         """The block's normalization steps: two Add & Norm steps per layer, plus a final norm for pre-norm (each a
         debug graph's step output)."""
         return 2 * self.num_layers + (1 if self.norm_first else 0)
+
+    def is_local(self, layer: int) -> bool:
+        """Whether ``layer`` attends within ``attention_window`` only (a local layer) rather than globally."""
+        return self.attention_window > 0 and layer % self.global_every != 0
+
+    def rotary_base(self, layer: int) -> float:
+        """``layer``'s rotary base (0: no rotary positions)."""
+        return self.rotary_theta_local if self.is_local(layer) else self.rotary_theta
+
+    @property
+    def biased_layers(self) -> int:
+        """Layers whose attention scores get an additive bias: every layer with MPNet's relative positions, the
+        local layers with a window."""
+        if self.relative_attention_buckets:
+            return self.num_layers
+        return sum(self.is_local(i) for i in range(self.num_layers))
+
+    @property
+    def norm_nodes(self) -> int:
+        """Normalization nodes in the graph: the block's steps (``num_norms``) less the first layer's attention
+        norm where it has none, and a head's own."""
+        return self.num_norms - (0 if self.first_attention_norm else 1) + self.head_norms
 
     @property
     def head_norms(self) -> int:

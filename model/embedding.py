@@ -1,5 +1,5 @@
 """The embedding layer of a text encoder in PyTorch: an Add & Norm of the token's, its position's and its token
-type's embeddings (``LayerNorm(word + position [+ token_type])``), exported as its own graph with ONNX's native
+type's embeddings (``LayerNorm(word [+ position] [+ token_type])``: ModernBERT has neither), exported as its own graph with ONNX's native
 ``LayerNormalization`` (export/embedding.py). Parameter names follow transformers' ``BertEmbeddings``."""
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ class EmbeddingAddNorm(nn.Module):
         super().__init__()
         self.text = text
         self.word_embeddings = nn.Embedding(text.vocab_size, d_model)
-        self.position_embeddings = nn.Embedding(text.max_positions, d_model)
+        self.position_embeddings = (
+            nn.Embedding(text.max_positions, d_model) if text.positions != "none" else None
+        )
         self.token_type_embeddings = (
             nn.Embedding(text.type_vocab_size, d_model) if text.type_vocab_size else None
         )
-        self.LayerNorm = nn.LayerNorm(d_model, eps=text.layer_norm_eps)
+        self.LayerNorm = nn.LayerNorm(d_model, eps=text.layer_norm_eps, bias=text.norm_bias)
 
     def positions(self, input_ids: Tensor) -> Tensor:
         """(B, S) position indices: 0.. (absolute), or fairseq's numbering after the padding index, where a padding
@@ -32,7 +34,9 @@ class EmbeddingAddNorm(nn.Module):
         return torch.cumsum(real, dim=1) * real + self.text.pad_token_id
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
-        x = self.word_embeddings(input_ids) + self.position_embeddings(self.positions(input_ids))
+        x = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(self.positions(input_ids))
         if self.token_type_embeddings is not None:
             types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
             x = x + self.token_type_embeddings(types)
@@ -46,13 +50,14 @@ class EmbeddingAddNorm(nn.Module):
             return m.weight.detach().double().numpy()
 
         ids = np.asarray(input_ids)
-        pos = self.positions(torch.from_numpy(ids)).numpy()
-        x = table(self.word_embeddings)[ids] + table(self.position_embeddings)[pos]
+        x = table(self.word_embeddings)[ids]
+        if self.position_embeddings is not None:
+            x = x + table(self.position_embeddings)[self.positions(torch.from_numpy(ids)).numpy()]
         if self.token_type_embeddings is not None:
             types = np.zeros_like(ids) if token_type_ids is None else np.asarray(token_type_ids)
             x = x + table(self.token_type_embeddings)[types]
         mean = x.mean(-1, keepdims=True)
         var = ((x - mean) ** 2).mean(-1, keepdims=True)
         gamma = self.LayerNorm.weight.detach().double().numpy()
-        beta = self.LayerNorm.bias.detach().double().numpy()
+        beta = 0.0 if self.LayerNorm.bias is None else self.LayerNorm.bias.detach().double().numpy()
         return (x - mean) / np.sqrt(var + self.text.layer_norm_eps) * gamma + beta

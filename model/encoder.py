@@ -38,8 +38,9 @@ class _AddNormMixin:
         norm_first: bool = False,
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
+        **norm: bool,
     ) -> None:
-        super().__init__(normalized_shape, eps=eps, device=device, dtype=dtype)  # type: ignore[call-arg]
+        super().__init__(normalized_shape, eps=eps, device=device, dtype=dtype, **norm)  # type: ignore[call-arg]
         self.norm_first = norm_first
 
     def normalize(self, x: Tensor) -> Tensor:
@@ -62,14 +63,60 @@ class AddRMSNorm(_AddNormMixin, nn.RMSNorm):
     """Residual add and RMSNorm (exported as ONNX ``RMSNormalization`` at opset 23)."""
 
 
+class Add(nn.Module):
+    """A pre-norm step without its norm, ``x + sublayer(x)``: ModernBERT's first attention step (its input is the
+    embedding layer's normalized output). No parameters."""
+
+    def forward(self, x: Tensor, sublayer: Sublayer) -> Tensor:
+        return x + sublayer(x)
+
+
 def make_norm(config: EncoderConfig, add: bool) -> nn.Module:
     """An Add & Norm step (``add=True``) or a plain norm of the configured kind."""
+    bias = {"bias": config.bias} if config.norm == "layer" else {}
     if add:
         cls = AddNorm if config.norm == "layer" else AddRMSNorm
-        return cls(config.d_model, eps=config.layer_norm_eps, norm_first=config.norm_first)
+        return cls(config.d_model, eps=config.layer_norm_eps, norm_first=config.norm_first, **bias)
     if config.norm == "layer":
-        return nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        return nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, **bias)
     return nn.RMSNorm(config.d_model, eps=config.layer_norm_eps)
+
+
+def rotate(t: Tensor, cos: Tensor, sin: Tensor, nhead: int) -> Tensor:
+    """Rotary position embedding of a (B, S, E) projection split into ``nhead`` heads: each head's features as
+    two halves (x1, x2) -> x * cos + (-x2, x1) * sin, with ``cos`` and ``sin`` (S, D) by position (transformers'
+    ``apply_rotary_pos_emb`` and ``rotate_half``)."""
+    B, S, E = t.shape
+    D = E // nhead
+    t = t.reshape(B, S, nhead, D)
+    turned = torch.cat([-t[..., D // 2 :], t[..., : D // 2]], dim=-1)
+    return (t * cos[:, None, :] + turned * sin[:, None, :]).reshape(B, S, E)
+
+
+def rotary_frequencies(base: float, head_dim: int) -> Tensor:
+    """The float32 inverse frequencies ``base ** -(2i / D)`` of rotary positions, each the float64 value rounded
+    once (the numpy oracle's are the same numbers: model/reference.py)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    return (1.0 / base**exponents).to(torch.float32)
+
+
+def rotary_tables(frequencies: Tensor, seq: Tensor | int) -> tuple[Tensor, Tensor]:
+    """(cos, sin), (S, D): positions 0..S-1 times each frequency, in float32 as transformers computes the angles,
+    each frequency's angle for both halves of a head; cos and sin in the frequencies' dtype (float64 in the gate's
+    float64 run, as the oracle takes them)."""
+    angles = torch.arange(seq, dtype=torch.float32)[:, None] * frequencies.to(torch.float32)[None, :]
+    both = torch.cat([angles, angles], dim=-1).to(frequencies.dtype)
+    return both.cos(), both.sin()
+
+
+def window_bias(seq: Tensor | int, window: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """(1, 1, S, S): 0 where a key is at most ``window`` positions from the query, else the dtype's most negative
+    value, as padding is filled (a local layer's scores: transformers' bidirectional sliding window,
+    ``|q - k| <= window``)."""
+    positions = torch.arange(seq)
+    far = (positions[None, :] - positions[:, None]).abs() > window
+    lowest = torch.finfo(dtype).min
+    return torch.zeros(far.shape, dtype=dtype).masked_fill(far, lowest)[None, None]
 
 
 def attend(
@@ -135,16 +182,17 @@ class SelfAttention(nn.Module):
     fused kernel (export/attention.py). Dropout on the attention weights is not modelled (inference only).
     """
 
-    def __init__(self, d_model: int, nhead: int) -> None:
+    def __init__(self, d_model: int, nhead: int, bias: bool = True) -> None:
         super().__init__()
         self.nhead = nhead
         self.head_dim = d_model // nhead
         self.in_proj_weight = nn.Parameter(torch.empty(3 * d_model, d_model))  # q, k, v stacked
-        self.in_proj_bias = nn.Parameter(torch.zeros(3 * d_model))
-        self.out_proj = nn.Linear(d_model, d_model)
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * d_model)) if bias else None
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
         self.attend = attend
         nn.init.xavier_uniform_(self.in_proj_weight)  # as nn.MultiheadAttention does
-        nn.init.zeros_(self.out_proj.bias)
+        if bias:
+            nn.init.zeros_(self.out_proj.bias)
 
     def forward(
         self,
@@ -152,20 +200,25 @@ class SelfAttention(nn.Module):
         key_padding_mask: Tensor | None = None,
         packing: Packing | None = None,
         bias: Tensor | None = None,
+        rotary: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """x (B, S, E), or with ``packing`` the packed tokens (1, T, E): attention then runs on them padded.
-        ``bias``: added to the attention scores (``attend``)."""
+        ``bias``: added to the attention scores (``attend``); ``rotary``: (cos, sin) (S, D) of rotary positions,
+        applied to the queries and keys (padded: each sequence's positions from 0)."""
         E = x.shape[-1]
         w, b = self.in_proj_weight, self.in_proj_bias
         # Three projections on slices of the stacked weight: the slices fold into constants at export, and no
         # Split(num_outputs) is emitted (an opset-18 attribute that breaks conversion down to opset 17).
-        q = F.linear(x, w[:E], b[:E])
-        k = F.linear(x, w[E : 2 * E], b[E : 2 * E])
-        v = F.linear(x, w[2 * E :], b[2 * E :])
-        if packing is None:
-            return self.out_proj(self.attend(q, k, v, key_padding_mask, self.nhead, bias))
-        q, k, v = (packing.pad(t) for t in (q, k, v))
-        return self.out_proj(packing.unpad(self.attend(q, k, v, packing.mask, self.nhead, bias)))
+        q = F.linear(x, w[:E], None if b is None else b[:E])
+        k = F.linear(x, w[E : 2 * E], None if b is None else b[E : 2 * E])
+        v = F.linear(x, w[2 * E :], None if b is None else b[2 * E :])
+        if packing is not None:
+            q, k, v = (packing.pad(t) for t in (q, k, v))
+        if rotary is not None:
+            q, k = (rotate(t, *rotary, self.nhead) for t in (q, k))
+        mask = key_padding_mask if packing is None else packing.mask
+        out = self.attend(q, k, v, mask, self.nhead, bias)
+        return self.out_proj(out if packing is None else packing.unpad(out))
 
 
 class EncoderBlock(nn.Module):
@@ -175,15 +228,16 @@ class EncoderBlock(nn.Module):
     top level as ``linear1``/``linear2``, as they do there); a gated feed-forward's ``linear1`` is twice as tall.
     """
 
-    def __init__(self, config: EncoderConfig) -> None:
+    def __init__(self, config: EncoderConfig, index: int = 0) -> None:
         super().__init__()
-        self.self_attn = SelfAttention(config.d_model, config.nhead)
+        self.self_attn = SelfAttention(config.d_model, config.nhead, config.bias)
         self.gated = config.feed_forward == "gated"
-        self.linear1 = nn.Linear(config.d_model, config.feed_forward_rows)
+        self.linear1 = nn.Linear(config.d_model, config.feed_forward_rows, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
-        self.linear2 = nn.Linear(config.dim_feedforward, config.d_model)
+        self.linear2 = nn.Linear(config.dim_feedforward, config.d_model, bias=config.bias)
         self.activation = F.relu if config.activation == "relu" else F.gelu  # exact (erf) GELU, as PyTorch's
-        self.norm1 = make_norm(config, add=True)
+        plain = index == 0 and not config.first_attention_norm  # ModernBERT's first attention step
+        self.norm1 = Add() if plain else make_norm(config, add=True)
         self.norm2 = make_norm(config, add=True)
         self.dropout1 = nn.Dropout(config.dropout)
         self.dropout2 = nn.Dropout(config.dropout)
@@ -203,9 +257,12 @@ class EncoderBlock(nn.Module):
         key_padding_mask: Tensor | None = None,
         packing: Packing | None = None,
         bias: Tensor | None = None,
+        rotary: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """The first Add & Norm step: self-attention, residual add, norm."""
-        return self.norm1(x, lambda h: self.dropout1(self.self_attn(h, key_padding_mask, packing, bias)))
+        return self.norm1(
+            x, lambda h: self.dropout1(self.self_attn(h, key_padding_mask, packing, bias, rotary))
+        )
 
     def feed_forward_step(self, x: Tensor) -> Tensor:
         """The second Add & Norm step: feed-forward, residual add, norm."""
@@ -218,11 +275,12 @@ class EncoderBlock(nn.Module):
         steps: list[Tensor] | None = None,
         packing: Packing | None = None,
         bias: Tensor | None = None,
+        rotary: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """x (B, S, E) -> (B, S, E), or packed tokens (1, T, E) with ``packing`` (every per-token step on them,
-        attention padded). ``bias``: added to the attention scores. Appends each Add & Norm result to ``steps``
-        when given."""
-        x = self.attention_step(x, key_padding_mask, packing, bias)
+        attention padded). ``bias``: added to the attention scores; ``rotary``: (cos, sin) of rotary positions.
+        Appends each Add & Norm result to ``steps`` when given."""
+        x = self.attention_step(x, key_padding_mask, packing, bias, rotary)
         if steps is not None:
             steps.append(x)
         x = self.feed_forward_step(x)
@@ -303,13 +361,19 @@ class Encoder(nn.Module):
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleList(EncoderBlock(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(EncoderBlock(config, i) for i in range(config.num_layers))
         self.norm = make_norm(config, add=False) if config.norm_first else None
         self.relative_attention_bias: nn.Embedding | None = None
         if config.relative_attention_buckets:
             self.relative_attention_bias = nn.Embedding(config.relative_attention_buckets, config.nhead)
             table = torch.tensor(relative_buckets(config.relative_attention_buckets), dtype=torch.long)
             self.register_buffer("bucket_of_distance", table, persistent=False)
+        for name, base in (
+            ("rotary_global", config.rotary_theta),
+            ("rotary_local", config.rotary_theta_local),
+        ):
+            if base:  # not weights: a function of the config (not in the state_dict)
+                self.register_buffer(name, rotary_frequencies(base, config.head_dim), persistent=False)
         heads = {"classify": ClassificationHead, "sparse": SparseHead}
         self.head = heads[config.head](config) if config.head in heads else None
 
@@ -325,13 +389,33 @@ class Encoder(nn.Module):
         bucket = self.bucket_of_distance[distance + RELATIVE_MAX_DISTANCE]  # (S, S)
         return self.relative_attention_bias(bucket).permute(2, 0, 1)[None]
 
+    def positional(
+        self, seq: Tensor | int, dtype: torch.dtype = torch.float32
+    ) -> list[tuple[Tensor | None, tuple[Tensor, Tensor] | None]]:
+        """Each layer's (score bias, rotary tables) for sequences of ``seq`` positions: MPNet's relative position
+        bias or a local layer's window (``window_bias``, in the scores' ``dtype``), and the (cos, sin) of its rotary
+        base; each computed once."""
+        relative = self.position_bias(seq)
+        window = (
+            window_bias(seq, self.config.attention_window, dtype) if self.config.attention_window else None
+        )
+        tables = {
+            name: rotary_tables(getattr(self, f"rotary_{name}"), seq)
+            for name in ("global", "local")
+            if hasattr(self, f"rotary_{name}")
+        }
+        out = []
+        for i in range(self.config.num_layers):
+            local = self.config.is_local(i)
+            out.append((window if local else relative, tables.get("local" if local else "global")))
+        return out
+
     def forward(
         self, embeddings: Tensor, mask: Tensor | None = None, steps: list[Tensor] | None = None
     ) -> Tensor:
         x = embeddings if self.config.batch_first else embeddings.transpose(0, 1)  # (B, S, E)
-        bias = self.position_bias(x.shape[1])
-        for layer in self.layers:
-            x = layer(x, mask, steps, bias=bias)
+        for layer, (bias, rotary) in zip(self.layers, self.positional(x.shape[1], x.dtype), strict=True):
+            x = layer(x, mask, steps, bias=bias, rotary=rotary)
         if self.norm is not None:
             x = self.norm(x)
             if steps is not None:
@@ -366,9 +450,9 @@ class Encoder(nn.Module):
         attention padded; the outputs padded to (B, S, E), zeros beyond each sequence's length, as are ``steps``."""
         packed_steps: list[Tensor] | None = None if steps is None else []
         x = tokens
-        bias = self.position_bias(packing.gather.shape[1])
-        for layer in self.layers:
-            x = layer(x, None, packed_steps, packing, bias)
+        positional = self.positional(packing.gather.shape[1], tokens.dtype)
+        for layer, (bias, rotary) in zip(self.layers, positional, strict=True):
+            x = layer(x, None, packed_steps, packing, bias, rotary)
         if self.norm is not None:
             x = self.norm(x)
             if packed_steps is not None:

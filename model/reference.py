@@ -3,7 +3,9 @@
 ``forward(config, weights, embeddings, mask)`` computes what ``model.encoder.Encoder`` computes, from the same
 state_dict (``weights.safetensors``: ``layers.{i}.self_attn.in_proj_weight``, ``linear1``, ``norm1``, ... and the
 final ``norm`` of a pre-norm stack), for every form the exporter produces: post- and pre-norm, LayerNorm and
-RMSNorm, relu and exact (erf) GELU, plain and gated feed-forwards, key padding masks, MPNet's relative position bias, stacks, batch-first or not. The attention form (mha, onnx,
+RMSNorm, relu and exact (erf) GELU, plain and gated feed-forwards, key padding masks, MPNet's relative position bias,
+ModernBERT's rotary positions, local attention windows, bias-free products and norms and first attention step
+without a norm, stacks, batch-first or not. The attention form (mha, onnx,
 decomposed) does not change the math, so there is one attention here. No torch: the serving side can run it.
 
 ``arithmetic`` (model/schemes.py) computes a lossy variant's own scheme instead: int8's quantized weight products,
@@ -54,7 +56,43 @@ def _norm(
         return a.cast(x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + config.layer_norm_eps) * w)
     mean = x.mean(axis=-1, keepdims=True)
     var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)  # biased, as LayerNorm's
-    return a.cast((x - mean) / np.sqrt(var + config.layer_norm_eps) * w + a.cast(weights[f"{prefix}.bias"]))
+    normed = (x - mean) / np.sqrt(var + config.layer_norm_eps) * w
+    return a.cast(normed + a.cast(_bias(weights, f"{prefix}.bias", w.shape[-1], w.dtype)))
+
+
+def _bias(weights: Mapping[str, np.ndarray], name: str, width: int, dtype) -> np.ndarray:
+    """A bias by name; zeros for a block without biases (``EncoderConfig.bias`` false: adding 0 is exact)."""
+    found = weights.get(name)
+    return np.zeros(width, dtype) if found is None else found
+
+
+def _linear(x: np.ndarray, weights: Mapping[str, np.ndarray], name: str, a: Exact) -> np.ndarray:
+    w = weights[f"{name}.weight"]
+    return a.linear(x, w, _bias(weights, f"{name}.bias", w.shape[0], w.dtype))
+
+
+def rotary_tables(base: float, head_dim: int, seq: int) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin) (S, D) of rotary positions (model.encoder.rotary_tables): the float32 angles (positions times
+    the float64 frequencies rounded to float32, a product float32 rounds as torch and onnxruntime do), their cosine
+    and sine in float64."""
+    frequencies = (1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)).astype(np.float32)
+    angles = np.arange(seq, dtype=np.float32)[:, None] * frequencies[None, :]
+    both = np.concatenate([angles, angles], axis=-1).astype(np.float64)
+    return np.cos(both), np.sin(both)
+
+
+def _rotate(t: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """(B, H, S, D) heads rotated by position (model.encoder.rotate)."""
+    d = t.shape[-1] // 2
+    turned = np.concatenate([-t[..., d:], t[..., :d]], axis=-1)
+    return t * cos + turned * sin
+
+
+def window_bias(seq: int, window: int, dtype) -> np.ndarray:
+    """(1, 1, S, S) a local layer's scores' bias: 0 within ``window`` positions, else the dtype's most negative."""
+    positions = np.arange(seq)
+    far = np.abs(positions[None, :] - positions[:, None]) > window
+    return np.where(far, np.finfo(dtype).min, 0.0).astype(dtype)[None, None]
 
 
 def _activation(x: np.ndarray, name: str) -> np.ndarray:
@@ -71,11 +109,15 @@ def _attention(
     mask: np.ndarray | None,
     a: Exact,
     bias: np.ndarray | None = None,
+    rotary: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> np.ndarray:
     b, s, e = x.shape
     d = e // heads
-    qkv = a.linear(x, weights[f"{p}.in_proj_weight"], weights[f"{p}.in_proj_bias"])  # (B, S, 3E): q, k, v
+    w = weights[f"{p}.in_proj_weight"]
+    qkv = a.linear(x, w, _bias(weights, f"{p}.in_proj_bias", w.shape[0], w.dtype))  # (B, S, 3E): q, k, v
     q, k, v = (qkv[..., i * e : (i + 1) * e].reshape(b, s, heads, d).transpose(0, 2, 1, 3) for i in range(3))
+    if rotary is not None:
+        q, k = (a.cast(_rotate(t, *rotary)) for t in (q, k))
     # In place on the (B, H, S, S) scores, the largest arrays here: the same arithmetic with no copy per step.
     scores = q @ k.transpose(0, 1, 3, 2)  # (B, H, S, S)
     scores /= math.sqrt(d)
@@ -89,7 +131,7 @@ def _attention(
     probs /= probs.sum(axis=-1, keepdims=True)
     probs = a.cast(probs)
     out = a.cast(probs @ v).transpose(0, 2, 1, 3).reshape(b, s, e)
-    return a.linear(out, weights[f"{p}.out_proj.weight"], weights[f"{p}.out_proj.bias"])
+    return _linear(out, weights, f"{p}.out_proj", a)
 
 
 def position_bias(config: EncoderConfig, weights: Mapping[str, np.ndarray], seq: int) -> np.ndarray | None:
@@ -122,24 +164,31 @@ def forward(
     if not config.batch_first:
         x = x.transpose(1, 0, 2)
     mask = None if mask is None or not np.any(mask) else np.asarray(mask, dtype=bool)
-    bias = position_bias(config, weights, x.shape[1])
+    seq = x.shape[1]
+    relative = position_bias(config, weights, seq)
+    window = window_bias(seq, config.attention_window, x.dtype) if config.attention_window else None
     for i in range(config.num_layers):
         p = f"layers.{i}"
+        bias = window if config.is_local(i) else relative
+        base = config.rotary_base(i)
+        rotary = rotary_tables(base, config.head_dim, seq) if base else None
 
-        def attend(h: np.ndarray, p: str = p) -> np.ndarray:
-            return _attention(h, weights, f"{p}.self_attn", config.nhead, mask, a, bias)
+        def attend(h: np.ndarray, p: str = p, bias=bias, rotary=rotary) -> np.ndarray:
+            return _attention(h, weights, f"{p}.self_attn", config.nhead, mask, a, bias, rotary)
 
         def feed_forward(h: np.ndarray, p: str = p) -> np.ndarray:
-            hidden = a.linear(h, weights[f"{p}.linear1.weight"], weights[f"{p}.linear1.bias"])
+            hidden = _linear(h, weights, f"{p}.linear1", a)
             if config.feed_forward == "gated":  # input and gate: the two halves of linear1's output
                 f = config.dim_feedforward
                 hidden = a.cast(a.cast(_activation(hidden[..., :f], config.activation)) * hidden[..., f:])
             else:
                 hidden = a.cast(_activation(hidden, config.activation))
-            return a.linear(hidden, weights[f"{p}.linear2.weight"], weights[f"{p}.linear2.bias"])
+            return _linear(hidden, weights, f"{p}.linear2", a)
 
         for sublayer, norm in ((attend, f"{p}.norm1"), (feed_forward, f"{p}.norm2")):
-            if config.norm_first:  # pre-norm: x + sublayer(Norm(x))
+            if i == 0 and norm.endswith("norm1") and not config.first_attention_norm:
+                x = a.cast(x + sublayer(x))  # ModernBERT's first step: no norm before its attention
+            elif config.norm_first:  # pre-norm: x + sublayer(Norm(x))
                 x = a.cast(x + sublayer(_norm(x, weights, norm, config, a)))
             else:  # post-norm: Norm(x + sublayer(x))
                 x = _norm(a.cast(x + sublayer(x)), weights, norm, config, a)

@@ -23,7 +23,7 @@ EMBEDDING_GOLDEN_FILE = "embedding_golden.safetensors"
 INPUT_IDS, TOKEN_TYPE_IDS, ATTENTION_MASK = "input_ids", "token_type_ids", "attention_mask"
 # How positions are numbered: 0, 1, 2, ... (BERT, DistilBERT), or after the padding index, padding tokens at it
 # (RoBERTa, XLM-RoBERTa: fairseq's make_positions).
-POSITIONS = ("absolute", "after_padding")
+POSITIONS = ("absolute", "after_padding", "none")  # none: no position table (rotary positions in the block)
 IDS = "ids"
 INPUTS = (EMBEDDINGS, IDS)  # what an artifact takes: the block's embeddings only, or token ids (and text)
 
@@ -36,6 +36,8 @@ class TextConfig:
     tokens one input may have, special tokens included (sentence-transformers' ``max_seq_length`` where the model
     directory has one, else what the position table holds); longer inputs are refused, or cut when asked.
     ``prompts``: sentence-transformers' named prompts (``config_sentence_transformers.json``), by name.
+    ``positions``: ``absolute`` (0..), ``after_padding`` (RoBERTa's numbering) or ``none`` (no position table:
+    ModernBERT's positions are rotary, in the block); ``norm_bias`` false: the norm has no bias (ModernBERT).
     """
 
     family: str
@@ -47,6 +49,7 @@ class TextConfig:
     layer_norm_eps: float
     max_length: int
     prompts: dict[str, str] = field(default_factory=dict)
+    norm_bias: bool = True
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_positions", "max_length"):

@@ -124,7 +124,7 @@ def make_model_dir(
     labels: int = 0,
     sparse: str | None = None,
 ) -> Path:
-    """A tiny random ``family`` model directory (bert, roberta, xlm-roberta, distilbert, mpnet): a
+    """A tiny random ``family`` model directory (bert, roberta, xlm-roberta, distilbert, mpnet, modernbert): a
     sentence-transformers embedder, or with ``labels`` its ``*ForSequenceClassification`` (one label: a
     cross-encoder; several: a classifier whose labels are named ``label_{i}``), or with ``sparse`` (a SpladePooling
     ``pooling_strategy``: max or sum) a SparseEncoder: its ``*ForMaskedLM`` and SpladePooling."""
@@ -141,6 +141,21 @@ def make_model_dir(
     if family == "distilbert":
         config = tf.DistilBertConfig(dim=32, n_heads=4, hidden_dim=64, n_layers=2, **common)
         cls = tf.DistilBertModel
+    elif family == "modernbert":  # three layers: global, local, local; windows of 4 each side (8 in all)
+        config = tf.ModernBertConfig(
+            hidden_size=32,
+            num_attention_heads=4,
+            intermediate_size=48,
+            num_hidden_layers=3,
+            local_attention=8,
+            global_attn_every_n_layers=3,
+            cls_token_id=2,
+            sep_token_id=3,
+            bos_token_id=2,
+            eos_token_id=3,
+            **common,
+        )
+        cls = tf.ModernBertModel
     else:
         shape = dict(hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2)
         if family == "bert":
@@ -163,7 +178,7 @@ def make_model_dir(
     model = cls(config).eval()
     with torch.no_grad():  # LayerNorms away from 1 and 0: a wrong eps or a swapped gamma shows
         for name, p in model.named_parameters():
-            if "LayerNorm" in name or "layer_norm" in name:
+            if "LayerNorm" in name or "layer_norm" in name or name.endswith("norm.weight"):
                 p.add_(torch.randn_like(p) * 0.2)
             if "relative_attention_bias" in name:  # std 0.4, large enough that a wrong bucket shows
                 p.mul_(20.0)
@@ -234,10 +249,32 @@ def transformers_vectors(directory: Path, batch) -> tuple:
         "input_ids": torch.from_numpy(batch.input_ids),
         "attention_mask": torch.from_numpy(~batch.mask).long(),
     }
-    if model.config.model_type not in ("distilbert", "mpnet"):
+    if model.config.model_type not in ("distilbert", "mpnet", "modernbert"):
         feed["token_type_ids"] = torch.from_numpy(batch.token_type_ids)
     with torch.no_grad():
         hidden = model(**feed).last_hidden_state.double().numpy()
     keep = (~batch.mask)[..., None].astype(np.float64)
     pooled = (hidden * keep).sum(1) / keep.sum(1)
     return hidden, pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
+
+
+# the least per-sentence cosine of the pooled vectors with sentence-transformers' pooling of transformers' output
+COSINE = {"fp32": 0.999999, "fused": 0.999999, "fp16": 0.9999, "int8": 0.999}
+
+
+def assert_like_transformers(artifact: Path, config, batch, directory: Path, variant: str) -> None:
+    """The artifact's graphs on a tokenized ``batch`` against transformers' AutoModel on the same ids: the encoded
+    tokens within 4x float32's floor for fp32, and every variant's pooled vectors within its cosine (COSINE)."""
+    import numpy as np
+
+    from addnorm.export import hf
+    from addnorm.model.contract import ENCODED, POOLED
+    from addnorm.model.verdict import float32_floor
+
+    got = hf.run_ids(artifact, config, batch)
+    hidden, pooled = transformers_vectors(directory, batch)
+    if variant == "fp32":
+        err = float(np.abs(got[ENCODED] - hidden)[~batch.mask].max())
+        assert err <= 4 * max(float32_floor(hidden), 1e-6), err
+    cosine = (got[POOLED] * pooled).sum(1) / np.linalg.norm(got[POOLED], axis=1)
+    assert cosine.min() >= COSINE[variant], cosine

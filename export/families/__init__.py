@@ -55,6 +55,10 @@ class Family:
     head_activation: str = "tanh"
     sparse_keys: dict[str, str] = field(default_factory=dict)
     sparse_activation: str | None = None
+    bias: bool = True  # false: the checkpoint's products and norms have no biases (ModernBERT)
+    first_layer_lacks: tuple[
+        str, ...
+    ] = ()  # ``layer_keys`` the first layer has none of (ModernBERT's attn_norm)
 
     def block_fields(self, config: dict, task: str | None = None) -> dict:
         """What config.json says of the block: ``fields``, and the head ``task`` asks for (TASKS; None: a
@@ -97,7 +101,7 @@ class Family:
 
     def _layers(self, state: dict[str, torch.Tensor]) -> dict[int, str]:
         query = f"{self.qkv[0]}.weight"
-        pattern = re.compile(rf"^(?P<prefix>.*?)(?:layer\.(?P<index>\d+)\.)?{re.escape(query)}$")
+        pattern = re.compile(rf"^(?P<prefix>.*?)(?:layers?\.(?P<index>\d+)\.)?{re.escape(query)}$")
         prefixes: dict[int, str] = {}
         for key in state:
             if m := pattern.match(key):
@@ -145,10 +149,13 @@ class Family:
                 out[f"layers.{i}.self_attn.in_proj_weight"] = torch.cat(
                     [state[f"{prefix}{p}.weight"] for p in self.qkv]
                 )
-                out[f"layers.{i}.self_attn.in_proj_bias"] = torch.cat(
-                    [state[f"{prefix}{p}.bias"] for p in self.qkv]
-                )
+                if self.bias:
+                    out[f"layers.{i}.self_attn.in_proj_bias"] = torch.cat(
+                        [state[f"{prefix}{p}.bias"] for p in self.qkv]
+                    )
                 for dst, src in self.layer_keys.items():
+                    if i == 0 and dst in self.first_layer_lacks:
+                        continue
                     out[f"layers.{i}.{dst}"] = state[f"{prefix}{src}"]
             except KeyError as exc:
                 raise CheckpointError(f"{self.name} layer {i} lacks {exc.args[0]!r}") from None
@@ -185,6 +192,8 @@ class Family:
             for what in ("weight", "bias") if part == "LayerNorm" else ("weight",):
                 key = f"{prefix}embeddings.{name}.{what}"
                 if key not in state:
+                    if what == "bias" and not self.bias:  # a bias-free family's norm
+                        continue
                     raise CheckpointError(f"the {self.name} embedding layer lacks {key!r}")
                 out[f"{part}.{what}"] = state[key]
         return out

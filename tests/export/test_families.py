@@ -15,12 +15,12 @@ import pytest
 
 from addnorm.export import cli, hf, model_dir, traces
 from addnorm.model.artifact import Manifest
-from addnorm.model.contract import ENCODED, POOLED
+from addnorm.model.contract import ENCODED
 from addnorm.model.text import TOKENIZER_FILE
 from addnorm.model.tokenize import TextTokenizer
 from addnorm.model.verdict import float32_floor
 from tests.conftest import ROOT
-from tests.text_models import TEXTS, make_model_dir, transformers_vectors
+from tests.text_models import TEXTS, assert_like_transformers, make_model_dir, transformers_vectors
 
 pytestmark = pytest.mark.export
 FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert", "mpnet")
@@ -37,8 +37,6 @@ FORMS = [(f, "fp32", "auto") for f in FAMILIES] + [
         ("fp32", "onnx"),
     )
 ]
-# the least per-sentence cosine of the pooled vectors with sentence-transformers' pooling of transformers' output
-COSINE = {"fp32": 0.999999, "fused": 0.999999, "fp16": 0.9999, "int8": 0.999}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -71,14 +69,7 @@ def test_text_through_the_exported_graphs_equals_transformers(
     tokenizer = TextTokenizer((out / TOKENIZER_FILE).read_bytes(), manifest.text)
     batch = tokenizer.encode(TEXTS)
     assert max(batch.lengths) > 16  # the tokenizer.json's own truncation (16) is not the server's
-    got = hf.run_ids(out, manifest.config, batch)
-    hidden, pooled = transformers_vectors(directory, batch)
-    keep = ~batch.mask
-    if variant == "fp32":
-        err = float(np.abs(got[ENCODED] - hidden)[keep].max())
-        assert err <= 4 * max(float32_floor(hidden), 1e-6), err
-    cosine = (got[POOLED] * pooled).sum(1) / np.linalg.norm(got[POOLED], axis=1)
-    assert cosine.min() >= COSINE[variant], cosine
+    assert_like_transformers(out, manifest.config, batch, directory, variant)
 
 
 def test_an_unknown_model_type_names_the_supported_ones(model_dirs, tmp_path, capsys):
@@ -92,7 +83,7 @@ def test_an_unknown_model_type_names_the_supported_ones(model_dirs, tmp_path, ca
     assert cli.main(["--from", str(directory), "--artifact", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "model_type 'gpt2'" in err
-    assert "bert, distilbert, mpnet, roberta, xlm-roberta" in err
+    assert "bert, distilbert, modernbert, mpnet, roberta, xlm-roberta" in err
 
 
 def test_inputs_embeddings_keeps_the_block_alone_and_ids_needs_a_tokenizer(model_dirs, tmp_path, capsys):
