@@ -169,7 +169,7 @@ def contradictions(from_config: dict, given: dict, flags: bool = True) -> list[s
 
 def text_limits(directory: Path, text_fields: dict) -> dict:
     """What a model directory says of its inputs: ``max_length`` (sentence-transformers' ``max_seq_length``
-    where it has one, within the positions the embedding layer has) and ``prompts``."""
+    where it has one, within the positions the embedding layer has), ``prompts`` and ``default_prompt_name``."""
     offset = text_fields["pad_token_id"] + 1 if text_fields["positions"] == "after_padding" else 0
     positions = text_fields["max_positions"] - offset
     limits: dict = {"max_length": positions, "prompts": {}}
@@ -185,10 +185,11 @@ def text_limits(directory: Path, text_fields: dict) -> dict:
             limits["max_length"] = min(value, positions)
             break
     try:
-        prompts = (
-            json.loads((directory / "config_sentence_transformers.json").read_text()).get("prompts") or {}
-        )
-        limits["prompts"] = {str(k): str(v) for k, v in prompts.items()}
+        pipeline = json.loads((directory / "config_sentence_transformers.json").read_text())
+        limits["prompts"] = {str(k): str(v) for k, v in (pipeline.get("prompts") or {}).items()}
+        default = pipeline.get("default_prompt_name")
+        if default in limits["prompts"]:  # sentence-transformers puts it before every text that names none
+            limits["default_prompt_name"] = default
     except (OSError, ValueError, AttributeError):
         pass
     return limits

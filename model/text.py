@@ -36,6 +36,7 @@ class TextConfig:
     tokens one input may have, special tokens included (sentence-transformers' ``max_seq_length`` where the model
     directory has one, else what the position table holds); longer inputs are refused, or cut when asked.
     ``prompts``: sentence-transformers' named prompts (``config_sentence_transformers.json``), by name.
+    ``default_prompt_name``: the prompt sentence-transformers puts before a text when none is asked for.
     ``positions``: ``absolute`` (0..), ``after_padding`` (RoBERTa's numbering) or ``none`` (no position table:
     ModernBERT's positions are rotary, in the block); ``norm_bias`` false: the norm has no bias (ModernBERT).
     """
@@ -50,6 +51,7 @@ class TextConfig:
     max_length: int
     prompts: dict[str, str] = field(default_factory=dict)
     norm_bias: bool = True
+    default_prompt_name: str | None = None  # the prompt put before a text when a request names none
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_positions", "max_length"):
@@ -71,6 +73,10 @@ class TextConfig:
             isinstance(k, str) and isinstance(v, str) for k, v in self.prompts.items()
         ):
             raise ConfigError("text.prompts must map names to strings")
+        if self.default_prompt_name is not None and self.default_prompt_name not in self.prompts:
+            raise ConfigError(
+                f"text.default_prompt_name {self.default_prompt_name!r} is not one of its prompts {sorted(self.prompts)}"
+            )
 
     @property
     def position_offset(self) -> int:

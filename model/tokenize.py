@@ -18,6 +18,7 @@ MAX_CHARS_PER_TOKEN = 32
 # Texts longer than this in all are tokenized by encode_batch, which lets go of the GIL while it works (a thread
 # tokenizing them leaves the event loop free); shorter ones by encode, cheaper for a sentence.
 BATCH_CHARS = 4096
+DIRECTIONS = ("right", "left")  # where truncation cuts: the end of an input, or its start
 
 
 class TooManyChars(ValueError):
@@ -79,23 +80,31 @@ class TextTokenizer:
         self._plain = Tokenizer.from_str(raw)
         self._plain.no_padding()
         self._plain.no_truncation()
-        self._cut = Tokenizer.from_str(raw)
-        self._cut.no_padding()
-        self._cut.enable_truncation(text.max_length)
-        # a pair (a query and a document) is cut in its second text only, never the query (TEI's rerank)
-        self._cut_second = Tokenizer.from_str(raw)
-        self._cut_second.no_padding()
-        self._cut_second.enable_truncation(text.max_length, strategy="only_second")
+        # cut to max_length, by direction (TEI's truncation_direction: right cuts the end, left the start); a pair
+        # (a query and a document) is cut in its second text only, never the query (TEI's rerank)
+        self._cut, self._cut_second = {}, {}
+        for direction in DIRECTIONS:
+            self._cut[direction] = Tokenizer.from_str(raw)
+            self._cut[direction].no_padding()
+            self._cut[direction].enable_truncation(text.max_length, direction=direction)
+            self._cut_second[direction] = Tokenizer.from_str(raw)
+            self._cut_second[direction].no_padding()
+            self._cut_second[direction].enable_truncation(
+                text.max_length, strategy="only_second", direction=direction
+            )
 
     @property
     def max_chars(self) -> int:
         """The longest text, in characters, this model's ``max_length`` tokens can hold (``MAX_CHARS_PER_TOKEN``)."""
         return self.text.max_length * MAX_CHARS_PER_TOKEN
 
-    def within(self, texts: list[str], truncate: bool = False) -> tuple[list[str], list[int]]:
+    def within(
+        self, texts: list[str], truncate: bool = False, direction: str = "right"
+    ) -> tuple[list[str], list[int]]:
         """``texts`` checked against ``max_chars`` before any is tokenized: TooManyChars for one over it, or, when
         ``truncate``, cut to it at the last space in its final eighth (a word's boundary, so the tokens before the
-        cut are the whole text's). Also the indices of the texts cut."""
+        cut are the whole text's; ``direction`` left: its last ``max_chars`` from the first space in their first
+        eighth, the tokens after the cut the whole text's). Also the indices of the texts cut."""
         cap, cut = self.max_chars, []
         for i, text in enumerate(texts):
             if len(text) > cap:
@@ -106,28 +115,46 @@ class TextTokenizer:
             return texts, cut
         texts = list(texts)
         for i in cut:
+            if direction == "left":
+                tail = texts[i][-cap:]
+                space = tail.find(" ", 0, cap // 8)
+                texts[i] = tail[space + 1 :] if space >= 0 else tail
+                continue
             head = texts[i][:cap]
             space = head.rfind(" ", cap - cap // 8)
             texts[i] = head[:space] if space > 0 else head
         return texts, cut
 
-    def encode(self, texts: list[str], truncate: bool = False, seconds: list[str] | None = None) -> Batch:
+    def encode(
+        self,
+        texts: list[str],
+        truncate: bool = False,
+        seconds: list[str] | None = None,
+        direction: str = "right",
+    ) -> Batch:
         """Tokenize ``texts`` into a padded batch (TooLong for an input over ``max_length`` unless ``truncate``);
         with ``seconds``, each text paired with its second (``ids``)."""
-        return self.pad(*self.ids(texts, truncate, seconds))
+        return self.pad(*self.ids(texts, truncate, seconds, direction))
 
     def ids(
-        self, texts: list[str], truncate: bool = False, seconds: list[str] | None = None
+        self,
+        texts: list[str],
+        truncate: bool = False,
+        seconds: list[str] | None = None,
+        direction: str = "right",
     ) -> tuple[list[list[int]], list[list[int]]]:
         """Each of ``texts``' token ids and token type ids, unpadded (TooLong as ``encode``; TooManyChars for a
         text over ``max_chars``, checked before tokenizing: ``within``). With ``seconds``, one per text, each
         text and its second as a pair (the tokenizer's pair template: a cross-encoder's query and document); cut,
-        when ``truncate``, in the second only (QueryTooLong when the first alone is over the length)."""
+        when ``truncate``, in the second only (QueryTooLong when the first alone is over the length). ``direction``:
+        where a cut falls (DIRECTIONS)."""
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
         if seconds is not None:
-            return self._pairs(texts, seconds, truncate)
+            return self._pairs(texts, seconds, truncate, direction)
         whole = texts
-        texts, cut = self.within(texts, truncate)
-        tokenizer = self._cut if truncate else self._plain
+        texts, cut = self.within(texts, truncate, direction)
+        tokenizer = self._cut[direction] if truncate else self._plain
         # One short input on the caller's thread: encode_batch lets go of the GIL and must win it back, a wait as long
         # as the interpreter's switch interval when another thread runs Python (the server's inference thread). A long
         # one goes through encode_batch, which holds no GIL while it works.
@@ -153,7 +180,7 @@ class TextTokenizer:
         return ids, [e.type_ids for e in encodings]
 
     def _pairs(
-        self, firsts: list[str], seconds: list[str], truncate: bool
+        self, firsts: list[str], seconds: list[str], truncate: bool, direction: str = "right"
     ) -> tuple[list[list[int]], list[list[int]]]:
         if len(firsts) != len(seconds):
             raise ValueError(f"{len(firsts)} first texts for {len(seconds)} second ones")
@@ -162,8 +189,8 @@ class TextTokenizer:
         except TooManyChars as exc:
             raise QueryTooLong(exc.index, self.text.max_length) from None
         whole = seconds
-        seconds, cut = self.within(seconds, truncate)
-        tokenizer = self._cut_second if truncate else self._plain
+        seconds, cut = self.within(seconds, truncate, direction)
+        tokenizer = self._cut_second[direction] if truncate else self._plain
         try:
             encodings = tokenizer.encode_batch(list(zip(firsts, seconds, strict=True)))
         except (

@@ -131,6 +131,16 @@ class Settings(BaseSettings):
         description="text inputs longer than the model's max_length are cut to it instead of refused with 413 "
         "(TEI's --auto-truncate); a request's own truncate field asks for it too",
     )
+    default_prompt_name: str | None = Field(
+        None,
+        description="the model's prompt (config_sentence_transformers.json's prompts, by name) put before every text "
+        "whose request names none (TEI's --default-prompt-name); a model without that prompt keeps its own default",
+    )
+    default_prompt: str | None = Field(
+        None,
+        description="a text put before every text whose request names no prompt (TEI's --default-prompt); not with "
+        "--default-prompt-name",
+    )
     max_batch_attention: int = Field(
         3 * 12 * 4096 * 4096,
         ge=1,
@@ -251,6 +261,12 @@ class Settings(BaseSettings):
         if isinstance(value, (list, tuple)):
             return tuple(Path(p.strip()) for v in value for p in str(v).split(",") if p.strip())
         return value
+
+    @model_validator(mode="after")
+    def _one_default_prompt(self) -> Settings:
+        if self.default_prompt is not None and self.default_prompt_name is not None:
+            raise ValueError("give default_prompt or default_prompt_name, not both (TEI's rule)")
+        return self
 
     @model_validator(mode="after")
     def _no_renamed_variables(self) -> Settings:

@@ -12,7 +12,6 @@ from addnorm.model.runtime import session_args
 from addnorm.model.text import INPUT_IDS, TOKEN_TYPE_IDS
 from addnorm.model.tokenize import Batch, TextTokenizer
 from addnorm.model.verdict import FP32_ATOL, float32_floor
-from addnorm.service.errors import BadInput, quote
 
 
 class TextFront:
@@ -56,16 +55,6 @@ class TextFront:
             bound = max(bound, float32_floor(want), FP32_ATOL)
             cases += 1
         return worst <= bound, worst, bound, cases
-
-    def prompted(self, texts: list[str], name: str | None) -> list[str]:
-        """``texts`` behind the model's prompt ``name`` (sentence-transformers' named prompts), as they are."""
-        if name is None:
-            return texts
-        if name not in self.config.prompts:
-            raise BadInput(
-                f"prompt_name {quote(name)} is not one of this model's prompts {sorted(self.config.prompts)}"
-            )
-        return [self.config.prompts[name] + text for text in texts]
 
     def embed(self, batch: Batch) -> np.ndarray:
         """(B, S) ids -> (B, S, E) float32."""

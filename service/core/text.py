@@ -31,6 +31,8 @@ class TextLimits:
     max_batch_tokens: int
     auto_truncate: bool
     max_bytes: int | None = None  # a request's embeddings in all (ADDNORM_MAX_QUEUE_BYTES)
+    default_prompt_name: str | None = None  # --default-prompt-name
+    default_prompt: str | None = None  # --default-prompt
 
     @classmethod
     def of(cls, settings) -> TextLimits:
@@ -39,6 +41,8 @@ class TextLimits:
             settings.max_batch_tokens,
             settings.auto_truncate,
             settings.max_queue_bytes,
+            settings.default_prompt_name,
+            settings.default_prompt,
         )
 
 
@@ -135,6 +139,26 @@ TASK_ROUTES = {
 }
 
 
+def prompt_text(front, name: str | None, literal: str | None, limits: TextLimits) -> str:
+    """What goes before each text: the request's ``prompt_name`` (one of the model's prompts) or ``prompt`` (a text
+    of its own), else the server's --default-prompt, or its --default-prompt-name where the model has that prompt,
+    else the model's own ``default_prompt_name`` (sentence-transformers'); else nothing."""
+    prompts = front.config.prompts
+    if name is not None and literal is not None:
+        raise BadInput("give prompt_name or prompt, not both")
+    if literal is not None:
+        return literal
+    if name is not None:
+        if name not in prompts:
+            raise BadInput(f"prompt_name {quote(name)} is not one of this model's prompts {sorted(prompts)}")
+        return prompts[name]
+    if limits.default_prompt is not None:
+        return limits.default_prompt
+    default = limits.default_prompt_name
+    default = default if default in prompts else front.config.default_prompt_name
+    return prompts[default] if default is not None else ""
+
+
 def need_task(model, tasks: tuple[str, ...], route: str) -> None:
     """BadInput unless ``model``'s task (EncoderConfig.task) is one of ``tasks``: naming its task and its routes."""
     task = model.engine.manifest.config.task
@@ -153,6 +177,8 @@ def decode_texts(
     where: str = "input",
     prompt: str | None = None,
     seconds: list[str] | None = None,
+    literal: str | None = None,
+    direction: str = "right",
 ) -> TextRequest:
     """Tokenize (or check the ids of) ``inputs`` (``text_inputs``'s) with ``model``'s text front, behind its prompt
     ``prompt``, in parts of at most ``limits.max_batch_tokens`` positions; the first part embedded. Cut to the
@@ -168,12 +194,13 @@ def decode_texts(
     truncate = truncate or limits.auto_truncate
     max_batch_tokens = model.engine.manifest.config.run_tokens(limits.max_batch_tokens)
     max_bytes = limits.max_bytes
-    if isinstance(inputs[0], str):
-        inputs = front.prompted(inputs, prompt)
+    if isinstance(inputs[0], str) and seconds is None:  # a pair (a query and a document) has no prompt
+        prefix = prompt_text(front, prompt, literal, limits)
+        inputs = [prefix + text for text in inputs] if prefix else inputs
     limit = front.config.max_length
     if isinstance(inputs[0], str):
         try:
-            rows, types = front.tokenizer.ids(inputs, truncate=truncate, seconds=seconds)
+            rows, types = front.tokenizer.ids(inputs, truncate, seconds, direction)
         except QueryTooLong as exc:
             raise TooLarge(
                 f"{where}[{exc.index}]'s query alone takes more than this model's {exc.limit} tokens: only documents "

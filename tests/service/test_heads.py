@@ -257,7 +257,7 @@ def test_v2_scores_pairs_of_query_and_text_over_http_and_grpc_with_tritonclient(
         ),
         (
             "/rerank",
-            {"query": "q", "texts": ["a"], "truncation_direction": "Left"},
+            {"query": "q", "texts": ["a"], "truncation_direction": "Middle"},
             400,
             "truncation_direction",
         ),

@@ -288,9 +288,15 @@ def test_bytes_that_are_not_json_or_utf8_are_400(base):
 # Every field of each text route, given each JSON type it does not take: a 4xx naming the field.
 WRONG = (False, {}, 0, "", [], 1.5, ["x"], "no-such-value")
 FIELDS = {
-    "/v1/embeddings": ("input", {"model", "encoding_format", "dimensions", "user", "truncate"}),
-    "/embed": ("inputs", {"normalize", "truncate", "truncation_direction", "prompt_name", "dimensions"}),
-    "/tokenize": ("inputs", {"add_special_tokens", "prompt_name"}),
+    "/v1/embeddings": (
+        "input",
+        {"model", "encoding_format", "dimensions", "user", "truncate", "prompt_name", "prompt"},
+    ),
+    "/embed": (
+        "inputs",
+        {"normalize", "truncate", "truncation_direction", "prompt_name", "prompt", "dimensions"},
+    ),
+    "/tokenize": ("inputs", {"add_special_tokens", "prompt_name", "prompt"}),
 }
 VALID = [
     ("truncate", False),
@@ -298,6 +304,8 @@ VALID = [
     ("add_special_tokens", False),
     ("user", ""),
     ("user", "no-such-value"),
+    ("prompt", ""),  # any text is a prompt of the request's own
+    ("prompt", "no-such-value"),
 ]
 
 

@@ -41,10 +41,12 @@ class TextQuery:
     truncate: bool
     options: dict
     prompt: str | None = None  # one of the model's named prompts, put before each text
+    prompt_text: str | None = None  # or a text of the request's own, put before each text
     field: str = "input"  # what the API calls its inputs, in error messages (TEI: "inputs")
     seconds: list[str] | None = None
     tasks: tuple[str, ...] = ("embed",)
     token_rows: bool = False  # the answer writes every token's vector, not one a text (TEI's /embed_all)
+    direction: str = "right"  # where truncation cuts: the end of an input (right) or its start (left)
 
 
 @dataclass
@@ -69,7 +71,17 @@ class TextCodec:
         read = self.read(parse_json(body, self.max_elements), limits.max_inputs)
         model = resolve(read.model)
         need_task(model, read.tasks, self.route)
-        req = decode_texts(model, read.inputs, read.truncate, limits, read.field, read.prompt, read.seconds)
+        req = decode_texts(
+            model,
+            read.inputs,
+            read.truncate,
+            limits,
+            read.field,
+            read.prompt,
+            read.seconds,
+            read.prompt_text,
+            read.direction,
+        )
         req.model, req.options = read.model, {**read.options, TOKEN_ROWS: read.token_rows}
         if read.token_rows and (values := req.tokens * model.engine.d_model) > self.max_elements:
             raise TooLarge(

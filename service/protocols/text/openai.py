@@ -24,7 +24,7 @@ from addnorm.service.protocols.common import error_docs
 from addnorm.service.protocols.text.codec import TextQuery, fields, pooling, text_route
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-_KNOWN = {"input", "model", "encoding_format", "dimensions", "user", "truncate"}
+_KNOWN = {"input", "model", "encoding_format", "dimensions", "user", "truncate", "prompt_name", "prompt"}
 # OpenAI's error object (what error_shape writes)
 ERROR_SCHEMA = {
     "type": "object",
@@ -73,6 +73,11 @@ REQUEST = {
             "default": False,
             "description": "cut inputs over the model's length",
         },
+        "prompt_name": {
+            "type": "string",
+            "description": "one of the model's prompts (sentence-transformers'), put before each text",
+        },
+        "prompt": {"type": "string", "description": "a text put before each text"},
     },
 }
 ANSWER = {
@@ -151,7 +156,11 @@ def read(doc: object, max_inputs: int) -> TextQuery:
     if not isinstance(truncate, bool):
         raise BadInput(f"truncate must be true or false, got {quote(truncate)}")
     inputs = text_inputs(doc["input"], "input", max_inputs)
-    return TextQuery(model, inputs, truncate, {"format": fmt, "dimensions": dims})
+    for field in ("prompt_name", "prompt"):
+        if (value := doc.get(field)) is not None and not isinstance(value, str):
+            raise BadInput(f"{field} must be a string, got {quote(value)}")
+    options = {"format": fmt, "dimensions": dims}
+    return TextQuery(model, inputs, truncate, options, doc.get("prompt_name"), prompt_text=doc.get("prompt"))
 
 
 def write(req, model, outputs) -> bytes:

@@ -25,16 +25,24 @@ from fastapi import APIRouter, Request, Response
 from addnorm import __version__
 from addnorm.model.tokenize import TooManyChars
 from addnorm.service.core.inference import offload, work
-from addnorm.service.core.text import scores, sparse_rows, text_inputs, token_vectors, vectors
+from addnorm.service.core.text import (
+    TextLimits,
+    prompt_text,
+    scores,
+    sparse_rows,
+    text_inputs,
+    token_vectors,
+    vectors,
+)
 from addnorm.service.errors import BadInput, TooLarge, quote
 from addnorm.service.guard import Known
 from addnorm.service.protocols.common import error_docs, json_bool, json_route_doc, parse_json, read_body
 from addnorm.service.protocols.text.codec import TEXT_WORK, TextQuery, fields, pooling, text_route
 
 router = APIRouter(tags=["tei"])
-_EMBED = {"inputs", "normalize", "truncate", "truncation_direction", "prompt_name", "dimensions"}
-_TOKENIZE = {"inputs", "add_special_tokens", "prompt_name"}
-_EMBED_ALL = {"inputs", "truncate", "truncation_direction", "prompt_name"}
+_EMBED = {"inputs", "normalize", "truncate", "truncation_direction", "prompt_name", "prompt", "dimensions"}
+_TOKENIZE = {"inputs", "add_special_tokens", "prompt_name", "prompt"}
+_EMBED_ALL = {"inputs", "truncate", "truncation_direction", "prompt_name", "prompt"}
 _EMBED_SPARSE = _EMBED_ALL
 _RERANK = {"query", "texts", "truncate", "truncation_direction", "raw_scores", "return_text"}
 _PREDICT = {"inputs", "truncate", "truncation_direction", "raw_scores"}
@@ -70,8 +78,9 @@ _EMBED_DOC = _doc(
     {
         "normalize": {"type": "boolean", "default": True},
         "truncate": {"type": "boolean", "default": False},
-        "truncation_direction": {"type": "string", "enum": ["Right"], "default": "Right"},
+        "truncation_direction": {"type": "string", "enum": ["Right", "Left"], "default": "Right"},
         "prompt_name": {"type": "string", "nullable": True},
+        "prompt": {"type": "string", "nullable": True},
         "dimensions": {"type": "integer", "minimum": 1, "nullable": True},
     },
     {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
@@ -80,8 +89,9 @@ _EMBED_DOC = _doc(
 _EMBED_ALL_DOC = _doc(
     {
         "truncate": {"type": "boolean", "default": False},
-        "truncation_direction": {"type": "string", "enum": ["Right"], "default": "Right"},
+        "truncation_direction": {"type": "string", "enum": ["Right", "Left"], "default": "Right"},
         "prompt_name": {"type": "string", "nullable": True},
+        "prompt": {"type": "string", "nullable": True},
     },
     {"type": "array", "items": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}},
     {"inputs": "What is Deep Learning?"},
@@ -94,8 +104,9 @@ _SPARSE_VALUE = {
 _EMBED_SPARSE_DOC = _doc(
     {
         "truncate": {"type": "boolean", "default": False},
-        "truncation_direction": {"type": "string", "enum": ["Right"], "default": "Right"},
+        "truncation_direction": {"type": "string", "enum": ["Right", "Left"], "default": "Right"},
         "prompt_name": {"type": "string", "nullable": True},
+        "prompt": {"type": "string", "nullable": True},
     },
     {"type": "array", "items": {"type": "array", "items": _SPARSE_VALUE}},
     {"inputs": "What is Deep Learning?"},
@@ -115,6 +126,7 @@ _TOKENIZE_DOC = _doc(
     {
         "add_special_tokens": {"type": "boolean", "default": True},
         "prompt_name": {"type": "string", "nullable": True},
+        "prompt": {"type": "string", "nullable": True},
     },
     {"type": "array", "items": {"type": "array", "items": _TOKEN}},
     {"inputs": "What is Deep Learning?"},
@@ -134,7 +146,7 @@ _RERANK_DOC = json_route_doc(
         "raw_scores": {"type": "boolean", "default": False},
         "return_text": {"type": "boolean", "default": False},
         "truncate": {"type": "boolean", "default": False},
-        "truncation_direction": {"type": "string", "enum": ["Right"], "default": "Right"},
+        "truncation_direction": {"type": "string", "enum": ["Right", "Left"], "default": "Right"},
     },
     {"query": "What is Deep Learning?", "texts": ["Deep Learning is ...", "Paris is ..."]},
     {"type": "array", "items": _RANK},
@@ -147,7 +159,7 @@ _PREDICT_DOC = _doc(
         "inputs": {"oneOf": [{"type": "string"}, _ONE, {"type": "array", "items": _ONE}]},
         "raw_scores": {"type": "boolean", "default": False},
         "truncate": {"type": "boolean", "default": False},
-        "truncation_direction": {"type": "string", "enum": ["Right"], "default": "Right"},
+        "truncation_direction": {"type": "string", "enum": ["Right", "Left"], "default": "Right"},
     },
     {
         "oneOf": [
@@ -160,11 +172,13 @@ _PREDICT_DOC = _doc(
 )
 
 
-def _prompt_name(doc: dict) -> str | None:
-    name = doc.get("prompt_name")
-    if name is not None and not isinstance(name, str):
-        raise BadInput(f"prompt_name must be a string, got {quote(name)}")
-    return name
+def _prompt(doc: dict) -> dict:
+    """A request's prompt: ``prompt_name`` (one of the model's prompts) or ``prompt`` (a text of its own, as
+    sentence-transformers' ``encode(prompt=...)``; not TEI's), as TextQuery's fields."""
+    for field in ("prompt_name", "prompt"):
+        if (value := doc.get(field)) is not None and not isinstance(value, str):
+            raise BadInput(f"{field} must be a string, got {quote(value)}")
+    return {"prompt": doc.get("prompt_name"), "prompt_text": doc.get("prompt")}
 
 
 def _texts(doc: dict, max_inputs: int) -> list[str]:
@@ -176,19 +190,25 @@ def _texts(doc: dict, max_inputs: int) -> list[str]:
 
 def read(doc: object, max_inputs: int) -> TextQuery:
     doc = fields(doc, _EMBED, "inputs")
-    _right(doc)
     dims = doc.get("dimensions")
     if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
         raise BadInput(f"dimensions must be a positive integer, got {quote(dims)}")
     options = {"normalize": json_bool(doc, "normalize", "body", True), "dimensions": dims}
     inputs = text_inputs(doc["inputs"], "inputs", max_inputs)
     truncate = json_bool(doc, "truncate", "body", False)
-    return TextQuery(None, inputs, truncate, options, _prompt_name(doc), field="inputs")
+    return TextQuery(
+        None, inputs, truncate, options, field="inputs", direction=direction(doc), **_prompt(doc)
+    )
 
 
-def _right(doc: dict) -> None:
-    if doc.get("truncation_direction", "Right") not in ("Right", "right"):
-        raise BadInput("truncation_direction must be 'Right' (the end of an input is cut)")
+def direction(doc: dict) -> str:
+    """TEI's ``truncation_direction``: ``Right`` (the default: an input's end is cut) or ``Left`` (its start)."""
+    value = doc.get("truncation_direction", "Right")
+    if value not in ("Right", "right", "Left", "left"):
+        raise BadInput(
+            f"truncation_direction must be 'Right' (an input's end is cut) or 'Left' (its start), got {quote(value)}"
+        )
+    return value.lower()
 
 
 def text_list(value: object, where: str, max_inputs: int) -> list[str]:
@@ -213,7 +233,6 @@ def query_text(value: object, where: str = "query") -> str:
 
 def read_rerank(doc: object, max_inputs: int) -> TextQuery:
     doc = fields(doc, _RERANK, "query")
-    _right(doc)
     query = query_text(doc["query"])
     if "texts" not in doc:
         raise BadInput("missing field 'texts'")
@@ -224,7 +243,14 @@ def read_rerank(doc: object, max_inputs: int) -> TextQuery:
     }
     truncate = json_bool(doc, "truncate", "body", False)
     return TextQuery(
-        None, [query] * len(texts), truncate, options, field="texts", seconds=texts, tasks=("rerank",)
+        None,
+        [query] * len(texts),
+        truncate,
+        options,
+        field="texts",
+        seconds=texts,
+        tasks=("rerank",),
+        direction=direction(doc),
     )
 
 
@@ -269,12 +295,18 @@ def _sequences(value: object, max_inputs: int) -> tuple[list[str], list[str] | N
 
 def read_predict(doc: object, max_inputs: int) -> TextQuery:
     doc = fields(doc, _PREDICT, "inputs")
-    _right(doc)
     firsts, seconds, batch = _sequences(doc["inputs"], max_inputs)
     options = {"raw": json_bool(doc, "raw_scores", "body", False), "batch": batch}
     truncate = json_bool(doc, "truncate", "body", False)
     return TextQuery(
-        None, firsts, truncate, options, field="inputs", seconds=seconds, tasks=("classify", "rerank")
+        None,
+        firsts,
+        truncate,
+        options,
+        field="inputs",
+        seconds=seconds,
+        tasks=("classify", "rerank"),
+        direction=direction(doc),
     )
 
 
@@ -289,10 +321,11 @@ def write_predict(req, model, outputs) -> bytes:
 
 def read_embed_all(doc: object, max_inputs: int) -> TextQuery:
     doc = fields(doc, _EMBED_ALL, "inputs")
-    _right(doc)
     inputs = text_inputs(doc["inputs"], "inputs", max_inputs)
     truncate = json_bool(doc, "truncate", "body", False)
-    return TextQuery(None, inputs, truncate, {}, _prompt_name(doc), field="inputs", token_rows=True)
+    return TextQuery(
+        None, inputs, truncate, {}, field="inputs", token_rows=True, direction=direction(doc), **_prompt(doc)
+    )
 
 
 def write_embed_all(req, model, outputs) -> bytes:
@@ -301,10 +334,18 @@ def write_embed_all(req, model, outputs) -> bytes:
 
 def read_embed_sparse(doc: object, max_inputs: int) -> TextQuery:
     doc = fields(doc, _EMBED_SPARSE, "inputs")
-    _right(doc)
     inputs = text_inputs(doc["inputs"], "inputs", max_inputs)
     truncate = json_bool(doc, "truncate", "body", False)
-    return TextQuery(None, inputs, truncate, {}, _prompt_name(doc), field="inputs", tasks=("sparse",))
+    return TextQuery(
+        None,
+        inputs,
+        truncate,
+        {},
+        field="inputs",
+        tasks=("sparse",),
+        direction=direction(doc),
+        **_prompt(doc),
+    )
 
 
 def write_embed_sparse(req, model, outputs) -> bytes:
@@ -421,7 +462,9 @@ async def tokenize(request: Request, known: Known) -> Response:
     front = model.engine.text
     if front is None:
         raise BadInput(f"model {quote(model.name)} takes embeddings, not text: export it with --inputs ids")
-    texts = front.prompted(_texts(doc, s.max_client_batch_size), _prompt_name(doc))
+    prompt = _prompt(doc)
+    prefix = prompt_text(front, prompt["prompt"], prompt["prompt_text"], TextLimits.of(s))
+    texts = [prefix + text for text in _texts(doc, s.max_client_batch_size)]
     special = json_bool(doc, "add_special_tokens", "body", True)
     try:
         front.tokenizer.within(texts)

@@ -83,8 +83,18 @@ def text_step(model: ServingModel, limits: TextLimits) -> Texts:
         where = f"input {TEXT!r}"
         truncate = json_bool(params, "truncate", "parameters", False)
         texts = text_inputs(texts, where, limits.max_inputs)
+        prompt = {}
+        for name in ("prompt_name", "prompt"):
+            if (value := params.get(name)) is not None and not isinstance(value, str):
+                raise BadInput(f"parameter {name!r} must be a string, got {quote(value)}")
+            prompt[name] = value
+        side = params.get("truncation_direction", "right")
+        if side not in ("right", "left"):
+            raise BadInput(f"parameter 'truncation_direction' must be 'right' or 'left', got {quote(side)}")
         if queries is None:
-            return decode_texts(model, texts, truncate, limits, where)
+            return decode_texts(
+                model, texts, truncate, limits, where, prompt["prompt_name"], None, prompt["prompt"], side
+            )
         need_task(model, ("rerank", "classify"), f"input {QUERY!r}")
         if len(queries) not in (1, len(texts)):
             raise BadInput(
@@ -92,7 +102,7 @@ def text_step(model: ServingModel, limits: TextLimits) -> Texts:
             )
         queries = text_inputs(queries, f"input {QUERY!r}", limits.max_inputs)
         firsts = queries * len(texts) if len(queries) == 1 else queries
-        return decode_texts(model, firsts, truncate, limits, where, seconds=texts)
+        return decode_texts(model, firsts, truncate, limits, where, seconds=texts, direction=side)
 
     return step
 
