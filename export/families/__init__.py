@@ -81,6 +81,12 @@ class Family:
                     "one, a classifier (--task classify) several"
                 )
             fields.update(head="classify", num_labels=count, head_activation=self.head_activation)
+        head = "classify" if "num_labels" in fields and task != "sparse" else task
+        if head in ("classify", "sparse") and not {"classify": self.head_keys, "sparse": self.sparse_keys}[head]:
+            raise ConfigError(
+                f"{self.name}'s {'classification' if head == 'classify' else 'masked-LM'} head is not mapped onto "
+                "the block: --task embed exports its encoder alone"
+            )
         if task == "sparse":
             activation_name = self.sparse_activation or fields.get("activation", "gelu")
             fields.update(

@@ -162,3 +162,15 @@ def test_a_served_modernbert_answers_what_sentence_transformers_computes(directo
             text.set_data_from_numpy(np.array([[t.encode()] for t in TEXTS], dtype=object))
             got = module.InferenceServerClient(url).infer("modern", [text]).as_numpy(POOLED)
             np.testing.assert_allclose(got, want[: len(TEXTS)], atol=2e-6)
+
+
+def test_a_modernbert_head_is_refused_by_name_and_its_encoder_exports(tmp_path, capsys):
+    """ModernBERT's heads (its prediction head's dense, activation and norm before a classifier) are not mapped:
+    its classifier directory is refused saying so, and --task embed exports the encoder under it."""
+    classifier = make_model_dir("modernbert", tmp_path / "clf", labels=2)
+    assert cli.main(["--from", str(classifier), "--artifact", str(tmp_path / "a"), "-q"]) == 2
+    assert "ModernBERT's classification head is not mapped" in capsys.readouterr().err
+    assert (
+        cli.main(["--from", str(classifier), "--artifact", str(tmp_path / "b"), "--task", "embed", "-q"]) == 0
+    )
+    assert Manifest.load(tmp_path / "b").config.head == "none"
