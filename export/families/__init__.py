@@ -82,7 +82,10 @@ class Family:
                 )
             fields.update(head="classify", num_labels=count, head_activation=self.head_activation)
         head = "classify" if "num_labels" in fields and task != "sparse" else task
-        if head in ("classify", "sparse") and not {"classify": self.head_keys, "sparse": self.sparse_keys}[head]:
+        if (
+            head in ("classify", "sparse")
+            and not {"classify": self.head_keys, "sparse": self.sparse_keys}[head]
+        ):
             raise ConfigError(
                 f"{self.name}'s {'classification' if head == 'classify' else 'masked-LM'} head is not mapped onto "
                 "the block: --task embed exports its encoder alone"
