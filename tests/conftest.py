@@ -126,15 +126,18 @@ def _build_kernels() -> None:
 LANES = {"model": "unit", "service": "unit", "export": "export"}  # tests/<dir>/...; top-level files: server
 
 
-# The files that take minutes, longest first (a clean-clone make test on a 2-core AVX2 EPYC, 2026-11-27: 290, 170,
-# 150, 120, 110 and 80 s): make test hands them to its two workers before the rest (--no-loadscope-reorder keeps
+# The files that take minutes, longest first (make test on a 2-core EPYC, 2026-12-02: test_readme.py's one test
+# 255 s as the guides grew; the longest fixtures: test_real_model.py's 82-93 s, test_text_real.py's 70-102 s,
+# test_matrix.py's 58-65 s): make test hands them to its two workers before the rest (--no-loadscope-reorder keeps
 # this order), so neither worker starts one of them while the other is finishing.
 LONGEST_FIRST = (
+    "test_readme.py",
     "test_real_model.py",
+    "test_text_real.py",
     "test_matrix.py",
+    "test_families.py",
     "test_variants.py",
     "test_ray_serve.py",
-    "test_readme.py",
     "test_attention.py",
 )
 
