@@ -144,11 +144,11 @@ def _pairs_reference(model, tokenizer, text) -> tuple:
     query, documents = SENTENCES[6], [*SENTENCES, *MORE]
     batch = tokenizer.encode([query] * len(documents), truncate=True, seconds=documents)
     with torch.no_grad():
-        logits = model(**_feed(batch, text)).logits.numpy()
+        logits = model(**feed(batch, text)).logits.numpy()
     return batch, logits, f"a built-in query with {len(documents)} built-in sentences as pairs"
 
 
-def _feed(batch, text) -> dict:
+def feed(batch, text) -> dict:
     """A tokenized batch as transformers' model takes it (token types where the embedding layer has them)."""
     feed = {
         "input_ids": torch.from_numpy(batch.input_ids),
@@ -221,7 +221,7 @@ def ids_check(directory: Path, text, config):
     sentences = [*SENTENCES, " ".join(SENTENCES)]
     batch = tokenizer.encode(sentences, truncate=True)
     with torch.no_grad():
-        answer = model(**_feed(batch, text), output_hidden_states=head)
+        answer = model(**feed(batch, text), output_hidden_states=head)
     want = (answer.hidden_states[-1] if head else answer.last_hidden_state).numpy()
     want_scores = answer.logits.numpy() if config.head == "classify" else None
     want_sparse = None
@@ -246,20 +246,25 @@ def ids_check(directory: Path, text, config):
                 np.abs(outs[POOLED] - reference_pool(config, want.astype(np.float64), batch.mask)).max()
             )
             result["ids"]["graph"]["pooled_max_abs"] = err
-        if want_scores is not None:
-            result["ids"]["graph"].update(scores_agreement(outs[SCORES], want_scores))
-            if result["ids"]["graph"]["scores_cosine"] < IDS_MIN_COSINE:
+        heads = (
+            (want_scores, SCORES, scores_agreement, "scores_cosine", "classification head's scores", "head"),
+            (
+                want_sparse,
+                SPARSE,
+                sparse_agreement,
+                "sparse_min_cosine",
+                "sparse head's weights",
+                "masked-LM head",
+            ),
+        )
+        for wanted, name, agree, cosine, what, mapping in heads:
+            if wanted is None:
+                continue
+            result["ids"]["graph"].update(agree(outs[name], wanted))
+            if (found := result["ids"]["graph"][cosine]) < IDS_MIN_COSINE:
                 raise ConfigError(
-                    f"the classification head's scores do not match transformers' {type(model).__name__} on "
-                    f"{source}: cosine {result['ids']['graph']['scores_cosine']:.4f}; the family's head mapping is wrong"
-                )
-        if want_sparse is not None:
-            result["ids"]["graph"].update(sparse_agreement(outs[SPARSE], want_sparse))
-            if result["ids"]["graph"]["sparse_min_cosine"] < IDS_MIN_COSINE:
-                raise ConfigError(
-                    f"the sparse head's weights do not match transformers' {type(model).__name__} through "
-                    f"SpladePooling on {source}: least cosine {result['ids']['graph']['sparse_min_cosine']:.4f}; "
-                    "the family's masked-LM head mapping is wrong"
+                    f"the {what} do not match transformers' {type(model).__name__} on {source}: cosine "
+                    f"{found:.4f}; the family's {mapping} mapping is wrong"
                 )
         if pairs is not None:  # a cross-encoder's ranking of documents for a query, as its users read it
             pair_batch, pair_scores, pair_source = pairs

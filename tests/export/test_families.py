@@ -173,6 +173,13 @@ def test_export_prints_one_screen_and_no_progress_bars(model_dirs, tmp_path):
     assert {f"add_norm_{i}" for i in range(2 * layers)} <= words  # every step, by its whole name
 
 
+def _exported(directory: Path, out: Path, variant: str, capsys) -> Manifest:
+    """``directory`` exported as ``variant`` into ``out`` (the CLI's error on failure): its manifest."""
+    args = ["--from", str(directory), "--artifact", str(out), "--variant", variant, "-q"]
+    assert cli.main(args) == 0, capsys.readouterr().err
+    return Manifest.load(out)
+
+
 # (family, labels, variant): a cross-encoder (one label) of every family in fp32, classifiers in the lossy variants
 HEADS = [(f, 1, "fp32") for f in FAMILIES] + [("bert", 3, "int8"), ("distilbert", 3, "fp16")]
 
@@ -189,10 +196,7 @@ def test_a_classification_head_exports_with_its_model_and_scores_as_transformers
 
     directory = make_model_dir(family, tmp_path / "model", seed=7, labels=labels)
     out = tmp_path / "artifact"
-    assert cli.main(["--from", str(directory), "--artifact", str(out), "--variant", variant, "-q"]) == 0, (
-        capsys.readouterr().err
-    )
-    manifest = Manifest.load(out)
+    manifest = _exported(directory, out, variant, capsys)
     config = manifest.config
     assert (config.head, config.num_labels) == ("classify", labels)
     assert config.head_activation == ("relu" if family == "distilbert" else "tanh")
@@ -208,14 +212,8 @@ def test_a_classification_head_exports_with_its_model_and_scores_as_transformers
     batch = TextTokenizer((out / TOKENIZER_FILE).read_bytes(), manifest.text).encode(TEXTS, truncate=True)
     got = hf.run_ids(out, config, batch)["scores"]
     model = AutoModelForSequenceClassification.from_pretrained(str(directory), attn_implementation="eager")
-    feed = {
-        "input_ids": torch.from_numpy(batch.input_ids),
-        "attention_mask": torch.from_numpy(~batch.mask).long(),
-    }
-    if manifest.text.type_vocab_size:
-        feed["token_type_ids"] = torch.from_numpy(batch.token_type_ids)
     with torch.no_grad():
-        want = model.eval()(**feed).logits.double().numpy()
+        want = model.eval()(**hf.feed(batch, manifest.text)).logits.double().numpy()
     assert (
         np.abs(want).max() > 0.1
     )  # logits of units (tests/text_models.py scales the head): a wrong head shows
@@ -257,10 +255,7 @@ def test_a_sparse_encoder_exports_with_its_masked_lm_head_and_weighs_terms_as_tr
 
     directory = make_model_dir(family, tmp_path / "model", seed=9, sparse=pooling)
     out = tmp_path / "artifact"
-    assert cli.main(["--from", str(directory), "--artifact", str(out), "--variant", variant, "-q"]) == 0, (
-        capsys.readouterr().err
-    )
-    manifest = Manifest.load(out)
+    manifest = _exported(directory, out, variant, capsys)
     config = manifest.config
     assert (config.head, config.task, config.sparse_pooling, config.pooling) == (
         "sparse",
@@ -275,12 +270,8 @@ def test_a_sparse_encoder_exports_with_its_masked_lm_head_and_weighs_terms_as_tr
     batch = TextTokenizer((out / TOKENIZER_FILE).read_bytes(), manifest.text).encode(TEXTS, truncate=True)
     got = hf.run_ids(out, config, batch)["sparse_weights"]
     model = AutoModelForMaskedLM.from_pretrained(str(directory), attn_implementation="eager").eval()
-    feed = {
-        "input_ids": torch.from_numpy(batch.input_ids),
-        "attention_mask": torch.from_numpy(~batch.mask).long(),
-    }
     with torch.no_grad():
-        want = splade(model(**feed).logits.double().numpy(), batch.mask, pooling)
+        want = splade(model(**hf.feed(batch, manifest.text)).logits.double().numpy(), batch.mask, pooling)
     nonzero = (want > 0).sum(1)
     assert (nonzero > 0).all() and (
         nonzero < want.shape[1]
