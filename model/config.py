@@ -16,7 +16,8 @@ HEAD_ACTIVATIONS = ("tanh", "relu", "gelu")
 SPARSE_POOLINGS = ("max", "sum")  # SpladePooling's pooling_strategy
 SPARSE_ACTIVATIONS = ("relu", "log1p_relu")  # SpladePooling's activation_function
 # A sparse head's logits are vocabulary-wide for every position of a run (BERT's 30,522 a position): one run holds at
-# most this many of them (256 MB of float32), so a run's positions are capped by the vocabulary (run_tokens)
+# most this many of them (256 MB of float32; about twice that at the run's peak, Engine.working_bytes), so a run's
+# positions are capped by the vocabulary (run_tokens)
 SPARSE_RUN_VALUES = 64 * 1024 * 1024
 POOLINGS = (
     "none",

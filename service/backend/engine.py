@@ -154,10 +154,12 @@ class Engine:
 
     def working_bytes(self, rows: int, seq: int, padded: bool) -> int:
         """About the activation memory a run of ``rows`` x ``seq`` holds at its peak: per position the block's
-        [E]- and [FFN]-wide intermediates (4 E + 2 FFN values: measured 1.1x of this for mha at d768), plus the
-        attention form's seq x seq tensors (model.attention)."""
+        [E]- and [FFN]-wide intermediates (4 E + 2 FFN values: measured 1.1x of this for mha at d768), a sparse
+        head's vocabulary-wide logits (2 values a term: measured 1.9x the logits, a [8, 256] run of all-MiniLM-L6-v2
+        with a SPLADE head, 519 MB against 55 MB without), plus the attention form's seq x seq tensors
+        (model.attention)."""
         c = self.manifest.config
-        values = rows * seq * (4 * c.d_model + 2 * c.feed_forward_rows)
+        values = rows * seq * (4 * c.d_model + 2 * c.feed_forward_rows + 2 * c.vocab_size)
         return self.input_dtype.itemsize * (
             values + score_elements(self.held_attention, rows, self.heads, seq, padded)
         )
