@@ -58,10 +58,21 @@ def _sentences(path: Path, reference) -> tuple[np.ndarray, np.ndarray]:
             "--from a model directory (config.json, tokenizer) with transformers installed, or "
             "embeddings as .npy/.npz/.safetensors"
         )
-    lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    return reference.embed(sentences_of(path))
+
+
+def sentences_of(path: str | Path) -> list[str] | None:
+    """A .txt ``--calibration`` file's sentences, one a line (None for a file of embeddings)."""
+    path = Path(path)
+    if path.suffix.lower() != ".txt":
+        return None
+    try:
+        lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--calibration {path} cannot be read: {exc}") from None
     if not lines:
         raise ConfigError(f"--calibration {path} holds no sentence")
-    return reference.embed(lines)
+    return lines
 
 
 def _checked(path: Path, x: np.ndarray, mask, lengths) -> tuple[np.ndarray, np.ndarray]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from addnorm.commands import Parser, add_artifact, add_output, quiet_dependencies
 from addnorm.export import attention, families, hf, model_dir, sentences
-from addnorm.export.calibration import calibration_cases, load_arrays
+from addnorm.export.calibration import calibration_cases, load_arrays, sentences_of
 from addnorm.export.checks import GraphCheckError
 from addnorm.export.embedding import embed_sentences, text_export
 from addnorm.export.families.bert import FAMILY as BERT
@@ -101,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="representative inputs: embeddings [N, S, E] as .npy, or .npz/.safetensors with 'embeddings' and "
         "optionally 'mask' [N, S] (true = padding) or 'lengths' [N]; or .txt, one sentence a line, embedded by "
-        "--from's tokenizer (needs transformers). A lossy variant's quality is judged on them and a few "
-        "are kept as golden data; without it the gate's inputs are synthetic and the report says so",
+        "--from's own tokenizer and embedding layer. A lossy variant's quality is judged on them and a few "
+        "are kept as golden data; a model that takes text is judged on built-in sentences without it. Sentences "
+        "also calibrate the quantized vectors' int8 and uint8 ranges (built-in sentences without them)",
     )
     p.add_argument(
         "--reference",
@@ -306,10 +308,6 @@ def main(argv: list[str] | None = None) -> int:
             pipeline = {**(pipeline or {}), "pooling": "none", "normalize_pooled": False}
         config = config_from_args(args, detected, declared, pipeline)
         reference = _reference(args, where)
-        given = []
-        if args.calibration:
-            x, mask = load_arrays(args.calibration, reference)
-            given = calibration_cases(x, mask, config.d_model)
         encoder = prepare_encoder(
             config,
             where.weights if where else args.checkpoint,
@@ -318,6 +316,15 @@ def main(argv: list[str] | None = None) -> int:
             family=where.family if where else None,
         )
         text = _text(args, where, state, config)
+        given = []
+        lines = sentences_of(args.calibration) if args.calibration else None
+        if lines and text is not None:  # the model's own tokenizer and embedding layer, every family's
+            text = dataclasses.replace(text, sentences=tuple(lines))
+            x, mask = embed_sentences(text.module, text.tokenizer.read_bytes(), lines)
+            given = calibration_cases(x, mask, config.d_model)
+        elif args.calibration:
+            x, mask = load_arrays(args.calibration, reference)
+            given = calibration_cases(x, mask, config.d_model)
         if text is not None and not given:  # real text, not synthetic embeddings, for a model that takes text
             builtin = sentences.builtin_sentences()
             x, mask = embed_sentences(text.module, text.tokenizer.read_bytes(), builtin)

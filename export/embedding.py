@@ -131,6 +131,7 @@ class TextExport:
 
     module: EmbeddingAddNorm
     tokenizer: Path
+    sentences: tuple[str, ...] = ()  # the quantized vectors' calibration (export/quantized.py); () built-in
 
     @property
     def config(self) -> TextConfig:

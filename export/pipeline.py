@@ -27,12 +27,14 @@ from addnorm.export.golden import golden_cases, write_golden
 from addnorm.export.onnx_export import DEFAULT_OPSET, ExportError
 from addnorm.export.parity import ParityReport
 from addnorm.export.publish import publish, staging_for
+from addnorm.export.quantized import calibrated, write_calibration
 from addnorm.export.variants import build_graph, get_variant
 from addnorm.export.weights import load_state, read_state_dict, save_weights
 from addnorm.model.artifact import GOLDEN_FILE, MANIFEST_FILE, MODEL_FILE, WEIGHTS_FILE, Manifest, sha256_file
 from addnorm.model.config import EncoderConfig
 from addnorm.model.contract import io_specs
 from addnorm.model.encoder import Encoder, build_encoder
+from addnorm.model.quantize import CALIBRATION_FILE
 from addnorm.model.text import EMBEDDING_FILE, EMBEDDING_GOLDEN_FILE, TOKENIZER_FILE
 
 log = logging.getLogger("addnorm.export")
@@ -156,6 +158,11 @@ def export_artifact(
             files[-1:-1] = [EMBEDDING_FILE, TOKENIZER_FILE, EMBEDDING_GOLDEN_FILE]
         if check is not None:
             summary["reference"] = check(staging / MODEL_FILE)
+        if text is not None and calibrated(config):
+            with _writing(out_dir, CALIBRATION_FILE):
+                count = write_calibration(staging, config, text.config, text.sentences)
+            summary["calibration"] = {"sentences": count}
+            files[-1:-1] = [CALIBRATION_FILE]
         with _writing(out_dir, GOLDEN_FILE):
             write_golden(
                 report, staging / GOLDEN_FILE
@@ -181,6 +188,7 @@ def export_artifact(
             embedding_sha256=sha256_file(staging / EMBEDDING_FILE) if text else "",
             tokenizer_sha256=sha256_file(staging / TOKENIZER_FILE) if text else "",
             embedding_golden_sha256=sha256_file(staging / EMBEDDING_GOLDEN_FILE) if text else "",
+            calibration_sha256=(sha256_file(staging / CALIBRATION_FILE) if CALIBRATION_FILE in files else ""),
         )
         with _writing(out_dir, MANIFEST_FILE):
             manifest.save(staging)

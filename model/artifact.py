@@ -23,6 +23,7 @@ from typing import Any
 
 from addnorm.model.config import ConfigError, EncoderConfig
 from addnorm.model.contract import TensorSpec
+from addnorm.model.quantize import CALIBRATION_FILE
 from addnorm.model.schemes import Form
 from addnorm.model.text import EMBEDDING_FILE, EMBEDDING_GOLDEN_FILE, TOKENIZER_FILE, TextConfig
 
@@ -62,6 +63,7 @@ class Manifest:
     embedding_sha256: str = ""
     tokenizer_sha256: str = ""
     embedding_golden_sha256: str = ""
+    calibration_sha256: str = ""  # the quantized vectors' calibration (model/quantize.py); "" for none
     labels: tuple[str, ...] = ()  # a classification head's label names by index; () for none, or unnamed
 
     def __post_init__(self) -> None:
@@ -97,6 +99,7 @@ class Manifest:
                 **({"golden": GOLDEN_FILE} if self.golden_sha256 else {}),
                 **({"embedding": EMBEDDING_FILE, "tokenizer": TOKENIZER_FILE} if self.text else {}),
                 **({"embedding_golden": EMBEDDING_GOLDEN_FILE} if self.embedding_golden_sha256 else {}),
+                **({"calibration": CALIBRATION_FILE} if self.calibration_sha256 else {}),
             },
             "model_sha256": self.model_sha256,
             **({"golden_sha256": self.golden_sha256} if self.golden_sha256 else {}),
@@ -114,6 +117,7 @@ class Manifest:
                         if self.embedding_golden_sha256
                         else {}
                     ),
+                    **({"calibration_sha256": self.calibration_sha256} if self.calibration_sha256 else {}),
                 }
                 if self.text
                 else {}
@@ -153,6 +157,7 @@ class Manifest:
                 embedding_sha256=str(data.get("embedding_sha256", "")),
                 tokenizer_sha256=str(data.get("tokenizer_sha256", "")),
                 embedding_golden_sha256=str(data.get("embedding_golden_sha256", "")),
+                calibration_sha256=str(data.get("calibration_sha256", "")),
                 labels=_labels(data.get("labels", [])),
             )
         except (KeyError, TypeError, ValueError, ConfigError) as exc:
@@ -236,6 +241,7 @@ class Verified:
     embedding: bytes | None = None  # --inputs ids: the embedding layer's graph
     tokenizer: bytes | None = None  # and tokenizer.json
     embedding_golden: bytes | None = None  # and its golden data
+    calibration: bytes | None = None  # and the quantized vectors' calibration
 
 
 def read_verified(directory: str | Path) -> Verified:
@@ -263,7 +269,12 @@ def read_verified(directory: str | Path) -> Verified:
             manifest.embedding_golden_sha256,
             "the embedding layer's golden data",
         )
-    return Verified(directory, manifest, model, golden, embedding, tokenizer, embedding_golden)
+    calibration = None
+    if manifest.calibration_sha256:
+        calibration = _read_checked(
+            directory / CALIBRATION_FILE, manifest.calibration_sha256, "the quantized vectors' calibration"
+        )
+    return Verified(directory, manifest, model, golden, embedding, tokenizer, embedding_golden, calibration)
 
 
 def read_weights(directory: str | Path, manifest: Manifest) -> bytes:

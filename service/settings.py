@@ -127,9 +127,10 @@ class Settings(BaseSettings):
         "name); more get 413. A request's inputs run in length-sorted parts of at most ADDNORM_MAX_BATCH_TOKENS",
     )
     auto_truncate: bool = Field(
-        False,
-        description="text inputs longer than the model's max_length are cut to it instead of refused with 413 "
-        "(TEI's --auto-truncate); a request's own truncate field asks for it too",
+        True,
+        description="text inputs longer than the model's max_length are cut to it where the request does not say "
+        "(TEI's --auto-truncate, on by default as in TEI); --no-auto-truncate refuses them with 413 instead. A "
+        "request's own truncate field wins either way",
     )
     default_prompt_name: str | None = Field(
         None,

@@ -32,16 +32,21 @@ def minilm() -> Path:
 
 
 @pytest.fixture(scope="module")
-def served(minilm: Path, tmp_path_factory) -> Iterator[ServerProcess]:
+def repo(minilm: Path, tmp_path_factory) -> Iterator[Path]:
     repo = tmp_path_factory.mktemp("text-real")
     for name, extra in (("minilm", []), ("minilm-int8", ["--variant", "int8"])):
         assert (
             cli.main(["--from", str(minilm), "--artifact", str(repo / name), "--name", name, "-q", *extra])
             == 0
         )
-    with ServerProcess(["-m", "addnorm.service", "--model-repository", str(repo)]) as srv:
-        yield srv
+    yield repo
     shutil.rmtree(repo, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def served(repo: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(["-m", "addnorm.service", "--model-repository", str(repo)], grpc=True) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +81,129 @@ def test_the_openai_client_and_tei_get_what_sentence_transformers_computes(serve
         np.testing.assert_allclose(np.linalg.norm(tei, axis=1), 1.0, atol=1e-5)
 
 
-def test_a_text_over_256_tokens_is_refused_unless_cut(served):
-    r = httpx.post(
-        f"{served.base}/v1/embeddings", json={"input": [PASSAGE * 12], "model": "minilm"}, timeout=60
-    )
+def test_a_text_over_256_tokens_is_cut_unless_the_request_says_not_to(served, want):
+    body = {"input": [PASSAGE * 12], "model": "minilm"}
+    cut = httpx.post(f"{served.base}/v1/embeddings", json=body, timeout=60).json()  # --auto-truncate: on
+    assert _cosines(np.array([cut["data"][0]["embedding"]]), want[-1:]).min() >= COSINE["minilm"]
+    r = httpx.post(f"{served.base}/v1/embeddings", json={**body, "truncate": False}, timeout=60)
     assert r.status_code == 413 and "more than this model's 256" in error_message(r)
+
+
+@pytest.fixture(scope="module")
+def calibration(minilm: Path) -> np.ndarray:
+    """sentence-transformers' vectors of the export's built-in calibration sentences: the ranges a user of
+    ``quantize_embeddings(..., calibration_embeddings=...)`` would give it."""
+    from sentence_transformers import SentenceTransformer
+
+    from addnorm.export.sentences import calibration_sentences
+
+    return SentenceTransformer(str(minilm), device="cpu").encode(calibration_sentences())
+
+
+def _close(got: np.ndarray, want: np.ndarray, precision: str) -> None:
+    """Quantized from vectors that agree to 1e-6: the same, but where a value lies within float32's noise of a
+    step's edge (int8, uint8: one step off) or of 0 (binary: one bit)."""
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape, want.shape)
+    if precision in ("int8", "uint8"):
+        diff = np.abs(got.astype(np.int32) - want.astype(np.int32))
+        assert diff.max() <= 1 and (diff == 0).mean() >= 0.995, (diff.max(), (diff == 0).mean())
+    else:
+        bits = np.unpackbits(got.view(np.uint8)) != np.unpackbits(want.view(np.uint8))
+        assert bits.mean() <= 0.001, bits.mean()
+
+
+@pytest.mark.parametrize("name", ["minilm", "minilm-int8"])
+def test_quantized_vectors_are_sentence_transformers_quantize_embeddings_on_every_route(
+    served, repo, want, calibration, name
+):
+    """int8, uint8, binary and ubinary through the official openai and cohere clients, TEI's /embed and V2 (HTTP
+    and gRPC with tritonclient): each exactly ``quantize_embeddings`` of the server's own float vectors with the
+    artifact's calibrated ranges, and (fp32) what sentence-transformers gives with its own vectors of the same
+    calibration sentences."""
+    import base64
+
+    import cohere
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from openai import OpenAI
+    from sentence_transformers.util.quantization import quantize_embeddings
+
+    from addnorm.model import quantize
+
+    client = OpenAI(base_url=f"{served.base}/v1", api_key="unused", max_retries=0)
+    floats = np.array(
+        [
+            d.embedding
+            for d in client.embeddings.create(model=name, input=TEXTS, encoding_format="float").data
+        ],
+        np.float32,
+    )
+    co = cohere.ClientV2(base_url=served.base, api_key="unused")
+    types = ["float", "int8", "uint8", "binary", "ubinary", "base64"]
+    by_type = co.embed(
+        model=name, texts=TEXTS, input_type="search_document", embedding_types=types
+    ).embeddings
+    np.testing.assert_allclose(np.array(by_type.float_, np.float32), floats, atol=1e-6)
+    decoded = [np.frombuffer(base64.b64decode(b), "<f4") for b in by_type.base64]
+    np.testing.assert_array_equal(np.array(decoded), np.array(by_type.float_, np.float32))
+    for precision in quantize.PRECISIONS:
+        dtype = quantize.DTYPES[precision]
+        served_ranges = artifact_ranges(repo / name)
+        exact = quantize_embeddings(floats, precision, ranges=served_ranges)
+        got = {
+            "openai": client.embeddings.create(model=name, input=TEXTS, encoding_format=precision).data,
+            "cohere": getattr(by_type, precision),
+        }
+        if name == "minilm":  # TEI's /embed names no model: the repository's first
+            body = {"inputs": TEXTS, "embedding_type": precision}
+            got["tei"] = httpx.post(f"{served.base}/embed", json=body, timeout=60).json()
+        got["openai"] = [d.embedding for d in got["openai"]]
+        for route, rows in got.items():
+            np.testing.assert_array_equal(np.array(rows).astype(dtype), exact, err_msg=f"{route} {precision}")
+        b64 = httpx.post(
+            f"{served.base}/v1/embeddings",
+            json={"input": TEXTS, "model": name, "embedding_type": precision, "encoding_format": "base64"},
+            timeout=60,
+        ).json()
+        rows = np.array([np.frombuffer(base64.b64decode(d["embedding"]), dtype) for d in b64["data"]])
+        np.testing.assert_array_equal(rows, exact)
+        for module, url in (
+            (httpclient, served.base.removeprefix("http://")),
+            (grpcclient, f"127.0.0.1:{served.grpc_port}"),
+        ):
+            v2 = module.InferenceServerClient(url)
+            text = module.InferInput("text", [len(TEXTS)], "BYTES")
+            text.set_data_from_numpy(np.array([t.encode() for t in TEXTS], dtype=object))
+            answer = v2.infer(
+                name,
+                [text],
+                outputs=[module.InferRequestedOutput("pooled")],
+                parameters={"embedding_type": precision},
+            )
+            _close(answer.as_numpy("pooled"), exact, precision)  # the graph's pooling, not the route's
+        if name == "minilm":
+            st = quantize_embeddings(want, precision, calibration_embeddings=calibration)
+            _close(exact, st, precision)
+
+
+def artifact_ranges(artifact: Path) -> np.ndarray:
+    """An artifact's int8/uint8 ranges of its normalized vectors, from its calibration file."""
+    from addnorm.model import quantize
+
+    data = (artifact / quantize.CALIBRATION_FILE).read_bytes()
+    return quantize.ranges(quantize.load(data), None, True)
+
+
+def test_quantized_forms_keep_most_of_float32s_ranking_on_real_text(repo):
+    """bench.quantized on this repository's guides (sentences the calibration never saw): each form's rankings
+    against float32's. The figures in docs/text.md are this bench's; here, floors far below them that a broken
+    quantization (a wrong range, a bit order, a sign) falls through."""
+    from bench.quantized import table
+
+    rows = {row["form"]: row for row in table(repo / "minilm", queries=100)}
+    print(rows)
+    assert rows["float"]["recall@10"] == 1.0
+    assert rows["int8"]["recall@10"] >= 0.75 and rows["int8"]["spearman"] >= 0.95
+    assert rows["uint8"]["recall@10"] == rows["int8"]["recall@10"]  # the same steps, shifted
+    assert rows["binary"]["recall@10"] >= 0.5 and rows["binary"]["spearman"] >= 0.75
+    assert (rows["int8"]["bytes"], rows["binary"]["bytes"]) == (384, 48)

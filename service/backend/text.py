@@ -6,12 +6,15 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
-from addnorm.model.artifact import Verified
+from addnorm.model import quantize
+from addnorm.model.artifact import ArtifactError, Verified
 from addnorm.model.contract import EMBEDDINGS
 from addnorm.model.runtime import session_args
 from addnorm.model.text import INPUT_IDS, TOKEN_TYPE_IDS
 from addnorm.model.tokenize import Batch, TextTokenizer
 from addnorm.model.verdict import FP32_ATOL, float32_floor
+
+RANGES_KEPT = 16  # the quantized forms' ranges kept, by (dimensions, normalized)
 
 
 class TextFront:
@@ -33,6 +36,34 @@ class TextFront:
         opts.enable_cpu_mem_arena = False
         self.session = ort.InferenceSession(verified.embedding, opts, **session_args(providers))
         self.golden = verified.embedding_golden
+        # the quantized vectors' calibration (model/quantize.py): None for an artifact without one
+        self.calibration = None
+        if verified.calibration is not None:
+            try:
+                self.calibration = quantize.load(verified.calibration)
+            except ValueError as exc:
+                raise ArtifactError(f"{quantize.CALIBRATION_FILE}: {exc}") from None
+            if self.calibration.shape[1] != manifest.config.d_model:
+                raise ArtifactError(
+                    f"{quantize.CALIBRATION_FILE} holds vectors of {self.calibration.shape[1]} values; the model's "
+                    f"have {manifest.config.d_model}"
+                )
+        self._ranges: dict[tuple, np.ndarray] = {}
+
+    def ranges(self, dimensions: int | None, normalized: bool) -> np.ndarray | None:
+        """The int8 and uint8 ranges of vectors cut to ``dimensions`` and ``normalized`` or not (quantize.ranges),
+        made once each; None without a calibration."""
+        if self.calibration is None:
+            return None
+        key = (dimensions, normalized)
+        bounds = self._ranges.get(key)
+        if bounds is None:
+            if (
+                len(self._ranges) >= RANGES_KEPT
+            ):  # clients choose dimensions: the memory they can hold is bounded
+                self._ranges.clear()
+            bounds = self._ranges[key] = quantize.ranges(self.calibration, dimensions, normalized)
+        return bounds
 
     def verify(self) -> tuple[bool, float, float, int] | None:
         """The embedding layer's golden cases through this session against the float64 oracle's embeddings:

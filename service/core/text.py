@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from addnorm.model.contract import ENCODED, POOLED, SCORES, SPARSE
+from addnorm.model.quantize import CALIBRATED, FLOAT, PRECISIONS, quantize
 from addnorm.model.tokenize import Batch, QueryTooLong, TooLong, TooManyChars
 from addnorm.service.backend.cores import in_worker
 from addnorm.service.batching.merging import Outputs, Timings
@@ -159,6 +160,51 @@ def prompt_text(front, name: str | None, literal: str | None, limits: TextLimits
     return prompts[default] if default is not None else ""
 
 
+# What a sentence vector may be answered as: float32, or one of sentence-transformers' quantized forms
+EMBEDDING_TYPES = (FLOAT, *PRECISIONS)
+PRECISION = "precision"  # (a text request's options: the form of its answer's vectors)
+
+
+def embedding_type(value: object, where: str) -> str:
+    """A request's form of its vectors (``EMBEDDING_TYPES``; None: float)."""
+    if value is None:
+        return FLOAT
+    if not isinstance(value, str) or value not in EMBEDDING_TYPES:
+        raise BadInput(f"{where} must be one of {list(EMBEDDING_TYPES)}, got {quote(value)}")
+    return value
+
+
+def need_precision(model, precision: str, where: str) -> None:
+    """BadInput when ``model`` cannot answer vectors in ``precision``: int8 and uint8 need the ranges its export
+    calibrated; only a model that answers sentence vectors answers them quantized."""
+    if precision == FLOAT:
+        return
+    config = model.engine.manifest.config
+    if config.task != "embed":
+        raise BadInput(
+            f"{where} {precision} quantizes sentence vectors; model {quote(model.name)} is a {config.task} model"
+        )
+    front = model.engine.text
+    if precision in CALIBRATED and (front is None or front.calibration is None):
+        raise BadInput(
+            f"{where} {precision} needs the int8 and uint8 ranges an export calibrates; model {quote(model.name)} "
+            "was exported without them (re-export it with addnorm-export), or ask for binary or ubinary"
+        )
+
+
+def quantized(
+    model, vectors: np.ndarray, precision: str, dimensions: int | None, normalized: bool
+) -> np.ndarray:
+    """Sentence ``vectors`` (cut to ``dimensions``, ``normalized`` or not) in ``precision``: themselves for float,
+    else sentence-transformers' quantized form against the model's calibration (model/quantize.py)."""
+    if precision == FLOAT:
+        return vectors
+    front = model.engine.text
+    return quantize(
+        vectors, precision, front.ranges(dimensions, normalized) if precision in CALIBRATED else None
+    )
+
+
 def need_task(model, tasks: tuple[str, ...], route: str) -> None:
     """BadInput unless ``model``'s task (EncoderConfig.task) is one of ``tasks``: naming its task and its routes."""
     task = model.engine.manifest.config.task
@@ -172,7 +218,7 @@ def need_task(model, tasks: tuple[str, ...], route: str) -> None:
 def decode_texts(
     model,
     inputs: Inputs,
-    truncate: bool,
+    truncate: bool | None,
     limits: TextLimits,
     where: str = "input",
     prompt: str | None = None,
@@ -182,7 +228,7 @@ def decode_texts(
 ) -> TextRequest:
     """Tokenize (or check the ids of) ``inputs`` (``text_inputs``'s) with ``model``'s text front, behind its prompt
     ``prompt``, in parts of at most ``limits.max_batch_tokens`` positions; the first part embedded. Cut to the
-    model's length when ``truncate`` or ``limits.auto_truncate``; refused when its embeddings could never fit the
+    model's length when ``truncate``, or when None (the request does not say) ``limits.auto_truncate``; refused when its embeddings could never fit the
     queue (``limits.max_bytes``). ``seconds``: each text's second, tokenized as a pair (a query and a document;
     cut in the second only)."""
     front = model.engine.text
@@ -191,7 +237,9 @@ def decode_texts(
             f"model {quote(model.name)} takes embeddings, not text or token ids: export it from a model directory "
             "with --inputs ids"
         )
-    truncate = truncate or limits.auto_truncate
+    truncate = (
+        limits.auto_truncate if truncate is None else truncate
+    )  # TEI's: the request's own, else the server's
     max_batch_tokens = model.engine.manifest.config.run_tokens(limits.max_batch_tokens)
     max_bytes = limits.max_bytes
     if isinstance(inputs[0], str) and seconds is None:  # a pair (a query and a document) has no prompt
@@ -330,6 +378,25 @@ def vectors(
     if wanted:
         out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
     return out
+
+
+def sentence_vectors(
+    req: TextRequest,
+    model,
+    outputs: Outputs,
+    normalize: bool | None = None,
+    dimensions: int | None = None,
+    precision: str | None = None,
+) -> np.ndarray:
+    """The request's sentence vectors as its answer has them (``vectors``: pooled as the model pools, normalized
+    when ``normalize``, None: as the model does, cut to ``dimensions``), in ``precision`` (None: the request's;
+    float32, or a quantized form: ``quantized``)."""
+    config = model.engine.manifest.config
+    pooled_by = config.pooling if config.pooling != "none" else "mean"
+    out = vectors(req, outputs, pooled_by, config.normalize_pooled, normalize, dimensions)
+    wanted = config.normalize_pooled if normalize is None else normalize
+    precision = req.options.get(PRECISION, FLOAT) if precision is None else precision
+    return quantized(model, out, precision, dimensions, wanted)
 
 
 def token_vectors(req: TextRequest, outputs: Outputs) -> list[np.ndarray]:

@@ -240,9 +240,11 @@ def json_object(doc: dict, key: str, where: str) -> dict:
     return value
 
 
-def json_bool(params: dict, key: str, where: str, default: bool) -> bool:
-    """A JSON boolean: the string "false" is not false."""
+def json_bool(params: dict, key: str, where: str, default: bool | None) -> bool | None:
+    """A JSON boolean: the string "false" is not false. ``default`` None: an optional one (absent or null: None)."""
     value = params.get(key, default)
+    if value is None and default is None:
+        return None
     if not isinstance(value, bool):
         raise BadInput(f"{where}.{key} must be true or false, got {quote(value)}")
     return value

@@ -8,6 +8,8 @@ their tolerance, past the window so that it matters."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -85,9 +87,14 @@ def test_a_modern_block_refuses_what_it_cannot_compute():
         EncoderConfig(**{**MODERN, "d_model": 12, "nhead": 4})
 
 
+PROMPTS = {"query": "search_query: ", "document": "search_document: "}  # modernbert-embed's
+
+
 @pytest.fixture(scope="module")
 def directory(tmp_path_factory):
-    return make_model_dir("modernbert", tmp_path_factory.mktemp("modernbert") / "model", seed=5)
+    d = make_model_dir("modernbert", tmp_path_factory.mktemp("modernbert") / "model", seed=5)
+    (d / "config_sentence_transformers.json").write_text(json.dumps({"prompts": PROMPTS}))
+    return d
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +169,40 @@ def test_a_served_modernbert_answers_what_sentence_transformers_computes(directo
             text.set_data_from_numpy(np.array([[t.encode()] for t in TEXTS], dtype=object))
             got = module.InferenceServerClient(url).infer("modern", [text]).as_numpy(POOLED)
             np.testing.assert_allclose(got, want[: len(TEXTS)], atol=2e-6)
+        _prompts_truncation_and_quantized_forms(srv, directory, out, texts)
+
+
+def _prompts_truncation_and_quantized_forms(srv, directory, artifact, texts) -> None:
+    """The official cohere client's /v2/embed and V2 on the served ModernBERT: its prompts as
+    sentence-transformers' encode_query and encode_document put them, truncation at either end, and every quantized
+    form exactly sentence-transformers' quantize_embeddings of the served vectors with the artifact's ranges."""
+    import cohere
+    import tritonclient.http as httpclient
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.util.quantization import quantize_embeddings
+
+    from addnorm.model import quantize
+
+    model = SentenceTransformer(str(directory), device="cpu")
+    co = cohere.ClientV2(base_url=srv.base, api_key="unused")
+    forms = ["float", *quantize.PRECISIONS]
+    query = co.embed(model="modern", texts=texts, input_type="search_query", embedding_types=forms).embeddings
+    floats = np.array(query.float_, np.float32)
+    np.testing.assert_allclose(floats, model.encode_query(texts), atol=2e-6)
+    calibration = quantize.load((artifact / quantize.CALIBRATION_FILE).read_bytes())
+    for precision in quantize.PRECISIONS:
+        ranges = quantize.ranges(calibration, None, True)
+        want = quantize_embeddings(floats, precision, ranges=ranges)
+        np.testing.assert_array_equal(np.array(getattr(query, precision), want.dtype), want)
+    model.tokenizer.truncation_side = "left"
+    start = co.embed(model="modern", texts=texts, input_type="search_document", truncate="START")
+    np.testing.assert_allclose(start.embeddings.float_, model.encode_document(texts), atol=2e-6)
+    client = httpclient.InferenceServerClient(srv.base.removeprefix("http://"))
+    text = httpclient.InferInput("text", [len(texts)], "BYTES")
+    text.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object))
+    params = {"prompt_name": "query", "embedding_type": "ubinary", "truncation_direction": "left"}
+    got = client.infer("modern", [text], parameters=params).as_numpy(POOLED)
+    np.testing.assert_array_equal(got, quantize_embeddings(model.encode_query(texts), "ubinary"))
 
 
 def test_a_modernbert_head_is_refused_by_name_and_its_encoder_exports(tmp_path, capsys):

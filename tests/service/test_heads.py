@@ -246,7 +246,7 @@ def test_v2_scores_pairs_of_query_and_text_over_http_and_grpc_with_tritonclient(
         ("/rerank", {"query": "q", "texts": []}, 400, "texts must be a non-empty list"),
         ("/rerank", {"query": "q", "texts": ["a", ""]}, 400, "texts[1] must be a non-empty string"),
         ("/rerank", {"query": "q", "texts": ["a"] * 41}, 413, "41 texts, more than this server's 40"),
-        ("/rerank", {"query": "q", "texts": ["word " * 80]}, 413, "texts[0] has"),
+        ("/rerank", {"query": "q", "texts": ["word " * 80], "truncate": False}, 413, "texts[0] has"),
         ("/rerank", {"query": "word " * 80, "texts": ["a"], "truncate": True}, 413, "query alone takes more"),
         ("/rerank", {"query": "w" * 70_000, "texts": ["a"]}, 413, "query alone takes more"),
         (

@@ -83,11 +83,50 @@ def test_prompts_equal_sentence_transformers(server, directory):
     )
 
 
+def test_cohere_input_types_pick_the_models_prompts_as_sentence_transformers_does(artifact, directory):
+    """The official cohere client's /v2/embed: search_query is SentenceTransformer.encode_query, search_document
+    encode_document (the model's "document" prompt), an input type the model has no prompt for its default;
+    truncate START and END as sentence-transformers' truncation sides; V2 over gRPC (tritonclient) honours
+    prompt_name as HTTP does."""
+    import cohere
+    import tritonclient.grpc as grpcclient
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(directory), device="cpu")
+    with start_server(artifact, grpc=True) as srv:
+        co = cohere.ClientV2(base_url=srv.base, api_key="unused")
+
+        def embed(texts, input_type, **kw):
+            answer = co.embed(model="prompted", texts=texts, input_type=input_type, **kw)
+            return np.array(answer.embeddings.float_)
+
+        np.testing.assert_allclose(embed(TEXTS, "search_query"), model.encode_query(TEXTS), atol=2e-6)
+        np.testing.assert_allclose(embed(TEXTS, "search_document"), model.encode_document(TEXTS), atol=2e-6)
+        np.testing.assert_allclose(embed(TEXTS, "clustering"), model.encode(TEXTS), atol=2e-6)
+        for truncate, side in (("END", "right"), ("START", "left")):
+            want = _st(directory, [LONG], side, prompt_name="document")
+            np.testing.assert_allclose(embed([LONG], "search_document", truncate=truncate), want, atol=2e-6)
+        with pytest.raises(cohere.core.ApiError) as refused:
+            embed([LONG], "search_document", truncate="NONE")
+        assert refused.value.status_code == 413 and "more than this model's 48" in str(refused.value.body)
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{srv.grpc_port}")
+        text = grpcclient.InferInput("text", [len(TEXTS)], "BYTES")
+        text.set_data_from_numpy(np.array([t.encode() for t in TEXTS], dtype=object))
+        for params in ({"prompt_name": "document"}, {"prompt": "custom: "}):
+            answer = client.infer(
+                "prompted", [text], outputs=[grpcclient.InferRequestedOutput("pooled")], parameters=params
+            )
+            np.testing.assert_allclose(answer.as_numpy("pooled"), _st(directory, TEXTS, **params), atol=2e-6)
+
+
 def test_a_prompts_tokens_count_toward_the_length_and_left_truncation_keeps_the_end(server, directory):
     for side in ("Right", "Left"):
         want = _st(directory, [LONG], side.lower(), prompt_name="document")
         body = {"inputs": LONG, "prompt_name": "document", "truncate": True, "truncation_direction": side}
         np.testing.assert_allclose(httpx.post(f"{server}/embed", json=body).json(), want, atol=2e-6)
+        body = {"input": LONG, "prompt_name": "document", "truncation_direction": side.lower()}  # /v1 too
+        got = httpx.post(f"{server}/v1/embeddings", json=body).json()["data"][0]["embedding"]
+        np.testing.assert_allclose(got, want[0], atol=2e-6)
     right = httpx.post(f"{server}/embed", json={"inputs": LONG, "truncate": True}).json()
     left = httpx.post(
         f"{server}/embed", json={"inputs": LONG, "truncate": True, "truncation_direction": "Left"}

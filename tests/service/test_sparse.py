@@ -102,7 +102,7 @@ def test_tei_info_says_splade_pooling(splade):
         ("/embed_sparse", {"inputs": [[5, 999_999]]}, 400, "outside this model's vocabulary"),
         ("/embed_sparse", {"inputs": "a", "normalize": True}, 400, "unknown field(s) ['normalize']"),
         ("/embed_sparse", {"inputs": ["a"] * 41}, 413, "more than this server's 40"),
-        ("/embed_sparse", {"inputs": "word " * 80}, 413, "inputs[0] has"),
+        ("/embed_sparse", {"inputs": "word " * 80, "truncate": False}, 413, "inputs[0] has"),
         ("/embed_sparse", {"inputs": "a", "truncation_direction": "Middle"}, 400, "truncation_direction"),
         ("/embed_sparse", {"inputs": "a", "prompt_name": "query"}, 400, "query"),
         (

@@ -178,20 +178,30 @@ def test_tei_embed_and_tokenize(base, artifact, model_dir):
     assert [t["id"] for t in bare[0]] == [t["id"] for t in tokens[0][1:3]]
 
 
-def test_inputs_over_the_model_length_are_refused_or_cut_on_request(base, artifact):
+def test_inputs_over_the_model_length_are_cut_unless_asked_not_to(base, artifact):
+    """TEI's rule on every text route: a request's own ``truncate`` wins; without one the server's
+    --auto-truncate (on by default, as TEI's) decides."""
     long = "water " * 80
-    refused = httpx.post(f"{base}/v1/embeddings", json={"input": ["a", long]})
+    want = _in_process(artifact, [long], truncate=True)[POOLED][0]
+    for body in ({"input": [long]}, {"input": [long], "truncate": True}):
+        cut = httpx.post(f"{base}/v1/embeddings", json=body).json()
+        np.testing.assert_allclose(cut["data"][0]["embedding"], want, atol=1e-6)
+        assert cut["usage"]["prompt_tokens"] == MAX_LENGTH
+    refused = httpx.post(f"{base}/v1/embeddings", json={"input": ["a", long], "truncate": False})
     assert (
         refused.status_code == 413
         and f"input[1] has 82 tokens, more than this model's {MAX_LENGTH}" in error_message(refused)
     )
-    cut = httpx.post(f"{base}/v1/embeddings", json={"input": [long], "truncate": True}).json()
-    np.testing.assert_allclose(
-        cut["data"][0]["embedding"], _in_process(artifact, [long], truncate=True)[POOLED][0], atol=1e-6
-    )
-    assert cut["usage"]["prompt_tokens"] == MAX_LENGTH
-    assert httpx.post(f"{base}/embed", json={"inputs": long}).status_code == 413
-    assert httpx.post(f"{base}/embed", json={"inputs": long, "truncate": True}).status_code == 200
+    assert httpx.post(f"{base}/embed", json={"inputs": long}).status_code == 200
+    assert httpx.post(f"{base}/embed", json={"inputs": long, "truncate": None}).status_code == 200
+    assert httpx.post(f"{base}/embed", json={"inputs": long, "truncate": False}).status_code == 413
+    with start_server(artifact, "--no-auto-truncate") as strict:
+        assert httpx.post(f"{strict.base}/embed", json={"inputs": long}).status_code == 413
+        assert httpx.post(f"{strict.base}/v1/embeddings", json={"input": long}).status_code == 413
+        r = httpx.post(f"{strict.base}/embed", json={"inputs": long, "truncate": True})
+        np.testing.assert_allclose(r.json()[0], want, atol=1e-6)
+        assert httpx.get(f"{strict.base}/info").json()["auto_truncate"] is False
+    assert httpx.get(f"{base}/info").json()["auto_truncate"] is True
 
 
 @pytest.mark.parametrize(
@@ -201,7 +211,11 @@ def test_inputs_over_the_model_length_are_refused_or_cut_on_request(base, artifa
         ({"input": ["a", ""]}, 400, "input[1] is an empty string"),
         ({"input": ["a"] * 10_000}, 413, "10000 inputs, more than this server's 100"),
         # refused by its characters before it is tokenized (48 tokens x 32 characters a token at most)
-        ({"input": "a " * 500_000}, 413, "input[0] has 1000000 characters, more than the model's max_length"),
+        (
+            {"input": "a " * 500_000, "truncate": False},
+            413,
+            "input[0] has 1000000 characters, more than the model's max_length",
+        ),
         ({"input": ["a", "b" * 10_000_000]}, 413, "input[1] has 10000000 characters"),
         ({"input": "b" * 10_000_000, "truncate": True}, 413, "where a cut falls would change the answer"),
         ({"input": [[1, 2, 10**6]]}, 400, "input[0] holds token id 1000000, outside this model's vocabulary"),
@@ -215,7 +229,7 @@ def test_inputs_over_the_model_length_are_refused_or_cut_on_request(base, artifa
         ({"input": ["a", "b", 3]}, 400, "input[2] must be a string as input[0] is"),
         ({"input": "a", "dimensions": True}, 400, "dimensions must be a positive integer, got true"),
         ({}, 400, "missing field 'input'"),
-        ({"input": "a", "encoding_format": "int8"}, 400, "encoding_format must be one of"),
+        ({"input": "a", "encoding_format": "int4"}, 400, "encoding_format must be one of"),
         *(
             ({"input": "a", "encoding_format": bad}, 400, "encoding_format must be one of")
             for bad in (False, {}, 0, "", [], ["float"], 1.5)
@@ -264,7 +278,9 @@ def test_tei_embed_all_is_transformers_last_hidden_state_per_real_token_and_info
 def test_tei_errors_name_its_own_fields(base):
     for body, names in (
         ({"inputs": ["a", ""]}, "inputs[1] is an empty string"),
-        ({"inputs": "a " * 500_000}, "inputs[0] has 1000000 characters"),
+        ({"inputs": "a " * 500_000, "truncate": False}, "inputs[0] has 1000000 characters"),
+        ({"inputs": "a", "truncate": "no"}, "truncate must be true or false"),
+        ({"inputs": "a", "embedding_type": "int4"}, "embedding_type must be one of"),
         ({"inputs": "a", "normalize": None}, "normalize must be true or false, got null"),
     ):
         r = httpx.post(f"{base}/embed", json=body)
@@ -332,12 +348,13 @@ def test_one_huge_string_is_refused_before_it_is_tokenized(base, where):
 
     port = int(base.rsplit(":", 1)[1])
     huge = "word " * 2_000_000
-    bodies = {
-        "/v1/embeddings": {"input": huge},
-        "/embed": {"inputs": huge},
+    bodies = {  # (without truncate: false the server cuts it by its characters, not refuses it)
+        "/v1/embeddings": {"input": huge, "truncate": False},
+        "/embed": {"inputs": huge, "truncate": False},
         "/tokenize": {"inputs": huge},
         "/v2/models/tiny-bert/infer": {
-            "inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": [huge]}]
+            "inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": [huge]}],
+            "parameters": {"truncate": False},
         },
     }
     with contextlib.ExitStack() as stack:
@@ -437,7 +454,8 @@ def test_tritonclient_sends_text_as_bytes_over_http_and_grpc(base, artifact):
     ],
 )
 def test_bad_v2_text_is_a_400_naming_it(base, inputs, names):
-    r = httpx.post(f"{base}/v2/models/tiny-bert/infer", json={"inputs": inputs})
+    body = {"inputs": inputs, "parameters": {"truncate": False}}  # (the server cuts long texts by default)
+    r = httpx.post(f"{base}/v2/models/tiny-bert/infer", json=body)
     assert r.status_code in (400, 413) and names in error_message(r), r.text
 
 

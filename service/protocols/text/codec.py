@@ -11,9 +11,17 @@ from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request, Response
 
+from addnorm.model.quantize import FLOAT
 from addnorm.service.core import inference
 from addnorm.service.core.inference import work
-from addnorm.service.core.text import TextLimits, TextRequest, decode_texts, need_task
+from addnorm.service.core.text import (
+    PRECISION,
+    TextLimits,
+    TextRequest,
+    decode_texts,
+    need_precision,
+    need_task,
+)
 from addnorm.service.errors import BadInput, TooLarge
 from addnorm.service.guard import Known
 from addnorm.service.protocols.common import http_call, parse_json, read_then_watch, timing_headers
@@ -38,15 +46,20 @@ class TextQuery:
 
     model: str | None
     inputs: list
-    truncate: bool
+    truncate: bool | None  # None: as the server's --auto-truncate says
     options: dict
     prompt: str | None = None  # one of the model's named prompts, put before each text
+    prompt_names: tuple[str, ...] = ()  # or the first of these the model has (else its default: no error)
     prompt_text: str | None = None  # or a text of the request's own, put before each text
     field: str = "input"  # what the API calls its inputs, in error messages (TEI: "inputs")
     seconds: list[str] | None = None
     tasks: tuple[str, ...] = ("embed",)
     token_rows: bool = False  # the answer writes every token's vector, not one a text (TEI's /embed_all)
     direction: str = "right"  # where truncation cuts: the end of an input (right) or its start (left)
+    # the sentence vectors' forms: float32 or quantized ones (core/text.py, EMBEDDING_TYPES); the first is the
+    # answer's, a protocol that writes several (Cohere's embedding_types) asks for each
+    precisions: tuple[str, ...] = (FLOAT,)
+    precision_field: str = "embedding_type"  # what the API calls it, in error messages
 
 
 @dataclass
@@ -71,18 +84,25 @@ class TextCodec:
         read = self.read(parse_json(body, self.max_elements), limits.max_inputs)
         model = resolve(read.model)
         need_task(model, read.tasks, self.route)
+        for precision in read.precisions:
+            need_precision(model, precision, read.precision_field)
+        prompt = read.prompt
+        if read.prompt_names and model.engine.text is not None:
+            prompts = model.engine.text.config.prompts
+            prompt = next((name for name in read.prompt_names if name in prompts), None)
         req = decode_texts(
             model,
             read.inputs,
             read.truncate,
             limits,
             read.field,
-            read.prompt,
+            prompt,
             read.seconds,
             read.prompt_text,
             read.direction,
         )
-        req.model, req.options = read.model, {**read.options, TOKEN_ROWS: read.token_rows}
+        req.model = read.model
+        req.options = {**read.options, TOKEN_ROWS: read.token_rows, PRECISION: read.precisions[0]}
         if read.token_rows and (values := req.tokens * model.engine.d_model) > self.max_elements:
             raise TooLarge(
                 f"{read.field} hold {req.tokens} tokens: {values} values of token vectors, more than this server "
@@ -129,9 +149,3 @@ def fields(doc: object, known: set[str], required: str) -> dict:
     if required not in doc:
         raise BadInput(f"missing field {required!r}")
     return doc
-
-
-def pooling(model: ServingModel) -> tuple[str, bool]:
-    """How the model pools and whether it normalizes (its manifest's config); mean for a graph without pooling."""
-    config = model.engine.manifest.config
-    return (config.pooling if config.pooling != "none" else "mean"), config.normalize_pooled

@@ -3,7 +3,9 @@
 
 ``input``: a string, a list of strings, a list of token ids or a list of such lists; ``model``: a served model's name
 (``GET /v1/models`` lists them); ``encoding_format``: ``float`` (default) or ``base64`` (little-endian float32,
-what the client asks for by default); ``dimensions``: the first N values, normalized again (Matryoshka). The answer
+what the client asks for by default), or a quantized form as JSON integers (``int8``, ``uint8``, ``binary``,
+``ubinary``: sentence-transformers'); ``embedding_type`` (not OpenAI's): the quantized form, with ``base64`` its
+bytes; ``dimensions``: the first N values, normalized again (Matryoshka). The answer
 is ``{"object": "list", "data": [{"object": "embedding", "index": i, "embedding": ...}], "model", "usage"}`` in
 input order. ``truncate`` (not OpenAI's; TEI's and vLLM's idea): cut inputs over the model's length instead of a 413.
 """
@@ -17,14 +19,26 @@ import time
 import orjson
 from fastapi import APIRouter
 
-from addnorm.service.core.text import text_inputs, vectors
+from addnorm.model.quantize import FLOAT, PRECISIONS
+from addnorm.service.core.text import EMBEDDING_TYPES, embedding_type, sentence_vectors, text_inputs
 from addnorm.service.errors import BadInput, quote
 from addnorm.service.guard import Known
 from addnorm.service.protocols.common import error_docs
-from addnorm.service.protocols.text.codec import TextQuery, fields, pooling, text_route
+from addnorm.service.protocols.text.codec import TextQuery, fields, text_route
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-_KNOWN = {"input", "model", "encoding_format", "dimensions", "user", "truncate", "prompt_name", "prompt"}
+_KNOWN = {
+    "input",
+    "model",
+    "encoding_format",
+    "embedding_type",
+    "dimensions",
+    "user",
+    "truncate",
+    "truncation_direction",
+    "prompt_name",
+    "prompt",
+}
 # OpenAI's error object (what error_shape writes)
 ERROR_SCHEMA = {
     "type": "object",
@@ -42,7 +56,7 @@ ERROR_SCHEMA = {
         }
     },
 }
-_FORMATS = ("float", "base64")
+_FORMATS = ("float", "base64", *PRECISIONS)
 
 REQUEST = {
     "type": "object",
@@ -61,7 +75,19 @@ REQUEST = {
             "type": "string",
             "description": "a served model's name (GET /v1/models); default: the first",
         },
-        "encoding_format": {"type": "string", "enum": list(_FORMATS), "default": "float"},
+        "encoding_format": {
+            "type": "string",
+            "enum": list(_FORMATS),
+            "default": "float",
+            "description": "float or base64 (little-endian bytes of each vector), or a quantized form as integers",
+        },
+        "embedding_type": {
+            "type": "string",
+            "enum": list(EMBEDDING_TYPES),
+            "default": "float",
+            "description": "the vectors' form: float32, or sentence-transformers' quantized forms (int8, uint8: "
+            "ranges calibrated at export; binary, ubinary: 8 dimensions a byte)",
+        },
         "dimensions": {
             "type": "integer",
             "minimum": 1,
@@ -70,9 +96,9 @@ REQUEST = {
         "user": {"type": "string", "description": "accepted and ignored"},
         "truncate": {
             "type": "boolean",
-            "default": False,
-            "description": "cut inputs over the model's length",
+            "description": "cut inputs over the model's length (default: the server's --auto-truncate)",
         },
+        "truncation_direction": {"type": "string", "enum": ["right", "left"], "default": "right"},
         "prompt_name": {
             "type": "string",
             "description": "one of the model's prompts (sentence-transformers'), put before each text",
@@ -147,29 +173,47 @@ def read(doc: object, max_inputs: int) -> TextQuery:
     fmt = "float" if fmt is None else fmt
     if not isinstance(fmt, str) or fmt not in _FORMATS:
         raise BadInput(f"encoding_format must be one of {list(_FORMATS)}, got {quote(fmt)}")
+    precision = embedding_type(doc.get("embedding_type"), "embedding_type")
+    if fmt in PRECISIONS:  # a quantized form as JSON integers
+        if precision not in (FLOAT, fmt):
+            raise BadInput(f"encoding_format {fmt} and embedding_type {precision} disagree: give one")
+        fmt, precision = "float", fmt
     dims = doc.get("dimensions")
     if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
         raise BadInput(f"dimensions must be a positive integer, got {quote(dims)}")
     if (user := doc.get("user")) is not None and not isinstance(user, str):
         raise BadInput(f"user must be a string, got {quote(user)}")
-    truncate = doc.get("truncate", False)
-    if not isinstance(truncate, bool):
+    truncate = doc.get("truncate")
+    if truncate is not None and not isinstance(truncate, bool):
         raise BadInput(f"truncate must be true or false, got {quote(truncate)}")
+    side = doc.get("truncation_direction", "right")
+    if side not in ("right", "left"):
+        raise BadInput(f"truncation_direction must be 'right' or 'left', got {quote(side)}")
     inputs = text_inputs(doc["input"], "input", max_inputs)
     for field in ("prompt_name", "prompt"):
         if (value := doc.get(field)) is not None and not isinstance(value, str):
             raise BadInput(f"{field} must be a string, got {quote(value)}")
     options = {"format": fmt, "dimensions": dims}
-    return TextQuery(model, inputs, truncate, options, doc.get("prompt_name"), prompt_text=doc.get("prompt"))
+    return TextQuery(
+        model,
+        inputs,
+        truncate,
+        options,
+        doc.get("prompt_name"),
+        prompt_text=doc.get("prompt"),
+        direction=side,
+        precisions=(precision,),
+    )
 
 
 def write(req, model, outputs) -> bytes:
     dims = req.options["dimensions"]
-    pooled_by, normalized = pooling(model)
     # Matryoshka: cut, then normalize again
-    out = vectors(req, outputs, pooled_by, normalized, True if dims is not None else None, dims)
-    if req.options["format"] == "base64":
-        data = [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in out]
+    out = sentence_vectors(req, model, outputs, True if dims is not None else None, dims)
+    if (
+        req.options["format"] == "base64"
+    ):  # each vector's bytes: little-endian float32, or its quantized bytes
+        data = [base64.b64encode(row.astype(row.dtype.newbyteorder("<")).tobytes()).decode() for row in out]
     else:
         data = list(out)  # float32 rows: orjson writes each value's shortest float32 form
     return orjson.dumps(

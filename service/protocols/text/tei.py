@@ -26,21 +26,32 @@ from addnorm import __version__
 from addnorm.model.tokenize import TooManyChars
 from addnorm.service.core.inference import offload, work
 from addnorm.service.core.text import (
+    EMBEDDING_TYPES,
     TextLimits,
+    embedding_type,
     prompt_text,
     scores,
+    sentence_vectors,
     sparse_rows,
     text_inputs,
     token_vectors,
-    vectors,
 )
 from addnorm.service.errors import BadInput, TooLarge, quote
 from addnorm.service.guard import Known
 from addnorm.service.protocols.common import error_docs, json_bool, json_route_doc, parse_json, read_body
-from addnorm.service.protocols.text.codec import TEXT_WORK, TextQuery, fields, pooling, text_route
+from addnorm.service.protocols.text.codec import TEXT_WORK, TextQuery, fields, text_route
 
 router = APIRouter(tags=["tei"])
-_EMBED = {"inputs", "normalize", "truncate", "truncation_direction", "prompt_name", "prompt", "dimensions"}
+_EMBED = {
+    "inputs",
+    "normalize",
+    "truncate",
+    "truncation_direction",
+    "prompt_name",
+    "prompt",
+    "dimensions",
+    "embedding_type",
+}
 _TOKENIZE = {"inputs", "add_special_tokens", "prompt_name", "prompt"}
 _EMBED_ALL = {"inputs", "truncate", "truncation_direction", "prompt_name", "prompt"}
 _EMBED_SPARSE = _EMBED_ALL
@@ -77,18 +88,32 @@ def _doc(properties: dict, answer: dict, example: dict, description: str = "one 
 _EMBED_DOC = _doc(
     {
         "normalize": {"type": "boolean", "default": True},
-        "truncate": {"type": "boolean", "default": False},
+        "truncate": {
+            "type": "boolean",
+            "nullable": True,
+            "description": "default: the server's --auto-truncate",
+        },
         "truncation_direction": {"type": "string", "enum": ["Right", "Left"], "default": "Right"},
         "prompt_name": {"type": "string", "nullable": True},
         "prompt": {"type": "string", "nullable": True},
         "dimensions": {"type": "integer", "minimum": 1, "nullable": True},
+        "embedding_type": {
+            "type": "string",
+            "enum": list(EMBEDDING_TYPES),
+            "default": "float",
+            "description": "float, or sentence-transformers' quantized forms (binary ones: 8 dimensions a byte)",
+        },
     },
     {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
     {"inputs": "What is Deep Learning?"},
 )
 _EMBED_ALL_DOC = _doc(
     {
-        "truncate": {"type": "boolean", "default": False},
+        "truncate": {
+            "type": "boolean",
+            "nullable": True,
+            "description": "default: the server's --auto-truncate",
+        },
         "truncation_direction": {"type": "string", "enum": ["Right", "Left"], "default": "Right"},
         "prompt_name": {"type": "string", "nullable": True},
         "prompt": {"type": "string", "nullable": True},
@@ -103,7 +128,11 @@ _SPARSE_VALUE = {
 }
 _EMBED_SPARSE_DOC = _doc(
     {
-        "truncate": {"type": "boolean", "default": False},
+        "truncate": {
+            "type": "boolean",
+            "nullable": True,
+            "description": "default: the server's --auto-truncate",
+        },
         "truncation_direction": {"type": "string", "enum": ["Right", "Left"], "default": "Right"},
         "prompt_name": {"type": "string", "nullable": True},
         "prompt": {"type": "string", "nullable": True},
@@ -145,7 +174,11 @@ _RERANK_DOC = json_route_doc(
         "texts": {"type": "array", "items": {"type": "string"}},
         "raw_scores": {"type": "boolean", "default": False},
         "return_text": {"type": "boolean", "default": False},
-        "truncate": {"type": "boolean", "default": False},
+        "truncate": {
+            "type": "boolean",
+            "nullable": True,
+            "description": "default: the server's --auto-truncate",
+        },
         "truncation_direction": {"type": "string", "enum": ["Right", "Left"], "default": "Right"},
     },
     {"query": "What is Deep Learning?", "texts": ["Deep Learning is ...", "Paris is ..."]},
@@ -158,7 +191,11 @@ _PREDICT_DOC = _doc(
     {
         "inputs": {"oneOf": [{"type": "string"}, _ONE, {"type": "array", "items": _ONE}]},
         "raw_scores": {"type": "boolean", "default": False},
-        "truncate": {"type": "boolean", "default": False},
+        "truncate": {
+            "type": "boolean",
+            "nullable": True,
+            "description": "default: the server's --auto-truncate",
+        },
         "truncation_direction": {"type": "string", "enum": ["Right", "Left"], "default": "Right"},
     },
     {
@@ -195,9 +232,17 @@ def read(doc: object, max_inputs: int) -> TextQuery:
         raise BadInput(f"dimensions must be a positive integer, got {quote(dims)}")
     options = {"normalize": json_bool(doc, "normalize", "body", True), "dimensions": dims}
     inputs = text_inputs(doc["inputs"], "inputs", max_inputs)
-    truncate = json_bool(doc, "truncate", "body", False)
+    truncate = json_bool(doc, "truncate", "body", None)
+    precision = embedding_type(doc.get("embedding_type"), "embedding_type")
     return TextQuery(
-        None, inputs, truncate, options, field="inputs", direction=direction(doc), **_prompt(doc)
+        None,
+        inputs,
+        truncate,
+        options,
+        field="inputs",
+        direction=direction(doc),
+        precisions=(precision,),
+        **_prompt(doc),
     )
 
 
@@ -241,7 +286,7 @@ def read_rerank(doc: object, max_inputs: int) -> TextQuery:
         "raw": json_bool(doc, "raw_scores", "body", False),
         "texts": texts if json_bool(doc, "return_text", "body", False) else None,
     }
-    truncate = json_bool(doc, "truncate", "body", False)
+    truncate = json_bool(doc, "truncate", "body", None)
     return TextQuery(
         None,
         [query] * len(texts),
@@ -297,7 +342,7 @@ def read_predict(doc: object, max_inputs: int) -> TextQuery:
     doc = fields(doc, _PREDICT, "inputs")
     firsts, seconds, batch = _sequences(doc["inputs"], max_inputs)
     options = {"raw": json_bool(doc, "raw_scores", "body", False), "batch": batch}
-    truncate = json_bool(doc, "truncate", "body", False)
+    truncate = json_bool(doc, "truncate", "body", None)
     return TextQuery(
         None,
         firsts,
@@ -322,7 +367,7 @@ def write_predict(req, model, outputs) -> bytes:
 def read_embed_all(doc: object, max_inputs: int) -> TextQuery:
     doc = fields(doc, _EMBED_ALL, "inputs")
     inputs = text_inputs(doc["inputs"], "inputs", max_inputs)
-    truncate = json_bool(doc, "truncate", "body", False)
+    truncate = json_bool(doc, "truncate", "body", None)
     return TextQuery(
         None, inputs, truncate, {}, field="inputs", token_rows=True, direction=direction(doc), **_prompt(doc)
     )
@@ -335,7 +380,7 @@ def write_embed_all(req, model, outputs) -> bytes:
 def read_embed_sparse(doc: object, max_inputs: int) -> TextQuery:
     doc = fields(doc, _EMBED_SPARSE, "inputs")
     inputs = text_inputs(doc["inputs"], "inputs", max_inputs)
-    truncate = json_bool(doc, "truncate", "body", False)
+    truncate = json_bool(doc, "truncate", "body", None)
     return TextQuery(
         None,
         inputs,
@@ -358,8 +403,7 @@ def write_embed_sparse(req, model, outputs) -> bytes:
 
 
 def write(req, model, outputs) -> bytes:
-    pooled_by, normalized = pooling(model)
-    out = vectors(req, outputs, pooled_by, normalized, req.options["normalize"], req.options["dimensions"])
+    out = sentence_vectors(req, model, outputs, req.options["normalize"], req.options["dimensions"])
     return orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY)
 
 

@@ -18,10 +18,21 @@ import numpy as np
 import orjson
 
 from addnorm.model.artifact import Manifest
-from addnorm.model.contract import EMBEDDINGS, MASK, QUERY, TEXT, client_inputs, text_specs
+from addnorm.model.contract import EMBEDDINGS, MASK, POOLED, QUERY, TEXT, client_inputs, text_specs
+from addnorm.model.quantize import FLOAT
 from addnorm.service.batching.merging import Outputs
 from addnorm.service.core.inference import work
-from addnorm.service.core.text import TextLimits, TextRequest, decode_texts, need_task, text_inputs
+from addnorm.service.core.text import (
+    PRECISION,
+    TextLimits,
+    TextRequest,
+    decode_texts,
+    embedding_type,
+    need_precision,
+    need_task,
+    quantized,
+    text_inputs,
+)
 from addnorm.service.errors import BadInput, TooLarge, quote
 from addnorm.service.protocols import common
 from addnorm.service.protocols.common import (
@@ -50,7 +61,15 @@ DTYPES = {
         object
     ),  # strings: JSON strings, or binary as each element's 4-byte length then its bytes
 }
-NUMPY_TO_V2 = {"float32": "FP32", "float16": "FP16", "bool": "BOOL", "object": "BYTES", "bytes": "BYTES"}
+NUMPY_TO_V2 = {
+    "float32": "FP32",
+    "float16": "FP16",
+    "bool": "BOOL",
+    "object": "BYTES",
+    "bytes": "BYTES",
+    "int8": "INT8",
+    "uint8": "UINT8",
+}
 
 
 @dataclass
@@ -81,7 +100,7 @@ def text_step(model: ServingModel, limits: TextLimits) -> Texts:
 
     def step(texts: list[str], params: dict, queries: list[str] | None = None) -> TextRequest:
         where = f"input {TEXT!r}"
-        truncate = json_bool(params, "truncate", "parameters", False)
+        truncate = json_bool(params, "truncate", "parameters", None)
         texts = text_inputs(texts, where, limits.max_inputs)
         prompt = {}
         for name in ("prompt_name", "prompt"):
@@ -91,10 +110,14 @@ def text_step(model: ServingModel, limits: TextLimits) -> Texts:
         side = params.get("truncation_direction", "right")
         if side not in ("right", "left"):
             raise BadInput(f"parameter 'truncation_direction' must be 'right' or 'left', got {quote(side)}")
+        precision = embedding_type(params.get("embedding_type"), "parameter 'embedding_type'")
+        need_precision(model, precision, "parameter 'embedding_type'")
         if queries is None:
-            return decode_texts(
+            req = decode_texts(
                 model, texts, truncate, limits, where, prompt["prompt_name"], None, prompt["prompt"], side
             )
+            req.options[PRECISION] = precision
+            return req
         need_task(model, ("rerank", "classify"), f"input {QUERY!r}")
         if len(queries) not in (1, len(texts)):
             raise BadInput(
@@ -380,14 +403,33 @@ def _request_id(value: object) -> str | None:
     return value
 
 
+def answered(req: InferRequest, model: ServingModel, results: Outputs) -> dict[str, np.ndarray]:
+    """The outputs as the answer carries them: the pooled vectors of a text request in its ``embedding_type``
+    (INT8 or UINT8; a binary form 8 dimensions a byte: core/text.py's ``quantized``), the rest as run. Every
+    transport's answer is made of these."""
+    precision = req.text.options.get(PRECISION, FLOAT) if req.text is not None else FLOAT
+    if precision == FLOAT or POOLED not in results:
+        return results
+    normalized = model.engine.manifest.config.normalize_pooled
+    return {**results, POOLED: quantized(model, results[POOLED], precision, None, normalized)}
+
+
+def wire(tensor: np.ndarray) -> np.ndarray:
+    """A tensor as the answer carries it: contiguous, little-endian float32 unless quantized (int8, uint8)."""
+    if tensor.dtype in (np.int8, np.uint8):
+        return np.ascontiguousarray(tensor)
+    return np.ascontiguousarray(tensor, dtype="<f4")
+
+
 def encode_infer(
     req: InferRequest, model: str, results: Outputs, version: str = "1"
 ) -> tuple[bytes, dict[str, str]]:
-    """The infer response, each requested output by name: JSON only, or a JSON header then binary outputs."""
+    """The infer response, each requested output by name (``answered``'s tensors; float32 otherwise): JSON only,
+    or a JSON header then binary outputs."""
     outputs, blobs = [], []
     for out in req.outputs:
-        tensor = np.ascontiguousarray(results[out.name], dtype="<f4")
-        entry: dict = {"name": out.name, "datatype": "FP32", "shape": list(tensor.shape)}
+        tensor = wire(results[out.name])
+        entry: dict = {"name": out.name, "datatype": _v2_name(tensor.dtype), "shape": list(tensor.shape)}
         if out.binary:  # copied once, into the answer
             entry["parameters"] = {"binary_data_size": tensor.nbytes}
             blobs.append(memoryview(tensor).cast("B"))
@@ -437,4 +479,4 @@ class InferCodec:
     def encode(
         self, req: InferRequest, model: ServingModel, outputs: Outputs
     ) -> tuple[bytes, dict[str, str]]:
-        return encode_infer(req, model.name, outputs, model.version)
+        return encode_infer(req, model.name, answered(req, model, outputs), model.version)

@@ -64,10 +64,11 @@ def decode_infer(
     for out in req.outputs:
         chosen.append(codec.checked_name(out.name, "output", names, chosen))
     timeout_s = _timeout(req)
-    params = {"truncate": _parameter(req, "truncate")} if "truncate" in req.parameters else {}
+    # the request's parameters as HTTP's JSON has them (a text input's truncate, prompt_name, embedding_type...)
+    params = {name: _parameter(req, name) for name in req.parameters}
     x, mask, text = codec.to_batch(tensors, manifest, max_elements, texts, params)
     outputs = [codec.RequestedOutput(n, True) for n in chosen or names]
-    return codec.InferRequest(req.id or None, x, mask, outputs, timeout_s, text=text)
+    return codec.InferRequest(req.id or None, x, mask, outputs, timeout_s, params, text)
 
 
 def _parameter(req: pb.ModelInferRequest, name: str) -> object:
@@ -123,8 +124,8 @@ def encode_infer(req: codec.InferRequest, model: str, results: Outputs, version:
     response = pb.ModelInferResponse(model_name=model, model_version=version, id=req.id or "")
     tensors = []
     for out in req.outputs:
-        tensor = np.ascontiguousarray(results[out.name], dtype="<f4")
-        response.outputs.add(name=out.name, datatype="FP32", shape=tensor.shape)
+        tensor = codec.wire(results[out.name])
+        response.outputs.add(name=out.name, datatype=codec.NUMPY_TO_V2[str(tensor.dtype)], shape=tensor.shape)
         tensors.append(tensor)
     parts: list = [response.SerializeToString()]
     for tensor in tensors:
@@ -160,4 +161,4 @@ class GrpcInferCodec:
         return decode_infer(request, model.engine.manifest, self.max_elements, texts)
 
     def encode(self, req: codec.InferRequest, model: ServingModel, outputs: Outputs) -> bytes:
-        return encode_infer(req, model.name, outputs, model.version)
+        return encode_infer(req, model.name, codec.answered(req, model, outputs), model.version)

@@ -1,0 +1,165 @@
+"""Cohere's embed API: ``POST /v2/embed``, as the official ``cohere`` client calls it
+(``cohere.ClientV2(base_url=...).embed(model=..., texts=[...], input_type=..., embedding_types=[...])``).
+
+``{"model", "texts": [str], "input_type", "embedding_types": ["float" | "int8" | "uint8" | "binary" | "ubinary" |
+"base64"], "truncate": "NONE" | "START" | "END", "output_dimension"}`` -> ``{"id", "embeddings": {type: [...]},
+"texts", "meta", "response_type": "embeddings_by_type"}``, each type's vectors in input order. ``input_type`` picks
+the model's prompt as sentence-transformers' ``encode_query`` / ``encode_document`` do: ``search_query`` the prompt
+named ``search_query`` or ``query``; ``search_document`` ``search_document``, ``document``, ``passage`` or
+``corpus``; ``classification`` and ``clustering`` their own names; the model's default where it has none of them.
+The quantized types are sentence-transformers' (model/quantize.py: int8 and uint8 against the ranges calibrated at
+export, not Cohere's own), ``base64`` the little-endian float32 bytes. ``truncate`` (Cohere's default ``END``):
+``START`` cuts an input's start, ``END`` its end, ``NONE`` refuses an input over the model's length (413).
+``output_dimension``: the first N values, normalized again (Matryoshka). Errors are Cohere's ``{"message"}``.
+"""
+
+from __future__ import annotations
+
+import base64
+import uuid
+
+import orjson
+from fastapi import APIRouter
+
+from addnorm.model.quantize import FLOAT
+from addnorm.service.core.text import EMBEDDING_TYPES, quantized, sentence_vectors
+from addnorm.service.errors import BadInput, quote
+from addnorm.service.protocols.common import error_docs, json_route_doc
+from addnorm.service.protocols.text import rerank
+from addnorm.service.protocols.text.codec import TextQuery, fields, text_route
+from addnorm.service.protocols.text.tei import text_list
+
+router = APIRouter(tags=["cohere"])
+_KNOWN = {
+    "model",
+    "texts",
+    "images",
+    "inputs",
+    "input_type",
+    "embedding_types",
+    "truncate",
+    "output_dimension",
+    "max_tokens",
+    "priority",
+}
+BASE64 = "base64"
+TYPES = (*EMBEDDING_TYPES, BASE64)
+# Cohere's input types -> the model's prompts that serve them, first found first (sentence-transformers' names)
+INPUT_PROMPTS = {
+    "search_query": ("search_query", "query"),
+    "search_document": ("search_document", "document", "passage", "corpus"),
+    "classification": ("classification",),
+    "clustering": ("clustering",),
+}
+_TRUNCATE = {"END": (True, "right"), "START": (True, "left"), "NONE": (False, "right")}
+_VECTORS = {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}
+_DOC = json_route_doc(
+    ["texts"],
+    {
+        "model": {"type": "string"},
+        "texts": {"type": "array", "items": {"type": "string"}},
+        "input_type": {"type": "string", "enum": list(INPUT_PROMPTS)},
+        "embedding_types": {"type": "array", "items": {"type": "string", "enum": list(TYPES)}},
+        "truncate": {"type": "string", "enum": list(_TRUNCATE), "default": "END"},
+        "output_dimension": {"type": "integer", "minimum": 1, "nullable": True},
+        "priority": {"type": "integer", "description": "accepted and ignored"},
+    },
+    {"texts": ["What is Deep Learning?"], "input_type": "search_query", "embedding_types": ["float", "int8"]},
+    {
+        "type": "object",
+        "properties": dict(  # (keywords: Cohere's "embeddings" is not the graph's input of that name)
+            id={"type": "string"},
+            embeddings={
+                "type": "object",
+                "properties": {
+                    **{name: _VECTORS for name in EMBEDDING_TYPES},
+                    BASE64: {"type": "array", "items": {"type": "string"}},
+                },
+            },
+            texts={"type": "array", "items": {"type": "string"}},
+            meta={"type": "object"},
+            response_type={"type": "string"},
+        ),
+    },
+    "each asked type's vectors, in input order",
+    error_docs(
+        {
+            400: "bad input (a field named)",
+            401: "missing or invalid API key",
+            404: "unknown model",
+            413: "too many texts, or one over the model's length with truncate NONE",
+            429: "queue full; retry after Retry-After seconds",
+            503: "model not loaded yet",
+        },
+        rerank.ERROR_SCHEMA,
+    ),
+)
+
+
+def read(doc: object, max_inputs: int) -> TextQuery:
+    doc = fields(doc, _KNOWN, "texts")
+    for name in ("images", "inputs"):
+        if doc.get(name) is not None:
+            raise BadInput(f"{name} is not supported: this server embeds texts; send texts")
+    if doc.get("max_tokens") is not None:
+        raise BadInput("max_tokens is not supported: inputs are cut at the model's length (truncate)")
+    texts = text_list(doc["texts"], "texts", max_inputs)
+    model = doc.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadInput(f"model must be a string, got {quote(model)}")
+    input_type = doc.get("input_type")
+    if input_type is not None and input_type not in INPUT_PROMPTS:
+        raise BadInput(f"input_type must be one of {list(INPUT_PROMPTS)}, got {quote(input_type)}")
+    types = doc.get("embedding_types")
+    types = [FLOAT] if types is None else types
+    if not isinstance(types, list) or not types or not all(isinstance(t, str) and t in TYPES for t in types):
+        raise BadInput(f"embedding_types must be a non-empty list of {list(TYPES)}, got {quote(types)}")
+    truncate = doc.get("truncate", "END")
+    if truncate not in _TRUNCATE:
+        raise BadInput(f"truncate must be one of {list(_TRUNCATE)}, got {quote(truncate)}")
+    dims = doc.get("output_dimension")
+    if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
+        raise BadInput(f"output_dimension must be a positive integer, got {quote(dims)}")
+    cut, side = _TRUNCATE[truncate]
+    forms = tuple(dict.fromkeys(FLOAT if t == BASE64 else t for t in types))  # each asked once
+    return TextQuery(
+        model,
+        texts,
+        cut,
+        {"types": list(dict.fromkeys(types)), "dimensions": dims, "texts": texts},
+        field="texts",
+        direction=side,
+        precisions=forms,
+        precision_field="embedding_types",
+        prompt_names=INPUT_PROMPTS.get(input_type, ()),
+    )
+
+
+def write(req, model, outputs) -> bytes:
+    dims = req.options["dimensions"]
+    normalized = True if dims is not None else model.engine.manifest.config.normalize_pooled
+    floats = sentence_vectors(req, model, outputs, normalized, dims, FLOAT)  # Matryoshka: cut, then normalize
+    embeddings = {}
+    for name in req.options["types"]:
+        if name == BASE64:
+            embeddings[name] = [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in floats]
+        else:
+            embeddings[name] = quantized(model, floats, name, dims, normalized)
+    return orjson.dumps(
+        dict(
+            id=str(uuid.uuid4()),
+            embeddings=embeddings,
+            texts=req.options["texts"],
+            meta={"api_version": {"version": "2"}, "billed_units": {"input_tokens": req.tokens}},
+            response_type="embeddings_by_type",
+        ),
+        option=orjson.OPT_SERIALIZE_NUMPY,
+    )
+
+
+text_route(router, "/v2/embed", "cohere", read, write, "Embeddings of texts (Cohere's API)", _DOC)
+
+MODEL_PREFIXES = ("/v2/embed",)
+ERROR_PATHS = ("/v2/embed",)
+PUBLIC_PATHS: tuple[str, ...] = ()
+error_shape = rerank.error_shape  # Cohere's {"message"}
