@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from addnorm.export import cli, hf
-from addnorm.model.artifact import Manifest
+from addnorm.model.artifact import ArtifactError, Manifest, read_verified
 from addnorm.model.contract import ENCODED, POOLED
 from addnorm.model.text import TOKENIZER_FILE
 from addnorm.model.tokenize import TextTokenizer
@@ -552,3 +553,94 @@ def test_a_request_whose_embeddings_could_never_queue_is_413(artifact):
         assert r.status_code == 413 and "ADDNORM_MAX_QUEUE_BYTES" in error_message(r), r.text
         fits = httpx.post(f"{srv.base}/v1/embeddings", json={"input": many[:15]}, timeout=60)  # 8 parts of 2
         assert fits.status_code == 200 and len(fits.json()["data"]) == 15
+
+
+@pytest.mark.parametrize(
+    "path, body, status, names",
+    [
+        ("/v2/embed", {}, 400, "missing field 'texts'"),
+        ("/v2/embed", {"texts": []}, 400, "texts must be a non-empty list"),
+        ("/v2/embed", {"texts": ["a", ""]}, 400, "texts[1]"),
+        ("/v2/embed", {"texts": "a"}, 400, "texts must be a non-empty list"),
+        ("/v2/embed", {"texts": ["a"], "input_type": "poem"}, 400, "input_type must be one of"),
+        (
+            "/v2/embed",
+            {"texts": ["a"], "embedding_types": []},
+            400,
+            "embedding_types must be a non-empty list",
+        ),
+        ("/v2/embed", {"texts": ["a"], "embedding_types": "int8"}, 400, "embedding_types must be"),
+        ("/v2/embed", {"texts": ["a"], "embedding_types": ["int4"]}, 400, "embedding_types must be"),
+        ("/v2/embed", {"texts": ["a"], "truncate": "MIDDLE"}, 400, "truncate must be one of"),
+        ("/v2/embed", {"texts": ["a"], "truncate": True}, 400, "truncate must be one of"),
+        ("/v2/embed", {"texts": ["a"], "output_dimension": 0}, 400, "output_dimension must be a positive"),
+        (
+            "/v2/embed",
+            {"texts": ["a"], "output_dimension": 33},
+            400,
+            "dimensions 33 is more than this model's 32",
+        ),
+        (
+            "/v2/embed",
+            {"texts": ["a"], "images": ["data:image/png;base64,AA=="]},
+            400,
+            "images is not supported",
+        ),
+        ("/v2/embed", {"texts": ["a"], "max_tokens": 5}, 400, "max_tokens is not supported"),
+        ("/v2/embed", {"texts": ["a"], "model": "nope"}, 404, "unknown model 'nope'"),
+        ("/v2/embed", {"texts": ["a"], "colour": 1}, 400, "unknown field(s) ['colour']"),
+        ("/v2/embed", {"texts": ["a"] * 101}, 413, "more than this server's 100"),
+        ("/v2/embed", {"texts": ["water " * 80], "truncate": "NONE"}, 413, "more than this model's 48"),
+        ("/v1/embeddings", {"input": "a", "embedding_type": "int4"}, 400, "embedding_type must be one of"),
+        (
+            "/v1/embeddings",
+            {"input": "a", "encoding_format": "int8", "embedding_type": "binary"},
+            400,
+            "encoding_format int8 and embedding_type binary disagree",
+        ),
+        ("/v1/embeddings", {"input": "a", "truncation_direction": "up"}, 400, "truncation_direction must be"),
+        ("/embed", {"inputs": "a", "embedding_type": 8}, 400, "embedding_type must be one of"),
+    ],
+)
+def test_bad_cohere_embed_and_quantized_requests_are_4xx_in_their_apis_shape(base, path, body, status, names):
+    r = httpx.post(f"{base}{path}", json=body, timeout=60)
+    assert r.status_code == status and names in error_message(r), r.text
+    if path == "/v2/embed":
+        assert set(r.json()) == {"message"}  # Cohere's error body
+
+
+def test_quantized_forms_follow_dimensions_and_normalize_and_need_a_calibration(base, artifact, tmp_path):
+    """int8 of a request's first N dimensions (normalized again) or of raw vectors is measured against the
+    calibration's ranges of that very form; an artifact without a calibration answers the binary forms and refuses
+    int8 and uint8 by name; the server serves on."""
+    from addnorm.model import quantize
+
+    calibration = quantize.load((artifact / quantize.CALIBRATION_FILE).read_bytes())
+    for body, dims, normalized in (
+        ({"dimensions": 16}, 16, True),
+        ({"normalize": False}, None, False),
+        ({}, None, True),
+    ):
+        floats = np.array(httpx.post(f"{base}/embed", json={"inputs": TEXTS, **body}).json(), np.float32)
+        got = httpx.post(f"{base}/embed", json={"inputs": TEXTS, "embedding_type": "int8", **body}).json()
+        want = quantize.quantize(floats, "int8", quantize.ranges(calibration, dims, normalized))
+        np.testing.assert_array_equal(np.array(got, np.int8), want)
+    bare = tmp_path / "uncalibrated"
+    shutil.copytree(artifact, bare)
+    manifest = json.loads((bare / "manifest.json").read_text())
+    del manifest["calibration_sha256"], manifest["files"]["calibration"]
+    (bare / "manifest.json").write_text(json.dumps(manifest))
+    (bare / quantize.CALIBRATION_FILE).unlink()
+    with start_server(bare) as srv:
+        r = httpx.post(f"{srv.base}/v1/embeddings", json={"input": "a", "encoding_format": "uint8"})
+        assert (
+            r.status_code == 400
+            and "uint8 needs the int8 and uint8 ranges an export calibrates" in error_message(r)
+        )
+        r = httpx.post(f"{srv.base}/v1/embeddings", json={"input": ["a", "b"], "encoding_format": "ubinary"})
+        assert r.status_code == 200 and len(r.json()["data"][1]["embedding"]) == 4  # 32 dimensions, 8 a byte
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(artifact, corrupt)
+    (corrupt / quantize.CALIBRATION_FILE).write_bytes(b"not the calibration")
+    with pytest.raises(ArtifactError, match="the quantized vectors' calibration"):
+        read_verified(corrupt)  # its sha256 no longer matches: never served
