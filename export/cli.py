@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from addnorm.commands import Parser, add_artifact, add_output, quiet_dependencies
-from addnorm.export import attention, families, hf, model_dir, sentences
+from addnorm.export import attention, families, hf, hub, model_dir, sentences
 from addnorm.export.calibration import calibration_cases, load_arrays, sentences_of
 from addnorm.export.checks import GraphCheckError
 from addnorm.export.embedding import embed_sentences, text_export
@@ -72,12 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--from-bert",
         dest="from_bert",
         type=Path,
-        metavar="DIR|FILE",
+        metavar="DIR|FILE|ORG/NAME[@REV]",
         help="a Hugging Face model directory (config.json + model.safetensors, and its tokenizer.json) of a "
         f"supported encoder family (config.json's model_type: {', '.join(families.supported())}), or a "
         "weights file of BertLayer(s). The head count, widths, layer count, eps and activation come from "
         "config.json (a file's directory is read for one too); a flag that contradicts it is an error. Without "
-        "config.json: BERT, gelu, eps 1e-12, post-norm unless flags say otherwise. (--from-bert: the old spelling)",
+        "config.json: BERT, gelu, eps 1e-12, post-norm unless flags say otherwise. Or a model id, ORG/NAME[@REVISION], "
+        "fetched through huggingface_hub's cache (HF_HOME, HF_HUB_OFFLINE, HF_ENDPOINT, HF_TOKEN); the manifest "
+        "records its repository, commit and each file's sha256. (--from-bert: the old spelling)",
     )
     p.add_argument(
         "--task",
@@ -300,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
                 "--task reads a model directory's head (--from DIR); --head builds one for a model without it: "
                 "give one of them"
             )
+        source = None
+        if args.from_bert and hub.is_model_id(args.from_bert):  # ORG/NAME[@REVISION]: through the Hub's cache
+            args.from_bert, source = hub.resolve(args.from_bert)
         if args.from_bert:  # its layer count and widths come from the weights, the rest from config.json
             state, declared, where = model_dir.read_model_dir(args.from_bert, args.task)
             detected = where.family.shape(state, where.config)
@@ -353,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             check=check,
             text=text,
             labels=_labels(where, config),
+            source=source,
         )
     except ParityError as exc:
         print(format_table(exc.report, verbose=args.verbose), file=sys.stderr)

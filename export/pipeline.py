@@ -92,6 +92,7 @@ def export_artifact(
     check: Callable[[Path], dict] | None = None,
     text: TextExport | None = None,
     labels: tuple[str, ...] = (),
+    source: dict | None = None,
 ) -> ExportResult:
     """Export, check the graph, run the parity gate, then publish model, weights and manifest into ``out_dir``.
 
@@ -185,6 +186,7 @@ def export_artifact(
             scheme=plan,
             text=None if text is None else text.config,
             labels=tuple(labels),
+            source=dict(source or {}),
             embedding_sha256=sha256_file(staging / EMBEDDING_FILE) if text else "",
             tokenizer_sha256=sha256_file(staging / TOKENIZER_FILE) if text else "",
             embedding_golden_sha256=sha256_file(staging / EMBEDDING_GOLDEN_FILE) if text else "",

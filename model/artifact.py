@@ -65,6 +65,8 @@ class Manifest:
     embedding_golden_sha256: str = ""
     calibration_sha256: str = ""  # the quantized vectors' calibration (model/quantize.py); "" for none
     labels: tuple[str, ...] = ()  # a classification head's label names by index; () for none, or unnamed
+    # where the model came from when --from named a model id: repository, revision, commit, each file's sha256
+    source: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.labels and len(self.labels) != self.config.num_labels:
@@ -123,6 +125,7 @@ class Manifest:
                 else {}
             ),
             **({"labels": list(self.labels)} if self.labels else {}),
+            **({"source": self.source} if self.source else {}),
             "parity": self.parity,
             "created_at": self.created_at,
         }
@@ -159,6 +162,7 @@ class Manifest:
                 embedding_golden_sha256=str(data.get("embedding_golden_sha256", "")),
                 calibration_sha256=str(data.get("calibration_sha256", "")),
                 labels=_labels(data.get("labels", [])),
+                source=dict(data.get("source", {})),
             )
         except (KeyError, TypeError, ValueError, ConfigError) as exc:
             if isinstance(exc, ArtifactError):
