@@ -121,9 +121,8 @@ def core(artifact: Path, texts: list[str], seconds: float) -> dict[tuple[int, in
     (tokenized, in parts, on the batcher, pooled) in a closed loop, after a second's warm-up."""
     import asyncio
 
-    from addnorm.service.core.text import TextLimits, decode_texts, run_parts, vectors
+    from addnorm.service.core.text import TextLimits, decode_texts, run_parts, sentence_vectors
     from addnorm.service.models.state import ServiceState, serving_model
-    from addnorm.service.protocols.text.codec import pooling
     from addnorm.service.settings import Settings
 
     async def loop(model, limits: TextLimits, groups: list[list[str]], clients: int) -> float:
@@ -134,7 +133,7 @@ def core(artifact: Path, texts: list[str], seconds: float) -> dict[tuple[int, in
                 req = decode_texts(model, groups[i % len(groups)], False, limits)
                 with model.request(time.perf_counter()) as timer:
                     outputs, _ = await run_parts(model.infer, req, 60.0, timer)
-                vectors(req, outputs, *pooling(model))
+                sentence_vectors(req, outputs=outputs, model=model)
                 tokens[0] += req.tokens
                 i += clients
 

@@ -573,6 +573,9 @@ def test_a_request_whose_embeddings_could_never_queue_is_413(artifact):
         ("/v2/embed", {"texts": ["a"], "embedding_types": ["int4"]}, 400, "embedding_types must be"),
         ("/v2/embed", {"texts": ["a"], "truncate": "MIDDLE"}, 400, "truncate must be one of"),
         ("/v2/embed", {"texts": ["a"], "truncate": True}, 400, "truncate must be one of"),
+        ("/v2/embed", {"texts": ["a"], "truncate": {}}, 400, "truncate must be one of"),
+        ("/v2/embed", {"texts": ["a"], "input_type": {}}, 400, "input_type must be one of"),
+        ("/v2/embed", {"texts": ["a"], "embedding_types": [{}]}, 400, "embedding_types must be"),
         ("/v2/embed", {"texts": ["a"], "output_dimension": 0}, 400, "output_dimension must be a positive"),
         (
             "/v2/embed",

@@ -108,14 +108,14 @@ def read(doc: object, max_inputs: int) -> TextQuery:
     if model is not None and not isinstance(model, str):
         raise BadInput(f"model must be a string, got {quote(model)}")
     input_type = doc.get("input_type")
-    if input_type is not None and input_type not in INPUT_PROMPTS:
+    if input_type is not None and (not isinstance(input_type, str) or input_type not in INPUT_PROMPTS):
         raise BadInput(f"input_type must be one of {list(INPUT_PROMPTS)}, got {quote(input_type)}")
     types = doc.get("embedding_types")
     types = [FLOAT] if types is None else types
     if not isinstance(types, list) or not types or not all(isinstance(t, str) and t in TYPES for t in types):
         raise BadInput(f"embedding_types must be a non-empty list of {list(TYPES)}, got {quote(types)}")
     truncate = doc.get("truncate", "END")
-    if truncate not in _TRUNCATE:
+    if not isinstance(truncate, str) or truncate not in _TRUNCATE:
         raise BadInput(f"truncate must be one of {list(_TRUNCATE)}, got {quote(truncate)}")
     dims = doc.get("output_dimension")
     if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
