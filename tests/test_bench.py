@@ -550,3 +550,37 @@ def test_the_rerank_benchmark_scores_the_pairs_in_process_and_through_the_server
         "cells": {"addnorm-serve|1": {"tokens_per_s": 270.0, "p50_ms": 300.0, "p99_ms": 400.0}},
     }
     assert "| addnorm-serve | 1 | 270 | 300 | 400 | 0.90x |" in rerank.table(res)
+
+
+def test_the_long_benchmark_makes_documents_of_each_length_and_its_table_reads(tmp_path):
+    """bench.long's inputs: documents of about 512 and 2,048 tokens of real text (whole words; re-tokenizing a
+    decoded text may merge a piece or two), as many as its batches take; and its table from a result."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from bench.long import KINDS, TOKENIZER_FILES, table, texts
+    from bench.text import minilm
+
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(minilm() / name, tmp_path / name)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    tok.no_truncation()
+    for kind in ("512", "2048"):
+        docs = texts(kind, tmp_path)
+        assert len(docs) == 2 * KINDS[kind][1]
+        for doc in docs:
+            assert abs(len(tok.encode(doc).ids) - int(kind)) <= 8, (kind, len(tok.encode(doc).ids))
+    assert len(texts("queries", tmp_path)) >= 90
+    side = {"seconds": 1.0, "peak_rss_mb": 900.0, "texts": 8}
+    res = {
+        "cpu_flags": ["avx2"],
+        "layers": 6,
+        "threads": 2,
+        "rows": {"512": {"addnorm": side, "sentence-transformers": {**side, "seconds": 2.0}, "ratio": 2.0}},
+        "short_among_long": dict.fromkeys(
+            ("alone_p50_ms", "alone_p99_ms", "among_p50_ms", "among_p99_ms", "document_ms"), 5.0
+        ),
+    }
+    out = table(res)
+    assert "| documents of 512 tokens | 8 | 1.00 | 2.00 | 2.00x | 900 / 900 |" in out and "p99 5.0 ms" in out

@@ -228,8 +228,8 @@ def decode_texts(
 ) -> TextRequest:
     """Tokenize (or check the ids of) ``inputs`` (``text_inputs``'s) with ``model``'s text front, behind its prompt
     ``prompt``, in parts of at most ``limits.max_batch_tokens`` positions; the first part embedded. Cut to the
-    model's length when ``truncate``, or when None (the request does not say) ``limits.auto_truncate``; refused when its embeddings could never fit the
-    queue (``limits.max_bytes``). ``seconds``: each text's second, tokenized as a pair (a query and a document;
+    model's length when ``truncate``, or where it is None (the request does not say) ``limits.auto_truncate``;
+    refused when its embeddings could never fit the queue (``limits.max_bytes``). ``seconds``: each text's second, tokenized as a pair (a query and a document;
     cut in the second only)."""
     front = model.engine.text
     if front is None:
@@ -237,9 +237,8 @@ def decode_texts(
             f"model {quote(model.name)} takes embeddings, not text or token ids: export it from a model directory "
             "with --inputs ids"
         )
-    truncate = (
-        limits.auto_truncate if truncate is None else truncate
-    )  # TEI's: the request's own, else the server's
+    # TEI's rule: the request's own truncate, else the server's --auto-truncate
+    truncate = limits.auto_truncate if truncate is None else truncate
     max_batch_tokens = model.engine.manifest.config.run_tokens(limits.max_batch_tokens)
     max_bytes = limits.max_bytes
     if isinstance(inputs[0], str) and seconds is None:  # a pair (a query and a document) has no prompt
