@@ -210,9 +210,7 @@ def write(req, model, outputs) -> bytes:
     dims = req.options["dimensions"]
     # Matryoshka: cut, then normalize again
     out = sentence_vectors(req, model, outputs, True if dims is not None else None, dims)
-    if (
-        req.options["format"] == "base64"
-    ):  # each vector's bytes: little-endian float32, or its quantized bytes
+    if req.options["format"] == "base64":  # each vector's bytes: little-endian float32, or quantized ones
         data = [base64.b64encode(row.astype(row.dtype.newbyteorder("<")).tobytes()).decode() for row in out]
     else:
         data = list(out)  # float32 rows: orjson writes each value's shortest float32 form
