@@ -18,6 +18,7 @@ all-MiniLM-L6-v2's (the dev extra's), its pooling the mean.
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import statistics
@@ -279,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=6, help="of ModernBERT-base's 22 (default 6)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=10.0, help="each latency run's length")
-    p.add_argument("--point", nargs=4, metavar=("SIDE", "KIND", "DIR", "ARTIFACT"), help=argparse_hidden())
-    p.add_argument("--threads", type=int, default=0, help=argparse_hidden())
+    p.add_argument("--point", nargs=4, metavar=("SIDE", "KIND", "DIR", "ARTIFACT"), help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.point:
         side, kind, directory, artifact = args.point
@@ -290,12 +291,6 @@ def main(argv: list[str] | None = None) -> int:
     print(table(res))
     (ROOT / "bench" / "results" / "long.json").write_text(json.dumps(res, indent=2))
     return 0
-
-
-def argparse_hidden() -> str:
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":
