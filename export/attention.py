@@ -19,8 +19,12 @@ function, and only its ONNX spelling differs. The parity gate checks each form a
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 from collections.abc import Callable, Iterator
 
+import numpy as np
+import onnx
 import onnxscript
 import torch
 import torch.nn.functional as F
@@ -29,9 +33,10 @@ from onnx.defs import OpSchema
 from onnxscript import opset17 as op
 from torch import Tensor
 
+from addnorm.model import attention as held
 from addnorm.model.attention import FORMS
 from addnorm.model.config import EncoderConfig
-from addnorm.model.encoder import Encoder, attend
+from addnorm.model.encoder import Encoder, attend, window_bias
 
 CHOICES = ("auto", *FORMS)
 AUTO = "mha"
@@ -59,8 +64,14 @@ def resolve(choice: str, opset: int) -> str:
 def expected_ops(form: str, config: EncoderConfig) -> dict[str, int]:
     """The attention nodes a graph of ``form`` must hold (If branches counted), and no Softmax unless decomposed."""
     layers, biased = config.num_layers, config.biased_layers
-    if form == "mha":  # a layer with a bias on its scores has no flash kernel to keep: one, masked
-        return {"If": layers - biased, "MultiHeadAttention": 2 * (layers - biased) + biased, "Softmax": 0}
+    local = sum(config.is_local(i) for i in range(layers))
+    if form == "mha":  # a layer with a bias on its scores has no flash kernel to keep: one, masked; a local
+        # layer's If: banded (one Softmax) or that one
+        return {
+            "If": layers - biased + local,
+            "MultiHeadAttention": 2 * (layers - biased) + biased,
+            "Softmax": local,
+        }
     if form == "onnx":
         return {"Attention": layers, "Softmax": 0}
     return {"Softmax": layers}
@@ -194,11 +205,126 @@ def _attend_onnx(
     return out.transpose(1, 2).reshape(B, S, E)
 
 
+# --- a local layer's window in mha graphs: banded past BANDED_FROM positions, one masked MultiHeadAttention below
+#
+# A local layer's query sees only the keys within ``window`` positions of it. Spelled as a bias on full attention it
+# holds heads x seq x seq scores (3.2 GB a layer at 8,192 tokens, 12 heads) and computes them all; the banded form
+# cuts the sequence into blocks of ``window`` queries, each scoring the keys of its own block and its two
+# neighbours (3 x window keys, which hold every key within the window): heads x seq x 3 window scores.
+# Up to BANDED_FROM (model/attention.py) positions the full form is as fast or faster (docs/benchmarks.md).
+
+
+@torch.library.custom_op("addnorm::banded", mutates_args=())
+def _banded(
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor, nhead: int, head_dim: int, window: int
+) -> Tensor:
+    return attend(q, k, v, key_padding_mask, nhead, window_bias(q.shape[1], window, q.dtype))
+
+
+@_banded.register_fake
+def _(
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor, nhead: int, head_dim: int, window: int
+) -> Tensor:
+    return torch.empty_like(q)
+
+
+def _ints(*values: int):
+    return op.Constant(value_ints=list(values))
+
+
+def _padded(t, axis: int, before, after):
+    """``t`` with ``before`` and ``after`` (1,) zeros along ``axis`` (not Pad: onnx's converter has no Pad
+    from opset 18 down to 17)."""
+
+    def zeros(count):
+        shape = op.Concat(op.Shape(t, start=0, end=axis), count, op.Shape(t, start=axis + 1), axis=0)
+        return op.Expand(op.CastLike(op.Constant(value_float=0.0), t), shape)
+
+    return op.Concat(*([zeros(before)] if before is not None else []), t, zeros(after), axis=axis)
+
+
+def _banded_onnx(q, k, v, key_padding_mask, nhead: int, head_dim: int, window: int):
+    """``attend`` with a window of ``window`` positions, in blocks of ``window`` queries: (B, S, E) -> (B, S, E)."""
+    block, zero = window, _ints(0)
+    seq = op.Shape(q, start=1, end=2)
+    blocks = op.Div(op.Add(seq, _ints(block - 1)), _ints(block))  # n: the queries padded to whole blocks
+    tail = op.Sub(op.Mul(blocks, _ints(block)), seq)
+    ahead = op.Add(tail, _ints(block))
+
+    def heads(t):  # (B, S, E) -> (B, H, S, D)
+        return op.Transpose(op.Reshape(t, _ints(0, 0, nhead, head_dim)), perm=[0, 2, 1, 3])
+
+    def neighbours(t, axis: int):
+        """(..., n + 2, ...) blocks -> each block beside the ones before and after it."""
+        return op.Concat(
+            op.Slice(t, _ints(0), _ints(-2), _ints(axis)),
+            op.Slice(t, _ints(1), _ints(-1), _ints(axis)),
+            op.Slice(t, _ints(2), _ints(2**62), _ints(axis)),
+            axis=axis + 1,
+        )
+
+    # queries (B, H, n, c, D); keys and values one block of padding before, the tail and one block after:
+    # (B, H, n, 3c, D), the keys of block i are positions (i - 1)c .. (i + 2)c - 1
+    queries = op.Reshape(_padded(heads(q), 2, None, tail), _ints(0, 0, -1, block, head_dim))
+    keys, values = (
+        neighbours(op.Reshape(_padded(heads(t), 2, _ints(block), ahead), _ints(0, 0, -1, block, head_dim)), 2)
+        for t in (k, v)
+    )
+    # which keys each query takes: real (not padding, not outside the sequence) and within the window
+    real = _padded(op.Cast(op.Not(key_padding_mask), to=TensorProto.FLOAT), 1, _ints(block), ahead)
+    real = op.Unsqueeze(neighbours(op.Reshape(real, _ints(0, -1, block)), 1), _ints(1, 3))  # (B, 1, n, 1, 3c)
+    offsets = np.arange(3 * block)[None, :] - block - np.arange(block)[:, None]  # key - query, (c, 3c)
+    near = (np.abs(offsets) <= window).astype(np.float32)
+    taken = op.Mul(real, op.Constant(value=onnx.numpy_helper.from_array(near)))  # (B, 1, n, c, 3c)
+    scores = op.Mul(
+        op.MatMul(queries, op.Transpose(keys, perm=[0, 1, 2, 4, 3])),
+        op.CastLike(op.Constant(value_float=1.0 / math.sqrt(head_dim)), q),
+    )
+    scores = op.Where(
+        op.Equal(taken, op.Constant(value_float=0.0)),
+        op.CastLike(op.Constant(value_float=-math.inf), q),
+        scores,
+    )
+    out = op.MatMul(op.Softmax(scores, axis=-1), values)  # (B, H, n, c, D); NaN where a query takes no key
+    # a query that takes no key (padding far from any real token): the reference's uniform weights over all keys
+    anything = op.Greater(op.ReduceSum(taken, _ints(-1), keepdims=1), op.Constant(value_float=0.0))
+    mean = op.Div(op.ReduceSum(heads(v), _ints(2), keepdims=1), op.CastLike(seq, q))  # (B, H, 1, D)
+    out = op.Where(anything, out, op.Unsqueeze(mean, _ints(2)))
+    out = op.Slice(op.Reshape(out, _ints(0, 0, -1, head_dim)), zero, seq, _ints(2))  # (B, H, S, D)
+    return op.Reshape(op.Transpose(out, perm=[0, 2, 1, 3]), _ints(0, 0, nhead * head_dim))
+
+
+def _attend_local(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_padding_mask: Tensor | None,
+    nhead: int,
+    bias: Tensor | None = None,
+    *,
+    window: int,
+) -> Tensor:
+    """A local layer's attention (``bias`` is its window, ``window_bias``): the reference eagerly; traced, an ``If``
+    on the sequence's length between the banded form and one masked MultiHeadAttention."""
+    if not (torch.compiler.is_exporting() or torch.compiler.is_compiling()):
+        return attend(q, k, v, key_padding_mask, nhead, bias)
+    if key_padding_mask is None:
+        key_padding_mask = torch.zeros(q.shape[:2], dtype=torch.bool)
+    head_dim = q.shape[-1] // nhead
+    return torch.cond(
+        torch.ones_like(key_padding_mask[0], dtype=torch.int32).sum() > held.BANDED_FROM,
+        lambda q, k, v, m: _banded(q, k, v, m, nhead, head_dim, window),
+        lambda q, k, v, m: _mha_biased(q, k, v, m, window_bias(q.shape[1], window, q.dtype), nhead),
+        (q, k, v, key_padding_mask),
+    )
+
+
 KERNELS: dict[str, Callable[..., Tensor]] = {"mha": _attend_mha, "onnx": _attend_onnx, "decomposed": attend}
 TRANSLATIONS = {
     torch.ops.addnorm.mha.default: _mha_onnx,
     torch.ops.addnorm.mha_unmasked.default: _mha_unmasked_onnx,
     torch.ops.addnorm.mha_biased.default: _mha_biased_onnx,
+    torch.ops.addnorm.banded.default: _banded_onnx,
 }
 
 
@@ -207,8 +333,10 @@ def spelled(encoder: Encoder, form: str) -> Iterator[None]:
     """Within the block, ``encoder``'s attention traces as ``form``; its eager results do not change."""
     modules = [layer.self_attn for layer in encoder.layers]
     saved = [m.attend for m in modules]
-    for m in modules:
-        m.attend = KERNELS[form]
+    window = encoder.config.attention_window
+    for i, m in enumerate(modules):
+        local = form == "mha" and encoder.config.is_local(i)
+        m.attend = functools.partial(_attend_local, window=window) if local else KERNELS[form]
     try:
         yield
     finally:

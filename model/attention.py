@@ -11,17 +11,24 @@ FORMS = ("mha", "onnx", "decomposed")
 # Whole (batch, heads, seq, seq) float32 tensors a run holds at once. mha holds one only when something is
 # padded: with no key padding mask onnxruntime runs its flash-attention kernel, which holds none.
 # An mha graph with MPNet's relative position bias always masks ("mha-biased"): no flash kernel.
-SCORE_COPIES = {"decomposed": 3, "onnx": 1, "mha": 1, "mha-biased": 1}
+# An mha graph's local layers (a window of keys: ModernBERT's) hold one up to BANDED_FROM positions, where their
+# window is a bias on one masked MultiHeadAttention, and none past it, where it runs in blocks of the window
+# (export/attention.py; the threshold measured in docs/benchmarks.md, "ModernBERT at real lengths").
+SCORE_COPIES = {"decomposed": 3, "onnx": 1, "mha": 1, "mha-biased": 1, "mha-windowed": 1}
+BANDED_FROM = 512
 
 
-def held_form(form: str, biased: bool) -> str:
-    """The form whose seq x seq tensors a graph of ``form`` holds (``biased``: with a relative position bias)."""
-    return "mha-biased" if form == "mha" and biased else form
+def held_form(form: str, relative: bool, windowed: bool = False) -> str:
+    """The form whose seq x seq tensors a graph of ``form`` holds (``relative``: with a relative position bias in
+    every layer; ``windowed``: with local layers)."""
+    if form != "mha":
+        return form
+    return "mha-biased" if relative else "mha-windowed" if windowed else form
 
 
 def score_elements(form: str, rows: int, heads: int, seq: int, padded: bool) -> int:
     """Elements of seq x seq tensors a run of ``rows`` x ``seq`` holds at once under ``form`` (``held_form``)."""
-    if form == "mha" and not padded:
+    if not padded and (form == "mha" or (form == "mha-windowed" and seq > BANDED_FROM)):
         return 0
     return SCORE_COPIES.get(form, SCORE_COPIES["decomposed"]) * rows * heads * seq * seq
 

@@ -122,7 +122,10 @@ class Engine:
         self.heads = self.manifest.config.nhead
         self.attention = self.manifest.attention
         # the seq x seq tensors its runs hold (model.attention): what the batcher budgets
-        self.held_attention = held_form(self.attention, self.manifest.config.biased_layers > 0)
+        config = self.manifest.config
+        self.held_attention = held_form(
+            self.attention, config.relative_attention_buckets > 0, config.attention_window > 0
+        )
         # Releases still due: a run above RELEASE_ABOVE_BYTES makes it RELEASES (what its requests still hold when
         # the first comes, the second gives back).
         self._grown = 0

@@ -14,7 +14,8 @@ from addnorm.export import cli, parity_cli, traces
 from addnorm.export.attention import AUTO, resolve, spelled
 from addnorm.export.checks import GraphCheckError, check_graph, op_counts
 from addnorm.export.onnx_export import ExportError, export_onnx
-from addnorm.model.attention import score_elements
+from addnorm.model import attention as held
+from addnorm.model.attention import held_form, score_elements
 from addnorm.model.config import EncoderConfig
 from addnorm.model.encoder import build_encoder
 
@@ -78,6 +79,56 @@ def test_rows_whose_keys_are_all_padding_are_finite_and_equal_the_reference(tmp_
         np.testing.assert_allclose(got, encoder(x).numpy(), atol=1e-5, rtol=0)
 
 
+LOCAL = EncoderConfig(
+    d_model=32,
+    nhead=4,
+    dim_feedforward=48,
+    num_layers=3,
+    activation="gelu",
+    norm_first=True,
+    feed_forward="gated",
+    bias=False,
+    first_attention_norm=False,
+    rotary_theta=160_000.0,
+    rotary_theta_local=10_000.0,
+    attention_window=4,
+    global_every=3,
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_local_layer_is_banded_past_its_threshold_and_equals_the_reference(tmp_path, monkeypatch, dtype):
+    """Past BANDED_FROM positions a local layer's window runs in blocks (export/attention.py); below, one masked
+    MultiHeadAttention: both equal the reference on every row, padding rows too (a query far from any real key gets
+    the reference's uniform weights), at lengths on and off the block size (4) and on both sides of the threshold
+    (8 here; the graph holds it as traced)."""
+    monkeypatch.setattr(held, "BANDED_FROM", 8)
+    encoder = build_encoder(LOCAL).to(dtype).eval()
+    export_onnx(encoder, tmp_path / "m.onnx", attention="mha")
+    counts = op_counts(onnx.load(str(tmp_path / "m.onnx")))
+    assert (counts["If"], counts["Softmax"]) == (
+        3,
+        2,
+    )  # the global layer's padding If, each local layer's length If
+    sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    rng = torch.Generator().manual_seed(1)
+    for seq in (7, 8, 9, 16, 23):
+        x = torch.randn(4, seq, 32, generator=rng)
+        mask = torch.zeros(4, seq, dtype=torch.bool)
+        mask[1, 3:] = True  # one real token, and queries more than a window away from it
+        mask[2, seq - 2 :] = True
+        mask[3] = True  # no real key at all
+        with torch.no_grad():
+            want = encoder(x.to(dtype), mask).float().numpy()
+        got = sess.run(None, {"embeddings": x.numpy(), "mask": mask.numpy()})[0]
+        assert np.isfinite(got).all()
+        # one MultiHeadAttention weighs a query with no real key in its window over that window, not every key;
+        # the banded form keeps the reference's uniform weights: all rows compared past the threshold
+        rows = ~mask.numpy() if seq <= held.BANDED_FROM else np.ones(mask.shape, bool)
+        atol = 1e-5 if dtype == torch.float32 else 2e-2
+        np.testing.assert_allclose(got[rows], want[rows], atol=atol, rtol=0, err_msg=f"{seq} positions")
+
+
 def test_spelled_swaps_the_kernel_only_inside_the_block_and_keeps_eager_results():
     encoder = build_encoder(CFG)
     x = torch.randn(2, 5, 64)
@@ -131,3 +182,12 @@ def test_working_set_by_form():
     assert score_elements("mha", 2, 12, 100, padded=True) == 2 * 12 * 100 * 100
     assert score_elements("onnx", 1, 12, 100, padded=False) == 12 * 100 * 100
     assert score_elements("decomposed", 1, 12, 100, padded=False) == 3 * 12 * 100 * 100
+    # local layers (ModernBERT): one masked MultiHeadAttention up to BANDED_FROM positions, banded past it
+    assert held_form("mha", relative=False, windowed=True) == "mha-windowed"
+    assert held_form("mha", relative=True, windowed=False) == "mha-biased"
+    assert held_form("decomposed", relative=False, windowed=True) == "decomposed"
+    long = held.BANDED_FROM + 1
+    assert score_elements("mha-windowed", 1, 12, long, padded=False) == 0
+    assert score_elements("mha-windowed", 1, 12, long, padded=True) == 12 * long * long
+    assert score_elements("mha-windowed", 2, 12, 100, padded=False) == 2 * 12 * 100 * 100
+    assert score_elements("mha-biased", 1, 12, long, padded=False) == 12 * long * long
