@@ -275,7 +275,7 @@ def reliability(args: argparse.Namespace) -> int:
 
 def cost_curve(args: argparse.Namespace) -> int:
     """--cost-curve: print the curve's tables, keep its figures and plot beside the others."""
-    from bench import cost
+    from bench import cost, long
 
     s = setup(args)
     args.results.mkdir(parents=True, exist_ok=True)
@@ -283,6 +283,7 @@ def cost_curve(args: argparse.Namespace) -> int:
     res = {"machine": measure.machine_info(s.threads)}
     res["curve"] = cost.curve(artifacts, s.threads)
     res["headline"] = cost.headline(artifacts, s.threads)
+    res["long"] = long.longest(s.threads)  # ModernBERT's shape at 8,192 tokens, against sentence-transformers
     (args.results / "cost_curve.json").write_text(json.dumps(res, indent=2) + "\n")
     cost.plot_curve(res, args.results)
     print(cost.curve_table(res))

@@ -96,13 +96,18 @@ def run_point(impl: str, batch: int, seq: int, threads: int, repeats: int, devic
 def peak_rss_mb() -> float:
     """This process's peak resident memory. VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork and exec, so
     a point started by a large parent would report the parent's peak."""
+    return process_peak_mb("self") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def process_peak_mb(pid: int | str) -> float:
+    """A process's peak resident memory (its VmHWM), 0.0 where /proc cannot tell."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return 0.0
 
 
 def measure(
@@ -237,6 +242,14 @@ def curve_table(res: dict) -> str:
         lines.append(
             f"| {name} | {h['time_ratio']:.2f}x | {h['memory_ratio']:.2f}x | {h['ours_seconds']:.3f} s, "
             f"{h['ours_peak_mb']:.0f} MB | {h['theirs_seconds']:.3f} s, {h['theirs_peak_mb']:.0f} MB |"
+        )
+    if long := res.get("long"):
+        a, t = "addnorm", "sentence-transformers"
+        lines.append(
+            f"| one 8,192-token text, ModernBERT-base's shape ({long['layers']} layers): addnorm / "
+            f"sentence-transformers (torch eager) | {long['time_ratio']:.2f}x | {long['memory_ratio']:.2f}x | "
+            f"{long['seconds'][a]:.2f} s, {long['peak_rss_mb'][a]:.0f} MB | {long['seconds'][t]:.2f} s, "
+            f"{long['peak_rss_mb'][t]:.0f} MB |"
         )
     if res["curve"]["skipped"]:
         lines.append(

@@ -35,6 +35,7 @@ from addnorm.commands import Parser
 from addnorm.model.runtime import cpu_flags
 from bench.server import ROOT, ServerProcess
 
+SIDES = ("addnorm", SERVED := "addnorm-serve", "sentence-transformers")
 KINDS = {"queries": (None, 32), "512": (512, 4), "2048": (2048, 1), "8192": (8192, 1)}  # tokens, a batch
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
@@ -121,6 +122,8 @@ def point(side: str, kind: str, directory: Path, artifact: Path, threads: int) -
 
     inputs = texts(kind, directory)
     batch = KINDS[kind][1]
+    if side == SERVED:
+        return served_point(inputs, batch, artifact, threads)
     if side == "addnorm":
         from addnorm.service.backend.engine import Engine
 
@@ -148,6 +151,29 @@ def point(side: str, kind: str, directory: Path, artifact: Path, threads: int) -
         run(chunk)
     seconds = time.perf_counter() - t
     return {"seconds": seconds, "texts": len(inputs), "peak_rss_mb": peak_rss_mb()}
+
+
+def served_point(inputs: list[str], batch: int, artifact: Path, threads: int) -> dict:
+    """The row's inputs through addnorm-serve's /v1/embeddings, a batch a request from one client: seconds over the
+    same chunks as in process, and the server process's peak memory."""
+    import httpx
+
+    from bench.cost import process_peak_mb
+
+    chunks = [inputs[i : i + batch] for i in range(0, len(inputs), batch)]
+    args = ["-m", "addnorm.service", "--artifact", str(artifact), "--intra-op-threads", str(threads)]
+    with ServerProcess(args) as srv, httpx.Client(timeout=600) as client:
+
+        def run(chunk: list[str]) -> None:
+            client.post(f"{srv.base}/v1/embeddings", json={"input": chunk}).raise_for_status()
+
+        run(chunks[0])  # warm-up
+        t = time.perf_counter()
+        for chunk in chunks:
+            run(chunk)
+        seconds = time.perf_counter() - t
+        peak = process_peak_mb(srv.proc.pid)
+    return {"seconds": seconds, "texts": len(inputs), "peak_rss_mb": peak}
 
 
 def measure_point(side: str, kind: str, directory: Path, artifact: Path, threads: int) -> dict:
@@ -219,7 +245,7 @@ def measure(layers: int, rounds: int, seconds: float) -> dict:
         print("  exported", file=sys.stderr, flush=True)
         for _ in range(rounds):
             for kind in KINDS:
-                for side in ("addnorm", "sentence-transformers"):
+                for side in SIDES:
                     got = measure_point(side, kind, directory, artifact, threads)
                     rows.setdefault(kind, {}).setdefault(side, []).append(got)
                 print(f"  {kind} done", file=sys.stderr, flush=True)
@@ -242,11 +268,40 @@ def measure(layers: int, rounds: int, seconds: float) -> dict:
                 "ratio": statistics.median(
                     a["seconds"] / b["seconds"]
                     for a, b in zip(sides["sentence-transformers"], sides["addnorm"], strict=True)
-                )
+                ),
+                "served_ratio": statistics.median(  # the server against the same graphs in process: the limit
+                    a["seconds"] / b["seconds"] for a, b in zip(sides["addnorm"], sides[SERVED], strict=True)
+                ),
             }
             for kind, sides in rows.items()
         },
         "short_among_long": {k: statistics.median(m[k] for m in mixed) for k in mixed[0]},
+    }
+
+
+def longest(threads: int, rounds: int = 3, layers: int = 6) -> dict:
+    """The cost curve's long-context row (``python -m bench --cost-curve``): one 8,192-token text, addnorm's
+    artifact in process against sentence-transformers on torch eager, side by side in fresh processes, alternating
+    which goes first; medians of ``rounds``."""
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = model_dir(Path(tmp) / "model", layers)
+        artifact = export(directory, Path(tmp) / "artifact")
+        for r in range(rounds):
+            sides = ("addnorm", "sentence-transformers")[:: 1 if r % 2 == 0 else -1]
+            runs.append({side: measure_point(side, "8192", directory, artifact, threads) for side in sides})
+    med = lambda side, k: statistics.median(run[side][k] / run[side]["texts"] for run in runs)  # noqa: E731
+    ours, theirs = "addnorm", "sentence-transformers"
+    return {
+        "layers": layers,
+        "seconds": {side: med(side, "seconds") for side in (ours, theirs)},
+        "peak_rss_mb": {
+            side: statistics.median(run[side]["peak_rss_mb"] for run in runs) for side in (ours, theirs)
+        },
+        "time_ratio": statistics.median(run[theirs]["seconds"] / run[ours]["seconds"] for run in runs),
+        "memory_ratio": statistics.median(
+            run[theirs]["peak_rss_mb"] / run[ours]["peak_rss_mb"] for run in runs
+        ),
     }
 
 
@@ -255,15 +310,17 @@ def table(res: dict) -> str:
         f"CPU flags: {' '.join(res['cpu_flags'])}; ModernBERT-base's shape, {res['layers']} layers, random weights; "
         f"{res['threads']} threads each side; medians of the rounds",
         "",
-        "| inputs | texts | addnorm s | sentence-transformers s | addnorm / sentence-transformers speed | peak memory MB (addnorm / s-t) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| inputs | texts | addnorm s | sentence-transformers s | addnorm / sentence-transformers speed | peak memory "
+        "MB (addnorm / s-t) | addnorm-serve s (vs in process) | addnorm-serve peak MB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for kind, row in res["rows"].items():
-        a, s = row["addnorm"], row["sentence-transformers"]
+        a, s, v = row["addnorm"], row["sentence-transformers"], row[SERVED]
         name = "real queries" if kind == "queries" else f"documents of {kind} tokens"
         lines.append(
             f"| {name} | {a['texts']} | {a['seconds']:.2f} | {s['seconds']:.2f} | {row['ratio']:.2f}x | "
-            f"{a['peak_rss_mb']:,.0f} / {s['peak_rss_mb']:,.0f} |"
+            f"{a['peak_rss_mb']:,.0f} / {s['peak_rss_mb']:,.0f} | {v['seconds']:.2f} ({row['served_ratio']:.2f}x) | "
+            f"{v['peak_rss_mb']:,.0f} |"
         )
     m = res["short_among_long"]
     lines += [

@@ -577,10 +577,19 @@ def test_the_long_benchmark_makes_documents_of_each_length_and_its_table_reads(t
         "cpu_flags": ["avx2"],
         "layers": 6,
         "threads": 2,
-        "rows": {"512": {"addnorm": side, "sentence-transformers": {**side, "seconds": 2.0}, "ratio": 2.0}},
+        "rows": {
+            "512": {
+                "addnorm": side,
+                "sentence-transformers": {**side, "seconds": 2.0},
+                "addnorm-serve": {**side, "seconds": 1.25, "peak_rss_mb": 1000.0},
+                "ratio": 2.0,
+                "served_ratio": 0.8,
+            }
+        },
         "short_among_long": dict.fromkeys(
             ("alone_p50_ms", "alone_p99_ms", "among_p50_ms", "among_p99_ms", "document_ms"), 5.0
         ),
     }
     out = table(res)
-    assert "| documents of 512 tokens | 8 | 1.00 | 2.00 | 2.00x | 900 / 900 |" in out and "p99 5.0 ms" in out
+    row = "| documents of 512 tokens | 8 | 1.00 | 2.00 | 2.00x | 900 / 900 | 1.25 (0.80x) | 1,000 |"
+    assert row in out and "p99 5.0 ms" in out
