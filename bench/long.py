@@ -9,8 +9,9 @@ all-MiniLM-L6-v2's (the dev extra's), its pooling the mean.
 1. **Throughput**, each side in a process of its own (its peak resident memory its alone), on the same threads:
    real queries (the built-in sentences, 32 a batch) and documents of 512, 2,048 and 8,192 tokens (this
    repository's guides, joined), addnorm's artifact through the serving ``Engine`` (tokenize, embedding graph,
-   block, pooled) against ``SentenceTransformer.encode`` on the same directory (torch eager). Medians of
-   ``--rounds``.
+   block, pooled) against ``SentenceTransformer.encode`` on the same directory (torch eager), and the same batches
+   through addnorm-serve's /v1/embeddings from one client (its time against the in-process side's, its process's
+   peak memory). Medians of ``--rounds``. ``longest``: the 8,192-token row alone, for ``--cost-curve``.
 2. **Short among long**: addnorm-serve on the artifact; one client sends one query at a time for ``--seconds``,
    alone, then while a second client sends 2,048-token documents back to back: the queries' latency (p50, p99)
    both ways, and a document's own time. The batcher's express lane runs small requests beside a long run.
