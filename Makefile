@@ -15,7 +15,7 @@ TORCH     ?= torch==2.13.0
 TORCH_INDEX ?=
 PIP_TORCH_FLAGS := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: serve docs kernels test test-fast test-images images matrix fuzz-http export parity lint format bench proto clean help
+.PHONY: serve docs kernels peers test test-fast test-images images matrix fuzz-http export parity lint format bench proto clean help
 
 help:
 	@echo "make serve   create .venv, export $(ARTIFACT) if missing, check parity, serve on $(HOST):$(PORT) (gRPC $(GRPC_PORT))"
@@ -29,6 +29,7 @@ help:
 	@echo "make export  (re-)export the default artifact into $(ARTIFACT)"
 	@echo "make parity  re-check $(ARTIFACT) and write a report into $(ARTIFACT)/report"
 	@echo "make bench   run the benchmarks (bench/) and the cost curve, write bench/results and docs/benchmarks.md"
+	@echo "make peers   the bench's peers (Infinity, sentence-transformers' ONNX backend) in .peers, for bench --text"
 	@echo "make lint    ruff check + format check, and the docs site built with mkdocs --strict"
 	@echo "make docs    the guides in docs/ as a site on $(HOST):$(DOCS_PORT) (installs mkdocs into .venv)"
 	@echo "make proto   regenerate service/protocols/v2/inference_pb2.py from inference.proto (grpcio-tools)"
@@ -116,6 +117,18 @@ fuzz-http: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(BIN)/python -m bench
 	$(BIN)/python -m bench --cost-curve
+
+# The bench's peers at their CPU best (python -m bench --text, --rerank): Infinity (torch and optimum engines) and
+# sentence-transformers' ONNX backend, in an environment of their own: Infinity 0.0.78 pins sentence-transformers
+# < 4 and numpy < 2, which the dev extra is past. torch pinned as above (its CPU build).
+PEERS ?= .peers
+peers: $(PEERS)/.installed
+
+$(PEERS)/.installed:
+	$(PY) -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install -qq --upgrade pip
+	$(PEERS)/bin/pip install -qq $(PIP_TORCH_FLAGS) "$(TORCH)" "infinity-emb[server,torch,optimum]==0.0.78"
+	touch $@
 
 # grpcio-tools < 1.77 writes protobuf 6.31 code, which the dependency floor (protobuf >= 6.31.1) runs.
 proto: $(VENV)/.installed

@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead of the ratios: text to vectors (bench/text.py): real sentences through all-MiniLM-L6-v2's "
         "/v1/embeddings at 1, 8 and 32 clients, 1 and 8 sentences a request, against the in-process limit, a FastAPI "
-        "app calling sentence-transformers and Infinity (where installed); writes bench/results/text.json",
+        "app calling sentence-transformers (torch, and ONNX batched) and Infinity (torch and ONNX engines), the peers where `make peers` made their environment; writes bench/results/text.json",
     )
     p.add_argument(
         "--rerank",

@@ -109,7 +109,7 @@ def in_flight(clients: int) -> int:
     return min(clients * DOCUMENTS, MAX_BATCH)
 
 
-def measure(rounds: int, seconds: float, infinity_cmd: str | None) -> dict:
+def measure(rounds: int, seconds: float, infinity_cmd: str | None, peers: str | None = None) -> dict:
     docs = documents()
     sizes = (8, 16, 32, 64, 100, 128, 256)
     cells: dict[str, list[dict]] = {}

@@ -44,6 +44,7 @@ class ServerProcess:
         ready_path: str = "/health/ready",
         capture: bool = True,
         grpc: bool = False,
+        python: str = sys.executable,
     ) -> None:
         self.port, self.grpc_port = free_ports(2) if grpc else (free_port(), 0)
         self.base = f"http://{HOST}:{self.port}"
@@ -52,7 +53,7 @@ class ServerProcess:
         # The server's output goes to a file, never to a pipe nobody reads: a full pipe would block its logging.
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(
-            [sys.executable, *args, "--port", str(self.port)],
+            [python, *args, "--port", str(self.port)],
             cwd=ROOT,
             env={**os.environ, **env},
             stdout=self.log if capture else subprocess.DEVNULL,

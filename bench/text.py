@@ -14,8 +14,12 @@ of 8 sentences, from 1, 8 and 32 closed-loop keep-alive clients, against:
   the server does less its HTTP, routing and JSON, so the gap to the limit splits into the batching's and the
   front's;
 - what a user would pick instead, installed from PyPI and run on the same machine and model: a FastAPI app calling
-  sentence-transformers (``bench/st_app.py``), and Infinity (``infinity-emb``, its OpenAI endpoint) where its
-  ``infinity_emb`` command is found (``--infinity PATH``; else that column says why not).
+  sentence-transformers (``bench/st_app.py``) as its docs suggest (torch, one encode a request) and at its CPU best
+  (the ONNX backend and a micro-batcher), and Infinity (``infinity-emb``, its OpenAI endpoint) with its torch engine
+  and its optimum (ONNX) engine. The ONNX backends need optimum, whose pins (transformers < 4.58) the dev environment
+  cannot take: they run in the peers' environment, ``make peers`` (``--peers PYTHON``, default ``.peers/bin/python``;
+  Infinity's command ``--infinity PATH``, default the peers' or on PATH); where it is missing, the table says so.
+  A second table sets addnorm-serve against the best peer of each row.
 
 Servers run one at a time; ``--rounds`` rounds, the medians. Sentences/s and real tokens/s (special tokens
 included) per cell, and each server's ratio to the limit. Also: tokenization's share of the limit's CPU time, and
@@ -184,9 +188,56 @@ def requests(
     return out
 
 
+PEERS = ROOT / ".peers" / "bin"  # make peers: the peers' environment
+ST_TORCH, ST_ONNX = "FastAPI + sentence-transformers", "FastAPI + sentence-transformers ONNX, batched"
+INFINITY = {"torch": "Infinity (torch)", "optimum": "Infinity (optimum ONNX)"}
+
+
+def peers_python() -> str | None:
+    """The peers' environment's Python (``make peers``), None where it is not made."""
+    return str(PEERS / "python") if (PEERS / "python").exists() else None
+
+
+def onnx_model_dir(peers: str, out: Path) -> Path:
+    """all-MiniLM-L6-v2 as sentence-transformers' ONNX backend saves it (``onnx/model.onnx`` beside its files, exported
+    by optimum in the peers' environment): what its ONNX app and Infinity's optimum engine load."""
+    if not (out / "onnx" / "model.onnx").exists():
+        code = "import sys; from sentence_transformers import SentenceTransformer as S; "
+        code += "S(sys.argv[1], device='cpu', backend='onnx').save(sys.argv[2])"
+        subprocess.run(
+            [peers, "-c", code, str(minilm()), str(out)], check=True, capture_output=True, cwd=ROOT
+        )
+    return out
+
+
+def infinity_command() -> str | None:
+    """Infinity's command: the peers' environment's, else one on PATH."""
+    return str(PEERS / "infinity_emb") if (PEERS / "infinity_emb").exists() else shutil.which("infinity_emb")
+
+
+def infinity_model_id(model: Path, engine: str) -> str:
+    """The model name Infinity serves ``model`` as. Its optimum engine is started in the model's directory as ``.``
+    (``infinity_onnx_dir``): infinity-emb 0.0.78 hands optimum the ONNX file's path as it found it, under the
+    directory's path and its subfolder, which optimum 2 does not find."""
+    return "." if engine == "optimum" else str(model)
+
+
+def infinity_onnx_dir(onnx_dir: Path, out: Path) -> Path:
+    """``onnx_dir``'s files with its ONNX model at the top (``model.onnx``, no subfolder), for Infinity's optimum
+    engine (``infinity_model_id``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in onnx_dir.iterdir():
+        if f.name != "onnx" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f)
+    if not (out / "model.onnx").exists():
+        (out / "model.onnx").symlink_to(onnx_dir / "onnx" / "model.onnx")
+    return out
+
+
 @contextlib.contextmanager
-def infinity(command: str | None, model: Path):
-    """Infinity's server on the model directory, its OpenAI route at /embeddings; None where it is not installed."""
+def infinity(command: str | None, model: Path, engine: str = "torch"):
+    """Infinity's server on the model directory with ``engine`` (torch, or optimum: onnxruntime), its OpenAI route
+    at /embeddings, the model named ``infinity_model_id``; None where it is not installed."""
     if command is None:
         yield None
         return
@@ -197,19 +248,22 @@ def infinity(command: str | None, model: Path):
             command,
             "v2",
             "--model-id",
-            str(model),
+            infinity_model_id(model, engine),
             "--port",
             str(port),
             "--host",
             HOST,
             "--engine",
-            "torch",
+            engine,
             "--device",
             "cpu",
             "--no-bettertransformer",
+            # all-MiniLM-L6-v2's pooling: the optimum engine infers CLS from an ONNX directory
+            *(["--pooling-method", "mean"] if engine == "optimum" else []),
         ],
         stdout=log,
         stderr=log,
+        cwd=model if engine == "optimum" else None,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0"},
     )
     try:
@@ -277,7 +331,7 @@ def addnorm_cells(artifact: Path, texts, counts, seconds: float, clients, flags=
         )
 
 
-def measure(rounds: int, seconds: float, infinity_cmd: str | None) -> dict:
+def measure(rounds: int, seconds: float, infinity_cmd: str | None, peers: str | None = None) -> dict:
     from addnorm.service.backend.cores import default_threads
 
     texts = sentences()
@@ -322,23 +376,38 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None) -> dict:
                     file=sys.stderr,
                     flush=True,
                 )
-            name = "FastAPI + sentence-transformers"
-            with ServerProcess(["-m", "bench.st_app", "--model", str(minilm())]) as srv:
-                load_for = partial(requests, srv.port, texts, counts=counts, model="minilm")
-                for key, row in server_cells(srv.port, load_for, CLIENTS, seconds, name).items():
-                    cells.setdefault(f"{name}|{key}", []).append(row["tokens_per_s"])
-            print(f"  {name} done", file=sys.stderr, flush=True)
-            with infinity(infinity_cmd, minilm()) as port:
-                if port is not None:
+            onnx_dir = onnx_model_dir(peers, Path(tmp) / "minilm-onnx") if peers else None
+            apps = {ST_TORCH: (minilm(), (), sys.executable)}
+            if onnx_dir is not None:
+                apps[ST_ONNX] = (onnx_dir, ("--backend", "onnx", "--batch"), peers)
+            for name, (model_dir, flags, python) in apps.items():
+                args = ["-m", "bench.st_app", "--model", str(model_dir), *flags]
+                with ServerProcess(args, python=python) as srv:
+                    load_for = partial(requests, srv.port, texts, counts=counts, model="minilm")
+                    for key, row in server_cells(srv.port, load_for, CLIENTS, seconds, name).items():
+                        cells.setdefault(f"{name}|{key}", []).append(row["tokens_per_s"])
+                print(f"  {name} done", file=sys.stderr, flush=True)
+            for engine, name in INFINITY.items():
+                model_dir = (
+                    minilm()
+                    if engine == "torch"
+                    else onnx_dir and infinity_onnx_dir(onnx_dir, Path(tmp) / "i")
+                )
+                with infinity(infinity_cmd if model_dir else None, model_dir, engine) as port:
+                    if port is None:
+                        continue
 
-                    def infinity_load(size: int, port: int = port) -> list[tuple[int, bytes]]:
+                    def infinity_load(
+                        size: int, port: int = port, model: str = infinity_model_id(model_dir, engine)
+                    ) -> list:
                         return [
                             (n, r.replace(b"POST /v1/embeddings", b"POST /embeddings"))
-                            for n, r in requests(port, texts, size, counts, str(minilm()))
+                            for n, r in requests(port, texts, size, counts, model)
                         ]
 
-                    for key, row in server_cells(port, infinity_load, CLIENTS, seconds, "infinity").items():
-                        cells.setdefault(f"Infinity|{key}", []).append(row["tokens_per_s"])
+                    for key, row in server_cells(port, infinity_load, CLIENTS, seconds, name).items():
+                        cells.setdefault(f"{name}|{key}", []).append(row["tokens_per_s"])
+                print(f"  {name} done", file=sys.stderr, flush=True)
     mean_tokens = float(np.mean(list(counts.values())))
     return {
         "cpu_flags": sorted(cpu_flags()),
@@ -363,7 +432,8 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None) -> dict:
             "cells": {k: statistics.median(v) for k, v in fewer_cells.items()},
         },
         "mean_tokens_per_sentence": mean_tokens,
-        "infinity": infinity_cmd or "not installed (pip install 'infinity-emb[server]')",
+        "infinity": infinity_cmd or "not installed (make peers)",
+        "peers": peers or "not made (make peers): no sentence-transformers ONNX app",
     }
 
 
@@ -373,7 +443,8 @@ def table(res: dict) -> str:
         f"CPU flags: {' '.join(f for f in res['cpu_flags'])}; {res['sentences']} real sentences, {per:.1f} tokens on "
         f"average; the in-process limit by sentences in flight (length-sorted batches of that many): "
         + ", ".join(f"{k}: {v:,.0f} tokens/s" for k, v in lims.items())
-        + f"; tokenization {res['tokenization_share']:.1%} of the limit's time; Infinity: {res['infinity']}",
+        + f"; tokenization {res['tokenization_share']:.1%} of the limit's time; Infinity: {res['infinity']}; the "
+        f"peers' environment: {res.get('peers', 'not made')}",
         "",
         "| server | sentences / request | clients | sentences/s | tokens/s | vs the limit at its sentences in flight |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -382,6 +453,7 @@ def table(res: dict) -> str:
         name, size, clients = key.split("|")
         lim = best_limit(lims, in_flight(int(clients), int(size)))
         lines.append(f"| {name} | {size} | {clients} | {tps / per:,.0f} | {tps:,.0f} | {tps / lim:.2f}x |")
+    lines += ["", *peers_table(res["cells"], per)]
     lines += [
         "",
         "addnorm-serve's CPU per request (all its threads; its event loop's part; tokenizing's part):",
@@ -410,6 +482,27 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def peers_table(cells: dict[str, float], per: float) -> list[str]:
+    """addnorm-serve against the best peer (a server not addnorm's) of each row: tokens/s and their ratio."""
+    lines = [
+        "| sentences / request | clients | addnorm tokens/s | best peer | its tokens/s | addnorm / best peer |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for key, tps in cells.items():
+        name, size, clients = key.split("|")
+        if name != "addnorm":
+            continue
+        peers = {n: v for k, v in cells.items() for n, s, c in [k.split("|")] if (s, c) == (size, clients)}
+        peers = {n: v for n, v in peers.items() if not n.startswith("addnorm")}
+        if not peers:
+            continue
+        best = max(peers, key=peers.__getitem__)
+        lines.append(
+            f"| {size} | {clients} | {tps:,.0f} | {best} | {peers[best]:,.0f} | {tps / peers[best]:.2f}x |"
+        )
+    return lines
+
+
 def best_limit(lims: dict[str, float], in_flight: int) -> float:
     """The best length-sorted batching of at most ``in_flight`` sentences (a bigger batch pads more here)."""
     return max(v for k, v in lims.items() if int(k) <= in_flight)
@@ -423,10 +516,11 @@ def against_peers_main(module: str, doc: str, measure, table, results: str, argv
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument(
-        "--infinity", default=shutil.which("infinity_emb"), help="Infinity's command (default: on PATH)"
+        "--infinity", default=infinity_command(), help="Infinity's command (default: the peers' or on PATH)"
     )
+    p.add_argument("--peers", default=peers_python(), help="the peers' environment's Python (make peers)")
     args = p.parse_args(argv)
-    res = measure(args.rounds, args.seconds, args.infinity)
+    res = measure(args.rounds, args.seconds, args.infinity, args.peers)
     print(table(res))
     (ROOT / "bench" / "results" / results).write_bytes(orjson.dumps(res, option=orjson.OPT_INDENT_2))
     return 0

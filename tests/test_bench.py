@@ -489,6 +489,52 @@ def test_the_text_benchmarks_table_judges_each_row_by_its_own_limit():
     assert "| addnorm | 8 | 32 | 210 | 200 | 1.05x |" in out
     res["fewer_threads"]["threads"] = 0  # a one-core machine: no such rows
     assert "on as many threads" not in text.table(res)
+    # against the best peer of each row, the peers named by the row's best
+    res["cells"] |= {f"{text.ST_ONNX}|1|32": 300.0, f"{text.INFINITY['optimum']}|1|32": 150.0}
+    res["cells"] |= {f"{text.INFINITY['torch']}|1|1": 60.0, "addnorm's core, in process|1|1": 70.0}
+    out = text.table(res)
+    assert f"| 1 | 32 | 450 | {text.ST_ONNX} | 300 | 1.50x |" in out
+    assert f"| 1 | 1 | 50 | {text.INFINITY['torch']} | 60 | 0.83x |" in out  # in process is no peer
+    assert "| 8 | 32 | 400 |" not in out  # a row no peer ran
+
+
+def test_the_sentence_transformers_apps_batcher_merges_queued_requests_in_order():
+    """bench.st_app's micro-batcher: requests that queue while an encode runs go in the next one together, each
+    gets its own rows back in order, and an error reaches every request of its encode, not the worker."""
+    import asyncio
+    import threading
+
+    from bench.st_app import Batcher
+
+    class Model:
+        def __init__(self) -> None:
+            self.calls: list[list[str]] = []
+            self.gate = threading.Event()
+
+        def encode(self, texts: list[str], batch_size: int) -> list[str]:
+            self.calls.append(list(texts))
+            if len(self.calls) == 1:
+                self.gate.wait(5)  # the first encode runs while the others queue
+            if "boom" in texts:
+                raise ValueError("boom")
+            return [t.upper() for t in texts]
+
+    async def main() -> None:
+        model = Model()
+        batcher = Batcher(model, max_batch=256)
+        first = asyncio.ensure_future(batcher.encode(["a"]))
+        await asyncio.sleep(0.05)
+        rest = [asyncio.ensure_future(batcher.encode(t)) for t in (["b", "c"], ["d"])]
+        await asyncio.sleep(0.05)
+        model.gate.set()
+        assert await first == ["A"]
+        assert [await r for r in rest] == [["B", "C"], ["D"]]
+        assert model.calls == [["a"], ["b", "c", "d"]]
+        with pytest.raises(ValueError, match="boom"):
+            await batcher.encode(["boom"])
+        assert await batcher.encode(["e"]) == ["E"]  # the worker lives on
+
+    asyncio.run(main())
 
 
 def test_the_stall_benchmark_sends_each_big_input_while_another_client_probes(tmp_path):
