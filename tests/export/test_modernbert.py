@@ -172,6 +172,39 @@ def test_a_served_modernbert_answers_what_sentence_transformers_computes(directo
         _prompts_truncation_and_quantized_forms(srv, directory, out, texts)
 
 
+@pytest.mark.server
+def test_long_inputs_served_through_the_banded_window_equal_sentence_transformers(tmp_path):
+    """Past BANDED_FROM (512) positions the local layers run their window in blocks (export/attention.py): a tiny
+    ModernBERT of 1,024 positions serves texts cut at 1,024 tokens, one of about 700 and a short one in one request,
+    through the official openai client and TEI's /embed (left truncation too), equal to sentence-transformers."""
+    import httpx
+    from openai import OpenAI
+    from sentence_transformers import SentenceTransformer
+
+    from addnorm.model.attention import BANDED_FROM
+    from tests.conftest import start_server
+
+    directory = make_model_dir("modernbert", tmp_path / "model", seed=5, max_positions=1024)
+    (directory / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 1024}))
+    out = tmp_path / "artifact"
+    assert cli.main(["--from", str(directory), "--artifact", str(out), "--name", "modern", "-q"]) == 0
+    words = "the quick brown fox jumps over the lazy dog and keeps running far away "
+    texts = [words * 25, "a short query", words[:-1] * 14]  # about 1,250, 13 and 700 tokens
+    model = SentenceTransformer(str(directory), device="cpu")
+    lengths = [len(model.tokenizer(t)["input_ids"]) for t in texts]
+    assert lengths[0] > 1024 and BANDED_FROM < lengths[2] < 1024, lengths
+    want = model.encode(texts)
+    with start_server(out) as srv:
+        client = OpenAI(base_url=f"{srv.base}/v1", api_key="unused", max_retries=0)
+        answer = client.embeddings.create(model="modern", input=texts)
+        np.testing.assert_allclose([d.embedding for d in answer.data], want, atol=2e-6)
+        model.tokenizer.truncation_side = "left"
+        left = httpx.post(
+            f"{srv.base}/embed", json={"inputs": texts, "truncation_direction": "Left"}, timeout=60
+        )
+        np.testing.assert_allclose(left.json(), model.encode(texts), atol=2e-6)
+
+
 def _prompts_truncation_and_quantized_forms(srv, directory, artifact, texts) -> None:
     """The official cohere client's /v2/embed and V2 on the served ModernBERT: its prompts as
     sentence-transformers' encode_query and encode_document put them, truncation at either end, and every quantized
