@@ -80,6 +80,23 @@ WORDS = [
     "european",
     "division",
 ]
+# the block of make_model_dir("modernbert") as EncoderConfig's fields: global, local, local; a window of 4 each side
+MODERN = dict(
+    d_model=32,
+    nhead=4,
+    dim_feedforward=48,
+    num_layers=3,
+    activation="gelu",
+    norm_first=True,
+    feed_forward="gated",
+    bias=False,
+    first_attention_norm=False,
+    rotary_theta=160_000.0,
+    rotary_theta_local=10_000.0,
+    attention_window=4,
+    global_every=3,
+)
+
 TEXTS = [
     "A man is eating food.",
     "The girl is carrying a baby.",

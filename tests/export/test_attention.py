@@ -18,6 +18,7 @@ from addnorm.model import attention as held
 from addnorm.model.attention import held_form, score_elements
 from addnorm.model.config import EncoderConfig
 from addnorm.model.encoder import build_encoder
+from tests.text_models import MODERN
 
 SMALL = ["--d-model", "64", "--nhead", "4", "--dim-feedforward", "128"]
 CFG = EncoderConfig(d_model=64, nhead=4, dim_feedforward=128, num_layers=2, dropout=0.0)
@@ -79,21 +80,7 @@ def test_rows_whose_keys_are_all_padding_are_finite_and_equal_the_reference(tmp_
         np.testing.assert_allclose(got, encoder(x).numpy(), atol=1e-5, rtol=0)
 
 
-LOCAL = EncoderConfig(
-    d_model=32,
-    nhead=4,
-    dim_feedforward=48,
-    num_layers=3,
-    activation="gelu",
-    norm_first=True,
-    feed_forward="gated",
-    bias=False,
-    first_attention_norm=False,
-    rotary_theta=160_000.0,
-    rotary_theta_local=10_000.0,
-    attention_window=4,
-    global_every=3,
-)
+LOCAL = EncoderConfig(**MODERN)  # ModernBERT's block: local layers with a window of 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

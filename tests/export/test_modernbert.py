@@ -22,24 +22,9 @@ from addnorm.model.contract import ENCODED, POOLED
 from addnorm.model.encoder import Packing, build_encoder
 from addnorm.model.text import TOKENIZER_FILE
 from addnorm.model.tokenize import TextTokenizer
-from tests.text_models import TEXTS, assert_like_transformers, make_model_dir
+from tests.text_models import MODERN, TEXTS, assert_like_transformers, make_model_dir
 
 pytestmark = pytest.mark.export
-MODERN = dict(
-    d_model=32,
-    nhead=4,
-    dim_feedforward=48,
-    num_layers=3,
-    activation="gelu",
-    norm_first=True,
-    feed_forward="gated",
-    bias=False,
-    first_attention_norm=False,
-    rotary_theta=160_000.0,
-    rotary_theta_local=10_000.0,
-    attention_window=4,
-    global_every=3,
-)
 
 
 @pytest.fixture(scope="module", autouse=True)
