@@ -85,7 +85,11 @@ def create_app(
         app.include_router(router)
     install_error_handlers(app)
     app.add_middleware(
-        Front, guard=guard, access_log=settings.access_log, body_timeout_s=settings.body_timeout_s
+        Front,
+        guard=guard,
+        access_log=settings.access_log,
+        body_timeout_s=settings.body_timeout_s,
+        routes=app.router.routes,
     )
     if factory:  # this worker process's app is built (cli._run does it for one process)
         freeze_heap()

@@ -13,39 +13,45 @@ import contextlib
 import itertools
 import time
 import uuid
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from fastapi.routing import RouteContext, iter_route_contexts
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from addnorm.service import logs
 from addnorm.service.errors import BodyTimeout, ServiceError, error_response, from_error, unexpected_error
-from addnorm.service.guard import SCOPE_KEY, Guard
+from addnorm.service.guard import SCOPE_KEY, Guard, known_models
 from addnorm.service.protocols import error_shape
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Every error as JSON in the shape of the API its path belongs to (protocols.error_shape)."""
-
-    @app.exception_handler(ServiceError)
-    async def service_error(request: Request, exc: ServiceError) -> Response:
-        return from_error(exc, error_shape(request.url.path))
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+def error_answer(request: Request, exc: Exception) -> Response:
+    """An error as JSON in the shape of the API its path belongs to (protocols.error_shape): a domain error with its
+    status, FastAPI's validation and HTTP errors as theirs, anything else a logged 500."""
+    path = request.scope["path"]
+    shape = error_shape(path)
+    if isinstance(exc, ServiceError):
+        return from_error(exc, shape)
+    if isinstance(exc, RequestValidationError):
         parts = [f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()]
-        return error_response(400, "; ".join(parts) or "invalid request", shape=error_shape(request.url.path))
+        return error_response(400, "; ".join(parts) or "invalid request", shape=shape)
+    if isinstance(exc, StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), getattr(exc, "headers", None), shape)
+    return unexpected_error(exc, request.method, path, shape)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        headers = getattr(exc, "headers", None)
-        return error_response(exc.status_code, str(exc.detail), headers, error_shape(request.url.path))
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        return unexpected_error(exc, request.method, request.url.path, error_shape(request.url.path))
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error as JSON in its API's shape (``error_answer``), for FastAPI's routes; the front's direct lane
+    answers its routes' errors with the same function."""
+
+    async def handler(request: Request, exc: Exception) -> Response:
+        return error_answer(request, exc)
+
+    for kind in (ServiceError, RequestValidationError, StarletteHTTPException, Exception):
+        app.add_exception_handler(kind, handler)
 
 
 class Front:
@@ -55,11 +61,19 @@ class Front:
 
     ``body_timeout_s``: a request's body must arrive within this time of the request's start, else 408 and the
     connection closes (uvicorn has no such limit: a body trickled a byte at a time would hold its connection).
+
+    ``routes``: the app's routes; those whose endpoint is marked ``protocols.common.direct`` (the inference routes)
+    the front calls itself, in the direct lane (``_lane``, ``_direct``): the same endpoint, answer and errors, less
+    FastAPI's routing, exception middleware and dependency solving, most of the event loop's time a small request
+    spends outside its own handling.
     """
 
-    def __init__(self, app: ASGIApp, guard: Guard, access_log: bool, body_timeout_s: float) -> None:
+    def __init__(
+        self, app: ASGIApp, guard: Guard, access_log: bool, body_timeout_s: float, routes: Sequence = ()
+    ) -> None:
         self.app, self.guard, self.state, self.access_log = app, guard, guard.state, access_log
         self.body_timeout_s = body_timeout_s
+        self.routes, self._lanes = routes, None
         # Request ids: a random per-process prefix and a counter (uuid4 per request was measurable here).
         self.prefix, self.counter = uuid.uuid4().hex[:8], itertools.count(1)
 
@@ -92,7 +106,11 @@ class Front:
             except ServiceError as exc:
                 await from_error(exc, error_shape(scope["path"]))(scope, receive, send_with_id)
                 return
-            await self.app(scope, body.receive, send_with_id)
+            lane = self._lane(scope)
+            if lane is None:
+                await self.app(scope, body.receive, send_with_id)
+            else:
+                await _direct(*lane, scope, body.receive, send_with_id)
         finally:
             body.close()
             elapsed = time.perf_counter() - start
@@ -109,6 +127,35 @@ class Front:
         )
         if known is not None:
             scope[SCOPE_KEY] = known
+
+    def _lane(self, scope: Scope) -> tuple[RouteContext, dict] | None:
+        """The direct route this request is for and its path's parameters, else None (FastAPI routes it). The routes
+        are read at the first request, once every router is included; a direct route's path matches no route
+        declared before it (tests/service/test_front.py), so the route found is the one FastAPI's router would take."""
+        if self._lanes is None:  # FastAPI's own view of the routes, included routers' too
+            self._lanes = [
+                r for r in iter_route_contexts(self.routes) if getattr(r.endpoint, "direct", False)
+            ]
+        if scope.get("root_path"):  # mounted under a prefix: FastAPI's router strips it
+            return None
+        path, method = scope["path"], scope["method"]
+        for route in self._lanes:
+            if method in route.methods and (match := route.path_regex.match(path)) is not None:
+                return route, {k: route.param_convertors[k].convert(v) for k, v in match.groupdict().items()}
+        return None
+
+
+async def _direct(route: RouteContext, params: dict, scope: Scope, receive: Receive, send: Send) -> None:
+    """A direct route's endpoint called as FastAPI would call it (the request, the models the guard let it reach,
+    its path's parameters) and its answer or error sent; ``scope["route"]`` set as FastAPI's router sets it (the
+    metrics' path label)."""
+    scope["route"], scope["path_params"] = route, params
+    request = Request(scope, receive)
+    try:
+        response = await route.endpoint(request=request, known=await known_models(request), **params)
+    except Exception as exc:  # every error in its API's shape, as FastAPI's handlers give it
+        response = error_answer(request, exc)
+    await response(scope, receive, send)
 
 
 _BODILESS = frozenset(("GET", "HEAD"))  # a body they carry is never read (uvicorn drops it)

@@ -98,6 +98,16 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return inflate(body, coding, max_bytes)
 
 
+def direct(endpoint):
+    """Marks a route's endpoint for the HTTP front's direct lane (``front.middleware.Front``): the front calls it
+    itself, without FastAPI's router, exception middleware and dependency solving, which cost a small request more
+    of the event loop than its own handling (docs/benchmarks.md). It stays a FastAPI route, declared once with its
+    OpenAPI entry, and is served the same either way; its parameters may only be ``request: Request``,
+    ``known: Known`` and its path's own parameters (strings), which is what the front passes (by name)."""
+    endpoint.direct = True
+    return endpoint
+
+
 def http_call(request: Request, protocol: str, started: float, named: str | None = None) -> Call:
     """The request core's view of an HTTP request. Its client going away is seen once its body has been read
     (``read_then_watch``) by a watch on ``receive()`` (ASGI's ``http.disconnect``), which the core stops when the

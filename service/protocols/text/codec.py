@@ -24,7 +24,7 @@ from addnorm.service.core.text import (
 )
 from addnorm.service.errors import BadInput, TooLarge
 from addnorm.service.guard import Known
-from addnorm.service.protocols.common import http_call, parse_json, read_then_watch, timing_headers
+from addnorm.service.protocols.common import direct, http_call, parse_json, read_then_watch, timing_headers
 
 if TYPE_CHECKING:
     from addnorm.service.batching.merging import Outputs
@@ -121,7 +121,7 @@ async def answer(request: Request, known: Known, protocol: str, read: Callable, 
     s = known.settings
     call = http_call(request, protocol, start)
     body = await read_then_watch(request, call, s.max_body_bytes)
-    text_codec = TextCodec(read, write, s.max_elements, TextLimits.of(s), request.url.path)
+    text_codec = TextCodec(read, write, s.max_elements, TextLimits.of(s), request.scope["path"])
     payload, timings = await inference.run(known, call, text_codec, body)
     return Response(
         payload, media_type="application/json", headers=timing_headers(timings, time.perf_counter() - start)
@@ -134,6 +134,7 @@ def text_route(
     """A text API's route: ``POST path`` on ``router``, its body read and answered by ``answer`` with this API's
     ``read`` and ``write``; ``summary`` and ``doc`` (its ``openapi_extra``) are its OpenAPI entry."""
 
+    @direct
     async def route(request: Request, known: Known) -> Response:
         return await answer(request, known, protocol, read, write)
 

@@ -11,7 +11,7 @@ from addnorm.service.core import inference
 from addnorm.service.core.text import TextLimits
 from addnorm.service.guard import Known
 from addnorm.service.models.live_parity import judged
-from addnorm.service.protocols.common import error_docs, http_call, read_then_watch, timing_headers
+from addnorm.service.protocols.common import direct, error_docs, http_call, read_then_watch, timing_headers
 from addnorm.service.protocols.v1 import codec, schema
 
 router = APIRouter(prefix="/v1", tags=["v1"])
@@ -62,6 +62,7 @@ _ENCODE_DOC = {
 
 
 @router.post("/encode", summary="Encode embeddings with the served encoder block", openapi_extra=_ENCODE_DOC)
+@direct
 async def encode(request: Request, known: Known) -> Response:
     """Decode by Content-Type, run, answer in the type Accept asks for."""
     start = time.perf_counter()

@@ -17,6 +17,7 @@ from addnorm.service.models.control import check_parameters
 from addnorm.service.models.registry import ServingModel
 from addnorm.service.models.state import KnownModels, State
 from addnorm.service.protocols.common import (
+    direct,
     error_docs,
     http_call,
     parse_json,
@@ -107,6 +108,7 @@ async def _infer(request: Request, known: KnownModels, name: str, version: str |
 # Two functions, not one with an optional ``version``: that would document a ``?version=`` query parameter on the
 # first path. The inference routes are declared first: the router tries routes in order, and these carry the traffic.
 @router.post("/models/{name}/infer", summary="Inference", openapi_extra=_INFER_DOC)
+@direct
 async def model_infer(name: str, request: Request, known: Known) -> Response:
     return await _infer(request, known, name, None)
 
@@ -114,6 +116,7 @@ async def model_infer(name: str, request: Request, known: Known) -> Response:
 @router.post(
     "/models/{name}/versions/{version}/infer", summary="Inference (one version)", openapi_extra=_INFER_DOC
 )
+@direct
 async def model_version_infer(name: str, version: str, request: Request, known: Known) -> Response:
     return await _infer(request, known, name, version)
 
