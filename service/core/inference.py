@@ -69,6 +69,12 @@ class Cancellable(Protocol):
     def cancel(self) -> object: ...
 
 
+# An ASGI scope extension a server may offer (addnorm's own HTTP/1.1 connection does: front/http11.py): a function
+# that takes a callback, calls it once the request's client has gone away (at once if it has), and returns what
+# cancels that (a ``Cancellable``): no task per request waiting on ``receive()`` for ``http.disconnect``.
+ON_GONE = "addnorm.on_gone"
+
+
 class Disconnect:
     """Whether a request's client has gone away, and who to tell when it does (one callback at a time)."""
 

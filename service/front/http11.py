@@ -30,11 +30,14 @@ import logging
 import re
 import urllib.parse
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httptools
 import orjson
+
+from addnorm.service.core.inference import ON_GONE
 
 log = logging.getLogger("addnorm.http")
 
@@ -294,6 +297,7 @@ class Http11(asyncio.Protocol):
         }
         keep_alive = version != "1.0" and parser.should_keep_alive()
         cycle = _Cycle(self, scope, keep_alive, self.expect_100)
+        scope["extensions"] = {ON_GONE: cycle.on_gone}
         self.parsing = cycle
         if self._over_limit():
             log.warning("HTTP request refused: %s", REFUSALS[503])
@@ -472,6 +476,18 @@ class Http11(asyncio.Protocol):
             conn.transport.abort()
 
 
+class _GoneWatch:
+    """What ``_Cycle.on_gone`` returns: ``cancel`` drops the callback (the request ended)."""
+
+    __slots__ = ("cycle",)
+
+    def __init__(self, cycle: _Cycle) -> None:
+        self.cycle = cycle
+
+    def cancel(self) -> None:
+        self.cycle.gone_callback = None
+
+
 class _Cycle:
     """One request on a connection: its scope, its body as it arrives, its answer as the app sends it."""
 
@@ -491,6 +507,7 @@ class _Cycle:
         "chunked",
         "remaining",
         "head",
+        "gone_callback",
     )
 
     def __init__(self, conn: Http11, scope: dict, keep_alive: bool, expect_100: bool) -> None:
@@ -505,6 +522,7 @@ class _Cycle:
         self.chunked: bool | None = None
         self.remaining = 0
         self.head = b""
+        self.gone_callback: Callable[[], object] | None = None  # on_gone's
 
     def wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():
@@ -513,6 +531,18 @@ class _Cycle:
     def gone(self) -> None:
         self.gone_ = True
         self.wake()
+        if (callback := self.gone_callback) is not None:
+            self.gone_callback = None
+            callback()
+
+    def on_gone(self, callback: Callable[[], object]) -> _GoneWatch:
+        """The scope's ``ON_GONE`` extension: ``callback`` once the client has gone away (at once if it has); the
+        watch returned cancels it (one watch a request)."""
+        if self.gone_:
+            callback()
+        else:
+            self.gone_callback = callback
+        return _GoneWatch(self)
 
     async def run(self) -> None:
         try:

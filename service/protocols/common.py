@@ -14,7 +14,7 @@ from fastapi import Request
 from addnorm.model.contract import EMBEDDINGS, MASK
 from addnorm.service.backend.engine import TRIM_BODY_BYTES, trim_later
 from addnorm.service.batching.merging import Outputs, Timings
-from addnorm.service.core.inference import OFFLOAD_BYTES, Call, Disconnect, Infer
+from addnorm.service.core.inference import OFFLOAD_BYTES, ON_GONE, Call, Disconnect, Infer
 from addnorm.service.core.text import TextRequest
 from addnorm.service.errors import BadInput, ClientGone, TooLarge, UnsupportedMediaType, quote
 from addnorm.service.metrics import RequestTimer
@@ -116,10 +116,16 @@ def http_call(request: Request, protocol: str, started: float, named: str | None
 
 
 async def read_then_watch(request: Request, call: Call, max_bytes: int) -> bytes:
-    """``read_body``, then the watch for the client going away (the next ASGI message can only be that)."""
+    """``read_body``, then the watch for the client going away: the server's own callback where it offers one
+    (``ON_GONE``: addnorm-serve's connection), else a watch on ``receive()`` (the next ASGI message can only be
+    the disconnect: under a test client, Ray Serve's proxy, another ASGI server)."""
     body = await read_body(request, max_bytes)
-    call.watch = _Watch(request, call.gone)
+    on_gone = request.scope.get("extensions", _NO_EXTENSIONS).get(ON_GONE)
+    call.watch = _Watch(request, call.gone) if on_gone is None else on_gone(call.gone.fire)
     return body
+
+
+_NO_EXTENSIONS: dict = {}
 
 
 # A request still unanswered this long after its body is read is watched for its client leaving.
