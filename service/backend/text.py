@@ -89,9 +89,13 @@ class TextFront:
 
     def embed(self, batch: Batch) -> np.ndarray:
         """(B, S) ids -> (B, S, E) float32."""
-        feed = {INPUT_IDS: batch.input_ids}
+        return self.embed_ids(batch.input_ids, batch.token_type_ids)
+
+    def embed_ids(self, ids: np.ndarray, types: np.ndarray) -> np.ndarray:
+        """(B, S) int64 ids and token types -> (B, S, E) float32 (the types read only by a model that has them)."""
+        feed = {INPUT_IDS: ids}
         if self.config.type_vocab_size:
-            feed[TOKEN_TYPE_IDS] = batch.token_type_ids
+            feed[TOKEN_TYPE_IDS] = types
         return self.session.run([EMBEDDINGS], feed)[0]
 
     def describe(self) -> dict:

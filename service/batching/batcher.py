@@ -151,9 +151,10 @@ class Batcher:
                 self._left(queued)
 
     async def infer(
-        self, x: np.ndarray, mask: np.ndarray | None, timeout: float | None = None
+        self, x: np.ndarray | merging.Tokens, mask: np.ndarray | None, timeout: float | None = None
     ) -> tuple[Outputs, Timings]:
-        """Queue one (b, s, E) request and wait for its rows of every output. A row's trailing padding is never
+        """Queue one (b, s, E) request (embeddings, or a text part's ``Tokens``, embedded by the run that takes
+        it) and wait for its rows of every output. A row's trailing padding is never
         computed (it answers zeros): the request is queued as pieces cut to their rows' real lengths
         (``packing.pieces``), merged like requests, each within the attention budget. On a packed graph too, which
         computes no padding's products but pads a run's attention to its longest: there a short row then runs

@@ -77,12 +77,44 @@ class Observers:
             o.batch_done(run)
 
 
+@dataclass(frozen=True)
+class Tokens:
+    """A text request's part as it queues: its (rows, seq) padded token ids and token types, embedded by ``embed``
+    (the model's embedding layer: ``TextFront.embed_ids``) when a run takes it, with all the text of that run in one
+    call (``stack``): on the inference thread, not the event loop, and one embedding run a model run. Shaped as the
+    (rows, seq, width) float32 embeddings it stands for (the queue's bytes, the run's limits, live parity)."""
+
+    ids: np.ndarray  # (rows, seq) int64
+    types: np.ndarray  # (rows, seq) int64
+    embed: Callable[[np.ndarray, np.ndarray], np.ndarray]
+    width: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (*self.ids.shape, self.width)
+
+    @property
+    def nbytes(self) -> int:
+        return self.ids.size * self.width * 4
+
+    def __getitem__(self, key) -> Tokens:
+        return Tokens(self.ids[key], self.types[key], self.embed, self.width)
+
+    def embedded(self) -> np.ndarray:
+        return self.embed(self.ids, self.types)
+
+
+def embedded(x: np.ndarray | Tokens) -> np.ndarray:
+    """A request's (rows, seq, E) embeddings: its own, or its tokens through its model's embedding layer."""
+    return x.embedded() if isinstance(x, Tokens) else x
+
+
 @dataclass
 class Queued:
-    """One queued request, or a piece of one: its (rows, seq, E) embeddings, mask, the future its answer goes to, and
-    its timings."""
+    """One queued request, or a piece of one: its (rows, seq, E) embeddings (or the ``Tokens`` they are made of),
+    mask, the future its answer goes to, and its timings."""
 
-    x: np.ndarray  # (rows, seq, E)
+    x: np.ndarray | Tokens  # (rows, seq, E)
     mask: np.ndarray | None  # (rows, seq), true where a position is padding
     future: asyncio.Future
     padded: bool = False  # its own mask marks some padding
@@ -286,20 +318,33 @@ def _fastest(runs: Sequence[Callable[[], object]], repeats: int) -> list[float]:
 
 
 def stack(batch: Sequence[Queued]) -> tuple[np.ndarray, np.ndarray | None]:
-    """Stack requests along the batch dim, padding shorter sequences and masking the padding."""
+    """Stack requests along the batch dim, padding shorter sequences and masking the padding; text (``Tokens``)
+    embedded here, a run's text of one model in one call (its ids stacked, padded with id 0 under the mask)."""
     if len(batch) == 1:
-        return batch[0].x, batch[0].mask
+        return embedded(batch[0].x), batch[0].mask
     seq, rows, e = max(i.seq for i in batch), sum(i.rows for i in batch), batch[0].x.shape[2]
-    if all(i.seq == seq for i in batch) and all(i.mask is None for i in batch):
-        return np.concatenate([i.x for i in batch]), None
-    x = np.zeros((rows, seq, e), dtype=batch[0].x.dtype)
+    first = batch[0].x
+    texts = isinstance(first, Tokens) and all(
+        isinstance(i.x, Tokens) and i.x.embed == first.embed for i in batch
+    )
+    xs = None if texts else [embedded(i.x) for i in batch]
+    if xs is not None and all(i.seq == seq for i in batch) and all(i.mask is None for i in batch):
+        return np.concatenate(xs), None
+    if texts:
+        ids, types = np.zeros((rows, seq), np.int64), np.zeros((rows, seq), np.int64)
+    else:
+        x = np.zeros((rows, seq, e), dtype=xs[0].dtype)
     mask = np.ones((rows, seq), dtype=bool)
     r = 0
-    for i in batch:
-        x[r : r + i.rows, : i.seq] = i.x
+    for n, i in enumerate(batch):
+        if texts:
+            ids[r : r + i.rows, : i.seq] = i.x.ids
+            types[r : r + i.rows, : i.seq] = i.x.types
+        else:
+            x[r : r + i.rows, : i.seq] = xs[n]
         mask[r : r + i.rows, : i.seq] = False if i.mask is None else i.mask
         r += i.rows
-    return x, mask
+    return (first.embed(ids, types) if texts else x), mask
 
 
 def split(batch: Sequence[Queued], out: Outputs) -> list[Outputs]:

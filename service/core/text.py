@@ -1,14 +1,14 @@
 """Text and token ids in: what the text APIs (/v1/embeddings, TEI's /embed, V2's BYTES ``text``) share between their
 JSON and the request core. ``decode_texts`` tokenizes with the model's tokenizer, cuts the request into parts of
-at most ``max_batch_tokens`` padded positions (its inputs sorted by length, so each part pads little) and runs each
-part's embedding layer: the request runs its parts on the model's batcher side by side (``TextRequest.run``,
-``run_parts``), where they merge with other requests by token cost as any tensors do. ``vectors`` gives each input's sentence embedding.
+at most ``max_batch_tokens`` padded positions (its inputs sorted by length, so each part pads little): the request
+runs its parts on the model's batcher side by side (``TextRequest.run``, ``run_parts``), where they merge with other
+requests by token cost as any tensors do, and a run embeds all its text with the model's embedding layer at once
+(``merging.Tokens``). ``vectors`` gives each input's sentence embedding.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,7 +17,7 @@ from addnorm.model.contract import ENCODED, POOLED, SCORES, SPARSE
 from addnorm.model.quantize import CALIBRATED, FLOAT, PRECISIONS, quantize
 from addnorm.model.tokenize import Batch, QueryTooLong, TooLong, TooManyChars
 from addnorm.service.backend.cores import in_worker
-from addnorm.service.batching.merging import Outputs, Timings
+from addnorm.service.batching.merging import Outputs, Timings, Tokens
 from addnorm.service.errors import BadInput, TooLarge, quote
 
 Inputs = list[str] | list[list[int]]  # texts, or token id lists
@@ -49,32 +49,29 @@ class TextLimits:
 
 @dataclass
 class Part:
-    """Some of a request's inputs, padded together: their rows in the request, ids and embeddings."""
+    """Some of a request's inputs, padded together: their rows in the request, and their ids as they queue
+    (``tokens``: embedded by the model's embedding layer when a run takes them, on the inference thread)."""
 
     rows: np.ndarray  # (b,) indices into the request's inputs
     batch: Batch
-    embeddings: (
-        np.ndarray | None
-    )  # (b, s, E) float32; made when the part is queued (the first part's at decode)
+    tokens: Tokens
 
 
 @dataclass
 class TextRequest:
     """A decoded text request: a ``core.inference.Decoded`` that runs in parts, its inputs' rows in each;
-    ``embeddings`` and ``mask`` are its first part's (what /v1's and V2's request types carry beside it)."""
+    ``embeddings`` (its first part's ``Tokens``, shaped as its embeddings) and ``mask`` are what /v1's and V2's
+    request types carry beside it."""
 
     parts: list[Part]
     tokens: int  # real tokens in all, special tokens included (usage.prompt_tokens)
-    embed: Callable[[Batch], np.ndarray] | None = (
-        None  # the model's embedding layer, for the parts not yet made
-    )
     model: str | None = None
     timeout_s: float | None = None
     options: dict = field(default_factory=dict)  # the protocol's own (normalize, dimensions, encoding)
 
     @property
-    def embeddings(self) -> np.ndarray:
-        return self.parts[0].embeddings
+    def embeddings(self) -> Tokens:
+        return self.parts[0].tokens
 
     @property
     def mask(self) -> np.ndarray:
@@ -125,7 +122,8 @@ def text_inputs(value: object, where: str, max_inputs: int) -> Inputs:
 
 
 # Parts of one request queued at a time: their embeddings (each at most max_batch_tokens positions) exist only
-# while they are queued or running, so a request of many inputs holds two parts' worth, not all of them. Two keep
+# while they run, and its queued parts count as theirs against the queue's bytes, so a request of many inputs holds
+# two parts' worth, not all of them. Two keep
 # the model busy (the next part waits in the queue while one runs) and let another client's request wait behind
 # at most one queued part of it, besides the run in progress (python -m bench --stall).
 PARTS_IN_FLIGHT = 2
@@ -227,7 +225,7 @@ def decode_texts(
     direction: str = "right",
 ) -> TextRequest:
     """Tokenize (or check the ids of) ``inputs`` (``text_inputs``'s) with ``model``'s text front, behind its prompt
-    ``prompt``, in parts of at most ``limits.max_batch_tokens`` positions; the first part embedded. Cut to the
+    ``prompt``, in parts of at most ``limits.max_batch_tokens`` positions (embedded when they run). Cut to the
     model's length when ``truncate``, or where it is None (the request does not say) ``limits.auto_truncate``;
     refused when its embeddings could never fit the queue (``limits.max_bytes``). ``seconds``: each text's second, tokenized as a pair (a query and a document;
     cut in the second only)."""
@@ -290,7 +288,7 @@ def decode_texts(
             f"{max_bytes} bytes (ADDNORM_MAX_QUEUE_BYTES); split the request"
         )
     order = np.argsort([len(r) for r in rows], kind="stable")
-    parts, start = [], 0
+    parts, start, embed = [], 0, front.embed_ids
     while start < len(order):  # the longest that fit max_batch_tokens padded positions, shortest first
         stop = start + 1
         while stop < len(order) and (stop + 1 - start) * len(rows[order[stop]]) <= max_batch_tokens:
@@ -299,9 +297,9 @@ def decode_texts(
         batch = front.tokenizer.pad(
             [rows[i] for i in picked], None if types is None else [types[i] for i in picked]
         )
-        parts.append(Part(picked, batch, None if parts else front.embed(batch)))
+        parts.append(Part(picked, batch, Tokens(batch.input_ids, batch.token_type_ids, embed, width)))
         start = stop
-    return TextRequest(parts, sum(len(r) for r in rows), embed=front.embed)
+    return TextRequest(parts, sum(len(r) for r in rows))
 
 
 async def run_parts(infer, req: TextRequest, limit: float, timer) -> tuple[Outputs, Timings]:
@@ -311,15 +309,10 @@ async def run_parts(infer, req: TextRequest, limit: float, timer) -> tuple[Outpu
 
     async def one(part: Part):
         async with gate:
-            if part.embeddings is None:
-                part.embeddings = await in_worker(req.embed, part.batch)
-            try:
-                return await infer(part.embeddings, part.batch.mask, limit, timer)
-            finally:
-                part.embeddings = None  # its memory back as soon as it ran
+            return await infer(part.tokens, part.batch.mask, limit, timer)
 
     if len(req.parts) == 1:
-        answers = [await infer(req.parts[0].embeddings, req.parts[0].batch.mask, limit, timer)]
+        answers = [await infer(req.parts[0].tokens, req.parts[0].batch.mask, limit, timer)]
     else:
         answers = await asyncio.gather(*(one(p) for p in req.parts))
     if len(answers) == 1 and np.array_equal(req.parts[0].rows, np.arange(req.rows)):

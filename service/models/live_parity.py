@@ -36,6 +36,7 @@ from addnorm.model.packing import answered
 from addnorm.model.verdict import Tolerance, compare
 from addnorm.service import logs
 from addnorm.service.backend import engine
+from addnorm.service.batching.merging import Tokens, embedded
 
 log = logging.getLogger("addnorm.live_parity")
 QUEUE = 8  # samples waiting for the checker; more are dropped (and counted)
@@ -75,7 +76,7 @@ class Counts:
 class _Sample:
     model: object  # service.models.state.ServingModel
     request_id: str
-    embeddings: np.ndarray
+    embeddings: np.ndarray | Tokens  # a text request's tokens are embedded by the checker (``_work``)
     mask: np.ndarray | None
     answers: dict[str, np.ndarray]  # every output by name, the rows the client was sent
 
@@ -163,7 +164,7 @@ class LiveParity:
         sample = _Sample(
             model,
             logs.request_id.get(),
-            np.array(embeddings, copy=True),
+            embeddings if isinstance(embeddings, Tokens) else np.array(embeddings, copy=True),
             None if mask is None else np.array(mask, copy=True),
             {name: np.array(a, copy=True) for name, a in answers.items()},
         )
@@ -182,6 +183,7 @@ class LiveParity:
         while (sample := self._queue.get()) is not None:
             start = time.perf_counter()  # wall time: numpy's BLAS threads work for it too
             try:
+                sample.embeddings = embedded(sample.embeddings)  # as the run embedded them: the same layer
                 self.check(sample)
             except Exception:  # never the thread; counted, so checked 0 and failed 0 cannot read as all well
                 log.exception("live parity check of %s failed to run", sample.model.name)

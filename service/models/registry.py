@@ -24,7 +24,7 @@ from addnorm.model.artifact import MANIFEST_FILE, ArtifactError, Manifest
 from addnorm.model.golden import Verification
 from addnorm.service.backend.interface import Backend
 from addnorm.service.batching.batcher import Batcher
-from addnorm.service.batching.merging import Outputs, Timings
+from addnorm.service.batching.merging import Outputs, Timings, Tokens
 from addnorm.service.errors import NotFound, NotReady, quote
 from addnorm.service.metrics import ModelStatistics, RequestTimer
 from addnorm.service.models.live_parity import LiveParity
@@ -81,9 +81,9 @@ class ServingModel:
             yield timer
 
     async def infer(
-        self, x: np.ndarray, mask: np.ndarray | None, timeout: float, timer: RequestTimer
+        self, x: np.ndarray | Tokens, mask: np.ndarray | None, timeout: float, timer: RequestTimer
     ) -> tuple[Outputs, Timings]:
-        """A decoded (B, S, E) batch through the batcher within ``timeout`` seconds, its run in the statistics; a
+        """A decoded (B, S, E) batch (or a text part's ``Tokens``) through the batcher within ``timeout`` seconds, its run in the statistics; a
         sample of answers is recomputed in float64 by live parity, off the request path."""
         outputs, timings = await self.batcher.infer(x, mask, timeout)
         timer.inferred(timings, x.shape[0])

@@ -647,3 +647,62 @@ def test_quantized_forms_follow_dimensions_and_normalize_and_need_a_calibration(
     (corrupt / quantize.CALIBRATION_FILE).write_bytes(b"not the calibration")
     with pytest.raises(ArtifactError, match="the quantized vectors' calibration"):
         read_verified(corrupt)  # its sha256 no longer matches: never served
+
+
+def test_a_runs_text_is_embedded_in_one_call_and_each_request_answers_as_it_does_alone(artifact):
+    """Text parts queue as token ids (merging.Tokens) and a run embeds all of its text at once, on the inference
+    thread: the embedding layer runs once for a run of requests of different lengths (before, once per request on
+    the event loop), its embeddings of each request's real tokens are the bits the request's own give, and each
+    request answers as it does alone (merged, the block computes its rows in a longer padded batch: float32's
+    rounding apart)."""
+    import asyncio
+
+    from addnorm.service.core.text import TextLimits, decode_texts, run_parts, sentence_vectors
+    from addnorm.service.models.state import ServiceState, serving_model
+    from addnorm.service.settings import Settings
+
+    texts = [TEXTS[0], TEXTS[1] + " " + TEXTS[2], "one", TEXTS[3]]
+
+    async def main() -> tuple[list[np.ndarray], list[np.ndarray], list[tuple], list]:
+        settings = Settings(
+            artifact=(artifact,), merge_lengths="pad", max_queue_delay_ms=300, live_parity_rate=0
+        )
+        model = await serving_model(ServiceState(settings), artifact.name, artifact)
+        limits, front, calls = TextLimits.of(settings), model.engine.text, []
+        embed = front.embed_ids
+
+        def counted(ids, types):
+            out = embed(ids, types)
+            calls.append((ids, types, out))
+            return out
+
+        front.embed_ids = counted
+
+        async def one(text: str) -> np.ndarray:
+            req = decode_texts(model, [text], False, limits)
+            decoded.append(req)
+            with model.request(0.0) as timer:
+                outputs, _ = await run_parts(model.infer, req, 30.0, timer)
+            return sentence_vectors(req, model, outputs)
+
+        decoded: list = []
+        try:
+            alone = [await one(t) for t in texts]
+            calls.clear()
+            decoded.clear()
+            together = await asyncio.gather(*(one(t) for t in texts))
+        finally:
+            await model.batcher.stop()
+        return alone, together, calls, decoded
+
+    alone, together, calls, decoded = asyncio.run(main())
+    assert len(calls) == 1, [c[0].shape for c in calls]  # one run, one embedding call ...
+    ids, _, run = calls[0]
+    assert ids.shape[0] == len(texts) and len({len(r.parts[0].batch.lengths) for r in decoded}) == 1
+    for req in decoded:  # ... whose rows are each request's, in some order, its real tokens embedded as alone
+        own = req.embeddings.embedded()[0]
+        n = req.parts[0].batch.lengths[0]
+        row = next(i for i in range(len(ids)) if np.array_equal(ids[i, :n], req.parts[0].batch.input_ids[0]))
+        np.testing.assert_array_equal(run[row, :n], own[:n])
+    for a, b in zip(alone, together, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
