@@ -322,29 +322,35 @@ def stack(batch: Sequence[Queued]) -> tuple[np.ndarray, np.ndarray | None]:
     embedded here, a run's text of one model in one call (its ids stacked, padded with id 0 under the mask)."""
     if len(batch) == 1:
         return embedded(batch[0].x), batch[0].mask
-    seq, rows, e = max(i.seq for i in batch), sum(i.rows for i in batch), batch[0].x.shape[2]
+    seq = max(i.seq for i in batch)
     first = batch[0].x
-    texts = isinstance(first, Tokens) and all(
-        isinstance(i.x, Tokens) and i.x.embed == first.embed for i in batch
-    )
-    xs = None if texts else [embedded(i.x) for i in batch]
-    if xs is not None and all(i.seq == seq for i in batch) and all(i.mask is None for i in batch):
+    if isinstance(first, Tokens) and all(isinstance(i.x, Tokens) and i.x.embed == first.embed for i in batch):
+        ids, types = _padded([i.x.ids for i in batch], seq), _padded([i.x.types for i in batch], seq)
+        return first.embed(ids, types), _mask(batch, seq)
+    xs = [embedded(i.x) for i in batch]
+    if all(i.seq == seq for i in batch) and all(i.mask is None for i in batch):
         return np.concatenate(xs), None
-    if texts:
-        ids, types = np.zeros((rows, seq), np.int64), np.zeros((rows, seq), np.int64)
-    else:
-        x = np.zeros((rows, seq, e), dtype=xs[0].dtype)
-    mask = np.ones((rows, seq), dtype=bool)
+    return _padded(xs, seq), _mask(batch, seq)
+
+
+def _padded(arrays: list[np.ndarray], seq: int) -> np.ndarray:
+    """(rows, seq_i, ...) arrays stacked along rows, zeros past each one's own seq."""
+    out = np.zeros((sum(a.shape[0] for a in arrays), seq, *arrays[0].shape[2:]), dtype=arrays[0].dtype)
     r = 0
-    for n, i in enumerate(batch):
-        if texts:
-            ids[r : r + i.rows, : i.seq] = i.x.ids
-            types[r : r + i.rows, : i.seq] = i.x.types
-        else:
-            x[r : r + i.rows, : i.seq] = xs[n]
+    for a in arrays:
+        out[r : r + a.shape[0], : a.shape[1]] = a
+        r += a.shape[0]
+    return out
+
+
+def _mask(batch: Sequence[Queued], seq: int) -> np.ndarray:
+    """The stacked batch's mask: each request's own, and true over the padding stacking added."""
+    mask = np.ones((sum(i.rows for i in batch), seq), dtype=bool)
+    r = 0
+    for i in batch:
         mask[r : r + i.rows, : i.seq] = False if i.mask is None else i.mask
         r += i.rows
-    return (first.embed(ids, types) if texts else x), mask
+    return mask
 
 
 def split(batch: Sequence[Queued], out: Outputs) -> list[Outputs]:
