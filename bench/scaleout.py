@@ -23,12 +23,20 @@ REPS = 3
 
 
 def ray_server(
-    artifact: Path, replicas: int, num_cpus: int, direct: str | None = None, ports_file: Path | None = None
+    artifact: Path,
+    replicas: int,
+    num_cpus: int,
+    direct: str | None = None,
+    ports_file: Path | None = None,
+    haproxy: str | None = None,
 ) -> ServerProcess:
-    """A ray_driver process; ``direct`` (LO:HI): with Ray's direct ingress on those ports."""
+    """A ray_driver process; ``direct`` (LO:HI): with Ray's direct ingress on those ports; ``haproxy`` (LO:HI): the
+    replicas on those ports behind Ray's HAProxy on the process's port."""
     args = ["-m", "bench.ray_driver", "--artifact", str(artifact), "--replicas", str(replicas)]
     if direct:
         args += ["--direct-ingress", direct, "--ports-file", str(ports_file)]
+    if haproxy:
+        args += ["--haproxy", haproxy, "--ports-file", str(ports_file)]
     return ServerProcess([*args, "--num-cpus", str(num_cpus)])
 
 
@@ -53,7 +61,7 @@ def process_tree(root: int) -> dict[int, str]:
 
 
 def _role(title: str) -> str:
-    if "ProxyActor" in title:
+    if "ProxyActor" in title or Path(title).name == "haproxy":
         return "proxy"
     if "ServeReplica" in title:
         return "replica"
@@ -100,11 +108,20 @@ def phase(
     return row
 
 
-# The Ray setups measured against plain addnorm-serve: (replicas, CPUs each, direct-ingress port range)
+# The Ray setups measured against plain addnorm-serve: (replicas, CPUs each, ingress, the replicas' port range).
+# Ingress: "proxy" (Ray's Python HTTP proxy), "direct" (direct ingress: the clients split across the replicas' own
+# ports), "haproxy" (Ray's HAProxy mode: HAProxy on the one port, over the replicas' own ports).
 RAY_SETUPS = {
-    "ray": (1, None, None),  # through Ray's HTTP proxy, one replica on every core
-    "ray direct": (1, None, "30000:30099"),  # Ray's direct ingress: the replica serves HTTP itself
-    "ray direct x2": (2, 1, "30100:30199"),  # two replicas of one core each, clients split across them
+    "ray": (1, None, "proxy", None),  # through Ray's HTTP proxy, one replica on every core
+    "ray direct": (1, None, "direct", "30000:30099"),  # Ray's direct ingress: the replica serves HTTP itself
+    "ray direct x2": (
+        2,
+        1,
+        "direct",
+        "30100:30199",
+    ),  # two replicas of one core each, clients split across them
+    "ray haproxy": (1, None, "haproxy", "30200:30299"),  # the documented deployment: HAProxy, one port
+    "ray haproxy x2": (2, 1, "haproxy", "30300:30399"),  # two replicas of one core each behind it
 }
 
 
@@ -127,10 +144,13 @@ def measure_ray(s: Setup) -> dict:
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         plain = stack.enter_context(serve(s.artifact))
         ports, trees = {"plain": [plain.port]}, {"plain": {plain.proc.pid: "addnorm-serve"}}
-        for name, (replicas, cpus, direct) in RAY_SETUPS.items():
+        for name, (replicas, cpus, ingress, range_) in RAY_SETUPS.items():
             ports_file = Path(tmp) / f"{len(ports)}.json"
-            srv = stack.enter_context(ray_server(s.artifact, replicas, cpus or s.threads, direct, ports_file))
-            ports[name] = _written(ports_file) if direct else [srv.port]
+            direct, haproxy = (range_, None) if ingress == "direct" else (None, range_)
+            srv = ray_server(s.artifact, replicas, cpus or s.threads, direct, ports_file, haproxy)
+            stack.enter_context(srv)
+            replica_ports = _written(ports_file) if range_ else []  # once all its replicas answer
+            ports[name] = replica_ports if ingress == "direct" else [srv.port]
             trees[name] = process_tree(srv.proc.pid)
         for rep in range(REPS):
             order = names[rep % len(names) :] + names[: rep % len(names)]

@@ -1,7 +1,10 @@
 """Ray Serve: the same FastAPI app as addnorm-serve, in N replicas that each own one onnxruntime session.
 
-    serve run addnorm.service.ray_serve:build artifact=artifacts/default replicas=2
-    serve run deploy/ray/serve.yaml
+    RAY_SERVE_ENABLE_HA_PROXY=1 serve run addnorm.service.ray_serve:build artifact=artifacts/default replicas=2
+    RAY_SERVE_ENABLE_HA_PROXY=1 serve run deploy/ray/serve.yaml
+
+With the variable (the ``ray`` image sets it), HAProxy takes the port and balances over replicas that serve HTTP
+themselves: 0.8x plain addnorm-serve on small requests, where Ray's Python proxy gives 0.3x (docs/deployment.md).
 
 Needs the ``ray`` extra (``pip install '.[ray]'``). Each replica builds the app with ``create_app`` and
 loads its model (sha256 check, golden check, batcher) before its start-up ends, so Ray routes no request to a

