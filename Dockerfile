@@ -116,8 +116,14 @@ USER addnorm
 # requests get 0.8x plain addnorm-serve's throughput instead of 0.3x (docs/deployment.md). It binds all
 # interfaces inside the container (the compose file publishes it on loopback only), on 8000: `serve run
 # IMPORT_PATH` has no port setting (a Serve config's http_options.port moves it, and then the healthcheck's
-# argument with it). RAY_SERVE_ENABLE_HA_PROXY=0 at run time: Ray's own proxy, as before.
-ENV HOME=/tmp ADDNORM_ARTIFACT=/artifacts/default RAY_SERVE_DEFAULT_HTTP_HOST=0.0.0.0 RAY_SERVE_ENABLE_HA_PROXY=1
+# argument with it). RAY_SERVE_ENABLE_HA_PROXY=0 at run time: Ray's own proxy, as before. HAProxy asks for two
+# descriptors a connection: at Ray's default of 4,096 connections it refuses to start under a hard limit of 4,096
+# descriptors ("Cannot raise FD limit to 10276"); 1,000, as addnorm-serve's --max-connections, needs about 2,100.
+# A replica serving HTTP itself drains for RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S before it stops (30 s by
+# default, so that load balancers see it go): `serve run` then took 33 s to stop on SIGINT, past a stop's grace
+# period; 5 s (HAProxy reloads within a second of a replica leaving) stops it in 8.5 s (Ray's proxy: 5.6 s).
+ENV HOME=/tmp ADDNORM_ARTIFACT=/artifacts/default RAY_SERVE_DEFAULT_HTTP_HOST=0.0.0.0 RAY_SERVE_ENABLE_HA_PROXY=1 \
+    RAY_SERVE_HAPROXY_MAXCONN=1000 RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=5
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 CMD ["python", "/app/healthcheck.py", "8000"]
 # `serve run` shuts Serve down gracefully on SIGINT and exits 0; SIGTERM kills it outright (measured with podman:
