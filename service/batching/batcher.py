@@ -340,12 +340,13 @@ class Batcher:
                     lambda: self._hurry or sum(i.rows for i in self._queue) >= self.limits.max_batch_size,
                     self.max_delay,
                 )
-            # skip what timed out or whose client left before it ran (its timer answers it)
+            # skip what timed out or whose client left before it ran (its timer answers it); the wait for company
+            # let go of the lock, and a request whose client left meanwhile was withdrawn: the queue may be empty
             now = time.perf_counter()
-            while self._queue[0].dropped(now):
+            while self._queue and self._queue[0].dropped(now):
                 self._pop()
-                if not self._queue:
-                    return []
+            if not self._queue:
+                return []
             head = self._pop()
             if head.solo:
                 return [head]

@@ -2,6 +2,7 @@
 sleep to order events: each step waits until the batcher's state says the previous one happened (``until``)."""
 
 import asyncio
+import sys
 import threading
 import time
 
@@ -264,6 +265,38 @@ def test_cancelled_request_is_not_run(engine):
 
     run(main())
     assert (1, 7, 32) not in model.shapes
+
+
+def _waiting_for_company(thread: threading.Thread) -> bool:
+    """Whether the inference thread is in its run's wait for company (``Condition.wait_for`` under ``_take``)."""
+    frame = sys._current_frames().get(thread.ident)
+    names = []
+    while frame is not None:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return "wait_for" in names and "_take" in names
+
+
+def test_a_request_withdrawn_while_its_run_waits_for_company_leaves_the_batcher_serving(engine):
+    """With a queue delay, the run waits for company without the queue's lock; the only queued request's client
+    leaving meanwhile withdraws it, and the run then found an empty queue: the inference thread died (IndexError)
+    and every later request got 504 (a client hanging up under CPU load, tests/test_e2e.py's, on a 2-core EPYC)."""
+
+    async def main():
+        batcher = Batcher(engine, max_queue_delay_ms=60_000)  # waits for company until 32 rows or drain()
+        batcher.start()
+        gone = asyncio.ensure_future(batcher.infer(np.zeros((1, 7, 32), np.float32), None))
+        await until(lambda: _waiting_for_company(batcher._thread))  # it holds the request, the lock let go
+        gone.cancel()  # what the request core does when the client disconnects: withdrawn from the queue
+        await until(lambda: batcher.depth == 0)
+        batcher.drain()  # the wait for company ends, on an empty queue
+        out, _ = await asyncio.wait_for(batcher.infer(np.ones((1, 5, 32), np.float32), None), 10)
+        alive = batcher._thread.is_alive()
+        await batcher.stop()
+        return out, alive
+
+    out, alive = run(main())
+    assert alive and out["encoded"].shape == (1, 5, 32)
 
 
 def test_engine_failure_fails_the_batch_not_the_batcher():
