@@ -41,9 +41,9 @@ def main() -> None:
     )
     p.add_argument("--haproxy", metavar="LO:HI", help="HAProxy on --port over replicas on ports LO..HI")
     args = p.parse_args()
-    ports = args.direct_ingress or args.haproxy
-    if ports:  # read by Ray's processes, which inherit this environment
-        lo, hi = ports.split(":")
+    span = args.direct_ingress or args.haproxy  # the replicas' ports, LO:HI
+    if span:  # read by Ray's processes, which inherit this environment
+        lo, hi = span.split(":")
         os.environ.update(
             RAY_SERVE_ENABLE_DIRECT_INGRESS="1",
             RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=lo,
@@ -74,7 +74,7 @@ def main() -> None:
         serve.start(http_options={"host": HOST, "port": args.port})
         app = build({"artifact": args.artifact, "replicas": args.replicas, "num_cpus": args.num_cpus})
         serve.run(app, name="addnorm", route_prefix="/")
-        if ports:  # every replica up (behind HAProxy too: its port answers once the first one is)
+        if span:  # every replica up (behind HAProxy too: its port answers once the first one is)
             ports = _answering(range(int(lo), int(hi) + 1), args.replicas)
             staged = Path(args.ports_file).with_suffix(".tmp")  # whole or absent for the reader
             staged.write_text(json.dumps(ports))
