@@ -26,17 +26,16 @@ def ray_server(
     artifact: Path,
     replicas: int,
     num_cpus: int,
-    direct: str | None = None,
+    ingress: str = "proxy",
+    span: str | None = None,
     ports_file: Path | None = None,
-    haproxy: str | None = None,
 ) -> ServerProcess:
-    """A ray_driver process; ``direct`` (LO:HI): with Ray's direct ingress on those ports; ``haproxy`` (LO:HI): the
-    replicas on those ports behind Ray's HAProxy on the process's port."""
+    """A ray_driver process, its ``ingress`` one of RAY_SETUPS' ("direct" and "haproxy": the replicas on ports of
+    ``span``, LO:HI, written to ``ports_file`` once all answer)."""
     args = ["-m", "bench.ray_driver", "--artifact", str(artifact), "--replicas", str(replicas)]
-    if direct:
-        args += ["--direct-ingress", direct, "--ports-file", str(ports_file)]
-    if haproxy:
-        args += ["--haproxy", haproxy, "--ports-file", str(ports_file)]
+    if ingress != "proxy":
+        flag = "--direct-ingress" if ingress == "direct" else "--haproxy"
+        args += [flag, str(span), "--ports-file", str(ports_file)]
     return ServerProcess([*args, "--num-cpus", str(num_cpus)])
 
 
@@ -114,12 +113,8 @@ def phase(
 RAY_SETUPS = {
     "ray": (1, None, "proxy", None),  # through Ray's HTTP proxy, one replica on every core
     "ray direct": (1, None, "direct", "30000:30099"),  # Ray's direct ingress: the replica serves HTTP itself
-    "ray direct x2": (
-        2,
-        1,
-        "direct",
-        "30100:30199",
-    ),  # two replicas of one core each, clients split across them
+    # two replicas of one core each, clients split across them
+    "ray direct x2": (2, 1, "direct", "30100:30199"),
     "ray haproxy": (1, None, "haproxy", "30200:30299"),  # the documented deployment: HAProxy, one port
     "ray haproxy x2": (2, 1, "haproxy", "30300:30399"),  # two replicas of one core each behind it
 }
@@ -144,12 +139,11 @@ def measure_ray(s: Setup) -> dict:
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         plain = stack.enter_context(serve(s.artifact))
         ports, trees = {"plain": [plain.port]}, {"plain": {plain.proc.pid: "addnorm-serve"}}
-        for name, (replicas, cpus, ingress, range_) in RAY_SETUPS.items():
+        for name, (replicas, cpus, ingress, span) in RAY_SETUPS.items():
             ports_file = Path(tmp) / f"{len(ports)}.json"
-            direct, haproxy = (range_, None) if ingress == "direct" else (None, range_)
-            srv = ray_server(s.artifact, replicas, cpus or s.threads, direct, ports_file, haproxy)
+            srv = ray_server(s.artifact, replicas, cpus or s.threads, ingress, span, ports_file)
             stack.enter_context(srv)
-            replica_ports = _written(ports_file) if range_ else []  # once all its replicas answer
+            replica_ports = _written(ports_file) if span else []  # once all its replicas answer
             ports[name] = replica_ports if ingress == "direct" else [srv.port]
             trees[name] = process_tree(srv.proc.pid)
         for rep in range(REPS):

@@ -366,7 +366,7 @@ def test_haproxy_mode_serves_every_replica_through_one_port(tiny_artifact, data,
     from bench.scaleout import _written, ray_server
 
     x, mask, want = data
-    with ray_server(tiny_artifact, 2, 1, None, tmp_path / "ports.json", "30500:30599") as driver:
+    with ray_server(tiny_artifact, 2, 1, "haproxy", "30500:30599", tmp_path / "ports.json") as driver:
         replicas = _written(tmp_path / "ports.json")
         assert len(replicas) == 2 and all(30500 <= p <= 30599 for p in replicas)
         for port in [*replicas, driver.port]:
