@@ -218,9 +218,14 @@ class Batcher:
         """
         done: tuple | None = None  # a finished batch not yet handed to the loop
         while True:
-            batch = self._take(wait=done is None)
-            if batch:
-                stacked = self._stack(batch)
+            batch: list[Queued] | None = None
+            try:
+                batch = self._take(wait=done is None)
+                if batch:
+                    stacked = self._stack(batch)
+            except Exception as exc:  # a fault in taking or merging fails what it took, never the thread
+                self._fault("taking the next batch", batch, exc)
+                batch = []
             if done is not None:
                 self._post(self._deliver, *done)
                 done = None
@@ -248,9 +253,25 @@ class Batcher:
     def _express(self) -> None:
         """The express lane's thread: small requests, taken while the main lane's run has lasted EXPRESS_AFTER_S,
         run beside it and answered at once; until stop()."""
-        while (batch := self._take_express()) is not None:
-            if (done := self._run(batch, *self._stack(batch))) is not None:
+        while True:
+            batch: list[Queued] | None = None
+            try:
+                if (batch := self._take_express()) is None:
+                    return
+                done = self._run(batch, *self._stack(batch))
+            except Exception as exc:  # never the thread
+                self._fault("the express lane's run", batch, exc)
+                continue
+            if done is not None:
                 self._post(self._deliver, *done)
+
+    def _fault(self, what: str, batch: list[Queued] | None, exc: Exception) -> None:
+        """A fault of the batcher's own (not the engine's: _run fails those): log it, fail the requests it held
+        with InferenceFailed (500), and let the thread go on serving. Requests it had taken but not yet returned
+        are answered at their deadline (504)."""
+        log.error("%s failed: %s", what, type(exc).__name__, exc_info=exc)
+        if batch:
+            self._post(_fail, batch, InferenceFailed(f"inference failed: {type(exc).__name__}"))
 
     def _stack(self, batch: list[Queued]) -> tuple[np.ndarray, np.ndarray | None, float, float]:
         """``batch`` as one (x, mask), with when its run started and when merging it ended."""
@@ -268,6 +289,8 @@ class Batcher:
         try:
             lengths = (np.concatenate([i.lengths for i in batch]),) if self.packed else ()
             out = self.model.run(x, mask, *lengths)
+            ran = time.perf_counter()
+            rows = merging.split(batch, out)
         except ServiceError as exc:
             self._post(_fail, batch, exc)
             return None
@@ -275,11 +298,9 @@ class Batcher:
             log.exception("inference failed for a batch of %d request(s)", len(batch))
             self._post(_fail, batch, InferenceFailed(f"inference failed: {type(exc).__name__}"))
             return None
-        ran = time.perf_counter()
         for item in batch:
             item.timings.infer_s = ran - merged
             item.timings.batch_rows = x.shape[0]
-        rows = merging.split(batch, out)
         requested = sum(item.tokens for item in batch)  # theirs less trailing padding
         run = Run(
             rows=x.shape[0],

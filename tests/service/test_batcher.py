@@ -299,6 +299,34 @@ def test_a_request_withdrawn_while_its_run_waits_for_company_leaves_the_batcher_
     assert alive and out["encoded"].shape == (1, 5, 32)
 
 
+def test_a_fault_in_the_batchers_own_code_fails_its_batch_not_the_thread(engine, monkeypatch):
+    """A bug in taking or merging a batch (not the engine's run) killed the inference thread before: readiness
+    still said 200 and every later request waited out its deadline. Now it fails the batch it held (500) and the
+    thread serves on."""
+    real, calls = merging.stack, []
+
+    def stack_once_broken(batch):
+        calls.append(len(batch))
+        if len(calls) == 1:
+            raise IndexError("a bug in merging")
+        return real(batch)
+
+    monkeypatch.setattr(merging, "stack", stack_once_broken)
+
+    async def main():
+        batcher = Batcher(engine, max_batch_size=1)
+        batcher.start()
+        with pytest.raises(Exception, match="inference failed: IndexError") as failed:
+            await asyncio.wait_for(batcher.infer(np.zeros((1, 3, 32), np.float32), None), 10)
+        out, _ = await asyncio.wait_for(batcher.infer(np.ones((1, 5, 32), np.float32), None), 10)
+        alive = batcher._thread.is_alive()
+        await batcher.stop()
+        return failed.value, out, alive
+
+    error, out, alive = run(main())
+    assert http_status(error) == 500 and alive and out["encoded"].shape == (1, 5, 32) and calls == [1, 1]
+
+
 def test_engine_failure_fails_the_batch_not_the_batcher():
     class Flaky:  # the backend interface's members the batcher reads
         calls, packed, threads = 0, False, 1
