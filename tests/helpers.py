@@ -133,7 +133,7 @@ def error_message(r) -> str:
     if path.startswith(("/embed", "/tokenize", "/rerank", "/predict", "/info")):
         assert set(doc) == {"error", "error_type"} and isinstance(doc["error"], str), doc
         return doc["error"]
-    if path.startswith(("/v1/rerank", "/v2/rerank", "/v2/embed")):  # Cohere's
+    if path.startswith(("/v1/rerank", "/v2/rerank", "/v1/embed", "/v2/embed")):  # Cohere's
         assert set(doc) == {"message"} and isinstance(doc["message"], str), doc
         return doc["message"]
     assert set(doc) == {"error"} and isinstance(doc["error"], str), doc

@@ -79,6 +79,39 @@ def test_the_openai_client_unmodified_gets_what_the_graphs_compute(base, artifac
     np.testing.assert_allclose(floats.data[0].embedding, got[0], atol=1e-7)
 
 
+def test_the_cohere_clients_v1_embed_gets_what_the_graphs_compute(base, artifact):
+    """``cohere.Client`` (Cohere's v1 API, the client's default) unmodified: without embedding_types its
+    ``embeddings_floats`` answer, the graph's pooled vectors; with them v2's vectors by type; more texts than the
+    server takes at once (100) sent as the client batches them (96 a call, in threads), answered in order; a bad
+    request the client's ApiError with Cohere's {"message"}."""
+    import cohere
+
+    co = cohere.Client(base_url=base, api_key="unused")
+    answer = co.embed(texts=TEXTS, model="tiny-bert", input_type="search_document")
+    assert answer.response_type == "embeddings_floats" and answer.texts == TEXTS
+    want = _in_process(artifact, TEXTS)[POOLED]
+    np.testing.assert_allclose(np.array(answer.embeddings, np.float32), want, atol=1e-6)
+    assert answer.meta.api_version.version == "1"
+    types = ["float", "int8", "ubinary"]
+    by_type = co.embed(texts=TEXTS, embedding_types=types).embeddings
+    v2 = cohere.ClientV2(base_url=base, api_key="unused").embed(
+        model="tiny-bert", texts=TEXTS, input_type="search_document", embedding_types=types
+    )
+    for name in ("float_", "int8", "ubinary"):
+        assert getattr(by_type, name) == getattr(v2.embeddings, name), name
+    many = [TEXTS[i % len(TEXTS)] + " water" * (i % 5) for i in range(150)]
+    merged = co.embed(texts=many)
+    assert merged.texts == many and len(merged.embeddings) == 150
+    alone = {t: v for t, v in zip(many[:10], co.embed(texts=many[:10]).embeddings, strict=True)}
+    for text, vector in zip(many, merged.embeddings, strict=True):
+        if text in alone:
+            np.testing.assert_allclose(vector, alone[text], atol=1e-6)
+    with pytest.raises(cohere.core.ApiError) as refused:
+        co.embed(texts=["a", ""])
+    assert refused.value.status_code == 400 and set(refused.value.body) == {"message"}
+    assert "texts[1]" in refused.value.body["message"]
+
+
 def test_with_an_api_key_the_client_needs_it(artifact):
     from openai import AuthenticationError, OpenAI
 
@@ -594,6 +627,14 @@ def test_a_request_whose_embeddings_could_never_queue_is_413(artifact):
         ("/v2/embed", {"texts": ["a"], "colour": 1}, 400, "unknown field(s) ['colour']"),
         ("/v2/embed", {"texts": ["a"] * 101}, 413, "more than this server's 100"),
         ("/v2/embed", {"texts": ["water " * 80], "truncate": "NONE"}, 413, "more than this model's 48"),
+        ("/v1/embed", {}, 400, "missing field 'texts'"),
+        ("/v1/embed", {"texts": "a"}, 400, "texts must be a non-empty list"),
+        ("/v1/embed", {"texts": ["a"], "embedding_types": ["int4"]}, 400, "embedding_types must be"),
+        ("/v1/embed", {"texts": ["a"], "truncate": "MIDDLE"}, 400, "truncate must be one of"),
+        ("/v1/embed", {"texts": ["a"], "input_type": 3}, 400, "input_type must be one of"),
+        ("/v1/embed", {"texts": ["a"], "output_dimension": 8}, 400, "unknown field(s) ['output_dimension']"),
+        ("/v1/embed", {"texts": ["a"], "model": "nope"}, 404, "unknown model 'nope'"),
+        ("/v1/embed", {"texts": ["water " * 80], "truncate": "NONE"}, 413, "more than this model's 48"),
         ("/v1/embeddings", {"input": "a", "embedding_type": "int4"}, 400, "embedding_type must be one of"),
         (
             "/v1/embeddings",
@@ -608,7 +649,7 @@ def test_a_request_whose_embeddings_could_never_queue_is_413(artifact):
 def test_bad_cohere_embed_and_quantized_requests_are_4xx_in_their_apis_shape(base, path, body, status, names):
     r = httpx.post(f"{base}{path}", json=body, timeout=60)
     assert r.status_code == status and names in error_message(r), r.text
-    if path == "/v2/embed":
+    if path in ("/v1/embed", "/v2/embed"):
         assert set(r.json()) == {"message"}  # Cohere's error body
 
 
