@@ -166,30 +166,21 @@ def write(req, model, outputs) -> bytes:
         "api_version": {"version": str(req.options["version"])},
         "billed_units": {"input_tokens": req.tokens},
     }
-    if req.options["floats"]:
-        return orjson.dumps(
-            dict(
-                id=str(uuid.uuid4()),
-                embeddings=floats,
-                texts=req.options["texts"],
-                meta=meta,
-                response_type="embeddings_floats",
-            ),
-            option=orjson.OPT_SERIALIZE_NUMPY,
-        )
-    embeddings = {}
-    for name in req.options["types"]:
-        if name == BASE64:
-            embeddings[name] = [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in floats]
-        else:
-            embeddings[name] = quantized(model, floats, name, dims, normalized)
+    embeddings: object = floats  # v1's embeddings_floats: the vectors themselves
+    if not req.options["floats"]:
+        embeddings = {
+            name: [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in floats]
+            if name == BASE64
+            else quantized(model, floats, name, dims, normalized)
+            for name in req.options["types"]
+        }
     return orjson.dumps(
         dict(
             id=str(uuid.uuid4()),
             embeddings=embeddings,
             texts=req.options["texts"],
             meta=meta,
-            response_type="embeddings_by_type",
+            response_type="embeddings_floats" if req.options["floats"] else "embeddings_by_type",
         ),
         option=orjson.OPT_SERIALIZE_NUMPY,
     )
