@@ -46,13 +46,15 @@ class QueryTooLong(ValueError):
 
 
 class TooLong(ValueError):
-    """An input has more tokens than the model takes and the caller did not ask to truncate."""
+    """An input has more tokens than the model takes (or the request's own ``max_tokens``: ``asked``) and the
+    caller did not ask to truncate."""
 
-    def __init__(self, index: int, tokens: int, limit: int) -> None:
+    def __init__(self, index: int, tokens: int, limit: int, asked: bool = False) -> None:
+        whose = "max_tokens" if asked else "this model's"
         super().__init__(
-            f"input {index} has {tokens} tokens, more than this model's {limit}: shorten it, or ask for truncation"
+            f"input {index} has {tokens} tokens, more than {whose} {limit}: shorten it, or ask for truncation"
         )
-        self.index, self.tokens, self.limit = index, tokens, limit
+        self.index, self.tokens, self.limit, self.asked = index, tokens, limit, asked
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,8 @@ class TextTokenizer:
             self._cut_second[direction].enable_truncation(
                 text.max_length, strategy="only_second", direction=direction
             )
+        # the tokens the model's template adds to a text ([CLS] and [SEP]): a shorter limit keeps them (max_tokens)
+        self.specials = len(self._plain.encode("").ids)
 
     @property
     def max_chars(self) -> int:
@@ -142,14 +146,18 @@ class TextTokenizer:
         truncate: bool = False,
         seconds: list[str] | None = None,
         direction: str = "right",
+        max_tokens: int | None = None,
     ) -> tuple[list[list[int]], list[list[int]]]:
         """Each of ``texts``' token ids and token type ids, unpadded (TooLong as ``encode``; TooManyChars for a
         text over ``max_chars``, checked before tokenizing: ``within``). With ``seconds``, one per text, each
         text and its second as a pair (the tokenizer's pair template: a cross-encoder's query and document); cut,
         when ``truncate``, in the second only (QueryTooLong when the first alone is over the length). ``direction``:
-        where a cut falls (DIRECTIONS)."""
+        where a cut falls (DIRECTIONS). ``max_tokens`` (texts alone; more than ``specials``): a limit of the
+        caller's below the model's, special tokens included, kept as the tokenizer's own truncation keeps them."""
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        if max_tokens is not None and not self.specials < max_tokens:
+            raise ValueError(f"max_tokens must be more than the model's {self.specials} special tokens")
         if seconds is not None:
             return self._pairs(texts, seconds, truncate, direction)
         whole = texts
@@ -162,7 +170,14 @@ class TextTokenizer:
             encodings = [tokenizer.encode(texts[0])]
         else:
             encodings = tokenizer.encode_batch(texts)
-        return self._checked(encodings, cut, whole, truncate)
+        ids, types = self._checked(encodings, cut, whole, truncate)
+        if max_tokens is not None and max_tokens < self.text.max_length:
+            for i, row in enumerate(ids):
+                if len(row) > max_tokens:
+                    if not truncate:
+                        raise TooLong(i, len(row), max_tokens, asked=True)
+                    ids[i], types[i] = _shortened(encodings[i], max_tokens, direction)
+        return ids, types
 
     def _checked(
         self, encodings: list, cut: list[int], whole: list[str], truncate: bool
@@ -226,3 +241,17 @@ class TextTokenizer:
                 types[i, : len(row)] = type_ids[i]
         mask = np.arange(seq)[None, :] >= np.array(lengths)[:, None]
         return Batch(batch, types, mask, lengths)
+
+
+def _shortened(encoding, limit: int, direction: str) -> tuple[list[int], list[int]]:
+    """One text's ids and type ids cut to ``limit``, special tokens included: its leading and trailing special
+    tokens kept and its own tokens cut at their end (``right``) or start (``left``), as the tokenizer's own
+    truncation at ``limit`` cuts them (tests/model/test_tokenize.py holds the two equal)."""
+    special, ids, types = encoding.special_tokens_mask, encoding.ids, encoding.type_ids
+    lead = next((i for i, s in enumerate(special) if not s), len(special))
+    trail = next((i for i, s in enumerate(reversed(special)) if not s), 0)
+    body = len(ids) - lead - trail
+    keep = limit - lead - trail
+    start, stop = (lead, lead + keep) if direction == "right" else (lead + body - keep, lead + body)
+    end = len(ids) - trail
+    return ids[:lead] + ids[start:stop] + ids[end:], types[:lead] + types[start:stop] + types[end:]

@@ -223,12 +223,14 @@ def decode_texts(
     seconds: list[str] | None = None,
     literal: str | None = None,
     direction: str = "right",
+    max_tokens: int | None = None,
 ) -> TextRequest:
     """Tokenize (or check the ids of) ``inputs`` (``text_inputs``'s) with ``model``'s text front, behind its prompt
     ``prompt``, in parts of at most ``limits.max_batch_tokens`` positions (embedded when they run). Cut to the
     model's length when ``truncate``, or where it is None (the request does not say) ``limits.auto_truncate``;
     refused when its embeddings could never fit the queue (``limits.max_bytes``). ``seconds``: each text's second, tokenized as a pair (a query and a document;
-    cut in the second only)."""
+    cut in the second only). ``max_tokens``: the request's own limit on each text's tokens (Cohere's), below the
+    model's; cut to it as to the model's length, or refused."""
     front = model.engine.text
     if front is None:
         raise BadInput(
@@ -243,17 +245,23 @@ def decode_texts(
         prefix = prompt_text(front, prompt, literal, limits)
         inputs = [prefix + text for text in inputs] if prefix else inputs
     limit = front.config.max_length
+    if max_tokens is not None and max_tokens <= front.tokenizer.specials:
+        raise BadInput(
+            f"max_tokens must be more than the {front.tokenizer.specials} special tokens model "
+            f"{quote(model.name)} adds to each text, got {max_tokens}"
+        )
     if isinstance(inputs[0], str):
         try:
-            rows, types = front.tokenizer.ids(inputs, truncate, seconds, direction)
+            rows, types = front.tokenizer.ids(inputs, truncate, seconds, direction, max_tokens)
         except QueryTooLong as exc:
             raise TooLarge(
                 f"{where}[{exc.index}]'s query alone takes more than this model's {exc.limit} tokens: only documents "
                 "are cut; shorten the query"
             ) from None
         except TooLong as exc:
+            whose = "max_tokens" if exc.asked else "this model's"
             raise TooLarge(
-                f"{where}[{exc.index}] has {exc.tokens} tokens, more than this model's {limit}: shorten it, or "
+                f"{where}[{exc.index}] has {exc.tokens} tokens, more than {whose} {exc.limit}: shorten it, or "
                 "send truncate: true"
             ) from None
         except TooManyChars as exc:

@@ -85,3 +85,36 @@ def test_under_the_cap_nothing_changes(tok, tokenizer_json):
     text = README[: tok.max_chars]
     ids, _ = tok.ids([text, "a short one"], truncate=True)
     assert ids[0] == _whole(tokenizer_json, text)
+
+
+@pytest.mark.parametrize("template", ["minilm", "roberta"])
+def test_max_tokens_cuts_as_the_tokenizers_own_truncation_at_that_length(tok, tokenizer_json, template):
+    """A request's max_tokens (Cohere's) below the model's length: each text cut at its end or start, special tokens
+    kept, exactly as tokenizers' own truncation at that length cuts it (BERT's [CLS] .. [SEP], and RoBERTa's
+    <s> .. </s>); without truncation, an input over it is TooLong naming max_tokens; at or above the model's length
+    it changes nothing."""
+    from addnorm.model.tokenize import TooLong
+    from tests.text_models import ROBERTA_SPECIALS, _tokenizer
+
+    if template == "roberta":
+        tokenizer_json = _tokenizer(ROBERTA_SPECIALS, "<s>", "</s>", "<unk>", "<pad>")[0].to_str()
+        tok = TextTokenizer(tokenizer_json, tok.text)
+    texts = [line for line in README.splitlines() if line.strip()][:60] + ["", "a"]
+    assert tok.specials == 2
+    for direction in ("right", "left"):
+        for limit in (3, 5, 17, 40, MAX_LENGTH - 1):
+            ref = Tokenizer.from_str(tokenizer_json)
+            ref.no_padding()
+            ref.enable_truncation(limit, direction=direction)
+            want = [e.ids for e in ref.encode_batch(texts)]
+            got, types = tok.ids(texts, truncate=True, direction=direction, max_tokens=limit)
+            assert got == want, (direction, limit)
+            assert [len(t) for t in types] == [len(g) for g in got]
+        assert tok.ids(texts, True, direction=direction, max_tokens=MAX_LENGTH + 50) == tok.ids(
+            texts, True, direction=direction
+        )
+    with pytest.raises(TooLong) as refused:
+        tok.ids(["a", "a b c d e"], max_tokens=3)
+    assert refused.value.asked and refused.value.index == 1 and "more than max_tokens 3" in str(refused.value)
+    with pytest.raises(ValueError, match="more than the model's 2 special tokens"):
+        tok.ids(["a"], True, max_tokens=2)

@@ -112,6 +112,37 @@ def test_the_cohere_clients_v1_embed_gets_what_the_graphs_compute(base, artifact
     assert "texts[1]" in refused.value.body["message"]
 
 
+def test_cohere_max_tokens_cuts_each_text_as_the_tokenizer_truncates_at_that_length(base, artifact):
+    """The official ClientV2's max_tokens: each text cut to that many tokens (special tokens included) at its end
+    (END) or start (START), the vectors of exactly the ids tokenizers' own truncation at that length gives, billed
+    as those tokens; NONE refuses a text over it (413); at the model's length or above, nothing changes."""
+    import cohere
+    from tokenizers import Tokenizer
+
+    co = cohere.ClientV2(base_url=base, api_key="unused")
+
+    def embed(**kw):
+        answer = co.embed(
+            model="tiny-bert", texts=TEXTS, input_type="clustering", embedding_types=["float"], **kw
+        )
+        return np.array(answer.embeddings.float_), answer.meta.billed_units.input_tokens
+
+    whole, whole_billed = embed()
+    for truncate, direction in (("END", "right"), ("START", "left")):
+        ref = Tokenizer.from_file(str(artifact / TOKENIZER_FILE))
+        ref.no_padding()
+        ref.enable_truncation(6, direction=direction)
+        ids = [e.ids for e in ref.encode_batch(TEXTS)]
+        by_ids = httpx.post(f"{base}/v1/embeddings", json={"input": ids}, timeout=60).json()["data"]
+        got, billed = embed(max_tokens=6, truncate=truncate)
+        np.testing.assert_allclose(got, [d["embedding"] for d in by_ids], atol=1e-6)
+        assert billed == sum(map(len, ids)) < whole_billed
+    np.testing.assert_allclose(embed(max_tokens=MAX_LENGTH)[0], whole, atol=0)
+    with pytest.raises(cohere.core.ApiError) as refused:
+        embed(max_tokens=6, truncate="NONE")
+    assert refused.value.status_code == 413 and "more than max_tokens 6" in refused.value.body["message"]
+
+
 def test_with_an_api_key_the_client_needs_it(artifact):
     from openai import AuthenticationError, OpenAI
 
@@ -622,7 +653,17 @@ def test_a_request_whose_embeddings_could_never_queue_is_413(artifact):
             400,
             "images is not supported",
         ),
-        ("/v2/embed", {"texts": ["a"], "max_tokens": 5}, 400, "max_tokens is not supported"),
+        ("/v2/embed", {"texts": ["a"], "max_tokens": 0}, 400, "max_tokens must be a positive integer"),
+        ("/v2/embed", {"texts": ["a"], "max_tokens": "5"}, 400, "max_tokens must be a positive integer"),
+        ("/v2/embed", {"texts": ["a"], "max_tokens": True}, 400, "max_tokens must be a positive integer"),
+        ("/v2/embed", {"texts": ["a"], "max_tokens": 2}, 400, "max_tokens must be more than the 2 special"),
+        (
+            "/v2/embed",
+            {"texts": ["a", "water water water"], "max_tokens": 4, "truncate": "NONE"},
+            413,
+            "texts[1] has 5 tokens, more than max_tokens 4",
+        ),
+        ("/v1/embed", {"texts": ["a"], "max_tokens": 5}, 400, "unknown field(s) ['max_tokens']"),
         ("/v2/embed", {"texts": ["a"], "model": "nope"}, 404, "unknown model 'nope'"),
         ("/v2/embed", {"texts": ["a"], "colour": 1}, 400, "unknown field(s) ['colour']"),
         ("/v2/embed", {"texts": ["a"] * 101}, 413, "more than this server's 100"),

@@ -4,7 +4,7 @@
 client).
 
 ``{"model", "texts": [str], "input_type", "embedding_types": ["float" | "int8" | "uint8" | "binary" | "ubinary" |
-"base64"], "truncate": "NONE" | "START" | "END", "output_dimension"}`` -> ``{"id", "embeddings": {type: [...]},
+"base64"], "truncate": "NONE" | "START" | "END", "output_dimension", "max_tokens"}`` -> ``{"id", "embeddings": {type: [...]},
 "texts", "meta", "response_type": "embeddings_by_type"}``, each type's vectors in input order. ``/v1/embed`` takes
 the same fields less v2's own (``output_dimension``, ``max_tokens``, ``inputs``, ``priority``: unknown there) and,
 without ``embedding_types``, answers v1's ``{"id", "embeddings": [[float]], "texts", "meta", "response_type":
@@ -15,7 +15,9 @@ named ``search_query`` or ``query``; ``search_document`` ``search_document``, ``
 The quantized types are sentence-transformers' (model/quantize.py: int8 and uint8 against the ranges calibrated at
 export, not Cohere's own), ``base64`` the little-endian float32 bytes. ``truncate`` (Cohere's default ``END``):
 ``START`` cuts an input's start, ``END`` its end, ``NONE`` refuses an input over the model's length (413).
-``output_dimension``: the first N values, normalized again (Matryoshka). Errors are Cohere's ``{"message"}``.
+``output_dimension``: the first N values, normalized again (Matryoshka). ``max_tokens``: each text's tokens at most
+(special tokens included; above the model's length, the model's), cut as ``truncate`` says or, with ``NONE``,
+refused (413). Errors are Cohere's ``{"message"}``.
 """
 
 from __future__ import annotations
@@ -68,6 +70,12 @@ def _doc(version: int) -> dict:
     }
     if version == 2:
         fields["output_dimension"] = {"type": "integer", "minimum": 1, "nullable": True}
+        fields["max_tokens"] = {
+            "type": "integer",
+            "minimum": 1,
+            "nullable": True,
+            "description": "each text's tokens at most (special tokens included), cut as truncate says",
+        }
         fields["priority"] = {"type": "integer", "description": "accepted and ignored"}
     example = {
         "texts": ["What is Deep Learning?"],
@@ -118,8 +126,11 @@ def _read(doc: dict, max_inputs: int, version: int) -> TextQuery:
     for name in ("images", "inputs"):
         if doc.get(name) is not None:
             raise BadInput(f"{name} is not supported: this server embeds texts; send texts")
-    if doc.get("max_tokens") is not None:
-        raise BadInput("max_tokens is not supported: inputs are cut at the model's length (truncate)")
+    max_tokens = doc.get("max_tokens")
+    if max_tokens is not None and (
+        not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
+    ):
+        raise BadInput(f"max_tokens must be a positive integer, got {quote(max_tokens)}")
     texts = text_list(doc["texts"], "texts", max_inputs)
     model = doc.get("model")
     if model is not None and not isinstance(model, str):
@@ -155,6 +166,7 @@ def _read(doc: dict, max_inputs: int, version: int) -> TextQuery:
         precisions=forms,
         precision_field="embedding_types",
         prompt_names=INPUT_PROMPTS.get(input_type, ()),
+        max_tokens=max_tokens,
     )
 
 
