@@ -152,14 +152,16 @@ class TextTokenizer:
         text over ``max_chars``, checked before tokenizing: ``within``). With ``seconds``, one per text, each
         text and its second as a pair (the tokenizer's pair template: a cross-encoder's query and document); cut,
         when ``truncate``, in the second only (QueryTooLong when the first alone is over the length). ``direction``:
-        where a cut falls (DIRECTIONS). ``max_tokens`` (texts alone; more than ``specials``): a limit of the
-        caller's below the model's, special tokens included, kept as the tokenizer's own truncation keeps them."""
+        where a cut falls (DIRECTIONS). ``max_tokens``, a limit of the caller's below the model's: a text alone
+        (more than ``specials``) at most that many tokens, special tokens included, kept as the tokenizer's own
+        truncation keeps them; a pair's second text at most that many of its own tokens (Cohere's
+        max_tokens_per_doc), cut whatever ``truncate`` says."""
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        if seconds is not None:
+            return self._pairs(texts, seconds, truncate, direction, max_tokens)
         if max_tokens is not None and not self.specials < max_tokens:
             raise ValueError(f"max_tokens must be more than the model's {self.specials} special tokens")
-        if seconds is not None:
-            return self._pairs(texts, seconds, truncate, direction)
         whole = texts
         texts, cut = self.within(texts, truncate, direction)
         tokenizer = self._cut[direction] if truncate else self._plain
@@ -195,7 +197,12 @@ class TextTokenizer:
         return ids, [e.type_ids for e in encodings]
 
     def _pairs(
-        self, firsts: list[str], seconds: list[str], truncate: bool, direction: str = "right"
+        self,
+        firsts: list[str],
+        seconds: list[str],
+        truncate: bool,
+        direction: str = "right",
+        max_tokens: int | None = None,
     ) -> tuple[list[list[int]], list[list[int]]]:
         if len(firsts) != len(seconds):
             raise ValueError(f"{len(firsts)} first texts for {len(seconds)} second ones")
@@ -214,7 +221,15 @@ class TextTokenizer:
             alone = self._plain.encode_batch(firsts)
             index = next((i for i, e in enumerate(alone) if len(e.ids) >= self.text.max_length), 0)
             raise QueryTooLong(index, self.text.max_length) from None
-        return self._checked(encodings, cut, whole, truncate)
+        ids, types = self._checked(encodings, cut, whole, truncate)
+        if max_tokens is not None:
+            for i, e in enumerate(encodings):
+                second = [p for p, sequence in enumerate(e.sequence_ids) if sequence == 1]
+                if len(second) > max_tokens:
+                    drop = set(second[max_tokens:] if direction == "right" else second[:-max_tokens])
+                    ids[i] = [t for p, t in enumerate(ids[i]) if p not in drop]
+                    types[i] = [t for p, t in enumerate(types[i]) if p not in drop]
+        return ids, types
 
     def tokens(self, texts: list[str], special: bool = True) -> list[list[tuple[int, str, bool, int, int]]]:
         """Each input's tokens as (id, text, special, start, stop), the offsets in characters of the input (TEI's

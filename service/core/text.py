@@ -230,7 +230,7 @@ def decode_texts(
     model's length when ``truncate``, or where it is None (the request does not say) ``limits.auto_truncate``;
     refused when its embeddings could never fit the queue (``limits.max_bytes``). ``seconds``: each text's second, tokenized as a pair (a query and a document;
     cut in the second only). ``max_tokens``: the request's own limit on each text's tokens (Cohere's), below the
-    model's; cut to it as to the model's length, or refused."""
+    model's; cut to it as to the model's length, or refused; of a pair, on its second text's own tokens (cut)."""
     front = model.engine.text
     if front is None:
         raise BadInput(
@@ -245,7 +245,7 @@ def decode_texts(
         prefix = prompt_text(front, prompt, literal, limits)
         inputs = [prefix + text for text in inputs] if prefix else inputs
     limit = front.config.max_length
-    if max_tokens is not None and max_tokens <= front.tokenizer.specials:
+    if max_tokens is not None and seconds is None and max_tokens <= front.tokenizer.specials:
         raise BadInput(
             f"max_tokens must be more than the {front.tokenizer.specials} special tokens model "
             f"{quote(model.name)} adds to each text, got {max_tokens}"

@@ -6,6 +6,7 @@ its API's shape that names the problem, a request for a task the model lacks inc
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,10 +116,14 @@ def _transformers_pairs(directory: Path, max_length: int, docs: list[str]) -> np
     model = AutoModelForSequenceClassification.from_pretrained(
         str(directory), attn_implementation="eager"
     ).eval()
+    typed = (
+        "token_type_ids" in inspect.signature(model.forward).parameters
+    )  # BERT's; not DistilBERT's, MPNet's
     out = []
     for encoding in tok.encode_batch([(QUERY, d) for d in docs]):
+        types = {"token_type_ids": torch.tensor([encoding.type_ids])} if typed else {}
         with torch.no_grad():
-            out.append(model(input_ids=torch.tensor([encoding.ids])).logits[0, 0].item())
+            out.append(model(input_ids=torch.tensor([encoding.ids]), **types).logits[0, 0].item())
     return 1 / (1 + np.exp(-np.array(out)))
 
 
@@ -152,6 +157,35 @@ def test_the_official_cohere_clients_rerank_unmodified(reranker, dirs):
     assert (
         caught.value.status_code == 400 and "query must be a non-empty string" in caught.value.body["message"]
     )
+
+
+@pytest.mark.parametrize("model", ["ce", "roberta"])
+def test_cohere_max_tokens_per_doc_cuts_each_document_to_that_many_of_its_tokens(
+    reranker, dirs, artifacts, model
+):
+    """ClientV2.rerank's max_tokens_per_doc: each document cut to that many of its own tokens (the query whole), as
+    transformers scores the pair tokenizers cut in its second text to the query's tokens, the pair's special
+    tokens and that many (BERT's [CLS] q [SEP] d [SEP] and RoBERTa's <s> q </s></s> d </s>)."""
+    import cohere
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(dirs[model] / "tokenizer.json"))
+    tok.no_padding()
+    tok.no_truncation()
+    query = len(tok.encode(QUERY, add_special_tokens=False).ids)
+    specials = (
+        len(tok.encode(QUERY, "x").ids) - query - 1
+    )  # the pair's, beside the query's tokens and x's one
+    v2 = cohere.ClientV2(api_key="unused", base_url=reranker)
+    for per_doc in (3, 9):
+        want = _transformers_pairs(dirs[model], query + specials + per_doc, DOCUMENTS)
+        answer = v2.rerank(model=model, query=QUERY, documents=DOCUMENTS, max_tokens_per_doc=per_doc)
+        got = np.full(len(DOCUMENTS), np.nan)
+        for r in answer.results:
+            got[r.index] = r.relevance_score
+        np.testing.assert_allclose(got, want, atol=1e-6)
+        length = Manifest.load(artifacts[model]).text.max_length
+        assert not np.allclose(want, _transformers_pairs(dirs[model], length, DOCUMENTS), atol=1e-6)
 
 
 def _close(got: list[dict], want: list[dict]) -> None:
@@ -274,7 +308,19 @@ def test_v2_scores_pairs_of_query_and_text_over_http_and_grpc_with_tritonclient(
             400,
             "documents[0] must be a non-empty string",
         ),
-        ("/v2/rerank", {"query": "q", "documents": ["a"], "max_tokens_per_doc": 10}, 400, "not supported"),
+        ("/v2/rerank", {"query": "q", "documents": ["a"], "max_chunks_per_doc": 10}, 400, "not supported"),
+        (
+            "/v2/rerank",
+            {"query": "q", "documents": ["a"], "max_tokens_per_doc": 0},
+            400,
+            "max_tokens_per_doc must be a positive integer",
+        ),
+        (
+            "/v2/rerank",
+            {"query": "q", "documents": ["a"], "max_tokens_per_doc": "8"},
+            400,
+            "max_tokens_per_doc must be a positive integer",
+        ),
         ("/v2/rerank", {"query": "q", "documents": ["a"], "model": "nope"}, 404, "unknown model 'nope'"),
         ("/v1/rerank", {"query": "q", "documents": ["a"], "model": "emb"}, 400, "'emb' is an embed model"),
         ("/predict", {"inputs": ["a", "b", "c"]}, 400, "a batch of texts is [[text], [text], ...]"),

@@ -56,9 +56,8 @@ class TextQuery:
     tasks: tuple[str, ...] = ("embed",)
     token_rows: bool = False  # the answer writes every token's vector, not one a text (TEI's /embed_all)
     direction: str = "right"  # where truncation cuts: the end of an input (right) or its start (left)
-    max_tokens: int | None = (
-        None  # the request's own limit on each text's tokens, below the model's (Cohere's)
-    )
+    # the request's own limit on each text's tokens, below the model's (Cohere's); a pair's: its second text's own
+    max_tokens: int | None = None
     # the sentence vectors' forms: float32 or quantized ones (core/text.py, EMBEDDING_TYPES); the first is the
     # answer's, a protocol that writes several (Cohere's embedding_types) asks for each
     precisions: tuple[str, ...] = (FLOAT,)

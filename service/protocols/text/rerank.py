@@ -6,7 +6,8 @@ client calls them (``cohere.ClientV2(base_url=...).rerank(model=..., query=..., 
 ``top_n`` (all when null; more than there are documents gives them all, as Cohere does). Each document is scored
 with the query as a pair by a cross-encoder (a served model whose task is rerank), its relevance the sigmoid of its
 logit (sentence-transformers' CrossEncoder); a document over the model's length is cut, never the query (Cohere
-truncates long documents rather than refuse them). Errors are Cohere's ``{"message"}``.
+truncates long documents rather than refuse them), and over ``max_tokens_per_doc`` of its own tokens (Cohere v2's)
+cut to them. Errors are Cohere's ``{"message"}``.
 """
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ _DOC = json_route_doc(
         "documents": {"type": "array", "items": {"oneOf": [{"type": "string"}, _DOCUMENT]}},
         "top_n": {"type": "integer", "minimum": 1, "nullable": True},
         "return_documents": {"type": "boolean", "default": False},
+        "max_tokens_per_doc": {
+            "type": "integer",
+            "minimum": 1,
+            "nullable": True,
+            "description": "each document's own tokens at most (cut at its end)",
+        },
     },
     {"query": "What is Deep Learning?", "documents": ["Deep Learning is ...", "Paris is ..."]},
     {
@@ -95,11 +102,14 @@ def read(doc: object, max_inputs: int) -> TextQuery:
     top_n = doc.get("top_n")
     if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 1):
         raise BadInput(f"top_n must be a positive integer, got {quote(top_n)}")
-    for name in ("rank_fields", "max_chunks_per_doc", "max_tokens_per_doc"):
+    for name in ("rank_fields", "max_chunks_per_doc"):
         if doc.get(name) is not None:
             raise BadInput(
                 f"{name} is not supported: each document is scored whole, cut at the model's length"
             )
+    per_doc = doc.get("max_tokens_per_doc")
+    if per_doc is not None and (not isinstance(per_doc, int) or isinstance(per_doc, bool) or per_doc < 1):
+        raise BadInput(f"max_tokens_per_doc must be a positive integer, got {quote(per_doc)}")
     model = doc.get("model")
     if model is not None and not isinstance(model, str):
         raise BadInput(f"model must be a string, got {quote(model)}")
@@ -115,6 +125,7 @@ def read(doc: object, max_inputs: int) -> TextQuery:
         field="documents",
         seconds=documents,
         tasks=("rerank",),
+        max_tokens=per_doc,
     )
 
 
