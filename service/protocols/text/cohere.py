@@ -4,20 +4,21 @@
 client).
 
 ``{"model", "texts": [str], "input_type", "embedding_types": ["float" | "int8" | "uint8" | "binary" | "ubinary" |
-"base64"], "truncate": "NONE" | "START" | "END", "output_dimension", "max_tokens"}`` -> ``{"id", "embeddings": {type: [...]},
-"texts", "meta", "response_type": "embeddings_by_type"}``, each type's vectors in input order. ``/v1/embed`` takes
-the same fields less v2's own (``output_dimension``, ``max_tokens``, ``inputs``, ``priority``: unknown there) and,
-without ``embedding_types``, answers v1's ``{"id", "embeddings": [[float]], "texts", "meta", "response_type":
-"embeddings_floats"}``. ``input_type`` picks
-the model's prompt as sentence-transformers' ``encode_query`` / ``encode_document`` do: ``search_query`` the prompt
-named ``search_query`` or ``query``; ``search_document`` ``search_document``, ``document``, ``passage`` or
-``corpus``; ``classification`` and ``clustering`` their own names; the model's default where it has none of them.
-The quantized types are sentence-transformers' (model/quantize.py: int8 and uint8 against the ranges calibrated at
-export, not Cohere's own), ``base64`` the little-endian float32 bytes. ``truncate`` (Cohere's default ``END``):
-``START`` cuts an input's start, ``END`` its end, ``NONE`` refuses an input over the model's length (413).
-``output_dimension``: the first N values, normalized again (Matryoshka). ``max_tokens``: each text's tokens at most
-(special tokens included; above the model's length, the model's), cut as ``truncate`` says or, with ``NONE``,
-refused (413). Errors are Cohere's ``{"message"}``.
+"base64"], "truncate": "NONE" | "START" | "END", "output_dimension", "max_tokens"}`` -> ``{"id", "embeddings":
+{type: [...]}, "texts", "meta", "response_type": "embeddings_by_type"}``, each type's vectors in input order.
+``/v1/embed`` takes the same fields less v2's own (``output_dimension``, ``max_tokens``, ``inputs``, ``priority``:
+unknown there) and, without ``embedding_types``, answers v1's ``{"id", "embeddings": [[float]], "texts", "meta",
+"response_type": "embeddings_floats"}``.
+
+``input_type`` picks the model's prompt as sentence-transformers' ``encode_query`` / ``encode_document`` do:
+``search_query`` the prompt named ``search_query`` or ``query``; ``search_document`` ``search_document``,
+``document``, ``passage`` or ``corpus``; ``classification`` and ``clustering`` their own names; the model's default
+where it has none of them. The quantized types are sentence-transformers' (model/quantize.py: int8 and uint8 against
+the ranges calibrated at export, not Cohere's own), ``base64`` the little-endian float32 bytes. ``truncate``
+(Cohere's default ``END``): ``START`` cuts an input's start, ``END`` its end, ``NONE`` refuses an input over the
+model's length (413). ``output_dimension``: the first N values, normalized again (Matryoshka). ``max_tokens``: each
+text's tokens at most (special tokens included; above the model's length, the model's), cut as ``truncate`` says or,
+with ``NONE``, refused (413). Errors are Cohere's ``{"message"}``.
 """
 
 from __future__ import annotations
