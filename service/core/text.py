@@ -245,10 +245,11 @@ def decode_texts(
         prefix = prompt_text(front, prompt, literal, limits)
         inputs = [prefix + text for text in inputs] if prefix else inputs
     limit = front.config.max_length
-    if max_tokens is not None and seconds is None and max_tokens <= front.tokenizer.specials:
+    specials = front.tokenizer.specials
+    if max_tokens is not None and seconds is None and isinstance(inputs[0], str) and max_tokens <= specials:
         raise BadInput(
-            f"max_tokens must be more than the {front.tokenizer.specials} special tokens model "
-            f"{quote(model.name)} adds to each text, got {max_tokens}"
+            f"a limit of {max_tokens} tokens a text leaves none for the text: model {quote(model.name)} adds "
+            f"{specials} special tokens to each; ask for more than {specials} (max_tokens, truncate_prompt_tokens)"
         )
     if isinstance(inputs[0], str):
         try:
@@ -288,6 +289,13 @@ def decode_texts(
                         "send truncate: true"
                     )
                 ids = ids[:limit]
+            if max_tokens is not None and len(ids) > max_tokens:  # token ids as given: cut as they are
+                if not truncate:
+                    raise TooLarge(
+                        f"{where}[{i}] has {len(ids)} tokens, more than max_tokens {max_tokens}: shorten it, or "
+                        "send truncate: true"
+                    )
+                ids = ids[:max_tokens] if direction == "right" else ids[-max_tokens:]
             rows.append(ids)
     width = model.engine.d_model
     if max_bytes is not None and (need := sum(map(len, rows)) * width * 4) > max_bytes:

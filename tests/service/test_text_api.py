@@ -143,6 +143,42 @@ def test_cohere_max_tokens_cuts_each_text_as_the_tokenizer_truncates_at_that_len
     assert refused.value.status_code == 413 and "more than max_tokens 6" in refused.value.body["message"]
 
 
+def test_vllms_truncate_prompt_tokens_keeps_each_inputs_last_tokens(base, artifact):
+    """vLLM's ``truncate_prompt_tokens`` on /v1/embeddings, sent as the official openai client sends an extra field
+    (``extra_body``): k keeps each text's last k tokens (special tokens included), the vectors of exactly the ids
+    tokenizers' left truncation at k gives; token id inputs keep their last k ids; -1 cuts at the model's length."""
+    from openai import OpenAI
+    from tokenizers import Tokenizer
+
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+    def embed(inputs, **extra):
+        answer = client.embeddings.create(
+            model="tiny-bert", input=inputs, encoding_format="float", extra_body=extra
+        )
+        return np.array([d.embedding for d in answer.data]), answer.usage.prompt_tokens
+
+    ref = Tokenizer.from_file(str(artifact / TOKENIZER_FILE))
+    ref.no_padding()
+    ref.enable_truncation(6, direction="left")
+    ids = [e.ids for e in ref.encode_batch(TEXTS)]
+    want, billed = embed(ids)
+    got, got_billed = embed(TEXTS, truncate_prompt_tokens=6)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    assert got_billed == billed == sum(map(len, ids))
+    whole = TextTokenizer((artifact / TOKENIZER_FILE).read_bytes(), Manifest.load(artifact).text)
+    long_ids = whole.encode([TEXTS[2]]).input_ids[0].tolist()
+    np.testing.assert_allclose(
+        embed([long_ids], truncate_prompt_tokens=5)[0], embed([long_ids[-5:]])[0], atol=0
+    )
+    long = TEXTS[2] * 8  # over the model's 48 tokens
+    np.testing.assert_allclose(
+        embed([long], truncate_prompt_tokens=-1)[0],
+        embed([long], truncate=True, truncation_direction="left")[0],
+        atol=0,
+    )
+
+
 def test_with_an_api_key_the_client_needs_it(artifact):
     from openai import AuthenticationError, OpenAI
 
@@ -371,7 +407,16 @@ WRONG = (False, {}, 0, "", [], 1.5, ["x"], "no-such-value")
 FIELDS = {
     "/v1/embeddings": (
         "input",
-        {"model", "encoding_format", "dimensions", "user", "truncate", "prompt_name", "prompt"},
+        {
+            "model",
+            "encoding_format",
+            "dimensions",
+            "user",
+            "truncate",
+            "truncate_prompt_tokens",
+            "prompt_name",
+            "prompt",
+        },
     ),
     "/embed": (
         "inputs",
@@ -656,7 +701,32 @@ def test_a_request_whose_embeddings_could_never_queue_is_413(artifact):
         ("/v2/embed", {"texts": ["a"], "max_tokens": 0}, 400, "max_tokens must be a positive integer"),
         ("/v2/embed", {"texts": ["a"], "max_tokens": "5"}, 400, "max_tokens must be a positive integer"),
         ("/v2/embed", {"texts": ["a"], "max_tokens": True}, 400, "max_tokens must be a positive integer"),
-        ("/v2/embed", {"texts": ["a"], "max_tokens": 2}, 400, "max_tokens must be more than the 2 special"),
+        ("/v2/embed", {"texts": ["a"], "max_tokens": 2}, 400, "a limit of 2 tokens a text leaves none"),
+        (
+            "/v1/embeddings",
+            {"input": "a", "truncate_prompt_tokens": 0},
+            400,
+            "truncate_prompt_tokens must be",
+        ),
+        (
+            "/v1/embeddings",
+            {"input": "a", "truncate_prompt_tokens": -2},
+            400,
+            "truncate_prompt_tokens must be",
+        ),
+        (
+            "/v1/embeddings",
+            {"input": "a", "truncate_prompt_tokens": "4"},
+            400,
+            "truncate_prompt_tokens must be",
+        ),
+        (
+            "/v1/embeddings",
+            {"input": "a", "truncate_prompt_tokens": 4, "truncate": False},
+            400,
+            "truncate: false and truncate_prompt_tokens disagree",
+        ),
+        ("/v1/embeddings", {"input": "a", "truncate_prompt_tokens": 1}, 400, "a limit of 1 tokens a text"),
         (
             "/v2/embed",
             {"texts": ["a", "water water water"], "max_tokens": 4, "truncate": "NONE"},

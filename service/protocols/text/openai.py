@@ -8,6 +8,8 @@ what the client asks for by default), or a quantized form as JSON integers (``in
 bytes; ``dimensions``: the first N values, normalized again (Matryoshka). The answer
 is ``{"object": "list", "data": [{"object": "embedding", "index": i, "embedding": ...}], "model", "usage"}`` in
 input order. ``truncate`` (not OpenAI's; TEI's and vLLM's idea): cut inputs over the model's length instead of a 413.
+``truncate_prompt_tokens`` (vLLM's): -1 cuts at the model's length, k keeps each input's last k tokens (special
+tokens included; ``truncation_direction: right`` its first k instead).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ _KNOWN = {
     "user",
     "truncate",
     "truncation_direction",
+    "truncate_prompt_tokens",
     "prompt_name",
     "prompt",
 }
@@ -99,6 +102,12 @@ REQUEST = {
             "description": "cut inputs over the model's length (default: the server's --auto-truncate)",
         },
         "truncation_direction": {"type": "string", "enum": ["right", "left"], "default": "right"},
+        "truncate_prompt_tokens": {
+            "type": "integer",
+            "minimum": -1,
+            "nullable": True,
+            "description": "vLLM's: -1 cuts at the model's length, k keeps each input's last k tokens",
+        },
         "prompt_name": {
             "type": "string",
             "description": "one of the model's prompts (sentence-transformers'), put before each text",
@@ -189,6 +198,16 @@ def read(doc: object, max_inputs: int) -> TextQuery:
     side = doc.get("truncation_direction", "right")
     if side not in ("right", "left"):
         raise BadInput(f"truncation_direction must be 'right' or 'left', got {quote(side)}")
+    keep = doc.get("truncate_prompt_tokens")  # vLLM's: -1 the model's length, k the last k tokens
+    if keep is not None:
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < -1 or keep == 0:
+            raise BadInput(
+                f"truncate_prompt_tokens must be -1 (the model's length) or a positive integer, got {quote(keep)}"
+            )
+        if truncate is False:
+            raise BadInput("truncate: false and truncate_prompt_tokens disagree: give one")
+        truncate = True
+        side = doc.get("truncation_direction", "left")  # vLLM keeps the last tokens
     inputs = text_inputs(doc["input"], "input", max_inputs)
     for field in ("prompt_name", "prompt"):
         if (value := doc.get(field)) is not None and not isinstance(value, str):
@@ -203,6 +222,7 @@ def read(doc: object, max_inputs: int) -> TextQuery:
         prompt_text=doc.get("prompt"),
         direction=side,
         precisions=(precision,),
+        max_tokens=None if keep is None or keep == -1 else keep,
     )
 
 
