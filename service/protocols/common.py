@@ -256,6 +256,14 @@ def json_object(doc: dict, key: str, where: str) -> dict:
     return value
 
 
+def json_positive_int(doc: dict, key: str) -> int | None:
+    """An optional JSON integer of at least 1 (absent or null: None; true is not 1)."""
+    value = doc.get(key)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise BadInput(f"{key} must be a positive integer, got {quote(value)}")
+    return value
+
+
 def json_bool(params: dict, key: str, where: str, default: bool | None) -> bool | None:
     """A JSON boolean: the string "false" is not false. ``default`` None: an optional one (absent or null: None)."""
     value = params.get(key, default)

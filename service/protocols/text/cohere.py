@@ -32,7 +32,7 @@ from fastapi import APIRouter
 from addnorm.model.quantize import FLOAT
 from addnorm.service.core.text import EMBEDDING_TYPES, quantized, sentence_vectors
 from addnorm.service.errors import BadInput, quote
-from addnorm.service.protocols.common import error_docs, json_route_doc
+from addnorm.service.protocols.common import error_docs, json_positive_int, json_route_doc
 from addnorm.service.protocols.text import rerank
 from addnorm.service.protocols.text.codec import TextQuery, fields, text_route
 from addnorm.service.protocols.text.tei import text_list
@@ -127,11 +127,7 @@ def _read(doc: dict, max_inputs: int, version: int) -> TextQuery:
     for name in ("images", "inputs"):
         if doc.get(name) is not None:
             raise BadInput(f"{name} is not supported: this server embeds texts; send texts")
-    max_tokens = doc.get("max_tokens")
-    if max_tokens is not None and (
-        not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
-    ):
-        raise BadInput(f"max_tokens must be a positive integer, got {quote(max_tokens)}")
+    max_tokens = json_positive_int(doc, "max_tokens")
     texts = text_list(doc["texts"], "texts", max_inputs)
     model = doc.get("model")
     if model is not None and not isinstance(model, str):
@@ -146,9 +142,7 @@ def _read(doc: dict, max_inputs: int, version: int) -> TextQuery:
     truncate = doc.get("truncate", "END")
     if not isinstance(truncate, str) or truncate not in _TRUNCATE:
         raise BadInput(f"truncate must be one of {list(_TRUNCATE)}, got {quote(truncate)}")
-    dims = doc.get("output_dimension")
-    if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
-        raise BadInput(f"output_dimension must be a positive integer, got {quote(dims)}")
+    dims = json_positive_int(doc, "output_dimension")
     cut, side = _TRUNCATE[truncate]
     forms = tuple(dict.fromkeys(FLOAT if t == BASE64 else t for t in types))  # each asked once
     return TextQuery(

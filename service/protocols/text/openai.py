@@ -25,7 +25,7 @@ from addnorm.model.quantize import FLOAT, PRECISIONS
 from addnorm.service.core.text import EMBEDDING_TYPES, embedding_type, sentence_vectors, text_inputs
 from addnorm.service.errors import BadInput, quote
 from addnorm.service.guard import Known
-from addnorm.service.protocols.common import error_docs
+from addnorm.service.protocols.common import error_docs, json_positive_int
 from addnorm.service.protocols.text.codec import TextQuery, fields, text_route
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -187,9 +187,7 @@ def read(doc: object, max_inputs: int) -> TextQuery:
         if precision not in (FLOAT, fmt):
             raise BadInput(f"encoding_format {fmt} and embedding_type {precision} disagree: give one")
         fmt, precision = "float", fmt
-    dims = doc.get("dimensions")
-    if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
-        raise BadInput(f"dimensions must be a positive integer, got {quote(dims)}")
+    dims = json_positive_int(doc, "dimensions")
     if (user := doc.get("user")) is not None and not isinstance(user, str):
         raise BadInput(f"user must be a string, got {quote(user)}")
     truncate = doc.get("truncate")

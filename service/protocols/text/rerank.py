@@ -20,7 +20,7 @@ from fastapi import APIRouter
 
 from addnorm.service.core.text import scores
 from addnorm.service.errors import BadInput, quote
-from addnorm.service.protocols.common import error_docs, json_bool, json_route_doc
+from addnorm.service.protocols.common import error_docs, json_bool, json_positive_int, json_route_doc
 from addnorm.service.protocols.text.codec import TextQuery, fields, text_route
 from addnorm.service.protocols.text.tei import query_text, text_list
 
@@ -99,17 +99,13 @@ def read(doc: object, max_inputs: int) -> TextQuery:
     if "documents" not in doc:
         raise BadInput("missing field 'documents'")
     documents = _documents(doc["documents"], max_inputs)
-    top_n = doc.get("top_n")
-    if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 1):
-        raise BadInput(f"top_n must be a positive integer, got {quote(top_n)}")
+    top_n = json_positive_int(doc, "top_n")
     for name in ("rank_fields", "max_chunks_per_doc"):
         if doc.get(name) is not None:
             raise BadInput(
                 f"{name} is not supported: each document is scored whole, cut at the model's length"
             )
-    per_doc = doc.get("max_tokens_per_doc")
-    if per_doc is not None and (not isinstance(per_doc, int) or isinstance(per_doc, bool) or per_doc < 1):
-        raise BadInput(f"max_tokens_per_doc must be a positive integer, got {quote(per_doc)}")
+    per_doc = json_positive_int(doc, "max_tokens_per_doc")
     model = doc.get("model")
     if model is not None and not isinstance(model, str):
         raise BadInput(f"model must be a string, got {quote(model)}")

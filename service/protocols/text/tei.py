@@ -38,7 +38,14 @@ from addnorm.service.core.text import (
 )
 from addnorm.service.errors import BadInput, TooLarge, quote
 from addnorm.service.guard import Known
-from addnorm.service.protocols.common import error_docs, json_bool, json_route_doc, parse_json, read_body
+from addnorm.service.protocols.common import (
+    error_docs,
+    json_bool,
+    json_positive_int,
+    json_route_doc,
+    parse_json,
+    read_body,
+)
 from addnorm.service.protocols.text.codec import TEXT_WORK, TextQuery, fields, text_route
 
 router = APIRouter(tags=["tei"])
@@ -227,9 +234,7 @@ def _texts(doc: dict, max_inputs: int) -> list[str]:
 
 def read(doc: object, max_inputs: int) -> TextQuery:
     doc = fields(doc, _EMBED, "inputs")
-    dims = doc.get("dimensions")
-    if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
-        raise BadInput(f"dimensions must be a positive integer, got {quote(dims)}")
+    dims = json_positive_int(doc, "dimensions")
     options = {"normalize": json_bool(doc, "normalize", "body", True), "dimensions": dims}
     inputs = text_inputs(doc["inputs"], "inputs", max_inputs)
     truncate = json_bool(doc, "truncate", "body", None)
