@@ -26,7 +26,7 @@ from ray import serve
 
 from addnorm.commands import Parser
 from addnorm.service.ray_serve import build
-from bench.server import HOST, free_ports
+from bench.server import HOST
 
 
 def main() -> None:
@@ -39,21 +39,28 @@ def main() -> None:
     p.add_argument(
         "--ports-file", help="with --direct-ingress or --haproxy: where the replicas' ports go (JSON)"
     )
-    p.add_argument("--haproxy", metavar="LO:HI", help="HAProxy on --port over replicas on ports LO..HI")
+    p.add_argument(
+        "--haproxy",
+        metavar="LO:HI",
+        help="HAProxy on --port over replicas on ports LO..HI-2; its stats and metrics ports HI and HI-1",
+    )
     args = p.parse_args()
     span = args.direct_ingress or args.haproxy  # the replicas' ports, LO:HI
     if span:  # read by Ray's processes, which inherit this environment
-        lo, hi = span.split(":")
+        lo, hi = (int(end) for end in span.split(":"))
+        # HAProxy's stats and metrics ports (8404 and 9101 by default, on every interface) this driver's own, as
+        # python -m bench --ray runs several at once: the span's top two, which (below the kernel's ephemeral
+        # range, 32768 and up) no connection or Ray process is handed while HAProxy starts; a free port picked
+        # there was (Ray took it first: "cannot bind socket" in a clean-clone run).
+        top = hi - 2 if args.haproxy else hi
         os.environ.update(
             RAY_SERVE_ENABLE_DIRECT_INGRESS="1",
-            RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=lo,
-            RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=hi,
+            RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(lo),
+            RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(top),
         )
     if args.haproxy:
-        # Its files and ports (stats and metrics: 8404 and 9101 by default, on every interface) this driver's own:
-        # python -m bench --ray runs several at once.
         files = tempfile.mkdtemp(prefix="haproxy-serve-")
-        stats, metrics = free_ports(2)
+        stats, metrics = hi, hi - 1
         os.environ.update(
             RAY_SERVE_ENABLE_HA_PROXY="1",
             RAY_SERVE_HAPROXY_STATS_PORT=str(stats),
@@ -75,7 +82,7 @@ def main() -> None:
         app = build({"artifact": args.artifact, "replicas": args.replicas, "num_cpus": args.num_cpus})
         serve.run(app, name="addnorm", route_prefix="/")
         if span:  # every replica up (behind HAProxy too: its port answers once the first one is)
-            ports = _answering(range(int(lo), int(hi) + 1), args.replicas)
+            ports = _answering(range(lo, top + 1), args.replicas)
             staged = Path(args.ports_file).with_suffix(".tmp")  # whole or absent for the reader
             staged.write_text(json.dumps(ports))
             staged.rename(args.ports_file)
