@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import tempfile
 from pathlib import Path
 
@@ -50,21 +49,18 @@ def gate(
             build_graph(encoder, debug_path, variant, opset, with_steps=True, attention=attention, plan=plan)
             debug = make_session(debug_path, graph_optimization, providers)
         v = get_variant(variant)
+        scheme, scheme_model = v.for_run(plan)
         return run_parity(
             encoder,
             session,
             cases,
             tol=v.tolerance,
-            scheme=_with_plan(v.scheme, plan),
+            scheme=scheme,
             scheme_ulp=v.input_precision,
-            scheme_model=_with_plan(v.scheme_model, plan),
+            scheme_model=scheme_model,
             seed=seed,
             graph_optimization=graph_optimization,
             debug_session=debug,
             variant=variant,
             keep=keep,
         )
-
-
-def _with_plan(scheme, plan: dict | None):
-    return functools.partial(scheme, plan=plan) if scheme is not None and plan else scheme

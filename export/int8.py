@@ -42,8 +42,7 @@ Why (docs/parity.md has the measurements):
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import onnx
@@ -277,28 +276,56 @@ def owner_channels(state: Mapping[str, np.ndarray], channels: Mapping[str, list[
     return channels_of
 
 
-@contextlib.contextmanager
 def simulated(
     module=None, channels: Mapping[str, list[int]] | None = None, form: Form = DEFAULT_FORM
-) -> Iterator[None]:
+) -> Simulated:
     """Inside, every ``F.linear`` (the encoder's six weight products per layer) computes the int8 scheme of
     ``form`` exactly, in the dtype of its inputs (export.variants runs it in float64: what this variant can do at
     best); ``channels``: the float channels by weight name of ``module``'s parameters (a view of one, as q of
-    in_proj, is found by its storage). model.schemes.Int8 is its numpy twin."""
-    import torch
-    import torch.nn.functional as F
+    in_proj, is found by its storage). model.schemes.Int8 is its numpy twin. It may be entered again (not
+    nested): each weight is quantized once, at its first product (see ``Simulated``)."""
+    return Simulated(module, channels, form)
 
-    linear = F.linear
-    by_storage = {}
-    if channels:
-        by_storage = {
-            t.untyped_storage().data_ptr(): torch.as_tensor(channels[name], dtype=torch.long)
-            for name, t in module.state_dict().items()
-            if name in channels
-        }
 
-    def rows_of(x, idx):  # model.schemes.Form.rows_of
-        if form.rows == "mean":
+class Simulated:
+    """``simulated``'s context. Quantizing a weight (``Form.quantize``) costs more than the product it feeds: a
+    gate evaluates the scheme on every case, so each weight's quantized form is kept, by the weight's storage,
+    for as long as this object lives. Its weights are the module's, which the scheme's owner (export.gate: one
+    per run) does not change; each weight kept is held, so no other tensor can take its memory and its key."""
+
+    def __init__(
+        self, module=None, channels: Mapping[str, list[int]] | None = None, form: Form = DEFAULT_FORM
+    ):
+        import torch
+
+        self.form = form
+        self.by_storage = {}
+        if channels:
+            self.by_storage = {
+                t.untyped_storage().data_ptr(): torch.as_tensor(channels[name], dtype=torch.long)
+                for name, t in module.state_dict().items()
+                if name in channels
+            }
+        self.quantized: dict[tuple, tuple] = {}  # weight's place and dtype -> (weight, deq, colsums)
+        self._linear = None
+
+    def __enter__(self) -> None:
+        import torch.nn.functional as F
+
+        if self._linear is not None:
+            raise RuntimeError("int8.simulated: already entered (it may be entered again, not nested)")
+        self._linear = F.linear
+        F.linear = self.linear
+
+    def __exit__(self, *exc) -> None:
+        import torch.nn.functional as F
+
+        F.linear, self._linear = self._linear, None
+
+    def rows_of(self, x, idx):  # model.schemes.Form.rows_of
+        import torch
+
+        if self.form.rows == "mean":
             centre = x.mean(-1, keepdim=True)
             dev = x - centre
             dev[..., idx] = 0.0
@@ -319,23 +346,35 @@ def simulated(
         levels[..., idx] = 0.0
         return levels, step, (ZERO_POINT - zero) * step, centre
 
-    def int8_linear(x, weight, bias=None):
-        idx = by_storage.get(weight.untyped_storage().data_ptr(), torch.zeros(0, dtype=torch.long))
-        rest = weight.detach().T.double().numpy().copy()  # ONNX's (E, N)
-        rest[idx.numpy()] = 0.0
-        wq, w_scale = form.quantize(rest)
-        deq = wq.astype(np.float64) * w_scale.astype(np.float64)
-        w_deq, base_w, centre_w = (
-            torch.from_numpy(a).to(x.dtype) for a in (deq, deq.sum(axis=0), rest.sum(axis=0))
+    def dequantized(self, weight, idx, dtype):
+        """(the weight as the graph multiplies it (E, N), its column sums, the float weights' column sums) in
+        ``dtype``: computed at the weight's first product, then kept."""
+        import torch
+
+        key = (
+            weight.untyped_storage().data_ptr(),
+            weight.storage_offset(),
+            tuple(weight.shape),
+            tuple(weight.stride()),
+            dtype,
         )
-        levels, step, base, centre = rows_of(x, idx)
+        kept = self.quantized.get(key)
+        if kept is None:
+            rest = weight.detach().T.double().numpy().copy()  # ONNX's (E, N)
+            rest[idx.numpy()] = 0.0
+            wq, w_scale = self.form.quantize(rest)
+            deq = wq.astype(np.float64) * w_scale.astype(np.float64)
+            arrays = (deq, deq.sum(axis=0), rest.sum(axis=0))
+            kept = self.quantized[key] = (weight, *(torch.from_numpy(a).to(dtype) for a in arrays))
+        return kept[1:]
+
+    def linear(self, x, weight, bias=None):
+        import torch
+
+        idx = self.by_storage.get(weight.untyped_storage().data_ptr(), torch.zeros(0, dtype=torch.long))
+        w_deq, base_w, centre_w = self.dequantized(weight, idx, x.dtype)
+        levels, step, base, centre = self.rows_of(x, idx)
         y = (levels @ w_deq) * step + (
             base * base_w + centre * centre_w + x[..., idx] @ weight.T[idx].to(x.dtype)
         )
         return y if bias is None else y + bias
-
-    F.linear = int8_linear
-    try:
-        yield
-    finally:
-        F.linear = linear

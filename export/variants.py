@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import logging
 from collections.abc import Callable
@@ -53,6 +54,21 @@ class Variant:
     scheme: Scheme | None = None
     plan: Planner | None = None
     scheme_model: SchemeModel | None = None  # the scheme as a module, for its steps (export.yardsticks)
+
+    def for_run(self, plan: dict | None) -> tuple[Scheme | None, SchemeModel | None]:
+        """(scheme, scheme_model) for one gate run with ``plan``: the scheme's module is built at the run's first
+        case and kept for the run (its encoder does not change within one), not rebuilt for every case and
+        one-ulp move; int8's weights are then quantized once a run (export.int8.Simulated)."""
+        if self.scheme_model is None:
+            return (functools.partial(self.scheme, plan=plan) if self.scheme and plan else self.scheme), None
+        build, built = self.scheme_model, {}
+
+        def model(encoder: Encoder, plan: dict | None = plan) -> tuple:
+            if encoder not in built:
+                built[encoder] = build(encoder, plan)
+            return built[encoder]
+
+        return functools.partial(_scheme_of(model), plan=plan), model
 
     @property
     def input_precision(self) -> type:

@@ -281,7 +281,6 @@ def test_int8_refuses_a_5_percent_gamma_step_by_step(encoder, real, tmp_path):
     docs/parity.md: 1.8-2.2x at its step, the last norm 0.84x there and failing on quality)."""
     import torch
 
-    from addnorm.export.gate import _with_plan
     from addnorm.export.pipeline import plan_for
 
     given = _given(real)
@@ -295,15 +294,16 @@ def test_int8_refuses_a_5_percent_gamma_step_by_step(encoder, real, tmp_path):
                 next(p for p in norm.parameters() if p.ndim == 1).mul_(1.05)
             build_graph(enc, tmp_path / "m.onnx", variant, attention="mha", plan=plan)
             build_graph(enc, tmp_path / "d.onnx", variant, attention="mha", plan=plan, with_steps=True)
+            scheme, scheme_model = v.for_run(plan)
             report = run_parity(
                 encoder,
                 make_session(tmp_path / "m.onnx"),
                 given,
                 tol=v.tolerance,
-                scheme=_with_plan(v.scheme, plan),
+                scheme=scheme,
                 debug_session=make_session(tmp_path / "d.onnx"),
                 scheme_ulp=v.input_precision,
-                scheme_model=_with_plan(v.scheme_model, plan),
+                scheme_model=scheme_model,
             )
             failed = {c.output: c for r in report.results for c in r.comparisons if not c.passed}
             assert not report.passed and f"add_norm_{which}" in failed, (variant, which, list(failed))
