@@ -93,6 +93,13 @@ class Settings(BaseSettings):
         ge=0,
         description="onnxruntime intra-op threads of each model; 0 = an equal share of the thread budget",
     )
+    intra_op_spinning: Literal["off", "in-run"] = Field(
+        "off",
+        description="what onnxruntime's intra-op threads do between a run's parallel sections: off, sleep (the "
+        "least CPU taken from the HTTP front under load), or in-run, spin within a run and stop when it ends (one "
+        "client's one-sentence request ~1 ms sooner; small requests up to a tenth fewer a second at 32 clients on 2 "
+        "cores: docs/benchmarks.md)",
+    )
     thread_budget: int = Field(
         0,
         ge=0,

@@ -67,6 +67,7 @@ class Engine:
         providers: str = "auto",
         intra_op_threads: int = 0,
         kernels_setting: str = "auto",
+        spinning: str = "off",
     ) -> None:
         try:  # the graph onnxruntime gets and the golden data checked are the bytes whose sha256 was checked
             verified = read_verified(model_dir)
@@ -87,7 +88,11 @@ class Engine:
         opts.log_severity_level = 3
         # Idle pool threads must not spin: the event loop shares these cores, and a spinning onnxruntime worker
         # takes them from it (measured at 32 concurrent clients: +6% batched, +18% unbatched; docs/benchmarks.md).
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # "in-run" (ADDNORM_INTRA_OP_SPINNING): they spin between a run's parallel sections and stop the moment it
+        # ends; sleeping between sections costs a one-sentence run ~1 ms of wake-ups.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning == "in-run" else "0")
+        if spinning == "in-run":
+            opts.add_session_config_entry("session.force_spinning_stop", "1")
         # int8's operators as one kernel each (model/kernels), where built; else their standard operators. A graph
         # with them (int8's) imports their domain.
         try:

@@ -129,7 +129,9 @@ async def serving_model(state: ServiceState, name: str, directory: Path, version
     threads = threads_for(s, name, state.cores.threads, models)
     try:
         # the one place a backend is built (service/backend/interface.py): everything after speaks to Backend
-        engine: Backend = await asyncio.to_thread(Engine, directory, s.providers, threads, s.kernels)
+        engine: Backend = await asyncio.to_thread(
+            Engine, directory, s.providers, threads, s.kernels, s.intra_op_spinning
+        )
     except Exception as exc:  # any failure keeps the model (and /health/ready) unavailable, with the reason
         raise LoadFailed(str(exc)) from None
     try:

@@ -114,6 +114,27 @@ def test_engine_runs_the_graph_and_answers_by_output_name(tiny_artifact):
     np.testing.assert_allclose(out["encoded"][1, :3], short[0], atol=1e-5, rtol=1e-4)
 
 
+def test_intra_op_spinning_in_run_spins_within_a_run_and_stops_after_it(tiny_artifact):
+    """--intra-op-spinning: off (the default) lets no pool thread spin; in-run lets them spin between a run's
+    parallel sections and stops them when it ends (onnxruntime's force_spinning_stop). The same arithmetic."""
+    from addnorm.service.settings import Settings
+
+    assert Settings.model_fields["intra_op_spinning"].default == "off"
+    x = np.random.default_rng(0).standard_normal((3, 7, 32)).astype(np.float32)
+    answers = {}
+    for spinning, allow, stop in (("off", "0", ""), ("in-run", "1", "1")):
+        eng = Engine(tiny_artifact, "cpu", intra_op_threads=2, spinning=spinning)
+        opts = eng.session.get_session_options()
+        assert opts.get_session_config_entry("session.intra_op.allow_spinning") == allow, spinning
+        if stop:
+            assert opts.get_session_config_entry("session.force_spinning_stop") == stop
+        else:
+            with pytest.raises(RuntimeError, match="does not have configuration"):
+                opts.get_session_config_entry("session.force_spinning_stop")
+        answers[spinning] = eng.run(x)["encoded"]
+    np.testing.assert_array_equal(answers["off"], answers["in-run"])
+
+
 def test_engine_refuses_a_tampered_graph(tiny_artifact, tmp_path):
     for name in ("manifest.json", "model.onnx"):
         (tmp_path / name).write_bytes((tiny_artifact / name).read_bytes())
