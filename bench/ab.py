@@ -169,12 +169,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("| --- | --- | --- | --- | --- |")
     for ph, by in rows.items():
-        ratio = lambda key, by=by: statistics.median(  # noqa: E731
-            a[key] / b[key] for b, a in zip(by["before"], by["after"], strict=True)
+        cells = " | ".join(
+            ratio(by["before"], by["after"], key) for key in ("throughput_rps", "cpu_ms", "loop_ms", "p99_ms")
         )
-        cells = " | ".join(f"{ratio(key):.3f}" for key in ("throughput_rps", "cpu_ms", "loop_ms", "p99_ms"))
         print(f"| {ph} | {cells} |")
     return 0
+
+
+def ratio(before: list[dict], after: list[dict], key: str) -> str:
+    """The median over rounds of after / before for ``key``; a round whose before is 0 (a phase too short for its
+    CPU to reach the kernel's 10 ms tick, or that answered nothing) has no ratio, and none at all prints "-"."""
+    ratios = [a[key] / b[key] for b, a in zip(before, after, strict=True) if b[key]]
+    return f"{statistics.median(ratios):.3f}" if ratios else "-"
 
 
 if __name__ == "__main__":

@@ -128,8 +128,8 @@ LANES = {"model": "unit", "service": "unit", "export": "export"}  # tests/<dir>/
 
 # The files that take minutes, longest first (make test on a 2-core EPYC, 2026-12-02: test_readme.py's one test
 # 255 s as the guides grew; the longest fixtures: test_real_model.py's 82-93 s, test_text_real.py's 70-102 s,
-# test_matrix.py's 58-65 s): make test hands them to its two workers before the rest (--no-loadscope-reorder keeps
-# this order), so neither worker starts one of them while the other is finishing.
+# test_matrix.py's 58-65 s): make test hands them to its workers before the rest (--no-loadscope-reorder keeps
+# this order), so no worker starts one of them while the others are finishing.
 LONGEST_FIRST = (
     "test_readme.py",
     "test_real_model.py",

@@ -306,6 +306,17 @@ def test_ab_compares_two_checkouts_phase_by_phase(tiny_artifact, capsys):
     assert "/v1 JSON 32 clients" in out and "/v1 JSON [8,128" not in out
 
 
+def test_ab_ratios_skip_a_round_whose_before_side_measured_nothing():
+    """A phase too short for the kernel's 10 ms CPU tick charges a side 0 ms: that round has no ratio (it divided by
+    zero and failed the whole comparison), and a phase with none prints "-"."""
+    from bench.ab import ratio
+
+    before = [{"loop_ms": 0.0}, {"loop_ms": 2.0}, {"loop_ms": 4.0}]
+    after = [{"loop_ms": 1.0}, {"loop_ms": 1.0}, {"loop_ms": 3.0}]
+    assert ratio(before, after, "loop_ms") == "0.625"  # the median of 0.5 and 0.75
+    assert ratio(before[:1], after[:1], "loop_ms") == "-"
+
+
 def test_ab_sends_real_text_to_a_text_model(tmp_path, capsys):
     """bench.ab on a text model's artifact: the /v1/embeddings phases of real sentences (1 and 8 a request) run on
     both sides, and the ratios include p99's."""
