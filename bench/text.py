@@ -8,7 +8,9 @@ of 8 sentences, from 1, 8 and 32 closed-loop keep-alive clients, against:
   the sentences sorted by token count, in batches of as many sentences as the row keeps in flight (clients x
   sentences per request, at most 256) or fewer, the fastest: what no server can beat with that many sentences to
   batch;
-- addnorm-serve at its defaults, on the model exported with its embedding layer (``--from DIR``);
+- addnorm-serve at its defaults, on the model exported with its embedding layer (``--from DIR``); and at one client
+  with ``--intra-op-spinning in-run``, the setting for a query-time service (docs/configuration.md), with the time a
+  request takes at one client and one sentence against the limit's one sentence in flight;
 - addnorm's request core in this process, without HTTP: the server's own model (its batcher, as ``addnorm-serve``
   loads it) fed by ``decode_texts`` and ``run_parts``, the sentence embeddings pooled, by closed-loop tasks: what
   the server does less its HTTP, routing and JSON, so the gap to the limit splits into the batching's and the
@@ -87,14 +89,16 @@ def limits(
     repeat: int = 3,
     copies: int = 16,
     threads: int = 0,
+    spinning: str = "off",
 ) -> tuple[dict[int, float], float]:
     """Tokens/s of the graphs run in process on ``copies`` of ``texts`` (as a server under load sees each sentence
     many times), tokenization included, sorted by token count and run in batches of each of ``sizes`` sentences
     (a server with that many sentences in flight can batch no more); and tokenization's share of the time at the
-    largest size. ``threads``: onnxruntime's intra-op threads (0: the server's default, one per physical core)."""
+    largest size. ``threads``: onnxruntime's intra-op threads (0: the server's default, one per physical core);
+    ``spinning``: theirs between a run's parallel sections (``--intra-op-spinning``)."""
     from addnorm.service.backend.engine import Engine
 
-    engine = Engine(artifact, "cpu", intra_op_threads=threads)
+    engine = Engine(artifact, "cpu", intra_op_threads=threads, spinning=spinning)
     front = engine.text
     tok = front.tokenizer
     pool = texts * copies
@@ -190,6 +194,9 @@ def requests(
 
 PEERS = ROOT / ".peers" / "bin"  # make peers: the peers' environment
 ST_TORCH, ST_ONNX = "FastAPI + sentence-transformers", "FastAPI + sentence-transformers ONNX, batched"
+# addnorm-serve as a query-time service would run it (docs/configuration.md): onnxruntime's pool threads spin within
+# a run instead of sleeping between its operators; one client only, the case the setting is for
+QUERY_TIME, QUERY_TIME_FLAGS = "addnorm, --intra-op-spinning in-run", ("--intra-op-spinning", "in-run")
 INFINITY = {"torch": "Infinity (torch)", "optimum": "Infinity (optimum ONNX)"}
 
 
@@ -351,6 +358,7 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None, peers: str | 
         by_size: dict[int, list[float]] = {}
         fewer_limit: dict[int, list[float]] = {}
         fewer_cells: dict[str, list[float]] = {}
+        query_limit: list[float] = []  # the limit's one sentence in flight with QUERY_TIME's spinning
         shares = []
         for _ in range(rounds):
             rates, share = limits(artifact, texts, sizes)
@@ -364,6 +372,10 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None, peers: str | 
                 cells.setdefault(f"addnorm|{key}", []).append(row["tokens_per_s"])
                 cpu.setdefault(key, []).append((row["cpu_ms"], row["loop_ms"]))
             print("  addnorm done", file=sys.stderr, flush=True)
+            query_limit.append(limits(artifact, texts, (1,), spinning="in-run")[0][1])
+            for key, row in addnorm_cells(artifact, texts, counts, seconds, (1,), QUERY_TIME_FLAGS).items():
+                cells.setdefault(f"{QUERY_TIME}|{key}", []).append(row["tokens_per_s"])
+            print(f"  {QUERY_TIME} done", file=sys.stderr, flush=True)
             if fewer:
                 top = tuple(sorted({in_flight(CLIENTS[-1], s) for s in SIZES}))
                 for size, rate in limits(artifact, texts, top, threads=fewer)[0].items():
@@ -432,6 +444,7 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None, peers: str | 
             "cells": {k: statistics.median(v) for k, v in fewer_cells.items()},
         },
         "mean_tokens_per_sentence": mean_tokens,
+        "query_time_limit_tokens_per_s": statistics.median(query_limit),
         "infinity": infinity_cmd or "not installed (make peers)",
         "peers": peers or "not made (make peers): no sentence-transformers ONNX app",
     }
@@ -453,7 +466,7 @@ def table(res: dict) -> str:
         name, size, clients = key.split("|")
         lim = best_limit(lims, in_flight(int(clients), int(size)))
         lines.append(f"| {name} | {size} | {clients} | {tps / per:,.0f} | {tps:,.0f} | {tps / lim:.2f}x |")
-    lines += ["", *peers_table(res["cells"], per)]
+    lines += ["", *peers_table(res["cells"], per), *one_client(res)]
     lines += [
         "",
         "addnorm-serve's CPU per request (all its threads; its event loop's part; tokenizing's part):",
@@ -501,6 +514,31 @@ def peers_table(cells: dict[str, float], per: float) -> list[str]:
             f"| {size} | {clients} | {tps:,.0f} | {best} | {peers[best]:,.0f} | {tps / peers[best]:.2f}x |"
         )
     return lines
+
+
+def one_client(res: dict) -> list[str]:
+    """One client sending one sentence at a time (a search engine's query): the time a request takes to each addnorm
+    configuration against the limit's one sentence in flight on the same session settings (tokenize, run and pool
+    in process), and the difference (issue 77 asks for at most 0.3 ms)."""
+    per, cells = res["mean_tokens_per_sentence"], res["cells"]
+    limit_of = {
+        "addnorm": res["limit_tokens_per_s"].get("1"),
+        QUERY_TIME: res.get("query_time_limit_tokens_per_s"),
+    }
+    parts = [
+        f"{name} {per / tps * 1e3:.2f} ms, its limit {per / lim * 1e3:.2f} ms: {(per / tps - per / lim) * 1e3:+.2f} ms"
+        for name, lim in limit_of.items()
+        if lim and (tps := cells.get(f"{name}|1|1"))
+    ]
+    return (
+        [
+            "",
+            "One client, one sentence at a time, a request against the limit's one sentence: "
+            + "; ".join(parts),
+        ]
+        if parts
+        else []
+    )
 
 
 def best_limit(lims: dict[str, float], in_flight: int) -> float:

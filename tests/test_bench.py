@@ -507,6 +507,17 @@ def test_the_text_benchmarks_table_judges_each_row_by_its_own_limit():
     assert f"| 1 | 32 | 450 | {text.ST_ONNX} | 300 | 1.50x |" in out
     assert f"| 1 | 1 | 50 | {text.INFINITY['torch']} | 60 | 0.83x |" in out  # in process is no peer
     assert "| 8 | 32 | 400 |" not in out  # a row no peer ran
+    # one client, one sentence: each addnorm configuration's time a request against the limit's one sentence
+    assert (
+        "a request against the limit's one sentence: addnorm 200.00 ms, its limit 100.00 ms: +100.00 ms"
+        in out
+    )
+    res["cells"][f"{text.QUERY_TIME}|1|1"] = 80.0
+    res["query_time_limit_tokens_per_s"] = 125.0  # its own limit: the same session settings in process
+    out = text.table(res)
+    assert f"+100.00 ms; {text.QUERY_TIME} 125.00 ms, its limit 80.00 ms: +45.00 ms" in out
+    assert f"| {text.QUERY_TIME} | 1 | 1 | 8 | 80 | 0.80x |" in out
+    assert f"| 1 | 1 | 50 | {text.INFINITY['torch']} | 60 | 0.83x |" in out  # still no peer of addnorm's own
 
 
 def test_the_sentence_transformers_apps_batcher_merges_queued_requests_in_order():
