@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
-from collections.abc import Iterator
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -28,16 +30,35 @@ def export_to(out: Path, config: EncoderConfig, **kwargs) -> Path:
     return out
 
 
+def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]) -> Path:
+    """``make(out)`` once per test run, not once per pytest-xdist worker: the first worker to ask makes it in the
+    workers' common temporary directory while the others wait on a file lock, then read it (pytest-xdist's documented
+    way to share a session fixture). What a failed attempt left is removed and the next asker tries again. For
+    read-only data: a test that changes one works on its own copy."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # pytest-N/, above each worker's popen-gwK/
+    out = base / "shared" / name
+    out.parent.mkdir(exist_ok=True)
+    with (out.parent / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "manifest.json").is_file():
+            shutil.rmtree(out, ignore_errors=True)
+            make(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A one-layer post-norm artifact (d_model 32), exported and parity-gated once."""
-    return export_to(tmp_path_factory.mktemp("tiny") / "artifact", TINY)
+    """A one-layer post-norm artifact (d_model 32), exported and parity-gated once a run."""
+    return once_per_run(tmp_path_factory, "tiny", lambda out: export_to(out, TINY))
 
 
 @pytest.fixture(scope="session")
 def default_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default block (d_model 768, 12 heads, feed-forward 3072, mha attention), as make serve exports it."""
-    return export_to(tmp_path_factory.mktemp("default") / "artifact", EncoderConfig(dropout=0.0))
+    """The default block (d_model 768, 12 heads, feed-forward 3072, mha attention), as make serve exports it, once
+    a run."""
+    return once_per_run(tmp_path_factory, "default", lambda out: export_to(out, EncoderConfig(dropout=0.0)))
 
 
 @pytest.fixture(scope="session")
