@@ -61,9 +61,11 @@ class Variant:
         one-ulp move; int8's weights are then quantized once a run (export.int8.Simulated)."""
         if self.scheme_model is None:
             return (functools.partial(self.scheme, plan=plan) if self.scheme and plan else self.scheme), None
-        build, built = self.scheme_model, {}
+        build, built, run_plan = self.scheme_model, {}, plan
 
         def model(encoder: Encoder, plan: dict | None = plan) -> tuple:
+            if plan is not run_plan:  # not this run's plan: built for the call, nothing kept
+                return build(encoder, plan)
             if encoder not in built:
                 built[encoder] = build(encoder, plan)
             return built[encoder]

@@ -97,7 +97,7 @@ class Settings(BaseSettings):
         "off",
         description="what onnxruntime's intra-op threads do between a run's parallel sections: off, sleep (the "
         "least CPU taken from the HTTP front under load), or in-run, spin within a run and stop when it ends (one "
-        "client's one-sentence request ~1 ms sooner; small requests up to a tenth fewer a second at 32 clients on 2 "
+        "client's one-sentence request up to ~1 ms sooner, 0.82-1.0x the time in measured runs; small requests up to a tenth fewer a second at 32 clients on 2 "
         "cores: docs/benchmarks.md)",
     )
     thread_budget: int = Field(
