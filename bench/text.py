@@ -24,9 +24,11 @@ of 8 sentences, from 1, 8 and 32 closed-loop keep-alive clients, against:
   A second table sets addnorm-serve against the best peer of each row.
 
 Servers run one at a time; ``--rounds`` rounds, the medians. Sentences/s and real tokens/s (special tokens
-included) per cell, and each server's ratio to the limit. Also: tokenization's share of the limit's CPU time, and
-addnorm-serve's CPU per request at 32 clients from /proc (all its threads, its event loop's part) with
-tokenizing's part (``TextTokenizer.ids`` and ``pad`` on the same requests, timed in this process).
+included) per cell, and each server's ratio to the limit. Also: tokenization's share of the limit's CPU time, the
+limit's CPU per sentence (this process's, all threads), and addnorm-serve's CPU per request at 32 clients from
+/proc (all its threads, its event loop's part) with tokenizing's part (``TextTokenizer.ids`` and ``pad`` on the
+same requests, timed in this process). Last, issue 77's goals (``goals``): each figure against its goal, met or
+missed by how much, with the server's CPU per request beside the 32-client ones.
 
 And, where the machine has a core to spare, the same 32-client cells with onnxruntime on one core fewer in both
 the limit and addnorm-serve (``--intra-op-threads``): the server's HTTP front (uvicorn, FastAPI, JSON, the event
@@ -48,6 +50,7 @@ import time
 import urllib.request
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import orjson
@@ -90,12 +93,13 @@ def limits(
     copies: int = 16,
     threads: int = 0,
     spinning: str = "off",
-) -> tuple[dict[int, float], float]:
+) -> Limit:
     """Tokens/s of the graphs run in process on ``copies`` of ``texts`` (as a server under load sees each sentence
     many times), tokenization included, sorted by token count and run in batches of each of ``sizes`` sentences
-    (a server with that many sentences in flight can batch no more); and tokenization's share of the time at the
-    largest size. ``threads``: onnxruntime's intra-op threads (0: the server's default, one per physical core);
-    ``spinning``: theirs between a run's parallel sections (``--intra-op-spinning``)."""
+    (a server with that many sentences in flight can batch no more), with the process's CPU per sentence (all its
+    threads: onnxruntime's pool too); and tokenization's share of the time at the largest size. ``threads``:
+    onnxruntime's intra-op threads (0: the server's default, one per physical core); ``spinning``: theirs between
+    a run's parallel sections (``--intra-op-spinning``)."""
     from addnorm.service.backend.engine import Engine
 
     engine = Engine(artifact, "cpu", intra_op_threads=threads, spinning=spinning)
@@ -104,12 +108,13 @@ def limits(
     pool = texts * copies
     counts = [len(tok.encode([t], truncate=True).input_ids[0]) for t in pool]
     order = [pool[i] for i in np.argsort(counts, kind="stable")]
-    rates, share = {}, 0.0
+    rates, cpu_ms, share = {}, {}, 0.0
     for size in sizes:
         batches = [order[i : i + size] for i in range(0, len(order), size)]
-        tokenize_s = run_s = 0.0
+        tokenize_s = run_s = cpu_s = 0.0
         tokens = 0
         for r in range(repeat + 1):
+            cpu0 = time.process_time()
             for b in batches:
                 t0 = time.perf_counter()
                 batch = tok.encode(b, truncate=True)
@@ -118,9 +123,20 @@ def limits(
                 t2 = time.perf_counter()
                 if r:  # the first pass warms up
                     tokenize_s, run_s, tokens = tokenize_s + t1 - t0, run_s + t2 - t1, tokens + batch.tokens
+            if r:
+                cpu_s += time.process_time() - cpu0
         rates[size] = tokens / (tokenize_s + run_s)
+        cpu_ms[size] = cpu_s / (repeat * len(pool)) * 1e3
         share = tokenize_s / (tokenize_s + run_s)
-    return rates, share
+    return Limit(rates, share, cpu_ms)
+
+
+class Limit(NamedTuple):
+    """``limits``' answer: tokens/s by sentences in flight, tokenization's share, CPU ms a sentence by the same."""
+
+    rates: dict[int, float]
+    share: float
+    cpu_ms: dict[int, float]
 
 
 def core(artifact: Path, texts: list[str], seconds: float) -> dict[tuple[int, int], float]:
@@ -356,15 +372,17 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None, peers: str | 
         cpu: dict[str, list[tuple[float, float]]] = {}
         sizes = tuple(sorted({in_flight(c, s) for c in CLIENTS for s in SIZES}))
         by_size: dict[int, list[float]] = {}
+        cpu_by_size: dict[int, list[float]] = {}
         fewer_limit: dict[int, list[float]] = {}
         fewer_cells: dict[str, list[float]] = {}
         query_limit: list[float] = []  # the limit's one sentence in flight with QUERY_TIME's spinning
         shares = []
         for _ in range(rounds):
-            rates, share = limits(artifact, texts, sizes)
-            for size, rate in rates.items():
+            limit = limits(artifact, texts, sizes)
+            for size, rate in limit.rates.items():
                 by_size.setdefault(size, []).append(rate)
-            shares.append(share)
+                cpu_by_size.setdefault(size, []).append(limit.cpu_ms[size])
+            shares.append(limit.share)
             for (size, c), rate in core(artifact, texts, seconds).items():
                 cells.setdefault(f"addnorm's core, in process|{size}|{c}", []).append(rate)
             print("  addnorm's core done", file=sys.stderr, flush=True)
@@ -372,13 +390,13 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None, peers: str | 
                 cells.setdefault(f"addnorm|{key}", []).append(row["tokens_per_s"])
                 cpu.setdefault(key, []).append((row["cpu_ms"], row["loop_ms"]))
             print("  addnorm done", file=sys.stderr, flush=True)
-            query_limit.append(limits(artifact, texts, (1,), spinning="in-run")[0][1])
+            query_limit.append(limits(artifact, texts, (1,), spinning="in-run").rates[1])
             for key, row in addnorm_cells(artifact, texts, counts, seconds, (1,), QUERY_TIME_FLAGS).items():
                 cells.setdefault(f"{QUERY_TIME}|{key}", []).append(row["tokens_per_s"])
             print(f"  {QUERY_TIME} done", file=sys.stderr, flush=True)
             if fewer:
                 top = tuple(sorted({in_flight(CLIENTS[-1], s) for s in SIZES}))
-                for size, rate in limits(artifact, texts, top, threads=fewer)[0].items():
+                for size, rate in limits(artifact, texts, top, threads=fewer).rates.items():
                     fewer_limit.setdefault(size, []).append(rate)
                 flags = ("--intra-op-threads", str(fewer))
                 for key, row in addnorm_cells(artifact, texts, counts, seconds, CLIENTS[-1:], flags).items():
@@ -426,6 +444,7 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None, peers: str | 
         "sentences": len(texts),
         "mean_tokens": mean_tokens,
         "limit_tokens_per_s": {str(k): statistics.median(v) for k, v in by_size.items()},
+        "limit_cpu_ms_per_sentence": {str(k): statistics.median(v) for k, v in cpu_by_size.items()},
         "tokenization_share": statistics.median(shares),
         "cells": {k: statistics.median(v) for k, v in cells.items()},
         "server_cpu_ms": {
@@ -492,7 +511,23 @@ def table(res: dict) -> str:
             size, clients = key.split("|")
             lim = best_limit(few["limit_tokens_per_s"], in_flight(int(clients), int(size)))
             lines.append(f"| addnorm | {size} | {clients} | {tps:,.0f} | {lim:,.0f} | {tps / lim:.2f}x |")
-    return "\n".join(lines)
+    return "\n".join([*lines, *goals(res)])
+
+
+def best_peers(cells: dict[str, float]) -> dict[tuple[str, str], tuple[float, str, float]]:
+    """By (sentences per request, clients): addnorm-serve's tokens/s, the best peer (a server not addnorm's) of
+    that row and its tokens/s; rows no peer ran are left out."""
+    out = {}
+    for key, tps in cells.items():
+        name, size, clients = key.split("|")
+        if name != "addnorm":
+            continue
+        peers = {n: v for k, v in cells.items() for n, s, c in [k.split("|")] if (s, c) == (size, clients)}
+        peers = {n: v for n, v in peers.items() if not n.startswith("addnorm")}
+        if peers:
+            best = max(peers, key=peers.__getitem__)
+            out[size, clients] = (tps, best, peers[best])
+    return out
 
 
 def peers_table(cells: dict[str, float], per: float) -> list[str]:
@@ -501,18 +536,8 @@ def peers_table(cells: dict[str, float], per: float) -> list[str]:
         "| sentences / request | clients | addnorm tokens/s | best peer | its tokens/s | addnorm / best peer |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for key, tps in cells.items():
-        name, size, clients = key.split("|")
-        if name != "addnorm":
-            continue
-        peers = {n: v for k, v in cells.items() for n, s, c in [k.split("|")] if (s, c) == (size, clients)}
-        peers = {n: v for n, v in peers.items() if not n.startswith("addnorm")}
-        if not peers:
-            continue
-        best = max(peers, key=peers.__getitem__)
-        lines.append(
-            f"| {size} | {clients} | {tps:,.0f} | {best} | {peers[best]:,.0f} | {tps / peers[best]:.2f}x |"
-        )
+    for (size, clients), (tps, best, theirs) in best_peers(cells).items():
+        lines.append(f"| {size} | {clients} | {tps:,.0f} | {best} | {theirs:,.0f} | {tps / theirs:.2f}x |")
     return lines
 
 
@@ -543,7 +568,113 @@ def one_client(res: dict) -> list[str]:
 
 def best_limit(lims: dict[str, float], in_flight: int) -> float:
     """The best length-sorted batching of at most ``in_flight`` sentences (a bigger batch pads more here)."""
-    return max(v for k, v in lims.items() if int(k) <= in_flight)
+    return lims[best_size(lims, in_flight)]
+
+
+def best_size(lims: dict[str, float], in_flight: int) -> str:
+    """The batch size (a key of ``lims``) of ``best_limit``."""
+    return max((k for k in lims if int(k) <= in_flight), key=lims.__getitem__)
+
+
+# Issue 77's goals as this bench measures them; ``goals`` says of each whether this run met it, else by how much not.
+LIMIT_AT_MOST_CLIENTS = (
+    0.85  # /v1/embeddings at 32 clients, vs the limit, the load generator on the model's cores
+)
+LIMIT_WITH_A_CORE_LEFT = (
+    0.9  # the same with a core left to the front and the load generator (the fewer-threads rows)
+)
+PEER_EVERY_ROW, PEER_FROM_8_CLIENTS = 1.0, 2.0  # addnorm-serve / the best peer: every row; from 8 clients on
+ONE_CLIENT_MS = (
+    0.3  # one client, one sentence: a request at most this much longer than the limit's one sentence
+)
+LOOP_MS = 0.15  # the event loop's CPU for a one-sentence request
+CORE_AT_MOST_CLIENTS = 0.95  # the request core in process at 32 clients x 1 sentence, vs the limit
+CPU_PER_SENTENCE = {
+    "1": 1.1,
+    "8": 1.05,
+}  # the server's whole CPU a sentence at 32 clients / the limit's, by size
+
+
+_MEETS = {">=": float.__ge__, ">": float.__gt__, "<=": float.__le__}
+
+
+def _verdict(got: float, op: str, goal: float, unit: str) -> str:
+    """``goal OP GOAL: met``, or ``missed by`` the distance to it."""
+    met = _MEETS[op](float(got), float(goal))
+    return f"goal {op} {goal:g}{unit}: " + ("met" if met else f"missed by {abs(goal - got):.2f}{unit}")
+
+
+def _row(clients: int | str, size: int | str) -> str:
+    """``32 clients x 1 sentence``."""
+    return f"{clients} client{'s' * (int(clients) != 1)} x {size} sentence{'s' * (int(size) != 1)}"
+
+
+def goals(res: dict) -> list[str]:
+    """Issue 77's goals, each with what this run measured, met or missed by how much, and the server's CPU a
+    request beside the 32-client ones (``server_cpu_ms``); a goal this run has no figure for is left out."""
+    lims, per, cells, cpu = (
+        res["limit_tokens_per_s"],
+        res["mean_tokens_per_sentence"],
+        res["cells"],
+        res["server_cpu_ms"],
+    )
+    most = max(CLIENTS)
+    out = []
+    for size in SIZES:
+        tps = cells.get(f"addnorm|{size}|{most}")
+        if tps is None:
+            continue
+        ms = cpu.get(f"{size}|{most}")
+        beside = (
+            f" (its CPU {ms['total']:.2f} ms a request, the event loop {ms['event_loop']:.2f} ms)"
+            if ms
+            else ""
+        )
+        ratio = tps / best_limit(lims, in_flight(most, size))
+        out.append(
+            f"- /v1/embeddings, {_row(most, size)}, against the limit: {ratio:.2f}x, "
+            f"{_verdict(ratio, '>=', LIMIT_AT_MOST_CLIENTS, 'x')}{beside}"
+        )
+        limit_cpu = res.get("limit_cpu_ms_per_sentence", {})
+        key = best_size(lims, in_flight(most, size))
+        if ms and key in limit_cpu:
+            r = ms["total"] / size / limit_cpu[key]
+            out.append(
+                f"- the server's CPU a sentence at {_row(most, size)}: {ms['total'] / size:.2f} ms against the limit's "
+                f"{limit_cpu[key]:.2f} ms: {r:.2f}x, {_verdict(r, '<=', CPU_PER_SENTENCE[str(size)], 'x')}"
+            )
+    few = res["fewer_threads"]
+    for key, tps in few["cells"].items() if few["threads"] else ():
+        size, clients = key.split("|")
+        ratio = tps / best_limit(few["limit_tokens_per_s"], in_flight(int(clients), int(size)))
+        out.append(
+            f"- with a core left to the front, {_row(clients, size)}, against the limit on as many threads: "
+            f"{ratio:.2f}x, {_verdict(ratio, '>=', LIMIT_WITH_A_CORE_LEFT, 'x')}"
+        )
+    for (size, clients), (tps, best, theirs) in best_peers(cells).items():
+        op, goal = (">=", PEER_FROM_8_CLIENTS) if int(clients) >= 8 else (">", PEER_EVERY_ROW)
+        out.append(
+            f"- against the best peer at {_row(clients, size)} ({best}): {tps / theirs:.2f}x, "
+            f"{_verdict(tps / theirs, op, goal, 'x')}"
+        )
+    if (tps := cells.get("addnorm|1|1")) and (lim := lims.get("1")):
+        more = (per / tps - per / lim) * 1e3
+        out.append(
+            f"- one client, one sentence: {more:+.2f} ms against the limit's one sentence, "
+            f"{_verdict(more, '<=', ONE_CLIENT_MS, ' ms')}"
+        )
+    if ms := cpu.get(f"1|{most}"):
+        out.append(
+            f"- the event loop's CPU a one-sentence request at {most} clients: {ms['event_loop']:.2f} ms, "
+            f"{_verdict(ms['event_loop'], '<=', LOOP_MS, ' ms')}"
+        )
+    if (tps := cells.get(f"addnorm's core, in process|1|{most}")) is not None:
+        ratio = tps / best_limit(lims, in_flight(most, 1))
+        out.append(
+            f"- addnorm's core in process, {_row(most, 1)}, against the limit: {ratio:.2f}x, "
+            f"{_verdict(ratio, '>=', CORE_AT_MOST_CLIENTS, 'x')}"
+        )
+    return ["", "Issue 77's goals, as this run measured them:", *out] if out else []
 
 
 def against_peers_main(module: str, doc: str, measure, table, results: str, argv: list[str] | None) -> int:
