@@ -122,8 +122,12 @@ USER addnorm
 # A replica serving HTTP itself drains for RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S before it stops (30 s by
 # default, so that load balancers see it go): `serve run` then took 33 s to stop on SIGINT, past a stop's grace
 # period; 5 s (HAProxy reloads within a second of a replica leaving) stops it in 8.5 s (Ray's proxy: 5.6 s).
+# Serve's controller kills a proxy not ready within RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S (5 s by default), while
+# `serve run` waits 60 s for it: on a busy machine HAProxy's manager took longer and the start failed (bench's Ray
+# driver, 2 cores); 60 s, as long as the start waits.
 ENV HOME=/tmp ADDNORM_ARTIFACT=/artifacts/default RAY_SERVE_DEFAULT_HTTP_HOST=0.0.0.0 RAY_SERVE_ENABLE_HA_PROXY=1 \
-    RAY_SERVE_HAPROXY_MAXCONN=1000 RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=5
+    RAY_SERVE_HAPROXY_MAXCONN=1000 RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=5 \
+    RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=60
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 CMD ["python", "/app/healthcheck.py", "8000"]
 # `serve run` shuts Serve down gracefully on SIGINT and exits 0; SIGTERM kills it outright (measured with podman:

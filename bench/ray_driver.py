@@ -71,6 +71,10 @@ def main() -> None:
             RAY_SERVE_HAPROXY_SERVER_STATE_BASE=files,
             RAY_SERVE_HAPROXY_SERVER_STATE_FILE=f"{files}/server-state",
         )
+    # Serve's controller gives a new proxy 5 s to report ready, then kills it, while serve.start waits 60 s on that
+    # first proxy: on a busy machine HAProxy's manager took longer (starting haproxy and querying its stats socket;
+    # ActorDiedError "killed by ray.kill" in a clean-clone make test on 2 cores). As long as serve.start waits.
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     cpus = max(args.replicas * args.num_cpus, os.cpu_count() or 1)
     ray.init(num_cpus=cpus, include_dashboard=False, _node_ip_address=HOST, log_to_driver=False)
     # After ray.init, which installs its own SIGTERM handler: that one exits from wherever the driver waits, and
