@@ -40,6 +40,7 @@ cores.
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import shutil
 import statistics
@@ -545,15 +546,9 @@ def one_client(res: dict) -> list[str]:
     """One client sending one sentence at a time (a search engine's query): the time a request takes to each addnorm
     configuration against the limit's one sentence in flight on the same session settings (tokenize, run and pool
     in process), and the difference (issue 77 asks for at most 0.3 ms)."""
-    per, cells = res["mean_tokens_per_sentence"], res["cells"]
-    limit_of = {
-        "addnorm": res["limit_tokens_per_s"].get("1"),
-        QUERY_TIME: res.get("query_time_limit_tokens_per_s"),
-    }
     parts = [
-        f"{name} {per / tps * 1e3:.2f} ms, its limit {per / lim * 1e3:.2f} ms: {(per / tps - per / lim) * 1e3:+.2f} ms"
-        for name, lim in limit_of.items()
-        if lim and (tps := cells.get(f"{name}|1|1"))
+        f"{name} {got:.2f} ms, its limit {limit:.2f} ms: {got - limit:+.2f} ms"
+        for name, (got, limit) in one_client_ms(res).items()
     ]
     return (
         [
@@ -564,6 +559,21 @@ def one_client(res: dict) -> list[str]:
         if parts
         else []
     )
+
+
+def one_client_ms(res: dict) -> dict[str, tuple[float, float]]:
+    """By addnorm configuration run at one client: (a one-sentence request's ms, the limit's one sentence's ms on the
+    same session settings); a configuration this run lacks is left out."""
+    per, cells = res["mean_tokens_per_sentence"], res["cells"]
+    limit_of = {
+        "addnorm": res["limit_tokens_per_s"].get("1"),
+        QUERY_TIME: res.get("query_time_limit_tokens_per_s"),
+    }
+    return {
+        name: (per / tps * 1e3, per / lim * 1e3)
+        for name, lim in limit_of.items()
+        if lim and (tps := cells.get(f"{name}|1|1"))
+    }
 
 
 def best_limit(lims: dict[str, float], in_flight: int) -> float:
@@ -577,30 +587,23 @@ def best_size(lims: dict[str, float], in_flight: int) -> str:
 
 
 # Issue 77's goals as this bench measures them; ``goals`` says of each whether this run met it, else by how much not.
-LIMIT_AT_MOST_CLIENTS = (
-    0.85  # /v1/embeddings at 32 clients, vs the limit, the load generator on the model's cores
-)
-LIMIT_WITH_A_CORE_LEFT = (
-    0.9  # the same with a core left to the front and the load generator (the fewer-threads rows)
-)
+# /v1/embeddings at 32 clients against the limit: with the load generator on the model's cores; with a core left
+# to the front and the load generator (the fewer-threads rows)
+LIMIT_AT_MOST_CLIENTS, LIMIT_WITH_A_CORE_LEFT = 0.85, 0.9
 PEER_EVERY_ROW, PEER_FROM_8_CLIENTS = 1.0, 2.0  # addnorm-serve / the best peer: every row; from 8 clients on
-ONE_CLIENT_MS = (
-    0.3  # one client, one sentence: a request at most this much longer than the limit's one sentence
-)
+# one client, one sentence: a request at most this many ms longer than the limit's one sentence
+ONE_CLIENT_MS = 0.3
 LOOP_MS = 0.15  # the event loop's CPU for a one-sentence request
 CORE_AT_MOST_CLIENTS = 0.95  # the request core in process at 32 clients x 1 sentence, vs the limit
-CPU_PER_SENTENCE = {
-    "1": 1.1,
-    "8": 1.05,
-}  # the server's whole CPU a sentence at 32 clients / the limit's, by size
+# the server's whole CPU a sentence at 32 clients / the limit's, by sentences a request
+CPU_PER_SENTENCE = {"1": 1.1, "8": 1.05}
 
-
-_MEETS = {">=": float.__ge__, ">": float.__gt__, "<=": float.__le__}
+_MEETS = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 
 
 def _verdict(got: float, op: str, goal: float, unit: str) -> str:
     """``goal OP GOAL: met``, or ``missed by`` the distance to it."""
-    met = _MEETS[op](float(got), float(goal))
+    met = _MEETS[op](got, goal)
     return f"goal {op} {goal:g}{unit}: " + ("met" if met else f"missed by {abs(goal - got):.2f}{unit}")
 
 
@@ -612,12 +615,7 @@ def _row(clients: int | str, size: int | str) -> str:
 def goals(res: dict) -> list[str]:
     """Issue 77's goals, each with what this run measured, met or missed by how much, and the server's CPU a
     request beside the 32-client ones (``server_cpu_ms``); a goal this run has no figure for is left out."""
-    lims, per, cells, cpu = (
-        res["limit_tokens_per_s"],
-        res["mean_tokens_per_sentence"],
-        res["cells"],
-        res["server_cpu_ms"],
-    )
+    lims, cells, cpu = res["limit_tokens_per_s"], res["cells"], res["server_cpu_ms"]
     most = max(CLIENTS)
     out = []
     for size in SIZES:
@@ -657,8 +655,8 @@ def goals(res: dict) -> list[str]:
             f"- against the best peer at {_row(clients, size)} ({best}): {tps / theirs:.2f}x, "
             f"{_verdict(tps / theirs, op, goal, 'x')}"
         )
-    if (tps := cells.get("addnorm|1|1")) and (lim := lims.get("1")):
-        more = (per / tps - per / lim) * 1e3
+    if (one := one_client_ms(res).get("addnorm")) is not None:
+        more = one[0] - one[1]
         out.append(
             f"- one client, one sentence: {more:+.2f} ms against the limit's one sentence, "
             f"{_verdict(more, '<=', ONE_CLIENT_MS, ' ms')}"
