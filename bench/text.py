@@ -8,9 +8,10 @@ of 8 sentences, from 1, 8 and 32 closed-loop keep-alive clients, against:
   the sentences sorted by token count, in batches of as many sentences as the row keeps in flight (clients x
   sentences per request, at most 256) or fewer, the fastest: what no server can beat with that many sentences to
   batch;
-- addnorm-serve at its defaults, on the model exported with its embedding layer (``--from DIR``); and at one client
-  with ``--intra-op-spinning in-run``, the setting for a query-time service (docs/configuration.md), with the time a
-  request takes at one client and one sentence against the limit's one sentence in flight;
+- addnorm-serve at its defaults, on the model exported with its embedding layer (``--from DIR``), whose run of a
+  lone request spins within the run (``--intra-op-spinning alone``); and at one client with ``--intra-op-spinning
+  off`` (every run asleep between its parallel sections), with the time a request takes at one client and one
+  sentence against the limit's one sentence in flight on the same session settings;
 - addnorm's request core in this process, without HTTP: the server's own model (its batcher, as ``addnorm-serve``
   loads it) fed by ``decode_texts`` and ``run_parts``, the sentence embeddings pooled, by closed-loop tasks: what
   the server does less its HTTP, routing and JSON, so the gap to the limit splits into the batching's and the
@@ -211,9 +212,9 @@ def requests(
 
 PEERS = ROOT / ".peers" / "bin"  # make peers: the peers' environment
 ST_TORCH, ST_ONNX = "FastAPI + sentence-transformers", "FastAPI + sentence-transformers ONNX, batched"
-# addnorm-serve as a query-time service would run it (docs/configuration.md): onnxruntime's pool threads spin within
-# a run instead of sleeping between its operators; one client only, the case the setting is for
-QUERY_TIME, QUERY_TIME_FLAGS = "addnorm, --intra-op-spinning in-run", ("--intra-op-spinning", "in-run")
+# addnorm-serve with onnxruntime's pool threads asleep between a run's operators in every run; one client only, where
+# the default (--intra-op-spinning alone) spins, since a lone request's run has the model to itself
+ASLEEP, ASLEEP_FLAGS = "addnorm, --intra-op-spinning off", ("--intra-op-spinning", "off")
 INFINITY = {"torch": "Infinity (torch)", "optimum": "Infinity (optimum ONNX)"}
 
 
@@ -376,7 +377,9 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None, peers: str | 
         cpu_by_size: dict[int, list[float]] = {}
         fewer_limit: dict[int, list[float]] = {}
         fewer_cells: dict[str, list[float]] = {}
-        query_limit: list[float] = []  # the limit's one sentence in flight with QUERY_TIME's spinning
+        spinning_limit: list[
+            float
+        ] = []  # the limit's one sentence in flight, spinning within the run (alone's)
         shares = []
         for _ in range(rounds):
             limit = limits(artifact, texts, sizes)
@@ -391,10 +394,10 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None, peers: str | 
                 cells.setdefault(f"addnorm|{key}", []).append(row["tokens_per_s"])
                 cpu.setdefault(key, []).append((row["cpu_ms"], row["loop_ms"]))
             print("  addnorm done", file=sys.stderr, flush=True)
-            query_limit.append(limits(artifact, texts, (1,), spinning="in-run").rates[1])
-            for key, row in addnorm_cells(artifact, texts, counts, seconds, (1,), QUERY_TIME_FLAGS).items():
-                cells.setdefault(f"{QUERY_TIME}|{key}", []).append(row["tokens_per_s"])
-            print(f"  {QUERY_TIME} done", file=sys.stderr, flush=True)
+            spinning_limit.append(limits(artifact, texts, (1,), spinning="in-run").rates[1])
+            for key, row in addnorm_cells(artifact, texts, counts, seconds, (1,), ASLEEP_FLAGS).items():
+                cells.setdefault(f"{ASLEEP}|{key}", []).append(row["tokens_per_s"])
+            print(f"  {ASLEEP} done", file=sys.stderr, flush=True)
             if fewer:
                 top = tuple(sorted({in_flight(CLIENTS[-1], s) for s in SIZES}))
                 for size, rate in limits(artifact, texts, top, threads=fewer).rates.items():
@@ -464,7 +467,7 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None, peers: str | 
             "cells": {k: statistics.median(v) for k, v in fewer_cells.items()},
         },
         "mean_tokens_per_sentence": mean_tokens,
-        "query_time_limit_tokens_per_s": statistics.median(query_limit),
+        "spinning_limit_tokens_per_s": statistics.median(spinning_limit),
         "infinity": infinity_cmd or "not installed (make peers)",
         "peers": peers or "not made (make peers): no sentence-transformers ONNX app",
     }
@@ -565,9 +568,9 @@ def one_client_ms(res: dict) -> dict[str, tuple[float, float]]:
     """By addnorm configuration run at one client: (a one-sentence request's ms, the limit's one sentence's ms on the
     same session settings); a configuration this run lacks is left out."""
     per, cells = res["mean_tokens_per_sentence"], res["cells"]
-    limit_of = {
-        "addnorm": res["limit_tokens_per_s"].get("1"),
-        QUERY_TIME: res.get("query_time_limit_tokens_per_s"),
+    limit_of = {  # a lone sentence's run spins at the defaults (--intra-op-spinning alone)
+        "addnorm": res.get("spinning_limit_tokens_per_s"),
+        ASLEEP: res["limit_tokens_per_s"].get("1"),
     }
     return {
         name: (per / tps * 1e3, per / lim * 1e3)

@@ -93,12 +93,13 @@ class Settings(BaseSettings):
         ge=0,
         description="onnxruntime intra-op threads of each model; 0 = an equal share of the thread budget",
     )
-    intra_op_spinning: Literal["off", "in-run"] = Field(
-        "off",
-        description="what onnxruntime's intra-op threads do between a run's parallel sections: off, sleep (the "
-        "least CPU taken from the HTTP front under load), or in-run, spin within a run and stop when it ends (one "
-        "client's one-sentence request up to ~1 ms sooner, 0.82-1.0x the time in measured runs; small requests up to a tenth fewer a second at 32 clients on 2 "
-        "cores: docs/benchmarks.md)",
+    intra_op_spinning: Literal["alone", "off", "in-run"] = Field(
+        "alone",
+        description="what onnxruntime's intra-op threads do between a run's parallel sections: alone, spin only in "
+        "a run that has the model to itself (one request, none waiting: a lone client's request ~0.9 ms sooner), "
+        "on a second session of the same graph (its own copy of the weights, CPU only), and sleep in the others; "
+        "off, always sleep (one session: the least memory); in-run, spin within every run and stop when it ends "
+        "(small requests up to a tenth fewer a second at 32 clients on some 2-core CPUs: docs/benchmarks.md)",
     )
     thread_budget: int = Field(
         0,

@@ -511,16 +511,18 @@ def test_the_text_benchmarks_table_judges_each_row_by_its_own_limit():
     assert f"| 1 | 32 | 450 | {text.ST_ONNX} | 300 | 1.50x |" in out
     assert f"| 1 | 1 | 50 | {text.INFINITY['torch']} | 60 | 0.83x |" in out  # in process is no peer
     assert "| 8 | 32 | 400 |" not in out  # a row no peer ran
-    # one client, one sentence: each addnorm configuration's time a request against the limit's one sentence
-    assert (
-        "a request against the limit's one sentence: addnorm 200.00 ms, its limit 100.00 ms: +100.00 ms"
-        in out
-    )
-    res["cells"][f"{text.QUERY_TIME}|1|1"] = 80.0
-    res["query_time_limit_tokens_per_s"] = 125.0  # its own limit: the same session settings in process
+    # one client, one sentence: each addnorm configuration's time a request against the limit's one sentence on
+    # its own session settings (the default's lone run spins: the limit's spinning run; off: the limit's asleep)
+    assert "a request against the limit's one sentence" not in out  # no spinning limit in this run
+    res["spinning_limit_tokens_per_s"] = 125.0
     out = text.table(res)
-    assert f"+100.00 ms; {text.QUERY_TIME} 125.00 ms, its limit 80.00 ms: +45.00 ms" in out
-    assert f"| {text.QUERY_TIME} | 1 | 1 | 8 | 80 | 0.80x |" in out
+    assert (
+        "a request against the limit's one sentence: addnorm 200.00 ms, its limit 80.00 ms: +120.00 ms" in out
+    )
+    res["cells"][f"{text.ASLEEP}|1|1"] = 40.0
+    out = text.table(res)
+    assert f"+120.00 ms; {text.ASLEEP} 250.00 ms, its limit 100.00 ms: +150.00 ms" in out
+    assert f"| {text.ASLEEP} | 1 | 1 | 4 | 40 | 0.40x |" in out
     assert f"| 1 | 1 | 50 | {text.INFINITY['torch']} | 60 | 0.83x |" in out  # still no peer of addnorm's own
 
 
@@ -535,6 +537,7 @@ def test_the_text_benchmark_says_of_each_goal_met_or_missed_by_how_much():
         "sentences": 3,
         "mean_tokens_per_sentence": 10.0,
         "limit_tokens_per_s": {"1": 100.0, "8": 400.0, "32": 500.0, "256": 300.0},
+        "spinning_limit_tokens_per_s": 100.0,  # the limit's lone sentence as the default runs it
         "limit_cpu_ms_per_sentence": {"1": 0.5, "8": 1.0, "32": 2.0, "256": 3.0},
         "tokenization_share": 0.01,
         "infinity": "not installed",

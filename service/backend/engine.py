@@ -67,7 +67,7 @@ class Engine:
         providers: str = "auto",
         intra_op_threads: int = 0,
         kernels_setting: str = "auto",
-        spinning: str = "off",
+        spinning: str = "off",  # the server's default is Settings' ("alone"); "off" here for the benches and tests
     ) -> None:
         try:  # the graph onnxruntime gets and the golden data checked are the bytes whose sha256 was checked
             verified = read_verified(model_dir)
@@ -81,31 +81,39 @@ class Engine:
             raise EngineError(str(exc)) from exc
         if wanted[0] == CUDA and hasattr(ort, "preload_dlls"):
             ort.preload_dlls()  # CUDA and cuDNN from their pip packages (nvidia-*), when installed that way
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = intra_op_threads or default_threads()
-        opts.inter_op_num_threads = 1
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.log_severity_level = 3
-        # Idle pool threads must not spin: the event loop shares these cores, and a spinning onnxruntime worker
-        # takes them from it (measured at 32 concurrent clients: +6% batched, +18% unbatched; docs/benchmarks.md).
-        # "in-run" (ADDNORM_INTRA_OP_SPINNING): they spin between a run's parallel sections and stop the moment it
-        # ends; sleeping between sections costs a one-sentence run ~1 ms of wake-ups.
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning == "in-run" else "0")
-        if spinning == "in-run":
-            opts.add_session_config_entry("session.force_spinning_stop", "1")
-        # int8's operators as one kernel each (model/kernels), where built; else their standard operators. A graph
-        # with them (int8's) imports their domain.
-        try:
-            uses = kernels.DOMAIN.encode() in verified.model
-            self.kernels = kernels.register(opts, wanted[0], kernels_setting) if uses else None
-        except kernels.KernelError as exc:
-            raise EngineError(str(exc)) from exc
-        self.session = ort.InferenceSession(
-            verified.model,
-            opts,
-            **session_args(wanted),
-        )
+        threads = intra_op_threads or default_threads()
+        uses_kernels = kernels.DOMAIN.encode() in verified.model
+
+        def session(spin: bool) -> ort.InferenceSession:
+            opts = ort.SessionOptions()
+            opts.intra_op_num_threads = threads
+            opts.inter_op_num_threads = 1
+            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            opts.log_severity_level = 3
+            # Idle pool threads must not spin: the event loop shares these cores, and a spinning onnxruntime worker
+            # takes them from it (measured at 32 concurrent clients: +6% batched, +18% unbatched;
+            # docs/benchmarks.md). Spinning within a run (ADDNORM_INTRA_OP_SPINNING): they spin between a run's
+            # parallel sections and stop the moment it ends; sleeping between sections costs a one-sentence run
+            # ~1 ms of wake-ups.
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+            if spin:
+                opts.add_session_config_entry("session.force_spinning_stop", "1")
+            # int8's operators as one kernel each (model/kernels), where built; else their standard operators. A
+            # graph with them (int8's) imports their domain.
+            try:
+                self.kernels = kernels.register(opts, wanted[0], kernels_setting) if uses_kernels else None
+            except kernels.KernelError as exc:
+                raise EngineError(str(exc)) from exc
+            return ort.InferenceSession(verified.model, opts, **session_args(wanted))
+
+        self.session = session(spinning == "in-run")
         self.providers = self.session.get_providers()
+        # "alone": a second session of the same graph whose threads spin within a run, for the runs that have the
+        # model to themselves (``run(alone=True)``: one request, none waiting), where no HTTP front waits for
+        # those cores; loaded runs stay on the first, asleep between sections. Its own copy of the weights
+        # (onnxruntime prepacks them per session). Only where the CPU runs the model: on CUDA the pool is idle.
+        self._alone = session(True) if spinning == "alone" and self.providers[0] == CPU else None
+        self.spinning = spinning
         # an ids artifact's tokenizer and embedding graph (service/backend/text.py), on the providers the block got
         self.text = TextFront(verified, self.providers) if verified.embedding is not None else None
         if self.providers[0] != wanted[0]:
@@ -117,7 +125,7 @@ class Engine:
                     f"session providers are {self.providers}. Refusing to fall back to CPU."
                 )
             log.warning("%s is installed but failed to initialize; serving on %s", wanted[0], self.providers)
-        self.threads = opts.intra_op_num_threads
+        self.threads = threads
         spec = self.manifest.input(EMBEDDINGS)
         self.input_dtype = np.dtype(np.float16 if spec.dtype == "float16" else np.float32)
         self.d_model = self.manifest.config.d_model
@@ -138,7 +146,7 @@ class Engine:
         arenas = ["cpu:0", *(["gpu:0"] if self.providers[0] == CUDA else [])]
         self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", ";".join(arenas))
         log.info(
-            "loaded %s (%s, %s attention, opset %d) from %s on %s with %d intra-op threads%s",
+            "loaded %s (%s, %s attention, opset %d) from %s on %s with %d intra-op threads%s%s",
             self.manifest.name,
             self.manifest.variant,
             self.attention,
@@ -146,6 +154,7 @@ class Engine:
             model_dir,
             self.providers,
             self.threads,
+            ", spinning within a run alone (a second session)" if self._alone else "",
             f", kernels {self.kernels.name} ({kernels.isa(self.kernels)})" if self.kernels else "",
         )
 
@@ -179,7 +188,8 @@ class Engine:
         if not self._grown:
             return False
         self._grown -= 1
-        self.session.run(self.output_names, self._feed(np.zeros((1, 1, self.d_model)), None), self._shrink)
+        for session in (self.session, self._alone) if self._alone else (self.session,):
+            session.run(self.output_names, self._feed(np.zeros((1, 1, self.d_model)), None), self._shrink)
         trim()
         return True
 
@@ -198,12 +208,17 @@ class Engine:
         return {EMBEDDINGS: np.ascontiguousarray(x), MASK: mask}
 
     def run(
-        self, embeddings: np.ndarray, mask: np.ndarray | None = None, lengths: np.ndarray | None = None
+        self,
+        embeddings: np.ndarray,
+        mask: np.ndarray | None = None,
+        lengths: np.ndarray | None = None,
+        alone: bool = False,
     ) -> dict[str, np.ndarray]:
         """embeddings (B, S, E) batch-first -> every output by name, batch-first float32 (padding included).
         ``lengths`` (B,): how much of each row to compute, for a packed graph (the rest is padding merging added or
         a request's own trailing padding, answered as zeros); every position when None. A padded graph computes
-        every position anyway."""
+        every position anyway. ``alone``: nothing else waits for the model (the spinning session's run, with
+        ``spinning="alone"``)."""
         b, s, _ = embeddings.shape
         padded = mask is not None and bool(mask.any())
         working = self.working_bytes(b, s, padded)
@@ -211,7 +226,8 @@ class Engine:
         if working > RELEASE_ABOVE_BYTES:
             self._grown = RELEASES
         feed = self._feed(embeddings, mask, lengths)
-        outs = self.session.run(self.output_names, feed, self._shrink if big else None)
+        session = self._alone if alone and self._alone is not None else self.session
+        outs = session.run(self.output_names, feed, self._shrink if big else None)
         if big:
             trim()
         if (

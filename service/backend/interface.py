@@ -46,10 +46,15 @@ class Backend(Protocol):
         ...
 
     def run(
-        self, embeddings: np.ndarray, mask: np.ndarray | None = None, lengths: np.ndarray | None = None
+        self,
+        embeddings: np.ndarray,
+        mask: np.ndarray | None = None,
+        lengths: np.ndarray | None = None,
+        alone: bool = False,
     ) -> dict[str, np.ndarray]:
         """(B, S, E) batch-first embeddings, ``mask`` (B, S) true at padding, ``lengths`` (B,) for a packed graph ->
-        every output by name, batch-first float32."""
+        every output by name, batch-first float32. ``alone``: the run holds one request and none waits (a CPU
+        engine may then spend spinning threads on its latency: ``--intra-op-spinning alone``)."""
         ...
 
     def release(self) -> bool:

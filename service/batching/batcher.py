@@ -223,6 +223,8 @@ class Batcher:
                 batch = self._take(wait=done is None)
                 if batch:
                     stacked = self._stack(batch)
+                    # the model to itself: one request's pieces and nothing queued behind them
+                    alone = not self._queue and all(i.queued is batch[0].queued for i in batch)
             except Exception as exc:  # a fault in taking or merging fails what it took, never the thread
                 self._fault("taking the next batch", batch, exc)
                 batch = []
@@ -243,7 +245,7 @@ class Batcher:
                         with self._ready:
                             self._running_since = time.perf_counter()
                             self._express_ready.notify()
-                    done = self._run(batch, *stacked)
+                    done = self._run(batch, *stacked, alone=alone)
             finally:
                 self._running_since = None
             if done is not None and self.max_delay > 0:
@@ -282,13 +284,19 @@ class Batcher:
         return x, mask, started, time.perf_counter()
 
     def _run(
-        self, batch: list[Queued], x: np.ndarray, mask: np.ndarray | None, started: float, merged: float
+        self,
+        batch: list[Queued],
+        x: np.ndarray,
+        mask: np.ndarray | None,
+        started: float,
+        merged: float,
+        alone: bool = False,
     ) -> tuple[list[Queued], list[Outputs], Run] | None:
         """Run a stacked batch: (its requests, their rows, the run) to deliver; None when it failed (its requests
-        are failed on the loop)."""
+        are failed on the loop). ``alone``: nothing else waits for the model (``Backend.run``)."""
         try:
             lengths = (np.concatenate([i.lengths for i in batch]),) if self.packed else ()
-            out = self.model.run(x, mask, *lengths)
+            out = self.model.run(x, mask, *lengths, alone=alone)
             ran = time.perf_counter()
             rows = merging.split(batch, out)
         except ServiceError as exc:

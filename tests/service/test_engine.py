@@ -115,11 +115,11 @@ def test_engine_runs_the_graph_and_answers_by_output_name(tiny_artifact):
 
 
 def test_intra_op_spinning_in_run_spins_within_a_run_and_stops_after_it(tiny_artifact):
-    """--intra-op-spinning: off (the default) lets no pool thread spin; in-run lets them spin between a run's
+    """--intra-op-spinning (alone, the default: the next test): off lets no pool thread spin; in-run lets them spin between a run's
     parallel sections and stops them when it ends (onnxruntime's force_spinning_stop). The same arithmetic."""
     from addnorm.service.settings import Settings
 
-    assert Settings.model_fields["intra_op_spinning"].default == "off"
+    assert Settings.model_fields["intra_op_spinning"].default == "alone"
     x = np.random.default_rng(0).standard_normal((3, 7, 32)).astype(np.float32)
     answers = {}
     for spinning, allow, stop in (("off", "0", ""), ("in-run", "1", "1")):
@@ -133,6 +133,39 @@ def test_intra_op_spinning_in_run_spins_within_a_run_and_stops_after_it(tiny_art
                 opts.get_session_config_entry("session.force_spinning_stop")
         answers[spinning] = eng.run(x)["encoded"]
     np.testing.assert_array_equal(answers["off"], answers["in-run"])
+
+
+def test_intra_op_spinning_alone_spins_only_in_runs_that_have_the_model_to_themselves(tiny_artifact):
+    """--intra-op-spinning alone: a second session of the same graph, spinning within a run, takes the runs the
+    batcher marks alone; every other run and the idle release stay on the first, whose threads never spin. The
+    same arithmetic on both. On no CPU provider, and with off or in-run, there is no second session."""
+    x = np.random.default_rng(1).standard_normal((2, 5, 32)).astype(np.float32)
+    eng = Engine(tiny_artifact, "cpu", intra_op_threads=2, spinning="alone")
+    opts = eng.session.get_session_options()
+    assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    spin = eng._alone.get_session_options()
+    assert spin.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    assert spin.get_session_config_entry("session.force_spinning_stop") == "1"
+    np.testing.assert_array_equal(eng.run(x, alone=True)["encoded"], eng.run(x)["encoded"])
+    calls = []
+    for name in ("session", "_alone"):
+        session = getattr(eng, name)
+        setattr(
+            eng,
+            name,
+            type(
+                "Spy",
+                (),
+                {"run": lambda s, *a, name=name, inner=session: calls.append(name) or inner.run(*a)},
+            )(),
+        )
+    eng.run(x, alone=True)
+    eng.run(x)
+    eng._grown = 1
+    assert eng.release()
+    assert calls == ["_alone", "session", "session", "_alone"]  # the release shrinks both sessions' arenas
+    for spinning in ("off", "in-run"):
+        assert Engine(tiny_artifact, "cpu", intra_op_threads=2, spinning=spinning)._alone is None
 
 
 def test_engine_refuses_a_tampered_graph(tiny_artifact, tmp_path):
