@@ -1,7 +1,8 @@
 """The service against its two limits, side by side: phases alternating, median of the rounds.
 
 1. V2 binary [8,128,E], one keep-alive client, against in-process onnxruntime on the same array (the limit for
-   one request at a time): in-process call and server request alternate one by one;
+   one request at a time, spinning within its run as the server's run of a lone request does at its defaults):
+   in-process call and server request alternate one by one;
 2. 32 keep-alive clients x V2 binary [1,16,E] with batching on, against the perfect-batching limit (in-process
    batches of 32 such requests, per request); the same load over gRPC with each client's requests on one
    ModelStreamInfer stream (``/stream``) beside it, against the same limit.
@@ -130,7 +131,10 @@ def measure_limits(s: Setup, configs: dict[str, dict[str, str]], rounds: int = 3
     """``configs``: label -> ADDNORM_* settings of one server. Returns per-round rows and per-server medians."""
     from addnorm.service.backend.engine import Engine
 
-    engine = Engine(s.artifact, "cpu")
+    engine = Engine(s.artifact, "cpu")  # perfect batching: a loaded server's runs sleep between sections
+    lone = Engine(
+        s.artifact, "cpu", spinning="in-run"
+    )  # one client: its runs are alone, and spin at the defaults
     rng = np.random.default_rng(1)
     x32 = rng.standard_normal((CLIENTS, *s.x_small.shape[1:])).astype(np.float32)
     out: dict = {"rounds": [], "servers": {}}
@@ -148,7 +152,7 @@ def measure_limits(s: Setup, configs: dict[str, dict[str, str]], rounds: int = 3
         streamed = grpc_request(s.name, s.x_small)
         for _ in range(rounds):
             big = alternate_one_by_one(
-                engine, s.x_big, servers, {k: v[0] for k, v in requests.items()}, s.seconds * len(servers)
+                lone, s.x_big, servers, {k: v[0] for k, v in requests.items()}, s.seconds * len(servers)
             )
             perfect_ms, perfect_cpu_s = [], 0.0
             slices: dict = {label: {"small": [], "stream": [], "runs": 0.0, "rows": 0.0} for label in servers}

@@ -191,11 +191,14 @@ def json_request(port: int, path: str, x: np.ndarray) -> bytes:
 
 
 def measure_inproc(s: Setup) -> dict:
-    """In-process onnxruntime (the limit), the GEMM roof, latency against batch size, perfect batching."""
+    """In-process onnxruntime (the limit), the GEMM roof, latency against batch size, perfect batching. One request
+    at a time spins within its run, as the server's run of a lone request does at its defaults (``--intra-op-spinning
+    alone``); perfect batching, the limit of a loaded server, whose runs sleep between sections, does not."""
     from addnorm.service.backend.engine import Engine
 
     cfg = s.manifest.config
-    engine = Engine(s.artifact, "cpu")
+    engine = Engine(s.artifact, "cpu", spinning="in-run")
+    loaded = Engine(s.artifact, "cpu")
     inproc = stats(timed(lambda: engine.run(s.x_big), s.seconds))
     gemm, attn = block_flops(*s.x_big.shape, cfg.dim_feedforward)
     inproc["gflops"] = (gemm + attn) * cfg.num_layers / (inproc["p50_ms"] / 1e3) / 1e9
@@ -210,7 +213,7 @@ def measure_inproc(s: Setup) -> dict:
         "inproc": inproc,
         "gemm_roof_gflops": gemm_roof(cfg.d_model, cfg.dim_feedforward, tokens, s.threads, s.seconds),
         "latency_vs_batch_seq128": lat_batch,
-        "perfect_batching": stats(timed(lambda: engine.run(x32), s.seconds), CLIENTS),
+        "perfect_batching": stats(timed(lambda: loaded.run(x32), s.seconds), CLIENTS),
         # no batching: its ceiling
         "unbatched_inproc": stats(timed(lambda: engine.run(s.x_small), s.seconds)),
         # Inference alone, CPU per request, to subtract from the server's: what the request path itself costs.

@@ -243,7 +243,13 @@ class Engine:
 
     def describe(self) -> dict:
         """The manifest plus what is running it (for GET /v1/model)."""
-        return {**self.manifest.to_dict(), "providers": self.providers, "intra_op_threads": self.threads}
+        spinning = self.spinning if self._alone is not None or self.spinning != "alone" else "off"
+        return {
+            **self.manifest.to_dict(),
+            "providers": self.providers,
+            "intra_op_threads": self.threads,
+            "intra_op_spinning": spinning,  # what its runs do ("alone" only where a second session is there)
+        }
 
 
 def check_artifact(model_dir: str | Path) -> Manifest:

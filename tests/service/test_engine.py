@@ -164,8 +164,10 @@ def test_intra_op_spinning_alone_spins_only_in_runs_that_have_the_model_to_thems
     eng._grown = 1
     assert eng.release()
     assert calls == ["_alone", "session", "session", "_alone"]  # the release shrinks both sessions' arenas
+    assert eng.describe()["intra_op_spinning"] == "alone"  # GET /v1/model says what its runs do
     for spinning in ("off", "in-run"):
-        assert Engine(tiny_artifact, "cpu", intra_op_threads=2, spinning=spinning)._alone is None
+        other = Engine(tiny_artifact, "cpu", intra_op_threads=2, spinning=spinning)
+        assert other._alone is None and other.describe()["intra_op_spinning"] == spinning
 
 
 def test_engine_refuses_a_tampered_graph(tiny_artifact, tmp_path):
