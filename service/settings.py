@@ -96,7 +96,7 @@ class Settings(BaseSettings):
     intra_op_spinning: Literal["alone", "off", "in-run"] = Field(
         "alone",
         description="what onnxruntime's intra-op threads do between a run's parallel sections: alone, spin only in "
-        "a run that has the model to itself (one request, none waiting: a lone client's request ~0.9 ms sooner), "
+        "a run that has the model to itself (one request, none waiting: a lone client's sentence ~1 ms sooner on 2 cores), "
         "on a second session of the same graph (its own copy of the weights, CPU only), and sleep in the others; "
         "off, always sleep (one session: the least memory); in-run, spin within every run and stop when it ends "
         "(small requests up to a tenth fewer a second at 32 clients on some 2-core CPUs: docs/benchmarks.md)",

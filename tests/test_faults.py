@@ -14,16 +14,26 @@ from tests.helpers import queue_depth, wait_until, wait_until_ready
 
 
 class FailOnce:
-    """Wraps an onnxruntime session: the next run raises, later ones run."""
+    """Wraps an engine's onnxruntime sessions (its spinning one for lone runs too, where there is one): the next
+    run of either raises, later ones run."""
 
-    def __init__(self, session):
-        self.session, self.failed = session, False
+    def __init__(self, engine):
+        self.failed = False
+        for name in ("session", "alone_session"):
+            if (session := getattr(engine, name)) is not None:
+                setattr(engine, name, self._wrapped(session))
 
-    def run(self, names, feed, options=None):
-        if not self.failed:
-            self.failed = True
-            raise RuntimeError("injected: the accelerator fell over")
-        return self.session.run(names, feed, options)
+    def _wrapped(self, session):
+        outer = self
+
+        class Failing:
+            def run(self, names, feed, options=None):
+                if not outer.failed:
+                    outer.failed = True
+                    raise RuntimeError("injected: the accelerator fell over")
+                return session.run(names, feed, options)
+
+        return Failing()
 
 
 def test_an_engine_failure_answers_a_json_500_and_the_next_request_succeeds(tiny_artifact):
@@ -31,7 +41,8 @@ def test_an_engine_failure_answers_a_json_500_and_the_next_request_succeeds(tiny
     with TestClient(app, raise_server_exceptions=False) as client:
         wait_until_ready(client)
         engine = app.state.addnorm.known.models.default.engine
-        engine.session = FailOnce(engine.session)
+        assert engine.alone_session is not None  # the default: a lone request's run spins on a second session
+        FailOnce(engine)
         body = {"embeddings": [[0.5] * 32]}
         r = client.post("/v1/encode", json=body)
         assert r.status_code == 500 and r.json() == {"error": "inference failed: RuntimeError"}

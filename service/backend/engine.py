@@ -112,7 +112,7 @@ class Engine:
         # model to themselves (``run(alone=True)``: one request, none waiting), where no HTTP front waits for
         # those cores; loaded runs stay on the first, asleep between sections. Its own copy of the weights
         # (onnxruntime prepacks them per session). Only where the CPU runs the model: on CUDA the pool is idle.
-        self._alone = session(True) if spinning == "alone" and self.providers[0] == CPU else None
+        self.alone_session = session(True) if spinning == "alone" and self.providers[0] == CPU else None
         self.spinning = spinning
         # an ids artifact's tokenizer and embedding graph (service/backend/text.py), on the providers the block got
         self.text = TextFront(verified, self.providers) if verified.embedding is not None else None
@@ -154,7 +154,7 @@ class Engine:
             model_dir,
             self.providers,
             self.threads,
-            ", spinning within a run alone (a second session)" if self._alone else "",
+            ", spinning within a run alone (a second session)" if self.alone_session else "",
             f", kernels {self.kernels.name} ({kernels.isa(self.kernels)})" if self.kernels else "",
         )
 
@@ -188,7 +188,7 @@ class Engine:
         if not self._grown:
             return False
         self._grown -= 1
-        for session in (self.session, self._alone) if self._alone else (self.session,):
+        for session in (self.session, self.alone_session) if self.alone_session else (self.session,):
             session.run(self.output_names, self._feed(np.zeros((1, 1, self.d_model)), None), self._shrink)
         trim()
         return True
@@ -226,7 +226,7 @@ class Engine:
         if working > RELEASE_ABOVE_BYTES:
             self._grown = RELEASES
         feed = self._feed(embeddings, mask, lengths)
-        session = self._alone if alone and self._alone is not None else self.session
+        session = self.alone_session if alone and self.alone_session is not None else self.session
         outs = session.run(self.output_names, feed, self._shrink if big else None)
         if big:
             trim()
@@ -243,7 +243,7 @@ class Engine:
 
     def describe(self) -> dict:
         """The manifest plus what is running it (for GET /v1/model)."""
-        spinning = self.spinning if self._alone is not None or self.spinning != "alone" else "off"
+        spinning = self.spinning if self.alone_session is not None or self.spinning != "alone" else "off"
         return {
             **self.manifest.to_dict(),
             "providers": self.providers,

@@ -143,12 +143,12 @@ def test_intra_op_spinning_alone_spins_only_in_runs_that_have_the_model_to_thems
     eng = Engine(tiny_artifact, "cpu", intra_op_threads=2, spinning="alone")
     opts = eng.session.get_session_options()
     assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "0"
-    spin = eng._alone.get_session_options()
+    spin = eng.alone_session.get_session_options()
     assert spin.get_session_config_entry("session.intra_op.allow_spinning") == "1"
     assert spin.get_session_config_entry("session.force_spinning_stop") == "1"
     np.testing.assert_array_equal(eng.run(x, alone=True)["encoded"], eng.run(x)["encoded"])
     calls = []
-    for name in ("session", "_alone"):
+    for name in ("session", "alone_session"):
         session = getattr(eng, name)
         setattr(
             eng,
@@ -163,11 +163,16 @@ def test_intra_op_spinning_alone_spins_only_in_runs_that_have_the_model_to_thems
     eng.run(x)
     eng._grown = 1
     assert eng.release()
-    assert calls == ["_alone", "session", "session", "_alone"]  # the release shrinks both sessions' arenas
+    assert calls == [
+        "alone_session",
+        "session",
+        "session",
+        "alone_session",
+    ]  # the release shrinks both sessions' arenas
     assert eng.describe()["intra_op_spinning"] == "alone"  # GET /v1/model says what its runs do
     for spinning in ("off", "in-run"):
         other = Engine(tiny_artifact, "cpu", intra_op_threads=2, spinning=spinning)
-        assert other._alone is None and other.describe()["intra_op_spinning"] == spinning
+        assert other.alone_session is None and other.describe()["intra_op_spinning"] == spinning
 
 
 def test_engine_refuses_a_tampered_graph(tiny_artifact, tmp_path):

@@ -45,10 +45,10 @@ def blocked_app(tiny_artifact):
         model = app.state.addnorm.known.models.default
         run, gate, shapes = model.engine.run, threading.Event(), []
 
-        def held(x, mask=None):
+        def held(x, mask=None, alone=False):
             shapes.append(x.shape)
             gate.wait(10)
-            return run(x, mask)
+            return run(x, mask, alone=alone)
 
         model.engine.run = held
         try:
