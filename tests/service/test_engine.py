@@ -63,6 +63,32 @@ def test_cuda_that_fails_to_initialize_is_refused(tiny_artifact, monkeypatch):
     assert Engine(tiny_artifact, "auto").providers == [CPU]  # auto: warns and serves on CPU
 
 
+def test_a_cuda_engine_makes_no_spinning_session(tiny_artifact, monkeypatch):
+    """--intra-op-spinning alone (the default) on CUDA: the GPU runs the model and the CPU pool idles, so there is
+    one session, and a lone run takes it; GET /v1/model says its threads do not spin."""
+    monkeypatch.setattr(engine_mod.ort, "get_available_providers", lambda: [CUDA, CPU])
+    monkeypatch.delattr(engine_mod.ort, "preload_dlls", raising=False)
+    real_session, made = engine_mod.ort.InferenceSession, []
+
+    class OnCuda:  # a CPU session that says what a working CUDA one says
+        def __init__(self, path, opts, providers, **kwargs):
+            made.append(providers)
+            self.inner = real_session(path, opts, providers=[CPU], **kwargs)
+
+        def get_providers(self):
+            return [CUDA, CPU]
+
+        def run(self, *args):
+            return self.inner.run(*args)
+
+    monkeypatch.setattr(engine_mod.ort, "InferenceSession", OnCuda)
+    eng = Engine(tiny_artifact, "cuda", spinning="alone")
+    assert len(made) == 1 and eng.alone_session is None
+    assert eng.describe()["intra_op_spinning"] == "off"
+    x = np.ones((1, 3, 32), np.float32)
+    np.testing.assert_array_equal(eng.run(x, alone=True)["encoded"], eng.run(x)["encoded"])
+
+
 def test_cpu_sessions_keep_add_and_layer_norm_apart(tiny_artifact, tmp_path, monkeypatch):
     """A CPU engine is made without onnxruntime's SkipLayerNormFusion (slower on CPU: model.runtime), a CUDA one
     with it; the name is one onnxruntime knows: its optimized graph keeps LayerNormalization instead of fusing."""
