@@ -377,9 +377,8 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None, peers: str | 
         cpu_by_size: dict[int, list[float]] = {}
         fewer_limit: dict[int, list[float]] = {}
         fewer_cells: dict[str, list[float]] = {}
-        spinning_limit: list[
-            float
-        ] = []  # the limit's one sentence in flight, spinning within the run (alone's)
+        # the limit's one sentence in flight, spinning within its run (what the default's lone run does)
+        spinning_limit: list[float] = []
         shares = []
         for _ in range(rounds):
             limit = limits(artifact, texts, sizes)

@@ -113,7 +113,8 @@ class Engine:
         # those cores; loaded runs stay on the first, asleep between sections. Its own copy of the weights
         # (onnxruntime prepacks them per session). Only where the CPU runs the model: on CUDA the pool is idle.
         self.alone_session = session(True) if spinning == "alone" and self.providers[0] == CPU else None
-        self.spinning = spinning
+        # what its runs do (GET /v1/model): "alone" only where there is a second session
+        self.spinning = "off" if spinning == "alone" and self.alone_session is None else spinning
         # an ids artifact's tokenizer and embedding graph (service/backend/text.py), on the providers the block got
         self.text = TextFront(verified, self.providers) if verified.embedding is not None else None
         if self.providers[0] != wanted[0]:
@@ -188,7 +189,7 @@ class Engine:
         if not self._grown:
             return False
         self._grown -= 1
-        for session in (self.session, self.alone_session) if self.alone_session else (self.session,):
+        for session in filter(None, (self.session, self.alone_session)):
             session.run(self.output_names, self._feed(np.zeros((1, 1, self.d_model)), None), self._shrink)
         trim()
         return True
@@ -243,12 +244,11 @@ class Engine:
 
     def describe(self) -> dict:
         """The manifest plus what is running it (for GET /v1/model)."""
-        spinning = self.spinning if self.alone_session is not None or self.spinning != "alone" else "off"
         return {
             **self.manifest.to_dict(),
             "providers": self.providers,
             "intra_op_threads": self.threads,
-            "intra_op_spinning": spinning,  # what its runs do ("alone" only where a second session is there)
+            "intra_op_spinning": self.spinning,
         }
 
 
