@@ -1,5 +1,6 @@
 """The benchmark's own parts work (no timing is asserted: speed is shown by `make bench`, not by tests)."""
 
+import re
 from functools import partial
 
 import numpy as np
@@ -412,6 +413,31 @@ def test_codec_cost_times_every_codec_and_says_which_steps_leave_the_loop(tiny_a
         assert (decode_off.strip(), encode_off.strip()) == ((str(json_codec),) * 2), (codec, out)
         assert int(encode_work) == (2**20 if json_codec else 2**20 // 16)
     assert "thread hop (run_in_threadpool, uvloop): median" in out and "CPU flags: " in out
+
+
+def test_lone_request_times_each_step_of_the_servers_path_in_order(tmp_path, capsys):
+    """bench.studies.lone_request on a tiny text model: addnorm-serve stamps every step of each lone request (a step
+    the server no longer takes would stop it), the steps' medians come in the path's order from the client's send
+    to its answer, and the in-process line names its four steps (no timing asserted)."""
+    from addnorm.export import cli as export_cli
+    from bench.studies import lone_request
+    from tests.text_models import make_model_dir
+
+    model_dir = make_model_dir("bert", tmp_path / "model")
+    artifact = tmp_path / "artifact"
+    assert (
+        export_cli.main(["--from", str(model_dir), "--artifact", str(artifact), "--name", "tiny", "-q"]) == 0
+    )
+    assert lone_request.main(["--artifact", str(artifact), "--rounds", "2", "--sentences", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("3 lone /v1/embeddings requests (3 sentences x 1 rounds") and "CPU flags: " in out
+    steps = ["sent by the client", *(step for step, *_ in lone_request.STEPS), "answer read by the client"]
+    rows = {line[:40].strip(): line[40:].split() for line in out.splitlines() if line[:40].strip() in steps}
+    assert list(rows) == steps, out
+    at = [float(rows[step][0]) for step in steps]
+    assert at == sorted(at) and at[-1] > 0, out  # each request's marks are in order, so their medians are
+    assert all(float(rows[step][1]) >= 0 for step in steps[1:])
+    assert re.search(r"tokenize [\d.]+, embed [\d.]+, run [\d.]+, pool [\d.]+, in all [\d.]+", out), out
 
 
 def test_the_text_benchmarks_core_row_runs_the_servers_own_model(tmp_path, monkeypatch):
