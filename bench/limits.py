@@ -131,8 +131,8 @@ def measure_limits(s: Setup, configs: dict[str, dict[str, str]], rounds: int = 3
     """``configs``: label -> ADDNORM_* settings of one server. Returns per-round rows and per-server medians."""
     from addnorm.service.backend.engine import Engine
 
-    # perfect batching: a loaded server's runs sleep between sections; one client's runs are alone, and spin at the
-    # server's defaults
+    # perfect batching: a loaded server's runs sleep between sections; one client's runs are at light load, and spin
+    # at the server's defaults
     engine, lone = Engine(s.artifact, "cpu"), Engine(s.artifact, "cpu", spinning="in-run")
     rng = np.random.default_rng(1)
     x32 = rng.standard_normal((CLIENTS, *s.x_small.shape[1:])).astype(np.float32)

@@ -193,7 +193,7 @@ def json_request(port: int, path: str, x: np.ndarray) -> bytes:
 def measure_inproc(s: Setup) -> dict:
     """In-process onnxruntime (the limit), the GEMM roof, latency against batch size, perfect batching. One request
     at a time spins within its run, as the server's run of a lone request does at its defaults (``--intra-op-spinning
-    alone``); perfect batching, the limit of a loaded server, whose runs sleep between sections, does not."""
+    light``); perfect batching, the limit of a loaded server, whose runs sleep between sections, does not."""
     from addnorm.service.backend.engine import Engine
 
     cfg = s.manifest.config

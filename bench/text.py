@@ -8,8 +8,8 @@ of 8 sentences, from 1, 8 and 32 closed-loop keep-alive clients, against:
   the sentences sorted by token count, in batches of as many sentences as the row keeps in flight (clients x
   sentences per request, at most 256) or fewer, the fastest: what no server can beat with that many sentences to
   batch;
-- addnorm-serve at its defaults, on the model exported with its embedding layer (``--from DIR``), whose run of a
-  lone request spins within the run (``--intra-op-spinning alone``); and at one client with ``--intra-op-spinning
+- addnorm-serve at its defaults, on the model exported with its embedding layer (``--from DIR``), whose runs at
+  light load, a lone request's among them, spin within the run (``--intra-op-spinning light``); and at one client with ``--intra-op-spinning
   off`` (every run asleep between its parallel sections), with the time a request takes at one client and one
   sentence against the limit's one sentence in flight on the same session settings;
 - addnorm's request core in this process, without HTTP: the server's own model (its batcher, as ``addnorm-serve``
@@ -213,7 +213,7 @@ def requests(
 PEERS = ROOT / ".peers" / "bin"  # make peers: the peers' environment
 ST_TORCH, ST_ONNX = "FastAPI + sentence-transformers", "FastAPI + sentence-transformers ONNX, batched"
 # addnorm-serve with onnxruntime's pool threads asleep between a run's operators in every run; one client only, where
-# the default (--intra-op-spinning alone) spins, since a lone request's run has the model to itself
+# the default (--intra-op-spinning light) spins, since a lone request's run is at light load
 ASLEEP, ASLEEP_FLAGS = "addnorm, --intra-op-spinning off", ("--intra-op-spinning", "off")
 INFINITY = {"torch": "Infinity (torch)", "optimum": "Infinity (optimum ONNX)"}
 
@@ -567,7 +567,7 @@ def one_client_ms(res: dict) -> dict[str, tuple[float, float]]:
     """By addnorm configuration run at one client: (a one-sentence request's ms, the limit's one sentence's ms on the
     same session settings); a configuration this run lacks is left out."""
     per, cells = res["mean_tokens_per_sentence"], res["cells"]
-    limit_of = {  # a lone sentence's run spins at the defaults (--intra-op-spinning alone)
+    limit_of = {  # a lone sentence's run spins at the defaults (--intra-op-spinning light)
         "addnorm": res.get("spinning_limit_tokens_per_s"),
         ASLEEP: res["limit_tokens_per_s"].get("1"),
     }

@@ -23,6 +23,7 @@ from addnorm.service.settings import Settings, explain
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="addnorm-serve",
+        renamed={"'alone'": "'light'"},  # --intra-op-spinning's old value
         description="Serve an addnorm artifact (from addnorm-export) with onnxruntime over HTTP: /v1 JSON API, "
         "/v2 Open Inference Protocol, /health/*, /metrics, /docs. Every flag also reads from its ADDNORM_* "
         "environment variable (e.g. --artifact <- ADDNORM_ARTIFACT); flags win.",

@@ -93,13 +93,14 @@ class Settings(BaseSettings):
         ge=0,
         description="onnxruntime intra-op threads of each model; 0 = an equal share of the thread budget",
     )
-    intra_op_spinning: Literal["alone", "off", "in-run"] = Field(
-        "alone",
-        description="what onnxruntime's intra-op threads do between a run's parallel sections: alone, spin only in "
-        "a run that has the model to itself (one request, none waiting: a lone client's sentence ~1 ms sooner on 2 cores), "
-        "on a second session of the same graph (its own copy of the weights, CPU only), and sleep in the others; "
-        "off, always sleep (one session: the least memory); in-run, spin within every run and stop when it ends "
-        "(small requests up to a tenth fewer a second at 32 clients on some 2-core CPUs: docs/benchmarks.md)",
+    intra_op_spinning: Literal["light", "off", "in-run"] = Field(
+        "light",
+        description="what onnxruntime's intra-op threads do between a run's parallel sections: light, spin only in "
+        "a run at light load (at most 8 requests waiting on the model, the run's own included: a lone client's "
+        "sentence ~1 ms sooner on 2 cores, 2 to 8 clients up to a tenth more a second), on a second session of the "
+        "same graph (its own copy of the weights, CPU only), and sleep in the others; off, always sleep (one "
+        "session: the least memory); in-run, spin within every run and stop when it ends (small requests up to a "
+        "tenth fewer a second at 32 clients on some 2-core CPUs: docs/benchmarks.md)",
     )
     thread_budget: int = Field(
         0,
@@ -235,6 +236,15 @@ class Settings(BaseSettings):
     access_log: bool = Field(
         True, description="one log line per HTTP request and gRPC call (written off the event loop)"
     )
+
+    @field_validator("intra_op_spinning", mode="before")
+    @classmethod
+    def _spinning_renamed(cls, value: object) -> object:
+        if value == "alone":  # its name while only a lone request's run spun
+            raise ValueError(
+                "'alone' is now 'light': spinning within the runs at light load, a lone one's too"
+            )
+        return value
 
     @field_validator("model_threads", mode="before")
     @classmethod

@@ -99,6 +99,7 @@ def test_readable_defaults():
         (["-m", "addnorm.service.cli", "--model-dir", "x"], "--model-dir is now --artifact"),
         (["-m", "addnorm.export.parity_cli", "--out", "x"], "--out is now --artifact"),
         (["-m", "addnorm.export.cli", "--seed", "3"], "--seed is now --weights-seed"),
+        (["-m", "addnorm.service.cli", "--intra-op-spinning", "alone"], "'alone' is now 'light'"),
     ],
 )
 def test_an_old_spelling_is_answered_with_the_new_one(argv, hint):

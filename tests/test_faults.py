@@ -14,12 +14,12 @@ from tests.helpers import queue_depth, wait_until, wait_until_ready
 
 
 class FailOnce:
-    """Wraps an engine's onnxruntime sessions (its spinning one for lone runs too, where there is one): the next
+    """Wraps an engine's onnxruntime sessions (its spinning one for runs at light load too, where there is one): the next
     run of either raises, later ones run."""
 
     def __init__(self, engine):
         self.failed = False
-        for name in ("session", "alone_session"):
+        for name in ("session", "spinning_session"):
             if (session := getattr(engine, name)) is not None:
                 setattr(engine, name, self._wrapped(session))
 
@@ -41,7 +41,9 @@ def test_an_engine_failure_answers_a_json_500_and_the_next_request_succeeds(tiny
     with TestClient(app, raise_server_exceptions=False) as client:
         wait_until_ready(client)
         engine = app.state.addnorm.known.models.default.engine
-        assert engine.alone_session is not None  # the default: a lone request's run spins on a second session
+        assert (
+            engine.spinning_session is not None
+        )  # the default: a run at light load spins on a second session
         FailOnce(engine)
         body = {"embeddings": [[0.5] * 32]}
         r = client.post("/v1/encode", json=body)

@@ -144,8 +144,8 @@ def requests_through(
 
 def in_process(artifact: Path, texts: list[str], rounds: int) -> dict[str, float]:
     """Median ms of each step of one sentence in this process, the model loaded as addnorm-serve loads it: tokenize
-    (``decode_texts``), embed (``merging.stack``), run (the lone-run session: ``alone``), pool (``sentence_vectors``),
-    and their sum; after a warm-up round."""
+    (``decode_texts``), embed (``merging.stack``), run (on the session a run at light load takes: ``light``), pool
+    (``sentence_vectors``), and their sum; after a warm-up round."""
     from addnorm.service.batching import merging
     from addnorm.service.core.text import TextLimits, decode_texts, sentence_vectors
     from addnorm.service.models.state import ServiceState, serving_model
@@ -166,7 +166,7 @@ def in_process(artifact: Path, texts: list[str], rounds: int) -> dict[str, float
                     x, mask = merging.stack([item])
                     t2 = clock()
                     lengths = (item.lengths,) if model.engine.packed else ()
-                    out = model.engine.run(x, mask, *lengths, alone=True)
+                    out = model.engine.run(x, mask, *lengths, light=True)
                     t3 = clock()
                     sentence_vectors(req, model, out)
                     t4 = clock()

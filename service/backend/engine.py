@@ -67,7 +67,7 @@ class Engine:
         providers: str = "auto",
         intra_op_threads: int = 0,
         kernels_setting: str = "auto",
-        spinning: str = "off",  # the server's default is Settings' ("alone"); "off" here for the benches and tests
+        spinning: str = "off",  # the server's default is Settings' ("light"); "off" here for the benches and tests
     ) -> None:
         try:  # the graph onnxruntime gets and the golden data checked are the bytes whose sha256 was checked
             verified = read_verified(model_dir)
@@ -108,13 +108,13 @@ class Engine:
 
         self.session = session(spinning == "in-run")
         self.providers = self.session.get_providers()
-        # "alone": a second session of the same graph whose threads spin within a run, for the runs that have the
-        # model to themselves (``run(alone=True)``: one request, none waiting), where no HTTP front waits for
-        # those cores; loaded runs stay on the first, asleep between sections. Its own copy of the weights
+        # "light": a second session of the same graph whose threads spin within a run, for the runs at light load
+        # (``run(light=True)``: few requests waiting), where the HTTP front has little to do on those cores; loaded
+        # runs stay on the first, asleep between sections. Its own copy of the weights
         # (onnxruntime prepacks them per session). Only where the CPU runs the model: on CUDA the pool is idle.
-        self.alone_session = session(True) if spinning == "alone" and self.providers[0] == CPU else None
-        # what its runs do (GET /v1/model): "alone" only where there is a second session
-        self.spinning = "off" if spinning == "alone" and self.alone_session is None else spinning
+        self.spinning_session = session(True) if spinning == "light" and self.providers[0] == CPU else None
+        # what its runs do (GET /v1/model): "light" only where there is a second session
+        self.spinning = "off" if spinning == "light" and self.spinning_session is None else spinning
         # an ids artifact's tokenizer and embedding graph (service/backend/text.py), on the providers the block got
         self.text = TextFront(verified, self.providers) if verified.embedding is not None else None
         if self.providers[0] != wanted[0]:
@@ -155,7 +155,7 @@ class Engine:
             model_dir,
             self.providers,
             self.threads,
-            ", spinning within a run alone (a second session)" if self.alone_session else "",
+            ", spinning within a run at light load (a second session)" if self.spinning_session else "",
             f", kernels {self.kernels.name} ({kernels.isa(self.kernels)})" if self.kernels else "",
         )
 
@@ -189,7 +189,7 @@ class Engine:
         if not self._grown:
             return False
         self._grown -= 1
-        for session in filter(None, (self.session, self.alone_session)):
+        for session in filter(None, (self.session, self.spinning_session)):
             session.run(self.output_names, self._feed(np.zeros((1, 1, self.d_model)), None), self._shrink)
         trim()
         return True
@@ -213,13 +213,13 @@ class Engine:
         embeddings: np.ndarray,
         mask: np.ndarray | None = None,
         lengths: np.ndarray | None = None,
-        alone: bool = False,
+        light: bool = False,
     ) -> dict[str, np.ndarray]:
         """embeddings (B, S, E) batch-first -> every output by name, batch-first float32 (padding included).
         ``lengths`` (B,): how much of each row to compute, for a packed graph (the rest is padding merging added or
         a request's own trailing padding, answered as zeros); every position when None. A padded graph computes
-        every position anyway. ``alone``: nothing else waits for the model (the spinning session's run, with
-        ``spinning="alone"``)."""
+        every position anyway. ``light``: few requests wait on the model (the spinning session's run, with
+        ``spinning="light"``)."""
         b, s, _ = embeddings.shape
         padded = mask is not None and bool(mask.any())
         working = self.working_bytes(b, s, padded)
@@ -227,7 +227,7 @@ class Engine:
         if working > RELEASE_ABOVE_BYTES:
             self._grown = RELEASES
         feed = self._feed(embeddings, mask, lengths)
-        session = self.alone_session if alone and self.alone_session is not None else self.session
+        session = self.spinning_session if light and self.spinning_session is not None else self.session
         outs = session.run(self.output_names, feed, self._shrink if big else None)
         if big:
             trim()

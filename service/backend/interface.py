@@ -50,11 +50,12 @@ class Backend(Protocol):
         embeddings: np.ndarray,
         mask: np.ndarray | None = None,
         lengths: np.ndarray | None = None,
-        alone: bool = False,
+        light: bool = False,
     ) -> dict[str, np.ndarray]:
         """(B, S, E) batch-first embeddings, ``mask`` (B, S) true at padding, ``lengths`` (B,) for a packed graph ->
-        every output by name, batch-first float32. ``alone``: the run holds one request and none waits (a CPU
-        engine may then spend spinning threads on its latency: ``--intra-op-spinning alone``)."""
+        every output by name, batch-first float32. ``light``: few requests wait on the model (the batcher's
+        LIGHT_LOAD), so the HTTP front has little to do beside this run: a CPU engine may then spend spinning
+        threads on its latency (``--intra-op-spinning light``)."""
         ...
 
     def release(self) -> bool:

@@ -22,15 +22,15 @@ class Recorder:
     """Wraps a model and records the batch shapes it was run with."""
 
     def __init__(self, model, gate: threading.Event | None = None):
-        self.model, self.gate, self.shapes, self.alone = model, gate, [], []
+        self.model, self.gate, self.shapes, self.light = model, gate, [], []
         self.entered = threading.Event()  # a run has begun (and waits at the gate, if there is one)
 
     def __getattr__(self, name):  # the rest of the backend interface is the wrapped model's
         return getattr(self.model, name)
 
-    def run(self, x, mask=None, alone=False):
+    def run(self, x, mask=None, light=False):
         self.entered.set()
-        self.alone.append(alone)
+        self.light.append(light)
         if self.gate is not None:
             self.gate.wait(10)
         self.shapes.append(x.shape)
@@ -335,7 +335,7 @@ def test_engine_failure_fails_the_batch_not_the_batcher():
         def release(self):
             return False
 
-        def run(self, x, mask=None, alone=False):
+        def run(self, x, mask=None, light=False):
             self.calls += 1
             if self.calls == 1:
                 raise RuntimeError("boom")
@@ -428,30 +428,38 @@ def test_queue_is_bounded_by_bytes(engine):
     assert http_status(run(main())) == 429
 
 
-def test_a_run_is_alone_when_it_holds_one_request_and_none_waits(engine):
-    """``Backend.run(alone=True)`` (what lets ``--intra-op-spinning alone`` spin) only for a run of one request's
-    rows with nothing queued behind it: a lone client's request, a padded request's pieces together; never a run
-    of two requests, nor one with a request still queued."""
-    gate = threading.Event()
-    model = Recorder(engine, gate)
+def test_a_run_is_light_when_few_requests_wait_on_the_model(engine, monkeypatch):
+    """``Backend.run(light=True)`` (what lets ``--intra-op-spinning light`` spin) when at most LIGHT_LOAD requests
+    wait on the model, the run's own and those still queued (here 2): a lone request, a run of two with none
+    behind it, a padded request's pieces; never a run of two with a third still queued."""
+    from addnorm.service.batching import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "LIGHT_LOAD", 2)
+    model = Recorder(engine, threading.Event())
     x = np.ones((1, 3, 32), np.float32)
     mask = np.zeros((2, 4), bool)
     mask[1, 2:] = True  # two pieces: rows of 4 and of 2 real positions
 
+    async def held_then(batcher, queued: int) -> None:
+        """A request held in its run at the gate while ``queued`` more queue behind it; then all answered."""
+        model.gate, model.entered = threading.Event(), threading.Event()
+        first = asyncio.ensure_future(batcher.infer(x, None))
+        await until(model.entered.is_set)
+        rest = [asyncio.ensure_future(batcher.infer(x, None)) for _ in range(queued)]
+        await until(lambda: batcher.depth == queued)
+        model.gate.set()
+        await asyncio.gather(first, *rest)
+
     async def main():
         batcher = Batcher(model, max_batch_size=2)
         batcher.start()
-        first = asyncio.ensure_future(batcher.infer(x, None))
-        await until(model.entered.is_set)  # runs alone, held at the gate
-        rest = [asyncio.ensure_future(batcher.infer(x, None)) for _ in range(3)]
-        await until(lambda: batcher.depth == 3)
-        gate.set()
-        await asyncio.gather(first, *rest)  # two requests, then the third alone
+        await held_then(batcher, 3)  # one; two with the third queued; the third
+        await held_then(batcher, 2)  # one; two with none behind them
         await batcher.infer(np.ones((2, 4, 32), np.float32), mask)
         await batcher.stop()
 
     run(main())
-    assert model.alone == [True, False, True, True], model.alone
+    assert model.light == [True, False, True, True, True, True], model.light
 
 
 def test_the_next_batch_starts_while_the_event_loop_is_busy(engine):
@@ -461,7 +469,7 @@ def test_the_next_batch_starts_while_the_event_loop_is_busy(engine):
     starts: list[float] = []
 
     class Timed(Recorder):
-        def run(self, x, mask=None, alone=False):
+        def run(self, x, mask=None, light=False):
             starts.append(time.perf_counter())
             return super().run(x, mask)
 
@@ -564,7 +572,7 @@ class LongRuns(Recorder):
         super().__init__(model, threading.Event())
         self.seq, self.threads = seq, []
 
-    def run(self, x, mask=None, alone=False):
+    def run(self, x, mask=None, light=False):
         self.threads.append((x.shape, threading.current_thread().name))
         if x.shape[1] > self.seq:
             return super().run(x, mask)
@@ -787,7 +795,7 @@ def test_a_runs_fixed_cost_is_measured_from_the_model(monkeypatch):
     e, clock, seqs = 64, [0.0], []
 
     class Timed:
-        def run(self, x, mask=None, alone=False):
+        def run(self, x, mask=None, light=False):
             s = x.shape[1]
             seqs.append(s)
             slow = 2 if len(seqs) % 3 == 0 else 1

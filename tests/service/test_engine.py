@@ -64,8 +64,8 @@ def test_cuda_that_fails_to_initialize_is_refused(tiny_artifact, monkeypatch):
 
 
 def test_a_cuda_engine_makes_no_spinning_session(tiny_artifact, monkeypatch):
-    """--intra-op-spinning alone (the default) on CUDA: the GPU runs the model and the CPU pool idles, so there is
-    one session, and a lone run takes it; GET /v1/model says its threads do not spin."""
+    """--intra-op-spinning light (the default) on CUDA: the GPU runs the model and the CPU pool idles, so there is
+    one session, and a run at light load takes it; GET /v1/model says its threads do not spin."""
     monkeypatch.setattr(engine_mod.ort, "get_available_providers", lambda: [CUDA, CPU])
     monkeypatch.delattr(engine_mod.ort, "preload_dlls", raising=False)
     real_session, made = engine_mod.ort.InferenceSession, []
@@ -82,11 +82,11 @@ def test_a_cuda_engine_makes_no_spinning_session(tiny_artifact, monkeypatch):
             return self.inner.run(*args)
 
     monkeypatch.setattr(engine_mod.ort, "InferenceSession", OnCuda)
-    eng = Engine(tiny_artifact, "cuda", spinning="alone")
-    assert len(made) == 1 and eng.alone_session is None
+    eng = Engine(tiny_artifact, "cuda", spinning="light")
+    assert len(made) == 1 and eng.spinning_session is None
     assert eng.describe()["intra_op_spinning"] == "off"
     x = np.ones((1, 3, 32), np.float32)
-    np.testing.assert_array_equal(eng.run(x, alone=True)["encoded"], eng.run(x)["encoded"])
+    np.testing.assert_array_equal(eng.run(x, light=True)["encoded"], eng.run(x)["encoded"])
 
 
 def test_cpu_sessions_keep_add_and_layer_norm_apart(tiny_artifact, tmp_path, monkeypatch):
@@ -141,11 +141,13 @@ def test_engine_runs_the_graph_and_answers_by_output_name(tiny_artifact):
 
 
 def test_intra_op_spinning_in_run_spins_within_a_run_and_stops_after_it(tiny_artifact):
-    """--intra-op-spinning (alone, the default: the next test): off lets no pool thread spin; in-run lets them spin between a run's
+    """--intra-op-spinning (light, the default: the next test): off lets no pool thread spin; in-run lets them spin between a run's
     parallel sections and stops them when it ends (onnxruntime's force_spinning_stop). The same arithmetic."""
     from addnorm.service.settings import Settings
 
-    assert Settings.model_fields["intra_op_spinning"].default == "alone"
+    assert Settings.model_fields["intra_op_spinning"].default == "light"
+    with pytest.raises(ValueError, match="'alone' is now 'light'"):  # its old name, answered with the new one
+        Settings(intra_op_spinning="alone")
     x = np.random.default_rng(0).standard_normal((3, 7, 32)).astype(np.float32)
     answers = {}
     for spinning, allow, stop in (("off", "0", ""), ("in-run", "1", "1")):
@@ -161,20 +163,20 @@ def test_intra_op_spinning_in_run_spins_within_a_run_and_stops_after_it(tiny_art
     np.testing.assert_array_equal(answers["off"], answers["in-run"])
 
 
-def test_intra_op_spinning_alone_spins_only_in_runs_that_have_the_model_to_themselves(tiny_artifact):
-    """--intra-op-spinning alone: a second session of the same graph, spinning within a run, takes the runs the
-    batcher marks alone; every other run and the idle release stay on the first, whose threads never spin. The
+def test_intra_op_spinning_light_spins_only_in_runs_at_light_load(tiny_artifact):
+    """--intra-op-spinning light: a second session of the same graph, spinning within a run, takes the runs the
+    batcher marks light; every other run and the idle release stay on the first, whose threads never spin. The
     same arithmetic on both. On no CPU provider, and with off or in-run, there is no second session."""
     x = np.random.default_rng(1).standard_normal((2, 5, 32)).astype(np.float32)
-    eng = Engine(tiny_artifact, "cpu", intra_op_threads=2, spinning="alone")
+    eng = Engine(tiny_artifact, "cpu", intra_op_threads=2, spinning="light")
     opts = eng.session.get_session_options()
     assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "0"
-    spin = eng.alone_session.get_session_options()
+    spin = eng.spinning_session.get_session_options()
     assert spin.get_session_config_entry("session.intra_op.allow_spinning") == "1"
     assert spin.get_session_config_entry("session.force_spinning_stop") == "1"
-    np.testing.assert_array_equal(eng.run(x, alone=True)["encoded"], eng.run(x)["encoded"])
+    np.testing.assert_array_equal(eng.run(x, light=True)["encoded"], eng.run(x)["encoded"])
     calls = []
-    for name in ("session", "alone_session"):
+    for name in ("session", "spinning_session"):
         session = getattr(eng, name)
         setattr(
             eng,
@@ -185,20 +187,20 @@ def test_intra_op_spinning_alone_spins_only_in_runs_that_have_the_model_to_thems
                 {"run": lambda s, *a, name=name, inner=session: calls.append(name) or inner.run(*a)},
             )(),
         )
-    eng.run(x, alone=True)
+    eng.run(x, light=True)
     eng.run(x)
     eng._grown = 1
     assert eng.release()
     assert calls == [
-        "alone_session",
+        "spinning_session",
         "session",
         "session",
-        "alone_session",
+        "spinning_session",
     ]  # the release shrinks both sessions' arenas
-    assert eng.describe()["intra_op_spinning"] == "alone"  # GET /v1/model says what its runs do
+    assert eng.describe()["intra_op_spinning"] == "light"  # GET /v1/model says what its runs do
     for spinning in ("off", "in-run"):
         other = Engine(tiny_artifact, "cpu", intra_op_threads=2, spinning=spinning)
-        assert other.alone_session is None and other.describe()["intra_op_spinning"] == spinning
+        assert other.spinning_session is None and other.describe()["intra_op_spinning"] == spinning
 
 
 def test_engine_refuses_a_tampered_graph(tiny_artifact, tmp_path):

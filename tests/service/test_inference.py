@@ -45,10 +45,10 @@ def blocked_app(tiny_artifact):
         model = app.state.addnorm.known.models.default
         run, gate, shapes = model.engine.run, threading.Event(), []
 
-        def held(x, mask=None, alone=False):
+        def held(x, mask=None, light=False):
             shapes.append(x.shape)
             gate.wait(10)
-            return run(x, mask, alone=alone)
+            return run(x, mask, light=light)
 
         model.engine.run = held
         try:

@@ -73,7 +73,7 @@ def test_the_batcher_merges_any_lengths_into_one_packed_run_and_counts_no_paddin
         packed = True
         threads = engine.threads
 
-        def run(self, x, mask=None, lengths=None, alone=False):
+        def run(self, x, mask=None, lengths=None, light=False):
             calls.append((x.shape, None if lengths is None else list(lengths)))
             gate.wait(10)
             return engine.run(x, mask, lengths)
@@ -133,7 +133,7 @@ def test_a_clients_own_trailing_padding_is_not_computed(artifacts):
     class Recorded:
         packed, threads, release = True, engine.threads, engine.release
 
-        def run(self, x, mask=None, lengths=None, alone=False):
+        def run(self, x, mask=None, lengths=None, light=False):
             calls.append(None if lengths is None else lengths.tolist())
             return engine.run(x, mask, lengths)
 
@@ -174,7 +174,7 @@ def test_on_a_packed_graph_a_clients_short_rows_do_not_pay_its_long_rows_attenti
     class Recorded:
         packed, threads, release = True, engine.threads, engine.release
 
-        def run(self, x, mask=None, lengths=None, alone=False):
+        def run(self, x, mask=None, lengths=None, light=False):
             calls.append((x.shape[1], None if lengths is None else sorted(lengths.tolist())))
             return engine.run(x, mask, lengths)
 
@@ -315,7 +315,7 @@ def test_attentions_weight_is_measured_from_a_packed_model(monkeypatch):
     e, clock = 64, [0.0]
 
     class Timed:
-        def run(self, x, mask=None, lengths=None, alone=False):
+        def run(self, x, mask=None, lengths=None, light=False):
             rows, seq = x.shape[:2]
             tokens = rows * seq if lengths is None else int(np.sum(lengths))
             k = 2.0 if mask is not None and mask.any() else 1.0
