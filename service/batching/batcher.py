@@ -44,9 +44,10 @@ RELEASE_IDLE_S = 1.0
 # this plus its own run beside the long one (the "no request stalls another" bound: 100 ms).
 EXPRESS_AFTER_S = 0.05
 # A run is at light load (``Backend.run(light=True)``: its threads may spin) when at most this many requests wait on
-# the model, its own included: the event loop then has little to do beside the run. Measured against one request
-# and none queued (the rule before), on a 2-core Xeon, real sentences through /v1/embeddings: 1.05-1.12x at 2 and 8
-# clients of one sentence and at 1 and 2 clients of eight, level at 16 and 32 clients (docs/benchmarks.md).
+# the model, its own included: the event loop then has little to do beside the run. On a 2-core Xeon, real sentences
+# through /v1/embeddings, against never spinning: 1.13-1.16x at 2 to 8 clients of one sentence, 1.17x at one client
+# of eight, 0.96-0.99x at 16, level at 32; 4 alternated the runs between the two sessions at 8 clients: 0.87x
+# (docs/benchmarks.md, "Spinning at light load").
 LIGHT_LOAD = 8
 
 
