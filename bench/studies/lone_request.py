@@ -10,7 +10,7 @@ system's monotonic clock, the same in both processes, so each step is timed from
 step, the median ms from the send and what the step added; then the in-process latency of the same sentences
 (tokenized, embedded, run on the session a lone run takes, pooled: what the server's steps do, without HTTP and
 threads) and how far the client's wall time is above it. An ids artifact (one exported ``--from`` a model
-directory). docs/benchmarks.md, "What the measurements decided".
+directory). docs/benchmarks.md, "One client, step by step".
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ STEPS = (
     ("encoded: JSON", "addnorm.service.protocols.text.codec", "TextCodec", "encode", "leave"),
     ("sent: the answer written", "addnorm.service.front.http11", "_Cycle", "send", "leave"),
 )
-FIRST, LAST = STEPS[0][0], STEPS[-1][0]
+LAST = STEPS[-1][0]  # the one step a request takes twice (the answer's head, then its body): its last counts
 
 
 def traced(argv: list[str]) -> int:
@@ -66,21 +66,25 @@ def traced(argv: list[str]) -> int:
 
                 @functools.wraps(fn)
                 async def stamped(*args, **kwargs):
-                    leave or marks.append((step, clock()))
+                    if not leave:
+                        marks.append((step, clock()))
                     try:
                         return await fn(*args, **kwargs)
                     finally:
-                        leave and marks.append((step, clock()))
+                        if leave:
+                            marks.append((step, clock()))
 
             else:
 
                 @functools.wraps(fn)
                 def stamped(*args, **kwargs):
-                    leave or marks.append((step, clock()))
+                    if not leave:
+                        marks.append((step, clock()))
                     try:
                         return fn(*args, **kwargs)
                     finally:
-                        leave and marks.append((step, clock()))
+                        if leave:
+                            marks.append((step, clock()))
 
             return stamped
 
