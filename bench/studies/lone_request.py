@@ -90,7 +90,13 @@ def traced(argv: list[str]) -> int:
 
         setattr(where, name, stamp())
     path = Path(os.environ[MARKS])
-    signal.signal(signal.SIGUSR1, lambda *_: path.write_text(json.dumps(marks)))
+
+    def write(*_: object) -> None:  # whole or not at all: the client reads it once it exists
+        part = path.with_suffix(".part")
+        part.write_text(json.dumps(marks))
+        part.replace(path)
+
+    signal.signal(signal.SIGUSR1, write)
     from addnorm.service.cli import main
 
     return main(argv)
