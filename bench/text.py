@@ -29,7 +29,8 @@ included) per cell, and each server's ratio to the limit. Also: tokenization's s
 limit's CPU per sentence (this process's, all threads), and addnorm-serve's CPU per request at 32 clients from
 /proc (all its threads, its event loop's part) with tokenizing's part (``TextTokenizer.ids`` and ``pad`` on the
 same requests, timed in this process). Last, issue 77's goals (``goals``): each figure against its goal, met or
-missed by how much, with the server's CPU per request beside the 32-client ones.
+missed by how much, with the server's CPU per request beside the 32-client ones, and where a goal asks for more
+tokens/s than the limit runs at that row, how far past it (no server of the graph on those cores can meet it).
 
 And, where the machine has a core to spare, the same 32-client cells with onnxruntime on one core fewer in both
 the limit and addnorm-serve (``--intra-op-threads``): the server's HTTP front (uvicorn, FastAPI, JSON, the event
@@ -614,6 +615,15 @@ def _row(clients: int | str, size: int | str) -> str:
     return f"{clients} client{'s' * (int(clients) != 1)} x {size} sentence{'s' * (int(size) != 1)}"
 
 
+def _past_limit(needed: float, lims: dict[str, float], clients: int | str, size: int | str) -> str:
+    """Where a goal's tokens/s are more than the limit runs at that row (the same graph, length-sorted batches, in
+    process, no HTTP): no server of this graph on these cores can meet it, and the line says so."""
+    limit = best_limit(lims, in_flight(int(clients), int(size)))
+    if needed <= limit:
+        return ""
+    return f" (that is {needed / limit:.2f}x the limit at this row: past what the graph runs on these cores)"
+
+
 def goals(res: dict) -> list[str]:
     """Issue 77's goals, each with what this run measured, met or missed by how much, and the server's CPU a
     request beside the 32-client ones (``server_cpu_ms``); a goal this run has no figure for is left out."""
@@ -655,7 +665,7 @@ def goals(res: dict) -> list[str]:
         op, goal = (">=", PEER_FROM_8_CLIENTS) if int(clients) >= 8 else (">", PEER_EVERY_ROW)
         out.append(
             f"- against the best peer at {_row(clients, size)} ({best}): {tps / theirs:.2f}x, "
-            f"{_verdict(tps / theirs, op, goal, 'x')}"
+            f"{_verdict(tps / theirs, op, goal, 'x')}{_past_limit(goal * theirs, lims, clients, size)}"
         )
     if (one := one_client_ms(res).get("addnorm")) is not None:
         more = one[0] - one[1]
