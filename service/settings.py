@@ -96,8 +96,8 @@ class Settings(BaseSettings):
     intra_op_spinning: Literal["light", "off", "in-run"] = Field(
         "light",
         description="what onnxruntime's intra-op threads do between a run's parallel sections: light, spin only in "
-        "a run at light load (at most 8 requests waiting on the model, the run's own included: a lone client's "
-        "sentence ~1 ms sooner on 2 cores, 2 to 8 clients' 1.13-1.16x a second, 16 clients' 0.96-0.99x), on a "
+        "a run at light load (light from 8 requests waiting on the model down, the run's own included, heavy again "
+        "only above 16: a lone client's sentence ~1 ms sooner on 2 cores, 2 to 16 clients' 1.03-1.16x a second), on a "
         "second session of the same graph (its own copy of the weights, CPU only), and sleep in the others; off, "
         "always sleep (one session: the least memory); in-run, spin within every run and stop when it ends (small "
         "requests up to a tenth fewer a second at 32 clients on some 2-core CPUs: docs/benchmarks.md)",

@@ -43,12 +43,14 @@ RELEASE_IDLE_S = 1.0
 # The express lane takes small requests once the run in progress has lasted this long: a small request waits at most
 # this plus its own run beside the long one (the "no request stalls another" bound: 100 ms).
 EXPRESS_AFTER_S = 0.05
-# A run is at light load (``Backend.run(light=True)``: its threads may spin) when at most this many requests wait on
-# the model, its own included: the event loop then has little to do beside the run. On a 2-core Xeon, real sentences
-# through /v1/embeddings, against never spinning: 1.13-1.16x at 2 to 8 clients of one sentence, 1.17x at one client
-# of eight, 0.96-0.99x at 16, level at 32; 4 alternated the runs between the two sessions at 8 clients: 0.87x
+# A run is at light load (``Backend.run(light=True)``: its threads may spin) when few requests wait on the model, the
+# run's own included: the event loop then has little to do beside the run. The load turns light at LIGHT_LOAD requests
+# waiting or fewer and heavy again only above HEAVY_LOAD, so that a load between the two keeps one session (runs
+# alternating between the two sessions stream two copies of the weights through the caches). On a 2-core Xeon, real
+# sentences through /v1/embeddings, against never spinning: 1.07-1.16x at 4 to 16 clients of one sentence, 1.19x at
+# one client of eight, level at 24 and 32; one bound of 8 gave 0.94-0.98x at 12 and 16 clients, one of 4 0.87x at 8
 # (docs/benchmarks.md, "Spinning at light load").
-LIGHT_LOAD = 8
+LIGHT_LOAD, HEAVY_LOAD = 8, 16
 
 
 class Batcher:
@@ -95,6 +97,7 @@ class Batcher:
         self._queue: collections.deque[Queued] = collections.deque()
         self._queued_bytes = 0
         self.depth = 0  # requests queued: one is until the last of its pieces leaves
+        self._light = True  # the inference thread's: whether its last run was at light load (LIGHT_LOAD)
         # The queue is shared by the event loop (adding) and the inference threads (taking): all under one lock,
         # with a condition for each thread's wait.
         lock = threading.RLock()
@@ -230,7 +233,8 @@ class Batcher:
                 if batch:
                     stacked = self._stack(batch)
                     # the requests waiting on the model: those still queued, and those this run ends
-                    light = self.depth + len({id(i.queued) for i in batch if not i.queued[0]}) <= LIGHT_LOAD
+                    load = self.depth + len({id(i.queued) for i in batch if not i.queued[0]})
+                    self._light = light = load <= (HEAVY_LOAD if self._light else LIGHT_LOAD)
             except Exception as exc:  # a fault in taking or merging fails what it took, never the thread
                 self._fault("taking the next batch", batch, exc)
                 batch = []

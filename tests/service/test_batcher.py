@@ -429,12 +429,15 @@ def test_queue_is_bounded_by_bytes(engine):
 
 
 def test_a_run_is_light_when_few_requests_wait_on_the_model(engine, monkeypatch):
-    """``Backend.run(light=True)`` (what lets ``--intra-op-spinning light`` spin) when at most LIGHT_LOAD requests
-    wait on the model, the run's own and those still queued (here 2): a lone request, a run of two with none
-    behind it, a padded request's pieces; never a run of two with a third still queued."""
+    """``Backend.run(light=True)`` (what lets ``--intra-op-spinning light`` spin) when few requests wait on the
+    model, the run's own and those still queued: light from LIGHT_LOAD down (here 1), heavy again only above
+    HEAVY_LOAD (here 2). A lone request is light; a run of two with a third queued is not; a run of two with none
+    behind stays what the run before it was (light after a lone one, heavy after a run of four waiting); a padded
+    request's pieces are one request."""
     from addnorm.service.batching import batcher as batcher_module
 
-    monkeypatch.setattr(batcher_module, "LIGHT_LOAD", 2)
+    monkeypatch.setattr(batcher_module, "LIGHT_LOAD", 1)
+    monkeypatch.setattr(batcher_module, "HEAVY_LOAD", 2)
     model = Recorder(engine, threading.Event())
     x = np.ones((1, 3, 32), np.float32)
     mask = np.zeros((2, 4), bool)
@@ -454,12 +457,14 @@ def test_a_run_is_light_when_few_requests_wait_on_the_model(engine, monkeypatch)
         batcher = Batcher(model, max_batch_size=2)
         batcher.start()
         await held_then(batcher, 3)  # one; two with the third queued; the third
-        await held_then(batcher, 2)  # one; two with none behind them
+        await held_then(batcher, 2)  # one; two with none behind them: still light
+        await held_then(batcher, 4)  # one; two with two queued; two with none behind them: still heavy
         await batcher.infer(np.ones((2, 4, 32), np.float32), mask)
         await batcher.stop()
 
     run(main())
-    assert model.light == [True, False, True, True, True, True], model.light
+    # one bound alone would give index 4 heavy (at 1) or index 7 light (at 2)
+    assert model.light == [True, False, True, True, True, True, False, False, True], model.light
 
 
 def test_the_next_batch_starts_while_the_event_loop_is_busy(engine):
