@@ -54,8 +54,8 @@ class Backend(Protocol):
     ) -> dict[str, np.ndarray]:
         """(B, S, E) batch-first embeddings, ``mask`` (B, S) true at padding, ``lengths`` (B,) for a packed graph ->
         every output by name, batch-first float32. ``light``: few requests wait on the model (the batcher's
-        LIGHT_LOAD and HEAVY_LOAD), so the HTTP front has little to do beside this run: a CPU engine may then spend spinning
-        threads on its latency (``--intra-op-spinning light``)."""
+        LIGHT_LOAD and HEAVY_LOAD), so the HTTP front has little to do beside this run: a CPU engine may then spend
+        spinning threads on its latency (``--intra-op-spinning light``)."""
         ...
 
     def release(self) -> bool:

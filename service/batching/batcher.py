@@ -47,9 +47,9 @@ EXPRESS_AFTER_S = 0.05
 # run's own included: the event loop then has little to do beside the run. The load turns light at LIGHT_LOAD requests
 # waiting or fewer and heavy again only above HEAVY_LOAD, so that a load between the two keeps one session (runs
 # alternating between the two sessions stream two copies of the weights through the caches). On a 2-core Xeon, real
-# sentences through /v1/embeddings, against never spinning: 1.07-1.16x at 4 to 16 clients of one sentence, 1.19x at
-# one client of eight, level at 24 and 32; one bound of 8 gave 0.94-0.98x at 12 and 16 clients, one of 4 0.87x at 8
-# (docs/benchmarks.md, "Spinning at light load").
+# sentences through /v1/embeddings, against never spinning: 1.03-1.16x at 4 to 16 clients of one sentence, 1.15-1.19x
+# at one client of eight, level at 24 and 32; one bound of 8 gave 0.94-1.04x at 12 and 16 clients, one of 4 0.87x at
+# 8 (docs/benchmarks.md, "Spinning at light load" and "Light load with hysteresis").
 LIGHT_LOAD, HEAVY_LOAD = 8, 16
 
 
