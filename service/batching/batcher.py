@@ -97,7 +97,9 @@ class Batcher:
         self._queue: collections.deque[Queued] = collections.deque()
         self._queued_bytes = 0
         self.depth = 0  # requests queued: one is until the last of its pieces leaves
-        self._light = True  # the inference thread's: whether its last run was at light load (LIGHT_LOAD)
+        self._light = (
+            True  # the inference thread's: whether its last run was at light load (LIGHT_LOAD, HEAVY_LOAD)
+        )
         # The queue is shared by the event loop (adding) and the inference threads (taking): all under one lock,
         # with a condition for each thread's wait.
         lock = threading.RLock()
