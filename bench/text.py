@@ -51,6 +51,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -148,26 +149,9 @@ def core(artifact: Path, texts: list[str], seconds: float) -> dict[tuple[int, in
     (tokenized, in parts, on the batcher, pooled) in a closed loop, after a second's warm-up."""
     import asyncio
 
-    from addnorm.service.core.text import TextLimits, decode_texts, run_parts, sentence_vectors
+    from addnorm.service.core.text import TextLimits
     from addnorm.service.models.state import ServiceState, serving_model
     from addnorm.service.settings import Settings
-
-    async def loop(model, limits: TextLimits, groups: list[list[str]], clients: int) -> float:
-        tokens = [0]
-
-        async def client(i: int, until: float) -> None:
-            while time.perf_counter() < until:
-                req = decode_texts(model, groups[i % len(groups)], False, limits)
-                with model.request(time.perf_counter()) as timer:
-                    outputs, _ = await run_parts(model.infer, req, 60.0, timer)
-                sentence_vectors(req, outputs=outputs, model=model)
-                tokens[0] += req.tokens
-                i += clients
-
-        await asyncio.gather(*(client(i, time.perf_counter() + 1.0) for i in range(clients)))
-        tokens[0], start = 0, time.perf_counter()
-        await asyncio.gather(*(client(i, start + seconds) for i in range(clients)))
-        return tokens[0] / (time.perf_counter() - start)
 
     async def main() -> dict[tuple[int, int], float]:
         settings = Settings(artifact=(artifact,))
@@ -175,7 +159,7 @@ def core(artifact: Path, texts: list[str], seconds: float) -> dict[tuple[int, in
         limits = TextLimits.of(settings)
         try:
             return {
-                (size, c): await loop(model, limits, groups(texts, size), c)
+                (size, c): await core_loop(model, limits, groups(texts, size), c, seconds)
                 for size in SIZES
                 for c in CLIENTS
             }
@@ -183,6 +167,46 @@ def core(artifact: Path, texts: list[str], seconds: float) -> dict[tuple[int, in
             await model.batcher.stop()
 
     return asyncio.run(main())
+
+
+async def core_loop(
+    model,
+    limits,
+    groups: list[list[str]],
+    clients: int,
+    seconds: float,
+    latencies: list[float] | None = None,
+    on_start: Callable[[], None] | None = None,
+) -> float:
+    """Tokens/s of ``clients`` closed-loop tasks on ``model`` (a ``ServingModel``) for ``seconds`` after a second's
+    warm-up, client i sending ``groups[i]``, ``groups[i + clients]``, ...: each request tokenized, in parts, on the
+    batcher, pooled, as the server does it; each measured request's seconds appended to ``latencies``;
+    ``on_start`` called as the measured seconds begin."""
+    import asyncio
+
+    from addnorm.service.core.text import decode_texts, run_parts, sentence_vectors
+
+    tokens, took = [0], []
+
+    async def client(i: int, until: float) -> None:
+        while (start := time.perf_counter()) < until:
+            req = decode_texts(model, groups[i % len(groups)], False, limits)
+            with model.request(start) as timer:
+                outputs, _ = await run_parts(model.infer, req, 60.0, timer)
+            sentence_vectors(req, outputs=outputs, model=model)
+            tokens[0] += req.tokens
+            took.append(time.perf_counter() - start)
+            i += clients
+
+    await asyncio.gather(*(client(i, time.perf_counter() + 1.0) for i in range(clients)))
+    if on_start is not None:
+        on_start()
+    tokens[0], start = 0, time.perf_counter()
+    took.clear()
+    await asyncio.gather(*(client(i, start + seconds) for i in range(clients)))
+    if latencies is not None:
+        latencies.extend(took)
+    return tokens[0] / (time.perf_counter() - start)
 
 
 def groups(texts: list[str], size: int) -> list[list[str]]:

@@ -440,20 +440,31 @@ def test_lone_request_times_each_step_of_the_servers_path_in_order(tmp_path, cap
     assert re.search(r"tokenize [\d.]+, embed [\d.]+, run [\d.]+, pool [\d.]+, in all [\d.]+", out), out
 
 
-def test_the_text_benchmarks_core_row_runs_the_servers_own_model(tmp_path, monkeypatch):
+@pytest.fixture(scope="session")
+def tiny_text_artifact(tmp_path_factory):
+    """A tiny BERT's ids artifact (random weights), exported once a run, for the tests that only read it."""
+    from addnorm.export import cli as export_cli
+    from tests.conftest import once_per_run
+    from tests.text_models import make_model_dir
+
+    def make(out):
+        model_dir = make_model_dir("bert", out.parent / "tiny-text-model")
+        assert (
+            export_cli.main(["--from", str(model_dir), "--artifact", str(out), "--name", "tiny", "-q"]) == 0
+        )
+
+    return once_per_run(tmp_path_factory, "tiny-text", make)
+
+
+def test_the_text_benchmarks_core_row_runs_the_servers_own_model(tiny_text_artifact, monkeypatch):
     """``bench.text.core`` (the request core in process, no HTTP) loads the model as addnorm-serve does and answers
     every client's requests through the batcher: each (sentences per request, clients) cell gets a rate, and the
     model's own statistics count the requests it served (no timing asserted)."""
-    from addnorm.export import cli as export_cli
     from addnorm.service.models import registry
     from bench import text
-    from tests.text_models import TEXTS, make_model_dir
+    from tests.text_models import TEXTS
 
-    model_dir = make_model_dir("bert", tmp_path / "model")
-    artifact = tmp_path / "artifact"
-    assert (
-        export_cli.main(["--from", str(model_dir), "--artifact", str(artifact), "--name", "tiny", "-q"]) == 0
-    )
+    artifact = tiny_text_artifact
     monkeypatch.setattr(text, "CLIENTS", (1, 3))
     monkeypatch.setattr(text, "SIZES", (1, 2))
     served = []
@@ -471,6 +482,51 @@ def test_the_text_benchmarks_core_row_runs_the_servers_own_model(tmp_path, monke
     limit = text.limits(artifact, TEXTS, (1, 4), repeat=1, copies=2)
     assert sorted(limit.rates) == sorted(limit.cpu_ms) == [1, 4] and 0 < limit.share < 1
     assert all(v > 0 for v in [*limit.rates.values(), *limit.cpu_ms.values()])
+
+
+def test_the_core_study_accounts_for_the_wall_run_by_run(tiny_text_artifact, capsys):
+    """bench.studies.core_runs on a tiny text model, 3 clients of one sentence, two queue delays in turn: a row for
+    each, made of the runs the batcher reported (at most 3 rows a run: 3 clients of one sentence), the wall split
+    into running, stacking and cutting, and neither, and the limit's line (no timing asserted)."""
+    from bench.studies import core_runs
+
+    args = [
+        "--artifact",
+        str(tiny_text_artifact),
+        "--clients",
+        "3",
+        "--rounds",
+        "1",
+        "--seconds",
+        "0.3",
+        "--sentences",
+        "3",
+    ]
+    assert core_runs.main([*args, "--delays", "0,2"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        out.startswith("addnorm's request core in process, 3 clients x 1 sentence, tiny")
+        and "CPU flags: " in out
+    )
+    assert re.search(r"^the limit: [\d,]+ tokens/s \(batches of 3 sentences", out, re.M), out
+    rows = {
+        cells[0]: dict(zip([n for n, _, _ in core_runs.COLUMNS], cells[1:], strict=True))
+        for line in out.splitlines()
+        if line.startswith("| ")
+        and (cells := [c.strip() for c in line.strip("|").split("|")])[0][0].isdigit()
+    }
+    assert list(rows) == ["0", "2"], out
+    for row in rows.values():
+        assert float(row["tokens/s"].replace(",", "")) > 0 and row["vs the limit"].endswith("x")
+        assert 1.0 <= float(row["rows per run"]) <= 3.0, out
+        shares = [float(row[k]) for k in ("model running", "stacking and cutting", "neither")]
+        assert 0 < shares[0] <= 1 and 0 <= shares[1] < 1 and abs(sum(shares) - 1) < 0.01, out
+        assert (
+            0 <= float(row["padding"].rstrip("%")) < 100 and float(row["p99 ms"]) >= float(row["p50 ms"]) > 0
+        )
+    with pytest.raises(SystemExit) as exc:
+        core_runs.main([*args, "--delays", "1,x"])
+    assert exc.value.code == 2
 
 
 def test_the_text_benchmarks_addnorm_cells_count_the_servers_cpu(tmp_path, monkeypatch):
