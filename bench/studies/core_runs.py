@@ -85,9 +85,10 @@ def core_runs(artifact: Path, texts: list[str], clients: int, seconds: float, de
             rate = await core_loop(
                 model, TextLimits.of(settings), groups(texts, 1), clients, seconds, latencies, start
             )
+            wall = time.perf_counter() - started[0]  # every measured request answered: its runs are recorded
+            recorder.on = False
         finally:
             await model.batcher.stop()
-        wall = time.perf_counter() - started[0]
         runs = recorder.runs
         running = sum(r.seconds for r in runs)
         stacking = sum(r.merge_s + r.split_s for r in runs) / wall
