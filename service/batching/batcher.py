@@ -49,7 +49,8 @@ EXPRESS_AFTER_S = 0.05
 # alternating between the two sessions stream two copies of the weights through the caches). On a 2-core Xeon, real
 # sentences through /v1/embeddings, against never spinning: 1.03-1.16x at 4 to 16 clients of one sentence, 1.15-1.19x
 # at one client of eight, level at 24 and 32; one bound of 8 gave 0.94-1.04x at 12 and 16 clients, one of 4 0.87x at
-# 8 (docs/benchmarks.md, "Spinning at light load" and "Light load with hysteresis").
+# 8 (docs/benchmarks.md, "Spinning at light load" and "Light load with hysteresis"). A run at light load is also cut
+# by a smaller fixed cost (merging.LIGHT_FIXED).
 LIGHT_LOAD, HEAVY_LOAD = 8, 16
 
 
@@ -80,6 +81,9 @@ class Batcher:
         self.packed = model.packed  # computes real positions only (model/packing.py)
         # its cost model (merging.measure_costs), of the layout the model has
         self.costs = dataclasses.replace(costs or merging.Costs(), packed=self.packed)
+        self._light_costs = (
+            self.costs.at_light_load()
+        )  # a run's, when few requests wait (merging.LIGHT_FIXED)
         self.cores = cores  # the server's CPU thread budget: each run holds the model's threads of it
         self._threads = model.threads  # what one run holds of the budget
         self.limits = merging.Limits(max_batch_size, max_batch_tokens, max_batch_attention, heads, attention)
@@ -392,7 +396,12 @@ class Batcher:
             if head.solo:
                 return [head]
             live = (i for i in self._queue if not i.dropped(now))  # the others are dropped as they come up
-            chosen = merging.choose(self.merge, head, live, self.limits, self.costs)
+            # requests waiting on the model, the head's own included: at light load, two or more cut by the light
+            # costs (a lone request's pieces have nothing else coming to join them)
+            waiting = self.depth + (head.queued[0] == 0)
+            light = 2 <= waiting <= (HEAVY_LOAD if self._light else LIGHT_LOAD)
+            costs = self._light_costs if light else self.costs
+            chosen = merging.choose(self.merge, head, live, self.limits, costs)
             if chosen:
                 taken = {id(i) for i in chosen}
                 self._queue = collections.deque(i for i in self._queue if id(i) not in taken)

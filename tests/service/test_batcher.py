@@ -467,6 +467,46 @@ def test_a_run_is_light_when_few_requests_wait_on_the_model(engine, monkeypatch)
     assert model.light == [True, False, True, True, True, True, False, False, True], model.light
 
 
+def test_at_light_load_a_run_is_cut_by_a_smaller_fixed_cost(engine, monkeypatch):
+    """Requests of 4 and 16 positions queued behind a run: at light load, two requests waiting, the run's fixed cost
+    weighs merging.LIGHT_FIXED of the measured 20 (8): padding the short one to 16 costs more than its own run, and
+    the two run apart; at heavy load (the bounds monkeypatched to 1) and for one request's two pieces (nothing else
+    is coming to join them) the full cost merges them into one run of 2 x 16."""
+    from addnorm.service.batching import batcher as batcher_module
+
+    light = merging.Costs(20.0).at_light_load().fixed
+    assert (
+        light == pytest.approx(20.0 * merging.LIGHT_FIXED) and light < 12
+    )  # under the 12 positions of padding
+    short, long = np.ones((1, 4, 32), np.float32), np.ones((1, 16, 32), np.float32)
+    pieces = np.zeros((2, 16), bool)
+    pieces[0, 4:] = True  # one request: rows of 4 and of 16 real positions
+
+    def runs_after_a_held_one(*requests) -> list[tuple]:
+        """The shapes of the runs that follow one held at the gate while ``requests`` (x, mask) queue behind it."""
+        model = Recorder(engine, threading.Event())
+
+        async def main():
+            batcher = Batcher(model, max_batch_size=16, costs=merging.Costs(20.0))
+            batcher.start()
+            first = asyncio.ensure_future(batcher.infer(np.ones((1, 3, 32), np.float32), None))
+            await until(model.entered.is_set)
+            rest = [asyncio.ensure_future(batcher.infer(x, mask)) for x, mask in requests]
+            await until(lambda: batcher.depth == len(requests))
+            model.gate.set()
+            await asyncio.gather(first, *rest)
+            await batcher.stop()
+
+        run(main())
+        return [shape[:2] for shape in model.shapes[1:]]
+
+    assert runs_after_a_held_one((short, None), (long, None)) == [(1, 4), (1, 16)]
+    assert runs_after_a_held_one((np.ones((2, 16, 32), np.float32), pieces)) == [(2, 16)]
+    monkeypatch.setattr(batcher_module, "LIGHT_LOAD", 1)
+    monkeypatch.setattr(batcher_module, "HEAVY_LOAD", 1)
+    assert runs_after_a_held_one((short, None), (long, None)) == [(2, 16)]
+
+
 def test_the_next_batch_starts_while_the_event_loop_is_busy(engine):
     """The inference thread takes its next batch itself: a busy event loop (here: blocked outright) does not
     leave the model idle between runs, as a scheduler living on the loop did."""

@@ -210,7 +210,9 @@ def test_a_padded_graph_queues_a_clients_rows_by_their_real_lengths(artifacts):
     mask[4, 1] = True  # inside a row: computed and masked
 
     async def main():
-        batcher = Batcher(model, observer=observer, costs=merging.Costs(8.0), max_queue_size=2)
+        # two requests wait (light load): their runs are cut by LIGHT_FIXED of this fixed cost, 8 positions
+        costs = merging.Costs(8.0 / merging.LIGHT_FIXED)
+        batcher = Batcher(model, observer=observer, costs=costs, max_queue_size=2)
         batcher.start()
         first = asyncio.ensure_future(batcher.infer(x[:1, :1], None))
         await until(model.entered.is_set)
