@@ -81,9 +81,8 @@ class Batcher:
         self.packed = model.packed  # computes real positions only (model/packing.py)
         # its cost model (merging.measure_costs), of the layout the model has
         self.costs = dataclasses.replace(costs or merging.Costs(), packed=self.packed)
-        self._light_costs = (
-            self.costs.at_light_load()
-        )  # a run's, when few requests wait (merging.LIGHT_FIXED)
+        # a run's, when few requests wait on the model (merging.LIGHT_FIXED)
+        self._light_costs = self.costs.at_light_load()
         self.cores = cores  # the server's CPU thread budget: each run holds the model's threads of it
         self._threads = model.threads  # what one run holds of the budget
         self.limits = merging.Limits(max_batch_size, max_batch_tokens, max_batch_attention, heads, attention)
