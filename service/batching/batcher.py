@@ -239,7 +239,7 @@ class Batcher:
                     stacked = self._stack(batch)
                     # the requests waiting on the model: those still queued, and those this run ends
                     load = self.depth + len({id(i.queued) for i in batch if not i.queued[0]})
-                    self._light = light = load <= (HEAVY_LOAD if self._light else LIGHT_LOAD)
+                    self._light = light = self._light_at(load)
             except Exception as exc:  # a fault in taking or merging fails what it took, never the thread
                 self._fault("taking the next batch", batch, exc)
                 batch = []
@@ -364,6 +364,11 @@ class Batcher:
         if self.observer is not None:
             self.observer.batch_done(run)
 
+    def _light_at(self, waiting: int) -> bool:
+        """Whether a run with ``waiting`` requests on the model is at light load: LIGHT_LOAD or fewer, or HEAVY_LOAD or
+        fewer while the last run was light (the inference thread's own state)."""
+        return waiting <= (HEAVY_LOAD if self._light else LIGHT_LOAD)
+
     def _take(self, wait: bool = True) -> list[Queued] | None:
         """Wait for a first request (``wait``; else return [] when none is queued; [] too after RELEASE_IDLE_S
         without one following a run), then up to max_delay for more, and take what fits; None once stopped."""
@@ -398,8 +403,7 @@ class Batcher:
             # requests waiting on the model, the head's own included: at light load, two or more cut by the light
             # costs (a lone request's pieces have nothing else coming to join them)
             waiting = self.depth + (head.queued[0] == 0)
-            light = 2 <= waiting <= (HEAVY_LOAD if self._light else LIGHT_LOAD)
-            costs = self._light_costs if light else self.costs
+            costs = self._light_costs if waiting >= 2 and self._light_at(waiting) else self.costs
             chosen = merging.choose(self.merge, head, live, self.limits, costs)
             if chosen:
                 taken = {id(i) for i in chosen}
