@@ -1,6 +1,7 @@
 """The benchmark's own parts work (no timing is asserted: speed is shown by `make bench`, not by tests)."""
 
 import re
+import time
 from functools import partial
 
 import numpy as np
@@ -827,3 +828,52 @@ def test_the_long_benchmark_makes_documents_of_each_length_and_its_table_reads(t
     out = table(res)
     row = "| documents of 512 tokens | 8 | 1.00 | 2.00 | 2.00x | 900 / 900 | 1.25 (0.80x) | 1,000 |"
     assert row in out and "p99 5.0 ms" in out
+
+
+def test_the_idle_study_times_runs_after_each_idle_time_on_both_sessions(
+    tiny_text_artifact, capsys, monkeypatch
+):
+    """bench.studies.idle_runs on a tiny text model: a row for each session and idle time, in the order asked, the
+    first idle time the baseline of its session (+0.00), each row's median within its rounds' range (no timing
+    asserted); a bad --idle exits 2."""
+    from addnorm.service.backend.engine import Engine
+    from bench.studies import idle_runs
+
+    runs, run = [], Engine.run  # each measured run: (its session, how long the process idled before it)
+
+    def recorded(self, *a, light=False, **k):
+        start = time.perf_counter()
+        try:
+            return run(self, *a, light=light, **k)
+        finally:
+            runs.append((light, start - (runs[-1][2] if runs else start), time.perf_counter()))
+
+    monkeypatch.setattr(Engine, "run", recorded)
+    args = ["--artifact", str(tiny_text_artifact), "--rounds", "2", "--runs", "3", "--sentences", "2"]
+    assert idle_runs.main([*args, "--idle", "0,1"]) == 0
+    # after 2 x 2 warm-up runs, each round: spinning at 0 and 1 ms idle, then asleep at 0 and 1 ms, 3 runs each
+    measured = runs[4:]
+    assert len(measured) == 2 * 4 * 3
+    assert [light for light, _, _ in measured] == ([True] * 6 + [False] * 6) * 2
+    idled = [gap for _, gap, _ in measured]
+    assert all(idled[i] >= 1e-3 for r in (0, 12) for i in [*range(r + 3, r + 6), *range(r + 9, r + 12)])
+    out = capsys.readouterr().out
+    assert out.startswith("one sentence a run after the process idled, tiny") and "CPU flags: " in out, out
+    rows = [
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in out.splitlines()
+        if line.startswith("| ") and line[2:4] in ("sp", "as")
+    ]
+    assert [(r[0], r[1]) for r in rows] == [
+        ("spinning", "0"),
+        ("spinning", "1"),
+        ("asleep", "0"),
+        ("asleep", "1"),
+    ]
+    for _, idle, mid, spread, extra in rows:
+        low, high = map(float, spread.split("-"))
+        assert 0 < low <= float(mid) <= high, out
+        assert extra == "+0.00" if idle == "0" else re.fullmatch(r"[+-]\d+\.\d\d", extra), out
+    with pytest.raises(SystemExit) as exc:
+        idle_runs.main([*args, "--idle", "0,x"])
+    assert exc.value.code == 2
