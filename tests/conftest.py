@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import resource
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -193,3 +194,46 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         if any(tool in reason for tool in CI_TOOLS):
             report.outcome = "failed"
             report.longrepr = f"skipped in CI, where .ci/run installs what it needs: {reason}"
+
+
+# The suite's CPU by test file, printed at its end: this process's and the processes its tests waited for (servers,
+# exports, Ray's), as each file's tests and their fixtures' set-up and tear-down took it. make test must stay under
+# 15 minutes on 2 cores, where the suite is bound by CPU, not by waiting: these are the figures to cut by.
+_CPU_BY_FILE: dict[str, float] = {}
+
+
+def _cpu_s() -> float:
+    return sum(
+        u.ru_utime + u.ru_stime
+        for u in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    start = _cpu_s()
+    yield
+    name = Path(item.fspath).relative_to(Path(__file__).parent).as_posix()
+    _CPU_BY_FILE[name] = _CPU_BY_FILE.get(name, 0.0) + _cpu_s() - start
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: its figures go to the controller
+        session.config.workeroutput["cpu_by_file"] = _CPU_BY_FILE
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """pytest-xdist's controller: a worker's figures, added to the others'."""
+    for name, cpu in getattr(node, "workeroutput", {}).get("cpu_by_file", {}).items():
+        _CPU_BY_FILE[name] = _CPU_BY_FILE.get(name, 0.0) + cpu
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _CPU_BY_FILE:
+        return
+    total = sum(_CPU_BY_FILE.values())
+    top = sorted(_CPU_BY_FILE.items(), key=lambda kv: -kv[1])[:15]
+    terminalreporter.write_sep("=", f"CPU by test file: {total:.0f} s in all, the {len(top)} largest")
+    for name, cpu in top:
+        terminalreporter.write_line(f"{cpu:8.1f} s  {cpu / total:5.1%}  {name}")
