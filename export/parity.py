@@ -186,6 +186,10 @@ def make_session(
     opts = ort.SessionOptions()
     opts.graph_optimization_level = GRAPH_OPT_LEVELS[graph_optimization]
     opts.log_severity_level = 3
+    # A check's runs are few and far between (numpy's comparisons in between): threads spinning between them only
+    # burn the cores. Without, all-MiniLM-L6-v2's export takes 0.90x the CPU and 0.95x the time, six tiny BERT
+    # exports 0.85-0.89x the CPU (docs/benchmarks.md, "Checks' sessions asleep"); the answers do not depend on it.
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     wanted = providers or [CPU]
     if CUDA in wanted and hasattr(ort, "preload_dlls"):
         ort.preload_dlls()  # CUDA and cuDNN from their pip packages, when installed that way
