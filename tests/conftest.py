@@ -213,7 +213,12 @@ def _cpu_s() -> float:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     start = _cpu_s()
     yield
-    name = Path(item.fspath).relative_to(Path(__file__).parent).as_posix()
+    path = Path(item.fspath)
+    name = (
+        path.relative_to(Path(__file__).parent).as_posix()
+        if path.is_relative_to(Path(__file__).parent)
+        else str(path)
+    )
     _CPU_BY_FILE[name] = _CPU_BY_FILE.get(name, 0.0) + _cpu_s() - start
 
 
