@@ -50,7 +50,13 @@ def _start_ray() -> None:
     """ray.init, tried twice: once in a clean-clone CI run on this shared machine Ray's own GCS server did not
     write its port file in time ("Timed out waiting for file .../gcs_server_port_..."), and once its raylet did not
     register with the GCS in 30 s ("The current node timed out during startup"), each before any addnorm code ran;
-    the same tests passed on the next run. Any other failure, or a second timeout, fails the tests."""
+    the same tests passed on the next run. Any other failure, or a second timeout, fails the tests.
+
+    Serve's controller kills a proxy not ready within RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S (5 s by default) while
+    ``serve.start`` waits 60 s for it: on a busy 2-core machine (make test's three workers) the proxy was killed
+    before it ran (``ActorDiedError``, "killed by `ray.kill`"). 60 s, as the image and bench's Ray driver set
+    (docs/deployment.md); Ray's processes read it from the environment ray.init starts them in."""
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     for attempt in (1, 2):
         try:
             ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
