@@ -33,6 +33,9 @@ pytestmark = [
         reason="debootstrap is not installed (apt-get install debootstrap)",
     ),
     pytest.mark.skipif(os.geteuid() != 0, reason="the images are built and run by root's podman"),
+    # The first test builds the images (``images``: up to 1800 s, the base made from Debian's packages first on a
+    # fresh machine): past pytest-timeout's 600 s (pyproject.toml), which killed a cold build on a busy 2-core machine.
+    pytest.mark.timeout(2400),
 ]
 
 PODMAN = ["podman", "--runtime", "runc", "--cgroup-manager", "cgroupfs"]
