@@ -9,8 +9,9 @@ The server's own model (``Engine``, as addnorm-serve loads it) runs bench.text's
 after the process slept ``--idle`` ms (the inference thread asleep on its condition, as between one client's
 requests), on the spinning session (``--intra-op-spinning light``'s lone run, the default) and on the sleeping one,
 every idle time in turn within each round. Per setting: the median of the rounds' median run times, the rounds'
-range, and the extra over the back-to-back runs (idle 0). The embedding graph is timed with the run, as a served
-run's merge is; tokenizing is not (it happens before the server's idle time ends).
+range, and the extra over the back-to-back runs (idle 0). The embedding graph is timed with the run (a served run
+embeds its text on the inference thread too); tokenizing is not (a server tokenizes on the event loop while the model
+is idle).
 """
 
 from __future__ import annotations
