@@ -21,13 +21,12 @@ from __future__ import annotations
 import asyncio
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from addnorm.commands import Parser
-from addnorm.model.artifact import Manifest
 from addnorm.model.runtime import cpu_flags
+from bench.studies import text_arguments, text_inputs
 
 LIMIT_SIZES = (8, 16, 32)  # the limit's batch sizes, up to the sentences in flight
 COLUMNS = (
@@ -148,18 +147,11 @@ def table(limit: tuple[float, int], rows: dict[float, dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.text import export_minilm, sentences
-
     p = Parser(prog="python -m bench.studies.core_runs", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--artifact",
-        type=Path,
-        help="an ids artifact (default: all-MiniLM-L6-v2 exported here, as bench --text does)",
-    )
+    text_arguments(p)
     p.add_argument("--clients", type=int, default=32, help="closed-loop clients, one sentence a request")
     p.add_argument("--rounds", type=int, default=3, help="rounds; each figure is their median")
     p.add_argument("--seconds", type=float, default=4.0, help="seconds each delay is measured in a round")
-    p.add_argument("--sentences", type=int, default=0, help="the first N of bench.text's sentences (0: all)")
     p.add_argument(
         "--delays",
         default="0",
@@ -172,11 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--delays takes comma-separated numbers of ms, got {args.delays!r}")
     if args.clients < 1 or args.rounds < 1 or args.seconds <= 0 or any(d < 0 for d in delays):
         p.error("--clients and --rounds must be at least 1, --seconds above 0, and each delay 0 or more")
-    texts = sentences()[: args.sentences or None]
-    with tempfile.TemporaryDirectory() as tmp:
-        artifact = args.artifact or export_minilm(Path(tmp) / "minilm")
+    with text_inputs(args) as (artifact, name, texts):
         limit, rows = measure(artifact, texts, args.clients, args.rounds, args.seconds, delays)
-        name = Manifest.load(artifact).name if args.artifact else "all-MiniLM-L6-v2"
     print(
         f"addnorm's request core in process, {args.clients} clients x 1 sentence, {name}, medians of {args.rounds} "
         f"round(s) of {args.seconds:g} s; CPU flags: {' '.join(sorted(cpu_flags())) or 'unknown'}"

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from addnorm.commands import Parser
-from addnorm.model.artifact import Manifest
 from addnorm.model.runtime import cpu_flags
+from bench.studies import text_arguments, text_inputs
 
 SESSIONS = (("spinning", True), ("asleep", False))  # (label, Engine.run's light=)
 
@@ -73,14 +72,8 @@ def table(res: dict, idle_ms: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.text import export_minilm, sentences
-
     p = Parser(prog="python -m bench.studies.idle_runs", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--artifact",
-        type=Path,
-        help="an ids artifact (default: all-MiniLM-L6-v2 exported here, as bench --text does)",
-    )
+    text_arguments(p)
     p.add_argument(
         "--idle",
         default="0,0.5,1,2,5",
@@ -90,7 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--runs", type=int, default=120, help="runs per setting in a round (their median is the round's)"
     )
-    p.add_argument("--sentences", type=int, default=0, help="the first N of bench.text's sentences (0: all)")
     args = p.parse_args(argv)
     try:
         idle_ms = [float(v) for v in args.idle.split(",")]
@@ -98,11 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--idle takes comma-separated numbers of ms, got {args.idle!r}")
     if args.rounds < 1 or args.runs < 1 or any(v < 0 for v in idle_ms):
         p.error("--rounds and --runs must be at least 1, and each idle time 0 or more")
-    texts = sentences()[: args.sentences or None]
-    with tempfile.TemporaryDirectory() as tmp:
-        artifact = args.artifact or export_minilm(Path(tmp) / "minilm")
+    with text_inputs(args) as (artifact, name, texts):
         res = measure(artifact, texts, idle_ms, args.rounds, args.runs)
-        name = Manifest.load(artifact).name if args.artifact else "all-MiniLM-L6-v2"
     print(
         f"one sentence a run after the process idled, {name}, {len(texts)} sentence(s) in turn, medians of "
         f"{args.rounds} round(s) of {args.runs} runs; CPU flags: {' '.join(sorted(cpu_flags())) or 'unknown'}"

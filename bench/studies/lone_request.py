@@ -32,6 +32,7 @@ from addnorm.commands import Parser
 from addnorm.model.artifact import Manifest
 from addnorm.model.runtime import cpu_flags
 from bench.server import HOST, ServerProcess
+from bench.studies import text_arguments, text_inputs
 
 MARKS = "ADDNORM_STUDY_MARKS"  # where the traced server writes its marks on SIGUSR1
 
@@ -213,24 +214,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--traced"]:  # the server side: python -m bench.studies.lone_request --traced SERVER-ARGS
         return traced(argv[1:])
-    from bench.text import export_minilm, sentences
-
     p = Parser(prog="python -m bench.studies.lone_request", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--artifact",
-        type=Path,
-        help="an ids artifact (default: all-MiniLM-L6-v2 exported here, as bench --text does)",
-    )
+    text_arguments(p)
     p.add_argument(
         "--rounds", type=int, default=4, help="times each sentence is sent; the first is a warm-up"
     )
-    p.add_argument("--sentences", type=int, default=0, help="the first N of bench.text's sentences (0: all)")
     args = p.parse_args(argv)
     if args.rounds < 2:
         p.error("--rounds must be at least 2: the first is a warm-up")
-    texts = sentences()[: args.sentences or None]
-    with tempfile.TemporaryDirectory() as tmp:
-        artifact = args.artifact or export_minilm(Path(tmp) / "minilm")
+    with text_inputs(args) as (artifact, name, texts):
         steps, walls = requests_through(artifact, texts, args.rounds)
         missing = sorted({step for step, *_ in STEPS} - set.intersection(*(set(s) for s in steps)))
         if missing:  # a step the server no longer takes on this path: the table would not add up
@@ -238,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         reference = in_process(artifact, texts, args.rounds)
     print(
         f"{len(steps)} lone /v1/embeddings requests ({len(texts)} sentences x {args.rounds - 1} rounds after a "
-        f"warm-up), one client, {Manifest.load(artifact).name if args.artifact else 'all-MiniLM-L6-v2'}; "
+        f"warm-up), one client, {name}; "
         f"CPU flags: {' '.join(sorted(cpu_flags())) or 'unknown'}"
     )
     print(report(steps, walls, reference))
