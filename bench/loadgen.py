@@ -119,11 +119,15 @@ def run_clients(
 ) -> LoadResult:
     """``concurrency`` closed-loop clients, each on its own connection from ``connect``, for ``seconds`` (or
     ``max_requests`` in all), after a warm-up of ``warmup`` requests on up to 4 connections (first requests pay
-    for allocations and thread start-up); the protocol lives in ``connect`` (HTTP above, gRPC in grpc_load)."""
+    for allocations and thread start-up); the protocol lives in ``connect`` (HTTP above, gRPC in grpc_load).
 
-    async def client(deadline: float, limit: int, lat: list, errs: list, counter: list) -> None:
+    The clock (and the client's CPU) starts once every client's connection is open: opening them is not what is
+    measured, and a short window on a busy machine had ended before a client got to send at all (0 requests)."""
+
+    async def client(window: _Window, limit: int, lat: list, errs: list, counter: list) -> None:
         async with connect() as send:
-            while time.perf_counter() < deadline and counter[0] < limit:
+            await window.opened()
+            while time.perf_counter() < window.deadline and counter[0] < limit:
                 counter[0] += 1
                 t = time.perf_counter()
                 ok = await send()
@@ -132,20 +136,36 @@ def run_clients(
                     errs.append(1)
 
     async def main() -> LoadResult:
-        await asyncio.gather(
-            *(client(time.perf_counter() + 30, warmup, [], [], [0]) for _ in range(min(concurrency, 4)))
-        )
+        warm = _Window(min(concurrency, 4), 30.0)
+        await asyncio.gather(*(client(warm, warmup, [], [], [0]) for _ in range(warm.clients)))
         lat: list[float] = []
         errs: list[int] = []
-        counter = [0]
-        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
-        start = time.perf_counter()
-        await asyncio.gather(
-            *(client(start + seconds, max_requests, lat, errs, counter) for _ in range(concurrency))
-        )
-        elapsed = time.perf_counter() - start
+        window, counter = _Window(concurrency, seconds), [0]
+        await asyncio.gather(*(client(window, max_requests, lat, errs, counter) for _ in range(concurrency)))
+        elapsed = time.perf_counter() - window.start
         cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-        cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+        cpu = (cpu1.ru_utime - window.cpu.ru_utime) + (cpu1.ru_stime - window.cpu.ru_stime)
         return LoadResult(len(lat), elapsed, np.array(lat), cpu, len(errs))
 
     return asyncio.run(main())
+
+
+class _Window:
+    """A load's measured window: it opens when the last of its ``clients`` connections has, and lasts ``seconds``."""
+
+    def __init__(self, clients: int, seconds: float) -> None:
+        self.clients, self.seconds = clients, seconds
+        self.connected = 0
+        self.go = asyncio.Event()
+        self.start = self.deadline = 0.0
+        self.cpu: resource.struct_rusage | None = None  # the client's CPU when it opened
+
+    async def opened(self) -> None:
+        """A client's connection is open: wait until every client's is (the last one starts the clock)."""
+        self.connected += 1
+        if self.connected == self.clients:
+            self.cpu = resource.getrusage(resource.RUSAGE_SELF)
+            self.start = time.perf_counter()
+            self.deadline = self.start + self.seconds
+            self.go.set()
+        await self.go.wait()

@@ -33,6 +33,35 @@ def test_load_generator_gets_real_answers_from_the_server(server, tiny_artifact)
             np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
+def test_the_load_window_opens_once_every_client_is_connected():
+    """Connections that take longer to open than the window lasts still get the whole window: the clock starts at
+    the last connection (on a busy CI machine, a 0.2 s window had closed before its one client sent anything)."""
+    import asyncio
+    import contextlib
+
+    from bench.loadgen import run_clients
+
+    opened: list[float] = []
+    sent: list[float] = []
+
+    @contextlib.asynccontextmanager
+    async def connect():
+        await asyncio.sleep(0.3)  # a connection slower to open than the 0.1 s window
+        opened.append(time.perf_counter())
+
+        async def send() -> bool:
+            sent.append(time.perf_counter())
+            await asyncio.sleep(0.01)
+            return True
+
+        yield send
+
+    result = run_clients(connect, 3, 0.1, warmup=1)
+    measured = sent[3:]  # after the warm-up's 3 connections' one request each
+    assert result.requests == len(measured) >= 3 and result.errors == 0
+    assert min(measured) >= max(opened)  # nothing measured before the last connection opened
+
+
 def test_flop_count_of_one_layer():
     gemm, attention = block_flops(8, 128, 768, 3072)
     assert gemm == 2 * 1024 * (768 * 2304 + 768 * 768 + 768 * 3072 + 3072 * 768)
@@ -300,7 +329,7 @@ def test_ab_compares_two_checkouts_phase_by_phase(tiny_artifact, capsys):
     for phase in ("V2 binary [8,128,32]", "/v1 binary", "/v1 JSON", "V2 binary 32 clients x [1,16,32]"):
         assert phase in out
     rows = [line for line in out.splitlines() if line.startswith("| V2 binary")]
-    assert all(" 0.0 |" not in row for row in rows)  # both sides served requests
+    assert all(" 0.0 |" not in row for row in rows), out  # both sides served requests
     assert "after / before, per round, median" in out
     args = [str(ROOT), str(ROOT), "--artifact", str(tiny_artifact), "--seconds", "0.2", "--rounds", "2"]
     assert ab.main([*args, "--only", "clients"]) == 0
