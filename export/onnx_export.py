@@ -6,6 +6,7 @@ import contextlib
 import io
 import logging
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import onnx
@@ -190,6 +191,7 @@ def export_module(
             contextlib.redirect_stderr(log),
             _quiet_loggers(),
             torch.no_grad(),
+            _torchlib_once(),
         ):
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
@@ -209,6 +211,44 @@ def export_module(
         raise ExportError(
             f"torch.onnx.export failed: {type(exc).__name__}: {exc}\n{log.getvalue()[-4000:]}"
         ) from exc
+
+
+# Each torch.onnx.export call builds its registry of ATen -> ONNX functions anew from onnxscript's torchlib, parsing the
+# source of ~500 functions (0.5-1 s of a one-layer block's 2-3 s export on a 2-core Xeon): an export traces the block
+# and, for a text model, its embedding layer, and a process exporting several models repeats it each time. Built once
+# per process and opset; each call gets its own copy of the lists, which its custom translations extend.
+_TORCHLIB: dict[int, object] = {}
+
+
+@contextlib.contextmanager
+def _torchlib_once() -> Iterator[None]:
+    """Within the block, torch.onnx.export's registry is this process's copy for its opset (see _TORCHLIB). The
+    exporter's registry is internal to torch (pinned by the export extra): where it is not found, nothing changes."""
+    try:
+        from torch.onnx._internal.exporter import _registration
+    except ImportError:
+        yield
+        return
+    registry = getattr(_registration, "ONNXRegistry", None)
+    build = getattr(getattr(registry, "from_torchlib", None), "__func__", None)
+    if build is None:
+        yield
+        return
+
+    def from_torchlib(cls, opset_version=_registration._constants.TORCHLIB_OPSET):
+        if opset_version not in _TORCHLIB:
+            _TORCHLIB[opset_version] = build(cls, opset_version)
+        built = _TORCHLIB[opset_version]
+        copy = cls()
+        copy._opset_version = built._opset_version
+        copy.functions = {target: list(decomps) for target, decomps in built.functions.items()}
+        return copy
+
+    registry.from_torchlib = classmethod(from_torchlib)
+    try:
+        yield
+    finally:
+        registry.from_torchlib = classmethod(build)
 
 
 def load_checked(path: str | Path, opset: int) -> onnx.ModelProto:

@@ -102,3 +102,28 @@ def test_the_gates_torch_side_is_computed_once_per_model_and_input_in_a_scope(tm
     with traces.reusing():
         (kept,) = traces.remembered("k", lambda: {"a": np.zeros(2)}).values()
     assert not kept.flags.writeable  # a remembered array cannot be changed by one of its readers
+
+
+def test_torch_onnx_exports_registry_is_built_once_a_process_and_changes_no_graph(tmp_path, monkeypatch):
+    """export_module builds torch.onnx.export's registry of torchlib functions once per opset (the exporter parses
+    ~500 functions' source for it on every call): two exports read torchlib once, a graph exported on the kept
+    registry is the graph a fresh one gives, and one export's custom translations never reach the next."""
+    from torch.onnx._internal.exporter import _registration
+
+    original = _registration.ONNXRegistry.from_torchlib
+    reads = []
+    torchlib = _registration.onnxscript_apis.get_torchlib_ops
+    monkeypatch.setattr(
+        _registration.onnxscript_apis, "get_torchlib_ops", lambda: reads.append(1) or torchlib()
+    )
+    monkeypatch.setattr(onnx_export, "_TORCHLIB", {})
+    encoder = build_encoder(CONFIG, seed=3).eval()
+    fresh = export_onnx(encoder, tmp_path / "fresh.onnx", attention="onnx", opset=23)  # custom translations
+    kept = export_onnx(encoder, tmp_path / "kept.onnx", attention="onnx", opset=23)
+    other = export_onnx(build_encoder(CONFIG, seed=4).eval(), tmp_path / "other.onnx", attention="mha")
+    assert len(reads) == len(onnx_export._TORCHLIB) == 2  # once per opset (torch builds 18's for 17)
+    assert kept.SerializeToString() == fresh.SerializeToString()
+    assert other.graph.node  # the registry's kept lists served a second model and opset
+    for built in onnx_export._TORCHLIB.values():
+        assert not any(d.is_custom for decomps in built.functions.values() for d in decomps)
+    assert _registration.ONNXRegistry.from_torchlib == original  # torch's own again after each export
