@@ -370,10 +370,13 @@ def server_cells(
 
 def addnorm_cells(artifact: Path, texts, counts, seconds: float, clients, flags=()) -> dict[str, dict]:
     """addnorm-serve (``flags`` added): ``server_cells`` with its CPU per request."""
+    from addnorm.model.artifact import Manifest
+
+    name = Manifest.load(artifact).name
     with ServerProcess(["-m", "addnorm.service", "--artifact", str(artifact), *flags], capture=False) as srv:
         return server_cells(
             srv.port,
-            partial(requests, srv.port, texts, counts=counts, model="minilm"),
+            partial(requests, srv.port, texts, counts=counts, model=name),
             clients,
             seconds,
             "addnorm",

@@ -56,6 +56,22 @@ def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_text_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny BERT's ids artifact (random weights, tests/text_models.py), named "tiny", exported once a run, for the
+    tests that only read it."""
+    from addnorm.export import cli as export_cli
+    from tests.text_models import make_model_dir
+
+    def make(out: Path) -> None:
+        model_dir = make_model_dir("bert", out.parent / "tiny-text-model")
+        assert (
+            export_cli.main(["--from", str(model_dir), "--artifact", str(out), "--name", "tiny", "-q"]) == 0
+        )
+
+    return once_per_run(tmp_path_factory, "tiny-text", make)
+
+
+@pytest.fixture(scope="session")
 def default_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default block (d_model 768, 12 heads, feed-forward 3072, mha attention), as make serve exports it, once
     a run."""

@@ -348,17 +348,13 @@ def test_ab_ratios_skip_a_round_whose_before_side_measured_nothing():
     assert ratio(before[:1], after[:1], "loop_ms") == "-"
 
 
-def test_ab_sends_real_text_to_a_text_model(tmp_path, capsys):
+def test_ab_sends_real_text_to_a_text_model(tiny_text_artifact, capsys):
     """bench.ab on a text model's artifact: the /v1/embeddings phases of real sentences (1 and 8 a request) run on
     both sides, and the ratios include p99's."""
-    from addnorm.export import cli as export_cli
     from bench import ab
     from tests.conftest import ROOT
-    from tests.text_models import make_model_dir
 
-    model_dir = make_model_dir("bert", tmp_path / "model")
-    artifact = tmp_path / "artifact"
-    assert export_cli.main(["--from", str(model_dir), "--artifact", str(artifact), "-q"]) == 0
+    artifact = tiny_text_artifact
     args = [str(ROOT), str(ROOT), "--artifact", str(artifact), "--seconds", "0.2", "--rounds", "1"]
     assert ab.main([*args, "--only", "real sentences"]) == 0
     out = capsys.readouterr().out
@@ -445,19 +441,13 @@ def test_codec_cost_times_every_codec_and_says_which_steps_leave_the_loop(tiny_a
     assert "thread hop (run_in_threadpool, uvloop): median" in out and "CPU flags: " in out
 
 
-def test_lone_request_times_each_step_of_the_servers_path_in_order(tmp_path, capsys):
+def test_lone_request_times_each_step_of_the_servers_path_in_order(tiny_text_artifact, capsys):
     """bench.studies.lone_request on a tiny text model: addnorm-serve stamps every step of each lone request (a step
     the server no longer takes would stop it), the steps' medians come in the path's order from the client's send
     to its answer, and the in-process line names its four steps (no timing asserted)."""
-    from addnorm.export import cli as export_cli
     from bench.studies import lone_request
-    from tests.text_models import make_model_dir
 
-    model_dir = make_model_dir("bert", tmp_path / "model")
-    artifact = tmp_path / "artifact"
-    assert (
-        export_cli.main(["--from", str(model_dir), "--artifact", str(artifact), "--name", "tiny", "-q"]) == 0
-    )
+    artifact = tiny_text_artifact
     assert lone_request.main(["--artifact", str(artifact), "--rounds", "2", "--sentences", "3"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("3 lone /v1/embeddings requests (3 sentences x 1 rounds") and "CPU flags: " in out
@@ -468,22 +458,6 @@ def test_lone_request_times_each_step_of_the_servers_path_in_order(tmp_path, cap
     assert at == sorted(at) and at[-1] > 0, out  # each request's marks are in order, so their medians are
     assert all(float(rows[step][1]) >= 0 for step in steps[1:])
     assert re.search(r"tokenize [\d.]+, embed [\d.]+, run [\d.]+, pool [\d.]+, in all [\d.]+", out), out
-
-
-@pytest.fixture(scope="session")
-def tiny_text_artifact(tmp_path_factory):
-    """A tiny BERT's ids artifact (random weights), exported once a run, for the tests that only read it."""
-    from addnorm.export import cli as export_cli
-    from tests.conftest import once_per_run
-    from tests.text_models import make_model_dir
-
-    def make(out):
-        model_dir = make_model_dir("bert", out.parent / "tiny-text-model")
-        assert (
-            export_cli.main(["--from", str(model_dir), "--artifact", str(out), "--name", "tiny", "-q"]) == 0
-        )
-
-    return once_per_run(tmp_path_factory, "tiny-text", make)
 
 
 def test_the_text_benchmarks_core_row_runs_the_servers_own_model(tiny_text_artifact, monkeypatch):
@@ -559,22 +533,16 @@ def test_the_core_study_accounts_for_the_wall_run_by_run(tiny_text_artifact, cap
     assert exc.value.code == 2
 
 
-def test_the_text_benchmarks_addnorm_cells_count_the_servers_cpu(tmp_path, monkeypatch):
+def test_the_text_benchmarks_addnorm_cells_count_the_servers_cpu(tiny_text_artifact, monkeypatch):
     """``bench.text.addnorm_cells`` runs addnorm-serve with the flags given (here onnxruntime on one thread, as the
     fewer-threads rows do) and puts the server's CPU per request beside each cell: its event loop's part is some of
     all its threads' (no timing asserted)."""
-    from addnorm.export import cli as export_cli
     from addnorm.model.artifact import Manifest
     from addnorm.model.tokenize import TextTokenizer
     from bench import text
-    from tests.text_models import TEXTS, make_model_dir
+    from tests.text_models import TEXTS
 
-    model_dir = make_model_dir("bert", tmp_path / "model")
-    artifact = tmp_path / "artifact"
-    assert (
-        export_cli.main(["--from", str(model_dir), "--artifact", str(artifact), "--name", "minilm", "-q"])
-        == 0
-    )
+    artifact = tiny_text_artifact
     tok = TextTokenizer((artifact / "tokenizer.json").read_bytes(), Manifest.load(artifact).text)
     counts = dict(zip(TEXTS, tok.encode(TEXTS, truncate=True).lengths, strict=True))
     monkeypatch.setattr(text, "SIZES", (1, 2))

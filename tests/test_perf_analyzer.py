@@ -90,26 +90,23 @@ def test_perf_analyzer_sends_requests_of_mixed_lengths_from_a_data_file(command,
     assert "100.0 requests/s of 30.0 tokens" in text and "| 1x | 0.90, 10 / 50 | 0.90, 10 / 50 |" in text
 
 
-def test_perf_analyzer_sends_text_as_bytes(command, tmp_path):
+def test_perf_analyzer_sends_text_as_bytes(command, tmp_path, tiny_text_artifact):
     """Issue 65: perf_analyzer, unmodified, sends sentences from a data file as the V2 BYTES input ``text`` to a model
     exported from a model directory, over HTTP, gRPC and a stream: the server tokenizes them, and the tokens it ran
     per request lie between the shortest and the longest sentence's."""
     import json
 
-    from addnorm.export import cli
     from addnorm.model.text import TOKENIZER_FILE
     from addnorm.model.tokenize import TextTokenizer
-    from tests.text_models import TEXTS, make_model_dir
+    from tests.text_models import TEXTS
 
-    artifact = tmp_path / "artifact"
-    model = make_model_dir("bert", tmp_path / "model")
-    assert cli.main(["--from", str(model), "--artifact", str(artifact), "--name", "tiny-text", "-q"]) == 0
+    artifact = tiny_text_artifact
     data = tmp_path / "text.json"
     data.write_text(json.dumps({"data": [{"text": {"content": [t], "shape": [1]}} for t in TEXTS]}))
     tokenizer = TextTokenizer((artifact / TOKENIZER_FILE).read_bytes(), Manifest.load(artifact).text)
     lengths = sorted(tokenizer.encode(TEXTS).lengths)
     with start_server(artifact, grpc=True) as srv:
-        rows = _every_transport_sends_every_entry(command, srv, "tiny-text", data, len(TEXTS), lengths, 2)
+        rows = _every_transport_sends_every_entry(command, srv, "tiny", data, len(TEXTS), lengths, 2)
     assert all(row["server_infer_ms"] > 0 for row in rows.values()), rows
 
 
