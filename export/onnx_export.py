@@ -8,6 +8,7 @@ import logging
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import onnx
 import torch
@@ -216,8 +217,10 @@ def export_module(
 # Each torch.onnx.export call builds its registry of ATen -> ONNX functions anew from onnxscript's torchlib, parsing the
 # source of ~500 functions (0.5-1 s of a one-layer block's 2-3 s export on a 2-core Xeon): an export traces the block
 # and, for a text model, its embedding layer, and a process exporting several models repeats it each time. Built once
-# per process and opset; each call gets its own copy of the lists, which its custom translations extend.
-_TORCHLIB: dict[int, object] = {}
+# per process and opset (by its arguments); each call gets its own copy of the lists, which its custom translations
+# extend. _TORCHLIB_BUILD: torch's own ``from_torchlib``, as found before the first export replaced it.
+_TORCHLIB: dict[tuple, Any] = {}
+_TORCHLIB_BUILD: dict[str, Any] = {}
 
 
 @contextlib.contextmanager
@@ -225,20 +228,20 @@ def _torchlib_once() -> Iterator[None]:
     """Within the block, torch.onnx.export's registry is this process's copy for its opset (see _TORCHLIB). The
     exporter's registry is internal to torch (pinned by the export extra): where it is not found, nothing changes."""
     try:
-        from torch.onnx._internal.exporter import _registration
+        from torch.onnx._internal.exporter._registration import ONNXRegistry as registry
     except ImportError:
         yield
         return
-    registry = getattr(_registration, "ONNXRegistry", None)
-    build = getattr(getattr(registry, "from_torchlib", None), "__func__", None)
-    if build is None:
+    own = _TORCHLIB_BUILD.setdefault("from_torchlib", vars(registry).get("from_torchlib"))
+    if not isinstance(own, classmethod):
         yield
         return
 
-    def from_torchlib(cls, opset_version=_registration._constants.TORCHLIB_OPSET):
-        if opset_version not in _TORCHLIB:
-            _TORCHLIB[opset_version] = build(cls, opset_version)
-        built = _TORCHLIB[opset_version]
+    def from_torchlib(cls, *args: Any, **kwargs: Any) -> Any:
+        key = (args, tuple(sorted(kwargs.items())))
+        if key not in _TORCHLIB:
+            _TORCHLIB[key] = own.__func__(cls, *args, **kwargs)
+        built = _TORCHLIB[key]
         copy = cls()
         copy._opset_version = built._opset_version
         copy.functions = {target: list(decomps) for target, decomps in built.functions.items()}
@@ -248,7 +251,7 @@ def _torchlib_once() -> Iterator[None]:
     try:
         yield
     finally:
-        registry.from_torchlib = classmethod(build)
+        registry.from_torchlib = own
 
 
 def load_checked(path: str | Path, opset: int) -> onnx.ModelProto:
