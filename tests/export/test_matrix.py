@@ -35,6 +35,12 @@ ATTENTION = ("mha", "onnx", "decomposed")
 DEPTHS = (1, 3)
 PLACEMENTS = ("post", "pre")
 NORMS = ("layer", "rms")
+# A layer's attention nodes in each form (export/attention.py)
+ATTENTION_NODES = {
+    "mha": {"If": 1, "MultiHeadAttention": 2, "Softmax": 0},
+    "onnx": {"Attention": 1, "MultiHeadAttention": 0, "Softmax": 0},
+    "decomposed": {"Softmax": 1, "MultiHeadAttention": 0, "Attention": 0},
+}
 RMS_OR_ONNX_OPSET = 23  # RMSNormalization and the ONNX Attention operator entered the standard in opset 23
 
 
@@ -240,6 +246,10 @@ def test_combination(matrix, combo: Combo, tmp_path, request):
         assert counts[norm] == cfg.num_norms
     if combo.variant == "int8":
         assert counts["MatMulInteger"] == 6 * cfg.num_layers and counts["DynamicQuantizeLinear"] == 0
+    # each layer's attention in its form, whatever the variant did to the graph around it (mha: one If choosing
+    # between two MultiHeadAttention nodes, with and without a mask)
+    form = ATTENTION_NODES[combo.attention]
+    assert {op: counts[op] for op in form} == {op: n * cfg.num_layers for op, n in form.items()}, counts
 
     # the adversarial suite, on the artifact's own saved weights
     report = parity_cli.check_artifact(directory, adversarial=True)
