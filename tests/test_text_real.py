@@ -50,12 +50,17 @@ def served(repo: Path) -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def want(minilm: Path) -> np.ndarray:
+def sentence_transformer(minilm: Path):
+    """sentence-transformers' own model of the directory, loaded once for the module."""
     from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(str(minilm), device="cpu")
-    assert model.max_seq_length == 256
-    return model.encode(TEXTS, convert_to_numpy=True)
+    return SentenceTransformer(str(minilm), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def want(sentence_transformer) -> np.ndarray:
+    assert sentence_transformer.max_seq_length == 256
+    return sentence_transformer.encode(TEXTS, convert_to_numpy=True)
 
 
 def _cosines(got: np.ndarray, want: np.ndarray) -> np.ndarray:
@@ -90,14 +95,12 @@ def test_a_text_over_256_tokens_is_cut_unless_the_request_says_not_to(served, wa
 
 
 @pytest.fixture(scope="module")
-def calibration(minilm: Path) -> np.ndarray:
+def calibration(sentence_transformer) -> np.ndarray:
     """sentence-transformers' vectors of the export's built-in calibration sentences: the ranges a user of
     ``quantize_embeddings(..., calibration_embeddings=...)`` would give it."""
-    from sentence_transformers import SentenceTransformer
-
     from addnorm.export.sentences import calibration_sentences
 
-    return SentenceTransformer(str(minilm), device="cpu").encode(calibration_sentences())
+    return sentence_transformer.encode(calibration_sentences())
 
 
 def _close(got: np.ndarray, want: np.ndarray, precision: str) -> None:
