@@ -105,8 +105,9 @@ def test_perf_analyzer_sends_text_as_bytes(command, tmp_path, tiny_text_artifact
     data.write_text(json.dumps({"data": [{"text": {"content": [t], "shape": [1]}} for t in TEXTS]}))
     tokenizer = TextTokenizer((artifact / TOKENIZER_FILE).read_bytes(), Manifest.load(artifact).text)
     lengths = sorted(tokenizer.encode(TEXTS).lengths)
+    name = Manifest.load(artifact).name
     with start_server(artifact, grpc=True) as srv:
-        rows = _every_transport_sends_every_entry(command, srv, "tiny", data, len(TEXTS), lengths, 2)
+        rows = _every_transport_sends_every_entry(command, srv, name, data, len(TEXTS), lengths, 2)
     assert all(row["server_infer_ms"] > 0 for row in rows.values()), rows
 
 
