@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from addnorm.export import cli
+from addnorm.export import cli, traces
 from addnorm.export.sentences import MORE, PASSAGE, SENTENCES
 from bench.server import ServerProcess
 from tests.helpers import error_message
@@ -33,12 +33,17 @@ def minilm() -> Path:
 
 @pytest.fixture(scope="module")
 def repo(minilm: Path, tmp_path_factory) -> Iterator[Path]:
+    """The directory exported in fp32 and int8, as two addnorm-export runs do, but in one trace scope
+    (export/traces.py): the int8 export reuses the fp32 one's torch trace and its gate's torch-side results."""
     repo = tmp_path_factory.mktemp("text-real")
-    for name, extra in (("minilm", []), ("minilm-int8", ["--variant", "int8"])):
-        assert (
-            cli.main(["--from", str(minilm), "--artifact", str(repo / name), "--name", name, "-q", *extra])
-            == 0
-        )
+    with traces.reusing():
+        for name, extra in (("minilm", []), ("minilm-int8", ["--variant", "int8"])):
+            assert (
+                cli.main(
+                    ["--from", str(minilm), "--artifact", str(repo / name), "--name", name, "-q", *extra]
+                )
+                == 0
+            )
     yield repo
     shutil.rmtree(repo, ignore_errors=True)
 
