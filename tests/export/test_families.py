@@ -147,30 +147,30 @@ def test_the_joined_graph_speaks_transformers_names(model_dirs, tmp_path, family
         interop.write(artifact, model_dirs[family], tmp_path / "st")
 
 
-def test_export_prints_one_screen_and_no_progress_bars(model_dirs, tmp_path):
+def test_export_prints_one_screen_and_no_progress_bars(model_dirs, tmp_path, capfd):
     """Issue 66: a summary by default (the table with -v, names never cut), nothing from a dependency's progress
-    bars on either stream, errors only with -q: as a user's terminal sees it, in its own process."""
-
-    def export(*flags: str) -> subprocess.CompletedProcess:
-        argv = [
-            "-m",
-            "addnorm.export.cli",
-            "--from",
-            str(model_dirs["bert"]),
-            "--artifact",
-            str(tmp_path / "a"),
-        ]
-        return subprocess.run(
-            [sys.executable, *argv, *flags], cwd=ROOT, capture_output=True, text=True, timeout=300
-        )
-
-    plain, verbose, quiet = export(), export("-v"), export("-q")
+    bars on either stream, errors only with -q. The default run as a user's terminal sees it, in its own process
+    (where a dependency's progress bar would first show); -v and -q in this one, read at the file descriptors
+    (their exports reuse this module's trace of the directory)."""
+    argv = ["--from", str(model_dirs["bert"]), "--artifact", str(tmp_path / "a")]
+    run = subprocess.run(
+        [sys.executable, "-m", "addnorm.export.cli", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    plain = capfd.readouterr()._replace(out=run.stdout, err=run.stderr)
+    assert cli.main([*argv, "-v"]) == 0
+    verbose = capfd.readouterr()
+    assert cli.main([*argv, "-q"]) == 0
+    quiet = capfd.readouterr()
     for r in (plain, verbose, quiet):
-        assert r.returncode == 0, r.stderr[-2000:]
-        assert "Loading weights" not in r.stdout + r.stderr and "it/s]" not in r.stdout + r.stderr
-    assert len(plain.stdout.splitlines()) <= 8 and "PASSED" in plain.stdout and "wrote" in plain.stdout
-    assert quiet.stdout == quiet.stderr == ""
-    words = {w for line in verbose.stdout.splitlines() for w in line.split()}
+        assert "Loading weights" not in r.out + r.err and "it/s]" not in r.out + r.err
+    assert len(plain.out.splitlines()) <= 8 and "PASSED" in plain.out and "wrote" in plain.out
+    assert quiet.out == quiet.err == ""
+    words = {w for line in verbose.out.splitlines() for w in line.split()}
     layers = Manifest.load(tmp_path / "a").config.num_layers
     assert {f"add_norm_{i}" for i in range(2 * layers)} <= words  # every step, by its whole name
 
