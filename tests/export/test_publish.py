@@ -82,9 +82,11 @@ def test_an_export_killed_at_each_step_of_its_publish_leaves_one_whole_artifact(
     """SIGKILL at the swap (before it: the previous artifact), at the directory's sync after it (the new one), and
     for a first export at its one rename (no artifact, nothing half there); the next export cleans up and
     publishes."""
+    from addnorm.export import cli
+
     strace = _strace()
     out = tmp_path / "art"
-    assert subprocess.run(_export_cmd(out, 0), cwd=ROOT, capture_output=True, timeout=300).returncode == 0
+    assert cli.main(_export_cmd(out, 0)[3:]) == 0  # the exports nobody kills run in this process
     before = _whole(out)
     # where the swap falls among the export's fsync calls: kill at the first fsync after it
     traced = subprocess.run(
@@ -108,7 +110,7 @@ def test_an_export_killed_at_each_step_of_its_publish_leaves_one_whole_artifact(
     fresh = tmp_path / "fresh"
     done = _killed_at(strace, fresh, 0, "rename", 1)
     assert done.returncode != 0 and not fresh.exists()
-    assert subprocess.run(_export_cmd(out, 3), cwd=ROOT, capture_output=True, timeout=300).returncode == 0
+    assert cli.main(_export_cmd(out, 3)[3:]) == 0
     assert _staging_left(out) == [] and _whole(out)
 
 
