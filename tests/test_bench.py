@@ -723,20 +723,13 @@ def test_the_sentence_transformers_apps_batcher_merges_queued_requests_in_order(
     asyncio.run(main())
 
 
-def test_the_stall_benchmark_sends_each_big_input_while_another_client_probes(tmp_path):
+def test_the_stall_benchmark_sends_each_big_input_while_another_client_probes(tiny_text_artifact):
     """``bench.stall.stall`` on a tiny text model: every case is answered as the server should (the huge inputs
     413 or RESOURCE_EXHAUSTED, the largest accepted requests 200), the prober answered throughout, memory read
     (no timing asserted)."""
-    from addnorm.export import cli as export_cli
     from bench import stall
-    from tests.text_models import make_model_dir
 
-    model_dir = make_model_dir("bert", tmp_path / "model")
-    artifact = tmp_path / "artifact"
-    assert (
-        export_cli.main(["--from", str(model_dir), "--artifact", str(artifact), "--name", "tiny", "-q"]) == 0
-    )
-    result = stall.stall(artifact, settle_s=0.1)
+    result = stall.stall(tiny_text_artifact, settle_s=0.1)
     answers = {name: case["answer"] for name, case in result["cases"].items()}
     assert len(answers) == 7, answers
     for name, answer in answers.items():

@@ -15,14 +15,14 @@ import httpx
 import numpy as np
 import pytest
 
-from addnorm.export import cli, hf
+from addnorm.export import hf
 from addnorm.model.artifact import ArtifactError, Manifest, read_verified
 from addnorm.model.contract import ENCODED, POOLED
 from addnorm.model.text import TOKENIZER_FILE
 from addnorm.model.tokenize import TextTokenizer
 from tests.conftest import start_server
 from tests.helpers import error_message
-from tests.text_models import TEXTS, make_model_dir, transformers_vectors
+from tests.text_models import TEXTS, transformers_vectors
 
 pytestmark = pytest.mark.server
 KEY = "text-api-key"
@@ -31,15 +31,15 @@ MAX_LENGTH = 48  # tests/text_models.py's sentence_bert_config.json
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return make_model_dir("bert", tmp_path_factory.mktemp("bert") / "model")
+def artifact(tiny_text_artifact: Path) -> Path:
+    """The run's tiny BERT artifact (tests/conftest.py, named "tiny"): read here, never changed."""
+    return tiny_text_artifact
 
 
 @pytest.fixture(scope="module")
-def artifact(model_dir: Path, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("text") / "artifact"
-    assert cli.main(["--from", str(model_dir), "--artifact", str(out), "--name", "tiny-bert", "-q"]) == 0
-    return out
+def model_dir(tiny_text_artifact: Path) -> Path:
+    """The model directory it was exported from."""
+    return tiny_text_artifact.parent / "tiny-text-model"
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_the_openai_client_unmodified_gets_what_the_graphs_compute(base, artifac
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-    answer = client.embeddings.create(model="tiny-bert", input=TEXTS)  # base64, as the client asks by default
+    answer = client.embeddings.create(model="tiny", input=TEXTS)  # base64, as the client asks by default
     got = np.array([d.embedding for d in answer.data], np.float32)
     want = _in_process(artifact, TEXTS)[POOLED]
     np.testing.assert_allclose(got, want, atol=1e-6)
@@ -75,7 +75,7 @@ def test_the_openai_client_unmodified_gets_what_the_graphs_compute(base, artifac
     # sentence-transformers' mean pooling and Normalize of transformers' own output
     _, pooled = transformers_vectors(model_dir, batch)
     assert ((got * pooled).sum(1) / np.linalg.norm(got, axis=1)).min() >= 0.99999
-    floats = client.embeddings.create(model="tiny-bert", input=TEXTS[0], encoding_format="float")
+    floats = client.embeddings.create(model="tiny", input=TEXTS[0], encoding_format="float")
     np.testing.assert_allclose(floats.data[0].embedding, got[0], atol=1e-7)
 
 
@@ -87,7 +87,7 @@ def test_the_cohere_clients_v1_embed_gets_what_the_graphs_compute(base, artifact
     import cohere
 
     co = cohere.Client(base_url=base, api_key="unused")
-    answer = co.embed(texts=TEXTS, model="tiny-bert", input_type="search_document")
+    answer = co.embed(texts=TEXTS, model="tiny", input_type="search_document")
     assert answer.response_type == "embeddings_floats" and answer.texts == TEXTS
     want = _in_process(artifact, TEXTS)[POOLED]
     np.testing.assert_allclose(np.array(answer.embeddings, np.float32), want, atol=1e-6)
@@ -95,7 +95,7 @@ def test_the_cohere_clients_v1_embed_gets_what_the_graphs_compute(base, artifact
     types = ["float", "int8", "ubinary"]
     by_type = co.embed(texts=TEXTS, embedding_types=types).embeddings
     v2 = cohere.ClientV2(base_url=base, api_key="unused").embed(
-        model="tiny-bert", texts=TEXTS, input_type="search_document", embedding_types=types
+        model="tiny", texts=TEXTS, input_type="search_document", embedding_types=types
     )
     for name in ("float_", "int8", "ubinary"):
         assert getattr(by_type, name) == getattr(v2.embeddings, name), name
@@ -122,9 +122,7 @@ def test_cohere_max_tokens_cuts_each_text_as_the_tokenizer_truncates_at_that_len
     co = cohere.ClientV2(base_url=base, api_key="unused")
 
     def embed(**kw):
-        answer = co.embed(
-            model="tiny-bert", texts=TEXTS, input_type="clustering", embedding_types=["float"], **kw
-        )
+        answer = co.embed(model="tiny", texts=TEXTS, input_type="clustering", embedding_types=["float"], **kw)
         return np.array(answer.embeddings.float_), answer.meta.billed_units.input_tokens
 
     whole, whole_billed = embed()
@@ -154,7 +152,7 @@ def test_vllms_truncate_prompt_tokens_keeps_each_inputs_last_tokens(base, artifa
 
     def embed(inputs, **extra):
         answer = client.embeddings.create(
-            model="tiny-bert", input=inputs, encoding_format="float", extra_body=extra
+            model="tiny", input=inputs, encoding_format="float", extra_body=extra
         )
         return np.array([d.embedding for d in answer.data]), answer.usage.prompt_tokens
 
@@ -184,10 +182,10 @@ def test_with_an_api_key_the_client_needs_it(artifact):
 
     with start_server(artifact, "--api-key", KEY) as srv:
         good = OpenAI(base_url=f"{srv.base}/v1", api_key=KEY, max_retries=0)
-        assert len(good.embeddings.create(model="tiny-bert", input=["a", "b"]).data) == 2
+        assert len(good.embeddings.create(model="tiny", input=["a", "b"]).data) == 2
         bad = OpenAI(base_url=f"{srv.base}/v1", api_key="wrong", max_retries=0)
         with pytest.raises(AuthenticationError) as got:
-            bad.embeddings.create(model="tiny-bert", input="a")
+            bad.embeddings.create(model="tiny", input="a")
         assert "API key" in got.value.message and got.value.code == "invalid_api_key", got.value.message
         r = httpx.post(f"{srv.base}/embed", json={"inputs": "a"})  # the guard answers in each API's shape
         assert (
@@ -209,7 +207,7 @@ def test_each_apis_errors_reach_its_official_client(base):
         client.embeddings.create(model="nope", input="a")
     assert "unknown model 'nope'" in got.value.message and got.value.code == "model_not_found"
     with pytest.raises(BadRequestError) as got:
-        client.embeddings.create(model="tiny-bert", input=["a", ""], encoding_format="float")
+        client.embeddings.create(model="tiny", input=["a", ""], encoding_format="float")
     assert "input[1] is an empty string" in got.value.message
     assert (got.value.param, got.value.type) == ("input", "invalid_request_error")
     r = httpx.post(f"{base}/embed", json={"inputs": "a", "dimensions": 0})
@@ -221,12 +219,12 @@ def test_each_apis_errors_reach_its_official_client(base):
     text = httpclient.InferInput("text", [1], "BYTES")
     text.set_data_from_numpy(np.array([b""], dtype=object))
     with pytest.raises(InferenceServerException) as v2:
-        httpclient.InferenceServerClient(host).infer("tiny-bert", [text])
+        httpclient.InferenceServerClient(host).infer("tiny", [text])
     assert "is an empty string" in v2.value.message(), v2.value
     text = grpcclient.InferInput("text", [1], "BYTES")
     text.set_data_from_numpy(np.array([b""], dtype=object))
     with pytest.raises(InferenceServerException) as rpc:
-        grpcclient.InferenceServerClient(f"127.0.0.1:{GRPC_PORT}").infer("tiny-bert", [text])
+        grpcclient.InferenceServerClient(f"127.0.0.1:{GRPC_PORT}").infer("tiny", [text])
     assert rpc.value.status() == "StatusCode.INVALID_ARGUMENT" and "is an empty string" in rpc.value.message()
 
 
@@ -368,7 +366,7 @@ def test_tei_embed_all_is_transformers_last_hidden_state_per_real_token_and_info
         assert "values of token vectors, more than this server answers at once (2000" in error_message(r)
         assert httpx.post(f"{small.base}/embed_all", json={"inputs": "a man"}).status_code == 200
     info = httpx.get(f"{base}/info").json()
-    assert info["model_id"] == "tiny-bert" and info["model_type"] == {"embedding": {"pooling": "mean"}}
+    assert info["model_id"] == "tiny" and info["model_type"] == {"embedding": {"pooling": "mean"}}
     assert (info["max_input_length"], info["max_batch_tokens"], info["max_client_batch_size"]) == (
         MAX_LENGTH,
         64,
@@ -462,7 +460,7 @@ def test_one_huge_string_is_refused_before_it_is_tokenized(base, where):
         "/v1/embeddings": {"input": huge, "truncate": False},
         "/embed": {"inputs": huge, "truncate": False},
         "/tokenize": {"inputs": huge},
-        "/v2/models/tiny-bert/infer": {
+        "/v2/models/tiny/infer": {
             "inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": [huge]}],
             "parameters": {"truncate": False},
         },
@@ -486,7 +484,7 @@ def test_a_model_that_takes_embeddings_says_so(tiny_artifact):
 
 def test_v1_models_lists_the_served_model(base):
     models = httpx.get(f"{base}/v1/models").json()
-    assert [m["id"] for m in models["data"]] == ["tiny-bert"] and models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == ["tiny"] and models["object"] == "list"
 
 
 def test_encoded_output_is_still_served_for_embeddings(base, artifact):
@@ -505,13 +503,11 @@ def test_tritonclient_sends_text_as_bytes_over_http_and_grpc(base, artifact):
     for binary in (True, False):
         inp = th.InferInput("text", [len(TEXTS)], "BYTES")
         inp.set_data_from_numpy(texts, binary_data=binary)
-        out = http.infer("tiny-bert", [inp], outputs=[th.InferRequestedOutput("pooled", binary_data=binary)])
+        out = http.infer("tiny", [inp], outputs=[th.InferRequestedOutput("pooled", binary_data=binary)])
         np.testing.assert_allclose(out.as_numpy("pooled"), want[POOLED], atol=1e-6)
     inp = th.InferInput("text", [len(TEXTS), 1], "BYTES")  # Triton's [batch, 1] convention
     inp.set_data_from_numpy(texts.reshape(-1, 1))
-    encoded = http.infer("tiny-bert", [inp]).as_numpy(
-        ENCODED
-    )  # padded to the longest: zeros past each length
+    encoded = http.infer("tiny", [inp]).as_numpy(ENCODED)  # padded to the longest: zeros past each length
     tokenizer = TextTokenizer((artifact / TOKENIZER_FILE).read_bytes(), Manifest.load(artifact).text)
     real = ~tokenizer.encode(TEXTS).mask
     assert encoded.shape == want[ENCODED].shape and not encoded[~real].any()
@@ -519,10 +515,10 @@ def test_tritonclient_sends_text_as_bytes_over_http_and_grpc(base, artifact):
     grpc = tg.InferenceServerClient(f"127.0.0.1:{GRPC_PORT}")
     inp = tg.InferInput("text", [len(TEXTS)], "BYTES")
     inp.set_data_from_numpy(texts)
-    np.testing.assert_allclose(grpc.infer("tiny-bert", [inp]).as_numpy("pooled"), want[POOLED], atol=1e-6)
-    meta = http.get_model_metadata("tiny-bert")
+    np.testing.assert_allclose(grpc.infer("tiny", [inp]).as_numpy("pooled"), want[POOLED], atol=1e-6)
+    meta = http.get_model_metadata("tiny")
     assert {"name": "text", "datatype": "BYTES", "shape": [-1, 1]} in meta["inputs"]
-    config = http.get_model_config("tiny-bert")
+    config = http.get_model_config("tiny")
     assert {i["name"]: i["optional"] for i in config["input"]} == {
         "embeddings": True,
         "mask": True,
@@ -565,7 +561,7 @@ def test_tritonclient_sends_text_as_bytes_over_http_and_grpc(base, artifact):
 )
 def test_bad_v2_text_is_a_400_naming_it(base, inputs, names):
     body = {"inputs": inputs, "parameters": {"truncate": False}}  # (the server cuts long texts by default)
-    r = httpx.post(f"{base}/v2/models/tiny-bert/infer", json=body)
+    r = httpx.post(f"{base}/v2/models/tiny/infer", json=body)
     assert r.status_code in (400, 413) and names in error_message(r), r.text
 
 
@@ -592,7 +588,7 @@ def test_bad_binary_bytes_are_a_400(base, raw, names):
         }
     ).encode()
     r = httpx.post(
-        f"{base}/v2/models/tiny-bert/infer",
+        f"{base}/v2/models/tiny/infer",
         content=header + raw,
         headers={"Inference-Header-Content-Length": str(len(header))},
     )
