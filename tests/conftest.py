@@ -55,6 +55,9 @@ def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return once_per_run(tmp_path_factory, "tiny", lambda out: export_to(out, TINY))
 
 
+TINY_TEXT_MODEL = "tiny-text-model"  # the model directory tiny_text_artifact is exported from, beside it
+
+
 @pytest.fixture(scope="session")
 def tiny_text_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny BERT's ids artifact (random weights, tests/text_models.py), named "tiny", exported once a run, for the
@@ -63,7 +66,7 @@ def tiny_text_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.text_models import make_model_dir
 
     def make(out: Path) -> None:
-        model_dir = make_model_dir("bert", out.parent / "tiny-text-model")
+        model_dir = make_model_dir("bert", out.parent / TINY_TEXT_MODEL)
         assert (
             export_cli.main(["--from", str(model_dir), "--artifact", str(out), "--name", "tiny", "-q"]) == 0
         )

@@ -20,7 +20,7 @@ from addnorm.model.artifact import ArtifactError, Manifest, read_verified
 from addnorm.model.contract import ENCODED, POOLED
 from addnorm.model.text import TOKENIZER_FILE
 from addnorm.model.tokenize import TextTokenizer
-from tests.conftest import start_server
+from tests.conftest import TINY_TEXT_MODEL, start_server
 from tests.helpers import error_message
 from tests.text_models import TEXTS, transformers_vectors
 
@@ -39,7 +39,7 @@ def artifact(tiny_text_artifact: Path) -> Path:
 @pytest.fixture(scope="module")
 def model_dir(tiny_text_artifact: Path) -> Path:
     """The model directory it was exported from."""
-    return tiny_text_artifact.parent / "tiny-text-model"
+    return tiny_text_artifact.parent / TINY_TEXT_MODEL
 
 
 @pytest.fixture(scope="module")
