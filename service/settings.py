@@ -99,8 +99,16 @@ class Settings(BaseSettings):
         "a run at light load (light from 8 requests waiting on the model down, the run's own included, heavy again "
         "only above 16: a lone client's sentence ~1 ms sooner on 2 cores, 2 to 16 clients' 1.03-1.16x a second), on a "
         "second session of the same graph (its own copy of the weights, CPU only), and sleep in the others; off, "
-        "always sleep (one session: the least memory); in-run, spin within every run and stop when it ends (small "
+        "always sleep (with --parallel-runs off, one session: the least memory); in-run, spin within every run and stop when it ends (small "
         "requests up to a tenth fewer a second at 32 clients on some 2-core CPUs: docs/benchmarks.md)",
+    )
+    parallel_runs: Literal["on", "off"] = Field(
+        "on",
+        description="on: a model runs one batch per intra-op thread at once, each on one thread (a session of one "
+        "thread: its own copy of the weights), so that no run waits at a parallel section's barrier for a thread the "
+        "HTTP front took; a light run (light load, --intra-op-spinning's bounds, and no other request queued: a lone "
+        "client's) has every thread, alone (2 cores, all-MiniLM-L6-v2: 1.16-1.37x a second at 32 clients, 1.12x at "
+        "8: docs/benchmarks.md); CPU only, with 2 threads or more; off, one run at a time on all the model's threads",
     )
     thread_budget: int = Field(
         0,

@@ -19,7 +19,7 @@ class FailOnce:
 
     def __init__(self, engine):
         self.failed = False
-        for name in ("session", "spinning_session"):
+        for name in ("session", "light_session"):
             if (session := getattr(engine, name)) is not None:
                 setattr(engine, name, self._wrapped(session))
 
@@ -41,9 +41,7 @@ def test_an_engine_failure_answers_a_json_500_and_the_next_request_succeeds(tiny
     with TestClient(app, raise_server_exceptions=False) as client:
         wait_until_ready(client)
         engine = app.state.addnorm.known.models.default.engine
-        assert (
-            engine.spinning_session is not None
-        )  # the default: a run at light load spins on a second session
+        assert engine.light_session is not None  # the default: a run at light load spins on a second session
         FailOnce(engine)
         body = {"embeddings": [[0.5] * 32]}
         r = client.post("/v1/encode", json=body)

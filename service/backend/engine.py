@@ -68,6 +68,7 @@ class Engine:
         intra_op_threads: int = 0,
         kernels_setting: str = "auto",
         spinning: str = "off",  # the server's default is Settings' ("light"); "off" here for the benches and tests
+        parallel_runs: bool = False,  # the server's default is Settings' (on); off here for the benches and tests
     ) -> None:
         try:  # the graph onnxruntime gets and the golden data checked are the bytes whose sha256 was checked
             verified = read_verified(model_dir)
@@ -84,9 +85,9 @@ class Engine:
         threads = intra_op_threads or default_threads()
         uses_kernels = kernels.DOMAIN.encode() in verified.model
 
-        def session(spin: bool) -> ort.InferenceSession:
+        def session(spin: bool, n: int = threads) -> ort.InferenceSession:
             opts = ort.SessionOptions()
-            opts.intra_op_num_threads = threads
+            opts.intra_op_num_threads = n
             opts.inter_op_num_threads = 1
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
             opts.log_severity_level = 3
@@ -106,15 +107,28 @@ class Engine:
                 raise EngineError(str(exc)) from exc
             return ort.InferenceSession(verified.model, opts, **session_args(wanted))
 
-        self.session = session(spinning == "in-run")
+        on_cpu = wanted[0] == CPU
+        # Parallel runs (--parallel-runs): up to ``lanes`` runs at once, each on one thread of a session of one
+        # thread that they share (onnxruntime's run is thread-safe; a one-thread session runs on its caller's
+        # thread), instead of one run at a time across every thread: no run waits at a parallel section's barrier
+        # for a thread the HTTP front took from it. A light run (``run(light=True)``: a lone client's, the batcher
+        # decides) still has every thread. Only where the CPU runs the model, with two threads or more.
+        self.lanes = threads if parallel_runs and on_cpu and threads > 1 else 1
+        if self.lanes > 1:
+            self.session = session(False, 1)
+            # the runs at light load: every thread, spinning within the run (light, in-run) or asleep (off)
+            self.light_session = session(spinning != "off")
+        else:
+            self.session = session(spinning == "in-run")
+            # "light": a second session of the same graph whose threads spin within a run, for the runs at light
+            # load (``run(light=True)``: few requests waiting), where the HTTP front has little to do on those
+            # cores; loaded runs stay on the first, asleep between sections. Only where the CPU runs the model: on
+            # CUDA the pool is idle.
+            self.light_session = session(True) if spinning == "light" and on_cpu else None
+        # Each session prepacks its own copy of the weights.
         self.providers = self.session.get_providers()
-        # "light": a second session of the same graph whose threads spin within a run, for the runs at light load
-        # (``run(light=True)``: few requests waiting), where the HTTP front has little to do on those cores; loaded
-        # runs stay on the first, asleep between sections. Its own copy of the weights
-        # (onnxruntime prepacks them per session). Only where the CPU runs the model: on CUDA the pool is idle.
-        self.spinning_session = session(True) if spinning == "light" and self.providers[0] == CPU else None
         # what its runs do (GET /v1/model): "light" only where there is a second session
-        self.spinning = "off" if spinning == "light" and self.spinning_session is None else spinning
+        self.spinning = "off" if spinning == "light" and self.light_session is None else spinning
         # an ids artifact's tokenizer and embedding graph (service/backend/text.py), on the providers the block got
         self.text = TextFront(verified, self.providers) if verified.embedding is not None else None
         if self.providers[0] != wanted[0]:
@@ -147,7 +161,7 @@ class Engine:
         arenas = ["cpu:0", *(["gpu:0"] if self.providers[0] == CUDA else [])]
         self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", ";".join(arenas))
         log.info(
-            "loaded %s (%s, %s attention, opset %d) from %s on %s with %d intra-op threads%s%s",
+            "loaded %s (%s, %s attention, opset %d) from %s on %s with %d intra-op threads%s%s%s",
             self.manifest.name,
             self.manifest.variant,
             self.attention,
@@ -155,7 +169,8 @@ class Engine:
             model_dir,
             self.providers,
             self.threads,
-            ", spinning within a run at light load (a second session)" if self.spinning_session else "",
+            ", spinning within a run at light load (a second session)" if self.spinning == "light" else "",
+            f", {self.lanes} runs at once under load, one thread each" if self.lanes > 1 else "",
             f", kernels {self.kernels.name} ({kernels.isa(self.kernels)})" if self.kernels else "",
         )
 
@@ -189,7 +204,7 @@ class Engine:
         if not self._grown:
             return False
         self._grown -= 1
-        for session in filter(None, (self.session, self.spinning_session)):
+        for session in filter(None, (self.session, self.light_session)):
             session.run(self.output_names, self._feed(np.zeros((1, 1, self.d_model)), None), self._shrink)
         trim()
         return True
@@ -218,8 +233,9 @@ class Engine:
         """embeddings (B, S, E) batch-first -> every output by name, batch-first float32 (padding included).
         ``lengths`` (B,): how much of each row to compute, for a packed graph (the rest is padding merging added or
         a request's own trailing padding, answered as zeros); every position when None. A padded graph computes
-        every position anyway. ``light``: few requests wait on the model (the spinning session's run, with
-        ``spinning="light"``)."""
+        every position anyway. ``light``: few requests wait on the model: the run has every thread (spinning
+        within it with ``spinning="light"``); otherwise, with ``lanes`` > 1, it is one of up to ``lanes`` runs at
+        once, on one thread."""
         b, s, _ = embeddings.shape
         padded = mask is not None and bool(mask.any())
         working = self.working_bytes(b, s, padded)
@@ -227,7 +243,7 @@ class Engine:
         if working > RELEASE_ABOVE_BYTES:
             self._grown = RELEASES
         feed = self._feed(embeddings, mask, lengths)
-        session = self.spinning_session if light and self.spinning_session is not None else self.session
+        session = self.light_session if light and self.light_session is not None else self.session
         outs = session.run(self.output_names, feed, self._shrink if big else None)
         if big:
             trim()
@@ -249,6 +265,7 @@ class Engine:
             "providers": self.providers,
             "intra_op_threads": self.threads,
             "intra_op_spinning": self.spinning,
+            "parallel_runs": self.lanes,  # runs at once under load (one thread each when more than one)
         }
 
 

@@ -24,9 +24,9 @@ class Backend(Protocol):
     manifest: Manifest  # the artifact's: its config (width, heads, layout), inputs, outputs, variant, parity
     directory: Path  # where it was loaded from
     providers: list[str]  # the execution providers its session runs on, the first doing the work
-    threads: (
-        int  # the CPU threads one run keeps busy (what it holds of the server's budget: backend/cores.py)
-    )
+    threads: int  # the CPU threads a run at light load keeps busy (what it holds of the server's budget: backend/cores.py)
+    # runs it takes at once under load, each keeping threads // lanes threads busy (1: one run at a time on all)
+    lanes: int
     packed: bool  # its graph computes each row to its own length: ``run`` takes ``lengths``
     d_model: int  # the width of its input embeddings and outputs
     heads: int  # attention heads (the batcher's attention budget)
@@ -54,8 +54,10 @@ class Backend(Protocol):
     ) -> dict[str, np.ndarray]:
         """(B, S, E) batch-first embeddings, ``mask`` (B, S) true at padding, ``lengths`` (B,) for a packed graph ->
         every output by name, batch-first float32. ``light``: few requests wait on the model (the batcher's
-        LIGHT_LOAD and HEAVY_LOAD), so the HTTP front has little to do beside this run: a CPU engine may then spend
-        spinning threads on its latency (``--intra-op-spinning light``)."""
+        LIGHT_LOAD and HEAVY_LOAD) and no other run is in progress, so the HTTP front has little to do beside this
+        run: it has all ``threads``, and a CPU engine may spend spinning threads on its latency
+        (``--intra-op-spinning light``); otherwise it is one of up to ``lanes`` runs at once. Called from up to
+        ``lanes`` threads at once."""
         ...
 
     def release(self) -> bool:

@@ -7,6 +7,12 @@ With the default ``max_queue_delay_ms=0`` a batch is whatever queued up while th
 for company while the model is idle); a positive delay waits that long for more. ``max_batch_size=1`` turns merging
 off.
 
+A model with ``lanes`` > 1 (``--parallel-runs``: one per intra-op thread) has that many inference threads: each takes
+its own batch and runs it on one thread, beside the others, unless its run is light: at light load (LIGHT_LOAD), no
+other lane running and no other request queued (its own pieces may be), the run takes every thread, alone, and no
+other lane starts one until it ends. On 2 cores, all-MiniLM-L6-v2, against one run at a time: 1.16-1.37x a second at
+32 clients, 1.12x at 8, 1.03-1.05x at one (docs/benchmarks.md, "Parallel runs under load").
+
 A run is never interrupted, and one of ``max_batch_tokens`` positions takes up to a second on a small CPU. So a second
 thread, the express lane, runs small requests (each and all together at most ``express_tokens`` positions,
 ``--express-tokens``) beside a run that holds a bigger request and has lasted EXPRESS_AFTER_S: one sentence from another
@@ -84,7 +90,8 @@ class Batcher:
         # a run's, when few requests wait on the model (merging.LIGHT_FIXED)
         self._light_costs = self.costs.at_light_load()
         self.cores = cores  # the server's CPU thread budget: each run holds the model's threads of it
-        self._threads = model.threads  # what one run holds of the budget
+        self._threads = model.threads  # what a run at light load holds of the budget
+        self._lanes = model.lanes  # runs at once under load, each holding threads // lanes of the budget
         self.limits = merging.Limits(max_batch_size, max_batch_tokens, max_batch_attention, heads, attention)
         # what the express lane runs: requests within these, while a long run is in progress (0: no lane)
         express = min(express_tokens, max_batch_tokens)
@@ -101,15 +108,17 @@ class Batcher:
         self._queued_bytes = 0
         self.depth = 0  # requests queued: one is until the last of its pieces leaves
         self._light = (
-            True  # the inference thread's: whether its last run was at light load (LIGHT_LOAD, HEAVY_LOAD)
+            True  # the lanes': whether the last run taken was at light load (LIGHT_LOAD, HEAVY_LOAD)
         )
         # The queue is shared by the event loop (adding) and the inference threads (taking): all under one lock,
         # with a condition for each thread's wait.
         lock = threading.RLock()
         self._ready = threading.Condition(lock)
         self._express_ready = threading.Condition(lock)
-        self._running_since: float | None = None  # when the main lane's run of a big request started
-        self._thread: threading.Thread | None = None
+        self._big_since: dict[int, float] = {}  # by lane: when its run of a big request started
+        self._running = 0  # the lanes' runs in progress
+        self._whole = False  # one of them is a run at light load, on every thread: no other lane starts one
+        self._threads_of: list[threading.Thread] = []
         self._express_thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -119,8 +128,11 @@ class Batcher:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._work, name="addnorm-infer", daemon=True)
-        self._thread.start()
+        for lane in range(self._lanes):
+            name = "addnorm-infer" if lane == 0 else f"addnorm-infer-{lane + 1}"
+            thread = threading.Thread(target=self._work, args=(lane,), name=name, daemon=True)
+            self._threads_of.append(thread)
+            thread.start()
         if self.express is not None:
             self._express_thread = threading.Thread(target=self._express, name="addnorm-express", daemon=True)
             self._express_thread.start()
@@ -131,7 +143,7 @@ class Batcher:
             self._closed = self._hurry = True
             self._ready.notify_all()
             self._express_ready.notify_all()
-        for thread in (self._thread, self._express_thread):
+        for thread in (*self._threads_of, self._express_thread):
             if thread is not None:
                 await asyncio.to_thread(thread.join)
         with self._ready:
@@ -156,7 +168,7 @@ class Batcher:
 
     def _withdraw(self, items: list[Queued]) -> None:
         """Take a request's pieces that are still queued out of the queue, so that they stop counting against
-        ADDNORM_MAX_QUEUE_SIZE and _BYTES at once, not when the inference thread next reaches them."""
+        ADDNORM_MAX_QUEUE_SIZE and _BYTES at once, not when an inference thread next reaches them."""
         with self._ready:
             mine = {id(i) for i in items}
             queued = [i for i in self._queue if id(i) in mine]
@@ -200,7 +212,7 @@ class Batcher:
             self._queued_bytes += size
             self.depth += 1
             self._ready.notify()
-            if self._running_since is not None:
+            if self._big_since:
                 self._express_ready.notify()
         # A timer instead of asyncio.wait_for: no extra task per request. Timing out before the run makes the
         # inference thread skip the items; during the run, their rows are dropped. If the awaiting task is cancelled
@@ -220,10 +232,10 @@ class Batcher:
         timings = max((i.timings for i in items), key=lambda t: t.queue_s + t.infer_s)
         return (answers[0] if parts is None else packing.joined(mask, parts, answers)), timings
 
-    # --- the inference thread ---
+    # --- the inference threads (lanes) ---
 
-    def _work(self) -> None:
-        """The inference thread: take a batch, run it, hand each request its rows; until stop().
+    def _work(self, lane: int = 0) -> None:
+        """An inference thread (lane ``lane``): take a batch, run it, hand each request its rows; until stop().
 
         A finished batch is handed to the event loop only once the next one is taken and merged, right before it
         runs: handing it over wakes the loop into writing that batch's responses, and the loop then holds the GIL
@@ -233,15 +245,15 @@ class Batcher:
         done: tuple | None = None  # a finished batch not yet handed to the loop
         while True:
             batch: list[Queued] | None = None
+            light = False
             try:
-                batch = self._take(wait=done is None)
+                batch, light = self._take(lane, wait=done is None)
                 if batch:
                     stacked = self._stack(batch)
-                    # the requests waiting on the model: those still queued, and those this run ends
-                    load = self.depth + len({id(i.queued) for i in batch if not i.queued[0]})
-                    self._light = light = self._light_at(load)
             except Exception as exc:  # a fault in taking or merging fails what it took, never the thread
                 self._fault("taking the next batch", batch, exc)
+                if batch:
+                    self._ran()
                 batch = []
             if done is not None:
                 self._post(self._deliver, *done)
@@ -253,16 +265,17 @@ class Batcher:
                     self._idle()
                 continue
             self._ran_since_release = True
+            held = self._threads if light or self._lanes == 1 else max(1, self._threads // self._lanes)
             try:
-                with self.cores.hold(self._threads) if self.cores else contextlib.nullcontext():
+                with self.cores.hold(held) if self.cores else contextlib.nullcontext():
                     # a big request's run: the express lane may overtake it once it lasts
                     if self.express is not None and not all(map(self._small, batch)):
                         with self._ready:
-                            self._running_since = time.perf_counter()
+                            self._big_since[lane] = time.perf_counter()
                             self._express_ready.notify()
                     done = self._run(batch, *stacked, light=light)
             finally:
-                self._running_since = None
+                self._ran(lane)
             if done is not None and self.max_delay > 0:
                 self._post(self._deliver, *done)
                 done = None
@@ -281,6 +294,15 @@ class Batcher:
                 continue
             if done is not None:
                 self._post(self._deliver, *done)
+
+    def _ran(self, lane: int | None = None) -> None:
+        """A lane's run ended (or failed before it began): the other lanes may start theirs."""
+        with self._ready:
+            if lane is not None:
+                self._big_since.pop(lane, None)
+            self._running -= 1
+            self._whole = False  # a run at light load is the only one in progress
+            self._ready.notify_all()
 
     def _fault(self, what: str, batch: list[Queued] | None, exc: Exception) -> None:
         """A fault of the batcher's own (not the engine's: _run fails those): log it, fail the requests it held
@@ -366,24 +388,26 @@ class Batcher:
 
     def _light_at(self, waiting: int) -> bool:
         """Whether a run with ``waiting`` requests on the model is at light load: LIGHT_LOAD or fewer, or HEAVY_LOAD or
-        fewer while the last run was light (the inference thread's own state)."""
+        fewer while the last run was light (the lanes' state, under the lock)."""
         return waiting <= (HEAVY_LOAD if self._light else LIGHT_LOAD)
 
-    def _take(self, wait: bool = True) -> list[Queued] | None:
+    def _take(self, lane: int = 0, wait: bool = True) -> tuple[list[Queued] | None, bool]:
         """Wait for a first request (``wait``; else return [] when none is queued; [] too after RELEASE_IDLE_S
-        without one following a run), then up to max_delay for more, and take what fits; None once stopped."""
+        without one following a run, on lane 0, which alone lets the model release memory), then up to max_delay
+        for more, and take what fits; None once stopped. With it, whether its run is at light load (on every
+        thread: ``_started``). No lane takes one while a run at light load is in progress."""
         with self._ready:
-            while wait and not self._queue and not self._closed:
-                if self._ran_since_release:
-                    if not self._ready.wait(RELEASE_IDLE_S) and not self._queue:
+            while wait and (not self._queue or self._whole) and not self._closed:
+                if self._ran_since_release and lane == 0:
+                    if not self._ready.wait(RELEASE_IDLE_S) and not self._queue and not self._running:
                         self._idle_due = True  # idle that long: the caller lets the model release its memory
-                        return []
+                        return [], False
                 else:
                     self._ready.wait()
             if self._closed:
-                return None
-            if not self._queue:
-                return []
+                return None, False
+            if not self._queue or self._whole:
+                return [], False
             if self.limits.max_batch_size > 1 and self.max_delay > 0:
                 self._ready.wait_for(
                     lambda: self._hurry or sum(i.rows for i in self._queue) >= self.limits.max_batch_size,
@@ -395,10 +419,10 @@ class Batcher:
             while self._queue and self._queue[0].dropped(now):
                 self._pop()
             if not self._queue:
-                return []
+                return [], False
             head = self._pop()
             if head.solo:
-                return [head]
+                return self._started([head])
             live = (i for i in self._queue if not i.dropped(now))  # the others are dropped as they come up
             # requests waiting on the model, the head's own included: at light load, two or more cut by the light
             # costs (a lone request's pieces have nothing else coming to join them)
@@ -409,15 +433,32 @@ class Batcher:
                 taken = {id(i) for i in chosen}
                 self._queue = collections.deque(i for i in self._queue if id(i) not in taken)
                 self._left(chosen)
-            return [head, *chosen]
+            return self._started([head, *chosen])
+
+    def _started(self, batch: list[Queued]) -> tuple[list[Queued], bool]:
+        """Under the lock, as a lane takes ``batch``: (it, whether its run is light). Light: few requests wait on
+        the model (those still queued, and those this run ends: ``_light_at``), no other lane is running and, with
+        lanes, no request outside this run is queued (one client's request cut into pieces runs them one after
+        another on every thread: 1.05x its sentences a second against pieces side by side, 0.85x); it then runs on
+        every thread, and no other lane starts a run until it ends (``_ran``)."""
+        load = self.depth + len({id(i.queued) for i in batch if not i.queued[0]})
+        light = self._light_at(load) and self._running == 0
+        if light and self._lanes > 1:  # every thread only when no other request waits for a lane of its own
+            mine = {id(i.queued) for i in batch}
+            light = all(id(i.queued) in mine for i in self._queue)
+        self._light = light
+        self._running += 1
+        self._whole = light
+        return batch, light
 
     def _take_express(self) -> list[Queued] | None:
-        """Wait until a small request is queued while the main lane's run of a bigger one has lasted EXPRESS_AFTER_S,
+        """Wait until a small request is queued while a lane's run of a bigger one has lasted EXPRESS_AFTER_S,
         then take it and the small ones that merge with it within ``express``; None once stopped."""
         with self._ready:
             while not self._closed:
                 wait = None  # until a request is queued or a run starts
-                if (since := self._running_since) is not None:
+                if self._big_since:
+                    since = min(self._big_since.values())
                     now = time.perf_counter()
                     wait = since + EXPRESS_AFTER_S - now
                     if wait <= 0:

@@ -130,7 +130,7 @@ async def serving_model(state: ServiceState, name: str, directory: Path, version
     try:
         # the one place a backend is built (service/backend/interface.py): everything after speaks to Backend
         engine: Backend = await asyncio.to_thread(
-            Engine, directory, s.providers, threads, s.kernels, s.intra_op_spinning
+            Engine, directory, s.providers, threads, s.kernels, s.intra_op_spinning, s.parallel_runs == "on"
         )
     except Exception as exc:  # any failure keeps the model (and /health/ready) unavailable, with the reason
         raise LoadFailed(str(exc)) from None

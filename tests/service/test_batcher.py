@@ -287,12 +287,14 @@ def test_a_request_withdrawn_while_its_run_waits_for_company_leaves_the_batcher_
         batcher = Batcher(engine, max_queue_delay_ms=60_000)  # waits for company until 32 rows or drain()
         batcher.start()
         gone = asyncio.ensure_future(batcher.infer(np.zeros((1, 7, 32), np.float32), None))
-        await until(lambda: _waiting_for_company(batcher._thread))  # it holds the request, the lock let go
+        await until(
+            lambda: _waiting_for_company(batcher._threads_of[0])
+        )  # it holds the request, the lock let go
         gone.cancel()  # what the request core does when the client disconnects: withdrawn from the queue
         await until(lambda: batcher.depth == 0)
         batcher.drain()  # the wait for company ends, on an empty queue
         out, _ = await asyncio.wait_for(batcher.infer(np.ones((1, 5, 32), np.float32), None), 10)
-        alive = batcher._thread.is_alive()
+        alive = batcher._threads_of[0].is_alive()
         await batcher.stop()
         return out, alive
 
@@ -320,7 +322,7 @@ def test_a_fault_in_the_batchers_own_code_fails_its_batch_not_the_thread(engine,
         with pytest.raises(Exception, match="inference failed: IndexError") as failed:
             await asyncio.wait_for(batcher.infer(np.zeros((1, 3, 32), np.float32), None), 10)
         out, _ = await asyncio.wait_for(batcher.infer(np.ones((1, 5, 32), np.float32), None), 10)
-        alive = batcher._thread.is_alive()
+        alive = batcher._threads_of[0].is_alive()
         await batcher.stop()
         return failed.value, out, alive
 
@@ -331,6 +333,7 @@ def test_a_fault_in_the_batchers_own_code_fails_its_batch_not_the_thread(engine,
 def test_engine_failure_fails_the_batch_not_the_batcher():
     class Flaky:  # the backend interface's members the batcher reads
         calls, packed, threads = 0, False, 1
+        lanes = 1
 
         def release(self):
             return False
@@ -465,6 +468,91 @@ def test_a_run_is_light_when_few_requests_wait_on_the_model(engine, monkeypatch)
     run(main())
     # one bound alone would give index 4 heavy (at 1) or index 7 light (at 2)
     assert model.light == [True, False, True, True, True, True, False, False, True], model.light
+
+
+class Lanes(Recorder):
+    """A model of two lanes (``--parallel-runs``) whose runs last a little: how many ran at once, on which threads."""
+
+    lanes, threads = 2, 2
+
+    def __init__(self, model, gate: threading.Event | None = None):
+        super().__init__(model, gate)
+        self.inside = self.most = 0
+        self.names: set[str] = set()
+        self.count = threading.Lock()
+
+    def run(self, x, mask=None, light=False):
+        with self.count:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+            self.names.add(threading.current_thread().name)
+        try:
+            time.sleep(0.02)  # time for another lane to start its run beside this one
+            return super().run(x, mask, light)
+        finally:
+            with self.count:
+                self.inside -= 1
+
+
+def test_under_load_each_lane_runs_a_batch_of_its_own_on_one_thread_of_the_budget(engine):
+    """A model of two lanes: a lone request's run is light, alone, on every thread; with 19 requests queued behind it
+    (more than HEAVY_LOAD) the two lanes run batches side by side, each holding one thread of a budget of two (were
+    each to hold both, the second would wait for the first: never two at once)."""
+    from addnorm.service.backend.cores import CoreBudget
+
+    model = Lanes(engine, threading.Event())
+    xs = [np.full((1, 3 + i % 4, 32), i, np.float32) for i in range(20)]
+
+    async def main():
+        batcher = Batcher(model, max_batch_size=1, cores=CoreBudget(2))
+        batcher.start()
+        first = asyncio.ensure_future(batcher.infer(xs[0], None))
+        await until(model.entered.is_set)
+        rest = [asyncio.ensure_future(batcher.infer(x, None)) for x in xs[1:]]
+        await until(lambda: batcher.depth == 19)
+        model.gate.set()
+        out = await asyncio.gather(first, *rest)
+        await batcher.stop()
+        return out
+
+    out = run(main())
+    for x, (rows, _) in zip(xs, out, strict=True):  # each its own answer, whichever lane ran it
+        np.testing.assert_array_equal(rows["encoded"], engine.run(x)["encoded"])
+    assert model.light[0] and not all(model.light), model.light
+    assert model.most == 2 and model.names == {"addnorm-infer", "addnorm-infer-2"}, (model.most, model.names)
+
+
+def test_a_run_takes_every_thread_only_when_no_other_request_waits(engine):
+    """A model of two lanes: a lone request's run is light (every thread, the model to itself), and so is each piece
+    of one client's padded request, run one after another (its own pieces are not another request); with other
+    requests queued behind a run, even at light load, the lanes run them side by side on one thread each."""
+    model = Lanes(engine, threading.Event())
+    model.gate.set()
+    x = np.ones((4, 8, 32), np.float32)
+    mask = np.zeros((4, 8), bool)
+    for row, real in enumerate((8, 6, 4, 2)):
+        mask[row, real:] = True  # four pieces: one row each of 8, 6, 4 and 2 real positions
+    one = np.ones((1, 5, 32), np.float32)
+
+    async def main():
+        batcher = Batcher(model, max_batch_size=1)
+        batcher.start()
+        rows, _ = await batcher.infer(x, mask)
+        for row, real in enumerate((8, 6, 4, 2)):
+            want = engine.run(x[row : row + 1, :real])["encoded"][0]
+            np.testing.assert_allclose(rows["encoded"][row, :real], want, atol=1e-6)
+        assert model.light == [True] * 4 and model.most == 1, (model.light, model.most)
+        model.gate, model.entered, model.light = threading.Event(), threading.Event(), []
+        first = asyncio.ensure_future(batcher.infer(one, None))
+        await until(model.entered.is_set)
+        rest = [asyncio.ensure_future(batcher.infer(one, None)) for _ in range(3)]
+        await until(lambda: batcher.depth == 3)  # three requests behind a light run: light load, four waiting
+        model.gate.set()
+        await asyncio.gather(first, *rest)
+        await batcher.stop()
+
+    run(main())
+    assert model.light[:3] == [True, False, False] and model.most == 2, (model.light, model.most)
 
 
 def test_at_light_load_a_run_is_cut_by_a_smaller_fixed_cost(engine, monkeypatch):

@@ -63,7 +63,7 @@ def test_cuda_that_fails_to_initialize_is_refused(tiny_artifact, monkeypatch):
     assert Engine(tiny_artifact, "auto").providers == [CPU]  # auto: warns and serves on CPU
 
 
-def test_a_cuda_engine_makes_no_spinning_session(tiny_artifact, monkeypatch):
+def test_a_cuda_engine_makes_no_light_session(tiny_artifact, monkeypatch):
     """--intra-op-spinning light (the default) on CUDA: the GPU runs the model and the CPU pool idles, so there is
     one session, and a run at light load takes it; GET /v1/model says its threads do not spin."""
     monkeypatch.setattr(engine_mod.ort, "get_available_providers", lambda: [CUDA, CPU])
@@ -83,7 +83,7 @@ def test_a_cuda_engine_makes_no_spinning_session(tiny_artifact, monkeypatch):
 
     monkeypatch.setattr(engine_mod.ort, "InferenceSession", OnCuda)
     eng = Engine(tiny_artifact, "cuda", spinning="light")
-    assert len(made) == 1 and eng.spinning_session is None
+    assert len(made) == 1 and eng.light_session is None
     assert eng.describe()["intra_op_spinning"] == "off"
     x = np.ones((1, 3, 32), np.float32)
     np.testing.assert_array_equal(eng.run(x, light=True)["encoded"], eng.run(x)["encoded"])
@@ -171,12 +171,12 @@ def test_intra_op_spinning_light_spins_only_in_runs_at_light_load(tiny_artifact)
     eng = Engine(tiny_artifact, "cpu", intra_op_threads=2, spinning="light")
     opts = eng.session.get_session_options()
     assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "0"
-    spin = eng.spinning_session.get_session_options()
+    spin = eng.light_session.get_session_options()
     assert spin.get_session_config_entry("session.intra_op.allow_spinning") == "1"
     assert spin.get_session_config_entry("session.force_spinning_stop") == "1"
     np.testing.assert_array_equal(eng.run(x, light=True)["encoded"], eng.run(x)["encoded"])
     calls = []
-    for name in ("session", "spinning_session"):
+    for name in ("session", "light_session"):
         session = getattr(eng, name)
         setattr(
             eng,
@@ -192,15 +192,41 @@ def test_intra_op_spinning_light_spins_only_in_runs_at_light_load(tiny_artifact)
     eng._grown = 1
     assert eng.release()
     assert calls == [
-        "spinning_session",
+        "light_session",
         "session",
         "session",
-        "spinning_session",
+        "light_session",
     ]  # the release shrinks both sessions' arenas
     assert eng.describe()["intra_op_spinning"] == "light"  # GET /v1/model says what its runs do
     for spinning in ("off", "in-run"):
         other = Engine(tiny_artifact, "cpu", intra_op_threads=2, spinning=spinning)
-        assert other.spinning_session is None and other.describe()["intra_op_spinning"] == spinning
+        assert other.light_session is None and other.describe()["intra_op_spinning"] == spinning
+
+
+def test_parallel_runs_give_loaded_runs_one_thread_each_and_light_runs_every_thread(tiny_artifact):
+    """--parallel-runs on (the server's default; the Engine's is off): on 2 threads, two lanes; the runs under load
+    go to a session of one thread (run by the lanes at once), the runs at light load to one of every thread,
+    spinning within the run with --intra-op-spinning light, asleep with off. The same arithmetic on both, from two
+    threads at once too. One thread, or off: one lane, as before."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from addnorm.service.settings import Settings
+
+    assert Settings.model_fields["parallel_runs"].default == "on"
+    x = np.random.default_rng(2).standard_normal((3, 6, 32)).astype(np.float32)
+    for spinning, spins in (("light", "1"), ("off", "0")):
+        eng = Engine(tiny_artifact, "cpu", intra_op_threads=2, spinning=spinning, parallel_runs=True)
+        assert eng.lanes == 2 and eng.threads == 2 and eng.describe()["parallel_runs"] == 2
+        assert eng.session.get_session_options().intra_op_num_threads == 1
+        light = eng.light_session.get_session_options()
+        assert light.intra_op_num_threads == 2
+        assert light.get_session_config_entry("session.intra_op.allow_spinning") == spins
+        want = eng.run(x, light=True)["encoded"]
+        with ThreadPoolExecutor(2) as pool:
+            for got in pool.map(lambda _, e=eng: e.run(x)["encoded"], range(8)):
+                np.testing.assert_array_equal(got, want)
+    assert Engine(tiny_artifact, "cpu", intra_op_threads=1, parallel_runs=True).lanes == 1
+    assert Engine(tiny_artifact, "cpu", intra_op_threads=2, spinning="light").lanes == 1
 
 
 def test_engine_refuses_a_tampered_graph(tiny_artifact, tmp_path):

@@ -72,6 +72,7 @@ def test_the_batcher_merges_any_lengths_into_one_packed_run_and_counts_no_paddin
     class Held:  # the engine, its first run held until every request is queued
         packed = True
         threads = engine.threads
+        lanes = 1
 
         def run(self, x, mask=None, lengths=None, light=False):
             calls.append((x.shape, None if lengths is None else list(lengths)))
@@ -132,6 +133,7 @@ def test_a_clients_own_trailing_padding_is_not_computed(artifacts):
 
     class Recorded:
         packed, threads, release = True, engine.threads, engine.release
+        lanes = 1
 
         def run(self, x, mask=None, lengths=None, light=False):
             calls.append(None if lengths is None else lengths.tolist())
@@ -173,6 +175,7 @@ def test_on_a_packed_graph_a_clients_short_rows_do_not_pay_its_long_rows_attenti
 
     class Recorded:
         packed, threads, release = True, engine.threads, engine.release
+        lanes = 1
 
         def run(self, x, mask=None, lengths=None, light=False):
             calls.append((x.shape[1], None if lengths is None else sorted(lengths.tolist())))
