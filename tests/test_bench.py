@@ -1,6 +1,7 @@
 """The benchmark's own parts work (no timing is asserted: speed is shown by `make bench`, not by tests)."""
 
 import re
+import threading
 import time
 from functools import partial
 
@@ -486,6 +487,16 @@ def test_the_text_benchmarks_core_row_runs_the_servers_own_model(tiny_text_artif
     limit = text.limits(artifact, TEXTS, (1, 4), repeat=1, copies=2)
     assert sorted(limit.rates) == sorted(limit.cpu_ms) == [1, 4] and 0 < limit.share < 1
     assert all(v > 0 for v in [*limit.rates.values(), *limit.cpu_ms.values()])
+    # and its batches side by side, one a thread (--parallel-runs): two lanes on two threads
+    from addnorm.service.backend.engine import Engine
+
+    ran_on, run = set(), Engine.run
+    monkeypatch.setattr(
+        Engine, "run", lambda *a, **k: ran_on.add(threading.current_thread().name) or run(*a, **k)
+    )
+    side = text.limits(artifact, TEXTS, (1, 4), repeat=1, copies=2, threads=2, parallel=True)
+    assert sorted(side.rates) == [1, 4] and all(v > 0 for v in [*side.rates.values(), *side.cpu_ms.values()])
+    assert len(ran_on) == 2, ran_on
 
 
 def test_the_core_study_accounts_for_the_wall_run_by_run(tiny_text_artifact, capsys):
