@@ -60,6 +60,11 @@ class Backend(Protocol):
         ``lanes`` threads at once."""
         ...
 
+    def working_bytes(self, rows: int, seq: int, padded: bool) -> int:
+        """About the activation memory a run of ``rows`` x ``seq`` holds at its peak (the batcher runs a big one
+        alone)."""
+        ...
+
     def release(self) -> bool:
         """Give back memory its last runs held (called when idle); True when it gave some."""
         ...

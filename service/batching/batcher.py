@@ -58,6 +58,11 @@ EXPRESS_AFTER_S = 0.05
 # 8 (docs/benchmarks.md, "Spinning at light load" and "Light load with hysteresis"). A run at light load is also cut
 # by a smaller fixed cost (merging.LIGHT_FIXED).
 LIGHT_LOAD, HEAVY_LOAD = 8, 16
+# A run whose activations need more than this (``Backend.working_bytes``) runs alone, on every thread, even where the
+# model's lanes run side by side: runs side by side hold their activations at once, so this bounds what they add to
+# the one run --max-batch-tokens and --max-batch-attention bound (all-MiniLM-L6-v2: above ~7,000 positions; the
+# 768-wide default block: above ~3,600).
+ALONE_ABOVE_BYTES = 128 * 1024 * 1024
 
 
 class Batcher:
@@ -117,7 +122,8 @@ class Batcher:
         self._express_ready = threading.Condition(lock)
         self._big_since: dict[int, float] = {}  # by lane: when its run of a big request started
         self._running = 0  # the lanes' runs in progress
-        self._whole = False  # one of them is a run at light load, on every thread: no other lane starts one
+        # the lane whose run has every thread and the model to itself (light, or big): no other lane starts one
+        self._whole: int | None = None
         self._threads_of: list[threading.Thread] = []
         self._express_thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -253,7 +259,7 @@ class Batcher:
             except Exception as exc:  # a fault in taking or merging fails what it took, never the thread
                 self._fault("taking the next batch", batch, exc)
                 if batch:
-                    self._ran()
+                    self._ran(lane)
                 batch = []
             if done is not None:
                 self._post(self._deliver, *done)
@@ -265,6 +271,9 @@ class Batcher:
                     self._idle()
                 continue
             self._ran_since_release = True
+            if light and self._lanes > 1:  # alone: the other lanes' runs end first (none starts meanwhile)
+                with self._ready:
+                    self._ready.wait_for(lambda: self._running == 1)
             held = self._threads if light or self._lanes == 1 else max(1, self._threads // self._lanes)
             try:
                 with self.cores.hold(held) if self.cores else contextlib.nullcontext():
@@ -295,13 +304,13 @@ class Batcher:
             if done is not None:
                 self._post(self._deliver, *done)
 
-    def _ran(self, lane: int | None = None) -> None:
+    def _ran(self, lane: int) -> None:
         """A lane's run ended (or failed before it began): the other lanes may start theirs."""
         with self._ready:
-            if lane is not None:
-                self._big_since.pop(lane, None)
+            self._big_since.pop(lane, None)
             self._running -= 1
-            self._whole = False  # a run at light load is the only one in progress
+            if self._whole == lane:
+                self._whole = None
             self._ready.notify_all()
 
     def _fault(self, what: str, batch: list[Queued] | None, exc: Exception) -> None:
@@ -397,7 +406,7 @@ class Batcher:
         for more, and take what fits; None once stopped. With it, whether its run is at light load (on every
         thread: ``_started``). No lane takes one while a run at light load is in progress."""
         with self._ready:
-            while wait and (not self._queue or self._whole) and not self._closed:
+            while wait and (not self._queue or self._whole is not None) and not self._closed:
                 if self._ran_since_release and lane == 0:
                     if not self._ready.wait(RELEASE_IDLE_S) and not self._queue and not self._running:
                         self._idle_due = True  # idle that long: the caller lets the model release its memory
@@ -406,7 +415,7 @@ class Batcher:
                     self._ready.wait()
             if self._closed:
                 return None, False
-            if not self._queue or self._whole:
+            if not self._queue or self._whole is not None:
                 return [], False
             if self.limits.max_batch_size > 1 and self.max_delay > 0:
                 self._ready.wait_for(
@@ -422,7 +431,7 @@ class Batcher:
                 return [], False
             head = self._pop()
             if head.solo:
-                return self._started([head])
+                return self._started(lane, [head])
             live = (i for i in self._queue if not i.dropped(now))  # the others are dropped as they come up
             # requests waiting on the model, the head's own included: at light load, two or more cut by the light
             # costs (a lone request's pieces have nothing else coming to join them)
@@ -433,23 +442,31 @@ class Batcher:
                 taken = {id(i) for i in chosen}
                 self._queue = collections.deque(i for i in self._queue if id(i) not in taken)
                 self._left(chosen)
-            return self._started([head, *chosen])
+            return self._started(lane, [head, *chosen])
 
-    def _started(self, batch: list[Queued]) -> tuple[list[Queued], bool]:
-        """Under the lock, as a lane takes ``batch``: (it, whether its run is light). Light: few requests wait on
-        the model (those still queued, and those this run ends: ``_light_at``), no other lane is running and, with
-        lanes, no request outside this run is queued (one client's request cut into pieces runs them one after
-        another on every thread: 1.05x its sentences a second against pieces side by side, 0.85x); it then runs on
-        every thread, and no other lane starts a run until it ends (``_ran``)."""
+    def _started(self, lane: int, batch: list[Queued]) -> tuple[list[Queued], bool]:
+        """Under the lock, as ``lane`` takes ``batch``: (it, whether its run has every thread and the model to
+        itself). Light: few requests wait on the model (those still queued, and those this run ends:
+        ``_light_at``), no other lane is running and, with lanes, no request outside this run is queued (one
+        client's request cut into pieces runs them one after another on every thread: 1.05x its sentences a
+        second against pieces side by side, 0.85x). With lanes, a run above ALONE_ABOVE_BYTES has the model to
+        itself too, once the runs in progress end. No other lane starts a run until it ends (``_ran``)."""
         load = self.depth + len({id(i.queued) for i in batch if not i.queued[0]})
         light = self._light_at(load) and self._running == 0
         if light and self._lanes > 1:  # every thread only when no other request waits for a lane of its own
             mine = {id(i.queued) for i in batch}
             light = all(id(i.queued) in mine for i in self._queue)
         self._light = light
+        whole = light or (self._lanes > 1 and self._big(batch))
         self._running += 1
-        self._whole = light
-        return batch, light
+        if whole:
+            self._whole = lane
+        return batch, whole
+
+    def _big(self, batch: list[Queued]) -> bool:
+        """Whether ``batch``'s run needs more than ALONE_ABOVE_BYTES of activations."""
+        rows, seq = sum(i.rows for i in batch), max(i.seq for i in batch)
+        return self.model.working_bytes(rows, seq, any(i.padded for i in batch)) > ALONE_ABOVE_BYTES
 
     def _take_express(self) -> list[Queued] | None:
         """Wait until a small request is queued while a lane's run of a bigger one has lasted EXPRESS_AFTER_S,

@@ -494,6 +494,26 @@ class Lanes(Recorder):
                 self.inside -= 1
 
 
+def behind_a_gated_run(model: Lanes, engine, xs: list[np.ndarray], **kwargs) -> None:
+    """``xs[0]``'s run held at the model's gate until the rest are queued behind it (19: heavy load), then all run one
+    request a run; each answer is its own, whichever lane ran it."""
+
+    async def main():
+        batcher = Batcher(model, max_batch_size=1, **kwargs)
+        batcher.start()
+        first = asyncio.ensure_future(batcher.infer(xs[0], None))
+        await until(model.entered.is_set)
+        rest = [asyncio.ensure_future(batcher.infer(x, None)) for x in xs[1:]]
+        await until(lambda: batcher.depth == len(rest))
+        model.gate.set()
+        out = await asyncio.gather(first, *rest)
+        await batcher.stop()
+        return out
+
+    for x, (rows, _) in zip(xs, run(main()), strict=True):
+        np.testing.assert_array_equal(rows["encoded"], engine.run(x)["encoded"])
+
+
 def test_under_load_each_lane_runs_a_batch_of_its_own_on_one_thread_of_the_budget(engine):
     """A model of two lanes: a lone request's run is light, alone, on every thread; with 19 requests queued behind it
     (more than HEAVY_LOAD) the two lanes run batches side by side, each holding one thread of a budget of two (were
@@ -503,23 +523,33 @@ def test_under_load_each_lane_runs_a_batch_of_its_own_on_one_thread_of_the_budge
     model = Lanes(engine, threading.Event())
     xs = [np.full((1, 3 + i % 4, 32), i, np.float32) for i in range(20)]
 
-    async def main():
-        batcher = Batcher(model, max_batch_size=1, cores=CoreBudget(2))
-        batcher.start()
-        first = asyncio.ensure_future(batcher.infer(xs[0], None))
-        await until(model.entered.is_set)
-        rest = [asyncio.ensure_future(batcher.infer(x, None)) for x in xs[1:]]
-        await until(lambda: batcher.depth == 19)
-        model.gate.set()
-        out = await asyncio.gather(first, *rest)
-        await batcher.stop()
-        return out
-
-    out = run(main())
-    for x, (rows, _) in zip(xs, out, strict=True):  # each its own answer, whichever lane ran it
-        np.testing.assert_array_equal(rows["encoded"], engine.run(x)["encoded"])
+    behind_a_gated_run(model, engine, xs, cores=CoreBudget(2))
     assert model.light[0] and not all(model.light), model.light
     assert model.most == 2 and model.names == {"addnorm-infer", "addnorm-infer-2"}, (model.most, model.names)
+
+
+def test_under_load_a_big_run_waits_for_the_others_and_runs_alone_on_every_thread(engine, monkeypatch):
+    """Runs side by side hold their activations at once: a run above ALONE_ABOVE_BYTES (here the [1, 6] runs, not
+    the [1, 3] ones) waits for the run in progress to end, then has every thread and the model to itself, as at
+    light load; the small runs of the same load still go side by side."""
+    from addnorm.service.batching import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "ALONE_ABOVE_BYTES", engine.working_bytes(1, 5, False))
+    model = Lanes(engine, threading.Event())
+    xs = [np.full((1, 6 if i % 5 == 4 else 3, 32), i, np.float32) for i in range(20)]
+    seen = []  # (seq, runs in progress) at each run
+    run_model = model.run
+
+    def counted(x, mask=None, light=False):
+        seen.append((x.shape[1], model.inside + 1, light))
+        return run_model(x, mask, light)
+
+    model.run = counted
+
+    behind_a_gated_run(model, engine, xs)
+    big = [(inside, light) for seq, inside, light in seen if seq == 6]
+    assert len(big) == 4 and all(inside == 1 and light for inside, light in big), seen
+    assert model.most == 2, seen  # the small ones side by side
 
 
 def test_a_run_takes_every_thread_only_when_no_other_request_waits(engine):
