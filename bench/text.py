@@ -132,7 +132,7 @@ def limits(
             tokens = 0
             for r in range(repeat + 1):
                 cpu0, wall0 = time.process_time(), time.perf_counter()
-                done = list(lanes.map(one, batches)) if engine.lanes > 1 else [one(b) for b in batches]
+                done = list(lanes.map(one, batches))
                 if r:  # the first pass warms up
                     cpu_s += time.process_time() - cpu0
                     wall_s += time.perf_counter() - wall0

@@ -233,9 +233,9 @@ class Engine:
         """embeddings (B, S, E) batch-first -> every output by name, batch-first float32 (padding included).
         ``lengths`` (B,): how much of each row to compute, for a packed graph (the rest is padding merging added or
         a request's own trailing padding, answered as zeros); every position when None. A padded graph computes
-        every position anyway. ``light``: few requests wait on the model: the run has every thread (spinning
-        within it with ``spinning="light"``); otherwise, with ``lanes`` > 1, it is one of up to ``lanes`` runs at
-        once, on one thread."""
+        every position anyway. ``light``: the run has every thread and the model to itself (spinning within it
+        with ``spinning="light"``; the batcher decides: ``Backend.run``); otherwise, with ``lanes`` > 1, it is one
+        of up to ``lanes`` runs at once, on one thread."""
         b, s, _ = embeddings.shape
         padded = mask is not None and bool(mask.any())
         working = self.working_bytes(b, s, padded)

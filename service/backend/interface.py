@@ -53,11 +53,11 @@ class Backend(Protocol):
         light: bool = False,
     ) -> dict[str, np.ndarray]:
         """(B, S, E) batch-first embeddings, ``mask`` (B, S) true at padding, ``lengths`` (B,) for a packed graph ->
-        every output by name, batch-first float32. ``light``: few requests wait on the model (the batcher's
-        LIGHT_LOAD and HEAVY_LOAD) and no other run is in progress, so the HTTP front has little to do beside this
-        run: it has all ``threads``, and a CPU engine may spend spinning threads on its latency
-        (``--intra-op-spinning light``); otherwise it is one of up to ``lanes`` runs at once. Called from up to
-        ``lanes`` threads at once."""
+        every output by name, batch-first float32. ``light``: the run has all ``threads`` and the model to itself:
+        few requests wait on the model (the batcher's LIGHT_LOAD and HEAVY_LOAD), so the HTTP front has little to do
+        beside it and a CPU engine may spend spinning threads on its latency (``--intra-op-spinning light``), or the
+        run is too big to run beside another (the batcher's ALONE_ABOVE_BYTES); otherwise it is one of up to
+        ``lanes`` runs at once. Called from up to ``lanes`` threads at once."""
         ...
 
     def working_bytes(self, rows: int, seq: int, padded: bool) -> int:

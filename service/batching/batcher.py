@@ -251,9 +251,9 @@ class Batcher:
         done: tuple | None = None  # a finished batch not yet handed to the loop
         while True:
             batch: list[Queued] | None = None
-            light = False
+            whole = False
             try:
-                batch, light = self._take(lane, wait=done is None)
+                batch, whole = self._take(lane, wait=done is None)
                 if batch:
                     stacked = self._stack(batch)
             except Exception as exc:  # a fault in taking or merging fails what it took, never the thread
@@ -271,10 +271,10 @@ class Batcher:
                     self._idle()
                 continue
             self._ran_since_release = True
-            if light and self._lanes > 1:  # alone: the other lanes' runs end first (none starts meanwhile)
+            if whole and self._lanes > 1:  # alone: the other lanes' runs end first (none starts meanwhile)
                 with self._ready:
                     self._ready.wait_for(lambda: self._running == 1)
-            held = self._threads if light or self._lanes == 1 else max(1, self._threads // self._lanes)
+            held = self._threads if whole or self._lanes == 1 else max(1, self._threads // self._lanes)
             try:
                 with self.cores.hold(held) if self.cores else contextlib.nullcontext():
                     # a big request's run: the express lane may overtake it once it lasts
@@ -282,7 +282,7 @@ class Batcher:
                         with self._ready:
                             self._big_since[lane] = time.perf_counter()
                             self._express_ready.notify()
-                    done = self._run(batch, *stacked, light=light)
+                    done = self._run(batch, *stacked, light=whole)
             finally:
                 self._ran(lane)
             if done is not None and self.max_delay > 0:
@@ -339,7 +339,7 @@ class Batcher:
         light: bool = False,
     ) -> tuple[list[Queued], list[Outputs], Run] | None:
         """Run a stacked batch: (its requests, their rows, the run) to deliver; None when it failed (its requests
-        are failed on the loop). ``light``: few requests wait on the model (``Backend.run``)."""
+        are failed on the loop). ``light``: the run has every thread and the model to itself (``Backend.run``)."""
         try:
             lengths = (np.concatenate([i.lengths for i in batch]),) if self.packed else ()
             out = self.model.run(x, mask, *lengths, light=light)
@@ -403,8 +403,8 @@ class Batcher:
     def _take(self, lane: int = 0, wait: bool = True) -> tuple[list[Queued] | None, bool]:
         """Wait for a first request (``wait``; else return [] when none is queued; [] too after RELEASE_IDLE_S
         without one following a run, on lane 0, which alone lets the model release memory), then up to max_delay
-        for more, and take what fits; None once stopped. With it, whether its run is at light load (on every
-        thread: ``_started``). No lane takes one while a run at light load is in progress."""
+        for more, and take what fits; None once stopped. With it, whether its run has every thread and the model to
+        itself (``_started``). No lane takes one while such a run is in progress."""
         with self._ready:
             while wait and (not self._queue or self._whole is not None) and not self._closed:
                 if self._ran_since_release and lane == 0:
