@@ -4,7 +4,9 @@
    one request at a time, spinning within its run as the server's run of a lone request does at its defaults):
    in-process call and server request alternate one by one;
 2. 32 keep-alive clients x V2 binary [1,16,E] with batching on, against the perfect-batching limit (in-process
-   batches of 32 such requests, per request); the same load over gRPC with each client's requests on one
+   batches of 32 such requests, per request: one run on every thread, or as many runs side by side as the server
+   has threads, one thread each, as ``--parallel-runs on`` runs them under load, the faster of the two each
+   round); the same load over gRPC with each client's requests on one
    ModelStreamInfer stream (``/stream``) beside it, against the same limit.
 
 Each round alternates the in-process limit with every server (one per configuration: the defaults, and any
@@ -19,6 +21,7 @@ import contextlib
 import socket
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import numpy as np
@@ -134,10 +137,16 @@ def measure_limits(s: Setup, configs: dict[str, dict[str, str]], rounds: int = 3
     # perfect batching: a loaded server's runs sleep between sections; one client's runs are at light load, and spin
     # at the server's defaults
     engine, lone = Engine(s.artifact, "cpu"), Engine(s.artifact, "cpu", spinning="in-run")
+    side = Engine(s.artifact, "cpu", parallel_runs=True)
     rng = np.random.default_rng(1)
     x32 = rng.standard_normal((CLIENTS, *s.x_small.shape[1:])).astype(np.float32)
     out: dict = {"rounds": [], "servers": {}}
     with contextlib.ExitStack() as stack:
+        perfect = {"one run": lambda: engine.run(x32)}
+        if side.lanes > 1:  # the 32 requests dealt to the lanes, their runs side by side
+            pool = stack.enter_context(ThreadPoolExecutor(side.lanes))
+            shares = np.array_split(x32, side.lanes)
+            perfect["side by side"] = lambda: list(pool.map(side.run, shares))
         servers = {
             label: stack.enter_context(
                 serve(s.artifact, grpc=True, env={"ADDNORM_MAX_BATCH_SIZE": str(CLIENTS), **env})
@@ -153,12 +162,14 @@ def measure_limits(s: Setup, configs: dict[str, dict[str, str]], rounds: int = 3
             big = alternate_one_by_one(
                 lone, s.x_big, servers, {k: v[0] for k, v in requests.items()}, s.seconds * len(servers)
             )
-            perfect_ms, perfect_cpu_s = [], 0.0
+            perfect_ms: dict = {way: [] for way in perfect}
+            perfect_cpu_s = dict.fromkeys(perfect, 0.0)
             slices: dict = {label: {"small": [], "stream": [], "runs": 0.0, "rows": 0.0} for label in servers}
             for _ in range(SLICES):
-                cpu0 = time.process_time()  # this process: the engine's threads, nothing else running
-                perfect_ms.append(timed(lambda: engine.run(x32), s.seconds / SLICES, min_runs=2))
-                perfect_cpu_s += time.process_time() - cpu0
+                for way, run in perfect.items():  # each way of the limit its share of the slice
+                    cpu0 = time.process_time()  # this process: the engine's threads, nothing else running
+                    perfect_ms[way].append(timed(run, s.seconds / SLICES / len(perfect), min_runs=2))
+                    perfect_cpu_s[way] += time.process_time() - cpu0
                 for label, srv in servers.items():
                     before = batch_histogram(srv.port)
                     slices[label]["small"].append(
@@ -170,13 +181,15 @@ def measure_limits(s: Setup, configs: dict[str, dict[str, str]], rounds: int = 3
                     slices[label]["stream"].append(
                         load_with_cpu(srv, streamed, CLIENTS, s.seconds / SLICES, partial(_stream, srv))
                     )
-            calls = sum(
-                len(ms) + 2 for ms in perfect_ms
-            )  # timed() makes two warm-up calls before its timed ones
+            rates = {way: per_second(ms, CLIENTS) for way, ms in perfect_ms.items()}
+            way = max(rates, key=rates.__getitem__)
+            calls = sum(len(ms) + 2 for ms in perfect_ms[way])  # timed() makes two warm-up calls first
             r: dict = {
                 "inproc_big": big["inproc"],
-                "perfect": per_second(perfect_ms, CLIENTS),
-                "perfect_cpu_ms_per_request": perfect_cpu_s * 1e3 / (calls * CLIENTS),
+                "perfect": rates[way],
+                "perfect_way": way,
+                "perfect_rates": rates,
+                "perfect_cpu_ms_per_request": perfect_cpu_s[way] * 1e3 / (calls * CLIENTS),
             }
             for label, sl in slices.items():
                 r[f"{label}/big"] = big[label]
@@ -239,6 +252,11 @@ def limits_table(res: dict, big: str, small: str) -> list[str]:
             f"| {m['server_cpu_ms_small']:.2f} | {m['perfect_cpu_ms']:.2f} | {m['loop_cpu_ms_small']:.3f} "
             f"| {_stream_cells(r)} |"
         )
+    if "perfect_rates" in res["rounds"][0]:  # results from before the side-by-side way have one way
+        each = "; ".join(
+            ", ".join(f"{way} {rate:,.0f}" for way, rate in r["perfect_rates"].items()) for r in res["rounds"]
+        )
+        lines += ["", f"The perfect limit's ways each round, requests/s (the faster counts): {each}."]
     return lines
 
 

@@ -384,9 +384,17 @@ def test_limits_alternate_in_process_with_each_server(tiny_artifact):
         concurrency=[32],
     )
     res = measure_limits(s, {"defaults": {}, "unbatched": {"ADDNORM_MAX_BATCH_SIZE": "1"}}, rounds=2)
+    from addnorm.service.backend.engine import Engine
+
+    ways = {"one run"} | (
+        {"side by side"} if Engine(tiny_artifact, "cpu", parallel_runs=True).lanes > 1 else set()
+    )
     assert len(res["rounds"]) == 2
     for r in res["rounds"]:
         assert r["inproc_big"] > 0 and r["perfect"] > 0 and r["perfect_cpu_ms_per_request"] > 0
+        # the perfect limit is the faster of one run on every thread and runs side by side on the lanes
+        assert set(r["perfect_rates"]) == ways and r["perfect"] == max(r["perfect_rates"].values())
+        assert r["perfect_rates"][r["perfect_way"]] == r["perfect"]
         for label in ("defaults", "unbatched"):
             assert r[f"{label}/big"]["requests"] > 0 and r[f"{label}/small"]["requests"] > 0
             assert r[f"{label}/stream"]["requests"] > 0  # the same load on gRPC streams
@@ -396,6 +404,7 @@ def test_limits_alternate_in_process_with_each_server(tiny_artifact):
     text = "\n".join(limits_table(res, "8x128x32", "1x16x32"))
     assert "| defaults |" in text and "| ADDNORM_MAX_BATCH_SIZE=1 |" in text
     assert text.count("x (") == 6  # each server: three ratios with their rounds (V2 binary, batching, stream)
+    assert "The perfect limit's ways each round" in text and text.count("one run ") == 2
 
 
 def test_int8_profile_sums_each_operators_kernel_time_per_run(tmp_path):
