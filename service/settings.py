@@ -135,7 +135,8 @@ class Settings(BaseSettings):
         256,
         ge=0,
         description="the express lane: small requests (at most this many batch x seq positions a run) run beside "
-        "a run that has lasted 50 ms, so that one long run never holds them up; 0 = off",
+        "a bigger request's run once its lane has held it 50 ms (its wait for the cores included), so that one long "
+        "run never holds them up; 0 = off",
     )
     max_client_batch_size: int = Field(
         512,

@@ -15,7 +15,8 @@ other lane starts one until it ends. On 2 cores, all-MiniLM-L6-v2, against one r
 
 A run is never interrupted, and one of ``max_batch_tokens`` positions takes up to a second on a small CPU. So a second
 thread, the express lane, runs small requests (each and all together at most ``express_tokens`` positions,
-``--express-tokens``) beside a run that holds a bigger request and has lasted EXPRESS_AFTER_S: one sentence from another
+``--express-tokens``) beside a run that holds a bigger request once its lane has held it EXPRESS_AFTER_S (from its taking, the wait for the
+cores included): one sentence from another
 client is answered in tens of milliseconds while the largest request runs, not after it (``python -m bench --stall``).
 A run of small requests only is never overtaken: they wait their turn among peers, and running some of them beside it
 slowed the rest (32 clients of 8 real sentences: p99 1.11-1.20x). The lane's runs are small and draw nothing from the CPU
@@ -46,8 +47,9 @@ log = logging.getLogger("addnorm.batcher")
 # After this long without work following a run, the model may give back the memory its runs held (its ``release``
 # decides whether there is any to give).
 RELEASE_IDLE_S = 1.0
-# The express lane takes small requests once the run in progress has lasted this long: a small request waits at most
-# this plus its own run beside the long one (the "no request stalls another" bound: 100 ms).
+# The express lane takes small requests once a lane has held a bigger request's batch this long (from its taking: its
+# run may first wait for the cores): a small request waits at most this plus its own run beside the long one (the "no
+# request stalls another" bound: 100 ms).
 EXPRESS_AFTER_S = 0.05
 # A run is at light load (``Backend.run(light=True)``: its threads may spin) when few requests wait on the model, the
 # run's own included: the event loop then has little to do beside the run. The load turns light at LIGHT_LOAD requests
@@ -255,6 +257,7 @@ class Batcher:
             try:
                 batch, whole = self._take(lane, wait=done is None)
                 if batch:
+                    self._hold(lane, batch)
                     stacked = self._stack(batch)
             except Exception as exc:  # a fault in taking or merging fails what it took, never the thread
                 self._fault("taking the next batch", batch, exc)
@@ -277,11 +280,6 @@ class Batcher:
             held = self._threads if whole or self._lanes == 1 else max(1, self._threads // self._lanes)
             try:
                 with self.cores.hold(held) if self.cores else contextlib.nullcontext():
-                    # a big request's run: the express lane may overtake it once it lasts
-                    if self.express is not None and not all(map(self._small, batch)):
-                        with self._ready:
-                            self._big_since[lane] = time.perf_counter()
-                            self._express_ready.notify()
                     done = self._run(batch, *stacked, light=whole)
             finally:
                 self._ran(lane)
@@ -289,9 +287,20 @@ class Batcher:
                 self._post(self._deliver, *done)
                 done = None
 
+    def _hold(self, lane: int, batch: list[Queued]) -> None:
+        """``lane`` took ``batch``: if it holds a big request, the express lane may overtake it once it has held it
+        EXPRESS_AFTER_S, counted from now, not from its run's start: the run may first wait for the cores (heavy
+        steps in workers hold them) or for the other lanes' runs to end, and a small request waits all that time
+        too (one sentence queued 62-80 ms behind a burst of the largest text requests, 30 ms of it before the
+        run began)."""
+        if self.express is not None and not all(map(self._small, batch)):
+            with self._ready:
+                self._big_since[lane] = time.perf_counter()
+                self._express_ready.notify()
+
     def _express(self) -> None:
-        """The express lane's thread: small requests, taken while the main lane's run has lasted EXPRESS_AFTER_S,
-        run beside it and answered at once; until stop()."""
+        """The express lane's thread: small requests, taken once a lane has held a bigger request EXPRESS_AFTER_S,
+        run beside its run and answered at once; until stop()."""
         while True:
             batch: list[Queued] | None = None
             try:
@@ -469,7 +478,7 @@ class Batcher:
         return self.model.working_bytes(rows, seq, any(i.padded for i in batch)) > ALONE_ABOVE_BYTES
 
     def _take_express(self) -> list[Queued] | None:
-        """Wait until a small request is queued while a lane's run of a bigger one has lasted EXPRESS_AFTER_S,
+        """Wait until a small request is queued while a lane has held a bigger one EXPRESS_AFTER_S (``_hold``),
         then take it and the small ones that merge with it within ``express``; None once stopped."""
         with self._ready:
             while not self._closed:

@@ -729,14 +729,14 @@ def test_an_idle_model_is_asked_to_release_its_memory_while_it_gives_some(engine
 
 class LongRuns(Recorder):
     """Holds every run longer than ``seq`` positions at the gate (a long run in progress); records each run's
-    shape and the thread that ran it."""
+    shape and the thread that ran it (``ran_on``)."""
 
     def __init__(self, model, seq: int):
         super().__init__(model, threading.Event())
-        self.seq, self.threads = seq, []
+        self.seq, self.ran_on = seq, []
 
     def run(self, x, mask=None, light=False):
-        self.threads.append((x.shape, threading.current_thread().name))
+        self.ran_on.append((x.shape, threading.current_thread().name))
         if x.shape[1] > self.seq:
             return super().run(x, mask)
         return self.model.run(x, mask)
@@ -771,15 +771,47 @@ def test_the_express_lane_answers_small_requests_while_a_long_run_holds_the_mode
     answers = run(main())
     for x, (out, _) in zip(small, answers, strict=True):
         np.testing.assert_allclose(out["encoded"], engine.run(x)["encoded"], atol=FP32_ATOL, rtol=FP32_RTOL)
-    express = [shape for shape, thread in model.threads if thread == "addnorm-express"]
-    main_lane = [shape for shape, thread in model.threads if thread == "addnorm-infer"]
+    express = [shape for shape, thread in model.ran_on if thread == "addnorm-express"]
+    main_lane = [shape for shape, thread in model.ran_on if thread == "addnorm-infer"]
     assert sum(b for b, _, _ in express) == 3 and all(b * s <= 16 for b, s, _ in express)
     assert main_lane == [(1, 64, 32), (1, 20, 32)]
 
 
+def test_the_express_lane_counts_from_the_taking_of_a_big_request_not_its_runs_start(engine, monkeypatch):
+    """A lane that took a big request may wait before its run starts (here for the cores, which a worker's heavy
+    step holds, for good in this test); a small request queued behind it waits all that time too, so the express
+    lane's clock starts at the taking: the small one is answered while the big one still waits for the cores (its
+    run has not started). Before, it waited until the cores came back: 30 ms of the 62-80 ms a sentence queued behind
+    a burst of the largest text requests."""
+    from addnorm.service.backend.cores import CoreBudget
+    from addnorm.service.batching import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "EXPRESS_AFTER_S", 0.0)
+    model = LongRuns(engine, seq=0)  # nothing is held at the gate: only the cores hold the big run back
+    model.gate.set()
+    budget = CoreBudget(engine.threads)
+    x = np.random.default_rng(4).standard_normal((1, 3, 32)).astype(np.float32)
+
+    async def main():
+        batcher = Batcher(model, max_batch_size=8, express_tokens=16, cores=budget)
+        batcher.start()
+        with budget.hold(engine.threads):  # a worker's heavy step holds every core
+            big = asyncio.ensure_future(batcher.infer(np.zeros((1, 64, 32), np.float32), None))
+            await until(lambda: batcher.depth == 0)  # taken: its lane waits for the cores
+            out, _ = await asyncio.wait_for(batcher.infer(x, None), 10)
+            assert not big.done() and model.ran_on == [((1, 3, 32), "addnorm-express")]
+        await big
+        await batcher.stop()
+        return out
+
+    out = run(main())
+    np.testing.assert_allclose(out["encoded"], engine.run(x)["encoded"], atol=FP32_ATOL, rtol=FP32_RTOL)
+    assert [shape for shape, _ in model.ran_on] == [(1, 3, 32), (1, 64, 32)]
+
+
 def _behind_a_held_run(model: LongRuns, first: int, express_tokens: int) -> list:
     """A [1, ``first``, 32] request held at the gate, a [1, 3, 32] one queued behind it, then the gate opened:
-    which thread ran each (``model.threads``)."""
+    which thread ran each (``model.ran_on``)."""
 
     async def main():
         batcher = Batcher(model, max_batch_size=8, express_tokens=express_tokens)
@@ -794,7 +826,7 @@ def _behind_a_held_run(model: LongRuns, first: int, express_tokens: int) -> list
         await batcher.stop()
 
     run(main())
-    return model.threads
+    return model.ran_on
 
 
 @pytest.mark.parametrize("express_tokens", [16, 0])
