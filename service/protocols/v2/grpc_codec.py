@@ -125,7 +125,7 @@ def encode_infer(req: codec.InferRequest, model: str, results: Outputs, version:
     tensors = []
     for out in req.outputs:
         tensor = codec.wire(results[out.name])
-        response.outputs.add(name=out.name, datatype=codec.NUMPY_TO_V2[str(tensor.dtype)], shape=tensor.shape)
+        response.outputs.add(name=out.name, datatype=codec.v2_name(tensor.dtype), shape=tensor.shape)
         tensors.append(tensor)
     parts: list = [response.SerializeToString()]
     for tensor in tensors:
