@@ -15,9 +15,9 @@ other lane starts one until it ends. On 2 cores, all-MiniLM-L6-v2, against one r
 
 A run is never interrupted, and one of ``max_batch_tokens`` positions takes up to a second on a small CPU. So a second
 thread, the express lane, runs small requests (each and all together at most ``express_tokens`` positions,
-``--express-tokens``) beside a run that holds a bigger request once its lane has held it EXPRESS_AFTER_S (from its taking, the wait for the
-cores included): one sentence from another
-client is answered in tens of milliseconds while the largest request runs, not after it (``python -m bench --stall``).
+``--express-tokens``) beside a run that holds a bigger request once its lane has held it EXPRESS_AFTER_S (from its
+taking, its wait for the cores included): one sentence from another client is answered in tens of milliseconds while
+the largest request runs, not after it (``python -m bench --stall``).
 A run of small requests only is never overtaken: they wait their turn among peers, and running some of them beside it
 slowed the rest (32 clients of 8 real sentences: p99 1.11-1.20x). The lane's runs are small and draw nothing from the CPU
 thread budget (``cores``): they share the model's pool with the run they overtake for their few milliseconds.
