@@ -291,8 +291,8 @@ class Batcher:
         """``lane`` took ``batch``: if it holds a big request, the express lane may overtake it once it has held it
         EXPRESS_AFTER_S, counted from now, not from its run's start: the run may first wait for the cores (heavy
         steps in workers hold them) or for the other lanes' runs to end, and a small request waits all that time
-        too (one sentence queued 62-80 ms behind a burst of the largest text requests, 30 ms of it before the
-        run began)."""
+        too (one sentence queued 62-80 ms behind a burst of the largest text requests, up to 30 ms of it before
+        the run began)."""
         if self.express is not None and not all(map(self._small, batch)):
             with self._ready:
                 self._big_since[lane] = time.perf_counter()

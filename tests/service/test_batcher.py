@@ -781,8 +781,8 @@ def test_the_express_lane_counts_from_the_taking_of_a_big_request_not_its_runs_s
     """A lane that took a big request may wait before its run starts (here for the cores, which a worker's heavy
     step holds, for good in this test); a small request queued behind it waits all that time too, so the express
     lane's clock starts at the taking: the small one is answered while the big one still waits for the cores (its
-    run has not started). Before, it waited until the cores came back: 30 ms of the 62-80 ms a sentence queued behind
-    a burst of the largest text requests."""
+    run has not started). Before, it waited until the cores came back: up to 30 ms of the 62-80 ms a sentence queued
+    behind a burst of the largest text requests."""
     from addnorm.service.backend.cores import CoreBudget
     from addnorm.service.batching import batcher as batcher_module
 
