@@ -31,6 +31,7 @@ from bench.measure import (
     CLIENTS,
     Setup,
     batch_histogram,
+    limit_engines,
     load_with_cpu,
     process_cpu_s,
     timed,
@@ -136,17 +137,17 @@ def measure_limits(s: Setup, configs: dict[str, dict[str, str]], rounds: int = 3
 
     # perfect batching: a loaded server's runs sleep between sections; one client's runs are at light load, and spin
     # at the server's defaults
-    engine, lone = Engine(s.artifact, "cpu"), Engine(s.artifact, "cpu", spinning="in-run")
-    side = Engine(s.artifact, "cpu", parallel_runs=True)
+    (engine, *side), lone = limit_engines(s.artifact), Engine(s.artifact, "cpu", spinning="in-run")
     rng = np.random.default_rng(1)
     x32 = rng.standard_normal((CLIENTS, *s.x_small.shape[1:])).astype(np.float32)
     out: dict = {"rounds": [], "servers": {}}
     with contextlib.ExitStack() as stack:
         perfect = {"one run": lambda: engine.run(x32)}
-        if side.lanes > 1:  # the 32 requests dealt to the lanes, their runs side by side
-            pool = stack.enter_context(ThreadPoolExecutor(side.lanes))
-            shares = np.array_split(x32, side.lanes)
-            perfect["side by side"] = lambda: list(pool.map(side.run, shares))
+        if side:  # the 32 requests dealt to the lanes, their runs side by side
+            (lanes,) = side
+            pool = stack.enter_context(ThreadPoolExecutor(lanes.lanes))
+            shares = np.array_split(x32, lanes.lanes)
+            perfect["side by side"] = lambda: list(pool.map(lanes.run, shares))
         servers = {
             label: stack.enter_context(
                 serve(s.artifact, grpc=True, env={"ADDNORM_MAX_BATCH_SIZE": str(CLIENTS), **env})

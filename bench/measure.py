@@ -56,6 +56,18 @@ def timed(fn, seconds: float, min_runs: int = 5) -> np.ndarray:
     return np.array(times)
 
 
+def limit_engines(artifact: Path) -> list:
+    """The engines an in-process limit runs on, one a way the server runs its batches: one run at a time on every
+    thread and, where the model has more than one thread, one run a thread side by side (``--parallel-runs on``,
+    the server's way under load; ``Engine.lanes`` runs at once). A limit is the faster of them."""
+    from addnorm.service.backend.engine import Engine
+
+    engines = [Engine(artifact, "cpu")]
+    if (side := Engine(artifact, "cpu", parallel_runs=True)).lanes > 1:
+        engines.append(side)
+    return engines
+
+
 def stats(ms: np.ndarray, items: int = 1) -> dict:
     return {
         "p50_ms": float(np.median(ms)),

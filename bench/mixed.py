@@ -107,13 +107,9 @@ def unpadded_limit(artifact: Path, xs: list[np.ndarray]) -> float:
     """Tokens per second of the requests each run alone in-process (after one warm-up pass): the better of one
     run at a time on every thread and runs side by side, one a thread (``--parallel-runs on``, addnorm-serve's
     default under load), so a server running its requests side by side is held to the faster of the two."""
-    from addnorm.service.backend.engine import Engine
+    from bench.measure import limit_engines
 
-    serial = unpadded_limit_of(Engine(artifact, "cpu"), xs)
-    side_by_side = Engine(artifact, "cpu", parallel_runs=True)
-    if side_by_side.lanes == 1:  # one thread: nothing runs side by side
-        return serial
-    return max(serial, unpadded_limit_of(side_by_side, xs))
+    return max(unpadded_limit_of(engine, xs) for engine in limit_engines(artifact))
 
 
 def unpadded_limit_of(engine, xs: list[np.ndarray]) -> float:

@@ -73,11 +73,9 @@ def limits(artifact: Path, docs: list[str], sizes: tuple[int, ...], repeat: int 
     server's way under load), whichever is faster."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from addnorm.service.backend.engine import Engine
+    from bench.measure import limit_engines
 
-    engines = [Engine(artifact, "cpu")]
-    if (side := Engine(artifact, "cpu", parallel_runs=True)).lanes > 1:
-        engines.append(side)
+    engines = limit_engines(artifact)
     tok = engines[0].text.tokenizer
     lengths = [len(r) for r in tok.ids([QUERY] * len(docs), True, docs)[0]]
     order = [docs[i] for i in np.argsort(lengths, kind="stable")]

@@ -122,7 +122,7 @@ class Batcher:
         lock = threading.RLock()
         self._ready = threading.Condition(lock)
         self._express_ready = threading.Condition(lock)
-        self._big_since: dict[int, float] = {}  # by lane: when its run of a big request started
+        self._big_since: dict[int, float] = {}  # by lane: when it took a big request (``_hold``)
         self._running = 0  # the lanes' runs in progress
         # the lane whose run has every thread and the model to itself (light, or big): no other lane starts one
         self._whole: int | None = None
