@@ -146,11 +146,30 @@ def limits(
 
 
 class Limit(NamedTuple):
-    """``limits``' answer: tokens/s by sentences in flight, tokenization's share, CPU ms a sentence by the same."""
+    """``limits``' answer: tokens/s by sentences in flight, tokenization's share, CPU ms a sentence by the same; and
+    (``best_limits``) the sizes whose rate is the side-by-side way's."""
 
     rates: dict[int, float]
     share: float
     cpu_ms: dict[int, float]
+    side_by_side: frozenset[int] = frozenset()
+
+
+def best_limits(artifact: Path, texts: list[str], sizes: tuple[int, ...], threads: int) -> Limit:
+    """The limit at each of ``sizes`` sentences in flight the better of the server's two ways to run them: one
+    batch of that many at a time on every thread, and, with ``threads`` > 1, batches of size // threads, one a
+    thread side by side (``--parallel-runs on``: as many in flight); tokenization's share the first way's."""
+    one = limits(artifact, texts, sizes)
+    dealt = {size: size // threads for size in sizes if threads > 1 and size >= threads}
+    if not dealt:
+        return one
+    side = limits(artifact, texts, tuple(sorted(set(dealt.values()))), parallel=True)
+    rates, cpu_ms, won = dict(one.rates), dict(one.cpu_ms), set()
+    for size, each in dealt.items():
+        if side.rates[each] > rates[size]:
+            rates[size], cpu_ms[size] = side.rates[each], side.cpu_ms[each]
+            won.add(size)
+    return Limit(rates, one.share, cpu_ms, frozenset(won))
 
 
 def core(artifact: Path, texts: list[str], seconds: float) -> dict[tuple[int, int], float]:
@@ -419,19 +438,10 @@ def measure(rounds: int, seconds: float, infinity_cmd: str | None, peers: str | 
         spinning_limit: list[float] = []
         shares = []
         for _ in range(rounds):
-            # the limit: one run at a time on every thread, or one a thread side by side (--parallel-runs: batches
-            # of size / threads, one per thread, hold that many in flight), at each number in flight the better
-            limit = limits(artifact, texts, sizes)
-            dealt = {size: size // threads for size in sizes if threads > 1 and size >= threads}
-            side = (
-                limits(artifact, texts, tuple(sorted(set(dealt.values()))), parallel=True) if dealt else None
-            )
-            for size in limit.rates:
-                rate, cpu_ms = limit.rates[size], limit.cpu_ms[size]
-                if size in dealt and side.rates[dealt[size]] > rate:
-                    rate, cpu_ms = side.rates[dealt[size]], side.cpu_ms[dealt[size]]
+            limit = best_limits(artifact, texts, sizes, threads)
+            for size, rate in limit.rates.items():
                 by_size.setdefault(size, []).append(rate)
-                cpu_by_size.setdefault(size, []).append(cpu_ms)
+                cpu_by_size.setdefault(size, []).append(limit.cpu_ms[size])
             shares.append(limit.share)
             for (size, c), rate in core(artifact, texts, seconds).items():
                 cells.setdefault(f"addnorm's core, in process|{size}|{c}", []).append(rate)

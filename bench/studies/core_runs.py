@@ -5,13 +5,16 @@ goal: the core at >= 0.95x the limit at 32 clients x 1 sentence).
     python -m bench.studies.core_runs [--artifact DIR] [--clients 32] [--rounds 3] [--seconds 4] [--delays 0,1,3]
         [--sentences N]
 
-Each round measures the limit (``bench.text.limits``: the same graphs, 16 copies of bench.text's sentences sorted
-by length, in batches of 8, 16 and 32 sentences, no more than the clients keep in flight: the fastest), then the
+Each round measures the limit (``bench.text.best_limits``: the same graphs, 16 copies of bench.text's sentences
+sorted by length, 8, 16 and 32 sentences in flight, no more than the clients keep, each run one batch at a time on
+every thread or as batches side by side, one a thread, as the server's lanes run them: the fastest), then the
 core once for each queue delay (``--max-queue-delay-ms``; 0, the default, takes whatever queued while the model
 ran), the delays in turn. Per delay, medians over the rounds: tokens/s and against the limit; the share of the
 wall the model ran, the share the inference thread spent stacking runs (the embedding graph, padding) and cutting
 their answers, and the rest (neither: waiting for work or for the interpreter); padding among the positions the
-runs computed; rows per run; the runs' own positions/s while they ran; the requests' p50 and p99. The core's tokens
+runs computed; rows per run; the runs' own positions/s while they ran; the requests' p50 and p99. Where the model
+runs batches side by side (``--parallel-runs on``, a lane a thread), the shares are of the lanes' time (the wall
+times the lanes) and the runs' positions/s are the lanes' together. The core's tokens
 /s is about the limit's times the three losses: the model not running, padding, and the runs' own speed (a run's
 fixed cost weighs more on a run of fewer rows). docs/benchmarks.md, "What the measurements decided".
 """
@@ -89,8 +92,10 @@ def core_runs(artifact: Path, texts: list[str], clients: int, seconds: float, de
         finally:
             await model.batcher.stop()
         runs = recorder.runs
-        running = sum(r.seconds for r in runs)
-        stacking = sum(r.merge_s + r.split_s for r in runs) / wall
+        # the lanes' time: with --parallel-runs, runs side by side, each on its own inference thread
+        lanes = model.engine.lanes
+        running = sum(r.seconds for r in runs) / lanes
+        stacking = sum(r.merge_s + r.split_s for r in runs) / lanes / wall
         positions = sum(r.positions for r in runs)
         ms = sorted(t * 1e3 for t in latencies)
         return {
@@ -111,31 +116,38 @@ def core_runs(artifact: Path, texts: list[str], clients: int, seconds: float, de
 def measure(artifact: Path, texts: list[str], clients: int, rounds: int, seconds: float, delays: list[float]):
     """(the limit's tokens/s and batch size, medians over the rounds; each delay's figures, medians over the
     rounds), the delays taking turns within each round."""
-    from bench.text import limits
+    from addnorm.service.backend.cores import default_threads
+    from bench.text import best_limits
 
     sizes = tuple(sorted({min(clients, s) for s in LIMIT_SIZES}))
-    limit_rates: list[tuple[float, int]] = []
+    limit_rates: list[tuple[float, int, bool]] = []
     got: dict[float, list[dict]] = {d: [] for d in delays}
+    threads = default_threads()
     for r in range(rounds):
-        rates = limits(artifact, texts, sizes).rates
+        limit = best_limits(artifact, texts, sizes, threads)
+        rates = limit.rates
         size = max(rates, key=rates.__getitem__)
-        limit_rates.append((rates[size], size))
+        limit_rates.append((rates[size], size, size in limit.side_by_side))
         for d in delays:
             row = core_runs(artifact, texts, clients, seconds, d)
             row["vs_limit"] = row["tokens_per_s"] / rates[size]
             got[d].append(row)
         print(f"  round {r + 1} of {rounds} done", file=sys.stderr, flush=True)
-    limit = statistics.median(rate for rate, _ in limit_rates)
-    size = statistics.median_low(size for _, size in limit_rates)
-    return (limit, size), {
+    limit = statistics.median(rate for rate, _, _ in limit_rates)
+    size = statistics.median_low(size for _, size, _ in limit_rates)
+    side = sum(way for _, _, way in limit_rates) > len(limit_rates) / 2  # the way most rounds' best took
+    return (limit, size, threads if side else 1), {
         d: {k: statistics.median(row[k] for row in rows) for k in rows[0]} for d, rows in got.items()
     }
 
 
-def table(limit: tuple[float, int], rows: dict[float, dict]) -> str:
+def table(limit: tuple[float, int, int], rows: dict[float, dict]) -> str:
+    """``limit``: (tokens/s, sentences in flight, batches side by side: 1 for one at a time)."""
+    rate, size, lanes = limit
+    way = "one at a time" if lanes == 1 else f"{lanes} side by side of {size // lanes} each, one a thread"
     head = ["queue delay ms", *(name for name, _, _ in COLUMNS)]
     lines = [
-        f"the limit: {limit[0]:,.0f} tokens/s (batches of {limit[1]} sentences, tokenization included)",
+        f"the limit: {rate:,.0f} tokens/s (batches of {size} sentences in flight, {way}; tokenization included)",
         "",
         "| " + " | ".join(head) + " |",
         "|" + " --- |" * len(head),
