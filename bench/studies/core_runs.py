@@ -114,8 +114,9 @@ def core_runs(artifact: Path, texts: list[str], clients: int, seconds: float, de
 
 
 def measure(artifact: Path, texts: list[str], clients: int, rounds: int, seconds: float, delays: list[float]):
-    """(the limit's tokens/s and batch size, medians over the rounds; each delay's figures, medians over the
-    rounds), the delays taking turns within each round."""
+    """(the limit: its tokens/s and sentences in flight, medians over the rounds, and its batches side by side, 1
+    where most rounds' best ran one at a time; each delay's figures, medians over the rounds), the delays taking
+    turns within each round."""
     from addnorm.service.backend.cores import default_threads
     from bench.text import best_limits
 
