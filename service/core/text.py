@@ -1,6 +1,7 @@
 """Text and token ids in: what the text APIs (/v1/embeddings, TEI's /embed, V2's BYTES ``text``) share between their
 JSON and the request core. ``decode_texts`` tokenizes with the model's tokenizer, cuts the request into parts of
-at most ``max_batch_tokens`` padded positions (its inputs sorted by length, so each part pads little): the request
+at most ``max_batch_tokens`` padded positions (one in input order when they fit, else sorted by length, so that
+each part pads little): the request
 runs its parts on the model's batcher side by side (``TextRequest.run``, ``run_parts``), where they merge with other
 requests by token cost as any tensors do, and a run embeds all its text with the model's embedding layer at once
 (``merging.Tokens``). ``vectors`` gives each input's sentence embedding.
@@ -16,8 +17,8 @@ import numpy as np
 from addnorm.model.contract import ENCODED, POOLED, SCORES, SPARSE
 from addnorm.model.quantize import CALIBRATED, FLOAT, PRECISIONS, quantize
 from addnorm.model.tokenize import Batch, QueryTooLong, TooLong, TooManyChars
-from addnorm.service.backend.cores import in_worker
 from addnorm.service.batching.merging import Outputs, Timings, Tokens
+from addnorm.service.core.inference import offload, work
 from addnorm.service.errors import BadInput, TooLarge, quote
 
 Inputs = list[str] | list[list[int]]  # texts, or token id lists
@@ -303,19 +304,32 @@ def decode_texts(
             f"{where} holds {sum(map(len, rows))} tokens: {need} bytes of embeddings, above this server's queue of "
             f"{max_bytes} bytes (ADDNORM_MAX_QUEUE_BYTES); split the request"
         )
-    order = np.argsort([len(r) for r in rows], kind="stable")
-    parts, start, embed = [], 0, front.embed_ids
-    while start < len(order):  # the longest that fit max_batch_tokens padded positions, shortest first
-        stop = start + 1
-        while stop < len(order) and (stop + 1 - start) * len(rows[order[stop]]) <= max_batch_tokens:
-            stop += 1
-        picked = order[start:stop]
+    lengths = [len(r) for r in rows]
+    parts, embed = [], front.embed_ids
+    for picked in parts_of(lengths, max_batch_tokens):
         batch = front.tokenizer.pad(
             [rows[i] for i in picked], None if types is None else [types[i] for i in picked]
         )
         parts.append(Part(picked, batch, Tokens(batch.input_ids, batch.token_type_ids, embed, width)))
+    return TextRequest(parts, sum(lengths))
+
+
+def parts_of(lengths: list[int], max_batch_tokens: int) -> list[np.ndarray]:
+    """A request's inputs (their token counts) as parts of at most ``max_batch_tokens`` padded positions each. All
+    of them in one when they fit, in input order: the batcher queues a part as pieces of near lengths anyway
+    (``Batcher.infer``), and its answer then needs no reordering. Else sorted by length, the longest run of inputs
+    that fits in each part, shortest first, so that each pads little."""
+    if len(lengths) * max(lengths) <= max_batch_tokens:
+        return [np.arange(len(lengths))]
+    order = np.argsort(lengths, kind="stable")
+    parts, start = [], 0
+    while start < len(order):
+        stop = start + 1
+        while stop < len(order) and (stop + 1 - start) * lengths[order[stop]] <= max_batch_tokens:
+            stop += 1
+        parts.append(order[start:stop])
         start = stop
-    return TextRequest(parts, sum(len(r) for r in rows))
+    return parts
 
 
 async def run_parts(infer, req: TextRequest, limit: float, timer) -> tuple[Outputs, Timings]:
@@ -333,9 +347,11 @@ async def run_parts(infer, req: TextRequest, limit: float, timer) -> tuple[Outpu
         answers = await asyncio.gather(*(one(p) for p in req.parts))
     if len(answers) == 1 and np.array_equal(req.parts[0].rows, np.arange(req.rows)):
         return answers[0]
-    # Joining copies every output (the largest request's run to hundreds of MB): in a worker thread, where numpy's
-    # copies leave the interpreter to the event loop (docs/reliability.md, "One big request, and the others").
-    return await in_worker(_joined, req, answers)
+    # Joining copies every output: a few sentences' on the event loop, cheaper there than the hop to a worker thread;
+    # the largest request's (hundreds of MB) in one, where numpy's copies leave the interpreter to the event loop
+    # (docs/reliability.md, "One big request, and the others"). A copy counts as raw bytes (core.inference.work).
+    nbytes = sum(out.nbytes for outputs, _ in answers for out in outputs.values())
+    return await offload(work(raw=nbytes), _joined, req, answers)
 
 
 def _joined(req: TextRequest, answers: list[tuple[Outputs, Timings]]) -> tuple[Outputs, Timings]:

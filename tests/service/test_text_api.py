@@ -254,6 +254,23 @@ def test_a_big_request_runs_in_parts_and_answers_in_input_order(base, artifact):
     np.testing.assert_allclose([d["embedding"] for d in got["data"]], want, atol=2e-6)
 
 
+def test_a_request_that_fits_is_one_part_in_input_order_else_parts_sorted_by_length():
+    """A request whose inputs fit ``max_batch_tokens`` padded together runs as one part in input order (the batcher
+    cuts it by length into pieces, and the answer needs no reordering); a bigger one in parts of near lengths, each
+    within the limit, every input in exactly one."""
+    from addnorm.service.core.text import parts_of
+
+    lengths = [9, 3, 17, 5, 3, 12]
+    (one,) = parts_of(lengths, 6 * 17)
+    assert one.tolist() == list(range(6))
+    parts = parts_of(lengths, 6 * 17 - 1)
+    assert sorted(np.concatenate(parts).tolist()) == list(range(6)) and len(parts) > 1
+    for part in parts:
+        assert len(part) * max(lengths[i] for i in part) <= 6 * 17 - 1
+    assert [lengths[i] for part in parts for i in part] == sorted(lengths)
+    assert [len(p) for p in parts_of([40, 40, 40], 60)] == [1, 1, 1]  # an input alone may fill a part
+
+
 def test_tei_embed_and_tokenize(base, artifact, model_dir):
     embed = httpx.post(f"{base}/embed", json={"inputs": TEXTS}).json()
     np.testing.assert_allclose(embed, _in_process(artifact, TEXTS)[POOLED], atol=1e-6)
