@@ -248,6 +248,10 @@ class TextTokenizer:
         """Token id lists -> a padded batch."""
         lengths = [len(row) for row in ids]
         seq = max(lengths)
+        if min(lengths) == seq:  # nothing to pad (one input, or all of one length): the lists as they are
+            batch = np.array(ids, np.int64)
+            types = np.zeros_like(batch) if type_ids is None else np.array(type_ids, np.int64)
+            return Batch(batch, types, np.zeros(batch.shape, bool), lengths)
         batch = np.full((len(ids), seq), self.text.pad_token_id, np.int64)
         types = np.zeros((len(ids), seq), np.int64)
         for i, row in enumerate(ids):

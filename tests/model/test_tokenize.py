@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
@@ -118,3 +119,22 @@ def test_max_tokens_cuts_as_the_tokenizers_own_truncation_at_that_length(tok, to
     assert refused.value.asked and refused.value.index == 1 and "more than max_tokens 3" in str(refused.value)
     with pytest.raises(ValueError, match="more than the model's 2 special tokens"):
         tok.ids(["a"], True, max_tokens=2)
+
+
+def test_a_batch_is_padded_to_its_longest_whatever_its_lengths(tok):
+    """``pad``: inputs of one length (one input, say: nothing to pad) and of several give the same arrays as
+    padding each row to the longest by hand: ids, token types (zeros without them), the mask over the padding."""
+    pad_id = tok.text.pad_token_id
+    for ids, types in (
+        ([[101, 7, 102]], None),
+        ([[101, 7, 102], [101, 8, 102]], [[0, 0, 0], [0, 1, 1]]),
+        ([[101, 7, 8, 9, 102], [101, 102], [101, 5, 102]], [[0] * 5, [0, 1], [0, 0, 1]]),
+    ):
+        batch = tok.pad(ids, types)
+        seq = max(map(len, ids))
+        assert batch.input_ids.dtype == batch.token_type_ids.dtype == np.int64 and batch.mask.dtype == bool
+        assert batch.input_ids.tolist() == [row + [pad_id] * (seq - len(row)) for row in ids]
+        want_types = [[0] * seq for _ in ids] if types is None else [t + [0] * (seq - len(t)) for t in types]
+        assert batch.token_type_ids.tolist() == want_types
+        assert batch.mask.tolist() == [[p >= len(row) for p in range(seq)] for row in ids]
+        assert batch.lengths == [len(row) for row in ids]
