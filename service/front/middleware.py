@@ -132,16 +132,19 @@ class Front:
         """The direct route this request is for and its path's parameters, else None (FastAPI routes it). The routes
         are read at the first request, once every router is included; a direct route's path matches no route
         declared before it (tests/service/test_front.py), so the route found is the one FastAPI's router would take."""
-        if self._lanes is None:  # FastAPI's own view of the routes, included routers' too
+        if self._lanes is None:  # FastAPI's own view of the routes, included routers' too, read once (each
+            # attribute of a RouteContext is a lookup through its layers: a few microseconds a route a request)
             self._lanes = [
-                r for r in iter_route_contexts(self.routes) if getattr(r.endpoint, "direct", False)
+                (frozenset(r.methods), r.path_regex.match, r.param_convertors, r)
+                for r in iter_route_contexts(self.routes)
+                if getattr(r.endpoint, "direct", False)
             ]
         if scope.get("root_path"):  # mounted under a prefix: FastAPI's router strips it
             return None
         path, method = scope["path"], scope["method"]
-        for route in self._lanes:
-            if method in route.methods and (match := route.path_regex.match(path)) is not None:
-                return route, {k: route.param_convertors[k].convert(v) for k, v in match.groupdict().items()}
+        for methods, match_path, convertors, route in self._lanes:
+            if method in methods and (match := match_path(path)) is not None:
+                return route, {k: convertors[k].convert(v) for k, v in match.groupdict().items()}
         return None
 
 
