@@ -1,10 +1,10 @@
 """Text and token ids in: what the text APIs (/v1/embeddings, TEI's /embed, V2's BYTES ``text``) share between their
 JSON and the request core. ``decode_texts`` tokenizes with the model's tokenizer, cuts the request into parts of
-at most ``max_batch_tokens`` padded positions (one in input order when they fit, else sorted by length, so that
-each part pads little): the request
-runs its parts on the model's batcher side by side (``TextRequest.run``, ``run_parts``), where they merge with other
-requests by token cost as any tensors do, and a run embeds all its text with the model's embedding layer at once
-(``merging.Tokens``). ``vectors`` gives each input's sentence embedding.
+at most ``max_batch_tokens`` padded positions (one, in input order, when they fit; else sorted by length, so that
+each part pads little): the request runs its parts on the model's batcher side by side (``TextRequest.run``,
+``run_parts``), where they merge with other requests by token cost as any tensors do, and a run embeds all its
+text with the model's embedding layer at once (``merging.Tokens``). ``vectors`` gives each input's sentence
+embedding.
 """
 
 from __future__ import annotations
