@@ -341,15 +341,15 @@ async def run_parts(infer, req: TextRequest, limit: float, timer) -> tuple[Outpu
         async with gate:
             return await infer(part.tokens, part.batch.mask, limit, timer)
 
-    if len(req.parts) == 1:
-        answers = [await infer(req.parts[0].tokens, req.parts[0].batch.mask, limit, timer)]
-    else:
-        answers = await asyncio.gather(*(one(p) for p in req.parts))
-    if len(answers) == 1 and np.array_equal(req.parts[0].rows, np.arange(req.rows)):
-        return answers[0]
-    # Joining copies every output: a few sentences' on the event loop, cheaper there than the hop to a worker thread;
-    # the largest request's (hundreds of MB) in one, where numpy's copies leave the interpreter to the event loop
-    # (docs/reliability.md, "One big request, and the others"). A copy counts as raw bytes (core.inference.work).
+    if (
+        len(req.parts) == 1
+    ):  # one part holds the inputs in input order (``parts_of``): its answer is the request's
+        return await infer(req.parts[0].tokens, req.parts[0].batch.mask, limit, timer)
+    answers = await asyncio.gather(*(one(p) for p in req.parts))
+    # Several parts hold more than max_batch_tokens positions, megabytes of outputs: joining them copies every output
+    # (the largest request's, hundreds of MB) in a worker, where numpy's copies leave the interpreter to the event loop
+    # (docs/reliability.md, "One big request, and the others"); a small limit's join stays on the loop, by offload's
+    # rule (a copy counts as raw bytes: core.inference.work).
     nbytes = sum(out.nbytes for outputs, _ in answers for out in outputs.values())
     return await offload(work(raw=nbytes), _joined, req, answers)
 
