@@ -470,6 +470,25 @@ def test_lone_request_times_each_step_of_the_servers_path_in_order(tiny_text_art
     assert re.search(r"tokenize [\d.]+, embed [\d.]+, run [\d.]+, pool [\d.]+, in all [\d.]+", out), out
 
 
+def test_the_front_floor_study_measures_every_layer_from_the_bare_protocol_up(tiny_text_artifact, capsys):
+    """bench.studies.front_floor on a tiny text model: every layer's server starts and answers its request without
+    an error (a layer whose request the server refused would stop the study), and the table has a row per layer in
+    the order built, each with the event loop's CPU, the server's and a rate (no timing asserted)."""
+    from bench.studies import front_floor
+
+    args = ["--artifact", str(tiny_text_artifact), "--clients", "2", "--rounds", "1", "--seconds", "0.2"]
+    assert front_floor.main(args) == 0
+    out = capsys.readouterr().out
+    names = [name for name, *_ in front_floor.layers(tiny_text_artifact, "m", "a sentence")]
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [row[0][2:] for row in rows] == names and out.startswith("CPU flags: "), out
+    # CPU from /proc counts in ticks: a short window may read 0, never less; every layer answered requests
+    assert all(
+        float(row[1]) >= 0 and float(row[2]) >= 0 and float(row[3].rstrip(" |").replace(",", "")) > 0
+        for row in rows
+    ), out
+
+
 def test_the_text_benchmarks_core_row_runs_the_servers_own_model(tiny_text_artifact, monkeypatch):
     """``bench.text.core`` (the request core in process, no HTTP) loads the model as addnorm-serve does and answers
     every client's requests through the batcher: each (sentences per request, clients) cell gets a rate, and the

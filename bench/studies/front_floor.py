@@ -1,0 +1,181 @@
+"""The front's floor: the event loop's CPU a request, layer by layer, from a bare HTTP protocol to addnorm's request.
+
+    python -m bench.studies.front_floor [--artifact DIR] [--clients N] [--seconds S] [--rounds N]
+
+Issue 77 asks for at most 0.15 ms of event loop a one-sentence ``/v1/embeddings`` request. This study measures, on
+the same machine and load generator (``bench.loadgen``: ``--clients`` closed-loop keep-alive clients), the event
+loop's CPU a request (the server's main thread, from /proc) of servers that each add one layer to the one before:
+
+- ``bare``: uvloop and httptools with no framework: parse a request, write a fixed 200 (the floor of any Python
+  HTTP server on this CPU: the two syscalls and the parser);
+- ``http11 + ASGI``: uvicorn with addnorm's own connection (service/front/http11.py) and an ASGI app that answers
+  the same fixed body (what addnorm's connection and ASGI add);
+- ``addnorm GET /v1/models``: addnorm-serve on ``--artifact``, a route through FastAPI's router and dependency
+  solving (the framework's cost of a route that does nothing);
+- ``addnorm /v1/embeddings``: one real sentence a request (the direct lane, the request core, the batcher's
+  hand-offs, pooling, JSON);
+- ``addnorm V2 binary [1,16,E]``: the same server's smallest tensor request (no tokenizer, no JSON).
+
+The layers run in turn, ``--rounds`` times; printed: each one's median loop CPU a request and requests/s, and the
+CPU flags. An ids artifact (one exported ``--from`` a model directory, e.g. ``bench.text.export_minilm``'s).
+docs/benchmarks.md, "The front's floor".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from addnorm.commands import Parser
+from addnorm.model.artifact import Manifest
+from addnorm.model.runtime import cpu_flags
+from bench.loadgen import build_request
+from bench.measure import load_with_cpu, v2_request
+from bench.server import HOST, ServerProcess, serve
+from bench.studies import text_arguments, text_inputs
+
+BODY = b'{"object":"list","data":[]}'
+ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+    len(BODY),
+    BODY,
+)
+
+
+def _bare(port: int) -> None:
+    """The floor: one protocol per connection, httptools parsing, a fixed answer per request."""
+    import httptools
+    import uvloop
+
+    class Bare(asyncio.Protocol):
+        def connection_made(self, transport) -> None:
+            self.transport = transport
+            self.parser = httptools.HttpRequestParser(self)
+
+        def data_received(self, data: bytes) -> None:
+            self.parser.feed_data(data)
+
+        def on_message_complete(self) -> None:
+            self.transport.write(ANSWER)
+
+    async def serve_forever() -> None:
+        server = await asyncio.get_running_loop().create_server(Bare, HOST, port)
+        await server.serve_forever()
+
+    uvloop.run(serve_forever())
+
+
+async def _fixed(scope, receive, send) -> None:
+    """An ASGI app with the bare server's answer, for any request."""
+    if scope["type"] != "http":
+        return
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(BODY))]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": BODY})
+
+
+def _http11(port: int) -> None:
+    """uvicorn as addnorm-serve runs it (its connection, uvloop), serving ``_fixed``."""
+    import uvicorn
+
+    uvicorn.run(
+        "bench.studies.front_floor:_fixed",
+        host=HOST,
+        port=port,
+        http="addnorm.service.front.http11:Http11",
+        ws="none",
+        lifespan="off",
+        log_level="warning",
+        access_log=False,
+    )
+
+
+def _get(port: int, path: str) -> bytes:
+    return f"GET {path} HTTP/1.1\r\nHost: {HOST}:{port}\r\nConnection: keep-alive\r\n\r\n".encode()
+
+
+def layers(artifact: Path, name: str, sentence: str) -> list[tuple[str, Callable, Callable]]:
+    """(name, a server not yet waited for, its request from the port), from the floor up."""
+    width = Manifest.load(artifact).config.d_model
+    study = ["-m", "bench.studies.front_floor", "--serve"]
+    embeddings = json.dumps({"model": name, "input": sentence}).encode()
+    x = np.full((1, 16, width), 0.5, np.float32)
+    json_type = {"Content-Type": "application/json"}
+    return [
+        (
+            "bare: uvloop + httptools",
+            lambda: ServerProcess([*study, "bare"], ready_path="/"),
+            lambda p: _get(p, "/"),
+        ),
+        (
+            "http11 + ASGI app",
+            lambda: ServerProcess([*study, "http11"], ready_path="/"),
+            lambda p: _get(p, "/"),
+        ),
+        ("addnorm GET /v1/models", lambda: serve(artifact), lambda p: _get(p, "/v1/models")),
+        (
+            "addnorm /v1/embeddings, 1 sentence",
+            lambda: serve(artifact),
+            lambda p: build_request(HOST, p, "/v1/embeddings", embeddings, json_type),
+        ),
+        (f"addnorm V2 binary [1,16,{width}]", lambda: serve(artifact), lambda p: v2_request(p, name, x)),
+    ]
+
+
+def measure(stack: list, clients: int, seconds: float, rounds: int) -> dict[str, list[dict]]:
+    """Each layer's load with its server's CPU, every layer in turn, ``rounds`` times."""
+    cells: dict[str, list[dict]] = {}
+    for _ in range(rounds):
+        for name, server, request in stack:
+            with server() as srv:
+                req = request(srv.port)
+                load_with_cpu(srv, req, clients, 1.0)  # warm-up
+                row = load_with_cpu(srv, req, clients, seconds)
+            if row["errors"]:
+                raise SystemExit(f"{name}: {row['errors']} requests failed")
+            cells.setdefault(name, []).append(row)
+    return cells
+
+
+def table(cells: dict[str, list[dict]], rounds: int) -> list[str]:
+    lines = [
+        f"| layer | event loop ms a request (median of {rounds}) | server CPU ms a request | requests/s |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, rows in cells.items():
+        med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if isinstance(rows[0][k], float)}
+        lines.append(
+            f"| {name} | {med['loop_cpu_ms_per_request']:.3f} | {med['server_cpu_ms_per_request']:.3f} "
+            f"| {med['throughput_rps']:,.0f} |"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--serve"]:  # one layer's server, in its own process: --serve KIND --port P
+        {"bare": _bare, "http11": _http11}[argv[1]](int(argv[argv.index("--port") + 1]))
+        return 0
+    parser = Parser(prog="python -m bench.studies.front_floor", description=__doc__.split("\n\n")[0])
+    text_arguments(parser)
+    parser.add_argument("--clients", type=int, default=32, help="closed-loop clients (default 32)")
+    parser.add_argument("--seconds", type=float, default=3.0, help="each layer's load a round (default 3)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every layer in turn (default 3)")
+    args = parser.parse_args(argv)
+    with text_inputs(args) as (artifact, model, sentences):
+        sentence = sorted(sentences, key=len)[len(sentences) // 2]  # a sentence of median length
+        print(
+            f"CPU flags: {' '.join(sorted(cpu_flags())) or 'unknown'}; {args.clients} clients, {args.rounds} rounds"
+        )
+        cells = measure(layers(artifact, model, sentence), args.clients, args.seconds, args.rounds)
+    print("\n".join(["", *table(cells, args.rounds)]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
