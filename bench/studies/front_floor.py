@@ -134,7 +134,7 @@ def measure(stack: list, clients: int, seconds: float, rounds: int) -> dict[str,
         for name, server, request in stack:
             with server() as srv:
                 req = request(srv.port)
-                load_with_cpu(srv, req, clients, 1.0)  # warm-up
+                load_with_cpu(srv, req, clients, min(1.0, seconds))  # warm-up
                 row = load_with_cpu(srv, req, clients, seconds)
             if row["errors"]:
                 raise SystemExit(f"{name}: {row['errors']} requests failed")
