@@ -16,7 +16,7 @@ loop's CPU a request (the server's main thread, from /proc) of servers that each
   hand-offs, pooling, JSON);
 - ``addnorm V2 binary [1,16,E]``: the same server's smallest tensor request (no tokenizer, no JSON).
 
-The layers run in turn, ``--rounds`` times; printed: each one's median loop CPU a request and requests/s, and the
+Every layer's server starts first; then the layers run in turn, ``--rounds`` times (side by side); printed: each one's median loop CPU a request and requests/s, and the
 CPU flags. An ids artifact (one exported ``--from`` a model directory, e.g. ``bench.text.export_minilm``'s).
 docs/benchmarks.md, "The front's floor".
 """
@@ -24,6 +24,7 @@ docs/benchmarks.md, "The front's floor".
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
@@ -95,6 +96,114 @@ def _http11(port: int) -> None:
     )
 
 
+def _lean(port: int, artifact: str) -> None:
+    """The least a V2 binary request can do on addnorm's model (loaded as addnorm-serve loads it: its engine, its
+    batcher and lanes) and connection: read the body, split off its JSON header, queue the tensor on the batcher,
+    answer its output as binary data; no front (request id, guard, access line, metrics), no request core
+    (statistics, deadline, cancellation, tracing), no checks, no FastAPI. What the product's features cost a request
+    is the gap between this layer and addnorm-serve's own V2 binary request."""
+    import orjson
+    import uvicorn
+
+    from addnorm.service.models.state import ServiceState, serving_model
+    from addnorm.service.settings import Settings
+
+    loaded: list = []
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            await receive()
+            directory = Path(artifact)
+            loaded.append(await serving_model(ServiceState(Settings(artifact=(directory,))), "m", directory))
+            await send({"type": "lifespan.startup.complete"})
+            await receive()
+            await loaded[0].batcher.stop()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["method"] == "GET":  # readiness
+            await _fixed(scope, receive, send)
+            return
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        n = int(dict(scope["headers"])[b"inference-header-content-length"])
+        (tensor,) = orjson.loads(body[:n])["inputs"]
+        x = np.frombuffer(body, np.float32, offset=n).reshape(tensor["shape"])
+        outputs, _ = await loaded[0].batcher.infer(x, None, 60.0)
+        (name, out), *_ = outputs.items()
+        header = orjson.dumps(
+            {
+                "model_name": "m",
+                "outputs": [
+                    {
+                        "name": name,
+                        "datatype": "FP32",
+                        "shape": list(out.shape),
+                        "parameters": {"binary_data_size": out.nbytes},
+                    }
+                ],
+            }
+        )
+        answer = header + np.ascontiguousarray(out, "<f4").tobytes()
+        headers = [
+            (b"content-type", b"application/octet-stream"),
+            (b"inference-header-content-length", b"%d" % len(header)),
+            (b"content-length", b"%d" % len(answer)),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": answer})
+
+    uvicorn.run(
+        app,
+        host=HOST,
+        port=port,
+        http="addnorm.service.front.http11:Http11",
+        ws="none",
+        lifespan="on",
+        log_level="warning",
+        access_log=False,
+    )
+
+
+def _route(port: int, artifact: str) -> None:
+    """addnorm-serve's V2 infer route (service/protocols/v2/routes.py: the codec, its checks, the request core:
+    statistics, deadline, cancellation, tracing) on addnorm's app and connection, called for every request without
+    the front (FastAPI's and Starlette's layers, ``front.middleware.Front``: request id, guard, access line,
+    metrics, the body's deadline): between ``_lean`` and addnorm-serve, what the front costs a request."""
+    import uvicorn
+    from starlette.requests import Request
+
+    from addnorm.service.front.app import create_app
+    from addnorm.service.protocols.v2.routes import _infer
+    from addnorm.service.settings import Settings
+
+    served = create_app(Settings(artifact=(Path(artifact),)), load_before_serving=True)
+    name = Manifest.load(artifact).name
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] == "lifespan":  # the app's own: its models load
+            await served(scope, receive, send)
+        elif scope["method"] == "GET":  # readiness
+            await _fixed(scope, receive, send)
+        else:
+            answer = await _infer(Request(scope, receive), served.state.addnorm.known, name, None)
+            await answer(scope, receive, send)
+
+    uvicorn.run(
+        app,
+        host=HOST,
+        port=port,
+        http="addnorm.service.front.http11:Http11",
+        ws="none",
+        lifespan="on",
+        log_level="warning",
+        access_log=False,
+    )
+
+
 def _get(port: int, path: str) -> bytes:
     return f"GET {path} HTTP/1.1\r\nHost: {HOST}:{port}\r\nConnection: keep-alive\r\n\r\n".encode()
 
@@ -123,22 +232,35 @@ def layers(artifact: Path, name: str, sentence: str) -> list[tuple[str, Callable
             lambda: serve(artifact),
             lambda p: build_request(HOST, p, "/v1/embeddings", embeddings, json_type),
         ),
+        (
+            f"lean V2 binary [1,16,{width}]: http11, the batcher",
+            lambda: ServerProcess([*study, "lean", str(artifact)], ready_path="/"),
+            lambda p: v2_request(p, name, x),
+        ),
+        (
+            f"addnorm's V2 route without its front [1,16,{width}]",
+            lambda: ServerProcess([*study, "route", str(artifact)], ready_path="/"),
+            lambda p: v2_request(p, name, x),
+        ),
         (f"addnorm V2 binary [1,16,{width}]", lambda: serve(artifact), lambda p: v2_request(p, name, x)),
     ]
 
 
 def measure(stack: list, clients: int, seconds: float, rounds: int) -> dict[str, list[dict]]:
-    """Each layer's load with its server's CPU, every layer in turn, ``rounds`` times."""
+    """Each layer's load with its server's CPU: every layer's server started first, then the layers in turn,
+    ``rounds`` times (side by side: the machine's drift falls on every layer alike)."""
     cells: dict[str, list[dict]] = {}
-    for _ in range(rounds):
-        for name, server, request in stack:
-            with server() as srv:
-                req = request(srv.port)
-                load_with_cpu(srv, req, clients, min(1.0, seconds))  # warm-up
+    with contextlib.ExitStack() as servers:
+        started = [(name, servers.enter_context(server()), request) for name, server, request in stack]
+        asked = [(name, srv, request(srv.port)) for name, srv, request in started]
+        for _name, srv, req in asked:
+            load_with_cpu(srv, req, clients, min(1.0, seconds))  # warm-up
+        for _ in range(rounds):
+            for name, srv, req in asked:
                 row = load_with_cpu(srv, req, clients, seconds)
-            if row["errors"]:
-                raise SystemExit(f"{name}: {row['errors']} requests failed")
-            cells.setdefault(name, []).append(row)
+                if row["errors"]:
+                    raise SystemExit(f"{name}: {row['errors']} requests failed")
+                cells.setdefault(name, []).append(row)
     return cells
 
 
@@ -159,7 +281,11 @@ def table(cells: dict[str, list[dict]], rounds: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--serve"]:  # one layer's server, in its own process: --serve KIND --port P
-        {"bare": _bare, "http11": _http11}[argv[1]](int(argv[argv.index("--port") + 1]))
+        port = int(argv[argv.index("--port") + 1])
+        if argv[1] in ("lean", "route"):
+            {"lean": _lean, "route": _route}[argv[1]](port, argv[2])
+        else:
+            {"bare": _bare, "http11": _http11}[argv[1]](port)
         return 0
     parser = Parser(prog="python -m bench.studies.front_floor", description=__doc__.split("\n\n")[0])
     text_arguments(parser)
