@@ -14,10 +14,16 @@ loop's CPU a request (the server's main thread, from /proc) of servers that each
   solving (the framework's cost of a route that does nothing);
 - ``addnorm /v1/embeddings``: one real sentence a request (the direct lane, the request core, the batcher's
   hand-offs, pooling, JSON);
-- ``addnorm V2 binary [1,16,E]``: the same server's smallest tensor request (no tokenizer, no JSON).
+- ``lean V2 binary [1,16,E]``: addnorm's connection, model and batcher with nothing else around them: read the
+  body, split off its header, queue the tensor, answer its output (what any request on this batcher costs);
+- ``addnorm's V2 route without its front``: addnorm's V2 infer route itself (its codec and checks, the request core)
+  called for every request, without FastAPI's layers and ``Front`` (what the route and the core add to the lean
+  one, and, against the next, what the front adds);
+- ``addnorm V2 binary [1,16,E]``: addnorm-serve's smallest tensor request (no tokenizer, no JSON).
 
-Every layer's server starts first; then the layers run in turn, ``--rounds`` times (side by side); printed: each one's median loop CPU a request and requests/s, and the
-CPU flags. An ids artifact (one exported ``--from`` a model directory, e.g. ``bench.text.export_minilm``'s).
+Every layer's server starts first; then the layers run in turn, ``--rounds`` times, side by side (the machine's
+drift falls on each alike); printed: each one's median loop CPU a request, server CPU and requests/s, and the CPU
+flags. An ids artifact (one exported ``--from`` a model directory, e.g. ``bench.text.export_minilm``'s).
 docs/benchmarks.md, "The front's floor".
 """
 
@@ -80,17 +86,17 @@ async def _fixed(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": BODY})
 
 
-def _http11(port: int) -> None:
-    """uvicorn as addnorm-serve runs it (its connection, uvloop), serving ``_fixed``."""
+def _uvicorn(app, port: int, lifespan: str = "off") -> None:
+    """uvicorn as addnorm-serve runs it (its connection, uvloop, no access log), serving ``app``."""
     import uvicorn
 
     uvicorn.run(
-        "bench.studies.front_floor:_fixed",
+        app,
         host=HOST,
         port=port,
         http="addnorm.service.front.http11:Http11",
         ws="none",
-        lifespan="off",
+        lifespan=lifespan,
         log_level="warning",
         access_log=False,
     )
@@ -103,7 +109,6 @@ def _lean(port: int, artifact: str) -> None:
     (statistics, deadline, cancellation, tracing), no checks, no FastAPI. What the product's features cost a request
     is the gap between this layer and addnorm-serve's own V2 binary request."""
     import orjson
-    import uvicorn
 
     from addnorm.service.models.state import ServiceState, serving_model
     from addnorm.service.settings import Settings
@@ -156,16 +161,7 @@ def _lean(port: int, artifact: str) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": answer})
 
-    uvicorn.run(
-        app,
-        host=HOST,
-        port=port,
-        http="addnorm.service.front.http11:Http11",
-        ws="none",
-        lifespan="on",
-        log_level="warning",
-        access_log=False,
-    )
+    _uvicorn(app, port, lifespan="on")
 
 
 def _route(port: int, artifact: str) -> None:
@@ -173,7 +169,6 @@ def _route(port: int, artifact: str) -> None:
     statistics, deadline, cancellation, tracing) on addnorm's app and connection, called for every request without
     the front (FastAPI's and Starlette's layers, ``front.middleware.Front``: request id, guard, access line,
     metrics, the body's deadline): between ``_lean`` and addnorm-serve, what the front costs a request."""
-    import uvicorn
     from starlette.requests import Request
 
     from addnorm.service.front.app import create_app
@@ -192,16 +187,7 @@ def _route(port: int, artifact: str) -> None:
             answer = await _infer(Request(scope, receive), served.state.addnorm.known, name, None)
             await answer(scope, receive, send)
 
-    uvicorn.run(
-        app,
-        host=HOST,
-        port=port,
-        http="addnorm.service.front.http11:Http11",
-        ws="none",
-        lifespan="on",
-        log_level="warning",
-        access_log=False,
-    )
+    _uvicorn(app, port, lifespan="on")
 
 
 def _get(port: int, path: str) -> bytes:
@@ -281,11 +267,13 @@ def table(cells: dict[str, list[dict]], rounds: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--serve"]:  # one layer's server, in its own process: --serve KIND --port P
-        port = int(argv[argv.index("--port") + 1])
-        if argv[1] in ("lean", "route"):
-            {"lean": _lean, "route": _route}[argv[1]](port, argv[2])
-        else:
-            {"bare": _bare, "http11": _http11}[argv[1]](port)
+        kind, port = argv[1], int(argv[argv.index("--port") + 1])
+        if kind == "bare":
+            _bare(port)
+        elif kind == "http11":
+            _uvicorn("bench.studies.front_floor:_fixed", port)
+        else:  # lean or route ARTIFACT
+            {"lean": _lean, "route": _route}[kind](port, argv[2])
         return 0
     parser = Parser(prog="python -m bench.studies.front_floor", description=__doc__.split("\n\n")[0])
     text_arguments(parser)
