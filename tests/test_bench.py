@@ -472,8 +472,10 @@ def test_lone_request_times_each_step_of_the_servers_path_in_order(tiny_text_art
 
 def test_the_front_floor_study_measures_every_layer_from_the_bare_protocol_up(tiny_text_artifact, capsys):
     """bench.studies.front_floor on a tiny text model: every layer's server starts and answers its request without
-    an error (a layer whose request the server refused would stop the study), and the table has a row per layer in
-    the order built, each with the event loop's CPU, the server's and a rate (no timing asserted)."""
+    an error (a layer whose request the server refused would stop the study), the V2 layers answer what
+    addnorm-serve answers (the lean and route layers skip no work of the answer's: a wrong one stops the study), and
+    the table has a row per layer in the order built, each with the event loop's CPU, the server's and a rate (no
+    timing asserted)."""
     from bench.studies import front_floor
 
     args = ["--artifact", str(tiny_text_artifact), "--clients", "2", "--rounds", "1", "--seconds", "0.2"]

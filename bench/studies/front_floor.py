@@ -21,7 +21,8 @@ loop's CPU a request (the server's main thread, from /proc) of servers that each
   one, and, against the next, what the front adds);
 - ``addnorm V2 binary [1,16,E]``: addnorm-serve's smallest tensor request (no tokenizer, no JSON).
 
-Every layer's server starts first; then the layers run in turn, ``--rounds`` times, side by side (the machine's
+Every layer's server starts first, and the V2 layers' answers are checked against addnorm-serve's (the lean and
+route layers skip no work of the answer's); then the layers run in turn, ``--rounds`` times, side by side (the machine's
 drift falls on each alike); printed: each one's median loop CPU a request, server CPU and requests/s, and the CPU
 flags. An ids artifact (one exported ``--from`` a model directory, e.g. ``bench.text.export_minilm``'s).
 docs/benchmarks.md, "The front's floor".
@@ -42,7 +43,7 @@ import numpy as np
 from addnorm.commands import Parser
 from addnorm.model.artifact import Manifest
 from addnorm.model.runtime import cpu_flags
-from bench.loadgen import build_request
+from bench.loadgen import build_request, run_load
 from bench.measure import load_with_cpu, v2_request
 from bench.server import HOST, ServerProcess, serve
 from bench.studies import text_arguments, text_inputs
@@ -241,6 +242,7 @@ def measure(stack: list, clients: int, seconds: float, rounds: int) -> dict[str,
         asked = [(name, srv, request(srv.port)) for name, srv, request in started]
         for _name, srv, req in asked:
             load_with_cpu(srv, req, clients, min(1.0, seconds))  # warm-up
+        same_answers([(name, srv.port, req) for name, srv, req in asked if "V2 binary" in name])
         for _ in range(rounds):
             for name, srv, req in asked:
                 row = load_with_cpu(srv, req, clients, seconds)
@@ -248,6 +250,26 @@ def measure(stack: list, clients: int, seconds: float, rounds: int) -> dict[str,
                     raise SystemExit(f"{name}: {row['errors']} requests failed")
                 cells.setdefault(name, []).append(row)
     return cells
+
+
+def same_answers(v2: list[tuple[str, int, bytes]]) -> None:
+    """The V2 layers answer alike (the lean and route layers do the work addnorm-serve does, not less): each one's
+    first output against the same output of the last (addnorm-serve's), within float32's batching spread."""
+    outputs = {}
+    for name, port, request in v2:
+        (body,) = run_load(HOST, port, request, 1, 30.0, max_requests=1, warmup=0, keep=1).bodies
+        doc, end = json.JSONDecoder().raw_decode(body.decode("latin-1"))  # the JSON header, then binary data
+        sizes = [out["parameters"]["binary_data_size"] for out in doc["outputs"]]
+        offsets = np.cumsum([end, *sizes])
+        outputs[name] = {
+            out["name"]: np.frombuffer(body[start : start + size], np.float32)
+            for out, start, size in zip(doc["outputs"], offsets, sizes, strict=False)
+        }
+    *others, (last, reference) = outputs.items()
+    for name, answer in others:
+        (output, values), *_ = answer.items()
+        if not np.allclose(values, reference[output], rtol=1e-4, atol=1e-5):
+            raise SystemExit(f"{name} answers {output} unlike {last}")
 
 
 def table(cells: dict[str, list[dict]], rounds: int) -> list[str]:
