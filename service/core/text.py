@@ -341,9 +341,8 @@ async def run_parts(infer, req: TextRequest, limit: float, timer) -> tuple[Outpu
         async with gate:
             return await infer(part.tokens, part.batch.mask, limit, timer)
 
-    if (
-        len(req.parts) == 1
-    ):  # one part holds the inputs in input order (``parts_of``): its answer is the request's
+    # One part holds the inputs in input order (``parts_of``): its answer is the request's.
+    if len(req.parts) == 1:
         return await infer(req.parts[0].tokens, req.parts[0].batch.mask, limit, timer)
     answers = await asyncio.gather(*(one(p) for p in req.parts))
     # Several parts hold more than max_batch_tokens positions, megabytes of outputs: joining them copies every output
