@@ -36,6 +36,14 @@ OUTPUT_NAMES = (
     SCORES,
     SPARSE,
 )  # every output a graph may have, in graph order; output_names(config): its own
+# What each output is, as the APIs document it (/v1's answer schema, built from these)
+OUTPUT_DOCS = {
+    ENCODED: "the encoder's output, the embeddings' shape",
+    POOLED: "[batch, d_model]: the sentence embeddings of a model exported with a pooling",
+    SCORES: "[batch, labels]: the logits of a model exported with a classification head (a cross-encoder's "
+    "one label, a classifier's several)",
+    SPARSE: "[batch, vocabulary]: the SPLADE weights of a model exported with a sparse head",
+}
 STEP_OUTPUT = "add_norm_{}"  # debug graphs only: one extra output per Add & Norm step, never served
 BATCH, SEQ = "batch", "seq"  # the symbolic dims
 # a packed graph's symbolic dims

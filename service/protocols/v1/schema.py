@@ -2,7 +2,7 @@
 document is built from them (routes.py), and tests/service/test_schemas.py holds the codec to them (every field and
 header declared is read or written, and nothing else is)."""
 
-from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK, OUTPUT_NAMES, POOLED
+from addnorm.model.contract import EMBEDDINGS, MASK, OUTPUT_DOCS, OUTPUT_NAMES, positional
 from addnorm.model.text import INPUT_IDS
 from addnorm.service.protocols.v1.codec import MODEL, OUTPUT
 
@@ -39,24 +39,27 @@ REQUEST = {
     },
 }
 
+# The answer carries the model's outputs by name: every one it has, or the one ``?output=`` names (a cross-encoder
+# asked for its scores answers no ``encoded``), so at least one of them, and the shape of the first.
 ANSWER = {
     "type": "object",
-    "required": [ENCODED, "shape", "model"],
+    "required": ["shape", "model"],
+    "anyOf": [{"required": [name]} for name in OUTPUT_NAMES],
     "properties": {
-        ENCODED: {
-            "type": "array",
-            "description": "like embeddings; one per ragged sequence",
+        **{
+            name: {
+                "type": "array",
+                "description": OUTPUT_DOCS[name]
+                + ("; one per ragged sequence" if positional(name) else "; one sequence: its row alone"),
+            }
+            for name in OUTPUT_NAMES
         },
         "shape": {
             "type": "array",
-            "description": "the encoded shape, or one per sequence",
+            "description": "the shape of the first output answered (encoded, unless ?output= names another), "
+            "or one per sequence",
         },
         "model": {"type": "string"},
-        POOLED: {
-            "type": "array",
-            "description": "[batch, d_model] (one sequence: [d_model]): the sentence embeddings "
-            "of a model exported with --pooling",
-        },
     },
 }
 
@@ -73,8 +76,8 @@ PARAMETERS = [
         "in": "query",
         "required": False,
         "schema": {"type": "string", "enum": list(OUTPUT_NAMES)},
-        "description": "the one output the answer carries (pooled: the sentence embeddings [batch, d_model] of "
-        "a model exported with --pooling); without it JSON answers carry every output, binary ones encoded",
+        "description": "the one output the answer carries, one of the model's (pooled, scores, sparse_weights: "
+        "the answer's fields); without it JSON answers carry every output, binary ones encoded",
     },
     {
         "name": "X-Shape",
