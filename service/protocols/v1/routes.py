@@ -34,7 +34,9 @@ _ENCODE_DOC = {
     },
     "responses": {
         "200": {
-            "description": "encoded tensor as JSON {encoded, shape, model}, or binary per the Accept header",
+            "description": "the model's outputs as JSON by name (encoded, pooled, scores, sparse_weights: those it "
+            "has, or the one ?output= names), their shape and the model; or one output in binary per the Accept "
+            "header",
             "content": {
                 codec.JSON: {
                     "schema": schema.ANSWER,
