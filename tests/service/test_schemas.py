@@ -147,9 +147,9 @@ def test_v1_answers_validate_against_the_documented_schema_whichever_output_is_a
     answer = orjson.loads(body)
     jsonschema.validate(answer, v1_schema.ANSWER)
     assert set(answer) - {"shape", "model"} == (set(OUTPUT_NAMES) if output is None else {output})
-    for outputs in ({}, {"shape": [1], "model": "encoder"}):  # no output at all is not an answer
+    for bare in ({}, {"shape": [1], "model": "encoder"}):  # no output at all is not an answer
         with pytest.raises(jsonschema.ValidationError):
-            jsonschema.validate(outputs, v1_schema.ANSWER)
+            jsonschema.validate(bare, v1_schema.ANSWER)
 
 
 def test_v2_reads_exactly_the_documented_request_fields(reads, manifest):
