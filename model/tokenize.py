@@ -15,8 +15,8 @@ from addnorm.model.text import TextConfig
 # refused (or, asked to truncate, cut) before it is tokenized: tokenizing costs time and memory by the character,
 # and one huge string must not cost the server more than max_length x this many characters of work.
 MAX_CHARS_PER_TOKEN = 32
-# Texts longer than this in all are tokenized by encode_batch, which lets go of the GIL while it works (a thread
-# tokenizing them leaves the event loop free); shorter ones by encode, cheaper for a sentence.
+# One text up to this long is tokenized by encode, cheaper for a sentence; a longer one, and several texts, by
+# encode_batch, which lets go of the GIL while it works (the inference threads' Python runs meanwhile).
 BATCH_CHARS = 4096
 DIRECTIONS = ("right", "left")  # where truncation cuts: the end of an input, or its start
 
