@@ -156,7 +156,7 @@ SCHEMATHESIS = shutil.which("schemathesis") or str(Path(sys.executable).with_nam
 
 
 def run_schemathesis(
-    base: str, model: str, tmp_path: Path, examples: int = 20, least: int = 300, *options: str
+    base: str, model: str, tmp_path: Path, examples: int = 20, least: int = 300, options: tuple[str, ...] = ()
 ) -> str:
     """schemathesis against ``base``'s /openapi.json, its path parameters naming ``model`` (``options``: more of
     its command line, a filter of operations say): every check passes, and at least ``least`` requests were

@@ -350,7 +350,7 @@ def test_schemathesis_finds_every_answer_of_a_cross_encoder_and_an_embedder_docu
     ``encoded``, against the document: test_schemas.py holds every answer form to it.)"""
     # the text routes' tags, and /v1/encode's (the other operations: tests/test_schemathesis.py's run)
     text = "^(tei|openai|cohere|rerank|v1)$"
-    report = run_schemathesis(reranker, "ce", tmp_path, 20, 300, "--include-tag-regex", text)
+    report = run_schemathesis(reranker, "ce", tmp_path, options=("--include-tag-regex", text))
     selected, total = map(int, re.search(r"Selected: (\d+)/(\d+)", report).groups())
     assert 12 <= selected < total, report[-2000:]  # 15 of 35 on 2026-12-06
 
