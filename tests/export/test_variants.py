@@ -26,6 +26,15 @@ ORACLE_FACTOR = 4.0
 FLOAT32_FLOOR = 1e-6  # below this both sides are at float32 resolution for unit-scale outputs
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_trace_per_model():
+    """Every graph of one model in this module comes from one torch trace (export/traces.py): the CLI's exports of
+    the same small block in several variants, and the six gamma tests' two models (fp16's, and fp32's that int8 and
+    fused rewrite). No test here patches code a trace runs; a changed weight is a new key."""
+    with traces.reusing():
+        yield
+
+
 def export_cli(out, *flags) -> dict:
     assert cli.main(["--artifact", str(out), *SMALL_FLAGS, *flags, "-q"]) == 0
     return json.loads((out / "manifest.json").read_text())
@@ -311,18 +320,9 @@ def _verified_at_load(artifact) -> str:
     return verify_engine(Engine(artifact, "cpu"), "strict").status
 
 
-@pytest.fixture(scope="module")
-def one_trace_per_model():
-    """The six tests below build two models (fp16's, and fp32's that int8 and fused rewrite): one trace each."""
-    with traces.reusing():
-        yield
-
-
 @pytest.mark.parametrize("variant", ["fp16", "int8", "fused"])
 @pytest.mark.parametrize("which", [0, -1])  # the first Add & Norm step's gamma, and the last
-def test_a_layernorm_gamma_off_by_5_percent_fails_every_variants_gate(
-    tmp_path, variant, which, one_trace_per_model
-):
+def test_a_layernorm_gamma_off_by_5_percent_fails_every_variants_gate(tmp_path, variant, which):
     """The lossy variants' tolerances are tight enough to see one LayerNorm's gamma scaled by 1.05."""
     from addnorm.export.variants import build_graph, get_variant
 
