@@ -2,12 +2,12 @@
 float32 cosine and by each form's own similarity, and how far the rankings agree.
 
 ``python -m bench.quantized [--artifact DIR]`` (default: all-MiniLM-L6-v2 from the dev extra, exported once into a
-temporary directory). The text is this repository's guides (docs/*.md), cut into sentences: none of them is among the
-export's calibration sentences, so the int8 and uint8 ranges are judged out of sample. Each of the first --queries
-sentences is a query against all the others. Per form: recall@10 (how many of float32's ten nearest it also ranks in
-its ten), the Spearman correlation of the whole ranking, and bytes per vector. Similarities: float32 cosine; int8
-and uint8 the integer dot product (uint8 centred on 128 first); binary and ubinary the Hamming distance, as
-sentence-transformers' ``semantic_search_*`` helpers and vector databases score them.
+temporary directory). The text is this repository's guides (docs/*.md), cut into sentences (the first --sentences,
+2,000 by default): none of them is among the export's calibration sentences, so the int8 and uint8 ranges are judged
+out of sample. Each of the first --queries sentences is a query against all the others. Per form: recall@10 (how
+many of float32's ten nearest it also ranks in its ten), the Spearman correlation of the whole ranking, and bytes per
+vector. Similarities: float32 cosine; int8 and uint8 the integer dot product (uint8 centred on 128 first); binary and
+ubinary the Hamming distance, as sentence-transformers' ``semantic_search_*`` helpers and vector databases score them.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from addnorm.model.runtime import cpu_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 TOP = 10
+CORPUS = 2000  # sentences at most (the guides hold more)
 
 
-def sentences(limit: int = 2000) -> list[str]:
-    """Prose sentences of docs/*.md (no code, tables or headings), 40-300 characters, each once."""
+def sentences(limit: int = CORPUS) -> list[str]:
+    """Prose sentences of docs/*.md (no code, tables or headings), 40-300 characters, each once: the first ``limit``."""
     out: dict[str, None] = {}
     for path in sorted((ROOT / "docs").glob("*.md")):
         text = re.sub(r"```.*?```", " ", path.read_text(encoding="utf-8"), flags=re.S)
@@ -82,8 +83,8 @@ def agreement(reference: np.ndarray, other: np.ndarray, queries: int) -> tuple[f
     return float(np.mean(recalls)), float(np.mean(rhos))
 
 
-def table(artifact: Path, queries: int) -> list[dict]:
-    texts = sentences()
+def table(artifact: Path, queries: int, corpus: int = CORPUS) -> list[dict]:
+    texts = sentences(corpus)
     floats, calibration, normalized = vectors(artifact, texts)
     bounds = quantize.ranges(calibration, None, normalized) if calibration is not None else None
     reference = similarities(floats, quantize.FLOAT)
@@ -104,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.quantized", description=__doc__.split("\n\n")[0])
     parser.add_argument("--artifact", type=Path, help="an exported text model (default: all-MiniLM-L6-v2)")
     parser.add_argument("--queries", type=int, default=200, help="sentences used as queries (default 200)")
+    parser.add_argument(
+        "--sentences",
+        type=int,
+        default=CORPUS,
+        help=f"the guides' first N sentences are the corpus (default {CORPUS})",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         artifact = args.artifact
@@ -111,12 +118,12 @@ def main(argv: list[str] | None = None) -> int:
             from bench.text import export_minilm
 
             artifact = export_minilm(Path(tmp) / "minilm")
-        texts = sentences()
+        texts = sentences(args.sentences)
         print(
-            f"{len(texts)} sentences of docs/*.md, {min(args.queries, len(texts))} as queries; CPU {cpu_flags()}"
+            f"{len(texts)} sentences of docs/*.md, {min(args.queries, len(texts))} as queries; CPU flags {' '.join(sorted(cpu_flags()))}"
         )
         print(f"{'form':<8} {'bytes':>6} {'recall@10':>10} {'spearman':>9}")
-        for row in table(artifact, args.queries):
+        for row in table(artifact, args.queries, args.sentences):
             print(f"{row['form']:<8} {row['bytes']:>6} {row['recall@10']:>10.3f} {row['spearman']:>9.4f}")
     return 0
 
