@@ -5,9 +5,21 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
+from addnorm.export import traces
 from addnorm.export.weights import save_weights
 from addnorm.model.encoder import build_encoder
 from tests.conftest import ROOT, TINY
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_trace_per_model():
+    """The in-process exports of this module repeat the same tiny block: traced once (the faulty export runs
+    in its own process) (export/traces.py); no test here patches code a trace runs, and other weights are another key."""
+    with traces.reusing():
+        yield
+
 
 # addnorm-export with a fault injected: the fp32 builder scales the first LayerNorm's gamma by 1.05 (a graph that
 # no longer computes what torch does). Everything else is the real command.

@@ -12,8 +12,18 @@ from pathlib import Path
 
 import pytest
 
+from addnorm.export import traces
 from addnorm.model.artifact import read_verified
 from tests.conftest import ROOT, TINY, export_to
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_trace_per_model():
+    """This module exports the same tiny blocks again and again (a re-export, a dead export's successor, the
+    exports nobody kills): each traced once (export/traces.py); no test here patches code a trace runs, and other weights are another key."""
+    with traces.reusing():
+        yield
+
 
 pytestmark = pytest.mark.export
 
