@@ -90,7 +90,9 @@ parity: $(VENV)/.installed-serve $(ARTIFACT)/manifest.json
 # take whole test files (each file's fixtures export and start servers once), the longest first (tests/conftest.py,
 # LONGEST_FIRST); 0 runs in this process. One more worker than a 2-core machine's cores: two left 14% of the cores
 # idle (tests waiting on servers, clusters, sockets); three took 1,047 s against two's 1,216 s (2-core EPYC
-# avx2 avx512f avx512_vnni, 2026-12-03, the same tree).
+# avx2 avx512f avx512_vnni, 2026-12-03, the same tree). Four took 943 s against three's 880 and 930 in the same hour,
+# their CPU 1,708 s against 1,593-1,671 (2-core Xeon avx2 avx512f avx512bw avx512_vnni, 2026-12-06): three keep
+# the cores busy (each worker 96-99% of the run in a test), a fourth only adds contention.
 TEST_WORKERS ?= 3
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
