@@ -83,7 +83,9 @@ def encoder(minilm: Path):
         minilm
     )  # its sentence-transformers pipeline: mean pooling, then Normalize
     assert pooling == {"pooling": "mean", "normalize_pooled": True}
-    config = EncoderConfig.from_dict({**fields, **BERT.shape(state), **pooling, "dropout": 0.0})
+    # config.json's dropout (0.1), as addnorm-export reads it: nothing in eval mode, but a module attribute, so the
+    # CLI's export of this directory below (test_no_false_alarm_...) is this encoder's trace key and reuses its trace
+    config = EncoderConfig.from_dict({**fields, **BERT.shape(state), **pooling})
     return prepare_encoder(config, where.weights, from_bert=True, state=state).eval()
 
 
