@@ -119,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
 
             artifact = export_minilm(Path(tmp) / "minilm")
         texts = sentences(args.sentences)
+        flags = " ".join(sorted(cpu_flags()))
         print(
-            f"{len(texts)} sentences of docs/*.md, {min(args.queries, len(texts))} as queries; CPU flags {' '.join(sorted(cpu_flags()))}"
+            f"{len(texts)} sentences of docs/*.md, {min(args.queries, len(texts))} as queries; CPU flags {flags}"
         )
         print(f"{'form':<8} {'bytes':>6} {'recall@10':>10} {'spearman':>9}")
         for row in table(artifact, args.queries, args.sentences):

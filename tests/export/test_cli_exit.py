@@ -15,8 +15,8 @@ from tests.conftest import ROOT, TINY
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_trace_per_model():
-    """The in-process exports of this module repeat the same tiny block: traced once (the faulty export runs
-    in its own process) (export/traces.py); no test here patches code a trace runs, and other weights are another key."""
+    """This module's exports in process repeat one tiny block: one torch trace of it (export/traces.py). No test
+    here patches code a trace runs in this process (the faulty export runs in its own); other weights, another key."""
     with traces.reusing():
         yield
 

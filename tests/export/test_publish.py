@@ -20,7 +20,8 @@ from tests.conftest import ROOT, TINY, export_to
 @pytest.fixture(scope="module", autouse=True)
 def _one_trace_per_model():
     """This module exports the same tiny blocks again and again (a re-export, a dead export's successor, the
-    exports nobody kills): each traced once (export/traces.py); no test here patches code a trace runs, and other weights are another key."""
+    exports nobody kills): one torch trace of each (export/traces.py). No test here patches code a trace runs (the
+    failing write is the weights' save, after the trace); other weights, another key."""
     with traces.reusing():
         yield
 
