@@ -49,6 +49,19 @@ def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, make: Call
     return out
 
 
+@pytest.fixture(scope="module")
+def one_trace_per_model() -> Iterator[None]:
+    """One ``traces.reusing()`` scope for a whole test module (export/traces.py): every graph of one model, dtype,
+    opset and attention form is traced once, and the gate's torch-side results computed once, however many of the
+    module's exports ask. A module opts in (``pytestmark = pytest.mark.usefixtures("one_trace_per_model")``) only
+    where no test patches code a trace or a gate runs: a changed weight or module attribute is another key, a patched
+    function is not."""
+    from addnorm.export import traces
+
+    with traces.reusing():
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A one-layer post-norm artifact (d_model 32), exported and parity-gated once a run."""

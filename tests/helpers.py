@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from bench.server import ROOT
+
 
 def wait_until(condition: Callable[[], bool], timeout: float = 60.0, what: str = "the condition") -> None:
     """Poll ``condition`` every 20 ms until it holds; fail the test after ``timeout`` seconds."""
@@ -166,7 +168,7 @@ def run_schemathesis(
     config.write_text(f'[parameters]\n"path.name" = "{model}"\n"path.version" = "1"\n')
     cmd = [SCHEMATHESIS, "--config-file", str(config), "run", f"{base}/openapi.json",
            "--checks", CHECKS, "--max-examples", str(examples), "--seed", "1", "--no-color", *options]  # fmt: skip
-    r = subprocess.run(cmd, cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     generated = int(re.search(r"(\d+) generated", r.stdout)[1])
     assert generated >= least and re.search(rf"{generated} passed", r.stdout), r.stdout[-2000:]

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch.nn.functional as F
 
-from addnorm.export import agreement, hf, model_dir, sentences, traces
+from addnorm.export import agreement, hf, model_dir, sentences
 from addnorm.export import cli as export_cli
 from addnorm.export.calibration import calibration_cases
 from addnorm.export.cases import Case, default_cases
@@ -33,7 +33,9 @@ from addnorm.model.config import EncoderConfig
 from addnorm.model.verdict import float32_floor
 from bench.server import ServerProcess
 
-pytestmark = [pytest.mark.server, pytest.mark.export]
+# every graph of one model, dtype and attention form here from one torch trace: the forms the artifacts share
+# (fp32-mha, fused and int8), the tests' own graphs of the encoder and the CLI's export of the same directory
+pytestmark = [pytest.mark.server, pytest.mark.export, pytest.mark.usefixtures("one_trace_per_model")]
 
 # Queries and passages of the lengths sentence-embedding users send (bench/real.py's); the last one is long
 # (truncated to 512 tokens).
@@ -43,15 +45,6 @@ SENTENCES = [*sentences.SENTENCES, *MORE[:8], PASSAGE * 30]
 FP16_SENTENCE_COSINE = 0.9999
 INT8_SENTENCE_COSINE = 0.999  # what retrieval wants (issue 34); int8 measured 0.9995 on these sentences
 SENTENCE_COSINE = {"fp16": FP16_SENTENCE_COSINE, "int8": INT8_SENTENCE_COSINE}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_trace_per_model() -> Iterator[None]:
-    """Every graph of one model, dtype and attention form in this module comes from one torch trace
-    (export/traces.py): the forms the artifacts share (fp32-mha, fused and int8) and the tests' own graphs of the
-    encoder. A test here that changes a model changes its weights or a module's attribute, both in a trace's key."""
-    with traces.reusing():
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +119,7 @@ def artifacts(encoder, reference, real, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("real")
     out = {}
     check = hf.reference_check(encoder, reference, given, encoder.config)  # the torch side: once
-    # fp32-mha, fused and int8: one trace of the encoder (_one_trace_per_model)
+    # fp32-mha, fused and int8: one trace of the encoder (one_trace_per_model)
     for name, (variant, attention, opset) in FORMS.items():
         export_artifact(
             encoder,

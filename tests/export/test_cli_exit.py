@@ -7,19 +7,9 @@ import sys
 
 import pytest
 
-from addnorm.export import traces
 from addnorm.export.weights import save_weights
 from addnorm.model.encoder import build_encoder
 from tests.conftest import ROOT, TINY
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_trace_per_model():
-    """This module's exports in process repeat one tiny block: one torch trace of it (export/traces.py). No test
-    here patches code a trace runs in this process (the faulty export runs in its own); other weights, another key."""
-    with traces.reusing():
-        yield
-
 
 # addnorm-export with a fault injected: the fp32 builder scales the first LayerNorm's gamma by 1.05 (a graph that
 # no longer computes what torch does). Everything else is the real command.
@@ -44,6 +34,8 @@ v.VARIANTS["fp32"] = dataclasses.replace(v.VARIANTS["fp32"], build=skewed)
 from addnorm.export.cli import main
 sys.exit(main(sys.argv[1:]))
 """
+# the exports in this process repeat one tiny block: one trace (the faulty export runs in its own process)
+pytestmark = pytest.mark.usefixtures("one_trace_per_model")
 TINY_FLAGS = ["--d-model", "32", "--nhead", "4", "--dim-feedforward", "64", "--dropout", "0"]
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from addnorm.export import cli, hf, model_dir, traces
+from addnorm.export import cli, hf, model_dir
 from addnorm.model.artifact import Manifest
 from addnorm.model.contract import ENCODED
 from addnorm.model.text import TOKENIZER_FILE
@@ -22,7 +22,7 @@ from addnorm.model.verdict import float32_floor
 from tests.conftest import ROOT
 from tests.text_models import TEXTS, assert_like_transformers, make_model_dir, transformers_vectors
 
-pytestmark = pytest.mark.export
+pytestmark = [pytest.mark.export, pytest.mark.usefixtures("one_trace_per_model")]
 FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert", "mpnet")
 # (variant, attention): each family in fp32 with the default attention; the lossy and fused variants and the other
 # attention forms on MPNet, whose relative position bias enters the block's attention. A variant changes the block
@@ -39,12 +39,6 @@ FORMS = [(f, "fp32", "auto") for f in FAMILIES] + [
         ("fp32", "onnx"),
     )
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_trace_per_model():
-    with traces.reusing():
-        yield
 
 
 @pytest.fixture(scope="module")

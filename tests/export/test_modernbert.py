@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from addnorm.export import cli, traces
+from addnorm.export import cli
 from addnorm.model import reference
 from addnorm.model.artifact import Manifest
 from addnorm.model.config import ConfigError, EncoderConfig
@@ -24,13 +24,7 @@ from addnorm.model.text import TOKENIZER_FILE
 from addnorm.model.tokenize import TextTokenizer
 from tests.text_models import MODERN, TEXTS, assert_like_transformers, make_model_dir
 
-pytestmark = pytest.mark.export
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_trace_per_model():
-    with traces.reusing():
-        yield
+pytestmark = [pytest.mark.export, pytest.mark.usefixtures("one_trace_per_model")]
 
 
 def test_the_modern_block_equals_the_float64_oracle():

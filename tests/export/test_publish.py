@@ -12,21 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from addnorm.export import traces
 from addnorm.model.artifact import read_verified
 from tests.conftest import ROOT, TINY, export_to
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_trace_per_model():
-    """This module exports the same tiny blocks again and again (a re-export, a dead export's successor, the
-    exports nobody kills): one torch trace of each (export/traces.py). No test here patches code a trace runs (the
-    failing write is the weights' save, after the trace); other weights, another key."""
-    with traces.reusing():
-        yield
-
-
-pytestmark = pytest.mark.export
+# the same tiny blocks exported again and again (a re-export, a dead export's successor, the exports nobody kills):
+# one trace of each; the one patch here is the weights' save, after the trace
+pytestmark = [pytest.mark.export, pytest.mark.usefixtures("one_trace_per_model")]
 
 TINY_FLAGS = ["--d-model", "32", "--nhead", "4", "--dim-feedforward", "64", "-q"]
 

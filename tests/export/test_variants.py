@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from addnorm.export import cli, parity_cli, traces
+from addnorm.export import cli, parity_cli
 from addnorm.export.add_norm import AddNormModule, export_add_norm
 from addnorm.export.cases import Case, adversarial_cases, default_cases
 from addnorm.export.checks import op_counts
@@ -21,18 +21,12 @@ from addnorm.model.config import EncoderConfig
 from addnorm.model.encoder import AddNorm, build_encoder
 from tests.model.test_layernorm_seeds import SEED_INPUT, SEED_OUTPUT
 
+# the CLI's exports of one small block in several variants, and the gamma tests' two models (fp16's, and fp32's
+# that int8 and fused rewrite): one trace each
+pytestmark = pytest.mark.usefixtures("one_trace_per_model")
 SMALL_FLAGS = ["--d-model", "64", "--nhead", "4", "--dim-feedforward", "128"]
 ORACLE_FACTOR = 4.0
 FLOAT32_FLOOR = 1e-6  # below this both sides are at float32 resolution for unit-scale outputs
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_trace_per_model():
-    """Every graph of one model in this module comes from one torch trace (export/traces.py): the CLI's exports of
-    the same small block in several variants, and the six gamma tests' two models (fp16's, and fp32's that int8 and
-    fused rewrite). No test here patches code a trace runs; a changed weight is a new key."""
-    with traces.reusing():
-        yield
 
 
 def export_cli(out, *flags) -> dict:
