@@ -387,6 +387,8 @@ def vectors(
     wanted = normalized if normalize is None else normalize
     if POOLED in outputs and (wanted or not normalized):
         out = outputs[POOLED].astype(np.float32, copy=True)
+        if normalized and dimensions is None:  # normalized by the graph already (and gated so)
+            return out
     else:
         encoded = outputs[ENCODED]
         if pooling == "cls":
