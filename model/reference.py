@@ -255,7 +255,9 @@ def sparse_head(
     a: Exact = EXACT,
 ) -> np.ndarray:
     """SPLADE's weights (B, vocab) of tokens (B, S, E) (model.encoder.SparseHead): the masked-LM logits of every
-    token, ``log1p(relu(.))`` (twice for ``log1p_relu``) of the real ones, pooled by max or sum; in float."""
+    token, ``log1p(relu(.))`` (twice for ``log1p_relu``) of the real ones, pooled by max or sum; in float. Under
+    max the ``log1p`` follows the max, as the torch module's (it is increasing: the same answer), so the
+    vocabulary-wide work per token is the product and a ``relu``."""
     hidden = a.float_linear(tokens, weights["head.dense.weight"], weights["head.dense.bias"])
     hidden = a.cast(_activation(hidden, "relu" if config.head_activation == "relu" else "gelu"))
     mean = hidden.mean(axis=-1, keepdims=True)
@@ -265,9 +267,15 @@ def sparse_head(
         + weights["head.norm.bias"]
     )
     logits = a.float_linear(hidden, weights["head.decoder.weight"], weights["head.decoder.bias"])
-    values = np.maximum(logits, 0.0)
+    values = np.maximum(logits, 0.0, out=logits)  # (B, S, vocab), a fresh array: in place
     if mask is not None:
-        values = values * (~np.asarray(mask, bool))[..., None]
-    for _ in range(2 if config.sparse_activation == "log1p_relu" else 1):
-        values = np.log1p(values)
-    return a.cast(values.max(axis=1) if config.sparse_pooling == "max" else values.sum(axis=1))
+        values[np.asarray(mask, bool)] = 0.0  # the padding's tokens weigh nothing
+    times = 2 if config.sparse_activation == "log1p_relu" else 1
+    if config.sparse_pooling == "max":
+        pooled = values.max(axis=1)
+        for _ in range(times):
+            pooled = np.log1p(pooled)
+        return a.cast(pooled)
+    for _ in range(times):
+        values = np.log1p(values, out=values)
+    return a.cast(values.sum(axis=1))
