@@ -70,7 +70,14 @@ def test_the_browser_draws_every_page_with_its_navigation(site):
             file
         )
         source = (ROOT / "docs" / file).read_text()
-        if "\n| --- |" in source:
-            assert "<table" in dom, f"{file}: its tables were not drawn"
+        # every table a table of its own (one written right under another is drawn as its rows) ...
+        prose = re.sub(r"^```.*?^```", "", source, flags=re.S | re.M)  # not the code blocks' pipes and dashes
+        tables = len(re.findall(r"^[ \t]*\|\s*:?-{3,}", prose, re.M))
+        page = dom.split('id="mkdocs_keyboard_modal"')[0]  # not the theme's table of shortcuts
+        drawn = page.count("<table")
+        assert drawn == tables, f"{file}: {tables} tables written, {drawn} drawn"
+        # ... and every list a list (one written right under a paragraph's line is drawn as that paragraph's text)
+        lists_as_text = [p[:80] for p in re.findall(r"<p>(.*?)</p>", dom, re.S) if re.search(r"\n- ", p)]
+        assert not lists_as_text, f"{file}: lists drawn as a paragraph's text: {lists_as_text}"
         if "\n```" in source:
             assert "<pre" in dom and "<code" in dom, f"{file}: its code blocks were not drawn"
