@@ -83,8 +83,9 @@ def agreement(reference: np.ndarray, other: np.ndarray, queries: int) -> tuple[f
     return float(np.mean(recalls)), float(np.mean(rhos))
 
 
-def table(artifact: Path, queries: int, corpus: int = CORPUS) -> list[dict]:
-    texts = sentences(corpus)
+def table(artifact: Path, texts: list[str], queries: int) -> list[dict]:
+    """Each form's recall@10 and Spearman against float32's rankings: the first ``queries`` of ``texts`` each a
+    query against all of them."""
     floats, calibration, normalized = vectors(artifact, texts)
     bounds = quantize.ranges(calibration, None, normalized) if calibration is not None else None
     reference = similarities(floats, quantize.FLOAT)
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{len(texts)} sentences of docs/*.md, {min(args.queries, len(texts))} as queries; CPU flags {flags}"
         )
         print(f"{'form':<8} {'bytes':>6} {'recall@10':>10} {'spearman':>9}")
-        for row in table(artifact, args.queries, args.sentences):
+        for row in table(artifact, texts, args.queries):
             print(f"{row['form']:<8} {row['bytes']:>6} {row['recall@10']:>10.3f} {row['spearman']:>9.4f}")
     return 0
 

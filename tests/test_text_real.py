@@ -206,12 +206,12 @@ def test_quantized_forms_keep_most_of_float32s_ranking_on_real_text(repo):
     """bench.quantized on this repository's guides (sentences the calibration never saw): each form's rankings
     against float32's. The figures in docs/text.md are this bench's; here, floors far below them that a broken
     quantization (a wrong range, a bit order, a sign) falls through."""
-    from bench.quantized import table
+    from bench.quantized import sentences, table
 
     # 500 sentences of the guides, not the bench's 2,000: a quarter of the model's runs, with the same margins to the
     # floors (recall@10 / Spearman at 100 queries: int8 0.851 / 0.971, binary 0.643 / 0.825 at 500; 0.865 / 0.970
     # and 0.631 / 0.828 at 2,000)
-    rows = {row["form"]: row for row in table(repo / "minilm", queries=100, corpus=500)}
+    rows = {row["form"]: row for row in table(repo / "minilm", sentences(500), queries=100)}
     print(rows)
     assert rows["float"]["recall@10"] == 1.0
     assert rows["int8"]["recall@10"] >= 0.75 and rows["int8"]["spearman"] >= 0.95
