@@ -6,10 +6,11 @@ against the same sentence's steps in this process (issue 77's one-client goal: w
 addnorm-serve runs at its defaults in a subprocess that stamps the time at each of a request's steps (``STEPS``: the
 functions it wraps, entered or left); one client on one keep-alive connection sends each of bench.text's sentences
 as a lone ``/v1/embeddings`` request, ``--rounds`` times (the first a warm-up). ``time.perf_counter`` is the
-system's monotonic clock, the same in both processes, so each step is timed from the client's send. Printed: per
-step, the median ms from the send and what the step added; then the in-process latency of the same sentences
-(tokenized, embedded, run on the session a lone run takes, pooled: what the server's steps do, without HTTP and
-threads) and how far the client's wall time is above it. An ids artifact (one exported ``--from`` a model
+system's monotonic clock, the same in both processes, so each step is timed from the client's send. After each round
+through the server the same sentences run in this process (tokenized, embedded, run on the session a lone run takes,
+pooled: what the server's steps do, without HTTP and threads), so a slow phase of the machine falls on both sides.
+Printed: per step, the median ms from the send and what the step added; then the in-process latency and how far the
+client's wall time is above it. An ids artifact (one exported ``--from`` a model
 directory). docs/benchmarks.md, "One client, step by step".
 """
 
@@ -26,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from addnorm.commands import Parser
@@ -104,10 +106,10 @@ def traced(argv: list[str]) -> int:
 
 
 def requests_through(
-    artifact: Path, texts: list[str], rounds: int
+    artifact: Path, texts: list[str], rounds: int, between: Callable[[int], None] = lambda _: None
 ) -> tuple[list[dict[str, float]], list[float]]:
     """Each request's steps (ms from the client's send; ``LAST`` at its last write, the rest at their first) after the
-    warm-up round, and each one's wall time at the client (ms)."""
+    warm-up round, and each one's wall time at the client (ms); ``between(r)`` after each round ``r``."""
     name = Manifest.load(artifact).name
     with tempfile.TemporaryDirectory() as tmp:
         marks_path = Path(tmp) / "marks.json"
@@ -118,7 +120,7 @@ def requests_through(
         with srv:
             conn = http.client.HTTPConnection(HOST, srv.port)
             sends = []
-            for _ in range(rounds):
+            for r in range(rounds):
                 for text in texts:
                     body = json.dumps({"input": text, "model": name}).encode()
                     start = time.perf_counter()
@@ -130,6 +132,7 @@ def requests_through(
                         )
                     answer.read()
                     sends.append((start, time.perf_counter()))
+                between(r)
             conn.close()
             srv.proc.send_signal(signal.SIGUSR1)
             for _ in range(100):
@@ -153,42 +156,53 @@ def requests_through(
     return steps[warm:], walls[warm:]
 
 
-def in_process(artifact: Path, texts: list[str], rounds: int) -> dict[str, float]:
-    """Median ms of each step of one sentence in this process, the model loaded as addnorm-serve loads it: tokenize
-    (``decode_texts``), embed (``merging.stack``), run (on the session a run at light load takes: ``light``), pool
-    (``sentence_vectors``), and their sum; after a warm-up round."""
-    from addnorm.service.batching import merging
-    from addnorm.service.core.text import TextLimits, decode_texts, sentence_vectors
-    from addnorm.service.models.state import ServiceState, serving_model
-    from addnorm.service.settings import Settings
+class InProcess:
+    """The model loaded in this process as addnorm-serve loads it; ``round`` times each step of one sentence at a
+    time: tokenize (``decode_texts``), embed (``merging.stack``), run (on the session a run at light load takes:
+    ``light``), pool (``sentence_vectors``), and their sum; ``medians`` of the rounds kept (ms)."""
 
-    async def measure() -> dict[str, float]:
+    NAMES = ("tokenize", "embed", "run", "pool", "in all")
+
+    def __init__(self, artifact: Path) -> None:
+        from addnorm.service.core.text import TextLimits
+        from addnorm.service.models.state import ServiceState, serving_model
+        from addnorm.service.settings import Settings
+
         settings = Settings(artifact=(artifact,))
-        model = await serving_model(ServiceState(settings), artifact.name, artifact)
-        limits, clock, rows = TextLimits.of(settings), time.perf_counter, []
-        try:
-            for r in range(rounds):
-                for text in texts:
-                    t0 = clock()
-                    req = decode_texts(model, [text], False, limits)
-                    t1 = clock()
-                    (part,) = req.parts
-                    item = merging.Queued(part.tokens, part.batch.mask, None)
-                    x, mask = merging.stack([item])
-                    t2 = clock()
-                    lengths = (item.lengths,) if model.engine.packed else ()
-                    out = model.engine.run(x, mask, *lengths, light=True)
-                    t3 = clock()
-                    sentence_vectors(req, model, out)
-                    t4 = clock()
-                    if r:
-                        rows.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0))
-        finally:
-            await model.batcher.stop()
-        names = ("tokenize", "embed", "run", "pool", "in all")
-        return {n: statistics.median(row[i] for row in rows) * 1e3 for i, n in enumerate(names)}
+        self.loop = asyncio.new_event_loop()
+        self.model = self.loop.run_until_complete(
+            serving_model(ServiceState(settings), artifact.name, artifact)
+        )
+        self.limits = TextLimits.of(settings)
+        self.rows: list[tuple[float, ...]] = []
 
-    return asyncio.run(measure())
+    def round(self, texts: list[str], keep: bool = True) -> None:
+        from addnorm.service.batching import merging
+        from addnorm.service.core.text import decode_texts, sentence_vectors
+
+        model, clock = self.model, time.perf_counter
+        for text in texts:
+            t0 = clock()
+            req = decode_texts(model, [text], False, self.limits)
+            t1 = clock()
+            (part,) = req.parts
+            item = merging.Queued(part.tokens, part.batch.mask, None)
+            x, mask = merging.stack([item])
+            t2 = clock()
+            lengths = (item.lengths,) if model.engine.packed else ()
+            out = model.engine.run(x, mask, *lengths, light=True)
+            t3 = clock()
+            sentence_vectors(req, model, out)
+            t4 = clock()
+            if keep:
+                self.rows.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0))
+
+    def medians(self) -> dict[str, float]:
+        return {n: statistics.median(row[i] for row in self.rows) * 1e3 for i, n in enumerate(self.NAMES)}
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.model.batcher.stop())
+        self.loop.close()
 
 
 def report(steps: list[dict[str, float]], walls: list[float], reference: dict[str, float]) -> str:
@@ -223,11 +237,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 2:
         p.error("--rounds must be at least 2: the first is a warm-up")
     with text_inputs(args) as (artifact, name, texts):
-        steps, walls = requests_through(artifact, texts, args.rounds)
+        local = InProcess(artifact)
+        try:  # a round in process after each through the server, the first of each a warm-up
+            steps, walls = requests_through(
+                artifact, texts, args.rounds, lambda r: local.round(texts, keep=r > 0)
+            )
+            reference = local.medians()
+        finally:
+            local.close()
         missing = sorted({step for step, *_ in STEPS} - set.intersection(*(set(s) for s in steps)))
         if missing:  # a step the server no longer takes on this path: the table would not add up
             raise SystemExit(f"some requests went without these steps: {missing}")
-        reference = in_process(artifact, texts, args.rounds)
     print(
         f"{len(steps)} lone /v1/embeddings requests ({len(texts)} sentences x {args.rounds - 1} rounds after a "
         f"warm-up), one client, {name}; "
