@@ -191,8 +191,9 @@ def run_ids(model_dir: Path, config, batch) -> dict[str, np.ndarray]:
     return outs
 
 
-# The least per-sentence cosine with transformers an ids export may have: far below any variant's own tolerance,
-# far above what a wrong family mapping (positions, token types, a missing layer) gives.
+# The least per-sentence cosine with transformers an ids export may have (and the least cosine of a head's scores
+# about their mean): far below any variant's own tolerance, far above what a wrong family mapping (positions, token
+# types, a missing layer, a head's activation) gives.
 IDS_MIN_COSINE = 0.99
 
 
@@ -247,7 +248,15 @@ def ids_check(directory: Path, text, config):
             )
             result["ids"]["graph"]["pooled_max_abs"] = err
         heads = (
-            (want_scores, SCORES, scores_agreement, "scores_cosine", "classification head's scores", "head"),
+            # the scores' cosine about each label's mean: a wrong head's common offset cannot pass it
+            (
+                want_scores,
+                SCORES,
+                scores_agreement,
+                "scores_centered_cosine",
+                "classification head's scores",
+                "head",
+            ),
             (
                 want_sparse,
                 SPARSE,
@@ -263,8 +272,8 @@ def ids_check(directory: Path, text, config):
             result["ids"]["graph"].update(agree(outs[name], wanted))
             if (found := result["ids"]["graph"][cosine]) < IDS_MIN_COSINE:
                 raise ConfigError(
-                    f"the {what} do not match transformers' {type(model).__name__} on {source}: cosine "
-                    f"{found:.4f}; the family's {mapping} mapping is wrong"
+                    f"the {what} do not match transformers' {type(model).__name__} on {source}: "
+                    f"{cosine.replace('_', ' ')} {found:.4f}; the family's {mapping} mapping is wrong"
                 )
         if pairs is not None:  # a cross-encoder's ranking of documents for a query, as its users read it
             pair_batch, pair_scores, pair_source = pairs

@@ -300,7 +300,8 @@ class ClassificationHead(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.d_model, config.d_model)
         self.out = nn.Linear(config.d_model, config.num_labels)
-        self.activation = torch.tanh if config.head_activation == "tanh" else F.relu
+        # BERT's pooler tanh, DistilBERT's relu, ELECTRA's exact GELU (transformers' "gelu")
+        self.activation = {"tanh": torch.tanh, "relu": F.relu, "gelu": F.gelu}[config.head_activation]
 
     def forward(self, first: Tensor) -> Tensor:
         hidden = self.activation(first @ self.dense.weight.T + self.dense.bias)

@@ -243,7 +243,9 @@ def head(
     """A classification head's scores (B, labels) of the first tokens (B, E) (model.encoder.ClassificationHead),
     in float under every scheme (``float_linear``)."""
     hidden = a.float_linear(first, weights["head.dense.weight"], weights["head.dense.bias"])
-    hidden = np.tanh(hidden) if config.head_activation == "tanh" else np.maximum(hidden, 0.0)
+    hidden = (
+        np.tanh(hidden) if config.head_activation == "tanh" else _activation(hidden, config.head_activation)
+    )
     return a.float_linear(a.cast(hidden), weights["head.out.weight"], weights["head.out.bias"])
 
 
