@@ -178,8 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--head-activation",
         choices=list(HEAD_ACTIVATIONS),
-        help="between the head's two products: tanh (BERT, RoBERTa, MPNet; default) or relu (DistilBERT); a "
-        "sparse head's: its family's (gelu)",
+        help="between the head's two products: tanh (BERT, RoBERTa, MPNet; default), relu (DistilBERT) or gelu "
+        "(ELECTRA); a sparse head's: its family's (gelu)",
     )
     g.add_argument(
         "--activation", choices=["relu", "gelu"], help="the feed-forward's activation (default relu)"

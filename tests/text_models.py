@@ -141,7 +141,7 @@ def make_model_dir(
     labels: int = 0,
     sparse: str | None = None,
 ) -> Path:
-    """A tiny random ``family`` model directory (bert, roberta, xlm-roberta, distilbert, mpnet, modernbert): a
+    """A tiny random ``family`` model directory (bert, roberta, xlm-roberta, distilbert, mpnet, modernbert, electra): a
     sentence-transformers embedder, or with ``labels`` its ``*ForSequenceClassification`` (one label: a
     cross-encoder; several: a classifier whose labels are named ``label_{i}``), or with ``sparse`` (a SpladePooling
     ``pooling_strategy``: max or sum) a SparseEncoder: its ``*ForMaskedLM`` and SpladePooling."""
@@ -179,6 +179,11 @@ def make_model_dir(
             config, cls = tf.BertConfig(**shape, type_vocab_size=2, **common), tf.BertModel
         elif family == "mpnet":  # the relative position bias's 32 buckets, as transformers computes them
             config, cls = tf.MPNetConfig(**shape, relative_attention_num_buckets=32, **common), tf.MPNetModel
+        elif family == "electra":  # a discriminator whose embeddings are as wide as its layers
+            config, cls = (
+                tf.ElectraConfig(**shape, embedding_size=32, type_vocab_size=2, **common),
+                tf.ElectraModel,
+            )
         elif family == "roberta":
             config, cls = tf.RobertaConfig(**shape, type_vocab_size=1, **common), tf.RobertaModel
         else:

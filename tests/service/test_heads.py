@@ -26,6 +26,7 @@ QUERY = "A man is eating food."
 # real text of mixed lengths, one past the model's 64 positions once paired with the query
 DOCUMENTS = [*TEXTS, " ".join(TEXTS) * 2]
 GRPC_PORT = 0  # the reranker's, set by its fixture
+OTHER_FAMILIES = ("roberta", "distilbert", "mpnet", "electra")  # cross-encoders beside BERT's
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
         "clf": make_model_dir("bert", root / "clf", seed=4, labels=3),
         "emb": make_model_dir("bert", root / "emb", seed=5),
         # the other families' cross-encoders: pairs as their tokenizers write them (RoBERTa's </s></s>, no types)
-        **{f: make_model_dir(f, root / f, seed=6, labels=1) for f in ("roberta", "distilbert", "mpnet")},
+        **{f: make_model_dir(f, root / f, seed=6, labels=1) for f in OTHER_FAMILIES},
     }
 
 
@@ -51,9 +52,7 @@ def artifacts(dirs, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def reranker(artifacts) -> Iterator[str]:
     """The cross-encoder (the default model, TEI's routes' one) beside an embedder; small parts, few documents."""
-    others = [
-        arg for f in ("emb", "roberta", "distilbert", "mpnet") for arg in ("--artifact", str(artifacts[f]))
-    ]
+    others = [arg for f in ("emb", *OTHER_FAMILIES) for arg in ("--artifact", str(artifacts[f]))]
     args = (*others, "--max-batch-tokens", "256", "--max-client-batch-size", "40")
     with start_server(artifacts["ce"], *args, grpc=True) as srv:
         global GRPC_PORT
@@ -128,9 +127,10 @@ def _transformers_pairs(directory: Path, max_length: int, docs: list[str]) -> np
     return 1 / (1 + np.exp(-np.array(out)))
 
 
-@pytest.mark.parametrize("family", ["roberta", "distilbert", "mpnet"])
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
 def test_every_familys_cross_encoder_reranks_as_transformers(reranker, dirs, artifacts, family):
-    """RoBERTa's pairs (</s></s> between, no token types; XLM-RoBERTa's are the same), DistilBERT's and MPNet's."""
+    """RoBERTa's pairs (</s></s> between, no token types; XLM-RoBERTa's are the same), DistilBERT's and MPNet's;
+    ELECTRA's head (GELU between its two products, where BERT's pooler has tanh)."""
     length = Manifest.load(artifacts[family]).text.max_length  # positions after the padding index: 62 of 64
     want = _transformers_pairs(dirs[family], length, DOCUMENTS)
     body = {"model": family, "query": QUERY, "documents": DOCUMENTS}
