@@ -126,11 +126,11 @@ def front_proxy(upstream_port: int, **settings: object) -> Iterator[int]:
 
 def error_message(r) -> str:
     """The message of an HTTP error answer (an httpx response), after checking its body is in the shape of the API
-    its path belongs to: OpenAI's error object, text-embeddings-inference's {error, error_type}, Cohere's {message},
-    else {error}."""
+    its path belongs to: OpenAI's error object (vLLM's too), text-embeddings-inference's {error, error_type},
+    Cohere's {message}, else {error}."""
     doc = r.json()
     path = r.request.url.path
-    if path.startswith(("/v1/embeddings", "/v1/models")):
+    if path.startswith(("/v1/embeddings", "/v1/models", "/score", "/classify", "/v1/score", "/v1/classify")):
         error = doc["error"]
         assert set(doc) == {"error"} and set(error) == {"message", "type", "param", "code"}, doc
         return error["message"]

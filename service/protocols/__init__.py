@@ -8,14 +8,14 @@ Adding a protocol is one line here. Inference routes come first: the router trie
 
 from addnorm.service.errors import ErrorShape, plain
 from addnorm.service.protocols import health
-from addnorm.service.protocols.text import cohere, openai, rerank, tei
+from addnorm.service.protocols.text import cohere, openai, rerank, tei, vllm
 from addnorm.service.protocols.v1 import routes as v1
 from addnorm.service.protocols.v2 import grpc_server
 from addnorm.service.protocols.v2 import routes as v2
 
 # over HTTP, in the order the router tries them: the text APIs (the front door) first, then /v1's two routes,
 # its inference route ahead of V2's many (each route tried before a request's costs it ~1.5 us of the event loop)
-PROTOCOLS = (openai, tei, rerank, cohere, v1, v2, health)
+PROTOCOLS = (openai, tei, rerank, cohere, vllm, v1, v2, health)
 LISTENERS = (
     grpc_server,
 )  # with a listener of their own: ``await listen(state, guard)`` -> None or ``.stop(grace)``

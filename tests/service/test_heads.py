@@ -102,6 +102,68 @@ def test_tei_rerank_equals_sentence_transformers_cross_encoder(reranker, dirs):
     assert all("text" not in r for r in raw)
 
 
+def test_vllm_score_equals_sentence_transformers_cross_encoder_in_each_pairing(reranker, dirs):
+    """vLLM's /score: one text with many (1:N) and as many of each (N:N), in every spelling of the two sides, the
+    CrossEncoder's sigmoid, or its logit with use_activation false; the answer in vLLM's shape."""
+    model = _cross_encoder(dirs["ce"])
+    want = model.predict([(QUERY, d) for d in DOCUMENTS])
+    answer = httpx.post(f"{reranker}/score", json={"text_1": QUERY, "text_2": DOCUMENTS}).json()
+    assert (answer["object"], answer["model"], answer["id"][:6]) == ("list", "ce", "score-")
+    assert [(d["index"], d["object"]) for d in answer["data"]] == [
+        (i, "score") for i in range(len(DOCUMENTS))
+    ]
+    assert answer["usage"]["prompt_tokens"] == answer["usage"]["total_tokens"] > len(DOCUMENTS)
+    np.testing.assert_allclose([d["score"] for d in answer["data"]], want, atol=1e-6)
+    firsts = list(reversed(DOCUMENTS[:3]))
+    for path, body in (
+        ("/v1/score", {"text_1": [QUERY], "text_2": DOCUMENTS}),
+        ("/score", {"data_1": QUERY, "data_2": DOCUMENTS}),
+        ("/score", {"queries": QUERY, "documents": DOCUMENTS}),
+        ("/score", {"queries": QUERY, "items": DOCUMENTS}),
+    ):
+        got = httpx.post(f"{reranker}{path}", json=body).json()["data"]
+        np.testing.assert_allclose([d["score"] for d in got], want, atol=1e-6, err_msg=path)
+    pairwise = httpx.post(f"{reranker}/score", json={"text_1": firsts, "text_2": DOCUMENTS[:3]}).json()[
+        "data"
+    ]
+    np.testing.assert_allclose(
+        [d["score"] for d in pairwise],
+        model.predict(list(zip(firsts, DOCUMENTS[:3], strict=True))),
+        atol=1e-6,
+    )
+    raw = httpx.post(
+        f"{reranker}/score", json={"text_1": QUERY, "text_2": DOCUMENTS, "use_activation": False}
+    )
+    logits = model.predict([(QUERY, d) for d in DOCUMENTS], activation_fn=_identity())
+    np.testing.assert_allclose([d["score"] for d in raw.json()["data"]], logits, atol=2e-5)
+
+
+def test_vllm_classify_equals_transformers_text_classification_pipeline(classifier, dirs):
+    """vLLM's /classify: each input's probabilities in the labels' order (the pipeline's softmax), its top label by
+    name, the label count."""
+    from transformers import pipeline
+
+    reference = pipeline("text-classification", model=str(dirs["clf"]), top_k=None)
+    for path in ("/classify", "/v1/classify"):
+        answer = httpx.post(f"{classifier}{path}", json={"input": TEXTS}).json()
+        assert (answer["object"], answer["model"], answer["id"][:9]) == ("list", "clf", "classify-")
+        for i, (got, want) in enumerate(zip(answer["data"], reference(TEXTS), strict=True)):
+            probs = [next(p["score"] for p in want if p["label"] == f"label_{k}") for k in range(3)]
+            assert (got["index"], got["num_classes"], got["label"]) == (i, 3, want[0]["label"])
+            np.testing.assert_allclose(got["probs"], probs, atol=1e-6)
+    # truncate_prompt_tokens k: a text's last k tokens, as /v1/embeddings keeps them
+    long = TEXTS[2]
+    kept = httpx.post(f"{classifier}/classify", json={"input": long, "truncate_prompt_tokens": 6}).json()
+    tokens = httpx.post(f"{classifier}/tokenize", json={"inputs": long}).json()[0]
+    assert kept["usage"]["prompt_tokens"] == 6 < len(tokens)
+    one = httpx.post(f"{classifier}/classify", json={"input": TEXTS[0], "use_activation": False}).json()[
+        "data"
+    ]
+    logits = reference(TEXTS[0], function_to_apply="none")[0]
+    want = [next(p["score"] for p in logits if p["label"] == f"label_{k}") for k in range(3)]
+    np.testing.assert_allclose(one[0]["probs"], want, atol=2e-5)
+
+
 def _transformers_pairs(directory: Path, max_length: int, docs: list[str]) -> np.ndarray:
     """transformers' *ForSequenceClassification on each (QUERY, doc) as the directory's tokenizer.json pairs and
     cuts them (in the document), through the sigmoid CrossEncoder applies: the reference where transformers' own
@@ -328,6 +390,43 @@ def test_v2_scores_pairs_of_query_and_text_over_http_and_grpc_with_tritonclient(
         ("/predict", {"inputs": [["a"], ["b", "c"]]}, 400, "mixes single texts and pairs"),
         ("/predict", {"inputs": [["a", "b", "c"]]}, 400, "inputs[0] must be [text] or [text, text]"),
         ("/embed", {"inputs": "a"}, 400, "is a rerank model; /embed needs embed: ask it on /rerank"),
+        (
+            "/score",
+            {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]},
+            400,
+            "text_1 holds 2 texts and text_2 3",
+        ),
+        ("/score", {"text_1": "a"}, 400, "a score needs its two sides once"),
+        (
+            "/score",
+            {"text_1": "a", "text_2": ["b"], "queries": "c", "documents": ["d"]},
+            400,
+            "its two sides once",
+        ),
+        ("/score", {"text_1": "", "text_2": ["b"]}, 400, "text_1 must be a non-empty string"),
+        ("/v1/score", {"text_1": "a", "text_2": [], "model": "ce"}, 400, "text_2 must be a non-empty list"),
+        (
+            "/score",
+            {"text_1": "a", "text_2": ["b"], "model": "emb"},
+            400,
+            "'emb' is an embed model; /score needs",
+        ),
+        (
+            "/score",
+            {"text_1": "a", "text_2": ["b"], "use_activation": "no"},
+            400,
+            "use_activation must be true",
+        ),
+        ("/score", {"text_1": "a", "text_2": ["b"] * 100_000}, 413, "100000 texts"),
+        (
+            "/score",
+            {"text_1": "a", "text_2": ["b"], "truncate_prompt_tokens": 5},
+            400,
+            "not supported for pairs",
+        ),
+        ("/classify", {"input": "a", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens must be -1"),
+        ("/classify", {"inputs": "a"}, 400, "unknown field(s) ['inputs']"),
+        ("/v1/classify", {"input": "a", "model": "nope"}, 404, "unknown model 'nope'"),
     ],
 )
 def test_every_bad_rerank_or_predict_is_a_4xx_naming_it(reranker, path, body, status, words):
@@ -340,7 +439,9 @@ def test_every_bad_rerank_or_predict_is_a_4xx_naming_it(reranker, path, body, st
 def test_a_classifier_refuses_rerank_and_names_predict(classifier):
     r = httpx.post(f"{classifier}/rerank", json={"query": "q", "texts": ["a"]})
     assert r.status_code == 400
-    assert "'clf' is a classify model; /rerank needs rerank: ask it on /predict" in error_message(r)
+    assert (
+        "'clf' is a classify model; /rerank needs rerank: ask it on /predict or /classify" in error_message(r)
+    )
 
 
 def test_schemathesis_finds_every_answer_of_a_cross_encoder_and_an_embedder_documented(reranker, tmp_path):
