@@ -14,8 +14,9 @@ from addnorm.service.protocols.v2 import grpc_server
 from addnorm.service.protocols.v2 import routes as v2
 
 # over HTTP, in the order the router tries them: the text APIs (the front door) first, then /v1's two routes,
-# its inference route ahead of V2's many (each route tried before a request's costs it ~1.5 us of the event loop)
-PROTOCOLS = (openai, tei, rerank, cohere, vllm, v1, v2, health)
+# its inference route ahead of V2's many (each route tried before a request's costs it ~1.5 us of the event loop);
+# vLLM's /score and /classify after them (their paths are no other's: they cost the hot routes nothing)
+PROTOCOLS = (openai, tei, rerank, cohere, v1, v2, vllm, health)
 LISTENERS = (
     grpc_server,
 )  # with a listener of their own: ``await listen(state, guard)`` -> None or ``.stop(grace)``
