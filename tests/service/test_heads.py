@@ -156,6 +156,11 @@ def test_vllm_classify_equals_transformers_text_classification_pipeline(classifi
     kept = httpx.post(f"{classifier}/classify", json={"input": long, "truncate_prompt_tokens": 6}).json()
     tokens = httpx.post(f"{classifier}/tokenize", json={"inputs": long}).json()[0]
     assert kept["usage"]["prompt_tokens"] == 6 < len(tokens)
+    last = [
+        t["text"] for t in tokens[-5:-1]
+    ]  # its last 4 words, then [SEP]: what 6 tokens keep besides [CLS]
+    tail = httpx.post(f"{classifier}/classify", json={"input": " ".join(last)}).json()["data"][0]["probs"]
+    np.testing.assert_allclose(kept["data"][0]["probs"], tail, atol=1e-6)
     one = httpx.post(f"{classifier}/classify", json={"input": TEXTS[0], "use_activation": False}).json()[
         "data"
     ]

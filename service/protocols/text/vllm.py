@@ -30,7 +30,7 @@ from addnorm.service.core.text import scores, text_inputs
 from addnorm.service.errors import BadInput, quote
 from addnorm.service.protocols.common import error_docs, json_bool, json_route_doc
 from addnorm.service.protocols.text import openai
-from addnorm.service.protocols.text.codec import TextQuery, text_route
+from addnorm.service.protocols.text.codec import TextQuery, fields, text_route
 from addnorm.service.protocols.text.tei import query_text, text_list
 
 router = APIRouter(tags=["vllm"])
@@ -158,18 +158,14 @@ def read_score(doc: object, max_inputs: int) -> TextQuery:
 
 
 def read_classify(doc: object, max_inputs: int) -> TextQuery:
-    if not isinstance(doc, dict):
-        raise BadInput(f"request body must be a JSON object with 'input', got {type(doc).__name__}")
-    if unknown := sorted(set(doc) - _CLASSIFY):
-        raise BadInput(f"unknown field(s) {unknown}; expected {sorted(_CLASSIFY)}")
-    if "input" not in doc:
-        raise BadInput("missing field 'input'")
+    doc = fields(doc, _CLASSIFY, "input")
     options = _options(doc, pairs=False)
     inputs = text_inputs(doc["input"], "input", max_inputs)
     model, truncate, keep = options.pop("model"), options.pop("truncate"), options.pop("max_tokens")
-    # vLLM keeps a text's last tokens
+    # truncate_prompt_tokens keeps a text's last tokens (vLLM's, as /v1/embeddings); else the end is cut
+    side = "right" if truncate is None else "left"
     return TextQuery(
-        model, inputs, truncate, options, tasks=("classify", "rerank"), direction="left", max_tokens=keep
+        model, inputs, truncate, options, tasks=("classify", "rerank"), direction=side, max_tokens=keep
     )
 
 
