@@ -451,11 +451,11 @@ def test_a_classifier_refuses_rerank_and_names_predict(classifier):
 
 def test_schemathesis_finds_every_answer_of_a_cross_encoder_and_an_embedder_documented(reranker, tmp_path):
     """The OpenAPI document against a server of text models (tests/test_schemathesis.py's run is on a model of
-    embeddings, where every text route answers 400): no answer of the text routes, TEI's, OpenAI's and Cohere's, is
+    embeddings, where every text route answers 400): no answer of the text routes, TEI's, OpenAI's, Cohere's and vLLM's, is
     a 5xx or undocumented. (Longer runs of this against head models found /v1/encode?output=scores answering no
     ``encoded``, against the document: test_schemas.py holds every answer form to it.)"""
     # the text routes' tags, and /v1/encode's (the other operations: tests/test_schemathesis.py's run)
-    text = "^(tei|openai|cohere|rerank|v1)$"
+    text = "^(tei|openai|cohere|rerank|vllm|v1)$"
     report = run_schemathesis(reranker, "ce", tmp_path, options=("--include-tag-regex", text))
     selected, total = map(int, re.search(r"Selected: (\d+)/(\d+)", report).groups())
     assert 12 <= selected < total, report[-2000:]  # 15 of 35 on 2026-12-06
