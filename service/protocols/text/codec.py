@@ -22,7 +22,7 @@ from addnorm.service.core.text import (
     need_precision,
     need_task,
 )
-from addnorm.service.errors import BadInput, TooLarge
+from addnorm.service.errors import BadInput, TooLarge, quote
 from addnorm.service.guard import Known
 from addnorm.service.protocols.common import direct, http_call, parse_json, read_then_watch, timing_headers
 
@@ -143,6 +143,16 @@ def text_route(
 
     name = path.strip("/").replace("/", "_")
     router.add_api_route(path, route, methods=["POST"], name=name, summary=summary, openapi_extra=doc)
+
+
+def kept_tokens(doc: dict) -> int | None:
+    """vLLM's ``truncate_prompt_tokens``: None (absent), -1 (cut at the model's length) or k (keep k tokens)."""
+    keep = doc.get("truncate_prompt_tokens")
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < -1 or keep == 0):
+        raise BadInput(
+            f"truncate_prompt_tokens must be -1 (the model's length) or a positive integer, got {quote(keep)}"
+        )
+    return keep
 
 
 def fields(doc: object, known: set[str], required: str) -> dict:

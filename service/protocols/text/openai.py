@@ -26,7 +26,7 @@ from addnorm.service.core.text import EMBEDDING_TYPES, embedding_type, sentence_
 from addnorm.service.errors import BadInput, quote
 from addnorm.service.guard import Known
 from addnorm.service.protocols.common import error_docs, json_positive_int
-from addnorm.service.protocols.text.codec import TextQuery, fields, text_route
+from addnorm.service.protocols.text.codec import TextQuery, fields, kept_tokens, text_route
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 _KNOWN = {
@@ -196,12 +196,8 @@ def read(doc: object, max_inputs: int) -> TextQuery:
     side = doc.get("truncation_direction", "right")
     if side not in ("right", "left"):
         raise BadInput(f"truncation_direction must be 'right' or 'left', got {quote(side)}")
-    keep = doc.get("truncate_prompt_tokens")  # vLLM's: -1 the model's length, k the last k tokens
+    keep = kept_tokens(doc)  # vLLM's: -1 the model's length, k the last k tokens
     if keep is not None:
-        if not isinstance(keep, int) or isinstance(keep, bool) or keep < -1 or keep == 0:
-            raise BadInput(
-                f"truncate_prompt_tokens must be -1 (the model's length) or a positive integer, got {quote(keep)}"
-            )
         if truncate is False:
             raise BadInput("truncate: false and truncate_prompt_tokens disagree: give one")
         truncate = True

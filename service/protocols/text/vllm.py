@@ -30,7 +30,7 @@ from addnorm.service.core.text import scores, text_inputs
 from addnorm.service.errors import BadInput, quote
 from addnorm.service.protocols.common import error_docs, json_bool, json_route_doc
 from addnorm.service.protocols.text import openai
-from addnorm.service.protocols.text.codec import TextQuery, fields, text_route
+from addnorm.service.protocols.text.codec import TextQuery, fields, kept_tokens, text_route
 from addnorm.service.protocols.text.tei import query_text, text_list
 
 router = APIRouter(tags=["vllm"])
@@ -113,11 +113,7 @@ def _options(doc: dict, pairs: bool) -> dict:
     model = doc.get("model")
     if model is not None and not isinstance(model, str):
         raise BadInput(f"model must be a string, got {quote(model)}")
-    keep = doc.get("truncate_prompt_tokens")
-    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < -1 or keep == 0):
-        raise BadInput(
-            f"truncate_prompt_tokens must be -1 (the model's length) or a positive integer, got {quote(keep)}"
-        )
+    keep = kept_tokens(doc)
     if pairs and keep not in (None, -1):
         raise BadInput(
             f"truncate_prompt_tokens {keep} is not supported for pairs: -1 cuts each pair at the model's length"
