@@ -244,6 +244,17 @@ class TextTokenizer:
             for e in encodings
         ]
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids below this are the model's (its added tokens included)."""
+        return self._plain.get_vocab_size(with_added_tokens=True)
+
+    def decode(self, ids: list[list[int]], skip_special: bool = True) -> list[str]:
+        """Each id list's text, as the tokenizer's decoder joins its tokens (TEI's /decode: tokenizers' ``decode``,
+        without transformers' clean-up of spaces); ``skip_special``: without the special tokens ([CLS], [PAD]...).
+        Ids must be below ``vocab_size`` (tokenizers drops the others without a word)."""
+        return self._plain.decode_batch(ids, skip_special_tokens=skip_special)
+
     def pad(self, ids: list[list[int]], type_ids: list[list[int]] | None = None) -> Batch:
         """Token id lists -> a padded batch."""
         lengths = [len(row) for row in ids]

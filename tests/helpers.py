@@ -130,11 +130,21 @@ def error_message(r) -> str:
     Cohere's {message}, else {error}."""
     doc = r.json()
     path = r.request.url.path
-    if path.startswith(("/v1/embeddings", "/v1/models", "/score", "/classify", "/v1/score", "/v1/classify")):
+    openai = (
+        "/v1/embeddings",
+        "/v1/models",
+        "/embeddings",
+        "/models",
+        "/score",
+        "/classify",
+        "/v1/score",
+        "/v1/classify",
+    )
+    if path.startswith(openai):
         error = doc["error"]
         assert set(doc) == {"error"} and set(error) == {"message", "type", "param", "code"}, doc
         return error["message"]
-    if path.startswith(("/embed", "/tokenize", "/rerank", "/predict", "/info")):
+    if path.startswith(("/embed", "/similarity", "/tokenize", "/decode", "/rerank", "/predict", "/info")):
         assert set(doc) == {"error", "error_type"} and isinstance(doc["error"], str), doc
         return doc["error"]
     if path.startswith(("/v1/rerank", "/v2/rerank", "/v1/embed", "/v2/embed")):  # Cohere's

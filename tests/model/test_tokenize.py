@@ -138,3 +138,16 @@ def test_a_batch_is_padded_to_its_longest_whatever_its_lengths(tok):
         assert batch.token_type_ids.tolist() == want_types
         assert batch.mask.tolist() == [[p >= len(row) for p in range(seq)] for row in ids]
         assert batch.lengths == [len(row) for row in ids]
+
+
+def test_decode_is_the_tokenizers_own_and_skips_special_tokens_when_asked(tok, tokenizer_json):
+    """TEI's /decode: tokenizers' ``decode`` of each id list (its WordPiece decoder joins "##" pieces), with or
+    without [CLS], [SEP] and [PAD]; the ids of a real text come back as its lower-cased words."""
+    ref = Tokenizer.from_str(tokenizer_json)
+    texts = ["Hello, world! It's a naïve café.", "unaffordable tokenization", ""]
+    ids = [tok.encode([t]).input_ids[0].tolist() + [0, 0] for t in texts]  # with two [PAD]s after [SEP]
+    for skip in (True, False):
+        assert tok.decode(ids, skip) == [ref.decode(row, skip_special_tokens=skip) for row in ids]
+    assert tok.decode(ids[:2]) == ["hello, world! it ' s a naive cafe.", "unaffordable tokenization"]
+    assert tok.decode(ids[:1], False) == ["[CLS] hello, world! it ' s a naive cafe. [SEP] [PAD] [PAD]"]
+    assert tok.decode([[]]) == [""] and tok.vocab_size == 30522

@@ -33,6 +33,9 @@ def test_ready_is_503_until_loaded_and_names_a_failed_load(tmp_path):
     assert r.status_code == 503 and r.json() == {"error": "model is loading"}
     assert c.get("/health/live").status_code == 200
     assert c.get("/v2/health/ready").status_code == 503
+    for probe in ("/health", "/ping"):  # text-embeddings-inference's
+        r = c.get(probe)
+        assert r.status_code == 503 and r.json() == {"error": "model is loading"}
     r = c.post("/v2/models/encoder/infer", content=b"{}")
     assert r.status_code == 503 and r.json() == {"error": "model is loading"}
     with TestClient(app) as c:

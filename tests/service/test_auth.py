@@ -11,7 +11,7 @@ from bench.server import free_port
 from tests.helpers import error_message, wait_until_ready
 from tests.service.test_guard import served_routes
 
-PROBES = {"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"}
+PROBES = {"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready", "/health", "/ping"}
 KEYS = ("key-one-7f3a", "key-two-91bc", "key-file-55de")
 
 

@@ -87,7 +87,7 @@ def test_before_the_model_loads_model_routes_get_503_and_nothing_500s(tmp_path):
     assert seen[("GET", "/v1/model")] == seen[("GET", "/v2/models/encoder")] == 503
     assert seen[("GET", "/health/live")] == seen[("GET", "/v2/health/live")] == 200
     assert {path for (_, path), status in seen.items() if status == 200} >= {"/metrics", "/docs", "/v2"}
-    assert {"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"} | set(
+    assert {"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready", "/health", "/ping"} | set(
         grpc_server.PUBLIC_PATHS
     ) == PUBLIC_PATHS
 

@@ -191,6 +191,11 @@ def test_with_an_api_key_the_client_needs_it(artifact):
         assert (
             r.status_code == 401 and r.json()["error_type"] == "validation" and "API key" in error_message(r)
         )
+        for path in ("/embeddings", "/decode", "/similarity"):  # every new route is behind the key too
+            r = httpx.post(f"{srv.base}{path}", json={})
+            assert r.status_code == 401 and "API key" in error_message(r), (path, r.text)
+        for probe in ("/health", "/ping", "/health/ready"):  # probes are public
+            assert httpx.get(f"{srv.base}{probe}").status_code == 200, probe
 
 
 def test_each_apis_errors_reach_its_official_client(base):
@@ -292,6 +297,132 @@ def test_tei_embed_and_tokenize(base, artifact, model_dir):
         ), r.text
     bare = httpx.post(f"{base}/tokenize", json={"inputs": ["a man"], "add_special_tokens": False}).json()
     assert [t["id"] for t in bare[0]] == [t["id"] for t in tokens[0][1:3]]
+
+
+def test_tei_similarity_is_sentence_transformers_cosine_and_decode_is_the_tokenizers(base, model_dir):
+    """/similarity: each sentence's cosine to the source sentence as ``SentenceTransformer.similarity`` computes it
+    on its own vectors (through huggingface_hub's ``InferenceClient`` too); /decode: tokenizers' ``decode`` of each id list, as TEI answers; /health and /ping: TEI's probes; /embeddings and /models: OpenAI's API at the root, as
+    TEI and Infinity serve it, for the official client with a base URL without /v1."""
+    from openai import OpenAI
+    from sentence_transformers import SentenceTransformer
+    from tokenizers import Tokenizer
+
+    st = SentenceTransformer(str(model_dir), device="cpu")
+    source, sentences = TEXTS[0], TEXTS[1:]
+    want = st.similarity(st.encode([source]), st.encode(sentences))[0].numpy()
+    inputs = {"source_sentence": source, "sentences": sentences}
+    got = httpx.post(f"{base}/similarity", json={"inputs": inputs}).json()
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert np.argsort(got).tolist() == np.argsort(want).tolist()
+    from huggingface_hub import InferenceClient  # TEI's own client, as Hugging Face documents it for TEI
+
+    hub = InferenceClient(model=f"{base}/similarity").sentence_similarity(source, other_sentences=sentences)
+    np.testing.assert_allclose(hub, want, atol=1e-5)
+    for parameters in (None, {}, {"truncate": True, "truncation_direction": "Left"}):  # TEI's parameters
+        again = httpx.post(f"{base}/similarity", json={"inputs": inputs, "parameters": parameters}).json()
+        np.testing.assert_allclose(again, want, atol=1e-5)
+    long = {"source_sentence": source, "sentences": ["water " * 80]}
+    r = httpx.post(f"{base}/similarity", json={"inputs": long, "parameters": {"truncate": False}})
+    assert r.status_code == 413 and "inputs[1] has" in error_message(r), r.text
+
+    plain = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    plain.no_padding()
+    ids = [plain.encode(text).ids for text in TEXTS]
+    for skip in (True, False):
+        texts = httpx.post(f"{base}/decode", json={"ids": ids, "skip_special_tokens": skip}).json()
+        assert texts == [plain.decode(row, skip_special_tokens=skip) for row in ids]
+    assert httpx.post(f"{base}/decode", json={"ids": ids[0]}).json() == [plain.decode(ids[0])]  # one list
+
+    for probe in ("/health", "/ping"):
+        r = httpx.get(f"{base}{probe}")
+        assert r.status_code == 200 and r.content == b"", (probe, r.text)
+    root = OpenAI(base_url=base, api_key="unused", max_retries=0)  # POST /embeddings, GET /models
+    answer = root.embeddings.create(model="tiny", input=TEXTS[:2], encoding_format="float")
+    np.testing.assert_allclose([d.embedding for d in answer.data], st.encode(TEXTS[:2]), atol=1e-5)
+    assert [m.id for m in root.models.list()] == ["tiny"]
+
+
+@pytest.mark.parametrize(
+    "path, body, status, names",
+    [
+        ("/similarity", {"inputs": "a"}, 400, "inputs must be an object {source_sentence, sentences}"),
+        ("/similarity", {"inputs": {"sentences": ["a"]}}, 400, "inputs.source_sentence must be a non-empty"),
+        (
+            "/similarity",
+            {"inputs": {"source_sentence": "a"}},
+            400,
+            "inputs.sentences must be a non-empty list",
+        ),
+        (
+            "/similarity",
+            {"inputs": {"source_sentence": "a", "sentences": []}},
+            400,
+            "inputs.sentences must be",
+        ),
+        (
+            "/similarity",
+            {"inputs": {"source_sentence": "a", "sentences": ["b", ""]}},
+            400,
+            "inputs.sentences[1]",
+        ),
+        (
+            "/similarity",
+            {"inputs": {"source_sentence": "a", "sentences": ["b"], "x": 1}},
+            400,
+            "['x'] in inputs",
+        ),
+        (
+            "/similarity",
+            {"inputs": {"source_sentence": "a", "sentences": ["b"] * 100}},
+            413,
+            "with the source",
+        ),
+        (
+            "/similarity",
+            {"inputs": {"source_sentence": "a", "sentences": ["b"]}, "parameters": {"normalize": True}},
+            400,
+            "['normalize'] in parameters",
+        ),
+        (
+            "/similarity",
+            {"inputs": {"source_sentence": "a", "sentences": ["b"]}, "parameters": {"truncate": "no"}},
+            400,
+            "parameters.truncate must be true or false",
+        ),
+        (
+            "/similarity",
+            {"inputs": {"source_sentence": "a", "sentences": ["b"]}, "parameters": 1},
+            400,
+            "parameters",
+        ),
+        ("/decode", {}, 400, "missing field 'ids'"),
+        ("/decode", {"ids": "a"}, 400, "ids must be a list of token ids"),
+        ("/decode", {"ids": [1, 2.5]}, 400, "ids[1] must be a token id (an integer), got 2.5"),
+        ("/decode", {"ids": [1, True]}, 400, "ids[1] must be a token id"),
+        (
+            "/decode",
+            {"ids": [[1], [2, -1]]},
+            400,
+            "ids[1][1] is token id -1, outside this model's vocabulary",
+        ),
+        ("/decode", {"ids": [10**6]}, 400, "outside this model's vocabulary"),
+        ("/decode", {"ids": [[1], 2]}, 400, "ids[0] must be a token id"),
+        ("/decode", {"ids": [[1]] * 101}, 413, "ids holds 101 id lists, more than this server's 100"),
+        (
+            "/decode",
+            {"ids": [1], "skip_special_tokens": "no"},
+            400,
+            "skip_special_tokens must be true or false",
+        ),
+        ("/embeddings", {"input": "a", "model": "nope"}, 404, "unknown model 'nope'"),
+        ("/embeddings", {"input": []}, 400, "input must be a string"),
+    ],
+)
+def test_bad_similarity_decode_and_root_embeddings_are_4xx_in_their_apis_shape(
+    base, path, body, status, names
+):
+    r = httpx.post(f"{base}{path}", json=body, timeout=60)
+    assert r.status_code == status and names in error_message(r), r.text
 
 
 def test_inputs_over_the_model_length_are_cut_unless_asked_not_to(base, artifact):
@@ -438,11 +569,13 @@ FIELDS = {
         {"normalize", "truncate", "truncation_direction", "prompt_name", "prompt", "dimensions"},
     ),
     "/tokenize": ("inputs", {"add_special_tokens", "prompt_name", "prompt"}),
+    "/decode": ("ids", {"skip_special_tokens"}),
 }
 VALID = [
     ("truncate", False),
     ("normalize", False),
     ("add_special_tokens", False),
+    ("skip_special_tokens", False),
     ("user", ""),
     ("user", "no-such-value"),
     ("prompt", ""),  # any text is a prompt of the request's own

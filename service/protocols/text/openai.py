@@ -1,5 +1,6 @@
 """OpenAI's embeddings API: ``POST /v1/embeddings``, as the official ``openai`` client calls it
-(``OpenAI(base_url=".../v1").embeddings.create(model=..., input=...)``).
+(``OpenAI(base_url=".../v1").embeddings.create(model=..., input=...)``), and at ``POST /embeddings`` and ``GET
+/models`` too, where text-embeddings-inference and Infinity serve it (a client whose base URL has no ``/v1``).
 
 ``input``: a string, a list of strings, a list of token ids or a list of such lists; ``model``: a served model's name
 (``GET /v1/models`` lists them); ``encoding_format``: ``float`` (default) or ``base64`` (little-endian float32,
@@ -28,7 +29,9 @@ from addnorm.service.guard import Known
 from addnorm.service.protocols.common import error_docs, json_positive_int
 from addnorm.service.protocols.text.codec import TextQuery, fields, kept_tokens, text_route
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+router = APIRouter(tags=["openai"])
+# where the API is served: OpenAI's own prefix, and the root as TEI (both) and Infinity (the root only) serve it
+PREFIXES = ("/v1", "")
 _KNOWN = {
     "input",
     "model",
@@ -239,16 +242,6 @@ def write(req, model, outputs) -> bytes:
     )
 
 
-text_route(
-    router, "/embeddings", "openai", read, write, "Embeddings of texts or token ids (OpenAI's API)", _DOC
-)
-
-
-@router.get(
-    "/models",
-    summary="The served models (OpenAI's list)",
-    responses=error_docs({401: "missing or invalid API key"}, ERROR_SCHEMA),
-)
 async def models(known: Known) -> dict:
     created = int(time.time())
     return {
@@ -260,8 +253,27 @@ async def models(known: Known) -> dict:
     }
 
 
-MODEL_PREFIXES = ("/v1/",)
-ERROR_PATHS = ("/v1/embeddings", "/v1/models")
+for prefix in PREFIXES:
+    text_route(
+        router,
+        f"{prefix}/embeddings",
+        "openai",
+        read,
+        write,
+        "Embeddings of texts or token ids (OpenAI's API)",
+        _DOC,
+    )
+    router.add_api_route(
+        f"{prefix}/models",
+        models,
+        methods=["GET"],
+        name=f"{prefix.strip('/')}_models".lstrip("_"),
+        summary="The served models (OpenAI's list)",
+        responses=error_docs({401: "missing or invalid API key"}, ERROR_SCHEMA),
+    )
+
+MODEL_PREFIXES = ("/v1/", "/embeddings", "/models")
+ERROR_PATHS = tuple(f"{prefix}{path}" for prefix in PREFIXES for path in ("/embeddings", "/models"))
 _CODES = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limit_exceeded"}
 
 

@@ -1,11 +1,15 @@
-"""text-embeddings-inference's API, so its clients switch by URL: ``POST /embed``, ``/embed_all``, ``/tokenize``,
-``/rerank``, ``/predict`` and ``GET /info``.
+"""text-embeddings-inference's API, so its clients switch by URL: ``POST /embed``, ``/embed_all``,
+``/embed_sparse``, ``/similarity``, ``/tokenize``, ``/decode``, ``/rerank``, ``/predict``, ``GET /info`` and its
+health probes ``GET /health`` and ``/ping``.
 
 ``/embed``: ``{"inputs": str | [str], "normalize": true, "truncate": false, "prompt_name": null, "dimensions":
 null}`` -> ``[[float, ...], ...]``, one vector per input in input order. ``/tokenize``: ``{"inputs": str | [str],
 "add_special_tokens": true}`` -> per input, its tokens as ``{"id", "text", "special", "start", "stop"}``.
 ``/embed_all``: ``{"inputs", "truncate", "prompt_name"}`` -> per input, each of its tokens' vectors (the encoder's
-last hidden state, special tokens included: late interaction). ``/embed_sparse`` (a SPLADE model): ``{"inputs",
+last hidden state, special tokens included: late interaction). ``/similarity``: ``{"inputs": {"source_sentence":
+str, "sentences": [str]}, "parameters": {"truncate", "truncation_direction", "prompt_name"}}`` -> each sentence's
+cosine similarity to the source sentence, in input order. ``/decode``: ``{"ids": [int] | [[int]],
+"skip_special_tokens": true}`` -> per id list, its text as the tokenizer's decoder joins it. ``/embed_sparse`` (a SPLADE model): ``{"inputs",
 "truncate", "prompt_name"}`` -> per input, its non-zero weights as ``[{"index", "value"}]``, indices ascending. ``/info``: the model, its kind and the limits.
 ``/rerank`` (a cross-encoder): ``{"query", "texts": [str], "raw_scores": false, "return_text": false, "truncate":
 false}`` -> ``[{"index", "score", "text"?}]``, best first; each text scored with the query as a pair, cut (with
@@ -13,7 +17,8 @@ false}`` -> ``[{"index", "score", "text"?}]``, best first; each text scored with
 [str, str] | [[str] | [str, str], ...], "raw_scores": false, "truncate": false}`` -> ``[{"label", "score"}]`` per
 input, best first (a list of them for a batch); scores are a softmax over the labels, a sigmoid of one label, or
 the logits with ``raw_scores``. All on the default model (TEI serves one); errors are TEI's ``{"error",
-"error_type"}``.
+"error_type"}``. ``/health`` and ``/ping`` answer 200 with no body once the models are loaded, else 503 with ``{"error"}`` as
+``/health/ready``: TEI's probes, public as the other probes are.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from __future__ import annotations
 import numpy as np
 import orjson
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
 
 from addnorm import __version__
+from addnorm.model.quantize import FLOAT
 from addnorm.model.tokenize import TooManyChars
 from addnorm.service.core.inference import offload, work
 from addnorm.service.core.text import (
@@ -38,6 +45,7 @@ from addnorm.service.core.text import (
 )
 from addnorm.service.errors import BadInput, TooLarge, quote
 from addnorm.service.guard import Known
+from addnorm.service.models.state import State
 from addnorm.service.protocols.common import (
     error_docs,
     json_bool,
@@ -64,6 +72,10 @@ _EMBED_ALL = {"inputs", "truncate", "truncation_direction", "prompt_name", "prom
 _EMBED_SPARSE = _EMBED_ALL
 _RERANK = {"query", "texts", "truncate", "truncation_direction", "raw_scores", "return_text"}
 _PREDICT = {"inputs", "truncate", "truncation_direction", "raw_scores"}
+_SIMILARITY = {"inputs", "parameters"}
+_SIMILARITY_INPUTS = {"source_sentence", "sentences"}
+_SIMILARITY_PARAMETERS = {"truncate", "truncation_direction", "prompt_name", "prompt"}
+_DECODE = {"ids", "skip_special_tokens"}
 # text-embeddings-inference's error body (what error_shape writes)
 ERROR_SCHEMA = {
     "type": "object",
@@ -84,6 +96,15 @@ _ERRORS = error_docs(
     ERROR_SCHEMA,
 )
 _INPUTS = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
+# the options of TEI's text routes: where inputs over the model's length are cut, and the prompt put before each
+_TRUNCATION = {
+    "truncate": {"type": "boolean", "nullable": True, "description": "default: the server's --auto-truncate"},
+    "truncation_direction": {"type": "string", "enum": ["Right", "Left"], "default": "Right"},
+}
+_PROMPTS = {
+    "prompt_name": {"type": "string", "nullable": True},
+    "prompt": {"type": "string", "nullable": True},
+}
 
 
 def _doc(properties: dict, answer: dict, example: dict, description: str = "one entry per input") -> dict:
@@ -95,14 +116,8 @@ def _doc(properties: dict, answer: dict, example: dict, description: str = "one 
 _EMBED_DOC = _doc(
     {
         "normalize": {"type": "boolean", "default": True},
-        "truncate": {
-            "type": "boolean",
-            "nullable": True,
-            "description": "default: the server's --auto-truncate",
-        },
-        "truncation_direction": {"type": "string", "enum": ["Right", "Left"], "default": "Right"},
-        "prompt_name": {"type": "string", "nullable": True},
-        "prompt": {"type": "string", "nullable": True},
+        **_TRUNCATION,
+        **_PROMPTS,
         "dimensions": {"type": "integer", "minimum": 1, "nullable": True},
         "embedding_type": {
             "type": "string",
@@ -116,14 +131,8 @@ _EMBED_DOC = _doc(
 )
 _EMBED_ALL_DOC = _doc(
     {
-        "truncate": {
-            "type": "boolean",
-            "nullable": True,
-            "description": "default: the server's --auto-truncate",
-        },
-        "truncation_direction": {"type": "string", "enum": ["Right", "Left"], "default": "Right"},
-        "prompt_name": {"type": "string", "nullable": True},
-        "prompt": {"type": "string", "nullable": True},
+        **_TRUNCATION,
+        **_PROMPTS,
     },
     {"type": "array", "items": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}},
     {"inputs": "What is Deep Learning?"},
@@ -135,14 +144,8 @@ _SPARSE_VALUE = {
 }
 _EMBED_SPARSE_DOC = _doc(
     {
-        "truncate": {
-            "type": "boolean",
-            "nullable": True,
-            "description": "default: the server's --auto-truncate",
-        },
-        "truncation_direction": {"type": "string", "enum": ["Right", "Left"], "default": "Right"},
-        "prompt_name": {"type": "string", "nullable": True},
-        "prompt": {"type": "string", "nullable": True},
+        **_TRUNCATION,
+        **_PROMPTS,
     },
     {"type": "array", "items": {"type": "array", "items": _SPARSE_VALUE}},
     {"inputs": "What is Deep Learning?"},
@@ -161,11 +164,52 @@ _TOKEN = {
 _TOKENIZE_DOC = _doc(
     {
         "add_special_tokens": {"type": "boolean", "default": True},
-        "prompt_name": {"type": "string", "nullable": True},
-        "prompt": {"type": "string", "nullable": True},
+        **_PROMPTS,
     },
     {"type": "array", "items": {"type": "array", "items": _TOKEN}},
     {"inputs": "What is Deep Learning?"},
+)
+_SIMILARITY_DOC = json_route_doc(
+    ["inputs"],
+    {
+        "inputs": {
+            "type": "object",
+            "required": ["source_sentence", "sentences"],
+            "properties": {
+                "source_sentence": {"type": "string"},
+                "sentences": {"type": "array", "items": {"type": "string"}},
+            },
+        },
+        "parameters": {
+            "type": "object",
+            "nullable": True,
+            "properties": {
+                **_TRUNCATION,
+                **_PROMPTS,
+            },
+        },
+    },
+    {
+        "inputs": {
+            "source_sentence": "What is Deep Learning?",
+            "sentences": ["Deep Learning is ...", "Paris is ..."],
+        }
+    },
+    {"type": "array", "items": {"type": "number"}},
+    "each sentence's cosine similarity to the source sentence, in input order",
+    _ERRORS,
+)
+_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+_DECODE_DOC = json_route_doc(
+    ["ids"],
+    {
+        "ids": {"oneOf": [_IDS, {"type": "array", "items": _IDS}]},
+        "skip_special_tokens": {"type": "boolean", "default": True},
+    },
+    {"ids": [101, 7592, 2088, 102]},
+    {"type": "array", "items": {"type": "string"}},
+    "per id list, its text",
+    _ERRORS,
 )
 
 
@@ -181,12 +225,7 @@ _RERANK_DOC = json_route_doc(
         "texts": {"type": "array", "items": {"type": "string"}},
         "raw_scores": {"type": "boolean", "default": False},
         "return_text": {"type": "boolean", "default": False},
-        "truncate": {
-            "type": "boolean",
-            "nullable": True,
-            "description": "default: the server's --auto-truncate",
-        },
-        "truncation_direction": {"type": "string", "enum": ["Right", "Left"], "default": "Right"},
+        **_TRUNCATION,
     },
     {"query": "What is Deep Learning?", "texts": ["Deep Learning is ...", "Paris is ..."]},
     {"type": "array", "items": _RANK},
@@ -198,12 +237,7 @@ _PREDICT_DOC = _doc(
     {
         "inputs": {"oneOf": [{"type": "string"}, _ONE, {"type": "array", "items": _ONE}]},
         "raw_scores": {"type": "boolean", "default": False},
-        "truncate": {
-            "type": "boolean",
-            "nullable": True,
-            "description": "default: the server's --auto-truncate",
-        },
-        "truncation_direction": {"type": "string", "enum": ["Right", "Left"], "default": "Right"},
+        **_TRUNCATION,
     },
     {
         "oneOf": [
@@ -369,6 +403,48 @@ def write_predict(req, model, outputs) -> bytes:
     return orjson.dumps(rows if req.options["batch"] else rows[0])
 
 
+def read_similarity(doc: object, max_inputs: int) -> TextQuery:
+    """TEI's sentence similarity: the source sentence and the others embedded in one request (TEI counts the
+    source against the batch limit too), its options under ``parameters``."""
+    doc = fields(doc, _SIMILARITY, "inputs")
+    inputs = doc["inputs"]
+    if not isinstance(inputs, dict):
+        raise BadInput(f"inputs must be an object {{source_sentence, sentences}}, got {quote(inputs)}")
+    if unknown := sorted(set(inputs) - _SIMILARITY_INPUTS):
+        raise BadInput(f"unknown field(s) {unknown} in inputs; expected {sorted(_SIMILARITY_INPUTS)}")
+    source = query_text(inputs.get("source_sentence"), "inputs.source_sentence")
+    sentences = inputs.get("sentences")
+    if isinstance(sentences, list) and len(sentences) + 1 > max_inputs:
+        raise TooLarge(
+            f"inputs.sentences holds {len(sentences)} texts: with the source sentence more than this server's "
+            f"{max_inputs} (ADDNORM_MAX_CLIENT_BATCH_SIZE)"
+        )
+    sentences = text_list(sentences, "inputs.sentences", max_inputs)
+    params = doc.get("parameters")
+    params = {} if params is None else params
+    if not isinstance(params, dict):
+        raise BadInput(f"parameters must be an object, got {quote(params)}")
+    if unknown := sorted(set(params) - _SIMILARITY_PARAMETERS):
+        raise BadInput(f"unknown field(s) {unknown} in parameters; expected {sorted(_SIMILARITY_PARAMETERS)}")
+    return TextQuery(
+        None,
+        [source, *sentences],
+        json_bool(params, "truncate", "parameters", None),
+        {},
+        field="inputs",
+        direction=direction(params),
+        **_prompt(params),
+    )
+
+
+def write_similarity(req, model, outputs) -> bytes:
+    vectors = sentence_vectors(req, model, outputs, normalize=True, precision=FLOAT).astype(np.float64)
+    cosines = (vectors[1:] @ vectors[0]).astype(
+        np.float32
+    )  # written as TEI's f32: each value's shortest form
+    return orjson.dumps(cosines, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
 def read_embed_all(doc: object, max_inputs: int) -> TextQuery:
     doc = fields(doc, _EMBED_ALL, "inputs")
     inputs = text_inputs(doc["inputs"], "inputs", max_inputs)
@@ -433,6 +509,15 @@ text_route(
     write_embed_sparse,
     "SPLADE's sparse vectors of texts (text-embeddings-inference's API)",
     _EMBED_SPARSE_DOC,
+)
+text_route(
+    router,
+    "/similarity",
+    "tei",
+    read_similarity,
+    write_similarity,
+    "Cosine similarity of sentences to a source sentence (text-embeddings-inference's API)",
+    _SIMILARITY_DOC,
 )
 
 
@@ -541,7 +626,75 @@ def _tokens_json(rows: list) -> bytes:
     )
 
 
-MODEL_PREFIXES = ("/embed", "/tokenize", "/rerank", "/predict", "/info")
+@router.post(
+    "/decode", summary="Texts of token ids (text-embeddings-inference's API)", openapi_extra=_DECODE_DOC
+)
+async def decode(request: Request, known: Known) -> Response:
+    """Read under the body limit as every route is (which bounds the ids); every id checked against the
+    tokenizer's vocabulary (tokenizers drops an unknown one without a word); big work off the loop."""
+    s = known.settings
+    body = await read_body(request, s.max_body_bytes)
+    amount = work(TEXT_WORK * len(body))
+    doc = fields(await offload(amount, parse_json, body, s.max_elements), _DECODE, "ids")
+    front = known.models.get(None).engine.text
+    if front is None:
+        raise BadInput("this model takes embeddings, not text: it has no tokenizer to decode with")
+    special = json_bool(doc, "skip_special_tokens", "body", True)
+    answer = await offload(amount, _decoded, doc["ids"], s.max_client_batch_size, front.tokenizer, special)
+    return Response(answer, media_type="application/json")
+
+
+def _decoded(ids: object, max_inputs: int, tokenizer, special: bool) -> bytes:
+    return orjson.dumps(tokenizer.decode(_id_lists(ids, max_inputs, tokenizer.vocab_size), special))
+
+
+def _id_lists(value: object, max_inputs: int, vocab: int) -> list[list[int]]:
+    """TEI's ``ids``: one list of token ids, or a batch of them -> the lists (TEI answers a list of texts for
+    both)."""
+    if not isinstance(value, list):
+        raise BadInput(f"ids must be a list of token ids or a list of such lists, got {quote(value)}")
+    batch = bool(value) and all(isinstance(v, list) for v in value)
+    rows = value if batch else [value]
+    if len(rows) > max_inputs:
+        raise TooLarge(
+            f"ids holds {len(rows)} id lists, more than this server's {max_inputs} (ADDNORM_MAX_CLIENT_BATCH_SIZE)"
+        )
+    for i, row in enumerate(rows):  # each row checked at C speed; the culprit looked for only on a refusal
+        if all(type(t) is int for t in row) and (not row or (min(row) >= 0 and max(row) < vocab)):
+            continue
+        where = f"ids[{i}]" if batch else "ids"
+        j, t = next((j, t) for j, t in enumerate(row) if type(t) is not int or not 0 <= t < vocab)
+        if type(t) is not int:
+            raise BadInput(f"{where}[{j}] must be a token id (an integer), got {quote(t)}")
+        raise BadInput(f"{where}[{j}] is token id {t}, outside this model's vocabulary [0, {vocab})")
+    return rows
+
+
+async def _health(state: State) -> Response:
+    """TEI's probe: 200 and no body once every model is loaded, else 503 with the reason, as /health/ready says it
+    (a probe reads the status only)."""
+    reason = state.not_ready_reason()
+    if reason is None and state.known is not None:
+        return Response(status_code=200)
+    return JSONResponse(
+        {"error": reason or "model is loading"}, status_code=503, headers={"Retry-After": "1"}
+    )
+
+
+_PROBE = {503: {"description": "still loading, or failed to load", "content": {"application/json": {}}}}
+for path, summary in (("/health", "probe"), ("/ping", "SageMaker probe")):
+    router.add_api_route(
+        path,
+        _health,
+        methods=["GET"],
+        name=f"tei_{path.strip('/')}",
+        summary=f"Ready (text-embeddings-inference's {summary}): 200 with no body",
+        response_class=Response,  # no body: not JSON
+        responses=_PROBE,
+    )
+
+
+MODEL_PREFIXES = ("/embed", "/similarity", "/tokenize", "/decode", "/rerank", "/predict", "/info")
 ERROR_PATHS = MODEL_PREFIXES
 
 
@@ -552,4 +705,4 @@ def error_shape(status: int, message: str) -> dict:
     return {"error": message, "error_type": kind}
 
 
-PUBLIC_PATHS: tuple[str, ...] = ()
+PUBLIC_PATHS = ("/health", "/ping")
