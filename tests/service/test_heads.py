@@ -102,6 +102,24 @@ def test_tei_rerank_equals_sentence_transformers_cross_encoder(reranker, dirs):
     assert all("text" not in r for r in raw)
 
 
+def test_rerank_in_the_documents_shape_answers_as_vllm_and_infinity_clients_read_it(reranker, dirs):
+    """/rerank given ``documents`` (vLLM's and Infinity's /rerank: Jina's and Cohere's body) answers that API's
+    ``results``, as /v2/rerank does, its scores sentence-transformers' CrossEncoder's; given ``texts``, TEI's."""
+    want = _cross_encoder(dirs["ce"]).predict([(QUERY, d) for d in DOCUMENTS])
+    body = {"model": "ce", "query": QUERY, "documents": DOCUMENTS, "top_n": 2, "return_documents": True}
+    answer = httpx.post(f"{reranker}/rerank", json=body).json()
+    best = np.argsort(-want, kind="stable")[:2]
+    assert [r["index"] for r in answer["results"]] == list(best)
+    np.testing.assert_allclose([r["relevance_score"] for r in answer["results"]], want[best], atol=1e-6)
+    assert [r["document"]["text"] for r in answer["results"]] == [DOCUMENTS[i] for i in best]
+    v2 = httpx.post(f"{reranker}/v2/rerank", json=body).json()
+    assert answer["results"] == v2["results"] and answer["usage"] == v2["usage"]
+    r = httpx.post(f"{reranker}/rerank", json={"query": QUERY, "documents": DOCUMENTS, "texts": DOCUMENTS})
+    assert r.status_code == 400 and "unknown field(s) ['documents']" in error_message(
+        r
+    )  # one shape at a time
+
+
 def test_vllm_score_equals_sentence_transformers_cross_encoder_in_each_pairing(reranker, dirs):
     """vLLM's /score: one text with many (1:N) and as many of each (N:N), in every spelling of the two sides, the
     CrossEncoder's sigmoid, or its logit with use_activation false; the answer in vLLM's shape."""
@@ -348,6 +366,9 @@ def test_v2_scores_pairs_of_query_and_text_over_http_and_grpc_with_tritonclient(
         ("/rerank", {"query": "q", "texts": []}, 400, "texts must be a non-empty list"),
         ("/rerank", {"query": "q", "texts": ["a", ""]}, 400, "texts[1] must be a non-empty string"),
         ("/rerank", {"query": "q", "texts": ["a"] * 41}, 413, "41 texts, more than this server's 40"),
+        ("/rerank", {"query": "q", "documents": []}, 400, "documents must be a non-empty list"),
+        ("/rerank", {"query": "q", "documents": ["a"], "top_n": 0}, 400, "top_n must be a positive integer"),
+        ("/rerank", {"query": "q", "documents": ["a"], "model": "nope"}, 404, "unknown model 'nope'"),
         ("/rerank", {"query": "q", "texts": ["word " * 80], "truncate": False}, 413, "texts[0] has"),
         ("/rerank", {"query": "word " * 80, "texts": ["a"], "truncate": True}, 413, "query alone takes more"),
         ("/rerank", {"query": "w" * 70_000, "texts": ["a"]}, 413, "query alone takes more"),

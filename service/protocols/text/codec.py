@@ -163,3 +163,24 @@ def fields(doc: object, known: set[str], required: str) -> dict:
     if required not in doc:
         raise BadInput(f"missing field {required!r}")
     return doc
+
+
+def text_list(value: object, where: str, max_inputs: int) -> list[str]:
+    """A JSON list of non-empty strings, at most ``max_inputs`` (the documents of a rerank)."""
+    if not isinstance(value, list) or not value:
+        raise BadInput(f"{where} must be a non-empty list of strings")
+    if len(value) > max_inputs:
+        raise TooLarge(
+            f"{where} holds {len(value)} texts, more than this server's {max_inputs} (ADDNORM_MAX_CLIENT_BATCH_SIZE)"
+        )
+    for i, v in enumerate(value):
+        if not isinstance(v, str) or not v:
+            raise BadInput(f"{where}[{i}] must be a non-empty string, got {quote(v)}")
+    return value
+
+
+def query_text(value: object, where: str = "query") -> str:
+    """A JSON non-empty string (a query, a text of a pair)."""
+    if not isinstance(value, str) or not value:
+        raise BadInput(f"{where} must be a non-empty string, got {quote(value)}")
+    return value

@@ -34,8 +34,7 @@ from addnorm.service.core.text import EMBEDDING_TYPES, quantized, sentence_vecto
 from addnorm.service.errors import BadInput, quote
 from addnorm.service.protocols.common import error_docs, json_positive_int, json_route_doc
 from addnorm.service.protocols.text import rerank
-from addnorm.service.protocols.text.codec import TextQuery, fields, text_route
-from addnorm.service.protocols.text.tei import text_list
+from addnorm.service.protocols.text.codec import TextQuery, fields, text_list, text_route
 
 router = APIRouter(tags=["cohere"])
 _KNOWN_V1 = {"model", "texts", "images", "input_type", "embedding_types", "truncate"}

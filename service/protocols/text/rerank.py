@@ -21,8 +21,7 @@ from fastapi import APIRouter
 from addnorm.service.core.text import scores
 from addnorm.service.errors import BadInput, quote
 from addnorm.service.protocols.common import error_docs, json_bool, json_positive_int, json_route_doc
-from addnorm.service.protocols.text.codec import TextQuery, fields, text_route
-from addnorm.service.protocols.text.tei import query_text, text_list
+from addnorm.service.protocols.text.codec import TextQuery, fields, query_text, text_list, text_route
 
 router = APIRouter(tags=["rerank"])
 _KNOWN = {
@@ -56,7 +55,7 @@ _RESULT = {
     },
 }
 _DOCUMENT = {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}}
-_DOC = json_route_doc(
+DOC = json_route_doc(
     ["query", "documents"],
     {
         "model": {"type": "string"},
@@ -155,7 +154,7 @@ for path in ("/v1/rerank", "/v2/rerank"):
         read,
         write,
         "Documents ranked by relevance (Cohere's, Jina's, vLLM's API)",
-        _DOC,
+        DOC,
     )
 
 

@@ -13,7 +13,8 @@ cosine similarity to the source sentence, in input order. ``/decode``: ``{"ids":
 "truncate", "prompt_name"}`` -> per input, its non-zero weights as ``[{"index", "value"}]``, indices ascending. ``/info``: the model, its kind and the limits.
 ``/rerank`` (a cross-encoder): ``{"query", "texts": [str], "raw_scores": false, "return_text": false, "truncate":
 false}`` -> ``[{"index", "score", "text"?}]``, best first; each text scored with the query as a pair, cut (with
-``truncate``) in the text, never the query. ``/predict`` (a classifier or a cross-encoder): ``{"inputs": str |
+``truncate``) in the text, never the query; given ``documents`` instead of ``texts`` (vLLM's and Infinity's
+/rerank), Jina's and Cohere's rerank (rerank.py), in and out. ``/predict`` (a classifier or a cross-encoder): ``{"inputs": str |
 [str, str] | [[str] | [str, str], ...], "raw_scores": false, "truncate": false}`` -> ``[{"label", "score"}]`` per
 input, best first (a list of them for a batch); scores are a softmax over the labels, a sigmoid of one label, or
 the logits with ``raw_scores``. All on the default model (TEI serves one); errors are TEI's ``{"error",
@@ -22,6 +23,8 @@ the logits with ``raw_scores``. All on the default model (TEI serves one); error
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import orjson
@@ -54,7 +57,15 @@ from addnorm.service.protocols.common import (
     parse_json,
     read_body,
 )
-from addnorm.service.protocols.text.codec import TEXT_WORK, TextQuery, fields, text_route
+from addnorm.service.protocols.text import rerank
+from addnorm.service.protocols.text.codec import (
+    TEXT_WORK,
+    TextQuery,
+    fields,
+    query_text,
+    text_list,
+    text_route,
+)
 
 router = APIRouter(tags=["tei"])
 _EMBED = {
@@ -76,6 +87,7 @@ _SIMILARITY = {"inputs", "parameters"}
 _SIMILARITY_INPUTS = {"source_sentence", "sentences"}
 _SIMILARITY_PARAMETERS = {"truncate", "truncation_direction", "prompt_name", "prompt"}
 _DECODE = {"ids", "skip_special_tokens"}
+_DOCUMENTS = "documents_shape"  # (a /rerank request's options: it came in Jina's and Cohere's shape)
 # text-embeddings-inference's error body (what error_shape writes)
 ERROR_SCHEMA = {
     "type": "object",
@@ -218,7 +230,7 @@ _RANK = {
     "properties": {"index": {"type": "integer"}, "score": {"type": "number"}, "text": {"type": "string"}},
 }
 _PREDICTION = {"type": "object", "properties": {"label": {"type": "string"}, "score": {"type": "number"}}}
-_RERANK_DOC = json_route_doc(
+_TEI_RERANK_DOC = json_route_doc(
     ["query", "texts"],
     {
         "query": {"type": "string"},
@@ -232,6 +244,32 @@ _RERANK_DOC = json_route_doc(
     "the texts by score, best first",
     _ERRORS,
 )
+
+
+def _either(ours: dict, other: dict) -> dict:
+    """A route's OpenAPI entry (``json_route_doc``'s) that takes either API's body and answers in its shape; the
+    errors ``ours``."""
+    body, answer = (
+        [doc["requestBody"]["content"]["application/json"]["schema"] for doc in (ours, other)],
+        [doc["responses"]["200"]["content"]["application/json"]["schema"] for doc in (ours, other)],
+    )
+    example = ours["requestBody"]["content"]["application/json"]["example"]
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"oneOf": body}, "example": example}},
+        },
+        "responses": {
+            **ours["responses"],
+            "200": {
+                "description": "TEI's ranks for ``texts``; Jina's and Cohere's results for ``documents``",
+                "content": {"application/json": {"schema": {"oneOf": answer}}},
+            },
+        },
+    }
+
+
+_RERANK_DOC = _either(_TEI_RERANK_DOC, rerank.DOC)
 _ONE = {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 2}
 _PREDICT_DOC = _doc(
     {
@@ -295,27 +333,12 @@ def direction(doc: dict) -> str:
     return value.lower()
 
 
-def text_list(value: object, where: str, max_inputs: int) -> list[str]:
-    """A JSON list of non-empty strings, at most ``max_inputs`` (the documents of a rerank)."""
-    if not isinstance(value, list) or not value:
-        raise BadInput(f"{where} must be a non-empty list of strings")
-    if len(value) > max_inputs:
-        raise TooLarge(
-            f"{where} holds {len(value)} texts, more than this server's {max_inputs} (ADDNORM_MAX_CLIENT_BATCH_SIZE)"
-        )
-    for i, v in enumerate(value):
-        if not isinstance(v, str) or not v:
-            raise BadInput(f"{where}[{i}] must be a non-empty string, got {quote(v)}")
-    return value
-
-
-def query_text(value: object, where: str = "query") -> str:
-    if not isinstance(value, str) or not value:
-        raise BadInput(f"{where} must be a non-empty string, got {quote(value)}")
-    return value
-
-
 def read_rerank(doc: object, max_inputs: int) -> TextQuery:
+    """TEI's rerank (``texts``), or with ``documents`` instead the shape vLLM and Infinity take on /rerank too
+    (Jina's and Cohere's: rerank.py), answered in that shape."""
+    if isinstance(doc, dict) and "documents" in doc and "texts" not in doc:
+        query = rerank.read(doc, max_inputs)
+        return dataclasses.replace(query, options={**query.options, _DOCUMENTS: True})
     doc = fields(doc, _RERANK, "query")
     query = query_text(doc["query"])
     if "texts" not in doc:
@@ -339,6 +362,8 @@ def read_rerank(doc: object, max_inputs: int) -> TextQuery:
 
 
 def write_rerank(req, model, outputs) -> bytes:
+    if req.options.get(_DOCUMENTS):
+        return rerank.write(req, model, outputs)
     score = scores(outputs, req.options["raw"])[:, 0]
     texts = req.options["texts"]
     ranks = [

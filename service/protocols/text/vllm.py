@@ -30,8 +30,14 @@ from addnorm.service.core.text import scores, text_inputs
 from addnorm.service.errors import BadInput, quote
 from addnorm.service.protocols.common import error_docs, json_bool, json_route_doc
 from addnorm.service.protocols.text import openai
-from addnorm.service.protocols.text.codec import TextQuery, fields, kept_tokens, text_route
-from addnorm.service.protocols.text.tei import query_text, text_list
+from addnorm.service.protocols.text.codec import (
+    TextQuery,
+    fields,
+    kept_tokens,
+    query_text,
+    text_list,
+    text_route,
+)
 
 router = APIRouter(tags=["vllm"])
 # vLLM's spellings of a score's two sides, in the order it reads them
