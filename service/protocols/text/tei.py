@@ -9,17 +9,18 @@ null}`` -> ``[[float, ...], ...]``, one vector per input in input order. ``/toke
 last hidden state, special tokens included: late interaction). ``/similarity``: ``{"inputs": {"source_sentence":
 str, "sentences": [str]}, "parameters": {"truncate", "truncation_direction", "prompt_name"}}`` -> each sentence's
 cosine similarity to the source sentence, in input order. ``/decode``: ``{"ids": [int] | [[int]],
-"skip_special_tokens": true}`` -> per id list, its text as the tokenizer's decoder joins it. ``/embed_sparse`` (a SPLADE model): ``{"inputs",
-"truncate", "prompt_name"}`` -> per input, its non-zero weights as ``[{"index", "value"}]``, indices ascending. ``/info``: the model, its kind and the limits.
+"skip_special_tokens": true}`` -> per id list, its text as the tokenizer's decoder joins it. ``/embed_sparse`` (a
+SPLADE model): ``{"inputs", "truncate", "prompt_name"}`` -> per input, its non-zero weights as ``[{"index",
+"value"}]``, indices ascending. ``/info``: the model, its kind and the limits.
 ``/rerank`` (a cross-encoder): ``{"query", "texts": [str], "raw_scores": false, "return_text": false, "truncate":
 false}`` -> ``[{"index", "score", "text"?}]``, best first; each text scored with the query as a pair, cut (with
 ``truncate``) in the text, never the query; given ``documents`` instead of ``texts`` (vLLM's and Infinity's
-/rerank), Jina's and Cohere's rerank (rerank.py), in and out. ``/predict`` (a classifier or a cross-encoder): ``{"inputs": str |
-[str, str] | [[str] | [str, str], ...], "raw_scores": false, "truncate": false}`` -> ``[{"label", "score"}]`` per
-input, best first (a list of them for a batch); scores are a softmax over the labels, a sigmoid of one label, or
-the logits with ``raw_scores``. All on the default model (TEI serves one); errors are TEI's ``{"error",
-"error_type"}``. ``/health`` and ``/ping`` answer 200 with no body once the models are loaded, else 503 with ``{"error"}`` as
-``/health/ready``: TEI's probes, public as the other probes are.
+/rerank), Jina's and Cohere's rerank (rerank.py), in and out. ``/predict`` (a classifier or a cross-encoder):
+``{"inputs": str | [str, str] | [[str] | [str, str], ...], "raw_scores": false, "truncate": false}`` ->
+``[{"label", "score"}]`` per input, best first (a list of them for a batch); scores are a softmax over the labels,
+a sigmoid of one label, or the logits with ``raw_scores``. All on the default model (TEI serves one); errors are
+TEI's ``{"error", "error_type"}``. ``/health`` and ``/ping`` answer 200 with no body once the models are loaded,
+else 503 with ``{"error"}`` as ``/health/ready``: TEI's probes, public as the other probes are.
 """
 
 from __future__ import annotations
