@@ -465,9 +465,8 @@ def read_similarity(doc: object, max_inputs: int) -> TextQuery:
 
 def write_similarity(req, model, outputs) -> bytes:
     vectors = sentence_vectors(req, model, outputs, normalize=True, precision=FLOAT).astype(np.float64)
-    cosines = (vectors[1:] @ vectors[0]).astype(
-        np.float32
-    )  # written as TEI's f32: each value's shortest form
+    # written as TEI writes its f32s: each value's shortest float32 form
+    cosines = (vectors[1:] @ vectors[0]).astype(np.float32)
     return orjson.dumps(cosines, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
