@@ -114,6 +114,9 @@ def test_rerank_in_the_documents_shape_answers_as_vllm_and_infinity_clients_read
     assert [r["document"]["text"] for r in answer["results"]] == [DOCUMENTS[i] for i in best]
     v2 = httpx.post(f"{reranker}/v2/rerank", json=body).json()
     assert answer["results"] == v2["results"] and answer["usage"] == v2["usage"]
+    raw = httpx.post(f"{reranker}/rerank", json={**body, "raw_scores": True}).json()["results"]  # Infinity's
+    logits = _cross_encoder(dirs["ce"]).predict([(QUERY, d) for d in DOCUMENTS], activation_fn=_identity())
+    np.testing.assert_allclose([r["relevance_score"] for r in raw], logits[best], atol=2e-5)
     r = httpx.post(f"{reranker}/rerank", json={"query": QUERY, "documents": DOCUMENTS, "texts": DOCUMENTS})
     assert r.status_code == 400 and "unknown field(s) ['documents']" in error_message(
         r

@@ -5,9 +5,9 @@ client calls them (``cohere.ClientV2(base_url=...).rerank(model=..., query=..., 
 ``{"id", "results": [{"index", "relevance_score", "document"?: {"text"}}], "meta", "usage"}``, best first, the first
 ``top_n`` (all when null; more than there are documents gives them all, as Cohere does). Each document is scored
 with the query as a pair by a cross-encoder (a served model whose task is rerank), its relevance the sigmoid of its
-logit (sentence-transformers' CrossEncoder); a document over the model's length is cut, never the query (Cohere
-truncates long documents rather than refuse them), and over ``max_tokens_per_doc`` of its own tokens (Cohere v2's)
-cut to them. Errors are Cohere's ``{"message"}``.
+logit (sentence-transformers' CrossEncoder), or the logit itself with ``raw_scores`` (Infinity's); a document over
+the model's length is cut, never the query (Cohere truncates long documents rather than refuse them), and over
+``max_tokens_per_doc`` of its own tokens (Cohere v2's) cut to them. Errors are Cohere's ``{"message"}``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ _KNOWN = {
     "rank_fields",
     "max_chunks_per_doc",
     "max_tokens_per_doc",
+    "raw_scores",  # Infinity's: the logits, not their sigmoid
 }
 ERROR_SCHEMA = {"type": "object", "required": ["message"], "properties": {"message": {"type": "string"}}}
 _ERRORS = error_docs(
@@ -63,6 +64,11 @@ DOC = json_route_doc(
         "documents": {"type": "array", "items": {"oneOf": [{"type": "string"}, _DOCUMENT]}},
         "top_n": {"type": "integer", "minimum": 1, "nullable": True},
         "return_documents": {"type": "boolean", "default": False},
+        "raw_scores": {
+            "type": "boolean",
+            "default": False,
+            "description": "the logits instead of their sigmoid (Infinity's)",
+        },
         "max_tokens_per_doc": {
             "type": "integer",
             "minimum": 1,
@@ -109,6 +115,7 @@ def read(doc: object, max_inputs: int) -> TextQuery:
     if model is not None and not isinstance(model, str):
         raise BadInput(f"model must be a string, got {quote(model)}")
     options = {
+        "raw": json_bool(doc, "raw_scores", "body", False),
         "top_n": top_n,
         "documents": documents if json_bool(doc, "return_documents", "body", False) else None,
     }
@@ -125,7 +132,7 @@ def read(doc: object, max_inputs: int) -> TextQuery:
 
 
 def write(req, model, outputs) -> bytes:
-    relevance = scores(outputs, raw=False)[:, 0]
+    relevance = scores(outputs, req.options["raw"])[:, 0]
     order = np.argsort(-relevance, kind="stable")[: req.options["top_n"]]
     documents = req.options["documents"]
     results = [
