@@ -698,12 +698,9 @@ def _id_lists(value: object, max_inputs: int, vocab: int) -> list[list[int]]:
 async def _health(state: State) -> Response:
     """TEI's probe: 200 and no body once every model is loaded, else 503 with the reason, as /health/ready says it
     (a probe reads the status only)."""
-    reason = state.not_ready_reason()
-    if reason is None and state.known is not None:
+    if (reason := state.not_ready_reason()) is None:
         return Response(status_code=200)
-    return JSONResponse(
-        {"error": reason or "model is loading"}, status_code=503, headers={"Retry-After": "1"}
-    )
+    return JSONResponse({"error": reason}, status_code=503, headers={"Retry-After": "1"})
 
 
 _PROBE = {503: {"description": "still loading, or failed to load", "content": {"application/json": {}}}}
