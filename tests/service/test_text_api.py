@@ -342,9 +342,75 @@ def test_tei_similarity_is_sentence_transformers_cosine_and_decode_is_the_tokeni
     assert [m.id for m in root.models.list()] == ["tiny"]
 
 
+def test_vllm_tokenize_and_detokenize_answer_what_transformers_tokenizer_does(base, artifact, model_dir):
+    """vLLM's /tokenize (a body with ``prompt`` on the path TEI's /tokenize takes ``inputs`` on) and /detokenize
+    answer what vLLM's server computes with transformers' tokenizer of the model: the ids (with and without the
+    special tokens), ``convert_ids_to_tokens`` as token_strs, the count and the model's length; ``decode`` of the
+    ids with their special tokens kept and the spaces cleaned up as the model's tokenizer_config.json asks (the
+    export records it). A text over the model's length is answered whole (its count says so)."""
+    from transformers import AutoTokenizer
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    assert hf_tokenizer.clean_up_tokenization_spaces is Manifest.load(artifact).text.clean_up_spaces is True
+    long = " ".join(TEXTS)  # over MAX_LENGTH tokens
+    for text in [*TEXTS[:3], long]:
+        for special in (True, False):
+            want = hf_tokenizer(text, add_special_tokens=special)["input_ids"]
+            body = {"model": "tiny", "prompt": text, "add_special_tokens": special, "return_token_strs": True}
+            assert httpx.post(f"{base}/tokenize", json=body).json() == {
+                "count": len(want),
+                "max_model_len": MAX_LENGTH,
+                "tokens": want,
+                "token_strs": hf_tokenizer.convert_ids_to_tokens(want),
+            }
+            back = httpx.post(f"{base}/detokenize", json={"model": "tiny", "tokens": want}).json()
+            assert back == {"prompt": hf_tokenizer.decode(want)}, (back, text)
+    assert len(hf_tokenizer(long)["input_ids"]) > MAX_LENGTH
+    plain = httpx.post(f"{base}/tokenize", json={"prompt": TEXTS[0]}).json()  # the defaults
+    assert plain["tokens"] == hf_tokenizer(TEXTS[0])["input_ids"] and plain["token_strs"] is None
+    assert httpx.post(f"{base}/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+    tei = httpx.post(f"{base}/tokenize", json={"inputs": TEXTS[0]}).json()  # TEI's body: TEI's answer
+    assert [t["id"] for t in tei[0]] == plain["tokens"]
+
+
 @pytest.mark.parametrize(
     "path, body, status, names",
     [
+        ("/tokenize", {"prompt": 1}, 400, "prompt must be a string, got 1"),
+        ("/tokenize", {"prompt": "a", "x": 1}, 400, "unknown field(s) ['x']"),
+        ("/tokenize", {"prompt": "a", "model": "nope"}, 404, "unknown model 'nope'"),
+        ("/tokenize", {"prompt": "a", "model": 3}, 400, "model must be a string"),
+        (
+            "/tokenize",
+            {"prompt": "a", "return_token_strs": 1},
+            400,
+            "return_token_strs must be true or false",
+        ),
+        (
+            "/tokenize",
+            {"prompt": "a", "add_special_tokens": "y"},
+            400,
+            "add_special_tokens must be true or false",
+        ),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "a"}]},
+            400,
+            "messages (a chat) needs a chat",
+        ),
+        ("/tokenize", {"prompt": "a" * 10_000_000}, 413, "prompt has 10000000 characters"),
+        ("/detokenize", {}, 400, "missing field 'tokens'"),
+        ("/detokenize", {"tokens": "a"}, 400, "tokens must be a list of token ids"),
+        ("/detokenize", {"tokens": [[1]]}, 400, "tokens[0] must be a token id"),
+        (
+            "/detokenize",
+            {"tokens": [1, -2]},
+            400,
+            "tokens[1] is token id -2, outside this model's vocabulary",
+        ),
+        ("/detokenize", {"tokens": [10**6]}, 400, "outside this model's vocabulary"),
+        ("/detokenize", {"tokens": [1], "model": "nope"}, 404, "unknown model 'nope'"),
+        ("/detokenize", {"tokens": [1], "skip_special_tokens": True}, 400, "unknown field(s)"),
         ("/similarity", {"inputs": "a"}, 400, "inputs must be an object {source_sentence, sentences}"),
         ("/similarity", {"inputs": {"sentences": ["a"]}}, 400, "inputs.source_sentence must be a non-empty"),
         (
@@ -418,7 +484,7 @@ def test_tei_similarity_is_sentence_transformers_cosine_and_decode_is_the_tokeni
         ("/embeddings", {"input": []}, 400, "input must be a string"),
     ],
 )
-def test_bad_similarity_decode_and_root_embeddings_are_4xx_in_their_apis_shape(
+def test_bad_similarity_decode_tokenize_and_root_embeddings_are_4xx_in_their_apis_shape(
     base, path, body, status, names
 ):
     r = httpx.post(f"{base}{path}", json=body, timeout=60)

@@ -184,3 +184,28 @@ def query_text(value: object, where: str = "query") -> str:
     if not isinstance(value, str) or not value:
         raise BadInput(f"{where} must be a non-empty string, got {quote(value)}")
     return value
+
+
+def text_front(known: Known, model: str | None, wants: str = "text"):
+    """The named model's text front (its tokenizer and limits); a model served from embeddings has none."""
+    if model is not None and not isinstance(model, str):
+        raise BadInput(f"model must be a string, got {quote(model)}")
+    serving = known.models.get(model)
+    if serving.engine.text is None:
+        raise BadInput(
+            f"model {quote(serving.name)} takes embeddings, not {wants}: export it with --inputs ids"
+        )
+    return serving.engine.text
+
+
+def token_ids(row: object, where: str, vocab: int) -> list[int]:
+    """A JSON list of token ids, each below ``vocab`` (tokenizers' decode drops an unknown id without a word):
+    checked at C speed, the culprit looked for only on a refusal."""
+    if not isinstance(row, list):
+        raise BadInput(f"{where} must be a list of token ids, got {quote(row)}")
+    if all(type(t) is int for t in row) and (not row or (min(row) >= 0 and max(row) < vocab)):
+        return row
+    j, t = next((j, t) for j, t in enumerate(row) if type(t) is not int or not 0 <= t < vocab)
+    if type(t) is not int:
+        raise BadInput(f"{where}[{j}] must be a token id (an integer), got {quote(t)}")
+    raise BadInput(f"{where}[{j}] is token id {t}, outside this model's vocabulary [0, {vocab})")

@@ -4,7 +4,8 @@ health probes ``GET /health`` and ``/ping``.
 
 ``/embed``: ``{"inputs": str | [str], "normalize": true, "truncate": false, "prompt_name": null, "dimensions":
 null}`` -> ``[[float, ...], ...]``, one vector per input in input order. ``/tokenize``: ``{"inputs": str | [str],
-"add_special_tokens": true}`` -> per input, its tokens as ``{"id", "text", "special", "start", "stop"}``.
+"add_special_tokens": true}`` -> per input, its tokens as ``{"id", "text", "special", "start", "stop"}`` (given
+vLLM's ``prompt`` instead, vLLM's /tokenize: vllm.py).
 ``/embed_all``: ``{"inputs", "truncate", "prompt_name"}`` -> per input, each of its tokens' vectors (the encoder's
 last hidden state, special tokens included: late interaction). ``/similarity``: ``{"inputs": {"source_sentence":
 str, "sentences": [str]}, "parameters": {"truncate", "truncation_direction", "prompt_name"}}`` -> each sentence's
@@ -58,14 +59,16 @@ from addnorm.service.protocols.common import (
     parse_json,
     read_body,
 )
-from addnorm.service.protocols.text import rerank
+from addnorm.service.protocols.text import rerank, vllm
 from addnorm.service.protocols.text.codec import (
     TEXT_WORK,
     TextQuery,
     fields,
     query_text,
+    text_front,
     text_list,
     text_route,
+    token_ids,
 )
 
 router = APIRouter(tags=["tei"])
@@ -174,7 +177,7 @@ _TOKEN = {
         "stop": {"type": "integer", "nullable": True},
     },
 }
-_TOKENIZE_DOC = _doc(
+_TEI_TOKENIZE_DOC = _doc(
     {
         "add_special_tokens": {"type": "boolean", "default": True},
         **_PROMPTS,
@@ -247,14 +250,20 @@ _TEI_RERANK_DOC = json_route_doc(
 )
 
 
-def _either(ours: dict, other: dict) -> dict:
+def _either(ours: dict, other: dict, description: str) -> dict:
     """A route's OpenAPI entry (``json_route_doc``'s) that takes either API's body and answers in its shape; the
-    errors ``ours``."""
+    errors in ``ours``'s shape, of the statuses either documents (the other's ``model`` field: a 404)."""
     body, answer = (
         [doc["requestBody"]["content"]["application/json"]["schema"] for doc in (ours, other)],
         [doc["responses"]["200"]["content"]["application/json"]["schema"] for doc in (ours, other)],
     )
     example = ours["requestBody"]["content"]["application/json"]["example"]
+    shape = ours["responses"]["400"]["content"]
+    theirs = {
+        code: {"description": entry["description"], "content": shape}
+        for code, entry in other["responses"].items()
+        if code != "200" and code not in ours["responses"]
+    }
     return {
         "requestBody": {
             "required": True,
@@ -262,15 +271,21 @@ def _either(ours: dict, other: dict) -> dict:
         },
         "responses": {
             **ours["responses"],
+            **theirs,
             "200": {
-                "description": "TEI's ranks for ``texts``; Jina's and Cohere's results for ``documents``",
+                "description": description,
                 "content": {"application/json": {"schema": {"oneOf": answer}}},
             },
         },
     }
 
 
-_RERANK_DOC = _either(_TEI_RERANK_DOC, rerank.DOC)
+_RERANK_DOC = _either(
+    _TEI_RERANK_DOC, rerank.DOC, "TEI's ranks for ``texts``; Jina's and Cohere's results for ``documents``"
+)
+_TOKENIZE_DOC = _either(
+    _TEI_TOKENIZE_DOC, vllm.TOKENIZE_DOC, "TEI's tokens for ``inputs``; vLLM's ids and count for ``prompt``"
+)
 _ONE = {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 2}
 _PREDICT_DOC = _doc(
     {
@@ -616,11 +631,11 @@ async def tokenize(request: Request, known: Known) -> Response:
     s = known.settings
     body = await read_body(request, s.max_body_bytes)
     amount = work(TEXT_WORK * len(body))
-    doc = fields(await offload(amount, parse_json, body, s.max_elements), _TOKENIZE, "inputs")
-    model = known.models.get(None)
-    front = model.engine.text
-    if front is None:
-        raise BadInput(f"model {quote(model.name)} takes embeddings, not text: export it with --inputs ids")
+    doc = await offload(amount, parse_json, body, s.max_elements)
+    if vllm.tokenize_shape(doc):  # vLLM's body (``prompt``) on the same path: answered in vLLM's shape
+        return await vllm.tokenize(doc, known, amount)
+    doc = fields(doc, _TOKENIZE, "inputs")
+    front = text_front(known, None)
     prompt = _prompt(doc)
     prefix = prompt_text(front, prompt["prompt"], prompt["prompt_text"], TextLimits.of(s))
     texts = [prefix + text for text in _texts(doc, s.max_client_batch_size)]
@@ -661,9 +676,7 @@ async def decode(request: Request, known: Known) -> Response:
     body = await read_body(request, s.max_body_bytes)
     amount = work(TEXT_WORK * len(body))
     doc = fields(await offload(amount, parse_json, body, s.max_elements), _DECODE, "ids")
-    front = known.models.get(None).engine.text
-    if front is None:
-        raise BadInput("this model takes embeddings, not text: it has no tokenizer to decode with")
+    front = text_front(known, None, "token ids")
     special = json_bool(doc, "skip_special_tokens", "body", True)
     answer = await offload(amount, _decoded, doc["ids"], s.max_client_batch_size, front.tokenizer, special)
     return Response(answer, media_type="application/json")
@@ -684,15 +697,7 @@ def _id_lists(value: object, max_inputs: int, vocab: int) -> list[list[int]]:
         raise TooLarge(
             f"ids holds {len(rows)} id lists, more than this server's {max_inputs} (ADDNORM_MAX_CLIENT_BATCH_SIZE)"
         )
-    for i, row in enumerate(rows):  # each row checked at C speed; the culprit looked for only on a refusal
-        if all(type(t) is int for t in row) and (not row or (min(row) >= 0 and max(row) < vocab)):
-            continue
-        where = f"ids[{i}]" if batch else "ids"
-        j, t = next((j, t) for j, t in enumerate(row) if type(t) is not int or not 0 <= t < vocab)
-        if type(t) is not int:
-            raise BadInput(f"{where}[{j}] must be a token id (an integer), got {quote(t)}")
-        raise BadInput(f"{where}[{j}] is token id {t}, outside this model's vocabulary [0, {vocab})")
-    return rows
+    return [token_ids(row, f"ids[{i}]" if batch else "ids", vocab) for i, row in enumerate(rows)]
 
 
 async def _health(state: State) -> Response:

@@ -15,6 +15,13 @@ cross-encoder's) probabilities (softmax over several labels, the sigmoid of one)
 A text over the model's length is refused, or cut where the server's --auto-truncate says so, as vLLM does;
 ``truncate_prompt_tokens: -1`` cuts it at the model's length, and k keeps a text's last k tokens (as /v1/embeddings
 does; for a pair only -1). Errors are OpenAI's error object, as vLLM's.
+
+``/tokenize``: ``{"model", "prompt", "add_special_tokens": true, "return_token_strs": false}`` -> ``{"count",
+"max_model_len", "tokens", "token_strs"}``: the whole text's token ids (a count over ``max_model_len`` says the model
+would cut or refuse it). The path is TEI's /tokenize too (``inputs``): its route (tei.py) hands a body with
+``prompt`` here, and errors on it are TEI's shape. ``/detokenize``: ``{"model", "tokens": [ids]}`` -> ``{"prompt"}``,
+the tokenizer's decode with its special tokens and the model's clean-up of spaces, as vLLM's (transformers'
+``decode``).
 """
 
 from __future__ import annotations
@@ -24,19 +31,25 @@ import uuid
 
 import numpy as np
 import orjson
-from fastapi import APIRouter
+from fastapi import APIRouter, Request, Response
 
+from addnorm.model.tokenize import TooManyChars
+from addnorm.service.core.inference import offload, work
 from addnorm.service.core.text import scores, text_inputs
-from addnorm.service.errors import BadInput, quote
-from addnorm.service.protocols.common import error_docs, json_bool, json_route_doc
+from addnorm.service.errors import BadInput, TooLarge, quote
+from addnorm.service.guard import Known
+from addnorm.service.protocols.common import error_docs, json_bool, json_route_doc, parse_json, read_body
 from addnorm.service.protocols.text import openai
 from addnorm.service.protocols.text.codec import (
+    TEXT_WORK,
     TextQuery,
     fields,
     kept_tokens,
     query_text,
+    text_front,
     text_list,
     text_route,
+    token_ids,
 )
 
 router = APIRouter(tags=["vllm"])
@@ -45,6 +58,8 @@ SIDES = (("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents"), (
 _COMMON = {"model", "use_activation", "truncate_prompt_tokens", "user"}
 _SCORE = _COMMON | {name for pair in SIDES for name in pair}
 _CLASSIFY = _COMMON | {"input"}
+_TOKENIZE = {"model", "prompt", "add_special_tokens", "return_token_strs"}
+_DETOKENIZE = {"model", "tokens"}
 _ERRORS = error_docs(
     {
         400: "bad input (a field named), or a model of another task",
@@ -108,6 +123,36 @@ _CLASSIFY_DOC = json_route_doc(
         }
     ),
     "each input's label and probabilities",
+    _ERRORS,
+)
+
+TOKENIZE_DOC = json_route_doc(
+    ["prompt"],
+    {
+        "model": {"type": "string"},
+        "prompt": {"type": "string"},
+        "add_special_tokens": {"type": "boolean", "default": True},
+        "return_token_strs": {"type": "boolean", "default": False},
+    },
+    {"prompt": "What is Deep Learning?"},
+    {
+        "type": "object",
+        "properties": {
+            "count": {"type": "integer"},
+            "max_model_len": {"type": "integer"},
+            "tokens": {"type": "array", "items": {"type": "integer"}},
+            "token_strs": {"type": "array", "items": {"type": "string"}, "nullable": True},
+        },
+    },
+    "the text's token ids (and strings), vLLM's shape",
+    _ERRORS,
+)
+_DETOKENIZE_DOC = json_route_doc(
+    ["tokens"],
+    {"model": {"type": "string"}, "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}},
+    {"tokens": [101, 7592, 2088, 102]},
+    {"type": "object", "properties": {"prompt": {"type": "string"}}},
+    "the ids' text, their special tokens kept",
     _ERRORS,
 )
 
@@ -225,7 +270,58 @@ for prefix in ("", "/v1"):
     )
 
 
-MODEL_PREFIXES = ("/score", "/classify")  # /v1/score and /v1/classify are under the openai module's /v1/
-ERROR_PATHS = ("/score", "/classify", "/v1/score", "/v1/classify")
+def tokenize_shape(doc: object) -> bool:
+    """A /tokenize body in vLLM's shape (``prompt``, or a chat's ``messages``) rather than TEI's (``inputs``)."""
+    return isinstance(doc, dict) and "inputs" not in doc and ("prompt" in doc or "messages" in doc)
+
+
+async def tokenize(doc: dict, known: Known, amount: int) -> Response:
+    """vLLM's /tokenize of a parsed body (tei.py's route reads it: the path is both APIs')."""
+    if "messages" in doc:
+        raise BadInput(
+            "messages (a chat) needs a chat template, which an encoder has not: send the text as prompt"
+        )
+    doc = fields(doc, _TOKENIZE, "prompt")
+    front = text_front(known, doc.get("model"))
+    if not isinstance(text := doc["prompt"], str):
+        raise BadInput(f"prompt must be a string, got {quote(text)}")
+    special = json_bool(doc, "add_special_tokens", "body", True)
+    strings = json_bool(doc, "return_token_strs", "body", False)
+    try:
+        front.tokenizer.within([text])
+    except TooManyChars as exc:
+        raise TooLarge(f"prompt has {exc.chars} characters, {exc.reason}: shorten it") from None
+    (row,) = await offload(amount, front.tokenizer.tokens, [text], special)
+    answer = {
+        "count": len(row),
+        "max_model_len": front.config.max_length,
+        "tokens": [t[0] for t in row],
+        "token_strs": [t[1] for t in row] if strings else None,
+    }
+    return Response(orjson.dumps(answer), media_type="application/json")
+
+
+@router.post("/detokenize", summary="The text of token ids (vLLM's API)", openapi_extra=_DETOKENIZE_DOC)
+async def detokenize(request: Request, known: Known) -> Response:
+    """Read under the body limit as every route is (which bounds the ids); every id checked against the
+    tokenizer's vocabulary; big work off the loop."""
+    s = known.settings
+    body = await read_body(request, s.max_body_bytes)
+    amount = work(TEXT_WORK * len(body))
+    doc = fields(await offload(amount, parse_json, body, s.max_elements), _DETOKENIZE, "tokens")
+    tokenizer = text_front(known, doc.get("model"), "token ids").tokenizer
+    answer = await offload(amount, _detokenized, doc["tokens"], tokenizer)
+    return Response(answer, media_type="application/json")
+
+
+def _detokenized(ids: object, tokenizer) -> bytes:
+    row = token_ids(ids, "tokens", tokenizer.vocab_size)
+    (text,) = tokenizer.decode([row], skip_special=False, clean_up=tokenizer.text.clean_up_spaces)
+    return orjson.dumps({"prompt": text})
+
+
+# /v1/score and /v1/classify are under the openai module's /v1/; /tokenize is TEI's too (tei.py names it)
+MODEL_PREFIXES = ("/score", "/classify", "/detokenize")
+ERROR_PATHS = ("/score", "/classify", "/v1/score", "/v1/classify", "/detokenize")
 PUBLIC_PATHS: tuple[str, ...] = ()
 error_shape = openai.error_shape  # vLLM answers errors in OpenAI's error object
