@@ -10,6 +10,7 @@ embedding.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -219,7 +220,7 @@ def decode_texts(
     inputs: Inputs,
     truncate: bool | None,
     limits: TextLimits,
-    where: str = "input",
+    where: str | Callable[[int], str] = "input",
     prompt: str | None = None,
     seconds: list[str] | None = None,
     literal: str | None = None,
@@ -231,7 +232,9 @@ def decode_texts(
     model's length when ``truncate``, or where it is None (the request does not say) ``limits.auto_truncate``;
     refused when its embeddings could never fit the queue (``limits.max_bytes``). ``seconds``: each text's second, tokenized as a pair (a query and a document;
     cut in the second only). ``max_tokens``: the request's own limit on each text's tokens (Cohere's), below the
-    model's; cut to it as to the model's length, or refused; of a pair, on its second text's own tokens (cut)."""
+    model's; cut to it as to the model's length, or refused; of a pair, on its second text's own tokens (cut).
+    ``where``: what the API calls its inputs in errors (``input`` -> ``input[3]``), or each input's name by index."""
+    at = where if callable(where) else lambda i: f"{where}[{i}]"  # an input's name in an error (``where``)
     front = model.engine.text
     if front is None:
         raise BadInput(
@@ -257,18 +260,18 @@ def decode_texts(
             rows, types = front.tokenizer.ids(inputs, truncate, seconds, direction, max_tokens)
         except QueryTooLong as exc:
             raise TooLarge(
-                f"{where}[{exc.index}]'s query alone takes more than this model's {exc.limit} tokens: only documents "
+                f"{at(exc.index)}'s query alone takes more than this model's {exc.limit} tokens: only documents "
                 "are cut; shorten the query"
             ) from None
         except TooLong as exc:
             whose = "max_tokens" if exc.asked else "this model's"
             raise TooLarge(
-                f"{where}[{exc.index}] has {exc.tokens} tokens, more than {whose} {exc.limit}: shorten it, or "
+                f"{at(exc.index)} has {exc.tokens} tokens, more than {whose} {exc.limit}: shorten it, or "
                 "send truncate: true"
             ) from None
         except TooManyChars as exc:
             hint = "split it" if exc.truncated else "shorten it, or send truncate: true"
-            raise TooLarge(f"{where}[{exc.index}] has {exc.chars} characters, {exc.reason}: {hint}") from None
+            raise TooLarge(f"{at(exc.index)} has {exc.chars} characters, {exc.reason}: {hint}") from None
         types_held = front.config.type_vocab_size
         if seconds is not None and types_held and max(max(row) for row in types) >= types_held:
             raise BadInput(  # the artifact's tokenizer marks a pair's second text with a type its embeddings lack
@@ -281,19 +284,19 @@ def decode_texts(
         for i, ids in enumerate(inputs):
             if bad := [t for t in ids if not 0 <= t < vocab]:
                 raise BadInput(
-                    f"{where}[{i}] holds token id {bad[0]}, outside this model's vocabulary [0, {vocab})"
+                    f"{at(i)} holds token id {bad[0]}, outside this model's vocabulary [0, {vocab})"
                 )
             if len(ids) > limit:
                 if not truncate:
                     raise TooLarge(
-                        f"{where}[{i}] has {len(ids)} tokens, more than this model's {limit}: shorten it, or "
+                        f"{at(i)} has {len(ids)} tokens, more than this model's {limit}: shorten it, or "
                         "send truncate: true"
                     )
                 ids = ids[:limit]
             if max_tokens is not None and len(ids) > max_tokens:  # token ids as given: cut as they are
                 if not truncate:
                     raise TooLarge(
-                        f"{where}[{i}] has {len(ids)} tokens, more than max_tokens {max_tokens}: shorten it, or "
+                        f"{at(i)} has {len(ids)} tokens, more than max_tokens {max_tokens}: shorten it, or "
                         "send truncate: true"
                     )
                 ids = ids[:max_tokens] if direction == "right" else ids[-max_tokens:]
@@ -301,7 +304,8 @@ def decode_texts(
     width = model.engine.d_model
     if max_bytes is not None and (need := sum(map(len, rows)) * width * 4) > max_bytes:
         raise TooLarge(
-            f"{where} holds {sum(map(len, rows))} tokens: {need} bytes of embeddings, above this server's queue of "
+            f"{where if isinstance(where, str) else 'the inputs'} holds {sum(map(len, rows))} tokens: {need} bytes of "
+            "embeddings, above this server's queue of "
             f"{max_bytes} bytes (ADDNORM_MAX_QUEUE_BYTES); split the request"
         )
     lengths = [len(r) for r in rows]

@@ -323,7 +323,10 @@ def test_tei_similarity_is_sentence_transformers_cosine_and_decode_is_the_tokeni
         np.testing.assert_allclose(again, want, atol=1e-5)
     long = {"source_sentence": source, "sentences": ["water " * 80]}
     r = httpx.post(f"{base}/similarity", json={"inputs": long, "parameters": {"truncate": False}})
-    assert r.status_code == 413 and "inputs[1] has" in error_message(r), r.text
+    assert r.status_code == 413 and "inputs.sentences[0] has" in error_message(r), r.text
+    long = {"source_sentence": "water " * 80, "sentences": [source]}
+    r = httpx.post(f"{base}/similarity", json={"inputs": long, "parameters": {"truncate": False}})
+    assert r.status_code == 413 and "inputs.source_sentence has" in error_message(r), r.text
 
     plain = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     plain.no_padding()

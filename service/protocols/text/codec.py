@@ -51,7 +51,9 @@ class TextQuery:
     prompt: str | None = None  # one of the model's named prompts, put before each text
     prompt_names: tuple[str, ...] = ()  # or the first of these the model has (else its default: no error)
     prompt_text: str | None = None  # or a text of the request's own, put before each text
-    field: str = "input"  # what the API calls its inputs, in error messages (TEI: "inputs")
+    field: str | Callable[[int], str] = (
+        "input"  # what the API calls its inputs in errors (TEI: "inputs"), or each one
+    )
     seconds: list[str] | None = None
     tasks: tuple[str, ...] = ("embed",)
     token_rows: bool = False  # the answer writes every token's vector, not one a text (TEI's /embed_all)

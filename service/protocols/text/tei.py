@@ -472,7 +472,7 @@ def read_similarity(doc: object, max_inputs: int) -> TextQuery:
         [source, *sentences],
         json_bool(params, "truncate", "parameters", None),
         {},
-        field="inputs",
+        field=lambda i: "inputs.source_sentence" if i == 0 else f"inputs.sentences[{i - 1}]",
         direction=direction(params),
         **_prompt(params),
     )
