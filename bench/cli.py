@@ -187,14 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead of the ratios: text to vectors (bench/text.py): real sentences through all-MiniLM-L6-v2's "
         "/v1/embeddings at 1, 8 and 32 clients, 1 and 8 sentences a request, against the in-process limit, a FastAPI "
-        "app calling sentence-transformers (torch, and ONNX batched) and Infinity (torch and ONNX engines), the peers where `make peers` made their environment; writes bench/results/text.json",
+        "app calling sentence-transformers (torch, and ONNX batched) and Infinity (torch and ONNX engines), the peers where `make peers` made their environment; writes text.json in --results",
     )
     p.add_argument(
         "--rerank",
         action="store_true",
         help="instead of the ratios: one query against 100 documents of real text (bench/rerank.py) on a cross-encoder "
         "(all-MiniLM-L6-v2's encoder with a head) at 1, 8 and 32 clients, against the in-process limit, a FastAPI app "
-        "calling sentence-transformers' CrossEncoder and Infinity (where installed); writes bench/results/rerank.json",
+        "calling sentence-transformers' CrossEncoder and Infinity (where installed); writes rerank.json in --results",
     )
     return p
 
@@ -384,13 +384,17 @@ def _real(args: argparse.Namespace) -> int:
 def _text(args: argparse.Namespace) -> int:
     from bench import text
 
-    return text.main(["--rounds", str(args.rounds), "--seconds", str(args.seconds)])
+    return text.main(
+        ["--rounds", str(args.rounds), "--seconds", str(args.seconds), "--results", str(args.results)]
+    )
 
 
 def _rerank(args: argparse.Namespace) -> int:
     from bench import rerank
 
-    return rerank.main(["--rounds", str(args.rounds), "--seconds", str(args.seconds)])
+    return rerank.main(
+        ["--rounds", str(args.rounds), "--seconds", str(args.seconds), "--results", str(args.results)]
+    )
 
 
 if __name__ == "__main__":

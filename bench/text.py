@@ -746,7 +746,7 @@ def goals(res: dict) -> list[str]:
 def against_peers_main(module: str, doc: str, measure, table, results: str, argv: list[str] | None) -> int:
     """A peers benchmark's command (``bench.text``, ``bench.rerank``): ``--rounds``, ``--seconds`` and
     ``--infinity``, ``measure(rounds, seconds, infinity)`` run, its ``table`` printed, its figures written to
-    ``bench/results/RESULTS``."""
+    ``RESULTS`` in ``--results`` (bench/results by default)."""
     p = Parser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=4.0)
@@ -754,10 +754,17 @@ def against_peers_main(module: str, doc: str, measure, table, results: str, argv
         "--infinity", default=infinity_command(), help="Infinity's command (default: the peers' or on PATH)"
     )
     p.add_argument("--peers", default=peers_python(), help="the peers' environment's Python (make peers)")
+    p.add_argument(
+        "--results",
+        type=Path,
+        default=ROOT / "bench" / "results",
+        help=f"where {results} goes (default %(default)s)",
+    )
     args = p.parse_args(argv)
     res = measure(args.rounds, args.seconds, args.infinity, args.peers)
     print(table(res))
-    (ROOT / "bench" / "results" / results).write_bytes(orjson.dumps(res, option=orjson.OPT_INDENT_2))
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / results).write_bytes(orjson.dumps(res, option=orjson.OPT_INDENT_2))
     return 0
 
 

@@ -1,5 +1,6 @@
 """The benchmark's own parts work (no timing is asserted: speed is shown by `make bench`, not by tests)."""
 
+import json
 import re
 import threading
 import time
@@ -912,3 +913,24 @@ def test_the_idle_study_times_runs_after_each_idle_time_on_both_sessions(
     with pytest.raises(SystemExit) as exc:
         idle_runs.main([*args, "--idle", "0,x"])
     assert exc.value.code == 2
+
+
+def test_a_peers_benchmark_writes_its_figures_where_results_says(tmp_path, capsys):
+    """``python -m bench --text`` and ``--rerank`` write their JSON to ``--results`` (bench/results by default), as
+    every other section does; the table is printed."""
+    from bench.text import against_peers_main
+
+    seen = {}
+
+    def measure(rounds, seconds, infinity, peers):
+        seen.update(rounds=rounds, seconds=seconds)
+        return {"cells": {"x": 1.0}}
+
+    out = tmp_path / "elsewhere"
+    argv = ["--rounds", "2", "--seconds", "0.5", "--results", str(out)]
+    assert against_peers_main("bench.text", "doc", measure, lambda res: "the table", "t.json", argv) == 0
+    assert json.loads((out / "t.json").read_text()) == {"cells": {"x": 1.0}} and seen == {
+        "rounds": 2,
+        "seconds": 0.5,
+    }
+    assert "the table" in capsys.readouterr().out
