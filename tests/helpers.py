@@ -140,6 +140,7 @@ def error_message(r) -> str:
         "/v1/score",
         "/v1/classify",
         "/detokenize",
+        "/pooling",
     )
     if path.startswith(openai):
         error = doc["error"]

@@ -133,9 +133,9 @@ PARTS_IN_FLIGHT = 2
 
 # What each task's model answers, and the routes that ask it (a request for another task names them)
 TASK_ROUTES = {
-    "embed": "/v1/embeddings, /embed, /embed_all, /similarity or V2's infer",
+    "embed": "/v1/embeddings, /embed, /embed_all, /similarity, /pooling or V2's infer",
     "rerank": "/rerank, /v1/rerank, /v2/rerank, /score or /predict",
-    "classify": "/predict or /classify",
+    "classify": "/predict, /classify or /pooling",
     "sparse": "/embed_sparse or V2's infer",
 }
 

@@ -15,7 +15,7 @@ from addnorm.service.protocols.v2 import routes as v2
 
 # over HTTP, in the order the router tries them: the text APIs (the front door) first, then /v1's two routes,
 # its inference route ahead of V2's many (each route tried before a request's costs it ~1.5 us of the event loop);
-# vLLM's /score and /classify after them (their paths are no other's: they cost the hot routes nothing)
+# vLLM's routes after them (their paths are no other's: they cost the hot routes nothing)
 PROTOCOLS = (openai, tei, rerank, cohere, v1, v2, vllm, health)
 LISTENERS = (
     grpc_server,

@@ -188,6 +188,22 @@ def test_vllm_classify_equals_transformers_text_classification_pipeline(classifi
     logits = reference(TEXTS[0], function_to_apply="none")[0]
     want = [next(p["score"] for p in logits if p["label"] == f"label_{k}") for k in range(3)]
     np.testing.assert_allclose(one[0]["probs"], want, atol=2e-5)
+    # vLLM's /pooling on a classifier: its task there (the default) is classify, the same probabilities
+    pooled = httpx.post(f"{classifier}/pooling", json={"input": TEXTS}).json()
+    assert pooled["id"].startswith("pool-") and [d["object"] for d in pooled["data"]] == ["pooling"] * len(
+        TEXTS
+    )
+    for got, want in zip(pooled["data"], reference(TEXTS), strict=True):
+        probs = [next(p["score"] for p in want if p["label"] == f"label_{k}") for k in range(3)]
+        np.testing.assert_allclose(got["data"], probs, atol=1e-6)
+    raw = httpx.post(
+        f"{classifier}/pooling", json={"input": TEXTS[0], "task": "classify", "use_activation": False}
+    )
+    np.testing.assert_allclose(raw.json()["data"][0]["data"], one[0]["probs"], atol=1e-6)
+    r = httpx.post(f"{classifier}/pooling", json={"input": TEXTS[0], "task": "token_embed"})
+    assert r.status_code == 400 and "'clf' is a classify model; /pooling needs embed" in error_message(r), (
+        r.text
+    )
 
 
 def _transformers_pairs(directory: Path, max_length: int, docs: list[str]) -> np.ndarray:
@@ -469,7 +485,8 @@ def test_a_classifier_refuses_rerank_and_names_predict(classifier):
     r = httpx.post(f"{classifier}/rerank", json={"query": "q", "texts": ["a"]})
     assert r.status_code == 400
     assert (
-        "'clf' is a classify model; /rerank needs rerank: ask it on /predict or /classify" in error_message(r)
+        "'clf' is a classify model; /rerank needs rerank: ask it on /predict, /classify or /pooling"
+        in error_message(r)
     )
 
 

@@ -402,6 +402,33 @@ def test_vllm_tokenize_and_detokenize_answer_what_transformers_tokenizer_does(ba
             "messages (a chat) needs a chat",
         ),
         ("/tokenize", {"prompt": "a" * 10_000_000}, 413, "prompt has 10000000 characters"),
+        (
+            "/pooling",
+            {"input": "a", "task": "score"},
+            400,
+            "task must be one of ['classify', 'embed', 'token_embed']",
+        ),
+        (
+            "/pooling",
+            {"input": "a", "task": "classify"},
+            400,
+            "'tiny' is an embed model; /pooling needs classify",
+        ),
+        ("/pooling", {"input": "a", "encoding_format": "base64"}, 400, "encoding_format must be 'float'"),
+        ("/pooling", {"input": "a", "task": {}}, 400, "task must be one of"),
+        ("/pooling", {"input": "a", "encoding_format": []}, 400, "encoding_format must be 'float'"),
+        ("/pooling", {"input": "a", "dimensions": 0}, 400, "dimensions must be a positive integer"),
+        ("/pooling", {"input": "a", "dimensions": 10_000}, 400, "dimensions 10000 is more than this model's"),
+        (
+            "/pooling",
+            {"input": "a", "task": "embed", "dimensions": 10_000},
+            400,
+            "dimensions 10000 is more than",
+        ),
+        ("/pooling", {"input": "a", "normalize": True}, 400, "unknown field(s) ['normalize']"),
+        ("/pooling", {"input": []}, 400, "input must be"),
+        ("/pooling", {"input": "a", "use_activation": "yes"}, 400, "use_activation must be true or false"),
+        ("/pooling", {"input": ["a"] * 101}, 413, "101"),
         ("/detokenize", {}, 400, "missing field 'tokens'"),
         ("/detokenize", {"tokens": "a"}, 400, "tokens must be a list of token ids"),
         ("/detokenize", {"tokens": [[1]]}, 400, "tokens[0] must be a token id"),
@@ -589,6 +616,39 @@ def test_tei_embed_all_is_transformers_last_hidden_state_per_real_token_and_info
         64,
         100,
     )
+
+
+def test_vllm_pooling_is_each_tokens_normalized_hidden_state_or_the_sentence_vector(
+    base, artifact, model_dir
+):
+    """vLLM's /pooling on an embedder: ``token_embed`` (its default task there) each token's last hidden state, special
+    tokens included, as transformers computes it, cut to ``dimensions`` and normalized per token (vLLM's token
+    embedding head; ``use_activation: false`` the states themselves); ``embed`` the sentence vector as
+    sentence-transformers encodes it, normalized after the cut. In input order across parts."""
+    from sentence_transformers import SentenceTransformer
+
+    tokenizer = TextTokenizer((artifact / TOKENIZER_FILE).read_bytes(), Manifest.load(artifact).text)
+    batch = tokenizer.encode(TEXTS)
+    hidden, _ = transformers_vectors(model_dir, batch)
+    answer = httpx.post(f"{base}/pooling", json={"model": "tiny", "input": TEXTS}).json()
+    assert answer["object"] == "list" and answer["id"].startswith("pool-") and answer["model"] == "tiny"
+    assert answer["usage"]["prompt_tokens"] == sum(batch.lengths)
+    assert [d["index"] for d in answer["data"]] == list(range(len(TEXTS)))
+    for dims, activation in ((None, None), (8, True), (None, False)):
+        body = {"input": TEXTS, "task": "token_embed", "dimensions": dims, "use_activation": activation}
+        got = answer if dims is activation is None else httpx.post(f"{base}/pooling", json=body).json()
+        for item, want, n in zip(got["data"], hidden, batch.lengths, strict=True):
+            want = want[:n, :dims]
+            if activation is not False:
+                want = want / np.linalg.norm(want, axis=1, keepdims=True)
+            assert item["object"] == "pooling"
+            np.testing.assert_allclose(item["data"], want, atol=1e-5)
+    st = SentenceTransformer(str(model_dir), device="cpu")
+    for dims in (None, 8):
+        got = httpx.post(f"{base}/pooling", json={"input": TEXTS, "task": "embed", "dimensions": dims}).json()
+        want = st.encode(TEXTS, truncate_dim=dims)
+        want = want / np.linalg.norm(want, axis=1, keepdims=True)
+        np.testing.assert_allclose([d["data"] for d in got["data"]], want, atol=1e-5)
 
 
 def test_tei_errors_name_its_own_fields(base):

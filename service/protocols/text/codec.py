@@ -107,8 +107,11 @@ class TextCodec:
             read.max_tokens,
         )
         req.model = read.model
-        req.options = {**read.options, TOKEN_ROWS: read.token_rows, PRECISION: read.precisions[0]}
-        if read.token_rows and (values := req.tokens * model.engine.d_model) > self.max_elements:
+        token_rows = (
+            read.token_rows and model.engine.manifest.config.task == "embed"
+        )  # (an embedder's tokens)
+        req.options = {**read.options, TOKEN_ROWS: token_rows, PRECISION: read.precisions[0]}
+        if token_rows and (values := req.tokens * model.engine.d_model) > self.max_elements:
             raise TooLarge(
                 f"{read.field} hold {req.tokens} tokens: {values} values of token vectors, more than this server "
                 f"answers at once ({self.max_elements}: ADDNORM_MAX_ELEMENTS); split the request"

@@ -16,6 +16,12 @@ A text over the model's length is refused, or cut where the server's --auto-trun
 ``truncate_prompt_tokens: -1`` cuts it at the model's length, and k keeps a text's last k tokens (as /v1/embeddings
 does; for a pair only -1). Errors are OpenAI's error object, as vLLM's.
 
+``/pooling``: ``{"model", "input", "task", "use_activation": true, "dimensions", "truncate_prompt_tokens"}`` ->
+``{"id", "object": "list", "created", "model", "data": [{"index", "object": "pooling", "data"}], "usage"}``, what
+vLLM's poolers give: ``token_embed`` (the default for an embedder) every token's last hidden state, special tokens
+included, cut to ``dimensions`` and each normalized (``use_activation``); ``embed`` the sentence vector, normalized
+likewise; ``classify`` (the default for a classifier or a cross-encoder) the probabilities.
+
 ``/tokenize``: ``{"model", "prompt", "add_special_tokens": true, "return_token_strs": false}`` -> ``{"count",
 "max_model_len", "tokens", "token_strs"}``: the whole text's token ids (a count over ``max_model_len`` says the model
 would cut or refuse it). The path is TEI's /tokenize too (``inputs``): its route (tei.py) hands a body with
@@ -35,13 +41,21 @@ from fastapi import APIRouter, Request, Response
 
 from addnorm.model.tokenize import TooManyChars
 from addnorm.service.core.inference import offload, work
-from addnorm.service.core.text import scores, text_inputs
+from addnorm.service.core.text import scores, sentence_vectors, text_inputs, token_vectors
 from addnorm.service.errors import BadInput, TooLarge, quote
 from addnorm.service.guard import Known
-from addnorm.service.protocols.common import error_docs, json_bool, json_route_doc, parse_json, read_body
+from addnorm.service.protocols.common import (
+    error_docs,
+    json_bool,
+    json_positive_int,
+    json_route_doc,
+    parse_json,
+    read_body,
+)
 from addnorm.service.protocols.text import openai
 from addnorm.service.protocols.text.codec import (
     TEXT_WORK,
+    TOKEN_ROWS,
     TextQuery,
     fields,
     kept_tokens,
@@ -58,6 +72,9 @@ SIDES = (("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents"), (
 _COMMON = {"model", "use_activation", "truncate_prompt_tokens", "user"}
 _SCORE = _COMMON | {name for pair in SIDES for name in pair}
 _CLASSIFY = _COMMON | {"input"}
+_POOLING = _COMMON | {"input", "task", "dimensions", "encoding_format"}
+# vLLM's pooling tasks that a sentence-transformers embedder or a sequence classifier answers, by the models' tasks
+POOLING_TASKS = {"token_embed": ("embed",), "embed": ("embed",), "classify": ("classify", "rerank")}
 _TOKENIZE = {"model", "prompt", "add_special_tokens", "return_token_strs"}
 _DETOKENIZE = {"model", "tokens"}
 _ERRORS = error_docs(
@@ -155,6 +172,32 @@ _DETOKENIZE_DOC = json_route_doc(
     "the ids' text, their special tokens kept",
     _ERRORS,
 )
+_VECTORS = {"type": "array", "items": {"type": "number"}}
+_POOLING_DOC = json_route_doc(
+    ["input"],
+    {
+        "input": _TEXTS,
+        **_OPTIONS,
+        "task": {
+            "type": "string",
+            "enum": sorted(POOLING_TASKS),
+            "nullable": True,
+            "description": "default: token_embed for an embedder, classify for a classifier or a cross-encoder",
+        },
+        "dimensions": {"type": "integer", "minimum": 1, "nullable": True},
+        "encoding_format": {"type": "string", "enum": ["float"], "default": "float"},
+    },
+    {"input": ["What is Deep Learning?"], "task": "token_embed"},
+    _answer(
+        {
+            "index": {"type": "integer"},
+            "object": {"type": "string"},
+            "data": {"oneOf": [{"type": "array", "items": _VECTORS}, _VECTORS]},
+        }
+    ),
+    "each input's pooled output: its tokens' vectors, its sentence vector or its probabilities",
+    _ERRORS,
+)
 
 
 def _options(doc: dict, pairs: bool) -> dict:
@@ -216,6 +259,55 @@ def read_classify(doc: object, max_inputs: int) -> TextQuery:
     )
 
 
+def read_pooling(doc: object, max_inputs: int) -> TextQuery:
+    doc = fields(doc, _POOLING, "input")
+    task = doc.get("task")
+    if task is not None and (not isinstance(task, str) or task not in POOLING_TASKS):
+        raise BadInput(
+            f"task must be one of {sorted(POOLING_TASKS)} (or absent: the model's own), got {quote(task)}"
+        )
+    if (fmt := doc.get("encoding_format", "float")) != "float":
+        raise BadInput(f"encoding_format must be 'float' on /pooling, got {quote(fmt)}")
+    options = _options(doc, pairs=False)
+    options["dimensions"] = json_positive_int(doc, "dimensions")
+    options["task"] = task
+    inputs = text_inputs(doc["input"], "input", max_inputs)
+    model, truncate, keep = options.pop("model"), options.pop("truncate"), options.pop("max_tokens")
+    return TextQuery(
+        model,
+        inputs,
+        truncate,
+        options,
+        tasks=("embed", "classify", "rerank") if task is None else POOLING_TASKS[task],
+        token_rows=task in (None, "token_embed"),  # an embedder's (core: only where the model embeds)
+        direction="right" if truncate is None else "left",
+        max_tokens=keep,
+    )
+
+
+def write_pooling(req, model, outputs) -> bytes:
+    """vLLM's poolers: each token's vector or the sentence's (cut to ``dimensions``, then normalized unless
+    use_activation is false), or a classifier's probabilities (its logits unless use_activation)."""
+    raw, dims = req.options["raw"], req.options["dimensions"]
+    if req.options[TOKEN_ROWS]:
+        rows = []
+        for row in token_vectors(req, outputs):
+            if dims is not None:
+                if dims > row.shape[1]:
+                    raise BadInput(f"dimensions {dims} is more than this model's {row.shape[1]}")
+                row = row[:, :dims]
+            if not raw:
+                row = row / np.maximum(np.linalg.norm(row, axis=1, keepdims=True), 1e-12)
+            rows.append(np.ascontiguousarray(row, np.float32))
+        data: list = rows
+    elif req.options["task"] == "embed":
+        data = list(sentence_vectors(req, model, outputs, not raw, dims))
+    else:
+        data = scores(outputs, raw).tolist()
+    items = [{"index": i, "object": "pooling", "data": d} for i, d in enumerate(data)]
+    return _response("pool", req, model, items)
+
+
 def _response(kind: str, req, model, data: list[dict]) -> bytes:
     return orjson.dumps(
         {
@@ -225,7 +317,8 @@ def _response(kind: str, req, model, data: list[dict]) -> bytes:
             "model": model.name,
             "data": data,
             "usage": {"prompt_tokens": req.tokens, "total_tokens": req.tokens, "completion_tokens": 0},
-        }
+        },
+        option=orjson.OPT_SERIALIZE_NUMPY,  # float32 rows: each value's shortest float32 form
     )
 
 
@@ -268,6 +361,15 @@ for prefix in ("", "/v1"):
         "Labels and probabilities of texts (vLLM's API)",
         _CLASSIFY_DOC,
     )
+text_route(
+    router,
+    "/pooling",
+    "vllm",
+    read_pooling,
+    write_pooling,
+    "Token vectors, sentence vectors or probabilities of texts (vLLM's pooling API)",
+    _POOLING_DOC,
+)
 
 
 def tokenize_shape(doc: object) -> bool:
@@ -321,7 +423,7 @@ def _detokenized(ids: object, tokenizer) -> bytes:
 
 
 # /v1/score and /v1/classify are under the openai module's /v1/; /tokenize is TEI's too (tei.py names it)
-MODEL_PREFIXES = ("/score", "/classify", "/detokenize")
-ERROR_PATHS = ("/score", "/classify", "/v1/score", "/v1/classify", "/detokenize")
+MODEL_PREFIXES = ("/score", "/classify", "/pooling", "/detokenize")
+ERROR_PATHS = ("/score", "/classify", "/v1/score", "/v1/classify", "/pooling", "/detokenize")
 PUBLIC_PATHS: tuple[str, ...] = ()
 error_shape = openai.error_shape  # vLLM answers errors in OpenAI's error object
