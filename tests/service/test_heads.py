@@ -6,6 +6,7 @@ its API's shape that names the problem, a request for a task the model lacks inc
 
 from __future__ import annotations
 
+import base64
 import inspect
 import re
 from collections.abc import Iterator
@@ -200,6 +201,11 @@ def test_vllm_classify_equals_transformers_text_classification_pipeline(classifi
         f"{classifier}/pooling", json={"input": TEXTS[0], "task": "classify", "use_activation": False}
     )
     np.testing.assert_allclose(raw.json()["data"][0]["data"], one[0]["probs"], atol=1e-6)
+    packed = httpx.post(f"{classifier}/pooling", json={"input": TEXTS, "encoding_format": "base64"}).json()
+    for got, want in zip(packed["data"], pooled["data"], strict=True):
+        np.testing.assert_allclose(
+            np.frombuffer(base64.b64decode(got["data"]), "<f4"), want["data"], rtol=1e-6
+        )
     r = httpx.post(f"{classifier}/pooling", json={"input": TEXTS[0], "task": "token_embed"})
     assert r.status_code == 400 and "'clf' is a classify model; /pooling needs embed" in error_message(r), (
         r.text

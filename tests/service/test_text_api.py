@@ -414,9 +414,34 @@ def test_vllm_tokenize_and_detokenize_answer_what_transformers_tokenizer_does(ba
             400,
             "'tiny' is an embed model; /pooling needs classify",
         ),
-        ("/pooling", {"input": "a", "encoding_format": "base64"}, 400, "encoding_format must be 'float'"),
+        (
+            "/pooling",
+            {"input": "a", "encoding_format": "bytes"},
+            400,
+            "encoding_format must be one of ['float', 'base64']",
+        ),
+        (
+            "/pooling",
+            {"input": "a", "embed_dtype": "bfloat16"},
+            400,
+            "embed_dtype must be one of ['float32', 'float16']",
+        ),
+        ("/pooling", {"input": "a", "endianness": "middle"}, 400, "endianness must be one of"),
+        (
+            "/pooling",
+            {"input": "a", "add_special_tokens": False},
+            400,
+            "add_special_tokens false is not served",
+        ),
+        (
+            "/pooling",
+            {"input": "a", "normalize": True, "use_activation": False},
+            400,
+            "normalize and use_activation",
+        ),
+        ("/pooling", {"input": "a", "normalize": "y"}, 400, "normalize must be true or false"),
         ("/pooling", {"input": "a", "task": {}}, 400, "task must be one of"),
-        ("/pooling", {"input": "a", "encoding_format": []}, 400, "encoding_format must be 'float'"),
+        ("/pooling", {"input": "a", "encoding_format": []}, 400, "encoding_format must be one of"),
         ("/pooling", {"input": "a", "dimensions": 0}, 400, "dimensions must be a positive integer"),
         ("/pooling", {"input": "a", "dimensions": 10_000}, 400, "dimensions 10000 is more than this model's"),
         (
@@ -425,7 +450,7 @@ def test_vllm_tokenize_and_detokenize_answer_what_transformers_tokenizer_does(ba
             400,
             "dimensions 10000 is more than",
         ),
-        ("/pooling", {"input": "a", "normalize": True}, 400, "unknown field(s) ['normalize']"),
+        ("/pooling", {"input": "a", "softmax": True}, 400, "unknown field(s) ['softmax']"),
         ("/pooling", {"input": []}, 400, "input must be"),
         ("/pooling", {"input": "a", "use_activation": "yes"}, 400, "use_activation must be true or false"),
         ("/pooling", {"input": ["a"] * 101}, 413, "101"),
@@ -643,6 +668,26 @@ def test_vllm_pooling_is_each_tokens_normalized_hidden_state_or_the_sentence_vec
                 want = want / np.linalg.norm(want, axis=1, keepdims=True)
             assert item["object"] == "pooling"
             np.testing.assert_allclose(item["data"], want, atol=1e-5)
+    # base64 (vLLM's encoding_format): each output's bytes in embed_dtype and endianness, a token's after another's
+    floats = [np.array(d["data"], np.float32) for d in answer["data"]]
+    for dtype, endianness, code in (
+        ("float32", "native", "=f4"),
+        ("float16", "big", ">f2"),
+        (None, "little", "<f4"),
+    ):
+        body = {"input": TEXTS, "encoding_format": "base64", "embed_dtype": dtype, "endianness": endianness}
+        got = httpx.post(f"{base}/pooling", json={k: v for k, v in body.items() if v is not None}).json()[
+            "data"
+        ]
+        for item, want in zip(got, floats, strict=True):
+            rows = np.frombuffer(base64.b64decode(item["data"]), code).reshape(want.shape)
+            np.testing.assert_allclose(rows, want, atol=1e-3 if code.endswith("2") else 0)
+    raw = httpx.post(f"{base}/pooling", json={"input": TEXTS[:1], "normalize": False}).json()["data"][0][
+        "data"
+    ]
+    np.testing.assert_allclose(
+        raw, hidden[0][: batch.lengths[0]], atol=1e-5
+    )  # older vLLM's name of use_activation
     st = SentenceTransformer(str(model_dir), device="cpu")
     for dims in (None, 8):
         got = httpx.post(f"{base}/pooling", json={"input": TEXTS, "task": "embed", "dimensions": dims}).json()

@@ -16,7 +16,8 @@ A text over the model's length is refused, or cut where the server's --auto-trun
 ``truncate_prompt_tokens: -1`` cuts it at the model's length, and k keeps a text's last k tokens (as /v1/embeddings
 does; for a pair only -1). Errors are OpenAI's error object, as vLLM's.
 
-``/pooling``: ``{"model", "input", "task", "use_activation": true, "dimensions", "truncate_prompt_tokens"}`` ->
+``/pooling``: ``{"model", "input", "task", "use_activation": true, "dimensions", "truncate_prompt_tokens",
+"encoding_format": "float" | "base64", "embed_dtype", "endianness"}`` ->
 ``{"id", "object": "list", "created", "model", "data": [{"index", "object": "pooling", "data"}], "usage"}``, what
 vLLM's poolers give: ``token_embed`` (the default for an embedder) every token's last hidden state, special tokens
 included, cut to ``dimensions`` and each normalized (``use_activation``); ``embed`` the sentence vector, normalized
@@ -32,6 +33,7 @@ the tokenizer's decode with its special tokens and the model's clean-up of space
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 
@@ -72,7 +74,19 @@ SIDES = (("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents"), (
 _COMMON = {"model", "use_activation", "truncate_prompt_tokens", "user"}
 _SCORE = _COMMON | {name for pair in SIDES for name in pair}
 _CLASSIFY = _COMMON | {"input"}
-_POOLING = _COMMON | {"input", "task", "dimensions", "encoding_format"}
+_POOLING = _COMMON | {
+    "input",
+    "task",
+    "dimensions",
+    "encoding_format",
+    "embed_dtype",
+    "endianness",
+    "normalize",
+}
+_POOLING |= {"add_special_tokens"}
+# vLLM's base64 answers: each output's bytes in embed_dtype and endianness ("native": the server's)
+_DTYPES = {"float32": np.float32, "float16": np.float16}
+_ENDIAN = {"native": "=", "little": "<", "big": ">"}
 # vLLM's pooling tasks that a sentence-transformers embedder or a sequence classifier answers, by the models' tasks
 POOLING_TASKS = {"token_embed": ("embed",), "embed": ("embed",), "classify": ("classify", "rerank")}
 _TOKENIZE = {"model", "prompt", "add_special_tokens", "return_token_strs"}
@@ -185,14 +199,18 @@ _POOLING_DOC = json_route_doc(
             "description": "default: token_embed for an embedder, classify for a classifier or a cross-encoder",
         },
         "dimensions": {"type": "integer", "minimum": 1, "nullable": True},
-        "encoding_format": {"type": "string", "enum": ["float"], "default": "float"},
+        "encoding_format": {"type": "string", "enum": ["float", "base64"], "default": "float"},
+        "embed_dtype": {"type": "string", "enum": sorted(_DTYPES), "default": "float32"},
+        "endianness": {"type": "string", "enum": sorted(_ENDIAN), "default": "native"},
+        "normalize": {"type": "boolean", "nullable": True, "description": "older vLLM's use_activation"},
+        "add_special_tokens": {"type": "boolean", "default": True, "enum": [True]},
     },
     {"input": ["What is Deep Learning?"], "task": "token_embed"},
     _answer(
         {
             "index": {"type": "integer"},
             "object": {"type": "string"},
-            "data": {"oneOf": [{"type": "array", "items": _VECTORS}, _VECTORS]},
+            "data": {"oneOf": [{"type": "array", "items": _VECTORS}, _VECTORS, {"type": "string"}]},
         }
     ),
     "each input's pooled output: its tokens' vectors, its sentence vector or its probabilities",
@@ -266,9 +284,26 @@ def read_pooling(doc: object, max_inputs: int) -> TextQuery:
         raise BadInput(
             f"task must be one of {sorted(POOLING_TASKS)} (or absent: the model's own), got {quote(task)}"
         )
-    if (fmt := doc.get("encoding_format", "float")) != "float":
-        raise BadInput(f"encoding_format must be 'float' on /pooling, got {quote(fmt)}")
+    for key, allowed, default in (
+        ("encoding_format", ("float", "base64"), "float"),
+        ("embed_dtype", tuple(_DTYPES), "float32"),
+        ("endianness", tuple(_ENDIAN), "native"),
+    ):
+        if (value := doc.get(key, default)) not in allowed:  # (a list or an object is in no tuple of strings)
+            raise BadInput(f"{key} must be one of {list(allowed)}, got {quote(value)}")
+    if not json_bool(doc, "add_special_tokens", "body", True):
+        raise BadInput(
+            "add_special_tokens false is not served: the model's vectors are of its texts with them"
+        )
+    if (normalize := json_bool(doc, "normalize", "body", None)) is not None:  # older vLLM's name of it
+        if json_bool(doc, "use_activation", "body", None) not in (None, normalize):
+            raise BadInput("normalize and use_activation disagree: give one")
+        doc = {**doc, "use_activation": normalize}
     options = _options(doc, pairs=False)
+    if doc.get("encoding_format") == "base64":
+        options["base64"] = np.dtype(_DTYPES[doc.get("embed_dtype", "float32")]).newbyteorder(
+            _ENDIAN[doc.get("endianness", "native")]
+        )
     options["dimensions"] = json_positive_int(doc, "dimensions")
     options["task"] = task
     inputs = text_inputs(doc["input"], "input", max_inputs)
@@ -303,7 +338,11 @@ def write_pooling(req, model, outputs) -> bytes:
     elif req.options["task"] == "embed":
         data = list(sentence_vectors(req, model, outputs, not raw, dims))
     else:
-        data = scores(outputs, raw).tolist()
+        data = list(scores(outputs, raw))
+    if (
+        dtype := req.options.get("base64")
+    ) is not None:  # each output's bytes, a token's vectors one after another
+        data = [base64.b64encode(np.asarray(d).astype(dtype).tobytes()).decode() for d in data]
     items = [{"index": i, "object": "pooling", "data": d} for i, d in enumerate(data)]
     return _response("pool", req, model, items)
 
