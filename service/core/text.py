@@ -400,12 +400,18 @@ def vectors(
         else:
             keep = (~_mask(req, encoded.shape[1]))[..., None].astype(np.float32)
             out = (encoded * keep).sum(1) / np.maximum(keep.sum(1), 1e-9)
+    return _cut(out, dimensions, wanted)
+
+
+def _cut(out: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndarray:
+    """Vectors (the last axis) cut to their first ``dimensions`` (Matryoshka), then L2-normalized when
+    ``normalize``, in place: ``out`` is the caller's own copy."""
     if dimensions is not None:
-        if dimensions > out.shape[1]:
-            raise BadInput(f"dimensions {dimensions} is more than this model's {out.shape[1]}")
-        out = np.ascontiguousarray(out[:, :dimensions])
-    if wanted:
-        out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+        if dimensions > out.shape[-1]:
+            raise BadInput(f"dimensions {dimensions} is more than this model's {out.shape[-1]}")
+        out = np.ascontiguousarray(out[..., :dimensions])
+    if normalize:
+        out /= np.maximum(np.linalg.norm(out, axis=-1, keepdims=True), 1e-12)
     return out
 
 
@@ -428,12 +434,15 @@ def sentence_vectors(
     return quantized(model, out, precision, dimensions, wanted)
 
 
-def token_vectors(req: TextRequest, outputs: Outputs) -> list[np.ndarray]:
+def token_vectors(
+    req: TextRequest, outputs: Outputs, dimensions: int | None = None, normalize: bool = False
+) -> list[np.ndarray]:
     """Each input's token vectors in input order, (its tokens, E): the encoder's last hidden state of its real
-    tokens, special tokens included (text-embeddings-inference's /embed_all)."""
+    tokens, special tokens included (text-embeddings-inference's /embed_all); each cut to ``dimensions`` and
+    normalized when ``normalize`` (vLLM's token_embed)."""
     encoded = outputs[ENCODED]
     keep = ~_mask(req, encoded.shape[1])
-    return [row[k] for row, k in zip(encoded, keep, strict=True)]
+    return [_cut(row[k], dimensions, normalize) for row, k in zip(encoded, keep, strict=True)]
 
 
 def scores(outputs: Outputs, raw: bool) -> np.ndarray:

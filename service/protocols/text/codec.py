@@ -51,9 +51,8 @@ class TextQuery:
     prompt: str | None = None  # one of the model's named prompts, put before each text
     prompt_names: tuple[str, ...] = ()  # or the first of these the model has (else its default: no error)
     prompt_text: str | None = None  # or a text of the request's own, put before each text
-    field: str | Callable[[int], str] = (
-        "input"  # what the API calls its inputs in errors (TEI: "inputs"), or each one
-    )
+    # what the API calls its inputs in errors (TEI: "inputs"), or each input's name by its index
+    field: str | Callable[[int], str] = "input"
     seconds: list[str] | None = None
     tasks: tuple[str, ...] = ("embed",)
     token_rows: bool = False  # the answer writes every token's vector, not one a text (TEI's /embed_all)
@@ -107,9 +106,8 @@ class TextCodec:
             read.max_tokens,
         )
         req.model = read.model
-        token_rows = (
-            read.token_rows and model.engine.manifest.config.task == "embed"
-        )  # (an embedder's tokens)
+        # every token's vector: an embedder's (vLLM's /pooling asks any model; a classifier answers its scores)
+        token_rows = read.token_rows and model.engine.manifest.config.task == "embed"
         req.options = {**read.options, TOKEN_ROWS: token_rows, PRECISION: read.precisions[0]}
         if token_rows and (values := req.tokens * model.engine.d_model) > self.max_elements:
             raise TooLarge(

@@ -81,9 +81,9 @@ _POOLING = _COMMON | {
     "encoding_format",
     "embed_dtype",
     "endianness",
-    "normalize",
+    "normalize",  # older vLLM's name of use_activation
+    "add_special_tokens",
 }
-_POOLING |= {"add_special_tokens"}
 # vLLM's base64 answers: each output's bytes in embed_dtype and endianness ("native": the server's)
 _DTYPES = {"float32": np.float32, "float16": np.float16}
 _ENDIAN = {"native": "=", "little": "<", "big": ">"}
@@ -325,16 +325,7 @@ def write_pooling(req, model, outputs) -> bytes:
     use_activation is false), or a classifier's probabilities (its logits unless use_activation)."""
     raw, dims = req.options["raw"], req.options["dimensions"]
     if req.options[TOKEN_ROWS]:
-        rows = []
-        for row in token_vectors(req, outputs):
-            if dims is not None:
-                if dims > row.shape[1]:
-                    raise BadInput(f"dimensions {dims} is more than this model's {row.shape[1]}")
-                row = row[:, :dims]
-            if not raw:
-                row = row / np.maximum(np.linalg.norm(row, axis=1, keepdims=True), 1e-12)
-            rows.append(np.ascontiguousarray(row, np.float32))
-        data: list = rows
+        data = [row.astype(np.float32, copy=False) for row in token_vectors(req, outputs, dims, not raw)]
     elif req.options["task"] == "embed":
         data = list(sentence_vectors(req, model, outputs, not raw, dims))
     else:
