@@ -10,9 +10,9 @@ gRPC on [8,128,E] and 32 x [1,16,E], unary and on one ModelStreamInfer stream pe
 artifact, /v1/embeddings of 32 clients x 1 and x 8 real sentences of mixed lengths) alternates between them,
 ``--rounds`` times. Printed per phase and side: the median throughput, the server process's CPU per request and its
 event-loop thread's, from the OS; then each after/before ratio taken per round, median (the sides swap order every
-round), p99 latency's too. ``--env`` settings apply to the
-after side only (say ADDNORM_ACCESS_LOG=false); ``--only`` keeps the phases whose name contains the text
-(``--only clients``: the 32-client phases alone, for more rounds in the same time).
+round), p99 latency's too; where the before side is d7419ed, issue 77's goals against it (``goals``). ``--env``
+settings apply to the after side only (say ADDNORM_ACCESS_LOG=false); ``--only`` keeps the phases whose name
+contains the text (``--only clients``: the 32-client phases alone, for more rounds in the same time).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import numpy as np
 
 from addnorm.commands import DEFAULT_ARTIFACT, Parser
 from addnorm.model.artifact import Manifest
+from bench.goals import BASE, BIG_VS_BASE, TINY_V2_VS_BASE, section, verdict
 from bench.grpc_load import grpc_request, run_grpc_load
 from bench.loadgen import LoadResult, run_load
 from bench.measure import CLIENTS, json_request, process_cpu_s, v1_binary_request, v2_request
@@ -173,14 +174,60 @@ def main(argv: list[str] | None = None) -> int:
             ratio(by["before"], by["after"], key) for key in ("throughput_rps", "cpu_ms", "loop_ms", "p99_ms")
         )
         print(f"| {ph} | {cells} |")
+    if (commit := checkout_commit(args.before)) and commit.startswith(BASE):
+        print("\n".join(goals(rows, e)))
     return 0
 
 
 def ratio(before: list[dict], after: list[dict], key: str) -> str:
     """The median over rounds of after / before for ``key``; a round whose before is 0 (a phase too short for its
     CPU to reach the kernel's 10 ms tick, or that answered nothing) has no ratio, and none at all prints "-"."""
+    r = ratio_of(before, after, key)
+    return "-" if r is None else f"{r:.3f}"
+
+
+def ratio_of(before: list[dict], after: list[dict], key: str) -> float | None:
+    """``ratio``'s figure; None where no round has one."""
     ratios = [a[key] / b[key] for b, a in zip(before, after, strict=True) if b[key]]
-    return f"{statistics.median(ratios):.3f}" if ratios else "-"
+    return statistics.median(ratios) if ratios else None
+
+
+def checkout_commit(tree: Path) -> str | None:
+    """The commit a checkout has out (``git rev-parse HEAD``), or None where it is no git checkout."""
+    try:
+        got = subprocess.run(
+            ["git", "-C", str(tree), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return got.stdout.strip() or None
+
+
+def goals(rows: dict, e: int) -> list[str]:
+    """Issue 77's goals against d7419ed (printed where the before side is that commit): the after side's tiny V2
+    binary requests at 32 clients at least its requests/s, with the CPU and the event loop's CPU a request of both
+    sides beside it; its big ones unchanged (within the 5% the machines drift). Phases this run left out are too."""
+    med = lambda runs, key: statistics.median(r[key] for r in runs)  # noqa: E731
+    wanted = {
+        f"V2 binary {CLIENTS} clients x [1,16,{e}]": TINY_V2_VS_BASE,
+        f"V2 binary [8,128,{e}], 1 client": BIG_VS_BASE,
+        f"V2 binary [1,128,{e}], 1 client": BIG_VS_BASE,
+    }
+    out = []
+    for ph, goal in wanted.items():
+        if ph not in rows or (r := ratio_of(rows[ph]["before"], rows[ph]["after"], "throughput_rps")) is None:
+            continue
+        b, a = rows[ph]["before"], rows[ph]["after"]
+        out.append(
+            f"- {ph}, against {BASE}: {r:.3f}x the requests/s, {verdict(r, '>=', goal, 'x')} (CPU a request "
+            f"{med(a, 'cpu_ms'):.2f} ms against {med(b, 'cpu_ms'):.2f}, the event loop {med(a, 'loop_ms'):.3f} "
+            f"against {med(b, 'loop_ms'):.3f})"
+        )
+    return section(out)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@
 Each round alternates the in-process limit with every server (one per configuration: the defaults, and any
 ``--against`` settings): call by call for the single client, in ``SLICES`` slices for the 32 clients, so that the
 machine's drift (10-20% here, over seconds) hits both sides of a ratio alike; the ratio is taken per round and
-the median over rounds is the one reported.
+the median over rounds is the one reported. Under the table, issue 77's goals of this section (``goals``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from functools import partial
 
 import numpy as np
 
+from bench.goals import LOOP_MS, TINY_V2_VS_PERFECT, section, verdict
 from bench.grpc_load import grpc_request, run_grpc_load
 from bench.measure import (
     CLIENTS,
@@ -258,7 +259,27 @@ def limits_table(res: dict, big: str, small: str) -> list[str]:
             ", ".join(f"{way} {rate:,.0f}" for way, rate in r["perfect_rates"].items()) for r in res["rounds"]
         )
         lines += ["", f"The perfect limit's ways each round, requests/s (the faster counts): {each}."]
-    return lines
+    return lines + goals(res, small)
+
+
+def goals(res: dict, small: str) -> list[str]:
+    """Issue 77's goals of this section, judged on the server at its defaults (one without ``--against``
+    settings): 32 clients of tiny V2 binary requests against the perfect-batching limit, with the CPU a request
+    beside it, and the event loop's CPU a request."""
+    out = []
+    for r in res["servers"].values():
+        if r["settings"]:
+            continue
+        m = r["median"]
+        ratio, loop = m["batching_vs_perfect"], m["loop_cpu_ms_small"]
+        out += [
+            f"- V2 binary, {CLIENTS} clients x [{small}], against the perfect-batching limit: {ratio:.2f}x, "
+            f"{verdict(ratio, '>=', TINY_V2_VS_PERFECT, 'x')} (the server's CPU {m['server_cpu_ms_small']:.2f} ms a "
+            f"request against the limit's {m['perfect_cpu_ms']:.2f} ms, {m['rows_per_run']:.1f} rows a run)",
+            f"- the event loop's CPU a V2 binary [{small}] request at {CLIENTS} clients: {loop:.3f} ms, "
+            f"{verdict(loop, '<=', LOOP_MS, ' ms')}",
+        ]
+    return section(out)
 
 
 def _stream_cells(r: dict) -> str:

@@ -8,11 +8,12 @@ per request) and a gRPC stream (``grpc-stream``: each client's requests on one M
 and 32 closed-loop clients, each cycling through its own share of the drawn requests.
 
 Per load: real tokens per second, requests per second, p50/p99 latency, and the share of computed positions that
-were padding (from the server's ``addnorm_batch_positions`` counter). Against **the unpadded limit**: the same
+were padding (from the server's ``addnorm_batch_positions`` counter), and the server's CPU a request (from the OS;
+the limit's beside it). Against **the unpadded limit**: the same
 requests each run alone in-process, their tokens over their summed time (no padding, no batching), one at a time
 on every thread or side by side on one thread each, whichever is faster. Servers with
 each ``--merge-lengths`` policy run one after the other, the in-process limit measured between them; ``--rounds``
-rounds, medians.
+rounds, medians. Under the table, issue 77's goal of this section (``goals``).
 
 The third policy, ``packed``, serves the artifact's packed twin (``packed_twin``: its own weights exported with
 ``--packed``) merging by cost. ``python -m bench.mixed --ceiling``: what a padding-free (packed) run could gain
@@ -33,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from addnorm.commands import DEFAULT_ARTIFACT
+from bench.goals import MIXED_VS_UNPADDED, section, verdict
 from bench.loadgen import LoadResult, Send, _read_response, run_clients
 from bench.server import HOST, serve
 
@@ -107,21 +109,27 @@ def unpadded_limit(artifact: Path, xs: list[np.ndarray]) -> float:
     """Tokens per second of the requests each run alone in-process (after one warm-up pass): the better of one
     run at a time on every thread and runs side by side, one a thread (``--parallel-runs on``, addnorm-serve's
     default under load), so a server running its requests side by side is held to the faster of the two."""
+    return unpadded_limit_and_cpu(artifact, xs)[0]
+
+
+def unpadded_limit_and_cpu(artifact: Path, xs: list[np.ndarray]) -> tuple[float, float]:
+    """``unpadded_limit``, and the CPU (ms, this process's threads) a request took in the faster way."""
     from bench.measure import limit_engines
 
-    return max(unpadded_limit_of(engine, xs) for engine in limit_engines(artifact))
+    return max(unpadded_limit_of(engine, xs, with_cpu=True) for engine in limit_engines(artifact))
 
 
-def unpadded_limit_of(engine, xs: list[np.ndarray]) -> float:
+def unpadded_limit_of(engine, xs: list[np.ndarray], with_cpu: bool = False):
     """``unpadded_limit`` on an engine already made: its runs one at a time, or side by side on its lanes (the
-    rate over the wall time)."""
+    rate over the wall time); ``with_cpu``: (the rate, the CPU ms a request)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(engine.lanes) as lanes:
         list(lanes.map(engine.run, xs[:32]))
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         list(lanes.map(engine.run, xs))
-        return sum(x.shape[1] for x in xs) / (time.perf_counter() - start)
+        rate = sum(x.shape[1] for x in xs) / (time.perf_counter() - start)
+        return (rate, (time.process_time() - cpu) * 1e3 / len(xs)) if with_cpu else rate
 
 
 def padding_counts(port: int) -> tuple[float, float]:
@@ -237,7 +245,7 @@ def measure(s, rounds: int, clients: tuple[int, ...] = (1, 8, 32)) -> dict:
     """Every policy x transport x client count, ``rounds`` times, servers one at a time, the unpadded limit
     measured in-process between them; per cell the median row."""
     from bench.grpc_load import grpc_request
-    from bench.measure import v2_request
+    from bench.measure import process_cpu_s, v2_request
 
     e = s.manifest.config.d_model
     lengths = draw(REQUESTS)
@@ -245,9 +253,12 @@ def measure(s, rounds: int, clients: tuple[int, ...] = (1, 8, 32)) -> dict:
     xs = [rng.standard_normal((1, int(n), e)).astype(np.float32) for n in lengths]
     cells: dict = {}
     limits: list[float] = []
+    limit_cpu: list[float] = []
     twin = packed_twin(s.artifact)
     for _ in range(rounds):
-        limits.append(unpadded_limit(s.artifact, xs))
+        limit, cpu = unpadded_limit_and_cpu(s.artifact, xs)
+        limits.append(limit)
+        limit_cpu.append(cpu)
         for policy in POLICIES:
             artifact, merge = (twin, "cost") if policy == "packed" else (s.artifact, policy)
             with serve(artifact, "--merge-lengths", merge, grpc=True) as srv:
@@ -263,9 +274,9 @@ def measure(s, rounds: int, clients: tuple[int, ...] = (1, 8, 32)) -> dict:
                 }
                 for transport, (load, port, requests) in loads.items():
                     for c in clients:
-                        before = padding_counts(srv.port)
+                        before, cpu0 = padding_counts(srv.port), process_cpu_s(srv.proc.pid)
                         result, tokens = load(port, requests, c, s.seconds)
-                        after = padding_counts(srv.port)
+                        after, cpu1 = padding_counts(srv.port), process_cpu_s(srv.proc.pid)
                         requested, padding = after[0] - before[0], after[1] - before[1]
                         if result.errors:
                             raise RuntimeError(f"{policy} {transport} {c} clients: {result.errors} errors")
@@ -276,6 +287,9 @@ def measure(s, rounds: int, clients: tuple[int, ...] = (1, 8, 32)) -> dict:
                             "p99_ms": result.pct(99),
                             "errors": result.errors,
                             "padding_share": padding / max(requested + padding, 1.0),
+                            "server_cpu_ms_per_request": (cpu1 - cpu0) * 1e3 / max(result.requests, 1),
+                            # the load generator's, on the same cores where the machine is small
+                            "client_cpu_ms_per_request": result.client_cpu_s * 1e3 / max(result.requests, 1),
                         }
                         cells.setdefault(f"{policy}/{transport}/{c}", []).append(row)
             print(f"  round {len(limits)}: {policy} done", file=sys.stderr, flush=True)
@@ -289,6 +303,7 @@ def measure(s, rounds: int, clients: tuple[int, ...] = (1, 8, 32)) -> dict:
         },
         "unpadded_limit_tokens_per_s": statistics.median(limits),
         "unpadded_limits": limits,
+        "unpadded_limit_cpu_ms_per_request": statistics.median(limit_cpu),
         "cells": median,
         "rounds": rounds,
     }
@@ -328,26 +343,57 @@ def packed_twin(artifact: Path) -> Path:
 def table(res: dict) -> str:
     limit = res["unpadded_limit_tokens_per_s"]
     lengths = res["lengths"]
+    limit_cpu = res.get("unpadded_limit_cpu_ms_per_request")  # results from before it was measured have none
     lines = [
         f"lengths: mean {lengths['mean']:.1f}, median {lengths['median']:.0f}, p90 {lengths['p90']:.0f}, "
         f"max {lengths['max']} tokens; the unpadded limit {limit:,.0f} tokens/s (each request alone in-process, "
         "one at a time or side by side, the faster; "
-        f"rounds: {', '.join(f'{v:,.0f}' for v in res['unpadded_limits'])})",
+        f"rounds: {', '.join(f'{v:,.0f}' for v in res['unpadded_limits'])})"
+        + (f", its CPU {limit_cpu:.2f} ms a request" if limit_cpu is not None else ""),
         "",
         f"{'merge':<6} {'transport':<11} {'clients':>7} {'tokens/s':>10} {'vs limit':>9} {'vs pad':>7} "
-        f"{'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'padding':>8}",
+        f"{'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'padding':>8} {'CPU ms/req':>10}",
     ]
     cells = res["cells"]
     for key, row in cells.items():
         policy, transport, clients = key.split("/")
         pad = cells.get(f"pad/{transport}/{clients}", row)
+        cpu = row.get("server_cpu_ms_per_request")
         lines.append(
             f"{policy:<6} {transport:<11} {clients:>7} {row['tokens_per_s']:>10,.0f} "
             f"{row['tokens_per_s'] / limit:>8.2f}x {row['tokens_per_s'] / pad['tokens_per_s']:>6.2f}x "
             f"{row['requests_per_s']:>8.0f} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} "
-            f"{row['padding_share']:>7.0%}"
+            f"{row['padding_share']:>7.0%} {'-' if cpu is None else f'{cpu:.2f}':>10}"
         )
-    return "\n".join(lines)
+    return "\n".join([*lines, *goals(res)])
+
+
+def goals(res: dict) -> list[str]:
+    """Issue 77's goal of this section: the default merge (``cost``) over HTTP at the most clients against the
+    unpadded limit, with the server's CPU a request beside the limit's and the load generator's (on the same cores
+    where the machine is small), and the packed twin's ratio for reference."""
+    cells, limit = res["cells"], res["unpadded_limit_tokens_per_s"]
+    most = max((int(k.split("/")[2]) for k in cells if k.startswith("cost/http/")), default=None)
+    if most is None:
+        return []
+    row = cells[f"cost/http/{most}"]
+    ratio = row["tokens_per_s"] / limit
+    beside = [f"padding {row['padding_share']:.0%}"]
+    if (cpu := row.get("server_cpu_ms_per_request")) is not None:
+        of_limit = res.get("unpadded_limit_cpu_ms_per_request")
+        beside[:0] = [
+            f"the server's CPU {cpu:.2f} ms a request"
+            + (f" against the limit's {of_limit:.2f} ms" if of_limit is not None else ""),
+            f"the load generator's {row['client_cpu_ms_per_request']:.2f} ms",
+        ]
+    if (twin := cells.get(f"packed/http/{most}")) is not None:
+        beside.append(f"the packed twin {twin['tokens_per_s'] / limit:.2f}x")
+    return section(
+        [
+            f"- mixed lengths, the default merge over HTTP at {most} clients, against the unpadded limit: "
+            f"{ratio:.2f}x, {verdict(ratio, '>=', MIXED_VS_UNPADDED, 'x')} ({', '.join(beside)})"
+        ]
+    )
 
 
 def packed_ceiling(artifact: Path, rounds: int = 3, runs: tuple[int, ...] = (256, 512, 1024)) -> str:

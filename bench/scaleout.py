@@ -1,13 +1,13 @@
 """python -m bench --ray: Ray Serve with one replica against plain addnorm-serve, same artifact, same requests.
 
-Both servers run at once and the load phases alternate between them (plain, Ray, Ray, plain, ...), so drift
-on a noisy machine hits both alike; each ratio is the median over the repetitions. CPU per request is read from
-the OS for each process: the plain server, and Ray's proxy, replica and the rest of its processes.
+Plain addnorm-serve runs throughout; each Ray setup in turn runs beside it, alone, and the load phases alternate
+between the two (plain, Ray, Ray, plain, ...), so drift on a noisy machine hits both alike; each ratio is the median
+over the repetitions. CPU per request is read from the OS for each process: the plain server, and Ray's proxy,
+replica and the rest of its processes. Under the table, issue 77's goal of this section (``goals``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import tempfile
 import time
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.goals import RAY_VS_PLAIN, section, verdict
 from bench.loadgen import run_loads
 from bench.measure import CLIENTS, Setup, batch_histogram, process_cpu_s, v2_request
 from bench.server import HOST, ServerProcess, serve
@@ -131,32 +132,37 @@ def _written(path: Path, timeout_s: float = 120.0) -> list[int]:
 
 
 def measure_ray(s: Setup) -> dict:
-    """Plain addnorm-serve and each of RAY_SETUPS on [8,128,E] x 1 client and [1,16,E] x 32, all started at once
-    and measured in turn, the order rotating each round."""
+    """Plain addnorm-serve, up throughout, against each of RAY_SETUPS in turn on [8,128,E] x 1 client and [1,16,E] x
+    32: each Ray setup started alone beside plain, its REPS rounds alternating with plain's (the order swapping each
+    round), then stopped. One Ray instance at a time, as a machine runs it: an idle one keeps a tenth of a core busy
+    (its GCS, raylet, controller and proxy), and with the other four alive at once, as this bench ran them until
+    2026-12-07, plain lost a fifth of its requests/s on 2 cores and one replica behind HAProxy 0.06-0.08 of its
+    ratio to plain (docs/benchmarks.md, "Ray behind HAProxy")."""
     loads = {"big": (s.x_big, 1), "small": (s.x_small, CLIENTS)}
-    names = ["plain", *RAY_SETUPS]
-    out: dict = {load: {name: [] for name in names} for load in loads}
-    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
-        plain = stack.enter_context(serve(s.artifact))
-        ports, trees = {"plain": [plain.port]}, {"plain": {plain.proc.pid: "addnorm-serve"}}
-        for name, (replicas, cpus, ingress, span) in RAY_SETUPS.items():
-            ports_file = Path(tmp) / f"{len(ports)}.json"
-            srv = ray_server(s.artifact, replicas, cpus or s.threads, ingress, span, ports_file)
-            stack.enter_context(srv)
-            replica_ports = _written(ports_file) if span else []  # once all its replicas answer
-            ports[name] = replica_ports if ingress == "direct" else [srv.port]
-            trees[name] = process_tree(srv.proc.pid)
-        for rep in range(REPS):
-            order = names[rep % len(names) :] + names[: rep % len(names)]
-            for load, (x, clients) in loads.items():
-                for which in order:
-                    out[load][which].append(phase(ports[which], x, s.name, clients, s.seconds, trees[which]))
-    for load in loads:
-        for name in RAY_SETUPS:
-            pairs = zip(out[load][name], out[load]["plain"], strict=True)
-            out[load][f"{name}_vs_plain"] = float(
-                np.median([r["throughput_rps"] / p["throughput_rps"] for r, p in pairs])
-            )
+    out: dict = {load: {"plain": []} for load in loads}
+    with tempfile.TemporaryDirectory() as tmp, serve(s.artifact) as plain:
+        plain_tree = {plain.proc.pid: "addnorm-serve"}
+        for i, (name, (replicas, cpus, ingress, span)) in enumerate(RAY_SETUPS.items()):
+            ports_file = Path(tmp) / f"{i}.json"
+            with ray_server(s.artifact, replicas, cpus or s.threads, ingress, span, ports_file) as srv:
+                replica_ports = _written(ports_file) if span else []  # once all its replicas answer
+                ports = {"plain": [plain.port], name: replica_ports if ingress == "direct" else [srv.port]}
+                trees = {"plain": plain_tree, name: process_tree(srv.proc.pid)}
+                rows: dict = {load: {"plain": [], name: []} for load in loads}
+                for rep in range(REPS):
+                    order = ["plain", name] if rep % 2 == 0 else [name, "plain"]
+                    for load, (x, clients) in loads.items():
+                        for which in order:
+                            rows[load][which].append(
+                                phase(ports[which], x, s.name, clients, s.seconds, trees[which])
+                            )
+            for load in loads:
+                out[load]["plain"] += rows[load]["plain"]
+                out[load][name] = rows[load][name]
+                pairs = zip(rows[load][name], rows[load]["plain"], strict=True)
+                out[load][f"{name}_vs_plain"] = float(
+                    np.median([r["throughput_rps"] / p["throughput_rps"] for r, p in pairs])
+                )
     return out
 
 
@@ -184,4 +190,28 @@ def ray_table(res: dict) -> str:
                 f"{row[f'{name}_vs_plain']:.2f} | {cpu['proxy']:.2f} | {cpu['replica']:.2f} | {cpu['other']:.2f} | "
                 f"{med(row[name], lambda r: r['mean_rows_per_run']):.1f} |"
             )
-    return "\n".join(lines)
+    return "\n".join([*lines, *goals(res)])
+
+
+DOCUMENTED = "ray haproxy"  # the documented deployment (deploy/ray/serve.yaml): one replica behind HAProxy
+
+
+def goals(res: dict) -> list[str]:
+    """Issue 77's goal of this section: one replica behind HAProxy against plain addnorm-serve on the small
+    requests, with each one's CPU a request (all of Ray's processes for Ray's) beside it."""
+    small = res.get("small", {})
+    if f"{DOCUMENTED}_vs_plain" not in small:
+        return []
+    ratio = small[f"{DOCUMENTED}_vs_plain"]
+    cpu = {
+        name: float(np.median([sum(r["cpu_ms_per_request"].values()) for r in small[name]]))
+        for name in ("plain", DOCUMENTED)
+    }
+    return section(
+        [
+            f"- Ray Serve, one replica behind HAProxy, {CLIENTS} clients of small requests, against plain "
+            f"addnorm-serve: {ratio:.2f}x, {verdict(ratio, '>=', RAY_VS_PLAIN, 'x')} (Ray's CPU "
+            f"{cpu[DOCUMENTED]:.2f} ms a request, its proxy and other processes included, against plain's "
+            f"{cpu['plain']:.2f} ms)"
+        ]
+    )

@@ -42,7 +42,6 @@ cores.
 from __future__ import annotations
 
 import contextlib
-import operator
 import os
 import shutil
 import statistics
@@ -61,6 +60,18 @@ import orjson
 
 from addnorm.commands import Parser
 from addnorm.model.runtime import cpu_flags
+from bench.goals import (
+    CORE_AT_MOST_CLIENTS,
+    CPU_PER_SENTENCE,
+    LIMIT_AT_MOST_CLIENTS,
+    LIMIT_WITH_A_CORE_LEFT,
+    LOOP_MS,
+    ONE_CLIENT_MS,
+    PEER_EVERY_ROW,
+    PEER_FROM_8_CLIENTS,
+    section,
+    verdict,
+)
 from bench.loadgen import build_request
 from bench.mixed import cell
 from bench.server import HOST, ROOT, ServerProcess, free_port
@@ -645,27 +656,6 @@ def best_size(lims: dict[str, float], in_flight: int) -> str:
     return max((k for k in lims if int(k) <= in_flight), key=lims.__getitem__)
 
 
-# Issue 77's goals as this bench measures them; ``goals`` says of each whether this run met it, else by how much not.
-# /v1/embeddings at 32 clients against the limit: with the load generator on the model's cores; with a core left
-# to the front and the load generator (the fewer-threads rows)
-LIMIT_AT_MOST_CLIENTS, LIMIT_WITH_A_CORE_LEFT = 0.85, 0.9
-PEER_EVERY_ROW, PEER_FROM_8_CLIENTS = 1.0, 2.0  # addnorm-serve / the best peer: every row; from 8 clients on
-# one client, one sentence: a request at most this many ms longer than the limit's one sentence
-ONE_CLIENT_MS = 0.3
-LOOP_MS = 0.15  # the event loop's CPU for a one-sentence request
-CORE_AT_MOST_CLIENTS = 0.95  # the request core in process at 32 clients x 1 sentence, vs the limit
-# the server's whole CPU a sentence at 32 clients / the limit's, by sentences a request
-CPU_PER_SENTENCE = {"1": 1.1, "8": 1.05}
-
-_MEETS = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
-
-
-def _verdict(got: float, op: str, goal: float, unit: str) -> str:
-    """``goal OP GOAL: met``, or ``missed by`` the distance to it."""
-    met = _MEETS[op](got, goal)
-    return f"goal {op} {goal:g}{unit}: " + ("met" if met else f"missed by {abs(goal - got):.2f}{unit}")
-
-
 def _row(clients: int | str, size: int | str) -> str:
     """``32 clients x 1 sentence``."""
     return f"{clients} client{'s' * (int(clients) != 1)} x {size} sentence{'s' * (int(size) != 1)}"
@@ -699,7 +689,7 @@ def goals(res: dict) -> list[str]:
         ratio = tps / best_limit(lims, in_flight(most, size))
         out.append(
             f"- /v1/embeddings, {_row(most, size)}, against the limit: {ratio:.2f}x, "
-            f"{_verdict(ratio, '>=', LIMIT_AT_MOST_CLIENTS, 'x')}{beside}"
+            f"{verdict(ratio, '>=', LIMIT_AT_MOST_CLIENTS, 'x')}{beside}"
         )
         limit_cpu = res.get("limit_cpu_ms_per_sentence", {})
         key = best_size(lims, in_flight(most, size))
@@ -707,7 +697,7 @@ def goals(res: dict) -> list[str]:
             r = ms["total"] / size / limit_cpu[key]
             out.append(
                 f"- the server's CPU a sentence at {_row(most, size)}: {ms['total'] / size:.2f} ms against the limit's "
-                f"{limit_cpu[key]:.2f} ms: {r:.2f}x, {_verdict(r, '<=', CPU_PER_SENTENCE[str(size)], 'x')}"
+                f"{limit_cpu[key]:.2f} ms: {r:.2f}x, {verdict(r, '<=', CPU_PER_SENTENCE[str(size)], 'x')}"
             )
     few = res["fewer_threads"]
     for key, tps in few["cells"].items() if few["threads"] else ():
@@ -715,32 +705,32 @@ def goals(res: dict) -> list[str]:
         ratio = tps / best_limit(few["limit_tokens_per_s"], in_flight(int(clients), int(size)))
         out.append(
             f"- with a core left to the front, {_row(clients, size)}, against the limit on as many threads: "
-            f"{ratio:.2f}x, {_verdict(ratio, '>=', LIMIT_WITH_A_CORE_LEFT, 'x')}"
+            f"{ratio:.2f}x, {verdict(ratio, '>=', LIMIT_WITH_A_CORE_LEFT, 'x')}"
         )
     for (size, clients), (tps, best, theirs) in best_peers(cells).items():
         op, goal = (">=", PEER_FROM_8_CLIENTS) if int(clients) >= 8 else (">", PEER_EVERY_ROW)
         out.append(
             f"- against the best peer at {_row(clients, size)} ({best}): {tps / theirs:.2f}x, "
-            f"{_verdict(tps / theirs, op, goal, 'x')}{_past_limit(goal * theirs, lims, clients, size)}"
+            f"{verdict(tps / theirs, op, goal, 'x')}{_past_limit(goal * theirs, lims, clients, size)}"
         )
     if (one := one_client_ms(res).get("addnorm")) is not None:
         more = one[0] - one[1]
         out.append(
             f"- one client, one sentence: {more:+.2f} ms against the limit's one sentence, "
-            f"{_verdict(more, '<=', ONE_CLIENT_MS, ' ms')}"
+            f"{verdict(more, '<=', ONE_CLIENT_MS, ' ms')}"
         )
     if ms := cpu.get(f"1|{most}"):
         out.append(
             f"- the event loop's CPU a one-sentence request at {most} clients: {ms['event_loop']:.2f} ms, "
-            f"{_verdict(ms['event_loop'], '<=', LOOP_MS, ' ms')}"
+            f"{verdict(ms['event_loop'], '<=', LOOP_MS, ' ms')}"
         )
     if (tps := cells.get(f"addnorm's core, in process|1|{most}")) is not None:
         ratio = tps / best_limit(lims, in_flight(most, 1))
         out.append(
             f"- addnorm's core in process, {_row(most, 1)}, against the limit: {ratio:.2f}x, "
-            f"{_verdict(ratio, '>=', CORE_AT_MOST_CLIENTS, 'x')}"
+            f"{verdict(ratio, '>=', CORE_AT_MOST_CLIENTS, 'x')}"
         )
-    return ["", "Issue 77's goals, as this run measured them:", *out] if out else []
+    return section(out)
 
 
 def against_peers_main(module: str, doc: str, measure, table, results: str, argv: list[str] | None) -> int:
