@@ -210,7 +210,8 @@ def checkout_commit(tree: Path) -> str | None:
 def goals(rows: dict, e: int) -> list[str]:
     """Issue 77's goals against d7419ed (printed where the before side is that commit): the after side's tiny V2
     binary requests at 32 clients at least its requests/s, with the CPU and the event loop's CPU a request of both
-    sides beside it; its big ones unchanged (within the 5% the machines drift). Phases this run left out are too."""
+    sides beside it; its big ones unchanged (within the 5% the machines drift). Phases this run left out are left
+    out here too."""
     med = lambda runs, key: statistics.median(r[key] for r in runs)  # noqa: E731
     wanted = {
         f"V2 binary {CLIENTS} clients x [1,16,{e}]": TINY_V2_VS_BASE,
