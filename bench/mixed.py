@@ -116,12 +116,12 @@ def unpadded_limit_and_cpu(artifact: Path, xs: list[np.ndarray]) -> tuple[float,
     """``unpadded_limit``, and the CPU (ms, this process's threads) a request took in the faster way."""
     from bench.measure import limit_engines
 
-    return max(unpadded_limit_of(engine, xs, with_cpu=True) for engine in limit_engines(artifact))
+    return max(unpadded_limit_of(engine, xs) for engine in limit_engines(artifact))
 
 
-def unpadded_limit_of(engine, xs: list[np.ndarray], with_cpu: bool = False):
-    """``unpadded_limit`` on an engine already made: its runs one at a time, or side by side on its lanes (the
-    rate over the wall time); ``with_cpu``: (the rate, the CPU ms a request)."""
+def unpadded_limit_of(engine, xs: list[np.ndarray]) -> tuple[float, float]:
+    """``unpadded_limit_and_cpu`` on an engine already made: its runs one at a time, or side by side on its lanes
+    (the rate over the wall time, and the CPU ms a request)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(engine.lanes) as lanes:
@@ -129,7 +129,7 @@ def unpadded_limit_of(engine, xs: list[np.ndarray], with_cpu: bool = False):
         start, cpu = time.perf_counter(), time.process_time()
         list(lanes.map(engine.run, xs))
         rate = sum(x.shape[1] for x in xs) / (time.perf_counter() - start)
-        return (rate, (time.process_time() - cpu) * 1e3 / len(xs)) if with_cpu else rate
+        return rate, (time.process_time() - cpu) * 1e3 / len(xs)
 
 
 def padding_counts(port: int) -> tuple[float, float]:
@@ -423,7 +423,7 @@ def packed_ceiling(artifact: Path, rounds: int = 3, runs: tuple[int, ...] = (256
         **{f"packed, T = {t}": [] for t in runs},
     }
     for _ in range(rounds):
-        rows["alone (the unpadded limit)"].append(unpadded_limit_of(engine, xs))
+        rows["alone (the unpadded limit)"].append(unpadded_limit_of(engine, xs)[0])
         for t in runs:
             rows[f"packed, T = {t}"].append(packed(t))
     base = statistics.median(rows["alone (the unpadded limit)"])
