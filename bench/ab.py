@@ -10,9 +10,11 @@ gRPC on [8,128,E] and 32 x [1,16,E], unary and on one ModelStreamInfer stream pe
 artifact, /v1/embeddings of 32 clients x 1 and x 8 real sentences of mixed lengths) alternates between them,
 ``--rounds`` times. Printed per phase and side: the median throughput, the server process's CPU per request and its
 event-loop thread's, from the OS; then each after/before ratio taken per round, median (the sides swap order every
-round), p99 latency's too; where the before side is d7419ed, issue 77's goals against it (``goals``). ``--env``
-settings apply to the after side only (say ADDNORM_ACCESS_LOG=false); ``--only`` keeps the phases whose name
-contains the text (``--only clients``: the 32-client phases alone, for more rounds in the same time).
+round), p99 latency's too; which commit each side had out; where the before side is d7419ed, issue 77's goals
+against it (``goals``). ``--env`` settings apply to the after side only (say ADDNORM_ACCESS_LOG=false); ``--only``
+keeps the phases whose name contains the text (``--only clients``: the 32-client phases alone, for more rounds in the
+same time); ``--docs DOC`` also writes the report into DOC's ``ab`` block (docs/benchmarks.md keeps the comparison
+with d7419ed there), under the command, the date and the CPU's flags.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from bench.grpc_load import grpc_request, run_grpc_load
 from bench.loadgen import LoadResult, run_load
 from bench.measure import CLIENTS, json_request, process_cpu_s, v1_binary_request, v2_request
 from bench.mixed import http_load
+from bench.report import write_block
 from bench.server import HOST, ROOT, free_port
 
 
@@ -92,6 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--only", default="", metavar="TEXT", help="run only the phases whose name contains TEXT")
+    p.add_argument(
+        "--docs",
+        type=Path,
+        metavar="DOC",
+        help="also write the report into DOC's `ab` block (docs/benchmarks.md: the comparison with d7419ed)",
+    )
+    argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     name, e = (m := Manifest.load(args.artifact)).name, m.config.d_model
     rng = np.random.default_rng(0)
@@ -153,30 +163,46 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for proc, _, _ in servers.values():
             proc.terminate()
+    report = [
+        *tables(rows, args.rounds),
+        "",
+        f"Before: {describe(args.before)}; after: {describe(args.after)}.",
+    ]
+    if after_env:
+        report[-1] += " The after side ran with " + ", ".join(f"`{kv}`" for kv in args.env) + "."
+    if (commit := checkout_commit(args.before)) and commit.startswith(BASE):
+        report += goals(rows, e)
+    print("\n".join(report))
+    if args.docs:
+        write_block(args.docs, "ab", " ".join(["python -m bench.ab", *argv]), "\n".join(report))
+    return 0
+
+
+def tables(rows: dict, rounds: int) -> list[str]:
+    """Each phase's medians by side (requests/s, CPU and event-loop CPU a request), then its after / before ratios."""
     med = lambda runs, key: statistics.median(r[key] for r in runs)  # noqa: E731
-    print(
-        f"| phase (median of {args.rounds}, alternating) | req/s before | after | CPU ms/request before | after "
-        "| event-loop ms/request before | after |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    out = [
+        f"| phase (median of {rounds}, alternating) | req/s before | after | CPU ms/request before | after "
+        "| event-loop ms/request before | after |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for ph, by in rows.items():
         b, a = by["before"], by["after"]
-        print(
+        out.append(
             f"| {ph} | {med(b, 'throughput_rps'):.1f} | {med(a, 'throughput_rps'):.1f} | {med(b, 'cpu_ms'):.2f} "
             f"| {med(a, 'cpu_ms'):.2f} | {med(b, 'loop_ms'):.3f} | {med(a, 'loop_ms'):.3f} |"
         )
-    print(
-        "\n| phase | after / before, per round, median: req/s | CPU per request | event loop per request | p99 |"
-    )
-    print("| --- | --- | --- | --- | --- |")
+    out += [
+        "",
+        "| phase | after / before, per round, median: req/s | CPU per request | event loop per request | p99 |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for ph, by in rows.items():
         cells = " | ".join(
             ratio(by["before"], by["after"], key) for key in ("throughput_rps", "cpu_ms", "loop_ms", "p99_ms")
         )
-        print(f"| {ph} | {cells} |")
-    if (commit := checkout_commit(args.before)) and commit.startswith(BASE):
-        print("\n".join(goals(rows, e)))
-    return 0
+        out.append(f"| {ph} | {cells} |")
+    return out
 
 
 def ratio(before: list[dict], after: list[dict], key: str) -> str:
@@ -205,6 +231,19 @@ def checkout_commit(tree: Path) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return got.stdout.strip() or None
+
+
+def describe(tree: Path) -> str:
+    """A side as the report names it: its commit, and whether its files differ from it."""
+    if (commit := checkout_commit(tree)) is None:
+        return f"`{tree}` (not a git checkout)"
+    changed = subprocess.run(
+        ["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout.strip()
+    return f"{commit[:12]}" + (" with uncommitted changes" if changed else "")
 
 
 def goals(rows: dict, e: int) -> list[str]:
