@@ -4,7 +4,7 @@
     RAY_SERVE_ENABLE_HA_PROXY=1 serve run deploy/ray/serve.yaml
 
 With the variable (the ``ray`` image sets it), HAProxy takes the port and balances over replicas that serve HTTP
-themselves: 0.65-0.75x plain addnorm-serve on small requests, where Ray's Python proxy gives 0.2-0.3x
+themselves: 0.65-0.77x plain addnorm-serve on small requests, where Ray's Python proxy gives 0.2-0.3x
 (docs/deployment.md).
 
 Needs the ``ray`` extra (``pip install '.[ray]'``). Each replica builds the app with ``create_app`` and
