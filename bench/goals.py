@@ -39,5 +39,6 @@ def verdict(got: float, op: str, goal: float, unit: str) -> str:
 
 
 def section(lines: list[str]) -> list[str]:
-    """The goal lines under a table, with their heading; nothing where the run measured none."""
-    return ["", "Issue 77's goals, as this run measured them:", *lines] if lines else []
+    """The goal lines under a table, with their heading, a blank line either side of it (so that in a markdown
+    block the lines are drawn as a list, not as the heading's paragraph); nothing where the run measured none."""
+    return ["", "Issue 77's goals, as this run measured them:", "", *lines] if lines else []

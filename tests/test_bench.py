@@ -141,7 +141,7 @@ def test_scaleout_finds_the_process_tree_and_prints_its_table():
         for k in ("big", "small")
     }
     text = ray_table(res)
-    table, goals = text.split("\n\nIssue 77's goals, as this run measured them:\n")
+    table, goals = text.split("\n\nIssue 77's goals, as this run measured them:\n\n")
     assert table.count("\n") == 1 + 2 * (1 + len(RAY_SETUPS))
     assert "| plain addnorm-serve | 10.0 | 1 | - | 6.00 | - | 8.0 |" in table
     assert "| ray direct | 10.0 | 0.50 | 1.00 | 2.00 | 3.00 | 4.0 |" in table
@@ -234,7 +234,7 @@ def test_mixed_lengths_load_counts_the_tokens_answered_and_the_table_reads(tiny_
     assert "cost   http             32        900     0.90x   1.80x" in text and "5%" in text
     # results from before the CPU a request was measured print "-" there, and the goal without it
     assert text.endswith(
-        "Issue 77's goals, as this run measured them:\n- mixed lengths, the default merge over HTTP at 32 clients, "
+        "Issue 77's goals, as this run measured them:\n\n- mixed lengths, the default merge over HTTP at 32 clients, "
         "against the unpadded limit: 0.90x, goal >= 0.95x: missed by 0.05x (padding 5%)"
     )
     res["unpadded_limit_cpu_ms_per_request"] = 2.0
@@ -444,7 +444,7 @@ def test_limits_alternate_in_process_with_each_server(tiny_artifact):
     assert len(res["servers"]["defaults"]["batching_vs_perfect"]) == 2
     text = "\n".join(limits_table(res, "8x128x32", "1x16x32"))
     assert "| defaults |" in text and "| ADDNORM_MAX_BATCH_SIZE=1 |" in text
-    table, goals = text.split("Issue 77's goals, as this run measured them:\n")
+    table, goals = text.split("Issue 77's goals, as this run measured them:\n\n")
     assert (
         table.count("x (") == 6
     )  # each server: three ratios with their rounds (V2 binary, batching, stream)
@@ -478,13 +478,14 @@ def test_the_limits_say_of_their_goals_met_or_missed_by_how_much():
     assert goals(res, "1x16x768") == [
         "",
         "Issue 77's goals, as this run measured them:",
+        "",
         "- V2 binary, 32 clients x [1x16x768], against the perfect-batching limit: 0.77x, goal >= 0.9x: missed by "
         "0.13x (the server's CPU 2.81 ms a request against the limit's 2.27 ms, 7.3 rows a run)",
         "- the event loop's CPU a V2 binary [1x16x768] request at 32 clients: 0.314 ms, goal <= 0.15 ms: missed by "
         "0.16 ms",
     ]
     median.update(batching_vs_perfect=0.9, loop_cpu_ms_small=0.15)
-    assert [line.split(": ")[-1] for line in goals(res, "1x16x768")[2:]] == [
+    assert [line.split(": ")[-1] for line in goals(res, "1x16x768")[3:]] == [
         "met (the server's CPU 2.81 ms a request against the limit's 2.27 ms, 7.3 rows a run)",
         "met",
     ]
@@ -509,6 +510,7 @@ def test_ab_says_of_issue_77s_goals_where_the_before_side_is_d7419ed(tmp_path):
     assert goals(rows, 768) == [
         "",
         "Issue 77's goals, as this run measured them:",
+        "",
         "- V2 binary 32 clients x [1,16,768], against d7419ed: 1.012x the requests/s, goal >= 1x: met (CPU a request "
         "2.76 ms against 2.80, the event loop 0.310 against 0.320)",
         "- V2 binary [8,128,768], 1 client, against d7419ed: 0.900x the requests/s, goal >= 0.95x: missed by 0.05x "
