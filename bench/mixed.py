@@ -378,14 +378,15 @@ def goals(res: dict) -> list[str]:
         return []
     row = cells[f"cost/http/{most}"]
     ratio = row["tokens_per_s"] / limit
-    beside = [f"padding {row['padding_share']:.0%}"]
+    beside = []
     if (cpu := row.get("server_cpu_ms_per_request")) is not None:
         of_limit = res.get("unpadded_limit_cpu_ms_per_request")
-        beside[:0] = [
+        beside += [
             f"the server's CPU {cpu:.2f} ms a request"
             + (f" against the limit's {of_limit:.2f} ms" if of_limit is not None else ""),
             f"the load generator's {row['client_cpu_ms_per_request']:.2f} ms",
         ]
+    beside.append(f"padding {row['padding_share']:.0%}")
     if (twin := cells.get(f"packed/http/{most}")) is not None:
         beside.append(f"the packed twin {twin['tokens_per_s'] / limit:.2f}x")
     return section(

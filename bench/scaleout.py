@@ -119,6 +119,7 @@ RAY_SETUPS = {
     "ray haproxy": (1, None, "haproxy", "30200:30299"),  # the documented deployment: HAProxy, one port
     "ray haproxy x2": (2, 1, "haproxy", "30300:30399"),  # two replicas of one core each behind it
 }
+DOCUMENTED = "ray haproxy"  # the documented deployment (deploy/ray/serve.yaml): one replica behind HAProxy
 
 
 def _written(path: Path, timeout_s: float = 120.0) -> list[int]:
@@ -191,9 +192,6 @@ def ray_table(res: dict) -> str:
                 f"{med(row[name], lambda r: r['mean_rows_per_run']):.1f} |"
             )
     return "\n".join([*lines, *goals(res)])
-
-
-DOCUMENTED = "ray haproxy"  # the documented deployment (deploy/ray/serve.yaml): one replica behind HAProxy
 
 
 def goals(res: dict) -> list[str]:
