@@ -12,6 +12,11 @@
 - ``decomposed``: MatMul, Where, Softmax, MatMul, op by op: runs anywhere, holds several score tensors.
 - ``auto``: ``mha`` (the fastest that passes the gate on CPU and CUDA: docs/benchmarks.md, "The cost curve").
 
+``mha`` is onnxruntime's spelling of the block, so its feed-forward's exact GELU is onnxruntime's too: one
+``com.microsoft.Gelu``, which onnxruntime's session fuses with the bias add before it into one ``BiasGelu``, where the
+exporter's standard spelling (Div, Erf, Add, Mul, Mul) is five operators over the feed-forward's widest tensor that
+onnxruntime 1.32 does not fuse (docs/benchmarks.md, "GELU as one operator"). The other forms keep the standard one.
+
 Every form computes ``model.encoder.attend``'s results: torch traces a stand-in whose eager value is exactly that
 function, and only its ONNX spelling differs. The parity gate checks each form against the float64 oracle.
 """
@@ -62,19 +67,23 @@ def resolve(choice: str, opset: int) -> str:
 
 
 def expected_ops(form: str, config: EncoderConfig) -> dict[str, int]:
-    """The attention nodes a graph of ``form`` must hold (If branches counted), and no Softmax unless decomposed."""
+    """The attention nodes a graph of ``form`` must hold (If branches counted), and no Softmax unless decomposed; in
+    a form that spells the exact GELU as onnxruntime's (``GELUS``), a Gelu per layer of a GELU feed-forward (the
+    other forms' own spelling is the exporter's; the fused variant's optimizer may make it a Gelu too)."""
     layers, biased = config.num_layers, config.biased_layers
     local = sum(config.is_local(i) for i in range(layers))
+    gelu = {"Gelu": layers if config.activation == "gelu" else 0} if form in GELUS else {}
     if form == "mha":  # a layer with a bias on its scores has no flash kernel to keep: one, masked; a local
         # layer's If: banded (one Softmax) or that one
         return {
             "If": layers - biased + local,
             "MultiHeadAttention": 2 * (layers - biased) + biased,
             "Softmax": local,
+            **gelu,
         }
     if form == "onnx":
-        return {"Attention": layers, "Softmax": 0}
-    return {"Softmax": layers}
+        return {"Attention": layers, "Softmax": 0, **gelu}
+    return {"Softmax": layers, **gelu}
 
 
 # --- mha: a torch custom op whose eager value is the reference, translated to com.microsoft.MultiHeadAttention
@@ -319,26 +328,63 @@ def _attend_local(
     )
 
 
+# --- mha's feed-forward: the exact GELU as onnxruntime's com.microsoft.Gelu (its bias add fused in by the session)
+
+
+@torch.library.custom_op("addnorm::gelu", mutates_args=())
+def _gelu(x: Tensor) -> Tensor:
+    return F.gelu(x)
+
+
+@_gelu.register_fake
+def _(x: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
+_GELU = onnxscript.values.Op(
+    onnxscript.values.Opset("com.microsoft", 1),
+    "Gelu",
+    OpSchema(
+        "Gelu",
+        "com.microsoft",
+        1,
+        inputs=[OpSchema.FormalParameter("X", "T")],
+        outputs=[OpSchema.FormalParameter("Y", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "")],
+    ),
+)
+
+
+def _gelu_onnx(x):
+    return _GELU(x)
+
+
 KERNELS: dict[str, Callable[..., Tensor]] = {"mha": _attend_mha, "onnx": _attend_onnx, "decomposed": attend}
+# each form's feed-forward activation in place of the exact GELU (F.gelu); a form not here keeps F.gelu
+GELUS: dict[str, Callable[[Tensor], Tensor]] = {"mha": _gelu}
 TRANSLATIONS = {
     torch.ops.addnorm.mha.default: _mha_onnx,
     torch.ops.addnorm.mha_unmasked.default: _mha_unmasked_onnx,
     torch.ops.addnorm.mha_biased.default: _mha_biased_onnx,
     torch.ops.addnorm.banded.default: _banded_onnx,
+    torch.ops.addnorm.gelu.default: _gelu_onnx,
 }
 
 
 @contextlib.contextmanager
 def spelled(encoder: Encoder, form: str) -> Iterator[None]:
-    """Within the block, ``encoder``'s attention traces as ``form``; its eager results do not change."""
+    """Within the block, ``encoder``'s attention (and its feed-forward's exact GELU: ``GELUS``) traces as ``form``; its
+    eager results do not change."""
     modules = [layer.self_attn for layer in encoder.layers]
-    saved = [m.attend for m in modules]
+    saved = [(m.attend, layer.activation) for m, layer in zip(modules, encoder.layers, strict=True)]
     window = encoder.config.attention_window
-    for i, m in enumerate(modules):
+    for i, (m, layer) in enumerate(zip(modules, encoder.layers, strict=True)):
         local = form == "mha" and encoder.config.is_local(i)
         m.attend = functools.partial(_attend_local, window=window) if local else KERNELS[form]
+        if layer.activation is F.gelu:
+            layer.activation = GELUS.get(form, F.gelu)
     try:
         yield
     finally:
-        for m, kernel in zip(modules, saved, strict=True):
-            m.attend = kernel
+        for m, layer, (kernel, activation) in zip(modules, encoder.layers, saved, strict=True):
+            m.attend, layer.activation = kernel, activation

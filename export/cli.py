@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(attention.CHOICES),
         default="auto",
         help=f"how attention is spelled: mha (onnxruntime's com.microsoft.MultiHeadAttention, one node per layer; "
-        f"flash attention on CPU when nothing is padded), onnx (ONNX's Attention operator, opset >= "
+        f"flash attention on CPU when nothing is padded; a GELU as onnxruntime's Gelu), onnx (ONNX's Attention operator, opset >= "
         f"{attention.ONNX_ATTENTION_MIN_OPSET}), decomposed (MatMul/Softmax op by op: runs on any runtime); "
         f"default auto = {attention.AUTO}",
     )

@@ -192,6 +192,7 @@ def _export_fused(
     encoder: Encoder, path: Path, opset: int, with_steps: bool, attention: str
 ) -> onnx.ModelProto:
     """onnxruntime's transformer optimizer: Add + LayerNormalization -> com.microsoft.SkipLayerNormalization."""
+    from onnxruntime.transformers.fusion_options import FusionOptions
     from onnxruntime.transformers.optimizer import optimize_model
 
     cfg = encoder.config
@@ -210,10 +211,19 @@ def _export_fused(
         not cfg.bias
     ):  # the optimizer's SkipLayerNormalization fusion reads a bias input: give it zeros (exact)
         _zero_norm_biases(path)
+    options = FusionOptions("bert")
+    # the norms' fusion alone: an mha graph's Gelu stays as the form spells it (export/attention.py), for the session
+    # to fuse with its bias at load as it does every mha graph's
+    options.enable_bias_gelu = False
     with _quiet():
         # opt_level 0: only the graph fusions, no onnxruntime session-level rewrites baked into the file.
         optimized = optimize_model(
-            str(path), model_type="bert", num_heads=cfg.nhead, hidden_size=cfg.d_model, opt_level=0
+            str(path),
+            model_type="bert",
+            num_heads=cfg.nhead,
+            hidden_size=cfg.d_model,
+            opt_level=0,
+            optimization_options=options,
         )
         optimized.save_model_to_file(str(path))  # adds the com.microsoft opset import its fused nodes need
     model = onnx.load(str(path))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -9,15 +10,17 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+import torch.nn.functional as F
 
 from addnorm.export import cli, parity_cli, traces
-from addnorm.export.attention import AUTO, resolve, spelled
+from addnorm.export.attention import AUTO, GELUS, resolve, spelled
 from addnorm.export.checks import GraphCheckError, check_graph, op_counts
 from addnorm.export.onnx_export import ExportError, export_onnx
 from addnorm.model import attention as held
 from addnorm.model.attention import held_form, score_elements
 from addnorm.model.config import EncoderConfig
 from addnorm.model.encoder import build_encoder
+from addnorm.model.runtime import CPU, session_args
 from tests.text_models import MODERN
 
 SMALL = ["--d-model", "64", "--nhead", "4", "--dim-feedforward", "128"]
@@ -36,7 +39,13 @@ def export(out, *flags) -> dict:
         (["--attention", "mha", "--opset", "23"], "mha", {"If": 1, "MultiHeadAttention": 2}),
         (["--attention", "onnx", "--opset", "23"], "onnx", {"Attention": 1, "Softmax": 0}),
         (["--attention", "decomposed"], "decomposed", {"Softmax": 1, "MultiHeadAttention": 0}),
-        (["--attention", "mha", "--norm-first", "--activation", "gelu"], "mha", {"MultiHeadAttention": 2}),
+        (
+            ["--attention", "mha", "--norm-first", "--activation", "gelu"],
+            "mha",
+            {"MultiHeadAttention": 2, "Gelu": 1},
+        ),
+        # the exact GELU as onnxruntime's one operator in the mha form only; the standard spelling elsewhere
+        (["--attention", "decomposed", "--activation", "gelu"], "decomposed", {"Gelu": 0, "Erf": 1}),
     ],
 )  # each form under every variant: tests/export/test_matrix.py counts its nodes and runs the adversarial suite
 @traces.reusing()  # addnorm-parity's debug graph below: the export's own trace (export/traces.py)
@@ -120,6 +129,39 @@ def test_spelled_swaps_the_kernel_only_inside_the_block_and_keeps_eager_results(
             assert encoder.layers[0].self_attn.attend.__name__ == "_attend_mha"
             torch.testing.assert_close(encoder(x, mask), want, rtol=0, atol=1e-6)
     assert encoder.layers[0].self_attn.attend.__name__ == "attend"
+
+
+def test_spelled_gives_the_mha_forms_feed_forward_onnxruntimes_gelu_and_keeps_eager_results():
+    encoder = build_encoder(dataclasses.replace(CFG, activation="gelu"))
+    x = torch.randn(2, 5, 64)
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[1, 3:] = True
+    with torch.no_grad():
+        want = encoder(x, mask)
+        for form, inside in (("mha", GELUS["mha"]), ("decomposed", F.gelu)):
+            with spelled(encoder, form):
+                assert all(layer.activation is inside for layer in encoder.layers)
+                torch.testing.assert_close(encoder(x, mask), want, rtol=0, atol=1e-6)
+    assert all(layer.activation is F.gelu for layer in encoder.layers)
+    relu = build_encoder(CFG)  # a ReLU feed-forward is left as it is
+    with spelled(relu, "mha"):
+        assert all(layer.activation is F.relu for layer in relu.layers)
+
+
+def test_onnxruntime_fuses_the_mha_forms_gelu_with_its_bias(tmp_path):
+    """Why the mha form spells the GELU as one operator: onnxruntime 1.32 leaves the exporter's five (Div, Erf, Add,
+    Mul, Mul) as they are, and fuses com.microsoft.Gelu with the bias add before it into one BiasGelu (5-8% of a
+    small batch's run: docs/benchmarks.md, "GELU as one operator"). A session made as the server makes it."""
+    cfg = dataclasses.replace(CFG, activation="gelu")
+    fused = {}
+    for form in ("mha", "decomposed"):
+        export_onnx(build_encoder(cfg), tmp_path / f"{form}.onnx", attention=form)
+        opts = ort.SessionOptions()
+        opts.optimized_model_filepath = str(tmp_path / f"{form}.optimized.onnx")
+        ort.InferenceSession(str(tmp_path / f"{form}.onnx"), opts, **session_args([CPU]))
+        fused[form] = op_counts(onnx.load(opts.optimized_model_filepath))
+    assert fused["mha"]["BiasGelu"] == cfg.num_layers and fused["mha"]["Erf"] == 0
+    assert fused["decomposed"]["BiasGelu"] == 0 and fused["decomposed"]["Erf"] == cfg.num_layers
 
 
 def test_mha_runs_eagerly_without_torch_cond_and_traces_one(monkeypatch, tmp_path):
