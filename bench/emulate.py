@@ -95,6 +95,17 @@ def environment(kind: str, base: dict[str, str] | None = None) -> dict[str, str]
     return env
 
 
+def described_cpu() -> str:
+    """This CPU's flags as /proc/cpuinfo names them, and the emulation a command runs under, if any: what a study
+    prints beside its figures."""
+    from addnorm.model.runtime import cpu_flags
+
+    kind = os.environ.get("ADDNORM_EMULATE")
+    return f"CPU flags {' '.join(sorted(cpu_flags()))}" + (
+        f" (emulated: python -m bench.emulate {kind})" if kind else ""
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = Parser(
         prog="python -m bench.emulate",

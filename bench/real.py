@@ -161,6 +161,16 @@ def real_model():
     return config, encoder, hf.Reference(directory)
 
 
+def real_sentences():
+    """``real_model()`` and the built-in sentences as its block receives them: (config, encoder, reference, x, mask,
+    transformers' encoded answer to them)."""
+    from addnorm.export.sentences import MORE, SENTENCES
+
+    config, encoder, reference = real_model()
+    x, mask = reference.embed([*SENTENCES, *MORE])
+    return config, encoder, reference, x, mask, reference.encode(x, mask)
+
+
 def three_graphs(encoder, x: np.ndarray, mask: np.ndarray, tmp: Path) -> dict[str, Path]:
     """The real checkpoint's fp32, int8 (its float channels chosen on ``x``, as ``--calibration`` would) and
     ``quantize_dynamic`` graphs (mha attention), written into ``tmp``: name -> path."""

@@ -538,6 +538,35 @@ def test_int8_profile_sums_each_operators_kernel_time_per_run(tmp_path):
     assert op == "Relu" and count == 2 and ms > 0 and wall > 0 and not rest
 
 
+def test_the_gelu_study_exports_one_encoder_in_both_spellings_with_the_same_answers(tmp_path):
+    """bench/studies/gelu.py's two graphs, on a tiny encoder (the study runs the real checkpoint): the mha form's
+    GELU as onnxruntime's one operator, and the exporter's standard spelling, computing the same answers."""
+    import onnx
+
+    from addnorm.export.checks import op_counts
+    from addnorm.model.config import EncoderConfig
+    from addnorm.model.encoder import build_encoder
+    from bench.studies import gelu
+
+    cfg = EncoderConfig(d_model=32, nhead=4, dim_feedforward=64, num_layers=2, activation="gelu", dropout=0.0)
+    paths = gelu.graphs(build_encoder(cfg), tmp_path)
+    counts = {name: op_counts(onnx.load(str(path))) for name, path in paths.items()}
+    assert {name: (c["Gelu"], c["Erf"]) for name, c in counts.items()} == {
+        "one operator": (2, 0),
+        "standard": (0, 2),
+    }
+    x = np.random.default_rng(0).standard_normal((3, 7, 32)).astype(np.float32)
+    mask = np.zeros((3, 7), bool)
+    mask[2, 4:] = True
+    outs = [
+        gelu._session(path, spin).run(None, {"embeddings": x, "mask": mask})[0]
+        for path in paths.values()
+        for spin in (True, False)
+    ]
+    for out in outs[1:]:
+        np.testing.assert_allclose(out, outs[0], rtol=0, atol=1e-5)
+
+
 def test_codec_cost_times_every_codec_and_says_which_steps_leave_the_loop(tiny_artifact, capsys):
     """bench.studies.codec_cost on the tiny artifact: a row per codec and shape, with the work service.core.inference counts
     and offload's verdict; at [8,1024,32] (1 MiB of float32) JSON leaves the loop both ways and raw data stays."""

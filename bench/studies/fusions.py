@@ -10,7 +10,6 @@ the ratio; run it as another CPU kind with ``python -m bench.emulate avx2 -- pyt
 
 from __future__ import annotations
 
-import os
 import statistics
 import tempfile
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from addnorm.commands import DEFAULT_ARTIFACT, Parser
-from addnorm.model.runtime import CPU, CPU_DISABLED_OPTIMIZERS, cpu_flags
+from addnorm.model.runtime import CPU, CPU_DISABLED_OPTIMIZERS
 
 SHAPES = ((8, 128), (1, 16), (32, 16))
 
@@ -60,21 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from addnorm.export import agreement
-    from addnorm.export.sentences import MORE, SENTENCES
     from addnorm.model import kernels
     from addnorm.model.artifact import MODEL_FILE, Manifest
     from addnorm.model.contract import EMBEDDINGS, ENCODED, MASK
-    from bench.real import real_model, three_graphs
+    from bench.emulate import described_cpu
+    from bench.real import real_sentences, three_graphs
 
-    config, encoder, reference = real_model()
-    x, mask = reference.embed([*SENTENCES, *MORE])
-    want = reference.encode(x, mask)
-    emulated = os.environ.get("ADDNORM_EMULATE")
-    print(
-        f"disabled on CPU: {', '.join(CPU_DISABLED_OPTIMIZERS)}; CPU flags {' '.join(sorted(cpu_flags()))}"
-        + (f" (emulated: python -m bench.emulate {emulated})" if emulated else ""),
-        flush=True,
-    )
+    config, encoder, _, x, mask, want = real_sentences()
+    print(f"disabled on CPU: {', '.join(CPU_DISABLED_OPTIMIZERS)}; {described_cpu()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         paths = three_graphs(encoder, x, mask, Path(tmp))
         library = kernels.find()
