@@ -163,14 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for proc, _, _ in servers.values():
             proc.terminate()
+    before_commit = checkout_commit(args.before)
     report = [
         *tables(rows, args.rounds),
         "",
-        f"Before: {describe(args.before)}; after: {describe(args.after)}.",
+        f"Before: {describe(args.before, before_commit)}; after: {describe(args.after, checkout_commit(args.after))}.",
     ]
     if after_env:
         report[-1] += " The after side ran with " + ", ".join(f"`{kv}`" for kv in args.env) + "."
-    if (commit := checkout_commit(args.before)) and commit.startswith(BASE):
+    if before_commit and before_commit.startswith(BASE):
         report += goals(rows, e)
     print("\n".join(report))
     if args.docs:
@@ -233,9 +234,9 @@ def checkout_commit(tree: Path) -> str | None:
     return got.stdout.strip() or None
 
 
-def describe(tree: Path) -> str:
-    """A side as the report names it: its commit, and whether its files differ from it."""
-    if (commit := checkout_commit(tree)) is None:
+def describe(tree: Path, commit: str | None) -> str:
+    """A side as the report names it: its commit (``checkout_commit``'s), and whether its files differ from it."""
+    if commit is None:
         return f"`{tree}` (not a git checkout)"
     changed = subprocess.run(
         ["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],

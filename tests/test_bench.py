@@ -365,7 +365,7 @@ def test_ab_compares_two_checkouts_phase_by_phase(tiny_artifact, capsys, tmp_pat
     rows = [line for line in out.splitlines() if line.startswith("| V2 binary")]
     assert all(" 0.0 |" not in row for row in rows), out  # both sides served requests
     assert "after / before, per round, median" in out
-    side = ab.describe(ROOT)
+    side = ab.describe(ROOT, ab.checkout_commit(ROOT))
     assert f"Before: {side}; after: {side}." in out
     text = doc.read_text()
     assert "old" not in text and text.endswith("<!-- bench:ab:end -->\n\nAfter the block.\n")
@@ -500,8 +500,8 @@ def test_ab_says_of_issue_77s_goals_where_the_before_side_is_d7419ed(tmp_path):
     commit = checkout_commit(ROOT)
     assert commit is None or (len(commit) == 40 and int(commit, 16) >= 0)  # a clean clone is a git checkout
     assert checkout_commit(tmp_path) is None
-    assert describe(tmp_path) == f"`{tmp_path}` (not a git checkout)"
-    assert commit is None or describe(ROOT).startswith(commit[:12])
+    assert describe(tmp_path, None) == f"`{tmp_path}` (not a git checkout)"
+    assert commit is None or describe(ROOT, commit).startswith(commit[:12])
     side = lambda rps, cpu, loop: [{"throughput_rps": rps, "cpu_ms": cpu, "loop_ms": loop}]  # noqa: E731
     rows = {
         "V2 binary 32 clients x [1,16,768]": {"before": side(500, 2.8, 0.32), "after": side(506, 2.76, 0.31)},
