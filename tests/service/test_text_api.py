@@ -416,15 +416,15 @@ def test_vllm_tokenize_and_detokenize_answer_what_transformers_tokenizer_does(ba
         ),
         (
             "/pooling",
-            {"input": "a", "encoding_format": "bytes"},
+            {"input": "a", "encoding_format": "npy"},
             400,
-            "encoding_format must be one of ['float', 'base64']",
+            "encoding_format must be one of ['float', 'base64', 'bytes', 'bytes_only']",
         ),
         (
             "/pooling",
-            {"input": "a", "embed_dtype": "bfloat16"},
+            {"input": "a", "embed_dtype": "int8"},
             400,
-            "embed_dtype must be one of ['float32', 'float16']",
+            "embed_dtype must be one of ['float32', 'float16', 'bfloat16', 'fp8_e4m3', 'fp8_e5m2']",
         ),
         ("/pooling", {"input": "a", "endianness": "middle"}, 400, "endianness must be one of"),
         (
@@ -694,6 +694,69 @@ def test_vllm_pooling_is_each_tokens_normalized_hidden_state_or_the_sentence_vec
         want = st.encode(TEXTS, truncate_dim=dims)
         want = want / np.linalg.norm(want, axis=1, keepdims=True)
         np.testing.assert_allclose([d["data"] for d in got["data"]], want, atol=1e-5)
+
+
+def test_vllm_bytes_are_torchs_in_each_embed_dtype_where_the_metadata_says(base):
+    """vLLM's ``encoding_format: bytes`` on /pooling (token vectors, sentence vectors) and /v1/embeddings: the
+    outputs' bytes one after another as the body, and in the ``metadata`` header where each lies and its shape,
+    decoded as vLLM's ``binary2tensor`` decodes them (a numpy view, swapped where the endianness is not the
+    machine's, viewed as the torch dtype): each value as torch rounds the float answer to that dtype, bit for bit;
+    ``bytes_only`` the same body without the header; ``base64`` the same bytes. A quantized form has no such bytes."""
+    import sys
+
+    import torch
+
+    dtypes = {
+        "float32": (torch.float32, np.float32),
+        "float16": (torch.float16, np.float16),
+        "bfloat16": (torch.bfloat16, np.float16),  # numpy has neither: vLLM views them as these
+        "fp8_e4m3": (torch.float8_e4m3fn, np.uint8),
+        "fp8_e5m2": (torch.float8_e5m2, np.uint8),
+    }
+    routes = (
+        ("/pooling", {"task": "token_embed"}, "data", "pool-"),
+        ("/pooling", {"task": "embed"}, "data", "pool-"),
+        ("/v1/embeddings", {}, "embedding", "embd-"),
+    )
+    for path, ask, key, kind in routes:
+        floats = [d[key] for d in httpx.post(f"{base}{path}", json={"input": TEXTS, **ask}).json()["data"]]
+        for (embed_dtype, (torch_dtype, view)), endianness in zip(
+            dtypes.items(), ("native", "big", "little", "big", "native"), strict=True
+        ):
+            body = {"input": TEXTS, **ask, "embed_dtype": embed_dtype, "endianness": endianness}
+            r = httpx.post(f"{base}{path}", json={**body, "encoding_format": "bytes"})
+            assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream", r.text
+            meta = json.loads(r.headers["metadata"])
+            assert (
+                meta["model"] == "tiny" and meta["id"].startswith(kind) and isinstance(meta["created"], int)
+            )
+            assert meta["usage"]["prompt_tokens"] == meta["usage"]["total_tokens"] > len(TEXTS)
+            assert [d["index"] for d in meta["data"]] == list(range(len(TEXTS)))
+            assert meta["data"][-1]["end"] == len(r.content)
+            for item, want in zip(meta["data"], floats, strict=True):
+                assert (item["embed_dtype"], item["endianness"]) == (embed_dtype, endianness)
+                want = torch.tensor(want, dtype=torch.float32)
+                assert item["shape"] == list(want.shape)
+                got = np.frombuffer(r.content[item["start"] : item["end"]], view).reshape(item["shape"])
+                if endianness not in ("native", sys.byteorder):
+                    got = got.byteswap()
+                got = torch.from_numpy(got.copy()).view(torch_dtype)
+                assert torch.equal(got.view(torch.uint8), want.to(torch_dtype).view(torch.uint8)), embed_dtype
+            only = httpx.post(f"{base}{path}", json={**body, "encoding_format": "bytes_only"})
+            assert "metadata" not in only.headers and only.content == r.content
+            b64 = httpx.post(f"{base}{path}", json={**body, "encoding_format": "base64"}).json()["data"]
+            assert b"".join(base64.b64decode(d[key]) for d in b64) == r.content
+    # OpenAI's base64 stays little-endian float32; a quantized form's bytes are its own
+    b64 = httpx.post(f"{base}/v1/embeddings", json={"input": TEXTS, "encoding_format": "base64"}).json()[
+        "data"
+    ]
+    floats = httpx.post(f"{base}/v1/embeddings", json={"input": TEXTS}).json()["data"]
+    for got, want in zip(b64, floats, strict=True):
+        want = np.asarray(want["embedding"], np.float32)  # (JSON writes each float32's shortest form)
+        np.testing.assert_array_equal(np.frombuffer(base64.b64decode(got["embedding"]), "<f4"), want)
+    for extra in ({"encoding_format": "bytes"}, {"encoding_format": "base64", "embed_dtype": "float16"}):
+        r = httpx.post(f"{base}/v1/embeddings", json={"input": TEXTS, "embedding_type": "int8", **extra})
+        assert r.status_code == 400 and "not embedding_type int8" in error_message(r), r.text
 
 
 def test_tei_errors_name_its_own_fields(base):

@@ -65,12 +65,21 @@ class TextQuery:
     precision_field: str = "embedding_type"  # what the API calls it, in error messages
 
 
+@dataclass(frozen=True)
+class Binary:
+    """An answer that is not JSON (vLLM's ``encoding_format: bytes``): its body, media type and own headers."""
+
+    body: bytes
+    media_type: str
+    headers: dict[str, str]
+
+
 @dataclass
 class TextCodec:
     """A text API's codec for one request (service.core.inference.Codec)."""
 
     read: Callable[[object, int], TextQuery]  # (parsed JSON, max inputs) -> TextQuery
-    write: Callable[[TextRequest, ServingModel, Outputs], bytes]
+    write: Callable[[TextRequest, ServingModel, Outputs], bytes | Binary]  # bytes: JSON
     max_elements: int
     limits: TextLimits
     route: str = ""  # the path asked, in a refusal for another task's model
@@ -116,22 +125,23 @@ class TextCodec:
             )
         return req
 
-    def encode(self, req: TextRequest, model: ServingModel, outputs: Outputs) -> bytes:
+    def encode(self, req: TextRequest, model: ServingModel, outputs: Outputs) -> bytes | Binary:
         return self.write(req, model, outputs)
 
 
 async def answer(request: Request, known: Known, protocol: str, read: Callable, write: Callable) -> Response:
     """A text API's route: the body read under the limits, the request core's text step run with this API's
-    ``read`` and ``write``, the JSON answer with its timing headers."""
+    ``read`` and ``write``, the answer (JSON, or ``write``'s ``Binary``) with its timing headers."""
     start = time.perf_counter()
     s = known.settings
     call = http_call(request, protocol, start)
     body = await read_then_watch(request, call, s.max_body_bytes)
     text_codec = TextCodec(read, write, s.max_elements, TextLimits.of(s), request.scope["path"])
     payload, timings = await inference.run(known, call, text_codec, body)
-    return Response(
-        payload, media_type="application/json", headers=timing_headers(timings, time.perf_counter() - start)
-    )
+    headers = timing_headers(timings, time.perf_counter() - start)
+    if isinstance(payload, Binary):
+        return Response(payload.body, media_type=payload.media_type, headers={**payload.headers, **headers})
+    return Response(payload, media_type="application/json", headers=headers)
 
 
 def text_route(

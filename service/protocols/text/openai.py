@@ -6,7 +6,8 @@
 (``GET /v1/models`` lists them); ``encoding_format``: ``float`` (default) or ``base64`` (little-endian float32,
 what the client asks for by default), or a quantized form as JSON integers (``int8``, ``uint8``, ``binary``,
 ``ubinary``: sentence-transformers'); ``embedding_type`` (not OpenAI's): the quantized form, with ``base64`` its
-bytes; ``dimensions``: the first N values, normalized again (Matryoshka). The answer
+bytes; vLLM's ``embed_dtype`` and ``endianness`` of float vectors' base64, and its ``bytes`` and ``bytes_only``
+(encodings.py); ``dimensions``: the first N values, normalized again (Matryoshka). The answer
 is ``{"object": "list", "data": [{"object": "embedding", "index": i, "embedding": ...}], "model", "usage"}`` in
 input order. ``truncate`` (not OpenAI's; TEI's and vLLM's idea): cut inputs over the model's length instead of a 413.
 ``truncate_prompt_tokens`` (vLLM's): -1 cuts at the model's length, k keeps each input's last k tokens (special
@@ -19,6 +20,7 @@ import base64
 import re
 import time
 
+import numpy as np
 import orjson
 from fastapi import APIRouter
 
@@ -27,12 +29,13 @@ from addnorm.service.core.text import EMBEDDING_TYPES, embedding_type, sentence_
 from addnorm.service.errors import BadInput, quote
 from addnorm.service.guard import Known
 from addnorm.service.protocols.common import error_docs, json_positive_int
-from addnorm.service.protocols.text.codec import TextQuery, fields, kept_tokens, text_route
+from addnorm.service.protocols.text import encodings
+from addnorm.service.protocols.text.codec import Binary, TextQuery, fields, kept_tokens, text_route
 
 router = APIRouter(tags=["openai"])
 # where the API is served: OpenAI's own prefix, and the root as TEI (both) and Infinity (the root only) serve it
 PREFIXES = ("/v1", "")
-_KNOWN = {
+_KNOWN = encodings.FIELDS | {
     "input",
     "model",
     "encoding_format",
@@ -62,7 +65,7 @@ ERROR_SCHEMA = {
         }
     },
 }
-_FORMATS = ("float", "base64", *PRECISIONS)
+_FORMATS = ("float", "base64", *encodings.BYTES, *PRECISIONS)
 
 REQUEST = {
     "type": "object",
@@ -85,8 +88,10 @@ REQUEST = {
             "type": "string",
             "enum": list(_FORMATS),
             "default": "float",
-            "description": "float or base64 (little-endian bytes of each vector), or a quantized form as integers",
+            "description": "float or base64 (little-endian bytes of each vector), or a quantized form as integers; "
+            + encodings.BYTES_DOC,
         },
+        **encodings.REQUEST_DOC,
         "embedding_type": {
             "type": "string",
             "enum": list(EMBEDDING_TYPES),
@@ -190,6 +195,13 @@ def read(doc: object, max_inputs: int) -> TextQuery:
         if precision not in (FLOAT, fmt):
             raise BadInput(f"encoding_format {fmt} and embedding_type {precision} disagree: give one")
         fmt, precision = "float", fmt
+    # vLLM's: float vectors' bytes in embed_dtype and endianness (OpenAI's base64 is little-endian float32)
+    encoding = encodings.read_encoding(doc, fmt, endianness="little")
+    if precision != FLOAT and (encoding.as_body or any(doc.get(key) is not None for key in encodings.FIELDS)):
+        raise BadInput(
+            f"embed_dtype, endianness and encoding_format bytes are for float vectors, not embedding_type "
+            f"{precision} (whose bytes encoding_format base64 gives): give one"
+        )
     dims = json_positive_int(doc, "dimensions")
     if (user := doc.get("user")) is not None and not isinstance(user, str):
         raise BadInput(f"user must be a string, got {quote(user)}")
@@ -209,7 +221,7 @@ def read(doc: object, max_inputs: int) -> TextQuery:
     for field in ("prompt_name", "prompt"):
         if (value := doc.get(field)) is not None and not isinstance(value, str):
             raise BadInput(f"{field} must be a string, got {quote(value)}")
-    options = {"format": fmt, "dimensions": dims}
+    options = {"encoding": encoding, "dimensions": dims}
     return TextQuery(
         model,
         inputs,
@@ -223,12 +235,18 @@ def read(doc: object, max_inputs: int) -> TextQuery:
     )
 
 
-def write(req, model, outputs) -> bytes:
-    dims = req.options["dimensions"]
+def write(req, model, outputs) -> bytes | Binary:
+    dims, encoding = req.options["dimensions"], req.options["encoding"]
     # Matryoshka: cut, then normalize again
     out = sentence_vectors(req, model, outputs, True if dims is not None else None, dims)
-    if req.options["format"] == "base64":  # each vector's bytes: little-endian float32, or quantized ones
-        data = [base64.b64encode(row.astype(row.dtype.newbyteorder("<")).tobytes()).decode() for row in out]
+    if encoding.as_body:  # vLLM's bytes (float vectors only: read refuses a quantized form)
+        return encodings.bytes_answer("embd", model.name, req.tokens, list(out), encoding)
+    if (
+        encoding.form == "base64" and out.dtype == np.float32
+    ):  # each vector's bytes: as embed_dtype and endianness
+        data = [base64.b64encode(encodings.output_bytes(row, encoding)).decode() for row in out]
+    elif encoding.form == "base64":  # a quantized form's bytes
+        data = [base64.b64encode(row.tobytes()).decode() for row in out]
     else:
         data = list(out)  # float32 rows: orjson writes each value's shortest float32 form
     return orjson.dumps(

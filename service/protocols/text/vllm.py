@@ -17,11 +17,12 @@ A text over the model's length is refused, or cut where the server's --auto-trun
 does; for a pair only -1). Errors are OpenAI's error object, as vLLM's.
 
 ``/pooling``: ``{"model", "input", "task", "use_activation": true, "dimensions", "truncate_prompt_tokens",
-"encoding_format": "float" | "base64", "embed_dtype", "endianness"}`` ->
+"encoding_format": "float" | "base64" | "bytes" | "bytes_only", "embed_dtype", "endianness"}`` ->
 ``{"id", "object": "list", "created", "model", "data": [{"index", "object": "pooling", "data"}], "usage"}``, what
 vLLM's poolers give: ``token_embed`` (the default for an embedder) every token's last hidden state, special tokens
 included, cut to ``dimensions`` and each normalized (``use_activation``); ``embed`` the sentence vector, normalized
-likewise; ``classify`` (the default for a classifier or a cross-encoder) the probabilities.
+likewise; ``classify`` (the default for a classifier or a cross-encoder) the probabilities; ``base64``, ``bytes``
+and ``bytes_only`` as encodings.py writes them.
 
 ``/tokenize``: ``{"model", "prompt", "add_special_tokens": true, "return_token_strs": false}`` -> ``{"count",
 "max_model_len", "tokens", "token_strs"}``: the whole text's token ids (a count over ``max_model_len`` says the model
@@ -54,10 +55,11 @@ from addnorm.service.protocols.common import (
     parse_json,
     read_body,
 )
-from addnorm.service.protocols.text import openai
+from addnorm.service.protocols.text import encodings, openai
 from addnorm.service.protocols.text.codec import (
     TEXT_WORK,
     TOKEN_ROWS,
+    Binary,
     TextQuery,
     fields,
     kept_tokens,
@@ -74,19 +76,19 @@ SIDES = (("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents"), (
 _COMMON = {"model", "use_activation", "truncate_prompt_tokens", "user"}
 _SCORE = _COMMON | {name for pair in SIDES for name in pair}
 _CLASSIFY = _COMMON | {"input"}
-_POOLING = _COMMON | {
-    "input",
-    "task",
-    "dimensions",
-    "encoding_format",
-    "embed_dtype",
-    "endianness",
-    "normalize",  # older vLLM's name of use_activation
-    "add_special_tokens",
-}
-# vLLM's base64 answers: each output's bytes in embed_dtype and endianness ("native": the server's)
-_DTYPES = {"float32": np.float32, "float16": np.float16}
-_ENDIAN = {"native": "=", "little": "<", "big": ">"}
+_POOLING = (
+    _COMMON
+    | encodings.FIELDS
+    | {
+        "input",
+        "task",
+        "dimensions",
+        "encoding_format",
+        "normalize",  # older vLLM's name of use_activation
+        "add_special_tokens",
+    }
+)
+_FORMATS = ("float", "base64", *encodings.BYTES)
 # vLLM's pooling tasks that a sentence-transformers embedder or a sequence classifier answers, by the models' tasks
 POOLING_TASKS = {"token_embed": ("embed",), "embed": ("embed",), "classify": ("classify", "rerank")}
 _TOKENIZE = {"model", "prompt", "add_special_tokens", "return_token_strs"}
@@ -199,9 +201,13 @@ _POOLING_DOC = json_route_doc(
             "description": "default: token_embed for an embedder, classify for a classifier or a cross-encoder",
         },
         "dimensions": {"type": "integer", "minimum": 1, "nullable": True},
-        "encoding_format": {"type": "string", "enum": ["float", "base64"], "default": "float"},
-        "embed_dtype": {"type": "string", "enum": sorted(_DTYPES), "default": "float32"},
-        "endianness": {"type": "string", "enum": sorted(_ENDIAN), "default": "native"},
+        "encoding_format": {
+            "type": "string",
+            "enum": list(_FORMATS),
+            "default": "float",
+            "description": encodings.BYTES_DOC,
+        },
+        **encodings.REQUEST_DOC,
         "normalize": {"type": "boolean", "nullable": True, "description": "older vLLM's use_activation"},
         "add_special_tokens": {"type": "boolean", "default": True, "enum": [True]},
     },
@@ -284,13 +290,8 @@ def read_pooling(doc: object, max_inputs: int) -> TextQuery:
         raise BadInput(
             f"task must be one of {sorted(POOLING_TASKS)} (or absent: the model's own), got {quote(task)}"
         )
-    for key, allowed, default in (
-        ("encoding_format", ("float", "base64"), "float"),
-        ("embed_dtype", tuple(_DTYPES), "float32"),
-        ("endianness", tuple(_ENDIAN), "native"),
-    ):
-        if (value := doc.get(key, default)) not in allowed:  # (a list or an object is in no tuple of strings)
-            raise BadInput(f"{key} must be one of {list(allowed)}, got {quote(value)}")
+    if (form := doc.get("encoding_format", "float")) not in _FORMATS:  # (a list or an object: in no tuple)
+        raise BadInput(f"encoding_format must be one of {list(_FORMATS)}, got {quote(form)}")
     if not json_bool(doc, "add_special_tokens", "body", True):
         raise BadInput(
             "add_special_tokens false is not served: the model's vectors are of its texts with them"
@@ -300,10 +301,7 @@ def read_pooling(doc: object, max_inputs: int) -> TextQuery:
             raise BadInput("normalize and use_activation disagree: give one")
         doc = {**doc, "use_activation": normalize}
     options = _options(doc, pairs=False)
-    if doc.get("encoding_format") == "base64":
-        options["base64"] = np.dtype(_DTYPES[doc.get("embed_dtype", "float32")]).newbyteorder(
-            _ENDIAN[doc.get("endianness", "native")]
-        )
+    options["encoding"] = encodings.read_encoding(doc, form)
     options["dimensions"] = json_positive_int(doc, "dimensions")
     options["task"] = task
     inputs = text_inputs(doc["input"], "input", max_inputs)
@@ -320,9 +318,10 @@ def read_pooling(doc: object, max_inputs: int) -> TextQuery:
     )
 
 
-def write_pooling(req, model, outputs) -> bytes:
+def write_pooling(req, model, outputs) -> bytes | Binary:
     """vLLM's poolers: each token's vector or the sentence's (cut to ``dimensions``, then normalized unless
-    use_activation is false), or a classifier's probabilities (its logits unless use_activation)."""
+    use_activation is false), or a classifier's probabilities (its logits unless use_activation); as JSON floats,
+    base64 or the body's bytes (``encoding``)."""
     raw, dims = req.options["raw"], req.options["dimensions"]
     if req.options[TOKEN_ROWS]:
         data = [row.astype(np.float32, copy=False) for row in token_vectors(req, outputs, dims, not raw)]
@@ -330,10 +329,11 @@ def write_pooling(req, model, outputs) -> bytes:
         data = list(sentence_vectors(req, model, outputs, not raw, dims))
     else:
         data = list(scores(outputs, raw))
-    if (
-        dtype := req.options.get("base64")
-    ) is not None:  # each output's bytes, a token's vectors one after another
-        data = [base64.b64encode(np.asarray(d).astype(dtype).tobytes()).decode() for d in data]
+    encoding = req.options["encoding"]
+    if encoding.as_body:
+        return encodings.bytes_answer("pool", model.name, req.tokens, data, encoding)
+    if encoding.form == "base64":  # each output's bytes, a token's vectors one after another
+        data = [base64.b64encode(encodings.output_bytes(d, encoding)).decode() for d in data]
     items = [{"index": i, "object": "pooling", "data": d} for i, d in enumerate(data)]
     return _response("pool", req, model, items)
 
