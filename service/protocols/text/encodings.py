@@ -8,6 +8,7 @@ where each output lies (``index``, ``embed_dtype``, ``endianness``, ``start``, `
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -61,10 +62,21 @@ class Encoding:
 def read_encoding(doc: dict, form: str, endianness: str = "native") -> Encoding:
     """``embed_dtype`` and ``endianness`` of a request whose ``encoding_format`` is ``form`` (already checked
     against its API's formats); ``endianness``: the default where the request names none."""
-    for key, allowed in (("embed_dtype", DTYPES), ("endianness", tuple(ENDIANNESS))):
-        if (value := doc.get(key)) is not None and value not in allowed:  # (a list or an object: in no tuple)
+    dtype, order = doc.get("embed_dtype"), doc.get("endianness")
+    if dtype is None and order is None:  # (most requests)
+        return _encoding(form, "float32", endianness)
+    for key, value, allowed in (("embed_dtype", dtype, DTYPES), ("endianness", order, _ORDERS)):
+        if value is not None and value not in allowed:  # (a list or an object is in no tuple of strings)
             raise BadInput(f"{key} must be one of {list(allowed)}, got {quote(value)}")
-    return Encoding(form, doc.get("embed_dtype") or "float32", doc.get("endianness") or endianness)
+    return _encoding(form, dtype or "float32", order or endianness)
+
+
+_ORDERS = tuple(ENDIANNESS)
+
+
+@functools.cache  # (a few dozen checked values: each request's the same few objects, none built per request)
+def _encoding(form: str, dtype: str, endianness: str) -> Encoding:
+    return Encoding(form, dtype, endianness)
 
 
 def output_bytes(values: np.ndarray, encoding: Encoding) -> bytes:
