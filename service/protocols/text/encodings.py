@@ -35,8 +35,7 @@ REQUEST_DOC = {
     "endianness": {
         "type": "string",
         "enum": list(ENDIANNESS),
-        "default": "native",
-        "description": "(vLLM's)",
+        "description": "(vLLM's) default: native, the server's, on /pooling; little on /v1/embeddings (OpenAI's base64)",
     },
 }
 BYTES_DOC = (
