@@ -37,6 +37,18 @@ def _sessions(path: Path, library: Path | None) -> dict:
     return out
 
 
+def turns_at(sessions: dict, rows: int, positions: int, width: int, rounds: int) -> dict[str, float]:
+    """``_turns`` on one random batch of ``[rows, positions, width]``, no padding; shapes of fewer than 512
+    positions in all run 10x ``rounds`` (their runs are short)."""
+    from addnorm.model.contract import EMBEDDINGS, MASK
+
+    feed = {
+        EMBEDDINGS: np.random.default_rng(0).standard_normal((rows, positions, width)).astype(np.float32),
+        MASK: np.zeros((rows, positions), bool),
+    }
+    return _turns(sessions, feed, rounds * (10 if rows * positions < 512 else 1))
+
+
 def _turns(sessions: dict, feed: dict, rounds: int) -> dict[str, float]:
     """Median ms per run of each session, the sessions taking turns run by run."""
     times: dict[str, list[float]] = {name: [] for name in sessions}
@@ -105,11 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 )
             for b, s in SHAPES:
-                feed = {
-                    EMBEDDINGS: np.random.default_rng(0).standard_normal((b, s, width)).astype(np.float32),
-                    MASK: np.zeros((b, s), bool),
-                }
-                ms = _turns(sessions, feed, args.rounds * (10 if b * s < 512 else 1))
+                ms = turns_at(sessions, b, s, width, args.rounds)
                 print(
                     f"{name:<34} {str([b, s, width]):>14} {ms['defaults']:12.2f} {ms['served']:10.2f} "
                     f"{ms['defaults'] / ms['served']:12.2f}x",

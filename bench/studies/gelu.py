@@ -16,12 +16,10 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 from addnorm.commands import Parser
 from addnorm.model.runtime import CPU, session_args
 from addnorm.service.backend.cores import default_threads
-from bench.studies.fusions import _turns
+from bench.studies.fusions import turns_at
 
 SHAPES = ((1, 16), (1, 64), (8, 16), (32, 16), (8, 128))  # (rows, positions)
 
@@ -81,13 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         for rows, positions in SHAPES:
             spin = rows == 1  # a lone request's run spins (--intra-op-spinning light); loaded runs sleep
             sessions = {name: _session(path, spin) for name, path in paths.items()}
-            feed = {
-                EMBEDDINGS: np.random.default_rng(0)
-                .standard_normal((rows, positions, config.d_model))
-                .astype(np.float32),
-                MASK: np.zeros((rows, positions), bool),
-            }
-            ms = _turns(sessions, feed, args.rounds * (10 if rows * positions < 512 else 1))
+            ms = turns_at(sessions, rows, positions, config.d_model, args.rounds)
             print(
                 f"{str([rows, positions, config.d_model]):>14} {ms['standard']:12.2f} {ms['one operator']:16.2f} "
                 f"{ms['standard'] / ms['one operator']:6.2f}x",
