@@ -613,9 +613,9 @@ def test_lone_request_times_each_step_of_the_servers_path_in_order(tiny_text_art
 def test_the_front_floor_study_measures_every_layer_from_the_bare_protocol_up(tiny_text_artifact, capsys):
     """bench.studies.front_floor on a tiny text model: every layer's server starts and answers its request without
     an error (a layer whose request the server refused would stop the study), the V2 layers answer what
-    addnorm-serve answers (the lean and route layers skip no work of the answer's: a wrong one stops the study), and
-    the table has a row per layer in the order built, each with the event loop's CPU, the server's and a rate (no
-    timing asserted)."""
+    addnorm-serve answers (the lean and route layers skip no work of the answer's: a wrong one stops the study), so
+    do the bare /v1/embeddings layers, and the table has a row per layer in the order built, each with the event
+    loop's CPU, the server's, a rate and a time a request (no timing asserted)."""
     from bench.studies import front_floor
 
     args = ["--artifact", str(tiny_text_artifact), "--clients", "2", "--rounds", "1", "--seconds", "0.2"]
@@ -626,9 +626,13 @@ def test_the_front_floor_study_measures_every_layer_from_the_bare_protocol_up(ti
     assert [row[0][2:] for row in rows] == names and out.startswith("CPU flags: "), out
     # CPU from /proc counts in ticks: a short window may read 0, never less; every layer answered requests
     assert all(
-        float(row[1]) >= 0 and float(row[2]) >= 0 and float(row[3].rstrip(" |").replace(",", "")) > 0
+        float(row[1]) >= 0
+        and float(row[2]) >= 0
+        and float(row[3].replace(",", "")) > 0
+        and float(row[4][:-2]) > 0
         for row in rows
     ), out
+    assert sum("bare /v1/embeddings" in name for name in names) == 2, names
 
 
 def test_the_text_benchmarks_core_row_runs_the_servers_own_model(tiny_text_artifact, monkeypatch):

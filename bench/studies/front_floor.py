@@ -12,6 +12,13 @@ loop's CPU a request (the server's main thread, from /proc) of servers that each
   the same fixed body (what addnorm's connection and ASGI add);
 - ``addnorm GET /v1/models``: addnorm-serve on ``--artifact``, a route through FastAPI's router and dependency
   solving (the framework's cost of a route that does nothing);
+- ``bare /v1/embeddings``: the same request's least: httptools, its JSON read, the tokenizer, the embedding graph and
+  the model's run on addnorm's engine at the server's settings (a lone request's light run: every thread), the
+  graph's pooled vectors answered as OpenAI's JSON, all on the event loop's thread, with no batcher, front, checks or
+  framework; and ``... on an inference thread``, the same work on one thread beside the loop (a hand-off each way,
+  as a server that keeps its loop free must). At ``--clients 1`` these are the floor of one client's lone request
+  on this machine (issue 77's "within 0.3 ms of in process"), and addnorm-serve's distance above them is what its
+  own path costs; they batch nothing, so at more clients they answer one request at a time;
 - ``addnorm /v1/embeddings``: one real sentence a request (the direct lane, the request core, the batcher's
   hand-offs, pooling, JSON);
 - ``lean V2 binary [1,16,E]``: addnorm's connection, model and batcher with nothing else around them: read the
@@ -22,8 +29,9 @@ loop's CPU a request (the server's main thread, from /proc) of servers that each
 - ``addnorm V2 binary [1,16,E]``: addnorm-serve's smallest tensor request (no tokenizer, no JSON).
 
 Every layer's server starts first, and the V2 layers' answers are checked against addnorm-serve's (the lean and
-route layers skip no work of the answer's); then the layers run in turn, ``--rounds`` times, side by side (the machine's
-drift falls on each alike); printed: each one's median loop CPU a request, server CPU and requests/s, and the CPU
+route layers skip no work of the answer's), the bare text layers' vectors against its /v1/embeddings'; then the layers
+run in turn, ``--rounds`` times, side by side (the machine's drift falls on each alike); printed: each one's median
+loop CPU a request, server CPU, requests/s and the mean time a request (clients over requests a second), and the CPU
 flags. An ids artifact (one exported ``--from`` a model directory, e.g. ``bench.text.export_minilm``'s).
 docs/benchmarks.md, "The front's floor".
 """
@@ -191,6 +199,77 @@ def _route(port: int, artifact: str) -> None:
     _uvicorn(app, port, lifespan="on")
 
 
+def _text(port: int, artifact: str, hop: bool) -> None:
+    """The least a ``/v1/embeddings`` request can do on addnorm's model: httptools, the body's JSON, the tokenizer,
+    the embedding graph and a lone request's run on addnorm's engine as addnorm-serve makes it (the server's
+    settings: a light run, every thread), the graph's pooled vectors answered as OpenAI's JSON; all of it on the
+    event loop's thread, or with ``hop`` on one inference thread (a queue there, ``call_soon_threadsafe`` back)."""
+    import queue
+    import threading
+
+    import httptools
+    import orjson
+    import uvloop
+
+    from addnorm.model.contract import POOLED
+    from addnorm.service.backend.engine import Engine
+    from addnorm.service.settings import Settings
+
+    s = Settings()
+    engine = Engine(Path(artifact), s.providers, 0, s.kernels, s.intra_op_spinning, s.parallel_runs == "on")
+    text, name = engine.text, engine.name
+
+    def answer(body: bytes) -> bytes:
+        inputs = orjson.loads(body)["input"]
+        batch = text.tokenizer.encode([inputs] if isinstance(inputs, str) else inputs, truncate=True)
+        pooled = engine.run(text.embed(batch), batch.mask, light=True)[POOLED]
+        data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(pooled)]
+        usage = {"prompt_tokens": batch.tokens, "total_tokens": batch.tokens}
+        out = orjson.dumps(
+            {"object": "list", "data": data, "model": name, "usage": usage}, option=orjson.OPT_SERIALIZE_NUMPY
+        )
+        return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+            len(out),
+            out,
+        )
+
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+
+    def inference() -> None:
+        while True:
+            write, body = jobs.get()
+            loop.call_soon_threadsafe(write, answer(body))
+
+    class Text(asyncio.Protocol):
+        def connection_made(self, transport) -> None:
+            self.transport, self.body = transport, []
+            self.parser = httptools.HttpRequestParser(self)
+
+        def data_received(self, data: bytes) -> None:
+            self.parser.feed_data(data)
+
+        def on_body(self, body: bytes) -> None:
+            self.body.append(body)
+
+        def on_message_complete(self) -> None:
+            body, self.body = b"".join(self.body), []
+            if not body:  # a GET: readiness
+                self.transport.write(ANSWER)
+            elif hop:
+                jobs.put((self.transport.write, body))
+            else:
+                self.transport.write(answer(body))
+
+    async def serve_forever() -> None:
+        server = await loop.create_server(Text, HOST, port)
+        await server.serve_forever()
+
+    loop = uvloop.new_event_loop()
+    if hop:
+        threading.Thread(target=inference, name="inference", daemon=True).start()
+    loop.run_until_complete(serve_forever())
+
+
 def _get(port: int, path: str) -> bytes:
     return f"GET {path} HTTP/1.1\r\nHost: {HOST}:{port}\r\nConnection: keep-alive\r\n\r\n".encode()
 
@@ -214,6 +293,16 @@ def layers(artifact: Path, name: str, sentence: str) -> list[tuple[str, Callable
             lambda p: _get(p, "/"),
         ),
         ("addnorm GET /v1/models", lambda: serve(artifact), lambda p: _get(p, "/v1/models")),
+        (
+            "bare /v1/embeddings, 1 sentence: one thread, no framework",
+            lambda: ServerProcess([*study, "text", str(artifact)], ready_path="/"),
+            lambda p: build_request(HOST, p, "/v1/embeddings", embeddings, json_type),
+        ),
+        (
+            "bare /v1/embeddings, 1 sentence, on an inference thread",
+            lambda: ServerProcess([*study, "text-hop", str(artifact)], ready_path="/"),
+            lambda p: build_request(HOST, p, "/v1/embeddings", embeddings, json_type),
+        ),
         (
             "addnorm /v1/embeddings, 1 sentence",
             lambda: serve(artifact),
@@ -243,6 +332,7 @@ def measure(stack: list, clients: int, seconds: float, rounds: int) -> dict[str,
         for _name, srv, req in asked:
             load_with_cpu(srv, req, clients, min(1.0, seconds))  # warm-up
         same_answers([(name, srv.port, req) for name, srv, req in asked if "V2 binary" in name])
+        same_vectors([(name, srv.port, req) for name, srv, req in asked if "/v1/embeddings" in name])
         for _ in range(rounds):
             for name, srv, req in asked:
                 row = load_with_cpu(srv, req, clients, seconds)
@@ -272,16 +362,30 @@ def same_answers(v2: list[tuple[str, int, bytes]]) -> None:
             raise SystemExit(f"{name} answers {output} unlike {last}")
 
 
-def table(cells: dict[str, list[dict]], rounds: int) -> list[str]:
+def same_vectors(texts: list[tuple[str, int, bytes]]) -> None:
+    """The /v1/embeddings layers answer alike (the bare ones do the work addnorm-serve does): each one's vectors
+    against the last's (addnorm-serve's), within float32's spread."""
+    vectors = {}
+    for name, port, request in texts:
+        (body,) = run_load(HOST, port, request, 1, 30.0, max_requests=1, warmup=0, keep=1).bodies
+        vectors[name] = np.array([d["embedding"] for d in json.loads(body)["data"]], np.float32)
+    *others, (last, reference) = vectors.items()
+    for name, got in others:
+        if got.shape != reference.shape or not np.allclose(got, reference, rtol=1e-4, atol=1e-5):
+            raise SystemExit(f"{name} answers unlike {last}")
+
+
+def table(cells: dict[str, list[dict]], rounds: int, clients: int) -> list[str]:
     lines = [
-        f"| layer | event loop ms a request (median of {rounds}) | server CPU ms a request | requests/s |",
-        "| --- | --- | --- | --- |",
+        f"| layer | event loop ms a request (median of {rounds}) | server CPU ms a request | requests/s "
+        f"| ms a request ({clients} / requests/s) |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for name, rows in cells.items():
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if isinstance(rows[0][k], float)}
         lines.append(
             f"| {name} | {med['loop_cpu_ms_per_request']:.3f} | {med['server_cpu_ms_per_request']:.3f} "
-            f"| {med['throughput_rps']:,.0f} |"
+            f"| {med['throughput_rps']:,.0f} | {clients / med['throughput_rps'] * 1e3:.3f} |"
         )
     return lines
 
@@ -294,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
             _bare(port)
         elif kind == "http11":
             _uvicorn("bench.studies.front_floor:_fixed", port)
+        elif kind in ("text", "text-hop"):
+            _text(port, argv[2], hop=kind == "text-hop")
         else:  # lean or route ARTIFACT
             {"lean": _lean, "route": _route}[kind](port, argv[2])
         return 0
@@ -309,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             f"CPU flags: {' '.join(sorted(cpu_flags())) or 'unknown'}; {args.clients} clients, {args.rounds} rounds"
         )
         cells = measure(layers(artifact, model, sentence), args.clients, args.seconds, args.rounds)
-    print("\n".join(["", *table(cells, args.rounds)]))
+    print("\n".join(["", *table(cells, args.rounds, args.clients)]))
     return 0
 
 
