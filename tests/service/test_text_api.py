@@ -701,7 +701,9 @@ def test_vllm_bytes_are_torchs_in_each_embed_dtype_where_the_metadata_says(base)
     outputs' bytes one after another as the body, and in the ``metadata`` header where each lies and its shape,
     decoded as vLLM's ``binary2tensor`` decodes them (a numpy view, swapped where the endianness is not the
     machine's, viewed as the torch dtype): each value as torch rounds the float answer to that dtype, bit for bit;
-    ``bytes_only`` the same body without the header; ``base64`` the same bytes. A quantized form has no such bytes."""
+    ``bytes_only`` the same body without the header; ``base64`` the same bytes. A quantized form has no such bytes.
+    The served OpenAPI document has each answer's content type and the header (schemathesis' ST105 found them
+    missing)."""
     import sys
 
     import torch
@@ -718,14 +720,20 @@ def test_vllm_bytes_are_torchs_in_each_embed_dtype_where_the_metadata_says(base)
         ("/pooling", {"task": "embed"}, "data", "pool-"),
         ("/v1/embeddings", {}, "embedding", "embd-"),
     )
+    documented = {
+        path: httpx.get(f"{base}/openapi.json").json()["paths"][path]["post"]["responses"]["200"]
+        for path in ("/pooling", "/v1/embeddings")
+    }
     for path, ask, key, kind in routes:
         floats = [d[key] for d in httpx.post(f"{base}{path}", json={"input": TEXTS, **ask}).json()["data"]]
+        assert "metadata" in documented[path]["headers"], documented[path]
         for (embed_dtype, (torch_dtype, view)), endianness in zip(
             dtypes.items(), ("native", "big", "little", "big", "native"), strict=True
         ):
             body = {"input": TEXTS, **ask, "embed_dtype": embed_dtype, "endianness": endianness}
             r = httpx.post(f"{base}{path}", json={**body, "encoding_format": "bytes"})
             assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream", r.text
+            assert r.headers["content-type"] in documented[path]["content"], documented[path]
             meta = json.loads(r.headers["metadata"])
             assert (
                 meta["model"] == "tiny" and meta["id"].startswith(kind) and isinstance(meta["created"], int)

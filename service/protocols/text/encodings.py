@@ -44,6 +44,23 @@ BYTES_DOC = (
 )
 
 
+def with_bytes_answer(doc: dict) -> dict:
+    """A route's OpenAPI entry (``openapi_extra``) whose 200 answer may also be ``bytes``' body: the outputs' bytes
+    as application/octet-stream beside its JSON, and the ``metadata`` header (absent with bytes_only and JSON)."""
+    ok = doc["responses"]["200"]
+    content = {
+        **ok["content"],
+        "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+    }
+    metadata = {
+        "description": "encoding_format bytes: JSON with id, created, model, usage and data (each output's index, "
+        "embed_dtype, endianness, start, end and shape in the body), vLLM's",
+        "schema": {"type": "string"},
+    }
+    answer = {**ok, "content": content, "headers": {**ok.get("headers", {}), "metadata": metadata}}
+    return {**doc, "responses": {**doc["responses"], "200": answer}}
+
+
 @dataclass(frozen=True)
 class Encoding:
     """How an answer's float vectors are written: ``form`` (float, base64, bytes, bytes_only), in ``dtype`` and

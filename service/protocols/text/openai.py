@@ -279,7 +279,7 @@ for prefix in PREFIXES:
         read,
         write,
         "Embeddings of texts or token ids (OpenAI's API)",
-        _DOC,
+        encodings.with_bytes_answer(_DOC),
     )
     router.add_api_route(
         f"{prefix}/models",

@@ -189,38 +189,40 @@ _DETOKENIZE_DOC = json_route_doc(
     _ERRORS,
 )
 _VECTORS = {"type": "array", "items": {"type": "number"}}
-_POOLING_DOC = json_route_doc(
-    ["input"],
-    {
-        "input": _TEXTS,
-        **_OPTIONS,
-        "task": {
-            "type": "string",
-            "enum": sorted(POOLING_TASKS),
-            "nullable": True,
-            "description": "default: token_embed for an embedder, classify for a classifier or a cross-encoder",
-        },
-        "dimensions": {"type": "integer", "minimum": 1, "nullable": True},
-        "encoding_format": {
-            "type": "string",
-            "enum": list(_FORMATS),
-            "default": "float",
-            "description": encodings.BYTES_DOC,
-        },
-        **encodings.REQUEST_DOC,
-        "normalize": {"type": "boolean", "nullable": True, "description": "older vLLM's use_activation"},
-        "add_special_tokens": {"type": "boolean", "default": True, "enum": [True]},
-    },
-    {"input": ["What is Deep Learning?"], "task": "token_embed"},
-    _answer(
+_POOLING_DOC = encodings.with_bytes_answer(
+    json_route_doc(
+        ["input"],
         {
-            "index": {"type": "integer"},
-            "object": {"type": "string"},
-            "data": {"oneOf": [{"type": "array", "items": _VECTORS}, _VECTORS, {"type": "string"}]},
-        }
-    ),
-    "each input's pooled output: its tokens' vectors, its sentence vector or its probabilities",
-    _ERRORS,
+            "input": _TEXTS,
+            **_OPTIONS,
+            "task": {
+                "type": "string",
+                "enum": sorted(POOLING_TASKS),
+                "nullable": True,
+                "description": "default: token_embed for an embedder, classify for a classifier or a cross-encoder",
+            },
+            "dimensions": {"type": "integer", "minimum": 1, "nullable": True},
+            "encoding_format": {
+                "type": "string",
+                "enum": list(_FORMATS),
+                "default": "float",
+                "description": encodings.BYTES_DOC,
+            },
+            **encodings.REQUEST_DOC,
+            "normalize": {"type": "boolean", "nullable": True, "description": "older vLLM's use_activation"},
+            "add_special_tokens": {"type": "boolean", "default": True, "enum": [True]},
+        },
+        {"input": ["What is Deep Learning?"], "task": "token_embed"},
+        _answer(
+            {
+                "index": {"type": "integer"},
+                "object": {"type": "string"},
+                "data": {"oneOf": [{"type": "array", "items": _VECTORS}, _VECTORS, {"type": "string"}]},
+            }
+        ),
+        "each input's pooled output: its tokens' vectors, its sentence vector or its probabilities",
+        _ERRORS,
+    )
 )
 
 
