@@ -21,7 +21,7 @@ from addnorm.model.contract import ENCODED, POOLED
 from addnorm.model.text import TOKENIZER_FILE
 from addnorm.model.tokenize import TextTokenizer
 from tests.conftest import TINY_TEXT_MODEL, start_server
-from tests.helpers import error_message
+from tests.helpers import error_message, run_schemathesis
 from tests.text_models import TEXTS, transformers_vectors
 
 pytestmark = pytest.mark.server
@@ -765,6 +765,16 @@ def test_vllm_bytes_are_torchs_in_each_embed_dtype_where_the_metadata_says(base)
     for extra in ({"encoding_format": "bytes"}, {"encoding_format": "base64", "embed_dtype": "float16"}):
         r = httpx.post(f"{base}/v1/embeddings", json={"input": TEXTS, "embedding_type": "int8", **extra})
         assert r.status_code == 400 and "not embedding_type int8" in error_message(r), r.text
+
+
+def test_schemathesis_finds_each_encoding_of_the_vector_routes_documented(base, tmp_path):
+    """schemathesis on the routes that answer vectors in vLLM's encodings (/pooling, /v1/embeddings) of a text
+    model (tests/test_schemathesis.py's model takes no text): its coverage phase sends each documented
+    ``encoding_format``, ``embed_dtype`` and ``endianness``, and every answer must be documented, the bytes one's
+    content type and header too (ST105 found it missing), with no answer >= 500."""
+    run_schemathesis(
+        base, "tiny", tmp_path, least=100, options=("--include-path-regex", "^/(pooling|v1/embeddings)$")
+    )
 
 
 def test_tei_errors_name_its_own_fields(base):
