@@ -23,6 +23,7 @@ from addnorm.service.protocols.text.codec import Binary
 BYTES = ("bytes", "bytes_only")  # the formats whose answer is the body itself
 DTYPES = ("float32", "float16", *NARROW_FLOATS)
 ENDIANNESS = {"native": "=", "little": "<", "big": ">"}
+_ORDERS = tuple(ENDIANNESS)
 FIELDS = {"embed_dtype", "endianness"}  # the request's fields beside encoding_format
 # their OpenAPI entries (the route's own encoding_format lists its formats)
 REQUEST_DOC = {
@@ -85,9 +86,6 @@ def read_encoding(doc: dict, form: str, endianness: str = "native") -> Encoding:
         if value is not None and value not in allowed:  # (a list or an object is in no tuple of strings)
             raise BadInput(f"{key} must be one of {list(allowed)}, got {quote(value)}")
     return _encoding(form, dtype or "float32", order or endianness)
-
-
-_ORDERS = tuple(ENDIANNESS)
 
 
 @functools.cache  # (a few dozen checked values: each request's the same few objects, none built per request)

@@ -241,12 +241,13 @@ def write(req, model, outputs) -> bytes | Binary:
     out = sentence_vectors(req, model, outputs, True if dims is not None else None, dims)
     if encoding.as_body:  # vLLM's bytes (float vectors only: read refuses a quantized form)
         return encodings.bytes_answer("embd", model.name, req.tokens, list(out), encoding)
-    if (
-        encoding.form == "base64" and out.dtype == np.float32
-    ):  # each vector's bytes: as embed_dtype and endianness
-        data = [base64.b64encode(encodings.output_bytes(row, encoding)).decode() for row in out]
-    elif encoding.form == "base64":  # a quantized form's bytes
-        data = [base64.b64encode(row.tobytes()).decode() for row in out]
+    if encoding.form == "base64":
+        # each vector's bytes: float ones in embed_dtype and endianness, a quantized form's as they are
+        floats = out.dtype == np.float32
+        data = [
+            base64.b64encode(encodings.output_bytes(r, encoding) if floats else r.tobytes()).decode()
+            for r in out
+        ]
     else:
         data = list(out)  # float32 rows: orjson writes each value's shortest float32 form
     return orjson.dumps(
