@@ -28,7 +28,6 @@ import ray
 from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from addnorm.model.artifact import MANIFEST_FILE
 from addnorm.service import logs
@@ -79,22 +78,6 @@ def replica_settings(overrides: dict[str, Any], cpus: float | None) -> Settings:
     return settings
 
 
-class _ProxyRequestId:
-    """Ray's proxy gives each request an ``x-request-id`` (the app logs it) and adds it to the response itself:
-    drop the app's copy so clients see it once."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def send_once(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [(k, v) for k, v in message.get("headers", ()) if k != b"x-request-id"]
-            await send(message)
-
-        await self.app(scope, receive, send_once if scope["type"] == "http" else send)
-
-
 @serve.deployment(
     name=DEPLOYMENT,
     ray_actor_options={"num_cpus": 1},
@@ -112,8 +95,9 @@ class AddNormReplica:
         logs.configure(self.settings.log_level, self.settings.log_json)
         for directory in artifact_dirs(self.settings):
             check_readable(directory)
-        self.fastapi_app = create_app(self.settings, load_before_serving=True)
-        self.fastapi_app.add_middleware(_ProxyRequestId)  # outside the front: it reads the proxy's id
+        # Ray's proxy gives each request an x-request-id (the app logs it) and adds it to the answer itself: the
+        # app's copy is left out, so clients see it once
+        self.fastapi_app = create_app(self.settings, load_before_serving=True, answer_request_id=False)
         log.info(
             "replica starting: %s, %s onnxruntime threads",
             ", ".join(map(str, artifact_dirs(self.settings))),

@@ -1,7 +1,9 @@
 """create_app(settings): the FastAPI application, its middleware and its error handlers.
 
-Outermost first: FastAPI's error middleware -> the HTTP front (front.middleware.Front: request id, access line, metrics, the
-guard, the body's deadline) -> FastAPI's exception middleware and router: every route the app serves.
+Outermost first: the HTTP front (front.middleware.Front: request id, access line, metrics, the guard, the body's
+deadline; its direct lane answers the inference routes itself) -> FastAPI's own stack (its error middleware, exception
+middleware and router): every other route the app serves. The app calls the front itself (``_App.__call__``), so a
+small request pays none of FastAPI's layers it does not use.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
 
 from addnorm import __version__ as VERSION
 from addnorm.service import logs, protocols
@@ -24,14 +27,19 @@ from addnorm.service.tracing import TRACING
 
 
 def create_app(
-    settings: Settings | None = None, *, load_before_serving: bool = False, exit_on_error: bool = False
+    settings: Settings | None = None,
+    *,
+    load_before_serving: bool = False,
+    exit_on_error: bool = False,
+    answer_request_id: bool = True,
 ) -> FastAPI:
     """Build the app. By default the models load in parallel in the background after start-up and /health/ready
     is 503 until all have. ``load_before_serving`` makes start-up itself wait for them and fail when one cannot
     load: for hosts that count an instance as serving once its start-up ends (Ray Serve replicas,
     service/ray_serve.py). With ``grpc_port`` set, the gRPC service starts with the app, on its event loop.
     ``exit_on_error``: with model control off, the process stops itself when no model could be loaded
-    (``state.load_then_watch``).
+    (``state.load_then_watch``). ``answer_request_id``: each answer carries its request's ``x-request-id``; off
+    behind a proxy that adds it to the answer itself (Ray Serve's).
     """
     factory = settings is None  # uvicorn --factory, several workers: configured from the environment
     if factory:
@@ -84,12 +92,13 @@ def create_app(
     for router in (*protocols.ROUTERS, docs.router):
         app.include_router(router)
     install_error_handlers(app)
-    app.add_middleware(
-        Front,
+    app.front = Front(
+        app.routed,
         guard=guard,
         access_log=settings.access_log,
         body_timeout_s=settings.body_timeout_s,
         routes=app.router.routes,
+        answer_id=answer_request_id,
     )
     if factory:  # this worker process's app is built (cli._run does it for one process)
         freeze_heap()
@@ -97,7 +106,25 @@ def create_app(
 
 
 class _App(FastAPI):
-    """FastAPI, with its OpenAPI document made true to this server."""
+    """FastAPI, behind the HTTP front, with its OpenAPI document made true to this server."""
+
+    front: Front | None = None  # create_app's
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Every HTTP request through the front first (its direct lane answers the inference routes itself, the rest
+        it hands to ``routed``); the lifespan to FastAPI. Outside FastAPI's own stack, the front sees every answer,
+        a 500 of FastAPI's error middleware included."""
+        if scope["type"] == "http" and self.front is not None:
+            scope["app"] = (
+                self  # as Starlette sets it: the direct lane's Request reads the app's state through it
+            )
+            await self.front(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+    async def routed(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """FastAPI's own stack (error middleware, exception middleware, router): the routes the front hands on."""
+        await super().__call__(scope, receive, send)
 
     def openapi(self) -> dict:
         """FastAPI's schema, true to this server (service/protocols/docs.py): no 422s, examples for the served model."""

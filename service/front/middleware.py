@@ -57,7 +57,11 @@ def install_error_handlers(app: FastAPI) -> None:
 class Front:
     """Every HTTP request, outermost first (one pure ASGI middleware, under any ASGI server: uvicorn, a test client,
     Ray Serve's proxy): its context (request id, access line, metrics), the guard, and the body's deadline; then
-    FastAPI's router. A model route finds the models the guard let it reach in its scope (``Known``).
+    ``app``, FastAPI's own stack and router. A model route finds the models the guard let it reach in its scope
+    (``Known``). The app calls it first (front/app.py), outside FastAPI's own middleware.
+
+    ``answer_id``: each answer carries the request's id (``x-request-id``: the client's own, else one made here),
+    as the log lines do; off behind a proxy that adds its own to every answer (Ray Serve's).
 
     ``body_timeout_s``: a request's body must arrive within this time of the request's start, else 408 and the
     connection closes (uvicorn has no such limit: a body trickled a byte at a time would hold its connection).
@@ -69,9 +73,16 @@ class Front:
     """
 
     def __init__(
-        self, app: ASGIApp, guard: Guard, access_log: bool, body_timeout_s: float, routes: Sequence = ()
+        self,
+        app: ASGIApp,
+        guard: Guard,
+        access_log: bool,
+        body_timeout_s: float,
+        routes: Sequence = (),
+        answer_id: bool = True,
     ) -> None:
         self.app, self.guard, self.state, self.access_log = app, guard, guard.state, access_log
+        self.answer_id = answer_id
         self.body_timeout_s = body_timeout_s
         self.routes, self._lanes = routes, None
         # Request ids: a random per-process prefix and a counter (uuid4 per request was measurable here).
@@ -94,7 +105,9 @@ class Front:
                 if not body.done and not body.late:  # answered before its body was read (a 413, say)
                     await body.drain()
                 status = message["status"]
-                headers = [*message.get("headers", ()), (b"x-request-id", rid.encode())]
+                headers = [*message.get("headers", ())]
+                if self.answer_id:
+                    headers.append((b"x-request-id", rid.encode()))
                 if body.late:  # what is left of a late body is never read: the connection closes
                     headers.append((b"connection", b"close"))
                 message["headers"] = headers

@@ -37,10 +37,8 @@ def loaded(tiny_artifact):
 
 
 def _front(app) -> Front:
-    stack = app.middleware_stack
-    while not isinstance(stack, Front):
-        stack = stack.app
-    return stack
+    assert isinstance(app.front, Front)
+    return app.front
 
 
 def _requests() -> list[tuple[str, str, dict]]:
