@@ -127,3 +127,37 @@ def test_metrics_label_a_direct_request_by_its_route(loaded):
     assert client.post("/v2/models/encoder/infer", json={"inputs": []}).status_code == 400
     metrics = client.get("/metrics").text
     assert re.search(r'route="/v2/models/\{name\}/infer"', metrics), metrics[:2000]
+
+
+def test_the_front_sees_every_answer_fastapis_own_500_included(loaded):
+    """The app calls the front first, outside FastAPI's own middleware: an unexpected error in a route FastAPI routes
+    is answered by FastAPI's error middleware inside it, with the request's id and counted by its status."""
+    app, client = loaded
+
+    async def broken():
+        raise RuntimeError("a bug")
+
+    app.add_api_route("/v1/broken-for-a-test", broken)
+    try:
+        r = client.get("/v1/broken-for-a-test", headers={"x-request-id": "front-500"})
+    finally:
+        app.router.routes.pop()
+    assert r.status_code == 500 and "internal" in error_message(r).lower(), r.text
+    assert r.headers["x-request-id"] == "front-500"
+    metrics = client.get("/metrics").text
+    assert re.search(r'route="/v1/broken-for-a-test"[^\n]*status="500"', metrics) or re.search(
+        r'status="500"[^\n]*route="/v1/broken-for-a-test"', metrics
+    ), metrics[:2000]
+
+
+def test_answers_carry_no_request_id_where_a_proxy_adds_its_own(tiny_artifact):
+    """``answer_request_id=False`` (Ray Serve's replica: its proxy adds the id to each answer): the answers, direct
+    lane's and FastAPI's, carry none of their own."""
+    app = create_app(Settings(artifact=tiny_artifact, grpc_port=0), answer_request_id=False)
+    with TestClient(app) as client:
+        wait_until_ready(client)
+        for r in (
+            client.post("/v1/encode", json={"embeddings": np.ones((1, 3, 32)).tolist()}),
+            client.get("/v1/models"),
+        ):
+            assert r.status_code == 200 and "x-request-id" not in r.headers, r.headers
