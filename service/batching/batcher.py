@@ -248,8 +248,7 @@ class Batcher:
         A finished batch is handed to the event loop only once the next one is taken and merged, right before it
         runs: handing it over wakes the loop into writing that batch's responses, and the loop then holds the GIL
         this thread would otherwise wait for between runs (that wait left the model idle ~11% at 32 clients).
-        With a queue delay, the next batch may wait for company, so a finished one is handed over at once; so is one
-        with nothing queued after it (a lone request's: the thread would only wait).
+        With a queue delay, the next batch may wait for company, so a finished one is handed over at once.
         """
         done: tuple | None = None  # a finished batch not yet handed to the loop
         while True:
@@ -284,7 +283,7 @@ class Batcher:
                     done = self._run(batch, *stacked, light=whole)
             finally:
                 self._ran(lane)
-            if done is not None and (self.max_delay > 0 or not self._queue):
+            if done is not None and self.max_delay > 0:
                 self._post(self._deliver, *done)
                 done = None
 
@@ -398,13 +397,12 @@ class Batcher:
             log.warning("event loop closed: a finished batch of inference was not delivered")
 
     def _deliver(self, batch: list[Queued], rows: list[Outputs], run: Run) -> None:
-        """On the event loop: each request's rows to its future (unless it timed out or its client left); the run
-        told to the observers after the requests' own steps, which write their answers first."""
+        """On the event loop: each request's rows to its future (unless it timed out or its client left)."""
         for item, result in zip(batch, rows, strict=True):
             if not item.future.done():
                 item.future.set_result(result)
         if self.observer is not None:
-            self._loop.call_soon(self.observer.batch_done, run)
+            self.observer.batch_done(run)
 
     def _light_at(self, waiting: int) -> bool:
         """Whether a run with ``waiting`` requests on the model is at light load: LIGHT_LOAD or fewer, or HEAVY_LOAD or
