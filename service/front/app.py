@@ -115,9 +115,8 @@ class _App(FastAPI):
         it hands to ``routed``); the lifespan to FastAPI. Outside FastAPI's own stack, the front sees every answer,
         a 500 of FastAPI's error middleware included."""
         if scope["type"] == "http" and self.front is not None:
-            scope["app"] = (
-                self  # as Starlette sets it: the direct lane's Request reads the app's state through it
-            )
+            # as Starlette sets it: the direct lane's Request reads the app's state through it
+            scope["app"] = self
             await self.front(scope, receive, send)
         else:
             await super().__call__(scope, receive, send)
