@@ -1,9 +1,6 @@
-"""create_app(settings): the FastAPI application, its middleware and its error handlers.
-
-Outermost first: the HTTP front (front.middleware.Front: request id, access line, metrics, the guard, the body's
-deadline; its direct lane answers the inference routes itself) -> FastAPI's own stack (its error middleware, exception
-middleware and router): every other route the app serves. The app calls the front itself (``_App.__call__``), so a
-small request pays none of FastAPI's layers it does not use.
+"""create_app(settings): the FastAPI application, its front and its error handlers. Outermost first: the HTTP front
+(front.middleware.Front: request id, access line, metrics, the guard, the body's deadline; its direct lane answers the
+inference routes), called by the app itself (``_App.__call__``) -> FastAPI's own stack and router: the other routes.
 """
 
 from __future__ import annotations
@@ -38,8 +35,7 @@ def create_app(
     load: for hosts that count an instance as serving once its start-up ends (Ray Serve replicas,
     service/ray_serve.py). With ``grpc_port`` set, the gRPC service starts with the app, on its event loop.
     ``exit_on_error``: with model control off, the process stops itself when no model could be loaded
-    (``state.load_then_watch``). ``answer_request_id``: each answer carries its request's ``x-request-id``; off
-    behind a proxy that adds it to the answer itself (Ray Serve's).
+    (``state.load_then_watch``). ``answer_request_id``: answers carry ``x-request-id`` (off: Ray's proxy adds it).
     """
     factory = settings is None  # uvicorn --factory, several workers: configured from the environment
     if factory:
@@ -93,12 +89,7 @@ def create_app(
         app.include_router(router)
     install_error_handlers(app)
     app.front = Front(
-        app.routed,
-        guard=guard,
-        access_log=settings.access_log,
-        body_timeout_s=settings.body_timeout_s,
-        routes=app.router.routes,
-        answer_id=answer_request_id,
+        app.routed, guard, settings.access_log, settings.body_timeout_s, app.router.routes, answer_request_id
     )
     if factory:  # this worker process's app is built (cli._run does it for one process)
         freeze_heap()
@@ -111,12 +102,10 @@ class _App(FastAPI):
     front: Front | None = None  # create_app's
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Every HTTP request through the front first (its direct lane answers the inference routes itself, the rest
-        it hands to ``routed``); the lifespan to FastAPI. Outside FastAPI's own stack, the front sees every answer,
-        a 500 of FastAPI's error middleware included."""
+        """Every HTTP request through the front first (it hands what its direct lane does not answer to ``routed``),
+        outside FastAPI's own stack: it sees every answer, a 500 of FastAPI's error middleware too; the lifespan."""
         if scope["type"] == "http" and self.front is not None:
-            # as Starlette sets it: the direct lane's Request reads the app's state through it
-            scope["app"] = self
+            scope["app"] = self  # as Starlette sets it (the direct lane's Request reads the app through it)
             await self.front(scope, receive, send)
         else:
             await super().__call__(scope, receive, send)
