@@ -610,6 +610,35 @@ def test_lone_request_times_each_step_of_the_servers_path_in_order(tiny_text_art
     assert re.search(r"tokenize [\d.]+, embed [\d.]+, run [\d.]+, pool [\d.]+, in all [\d.]+", out), out
 
 
+def test_the_calls_study_counts_each_threads_calls_a_request_for_each_checkout(
+    tiny_text_artifact, tiny_artifact, capsys
+):
+    """bench.studies.calls on a tiny text model (``/v1/embeddings``) and a tiny model of embeddings (V2 binary): the
+    counting server answers every request (a refusal would stop the study), each checkout has its column, the event
+    loop and the inference thread both call Python a request (a count of nothing would mean the profile hook is not
+    on their threads), and the same code counted twice comes out alike."""
+    from bench.server import ROOT
+    from bench.studies import calls
+
+    for artifact, what in ((tiny_text_artifact, "/v1/embeddings"), (tiny_artifact, "V2 binary [1,16,32]")):
+        twice = [str(ROOT)] * (2 if artifact == tiny_text_artifact else 1)
+        assert calls.main(["--artifact", str(artifact), "--requests", "10", *twice]) == 0
+        out = capsys.readouterr().out
+        assert f"### {what}" in out, out
+        rows = {
+            line.split("|")[1].strip(): line.split("|")[2:-1]
+            for line in out.splitlines()
+            if line.startswith("| ")
+        }
+        loop, inference = (
+            tuple(float(c.replace(",", "")) for c in rows[k])
+            for k in ("event loop, Python", "inference, Python")
+        )
+        assert min(loop) > 50 and min(inference) > 5, out
+        assert abs(loop[0] - loop[-1]) <= 0.1 * loop[0], out  # counts, not timings: the same code alike
+        assert "service/front/http11.py" in rows, out
+
+
 def test_the_front_floor_study_measures_every_layer_from_the_bare_protocol_up(tiny_text_artifact, capsys):
     """bench.studies.front_floor on a tiny text model: every layer's server starts and answers its request without
     an error (a layer whose request the server refused would stop the study), the V2 layers answer what
