@@ -125,6 +125,7 @@ def _senders(artifact: Path) -> list[tuple[str, object]]:
     import numpy as np
 
     from addnorm.model.artifact import Manifest
+    from addnorm.model.contract import EMBEDDINGS
     from bench.text import sentences
 
     m = Manifest.load(artifact)
@@ -145,7 +146,7 @@ def _senders(artifact: Path) -> list[tuple[str, object]]:
 
         return [("/v1/embeddings, one real sentence", text)]
     x = np.full((1, 16, m.config.d_model), 0.5, np.float32)
-    inputs = [{"name": "embeddings", "shape": list(x.shape), "datatype": "FP32"}]
+    inputs = [{"name": EMBEDDINGS, "shape": list(x.shape), "datatype": "FP32"}]
     inputs[0]["parameters"] = {"binary_data_size": x.nbytes}
     header = json.dumps({"inputs": inputs, "parameters": {"binary_data_output": True}}).encode()
     headers = {
