@@ -99,12 +99,12 @@ def create_app(
 class _App(FastAPI):
     """FastAPI, behind the HTTP front, with its OpenAPI document made true to this server."""
 
-    front: Front | None = None  # create_app's
+    front: Front  # create_app's
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Every HTTP request through the front first (it hands what its direct lane does not answer to ``routed``),
         outside FastAPI's own stack: it sees every answer, a 500 of FastAPI's error middleware too; the lifespan."""
-        if scope["type"] == "http" and self.front is not None:
+        if scope["type"] == "http":
             scope["app"] = self  # as Starlette sets it (the direct lane's Request reads the app through it)
             await self.front(scope, receive, send)
         else:

@@ -60,7 +60,7 @@ class Front:
     ``app``, FastAPI's own stack and router. A model route finds the models the guard let it reach in its scope
     (``Known``). The app calls it first (front/app.py), outside FastAPI's own middleware.
 
-    ``answer_id``: each answer carries the request's id (``x-request-id``: the client's own, else one made here),
+    ``answer_request_id``: each answer carries the request's id (``x-request-id``: the client's own, else one made here),
     as the log lines do; off behind a proxy that adds its own to every answer (Ray Serve's).
 
     ``body_timeout_s``: a request's body must arrive within this time of the request's start, else 408 and the
@@ -79,10 +79,10 @@ class Front:
         access_log: bool,
         body_timeout_s: float,
         routes: Sequence = (),
-        answer_id: bool = True,
+        answer_request_id: bool = True,
     ) -> None:
         self.app, self.guard, self.state, self.access_log = app, guard, guard.state, access_log
-        self.answer_id = answer_id
+        self.answer_request_id = answer_request_id
         self.body_timeout_s = body_timeout_s
         self.routes, self._lanes = routes, None
         # Request ids: a random per-process prefix and a counter (uuid4 per request was measurable here).
@@ -106,7 +106,7 @@ class Front:
                     await body.drain()
                 status = message["status"]
                 headers = [*message.get("headers", ())]
-                if self.answer_id:
+                if self.answer_request_id:
                     headers.append((b"x-request-id", rid.encode()))
                 if body.late:  # what is left of a late body is never read: the connection closes
                     headers.append((b"connection", b"close"))
