@@ -42,13 +42,17 @@ MARKS = "ADDNORM_STUDY_MARKS"  # where the traced server writes its marks on SIG
 STEPS = (
     ("read: the server's first bytes", "addnorm.service.front.http11", "Http11", "data_received", "enter"),
     ("routed: HTTP parsed, front, route", "addnorm.service.protocols.text.codec", None, "answer", "enter"),
+    ("body parsed: JSON", "addnorm.service.protocols.text.codec", None, "parse_json", "leave"),
     ("tokenized", "addnorm.service.protocols.text.codec", None, "decode_texts", "leave"),
     ("queued on the batcher", "addnorm.service.batching.batcher", "Batcher", "infer", "enter"),
     ("taken by the inference thread", "addnorm.service.batching.merging", None, "stack", "enter"),
     ("embedded: the embedding graph", "addnorm.service.batching.merging", None, "stack", "leave"),
     ("run: the model", "addnorm.service.backend.engine", "Engine", "run", "leave"),
+    ("cut: each request's rows", "addnorm.service.batching.merging", None, "split", "leave"),
+    ("the run's end told to the lanes", "addnorm.service.batching.batcher", "Batcher", "_ran", "leave"),
     ("handed to the event loop", "addnorm.service.batching.batcher", "Batcher", "_post", "enter"),
     ("delivered to the request", "addnorm.service.batching.batcher", "Batcher", "_deliver", "enter"),
+    ("the batcher's wait returned", "addnorm.service.batching.batcher", "Batcher", "infer", "leave"),
     ("encoded: JSON", "addnorm.service.protocols.text.codec", "TextCodec", "encode", "leave"),
     ("sent: the answer written", "addnorm.service.front.http11", "_Cycle", "send", "leave"),
 )

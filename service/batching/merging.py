@@ -141,7 +141,8 @@ class Queued:
     @cached_property
     def tokens(self) -> int:
         """The positions a packed graph computes of it (the cost model's and the metrics' own positions)."""
-        return int(self.lengths.sum())
+        # without padding, no array: numpy's calls cost tens of µs each run cold after a model's run
+        return int(self.lengths.sum()) if self.padded else self.rows * self.seq
 
     def dropped(self, now: float) -> bool:
         """Answered already (timed out, its client gone) or past its deadline: not to be run."""
