@@ -616,7 +616,7 @@ def test_the_calls_study_counts_each_threads_calls_a_request_for_each_checkout(
     """bench.studies.calls on a tiny text model (``/v1/embeddings``) and a tiny model of embeddings (V2 binary): the
     counting server answers every request (a refusal would stop the study), each checkout has its column, the event
     loop and the inference thread both call Python a request (a count of nothing would mean the profile hook is not
-    on their threads), and the same code counted twice comes out alike."""
+    on their threads), the same code counted twice comes out alike, and each thread's table has its own modules."""
     from bench.server import ROOT
     from bench.studies import calls
 
@@ -637,6 +637,9 @@ def test_the_calls_study_counts_each_threads_calls_a_request_for_each_checkout(
         assert min(loop) > 50 and min(inference) > 5, out
         assert abs(loop[0] - loop[-1]) <= 0.1 * loop[0], out  # counts, not timings: the same code alike
         assert "service/front/http11.py" in rows, out
+        # each thread's modules: the batcher's on the inference threads; the access log's writer is not one of them
+        lanes = out.split("The inference threads'")[1].split("The other threads'")[0]
+        assert "service/batching/batcher.py" in lanes and "service/logs.py" not in lanes, out
 
 
 def test_the_front_floor_study_measures_every_layer_from_the_bare_protocol_up(tiny_text_artifact, capsys):

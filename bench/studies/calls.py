@@ -32,9 +32,9 @@ COUNTS = "ADDNORM_STUDY_COUNTS"
 def _thread_kind(name: str) -> str:
     if name == "MainThread":
         return "event loop"
-    if name.startswith("addnorm-"):  # the batcher's lanes and express lane
+    if name.startswith(("addnorm-infer", "addnorm-express")):  # the batcher's lanes and express lane
         return "inference"
-    return "other"
+    return "other"  # the log's writer (addnorm-log), live parity's, onnxruntime's pools, workers
 
 
 def counting(argv: list[str]) -> int:
@@ -171,15 +171,21 @@ def report(what: str, checkouts: list[Path], per: list[dict], top: int) -> str:
         ):
             cells = [sum(n for (k, m), n in p.items() if k == kind and pick(m)) for p in per]
             lines.append(f"| {kind}, {label} | " + " | ".join(f"{c:,.1f}" for c in cells) + " |")
-    loop = collections.Counter()
-    for p in per:
-        for (k, m), n in p.items():
-            if k == "event loop" and m != "(built-ins)":
-                loop[m] = max(loop[m], n)
-    lines += ["", f"The event loop's Python calls a request by module (the {top} with the most):", ""]
-    lines += ["| module | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
-    for m, _ in loop.most_common(top):
-        lines.append(f"| {m} | " + " | ".join(f"{p.get(('event loop', m), 0.0):,.1f}" for p in per) + " |")
+    threads = (
+        ("event loop", "The event loop's"),
+        ("inference", "The inference threads'"),
+        ("other", "The other threads'"),
+    )
+    for kind, whose in threads:
+        most = collections.Counter()
+        for p in per:
+            for (k, m), n in p.items():
+                if k == kind and m != "(built-ins)":
+                    most[m] = max(most[m], n)
+        lines += ["", f"{whose} Python calls a request by module (the {top} with the most):", ""]
+        lines += ["| module | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+        for m, _ in most.most_common(top):
+            lines.append(f"| {m} | " + " | ".join(f"{p.get((kind, m), 0.0):,.1f}" for p in per) + " |")
     return "\n".join(lines)
 
 
@@ -197,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--requests", type=int, default=300, help="lone requests counted, after as many to warm up"
     )
-    p.add_argument("--top", type=int, default=12, help="modules listed for the event loop")
+    p.add_argument("--top", type=int, default=12, help="modules listed for each thread")
     p.add_argument("checkouts", nargs="*", type=Path, help="checkouts to compare (default: this one)")
     args = p.parse_args(argv)
     if args.requests < 1:
