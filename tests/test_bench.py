@@ -610,6 +610,28 @@ def test_lone_request_times_each_step_of_the_servers_path_in_order(tiny_text_art
     assert re.search(r"tokenize [\d.]+, embed [\d.]+, run [\d.]+, pool [\d.]+, in all [\d.]+", out), out
 
 
+def test_lone_request_puts_checkouts_side_by_side_step_by_step(tiny_text_artifact, capsys):
+    """bench.studies.lone_request with two checkouts (this one twice): each serves from its own code, both reports
+    print, and the side-by-side table has each step's added ms in a column per checkout, then the wall time, how
+    far above in process, and the path less the model's run (no timing asserted)."""
+    from bench.server import ROOT
+    from bench.studies import lone_request
+
+    argv = ["--artifact", str(tiny_text_artifact), "--rounds", "2", "--sentences", "2", str(ROOT), str(ROOT)]
+    assert lone_request.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count(f"### {ROOT}") == 2 and out.count("less the model's run: ") == 2, out
+    table = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    names = [row[0][2:] for row in table]
+    steps = [step for step, *_ in lone_request.STEPS]
+    assert names[1 : len(steps) + 1] == steps and names[len(steps) + 1] == "answer read by the client", out
+    assert names[-3:-1] == ["the client's wall time", "above in process (" + names[-2].split("(")[1]], out
+    assert names[-1].startswith("the path: the wall time less the model's run"), out
+    assert all(len(row) == 3 for row in table), out  # the step, then a column a checkout
+    walls = table[-3][1:]  # the client's wall time, a checkout's cell each
+    assert all(float(cell.strip(" |")) > 0 for cell in walls), out
+
+
 def test_the_calls_study_counts_each_threads_calls_a_request_for_each_checkout(
     tiny_text_artifact, tiny_artifact, capsys
 ):

@@ -1,7 +1,7 @@
 """Where a lone request's time goes: one client sending one real sentence at a time to addnorm-serve, step by step,
 against the same sentence's steps in this process (issue 77's one-client goal: within 0.3 ms of in-process).
 
-    python -m bench.studies.lone_request [--artifact DIR] [--rounds N]
+    python -m bench.studies.lone_request [--artifact DIR] [--rounds N] [CHECKOUT ...]
 
 addnorm-serve runs at its defaults in a subprocess that stamps the time at each of a request's steps (``STEPS``: the
 functions it wraps, entered or left); one client on one keep-alive connection sends each of bench.text's sentences
@@ -10,13 +10,21 @@ system's monotonic clock, the same in both processes, so each step is timed from
 through the server the same sentences run in this process (tokenized, embedded, run on the session a lone run takes,
 pooled: what the server's steps do, without HTTP and threads), so a slow phase of the machine falls on both sides.
 Printed: per step, the median ms from the send and what the step added; then the in-process latency and how far the
-client's wall time is above it. An ids artifact (one exported ``--from`` a model
+client's wall time is above it, and the path's own time (the wall time less the model's run, whose time moves more
+from request to request than a small change to the path saves). An ids artifact (one exported ``--from`` a model
 directory). docs/benchmarks.md, "One client, step by step".
+
+With checkouts (default: this one; an older commit: ``git worktree add /tmp/before REV``), each serves the artifact
+from its own code (``PYTHONPATH``; the stamps are this study's, so every step must exist in each), all alive at once,
+and each round goes through every one in turn, in alternating order: a step's time against another checkout's is
+measured in the same minutes, where the client's wall time moves more between runs than a small change saves. Then
+a table of each step's added ms side by side.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import http.client
 import importlib
@@ -30,11 +38,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from addnorm.commands import Parser
-from addnorm.model.artifact import Manifest
-from addnorm.model.runtime import cpu_flags
-from bench.server import HOST, ServerProcess
-from bench.studies import text_arguments, text_inputs
+# The server side (``--traced``) runs as a script against another checkout's ``addnorm`` (``PYTHONPATH``): nothing
+# of this checkout's own is imported at the top.
 
 MARKS = "ADDNORM_STUDY_MARKS"  # where the traced server writes its marks on SIGUSR1
 
@@ -109,41 +114,73 @@ def traced(argv: list[str]) -> int:
     return main(argv)
 
 
+Sends = list[tuple[float, float]]  # each request's (send, answer read) on the clock
+
+
 def requests_through(
-    artifact: Path, texts: list[str], rounds: int, between: Callable[[int], None] = lambda _: None
-) -> tuple[list[dict[str, float]], list[float]]:
-    """Each request's steps (ms from the client's send; ``LAST`` at its last write, the rest at their first) after the
-    warm-up round, and each one's wall time at the client (ms); ``between(r)`` after each round ``r``."""
+    checkouts: list[Path],
+    artifact: Path,
+    texts: list[str],
+    rounds: int,
+    between: Callable[[int], None] = lambda _: None,
+) -> list[tuple[list[dict[str, float]], list[float]]]:
+    """For each checkout (its server alive beside the others' throughout), each request's steps (ms from the client's
+    send; ``LAST`` at its last write, the rest at their first) after the warm-up round, and each one's wall time at
+    the client (ms). Each round goes through every checkout in turn, in alternating order; ``between(r)`` after each
+    round ``r``."""
+    from addnorm.model.artifact import Manifest
+    from bench.server import HOST, ServerProcess
+
     name = Manifest.load(artifact).name
-    with tempfile.TemporaryDirectory() as tmp:
-        marks_path = Path(tmp) / "marks.json"
-        srv = ServerProcess(
-            ["-m", "bench.studies.lone_request", "--traced", "--artifact", str(artifact)],
-            env={MARKS: str(marks_path)},
-        )
-        with srv:
-            conn = http.client.HTTPConnection(HOST, srv.port)
-            sends = []
-            for r in range(rounds):
-                for text in texts:
-                    body = json.dumps({"input": text, "model": name}).encode()
-                    start = time.perf_counter()
-                    conn.request("POST", "/v1/embeddings", body, {"Content-Type": "application/json"})
-                    answer = conn.getresponse()
-                    if answer.status != 200:
-                        raise RuntimeError(
-                            f"/v1/embeddings answered {answer.status}: {answer.read()[:300]!r}"
-                        )
-                    answer.read()
-                    sends.append((start, time.perf_counter()))
-                between(r)
+    bodies = [json.dumps({"input": text, "model": name}).encode() for text in texts]
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        paths = [Path(tmp) / f"marks-{i}.json" for i in range(len(checkouts))]
+        servers = [
+            stack.enter_context(
+                ServerProcess(
+                    [__file__, "--traced", "--artifact", str(artifact)],
+                    env={MARKS: str(path), "PYTHONPATH": str(checkout)},
+                )
+            )
+            for checkout, path in zip(checkouts, paths, strict=True)
+        ]
+        conns = [http.client.HTTPConnection(HOST, srv.port) for srv in servers]
+        sends: list[Sends] = [[] for _ in checkouts]
+        for r in range(rounds):
+            order = range(len(checkouts)) if r % 2 == 0 else reversed(range(len(checkouts)))
+            for i in order:
+                sends[i] += _send_each(conns[i], bodies)
+            between(r)
+        for conn in conns:
             conn.close()
-            srv.proc.send_signal(signal.SIGUSR1)
-            for _ in range(100):
-                if marks_path.is_file():
-                    break
-                time.sleep(0.05)
-            marks = json.loads(marks_path.read_text())
+        marks = [_marks(srv.proc, path) for srv, path in zip(servers, paths, strict=True)]
+    return [_steps(s, m, len(texts)) for s, m in zip(sends, marks, strict=True)]
+
+
+def _send_each(conn: http.client.HTTPConnection, bodies: list[bytes]) -> Sends:
+    sends = []
+    for body in bodies:
+        start = time.perf_counter()
+        conn.request("POST", "/v1/embeddings", body, {"Content-Type": "application/json"})
+        answer = conn.getresponse()
+        if answer.status != 200:
+            raise RuntimeError(f"/v1/embeddings answered {answer.status}: {answer.read()[:300]!r}")
+        answer.read()
+        sends.append((start, time.perf_counter()))
+    return sends
+
+
+def _marks(proc, path: Path) -> list[tuple[str, float]]:
+    """A traced server's marks: asked for by SIGUSR1, read once written."""
+    proc.send_signal(signal.SIGUSR1)
+    for _ in range(100):
+        if path.is_file():
+            break
+        time.sleep(0.05)
+    return json.loads(path.read_text())
+
+
+def _steps(sends: Sends, marks: list, warm: int) -> tuple[list[dict[str, float]], list[float]]:
     steps: list[dict[str, float]] = []
     walls: list[float] = []
     at = 0
@@ -156,7 +193,6 @@ def requests_through(
             at += 1
         steps.append(seen)
         walls.append((end - start) * 1e3)
-    warm = len(texts)
     return steps[warm:], walls[warm:]
 
 
@@ -209,55 +245,112 @@ class InProcess:
         self.loop.close()
 
 
-def report(steps: list[dict[str, float]], walls: list[float], reference: dict[str, float]) -> str:
-    lines = [f"{'step':40s} {'ms from send':>12s} {'added':>8s}", f"{'sent by the client':40s} {0.0:12.3f}"]
-    before = 0.0
+def medians(steps: list[dict[str, float]], walls: list[float]) -> list[tuple[str, float, float]]:
+    """(step, median ms from the send, what it added) for each step, the client's read of the answer last."""
+    rows, before = [], 0.0
     for step, *_ in STEPS:
         at = statistics.median(s[step] for s in steps)
-        lines.append(f"{step:40s} {at:12.3f} {at - before:8.3f}")
+        rows.append((step, at, at - before))
         before = at
     wall = statistics.median(walls)
-    lines.append(f"{'answer read by the client':40s} {wall:12.3f} {wall - before:8.3f}")
+    return [*rows, ("answer read by the client", wall, wall - before)]
+
+
+RUN = (
+    "embedded: the embedding graph",
+    "run: the model",
+)  # the model's run: from the one step's end to the other's
+
+
+def path_ms(steps: list[dict[str, float]], walls: list[float]) -> float:
+    """The median request's wall time less its model's run: the path's own time, without the run's noise (its run
+    moves by a tenth of a millisecond from request to request, more than a small change to the path saves)."""
+    return statistics.median(w - (s[RUN[1]] - s[RUN[0]]) for s, w in zip(steps, walls, strict=True))
+
+
+def report(steps: list[dict[str, float]], walls: list[float], reference: dict[str, float]) -> str:
+    lines = [f"{'step':40s} {'ms from send':>12s} {'added':>8s}", f"{'sent by the client':40s} {0.0:12.3f}"]
+    lines += [f"{step:40s} {at:12.3f} {added:8.3f}" for step, at, added in medians(steps, walls)]
+    wall = statistics.median(walls)
     ref = ", ".join(f"{k} {v:.3f}" for k, v in reference.items())
     lines += [
         "",
         f"in process, the same sentences (median ms): {ref}",
         f"the client's wall time {wall:.3f} ms: {wall - reference['in all']:.3f} ms above in process "
         "(issue 77 asks at most 0.3)",
+        f"less the model's run: {path_ms(steps, walls):.3f} ms, in process {_path_in_process(reference):.3f}",
     ]
+    return "\n".join(lines)
+
+
+def _path_in_process(reference: dict[str, float]) -> float:
+    return reference["in all"] - reference["run"]
+
+
+def side_by_side(names: list[str], measured: list[tuple[list, list]], reference: dict[str, float]) -> str:
+    """Each step's added ms for each checkout, then each one's wall time and how far above in process."""
+    columns = [medians(steps, walls) for steps, walls in measured]
+    lines = ["| step (ms added, median) | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    for k, (step, *_) in enumerate(columns[0]):
+        lines.append(f"| {step} | " + " | ".join(f"{col[k][2]:.3f}" for col in columns) + " |")
+    walls = [statistics.median(w) for _, w in measured]
+    lines.append("| the client's wall time | " + " | ".join(f"{w:.3f}" for w in walls) + " |")
+    above = " | ".join(f"{w - reference['in all']:+.3f}" for w in walls)
+    lines.append(f"| above in process ({reference['in all']:.3f}) | {above} |")
+    paths = " | ".join(f"{path_ms(steps, walls):.3f}" for steps, walls in measured)
+    lines.append(
+        f"| the path: the wall time less the model's run (in process {_path_in_process(reference):.3f}) | {paths} |"
+    )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--traced"]:  # the server side: python -m bench.studies.lone_request --traced SERVER-ARGS
+    if argv[:1] == ["--traced"]:  # the server side: lone_request.py --traced SERVER-ARGS
         return traced(argv[1:])
+    from addnorm.commands import Parser
+    from addnorm.model.runtime import cpu_flags
+    from bench.server import ROOT
+    from bench.studies import text_arguments, text_inputs
+
     p = Parser(prog="python -m bench.studies.lone_request", description=__doc__.split("\n\n")[0])
     text_arguments(p)
     p.add_argument(
         "--rounds", type=int, default=4, help="times each sentence is sent; the first is a warm-up"
     )
+    p.add_argument("checkouts", nargs="*", type=Path, help="checkouts to compare (default: this one)")
     args = p.parse_args(argv)
     if args.rounds < 2:
         p.error("--rounds must be at least 2: the first is a warm-up")
+    checkouts = [c.resolve() for c in args.checkouts] or [ROOT]
+    for c in checkouts:
+        if not (c / "service" / "cli.py").is_file():
+            p.error(f"{c} is not a checkout of addnorm (no service/cli.py)")
     with text_inputs(args) as (artifact, name, texts):
         local = InProcess(artifact)
-        try:  # a round in process after each through the server, the first of each a warm-up
-            steps, walls = requests_through(
-                artifact, texts, args.rounds, lambda r: local.round(texts, keep=r > 0)
+        try:  # a round in process after each through the servers, the first of each a warm-up
+            measured = requests_through(
+                checkouts, artifact, texts, args.rounds, lambda r: local.round(texts, keep=r > 0)
             )
             reference = local.medians()
         finally:
             local.close()
+    for checkout, (steps, _) in zip(checkouts, measured, strict=True):
         missing = sorted({step for step, *_ in STEPS} - set.intersection(*(set(s) for s in steps)))
         if missing:  # a step the server no longer takes on this path: the table would not add up
-            raise SystemExit(f"some requests went without these steps: {missing}")
+            raise SystemExit(f"some requests to {checkout} went without these steps: {missing}")
     print(
-        f"{len(steps)} lone /v1/embeddings requests ({len(texts)} sentences x {args.rounds - 1} rounds after a "
-        f"warm-up), one client, {name}; "
+        f"{len(measured[0][0])} lone /v1/embeddings requests ({len(texts)} sentences x {args.rounds - 1} rounds "
+        f"after a warm-up) a checkout, one client, {name}; "
         f"CPU flags: {' '.join(sorted(cpu_flags())) or 'unknown'}"
     )
-    print(report(steps, walls, reference))
+    for checkout, (steps, walls) in zip(checkouts, measured, strict=True):
+        if len(checkouts) > 1:
+            print(f"\n### {checkout}\n")
+        print(report(steps, walls, reference))
+    if len(checkouts) > 1:
+        print()
+        print(side_by_side([str(c) for c in checkouts], measured, reference))
     return 0
 
 
