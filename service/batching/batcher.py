@@ -444,7 +444,7 @@ class Batcher:
             if not self._queue:
                 return [], False
             head = self._pop()
-            if head.solo:
+            if head.solo or not self._queue:  # alone, or nothing to join it (choosing among none: 25 µs cold)
                 return self._started(lane, [head])
             live = (i for i in self._queue if not i.dropped(now))  # the others are dropped as they come up
             # requests waiting on the model, the head's own included: at light load, two or more cut by the light

@@ -343,11 +343,11 @@ async def run_parts(infer, req: TextRequest, limit: float, timer) -> tuple[Outpu
 
     async def one(part: Part):
         async with gate:
-            return await infer(part.tokens, part.batch.mask, limit, timer)
+            return await infer(part.tokens, part.batch.padding, limit, timer)
 
     # One part holds the inputs in input order (``parts_of``): its answer is the request's.
     if len(req.parts) == 1:
-        return await infer(req.parts[0].tokens, req.parts[0].batch.mask, limit, timer)
+        return await infer(req.parts[0].tokens, req.parts[0].batch.padding, limit, timer)
     answers = await asyncio.gather(*(one(p) for p in req.parts))
     # Several parts hold more than max_batch_tokens positions, megabytes of outputs: joining them copies every output
     # (the largest request's, hundreds of MB) in a worker, where numpy's copies leave the interpreter to the event loop

@@ -123,7 +123,8 @@ def test_max_tokens_cuts_as_the_tokenizers_own_truncation_at_that_length(tok, to
 
 def test_a_batch_is_padded_to_its_longest_whatever_its_lengths(tok):
     """``pad``: inputs of one length (one input, say: nothing to pad) and of several give the same arrays as
-    padding each row to the longest by hand: ids, token types (zeros without them), the mask over the padding."""
+    padding each row to the longest by hand: ids, token types (zeros without them), the mask over the padding, and
+    ``padding`` the mask only where there is some."""
     pad_id = tok.text.pad_token_id
     for ids, types in (
         ([[101, 7, 102]], None),
@@ -138,6 +139,9 @@ def test_a_batch_is_padded_to_its_longest_whatever_its_lengths(tok):
         assert batch.token_type_ids.tolist() == want_types
         assert batch.mask.tolist() == [[p >= len(row) for p in range(seq)] for row in ids]
         assert batch.lengths == [len(row) for row in ids]
+        # what a batcher is given: the mask where some row is padded, no array where none is
+        padded = len(set(map(len, ids))) > 1
+        assert (batch.padding is batch.mask) if padded else (batch.padding is None)
 
 
 def test_decode_is_the_tokenizers_own_and_skips_special_tokens_when_asked(tok, tokenizer_json):
