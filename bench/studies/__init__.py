@@ -8,6 +8,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def checkout_arguments(p) -> None:
+    """The positional checkouts a study compares side by side (``checkouts_of`` reads them)."""
+    p.add_argument("checkouts", nargs="*", type=Path, help="checkouts to compare (default: this one)")
+
+
+def checkouts_of(p, args) -> list[Path]:
+    """``checkout_arguments``' checkouts, resolved (this one when none is given); each must be one of addnorm (an
+    older commit: ``git worktree add /tmp/before REV``), else the parser's error."""
+    from bench.server import ROOT
+
+    checkouts = [c.resolve() for c in args.checkouts] or [ROOT]
+    for c in checkouts:
+        if not (c / "service" / "cli.py").is_file():
+            p.error(f"{c} is not a checkout of addnorm (no service/cli.py)")
+    return checkouts
+
+
 def text_arguments(p) -> None:
     """The text studies' ``--artifact`` and ``--sentences`` (``text_inputs`` reads them)."""
     p.add_argument(

@@ -195,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         return counting(argv[1:])
     from addnorm.commands import Parser
     from addnorm.model.runtime import cpu_flags
-    from bench.server import ROOT
-    from bench.studies import text_arguments, text_inputs
+    from bench.studies import checkout_arguments, checkouts_of, text_arguments, text_inputs
 
     p = Parser(prog="python -m bench.studies.calls", description=__doc__.split("\n\n")[0])
     text_arguments(p)
@@ -204,14 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         "--requests", type=int, default=300, help="lone requests counted, after as many to warm up"
     )
     p.add_argument("--top", type=int, default=12, help="modules listed for each thread")
-    p.add_argument("checkouts", nargs="*", type=Path, help="checkouts to compare (default: this one)")
+    checkout_arguments(p)
     args = p.parse_args(argv)
     if args.requests < 1:
         p.error("--requests must be at least 1")
-    checkouts = [c.resolve() for c in args.checkouts] or [ROOT]
-    for c in checkouts:
-        if not (c / "service" / "cli.py").is_file():
-            p.error(f"{c} is not a checkout of addnorm (no service/cli.py)")
+    checkouts = checkouts_of(p, args)
     with text_inputs(args) as (artifact, _name, _texts):
         print(
             f"{args.requests} lone requests counted per checkout; CPU flags: {' '.join(sorted(cpu_flags()))}"

@@ -310,22 +310,18 @@ def main(argv: list[str] | None = None) -> int:
         return traced(argv[1:])
     from addnorm.commands import Parser
     from addnorm.model.runtime import cpu_flags
-    from bench.server import ROOT
-    from bench.studies import text_arguments, text_inputs
+    from bench.studies import checkout_arguments, checkouts_of, text_arguments, text_inputs
 
     p = Parser(prog="python -m bench.studies.lone_request", description=__doc__.split("\n\n")[0])
     text_arguments(p)
     p.add_argument(
         "--rounds", type=int, default=4, help="times each sentence is sent; the first is a warm-up"
     )
-    p.add_argument("checkouts", nargs="*", type=Path, help="checkouts to compare (default: this one)")
+    checkout_arguments(p)
     args = p.parse_args(argv)
     if args.rounds < 2:
         p.error("--rounds must be at least 2: the first is a warm-up")
-    checkouts = [c.resolve() for c in args.checkouts] or [ROOT]
-    for c in checkouts:
-        if not (c / "service" / "cli.py").is_file():
-            p.error(f"{c} is not a checkout of addnorm (no service/cli.py)")
+    checkouts = checkouts_of(p, args)
     with text_inputs(args) as (artifact, name, texts):
         local = InProcess(artifact)
         try:  # a round in process after each through the servers, the first of each a warm-up
